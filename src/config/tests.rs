@@ -1,0 +1,209 @@
+use super::*;
+use serde_json::json;
+
+fn base() -> Value {
+    json!({
+        "redis": {
+            "protocol": "webdis",
+            "cluster": "redis_gateway",
+            "authority": "redis-gateway",
+            "timeout": "50ms",
+            "authorization": "Basic Y2c6c2VjcmV0",
+            "key_prefix": "cg:demo"
+        },
+        "identity": {
+            "tenant_header": "x-tenant-id",
+            "principal_header": "x-user-id",
+            "missing_tenant": "reject"
+        },
+        "failure_mode": "fail_closed",
+        "response_headers": true,
+        "policies": [
+            {
+                "name": "create-order",
+                "match": { "methods": ["POST"], "path_prefix": "/orders" },
+                "failure_mode": "fail_closed",
+                "rate_limits": [
+                    { "name": "tenant", "by": ["tenant"], "algorithm": "sliding_window", "limit": 100, "window": "1m" },
+                    { "name": "user-burst", "by": ["tenant", "principal"], "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 20 },
+                    { "name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h", "shadow": true }
+                ]
+            },
+            { "name": "default", "rate_limits": [ { "name": "global", "by": [], "algorithm": "fixed_window", "limit": 5000, "window": "1s" } ] }
+        ]
+    })
+}
+
+/// Applies `edit` to the base config at a JSON pointer and returns the error text.
+fn error_after(pointer: &str, edit: Value) -> String {
+    let mut v = base();
+    if edit.is_null() {
+        let (parent, field) = pointer.rsplit_once('/').expect("pointer has a parent");
+        v.pointer_mut(parent)
+            .and_then(Value::as_object_mut)
+            .expect("parent is an object")
+            .remove(field);
+    } else {
+        let (parent, field) = pointer.rsplit_once('/').expect("pointer has a parent");
+        let target = v.pointer_mut(parent).expect("parent exists");
+        match target {
+            Value::Object(map) => {
+                map.insert(field.to_string(), edit);
+            }
+            Value::Array(items) => {
+                let i: usize = field.parse().expect("array index");
+                if i < items.len() {
+                    items[i] = edit;
+                } else {
+                    items.push(edit);
+                }
+            }
+            _ => panic!("cannot edit {pointer}"),
+        }
+    }
+    match Config::from_value(&v) {
+        Ok(_) => "OK".to_string(),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn the_issue_example_is_valid() {
+    let c = Config::from_value(&base()).expect("valid");
+    assert_eq!(c.redis.timeout_ms, 50);
+    assert_eq!(c.redis.key_prefix, "cg:demo");
+    assert_eq!(c.policies.len(), 2);
+    let p = &c.policies[0];
+    assert_eq!(p.matcher.methods, vec!["POST"]);
+    assert_eq!(p.rate_limits[0].window_ms, 60_000);
+    assert_eq!(p.rate_limits[0].burst, 100, "burst defaults to limit");
+    assert_eq!(p.rate_limits[1].burst, 20);
+    assert!(p.rate_limits[2].shadow);
+    assert_eq!(
+        c.policies[1].failure_mode,
+        FailureMode::Closed,
+        "inherits top level"
+    );
+}
+
+#[test]
+fn defaults() {
+    let c = Config::parse(br#"{"redis": {"cluster": "gw"}}"#).expect("valid");
+    assert_eq!(c.redis.authority, "gw");
+    assert_eq!(c.redis.timeout_ms, DEFAULT_TIMEOUT_MS);
+    assert_eq!(c.redis.key_prefix, "cg");
+    assert_eq!(c.redis.authorization, None);
+    assert_eq!(c.identity.tenant_header, "x-tenant-id");
+    assert_eq!(c.identity.missing_tenant, MissingTenant::Reject);
+    assert_eq!(c.failure_mode, FailureMode::Closed);
+    assert!(c.response_headers);
+    assert!(c.policies.is_empty());
+}
+
+#[test]
+fn policy_failure_mode_overrides_default() {
+    let mut v = base();
+    v["failure_mode"] = json!("fail_open");
+    let c = Config::from_value(&v).expect("valid");
+    assert_eq!(c.policies[0].failure_mode, FailureMode::Closed);
+    assert_eq!(c.policies[1].failure_mode, FailureMode::Open);
+}
+
+#[test]
+fn bad_configs_name_the_field() {
+    let cases: &[(&str, &str, Value, &str)] = &[
+        ("bad_window", "/policies/1/rate_limits/0/window", json!("5x"),
+         "policies[1].rate_limits[0].window: \"5x\" is not a duration (use e.g. \"250ms\", \"2s\", \"1m\", \"24h\")"),
+        ("zero_window", "/policies/0/rate_limits/2/window", json!("0s"),
+         "policies[0].rate_limits[2].window: \"0s\" is not a duration (use e.g. \"250ms\", \"2s\", \"1m\", \"24h\")"),
+        ("numeric_window", "/policies/0/rate_limits/0/window", json!(60),
+         "policies[0].rate_limits[0].window: 60 is not a duration (a string such as \"2s\")"),
+        ("zero_limit", "/policies/0/rate_limits/0/limit", json!(0),
+         "policies[0].rate_limits[0].limit: 0 is not a positive integer (must be > 0)"),
+        ("negative_limit", "/policies/0/rate_limits/1/limit", json!(-3),
+         "policies[0].rate_limits[1].limit: -3 is not a positive integer (must be > 0)"),
+        ("fractional_limit", "/policies/0/rate_limits/1/limit", json!(1.5),
+         "policies[0].rate_limits[1].limit: 1.5 is not a positive integer (must be > 0)"),
+        ("missing_limit", "/policies/0/rate_limits/0/limit", Value::Null,
+         "policies[0].rate_limits[0].limit: is required"),
+        ("huge_limit", "/policies/0/rate_limits/0/limit", json!(2_000_000_000u64),
+         "policies[0].rate_limits[0].limit: 2000000000 is too large (at most 1000000000)"),
+        ("empty_policy_name", "/policies/1/name", json!(""),
+         "policies[1].name: must not be empty"),
+        ("dotted_policy_name", "/policies/1/name", json!("a.b"),
+         "policies[1].name: \"a.b\" must be 1-64 characters of [A-Za-z0-9_-]"),
+        ("duplicate_policy", "/policies/1/name", json!("create-order"),
+         "policies[1].name: duplicate policy name \"create-order\""),
+        ("duplicate_limit", "/policies/0/rate_limits/1/name", json!("tenant"),
+         "policies[0].rate_limits[1].name: duplicate rate limit name \"tenant\" in this policy"),
+        ("empty_limit_name", "/policies/0/rate_limits/1/name", json!(""),
+         "policies[0].rate_limits[1].name: must not be empty"),
+        ("unknown_top", "/rate_limit", json!(1),
+         "rate_limit: unknown field (known here: failure_mode, identity, policies, redis, response_headers)"),
+        ("unknown_in_limit", "/policies/0/rate_limits/0/windw", json!("1s"),
+         "policies[0].rate_limits[0].windw: unknown field (known here: algorithm, burst, by, limit, name, shadow, window)"),
+        ("unknown_in_match", "/policies/0/match/path", json!("/x"),
+         "policies[0].match.path: unknown field (known here: host, methods, path_exact, path_prefix)"),
+        ("bad_algorithm", "/policies/0/rate_limits/0/algorithm", json!("leaky"),
+         "policies[0].rate_limits[0].algorithm: \"leaky\" is not one of fixed_window, sliding_window, sliding_log, token_bucket"),
+        ("bad_selector", "/policies/0/rate_limits/1/by/1", json!("user"),
+         "policies[0].rate_limits[1].by[1]: \"user\" is not a selector (tenant, principal, client_ip, method, path, header:<name>)"),
+        ("bad_header_selector", "/policies/0/rate_limits/1/by/1", json!("header:"),
+         "policies[0].rate_limits[1].by[1]: \"header:\" is not a selector (tenant, principal, client_ip, method, path, header:<name>)"),
+        ("duplicate_selector", "/policies/0/rate_limits/1/by/1", json!("tenant"),
+         "policies[0].rate_limits[1].by[1]: \"tenant\" is listed twice"),
+        ("burst_on_window", "/policies/0/rate_limits/0/burst", json!(5),
+         "policies[0].rate_limits[0].burst: only applies to algorithm token_bucket"),
+        ("zero_burst", "/policies/0/rate_limits/1/burst", json!(0),
+         "policies[0].rate_limits[1].burst: 0 is not a positive integer (must be > 0)"),
+        ("bad_failure_mode", "/policies/0/failure_mode", json!("open"),
+         "policies[0].failure_mode: \"open\" is not one of \"fail_open\", \"fail_closed\""),
+        ("bad_top_failure_mode", "/failure_mode", json!(true),
+         "failure_mode: expected a string, found a boolean"),
+        ("bad_timeout", "/redis/timeout", json!("fast"),
+         "redis.timeout: \"fast\" is not a duration (use e.g. \"250ms\", \"2s\", \"1m\", \"24h\")"),
+        ("bad_protocol", "/redis/protocol", json!("resp"),
+         "redis.protocol: \"resp\" is not supported (supported: \"webdis\")"),
+        ("missing_cluster", "/redis/cluster", Value::Null, "redis.cluster: is required"),
+        ("empty_cluster", "/redis/cluster", json!(""), "redis.cluster: must not be empty"),
+        ("braced_prefix", "/redis/key_prefix", json!("cg:{x}"),
+         "redis.key_prefix: \"cg:{x}\" must be 1-64 printable ASCII characters without spaces, '{' or '}'"),
+        ("bad_missing_tenant", "/identity/missing_tenant", json!("allow"),
+         "identity.missing_tenant: \"allow\" is not one of \"reject\", \"anonymous\""),
+        ("bad_tenant_header", "/identity/tenant_header", json!("x tenant"),
+         "identity.tenant_header: \"x tenant\" is not an HTTP header name"),
+        ("bad_method", "/policies/0/match/methods/0", json!("PO ST"),
+         "policies[0].match.methods[0]: \"PO ST\" is not an HTTP method"),
+        ("relative_prefix", "/policies/0/match/path_prefix", json!("orders"),
+         "policies[0].match.path_prefix: \"orders\" must start with '/'"),
+        ("policies_not_array", "/policies", json!({}),
+         "policies: expected an array, found an object"),
+        ("limit_not_object", "/policies/0/rate_limits/0", json!("tenant"),
+         "policies[0].rate_limits[0]: expected an object, found a string"),
+        ("tb_window_too_short", "/policies/0/rate_limits/1/window", json!("5ms"),
+         "policies[0].rate_limits[1].window: token_bucket needs window >= limit milliseconds (10ms)"),
+        ("shadow_not_bool", "/policies/0/rate_limits/2/shadow", json!("yes"),
+         "policies[0].rate_limits[2].shadow: expected true or false, found a string"),
+        ("bad_authorization", "/redis/authorization", json!("Basic\nx"),
+         "redis.authorization: must be a non-empty printable ASCII header value"),
+    ];
+    for (name, pointer, edit, want) in cases {
+        assert_eq!(&error_after(pointer, edit.clone()), want, "case {name}");
+    }
+}
+
+#[test]
+fn not_json_is_refused() {
+    let err = Config::parse(b"{redis").expect_err("invalid");
+    assert!(
+        err.to_string()
+            .starts_with("configuration is not valid JSON"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_redis_is_refused() {
+    let err = Config::parse(b"{}").expect_err("invalid");
+    assert_eq!(err.to_string(), "redis: is required");
+}

@@ -1,0 +1,78 @@
+//! Owner tokens and nonces: 128-bit values, unique per request across every sidecar.
+//!
+//! A small xorshift generator seeded once per VM from the host's entropy (WASI `random_get`
+//! through std's hasher keys) and the clock. The tokens need to be unique and unguessable by
+//! other requests, not cryptographically strong: they never authorize anything by themselves.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+
+pub struct TokenSource {
+    state: [u64; 2],
+}
+
+impl TokenSource {
+    /// Seeds from std's per-process random hasher keys mixed with `salt` (e.g. the time).
+    pub fn from_entropy(salt: u64) -> TokenSource {
+        let mut a = RandomState::new().build_hasher();
+        a.write_u64(salt);
+        let mut b = RandomState::new().build_hasher();
+        b.write_u64(salt ^ 0x9e37_79b9_7f4a_7c15);
+        TokenSource::with_seed(a.finish(), b.finish())
+    }
+
+    pub fn with_seed(a: u64, b: u64) -> TokenSource {
+        let mut s = TokenSource {
+            state: [splitmix(a), splitmix(b ^ 0xdead_beef_cafe_f00d)],
+        };
+        if s.state == [0, 0] {
+            s.state = [1, 2];
+        }
+        s
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        // xorshift128+
+        let mut s1 = self.state[0];
+        let s0 = self.state[1];
+        self.state[0] = s0;
+        s1 ^= s1 << 23;
+        self.state[1] = s1 ^ s0 ^ (s1 >> 17) ^ (s0 >> 26);
+        self.state[1].wrapping_add(s0)
+    }
+
+    /// 32 lower-case hex digits.
+    pub fn token(&mut self) -> String {
+        let hi = self.next_u64();
+        let lo = self.next_u64();
+        format!("{hi:016x}{lo:016x}")
+    }
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn tokens_are_unique_and_hex() {
+        let mut src = TokenSource::with_seed(1, 2);
+        let mut seen = HashSet::new();
+        for _ in 0..10_000 {
+            let t = src.token();
+            assert_eq!(t.len(), 32);
+            assert!(t.bytes().all(|b| b.is_ascii_hexdigit()));
+            assert!(seen.insert(t));
+        }
+        let mut a = TokenSource::from_entropy(7);
+        let mut b = TokenSource::from_entropy(7);
+        assert_ne!(a.token(), b.token(), "separately seeded sources differ");
+    }
+}

@@ -1,0 +1,23 @@
+//! coordination-guard: a proxy-wasm HTTP filter that guards a service's unsafe operations
+//! with Redis-backed coordination (rate limits today; idempotency and leases build on it).
+//!
+//! Everything here but [`wasm`] is plain Rust that `cargo test` runs natively; the `wasm`
+//! module is the only code that talks to the proxy-wasm host.
+
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+pub mod config;
+pub mod flow;
+pub mod ids;
+pub mod keys;
+pub mod metrics;
+pub mod ratelimit;
+pub mod redis;
+pub mod request;
+pub mod respond;
+
+#[cfg(target_arch = "wasm32")]
+mod wasm;

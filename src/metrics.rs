@@ -1,0 +1,179 @@
+//! Metric names and ids. Every metric is defined once at configure time from the
+//! configuration, so names are bounded by the config: never a tenant, principal or key.
+//!
+//! Names (Envoy shows them as `wasmcustom.<name>`):
+//!
+//! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`
+//! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant`
+//! * `cg.redis.calls|errors|timeouts|noscript`, histogram `cg.redis.latency_ms`
+
+use crate::config::Config;
+
+/// What kind of metric to define.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Histogram,
+}
+
+/// Where metric updates go: the host's counters in the VM, a recorder in tests.
+pub trait MetricSink {
+    fn increment(&self, id: u32);
+    fn record(&self, id: u32, value: u64);
+}
+
+/// A sink that drops everything (metric definition failed, or a test that does not care).
+pub struct NoMetrics;
+
+impl MetricSink for NoMetrics {
+    fn increment(&self, _id: u32) {}
+    fn record(&self, _id: u32, _value: u64) {}
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitMetrics {
+    pub allowed: u32,
+    pub rejected: u32,
+    pub shadow_rejected: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyMetrics {
+    pub failed_open: u32,
+    pub failed_closed: u32,
+    pub missing_tenant: u32,
+    /// One entry per rate limit, in config order.
+    pub limits: Vec<LimitMetrics>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisMetrics {
+    pub calls: u32,
+    pub errors: u32,
+    pub timeouts: u32,
+    pub noscript: u32,
+    pub latency_ms: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Metrics {
+    /// One entry per policy, in config order.
+    pub policies: Vec<PolicyMetrics>,
+    pub redis: RedisMetrics,
+}
+
+impl Metrics {
+    /// Defines every metric through `define(kind, name) -> id`.
+    pub fn define(config: &Config, mut define: impl FnMut(Kind, &str) -> u32) -> Metrics {
+        let mut counter = |name: String| define(Kind::Counter, &name);
+        let policies = config
+            .policies
+            .iter()
+            .map(|p| {
+                let base = format!("cg.policy.{}", p.name);
+                PolicyMetrics {
+                    failed_open: counter(format!("{base}.failed_open")),
+                    failed_closed: counter(format!("{base}.failed_closed")),
+                    missing_tenant: counter(format!("{base}.missing_tenant")),
+                    limits: p
+                        .rate_limits
+                        .iter()
+                        .map(|l| {
+                            let lb = format!("{base}.limit.{}", l.name);
+                            LimitMetrics {
+                                allowed: counter(format!("{lb}.allowed")),
+                                rejected: counter(format!("{lb}.rejected")),
+                                shadow_rejected: counter(format!("{lb}.shadow_rejected")),
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect();
+        let redis = RedisMetrics {
+            calls: counter("cg.redis.calls".into()),
+            errors: counter("cg.redis.errors".into()),
+            timeouts: counter("cg.redis.timeouts".into()),
+            noscript: counter("cg.redis.noscript".into()),
+            latency_ms: define(Kind::Histogram, "cg.redis.latency_ms"),
+        };
+        Metrics { policies, redis }
+    }
+}
+
+#[cfg(test)]
+pub mod testing {
+    //! A recording sink for unit tests.
+    use super::*;
+    use std::cell::RefCell;
+    use std::collections::BTreeMap;
+
+    #[derive(Default)]
+    pub struct Recorder {
+        pub names: RefCell<Vec<(Kind, String)>>,
+        pub counts: RefCell<BTreeMap<u32, u64>>,
+        pub samples: RefCell<Vec<(u32, u64)>>,
+    }
+
+    impl Recorder {
+        pub fn metrics(&self, config: &Config) -> Metrics {
+            Metrics::define(config, |kind, name| {
+                let mut names = self.names.borrow_mut();
+                names.push((kind, name.to_string()));
+                u32::try_from(names.len() - 1).unwrap_or(u32::MAX)
+            })
+        }
+
+        pub fn count(&self, name: &str) -> u64 {
+            let names = self.names.borrow();
+            let Some(id) = names.iter().position(|(_, n)| n == name) else {
+                panic!("metric {name} not defined");
+            };
+            let id = u32::try_from(id).unwrap_or(u32::MAX);
+            self.counts.borrow().get(&id).copied().unwrap_or(0)
+        }
+    }
+
+    impl MetricSink for Recorder {
+        fn increment(&self, id: u32) {
+            *self.counts.borrow_mut().entry(id).or_default() += 1;
+        }
+        fn record(&self, id: u32, value: u64) {
+            self.samples.borrow_mut().push((id, value));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::Recorder;
+    use super::*;
+
+    #[test]
+    fn names_are_bounded_by_config() {
+        let config = Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "create-order", "rate_limits": [
+              {"name": "tenant", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1, "window": "1s"}]}]}"#,
+        )
+        .expect("valid");
+        let rec = Recorder::default();
+        rec.metrics(&config);
+        let names: Vec<String> = rec.names.borrow().iter().map(|(_, n)| n.clone()).collect();
+        assert_eq!(
+            names,
+            vec![
+                "cg.policy.create-order.failed_open",
+                "cg.policy.create-order.failed_closed",
+                "cg.policy.create-order.missing_tenant",
+                "cg.policy.create-order.limit.tenant.allowed",
+                "cg.policy.create-order.limit.tenant.rejected",
+                "cg.policy.create-order.limit.tenant.shadow_rejected",
+                "cg.redis.calls",
+                "cg.redis.errors",
+                "cg.redis.timeouts",
+                "cg.redis.noscript",
+                "cg.redis.latency_ms",
+            ]
+        );
+    }
+}

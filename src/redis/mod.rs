@@ -1,0 +1,144 @@
+//! Redis access as data: which script to run with which keys and arguments, and what can go
+//! wrong. No I/O happens here; the adapter sends the encoded request and hands back the answer.
+
+pub mod resp;
+pub mod webdis;
+
+use resp::Reply;
+use sha1::{Digest, Sha1};
+
+pub use resp::Reply as RedisReply;
+
+/// A Lua script with its SHA-1, for EVALSHA.
+#[derive(Debug)]
+pub struct Script {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub sha1: String,
+}
+
+impl Script {
+    pub fn new(name: &'static str, source: &'static str) -> Script {
+        let digest = Sha1::digest(source.as_bytes());
+        Script {
+            name,
+            source,
+            sha1: crate::keys::hex(&digest),
+        }
+    }
+}
+
+/// The scripts the filter runs, loaded once per VM.
+#[derive(Debug)]
+pub struct Scripts {
+    pub ratelimit: Script,
+}
+
+impl Scripts {
+    pub fn load() -> Scripts {
+        Scripts {
+            ratelimit: Script::new("ratelimit", include_str!("../lua/ratelimit.lua")),
+        }
+    }
+}
+
+/// One script invocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScriptCall {
+    pub keys: Vec<String>,
+    pub args: Vec<String>,
+}
+
+impl ScriptCall {
+    /// The command words: `EVALSHA <sha> n keys... args...`, or `EVAL <source> ...` after a
+    /// `NOSCRIPT` answer.
+    pub fn command<'a>(
+        &'a self,
+        script: &'a Script,
+        by_sha: bool,
+        numkeys: &'a str,
+    ) -> Vec<&'a [u8]> {
+        let mut words: Vec<&[u8]> = Vec::with_capacity(3 + self.keys.len() + self.args.len());
+        if by_sha {
+            words.push(b"EVALSHA");
+            words.push(script.sha1.as_bytes());
+        } else {
+            words.push(b"EVAL");
+            words.push(script.source.as_bytes());
+        }
+        words.push(numkeys.as_bytes());
+        words.extend(self.keys.iter().map(|k| k.as_bytes()));
+        words.extend(self.args.iter().map(|a| a.as_bytes()));
+        words
+    }
+
+    /// The gateway request body for this call.
+    pub fn encode(&self, script: &Script, by_sha: bool) -> Vec<u8> {
+        let numkeys = self.keys.len().to_string();
+        webdis::encode(&self.command(script, by_sha, &numkeys))
+    }
+}
+
+/// Why a Redis call produced no usable answer. Every variant is handled by the policy's
+/// failure mode; none is retried within the request except `NOSCRIPT` (see [`is_noscript`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallError {
+    /// The host could not dispatch the call or the gateway connection failed.
+    Transport,
+    /// The gateway answered with a non-200 status (503: Redis down; 403: ACL/credentials).
+    Gateway(u32),
+    /// The gateway's body was not a Redis reply.
+    Malformed(String),
+    /// Redis answered with an error (script error, OOM, ...).
+    Redis(String),
+    /// The reply was a valid Redis reply but not what the script returns.
+    UnexpectedReply(String),
+    /// No answer within the configured timeout (watchdog).
+    Timeout,
+}
+
+impl CallError {
+    /// A short, stable label for logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            CallError::Transport => "transport",
+            CallError::Gateway(_) => "gateway_status",
+            CallError::Malformed(_) => "malformed_reply",
+            CallError::Redis(_) => "redis_error",
+            CallError::UnexpectedReply(_) => "unexpected_reply",
+            CallError::Timeout => "timeout",
+        }
+    }
+}
+
+/// True when Redis does not know the script yet (first call after a restart or `SCRIPT FLUSH`).
+pub fn is_noscript(reply: &Reply) -> bool {
+    matches!(reply, Reply::Error(e) if e.starts_with("NOSCRIPT"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn evalsha_then_eval() {
+        let script = Script::new("t", "return 1");
+        assert_eq!(script.sha1, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db");
+        let call = ScriptCall {
+            keys: vec!["k".into()],
+            args: vec!["a".into()],
+        };
+        assert_eq!(
+            String::from_utf8(call.encode(&script, true)).expect("ascii"),
+            "EVALSHA/e0e1f9fabfc9d4800c877a703b823ac0578ff8db/1/k/a.raw"
+        );
+        assert_eq!(
+            String::from_utf8(call.encode(&script, false)).expect("ascii"),
+            "EVAL/return%201/1/k/a.raw"
+        );
+        assert!(is_noscript(&Reply::Error(
+            "NOSCRIPT No matching script. Please use EVAL.".into()
+        )));
+        assert!(!is_noscript(&Reply::Error("ERR x".into())));
+    }
+}

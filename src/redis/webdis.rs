@@ -1,0 +1,68 @@
+//! The webdis gateway: a Redis command becomes an HTTP `POST /` whose body is
+//! `COMMAND/arg1/.../argN.raw`, every argument percent-encoded; the answer is raw RESP.
+
+use super::resp::{self, Reply};
+use super::CallError;
+
+/// Bytes sent unencoded: the rest, `.` and `/` included (they are webdis syntax), are `%XX`.
+fn unreserved(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'-' || b == b'_'
+}
+
+/// Encodes a command for webdis. Webdis cannot carry NUL bytes or empty arguments; callers
+/// never send either (arguments are hex, decimal, names and JSON text).
+pub fn encode(command: &[&[u8]]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(command.iter().map(|a| a.len() + 1).sum::<usize>() + 8);
+    for (i, arg) in command.iter().enumerate() {
+        if i > 0 {
+            out.push(b'/');
+        }
+        for &b in *arg {
+            if unreserved(b) {
+                out.push(b);
+            } else {
+                const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
+                out.push(b'%');
+                out.push(DIGITS[usize::from(b >> 4)]);
+                out.push(DIGITS[usize::from(b & 0x0f)]);
+            }
+        }
+    }
+    out.extend_from_slice(b".raw");
+    out
+}
+
+/// Turns the gateway's HTTP answer into a Redis reply.
+pub fn decode(status: Option<u32>, body: &[u8]) -> Result<Reply, CallError> {
+    match status {
+        Some(200) => resp::parse(body).map_err(CallError::Malformed),
+        Some(s) => Err(CallError::Gateway(s)),
+        None => Err(CallError::Transport),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodes_arguments() {
+        let body = encode(&[b"EVALSHA", b"ab12", b"1", b"cg:rl:{t.x}:p", b"a/b.c d%"]);
+        assert_eq!(
+            String::from_utf8(body).expect("ascii"),
+            "EVALSHA/ab12/1/cg%3Arl%3A%7Bt%2Ex%7D%3Ap/a%2Fb%2Ec%20d%25.raw"
+        );
+    }
+
+    #[test]
+    fn decodes_answers() {
+        assert_eq!(decode(Some(200), b":1\r\n"), Ok(Reply::Int(1)));
+        assert_eq!(decode(Some(503), b""), Err(CallError::Gateway(503)));
+        assert_eq!(decode(Some(403), b""), Err(CallError::Gateway(403)));
+        assert_eq!(decode(None, b""), Err(CallError::Transport));
+        assert!(matches!(
+            decode(Some(200), b"{\"EVAL\":1}"),
+            Err(CallError::Malformed(_))
+        ));
+    }
+}

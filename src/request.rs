@@ -1,0 +1,228 @@
+//! The parts of an HTTP request the filter looks at, copied out of the host once.
+
+use crate::config::{Identity, Match, MissingTenant, Policy, Selector};
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Request {
+    /// Upper-case method.
+    pub method: String,
+    /// The path without the query string.
+    pub path: String,
+    /// The raw query string, without `?`.
+    pub query: String,
+    /// Lower-case host without port.
+    pub host: String,
+    /// The downstream address without port, if the host told us.
+    pub client_ip: Option<String>,
+    /// Lower-case header names with their values, in arrival order.
+    pub headers: Vec<(String, String)>,
+}
+
+impl Request {
+    /// Builds a request from header pairs (pseudo-headers `:method`, `:path`, `:authority`
+    /// included) and the downstream address (`ip:port` or `[v6]:port`).
+    pub fn from_headers(headers: Vec<(String, String)>, source_address: Option<&str>) -> Request {
+        let mut req = Request {
+            client_ip: source_address.map(strip_port),
+            ..Request::default()
+        };
+        for (name, value) in &headers {
+            match name.as_str() {
+                ":method" => req.method = value.to_ascii_uppercase(),
+                ":path" => {
+                    let (path, query) = value.split_once('?').unwrap_or((value.as_str(), ""));
+                    req.path = path.to_string();
+                    req.query = query.to_string();
+                }
+                ":authority" => req.host = strip_port(value).to_ascii_lowercase(),
+                _ => {}
+            }
+        }
+        req.headers = headers
+            .into_iter()
+            .map(|(n, v)| (n.to_ascii_lowercase(), v))
+            .collect();
+        req
+    }
+
+    /// The first value of a header (name in lower case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+fn strip_port(addr: &str) -> String {
+    if let Some(rest) = addr.strip_prefix('[') {
+        // [v6]:port
+        return rest.split(']').next().unwrap_or(rest).to_string();
+    }
+    match addr.rsplit_once(':') {
+        // A bare IPv6 address has more than one colon and no port.
+        Some((host, port)) if !host.contains(':') && port.bytes().all(|b| b.is_ascii_digit()) => {
+            host.to_string()
+        }
+        _ => addr.to_string(),
+    }
+}
+
+impl Match {
+    pub fn matches(&self, req: &Request) -> bool {
+        (self.methods.is_empty() || self.methods.contains(&req.method))
+            && self
+                .path_prefix
+                .as_ref()
+                .is_none_or(|p| req.path.starts_with(p.as_str()))
+            && self.path_exact.as_ref().is_none_or(|p| req.path == *p)
+            && self.host.as_ref().is_none_or(|h| req.host == *h)
+    }
+}
+
+/// The first policy whose match fits the request.
+pub fn select_policy<'a>(policies: &'a [Policy], req: &Request) -> Option<&'a Policy> {
+    policies.iter().find(|p| p.matcher.matches(req))
+}
+
+/// Who is calling: the raw tenant and principal. These never leave the filter unhashed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub tenant: String,
+    pub principal: String,
+}
+
+pub const ANONYMOUS: &str = "anonymous";
+
+/// Resolves the caller; `Err(())` means the tenant is missing and the policy says reject.
+#[allow(clippy::result_unit_err)]
+pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, ()> {
+    let tenant = match req
+        .header(&identity.tenant_header)
+        .filter(|t| !t.is_empty())
+    {
+        Some(t) => t.to_string(),
+        None if identity.missing_tenant == MissingTenant::Anonymous => ANONYMOUS.to_string(),
+        None => return Err(()),
+    };
+    let principal = req
+        .header(&identity.principal_header)
+        .filter(|p| !p.is_empty())
+        .unwrap_or(ANONYMOUS)
+        .to_string();
+    Ok(Caller { tenant, principal })
+}
+
+/// The value a selector takes for this request; `None` when the request does not carry it.
+pub fn selector_value<'a>(sel: &Selector, caller: &'a Caller, req: &'a Request) -> Option<&'a str> {
+    match sel {
+        Selector::Tenant => Some(caller.tenant.as_str()),
+        Selector::Principal => Some(caller.principal.as_str()),
+        Selector::ClientIp => req.client_ip.as_deref(),
+        Selector::Method => Some(req.method.as_str()),
+        Selector::Path => Some(req.path.as_str()),
+        Selector::Header(h) => req.header(h),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    pub fn req(method: &str, path: &str, host: &str) -> Request {
+        Request::from_headers(
+            vec![
+                (":method".into(), method.into()),
+                (":path".into(), path.into()),
+                (":authority".into(), host.into()),
+                ("X-Tenant-Id".into(), "acme".into()),
+            ],
+            Some("10.1.2.3:5555"),
+        )
+    }
+
+    #[test]
+    fn parses_pseudo_headers() {
+        let r = req("post", "/orders/1?x=1&y=2", "API.example.com:8443");
+        assert_eq!(r.method, "POST");
+        assert_eq!(r.path, "/orders/1");
+        assert_eq!(r.query, "x=1&y=2");
+        assert_eq!(r.host, "api.example.com");
+        assert_eq!(r.client_ip.as_deref(), Some("10.1.2.3"));
+        assert_eq!(r.header("x-tenant-id"), Some("acme"));
+    }
+
+    #[test]
+    fn strips_ports() {
+        for (input, want) in [
+            ("10.0.0.1:80", "10.0.0.1"),
+            ("[::1]:8080", "::1"),
+            ("::1", "::1"),
+            ("example.com", "example.com"),
+            ("example.com:443", "example.com"),
+        ] {
+            assert_eq!(strip_port(input), want, "{input}");
+        }
+    }
+
+    #[test]
+    fn policy_matching() {
+        let config = Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [
+                {"name": "exact", "match": {"path_exact": "/health"}},
+                {"name": "orders-post", "match": {"methods": ["POST", "patch"], "path_prefix": "/orders"}},
+                {"name": "admin-host", "match": {"host": "Admin.Example.com", "path_prefix": "/"}},
+                {"name": "orders-any-get", "match": {"methods": ["GET"], "path_prefix": "/orders"}}
+            ]}"#,
+        )
+        .expect("valid");
+        let cases = [
+            ("GET", "/health", "x", Some("exact")),
+            ("GET", "/health/deep", "x", None),
+            ("POST", "/orders", "x", Some("orders-post")),
+            ("PATCH", "/orders/7", "x", Some("orders-post")),
+            ("POST", "/order", "x", None),
+            (
+                "DELETE",
+                "/anything",
+                "admin.example.com:80",
+                Some("admin-host"),
+            ),
+            ("GET", "/orders?page=2", "x", Some("orders-any-get")),
+            ("PUT", "/orders", "x", None),
+        ];
+        for (method, path, host, want) in cases {
+            let got =
+                select_policy(&config.policies, &req(method, path, host)).map(|p| p.name.as_str());
+            assert_eq!(got, want, "{method} {path} {host}");
+        }
+        let catch_all =
+            Config::parse(br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "all"}]}"#)
+                .expect("valid");
+        assert!(select_policy(&catch_all.policies, &req("GET", "/", "h")).is_some());
+    }
+
+    #[test]
+    fn identity() {
+        let mut id = Identity {
+            tenant_header: "x-tenant-id".into(),
+            principal_header: "x-user-id".into(),
+            missing_tenant: MissingTenant::Reject,
+        };
+        let with = req("GET", "/", "h");
+        let caller = identify(&id, &with).expect("tenant present");
+        assert_eq!(caller.tenant, "acme");
+        assert_eq!(caller.principal, ANONYMOUS);
+        let mut without = with.clone();
+        without.headers.retain(|(n, _)| n != "x-tenant-id");
+        assert_eq!(identify(&id, &without), Err(()));
+        without.headers.push(("x-tenant-id".into(), String::new()));
+        assert_eq!(identify(&id, &without), Err(()), "empty tenant is missing");
+        id.missing_tenant = MissingTenant::Anonymous;
+        assert_eq!(
+            identify(&id, &without).expect("anonymous").tenant,
+            ANONYMOUS
+        );
+    }
+}
