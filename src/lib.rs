@@ -12,6 +12,7 @@
 pub mod config;
 pub mod flow;
 pub mod ids;
+pub mod idempotency;
 pub mod keys;
 pub mod metrics;
 pub mod ratelimit;

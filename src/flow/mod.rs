@@ -249,7 +249,7 @@ impl Flow {
         log::warn!(
             "redis call for policy {} failed ({}); {}",
             policy.name,
-            err.label(),
+            err.describe(),
             match policy.failure_mode {
                 FailureMode::Open => "failing open",
                 FailureMode::Closed => "failing closed",

@@ -42,7 +42,7 @@ local function retry_ms(us) return math.max(1, math.ceil(us / 1000)) end
 
 -- Each algorithm: check(key, p) reads state and returns it with ok / remaining / reset_ms /
 -- retry_ms as of now; consume(key, p, s) writes and returns remaining, reset_ms afterwards.
--- p = { limit, window_ms, w (µs), burst }.
+-- p = { algo, limit, window_ms, w (window in µs), burst, shadow }.
 local algos = {}
 
 -- Fixed window: one counter; the window opens at its first consumption.
@@ -105,7 +105,7 @@ algos.sw = {
         wait = w * (1 - room / prev) - elapsed
       elseif p.limit >= cost then
         -- cur alone is too high: in the next window cur becomes prev and decays from there
-        wait = left + w
+        wait = left + w * (1 - (p.limit - cost) / cur)
       else
         wait = left + w -- cost > limit never fits; the caller validates this away
       end
@@ -116,7 +116,8 @@ algos.sw = {
   consume = function(key, p, s)
     redis.call('HSET', key, 'w', int(s.idx), 'c', int(s.cur + cost), 'p', int(s.prev))
     redis.call('PEXPIRE', key, 2 * p.window_ms)
-    return math.max(0, math.floor(p.limit - s.est - cost)), sw_reset(s.cur + cost, s.prev, s.left, p.w)
+    local remaining = math.max(0, math.floor(p.limit - s.est - cost))
+    return remaining, sw_reset(s.cur + cost, s.prev, s.left, p.w)
   end,
 }
 
@@ -187,12 +188,13 @@ algos.tb = {
   end,
 }
 
--- Phase 1: check everything, write nothing.
+-- Phase 1: check everything; nothing is written but the fw TTL repair.
 local limits, states = {}, {}
 local admitted = true
 for i = 1, #KEYS do
   local a = 3 + (i - 1) * 5
-  local p = { algo = algos[ARGV[a]], limit = tonumber(ARGV[a + 1]),
+  local p = { algo = algos[ARGV[a]] or error('ratelimit.lua: unknown algo ' .. tostring(ARGV[a])),
+              limit = tonumber(ARGV[a + 1]),
               window_ms = tonumber(ARGV[a + 2]), burst = tonumber(ARGV[a + 3]),
               shadow = ARGV[a + 4] == '1' }
   p.w = p.window_ms * 1000

@@ -98,15 +98,15 @@ pub enum CallError {
 }
 
 impl CallError {
-    /// A short, stable label for logs.
-    pub fn label(&self) -> &'static str {
+    /// A short description for logs; never contains keys or request data.
+    pub fn describe(&self) -> String {
         match self {
-            CallError::Transport => "transport",
-            CallError::Gateway(_) => "gateway_status",
-            CallError::Malformed(_) => "malformed_reply",
-            CallError::Redis(_) => "redis_error",
-            CallError::UnexpectedReply(_) => "unexpected_reply",
-            CallError::Timeout => "timeout",
+            CallError::Transport => "gateway unreachable".into(),
+            CallError::Gateway(status) => format!("gateway answered HTTP {status}"),
+            CallError::Malformed(why) => format!("gateway reply is not RESP: {why}"),
+            CallError::Redis(e) => format!("redis error: {}", e.chars().take(120).collect::<String>()),
+            CallError::UnexpectedReply(why) => format!("unexpected reply: {why}"),
+            CallError::Timeout => "no answer within the timeout".into(),
         }
     }
 }

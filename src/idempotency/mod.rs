@@ -1,0 +1,5 @@
+//! Idempotency-Key semantics: header parsing, the canonical fingerprint, the stored record.
+
+pub mod fingerprint;
+pub mod header;
+pub mod record;

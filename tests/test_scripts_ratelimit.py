@@ -1,0 +1,459 @@
+"""src/lua/ratelimit.lua against a real redis-server.
+
+Timing tests use short windows, generous margins and, where an exact expectation depends on
+when the script ran, Redis TIME read right before/after the call instead of the local clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "src/lua/ratelimit.lua"
+MARGIN_S = 0.03  # added to every sleep the script told us to take
+
+
+@dataclass(frozen=True)
+class Limit:
+    algo: str
+    limit: int
+    window_ms: int
+    burst: int | None = None  # tb capacity; the caller passes `limit` when not configured
+    shadow: bool = False
+
+    @property
+    def capacity(self) -> int:
+        return self.burst if self.algo == "tb" and self.burst else self.limit
+
+    @property
+    def t_ms(self) -> float:
+        """tb emission interval."""
+        return self.window_ms / self.limit
+
+    def ttl_bound_ms(self) -> float:
+        return {
+            "fw": self.window_ms,
+            "sl": self.window_ms,
+            "sw": 2 * self.window_ms,
+            "tb": self.capacity * self.t_ms + 1,
+        }[self.algo]
+
+    def argv(self) -> list:
+        return [self.algo, self.limit, self.window_ms, self.burst or self.limit,
+                "1" if self.shadow else "0"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    remaining: int
+    reset_ms: int
+    retry_after_ms: int
+
+
+class RateLimitScript:
+    def __init__(self, client):
+        self.client = client
+        # redis-py's Script: EVALSHA, falling back to EVAL (and caching) on NOSCRIPT.
+        self.script = client.register_script(SCRIPT.read_text())
+
+    def call(self, limits: list[tuple[str, Limit]], cost: int = 1) -> tuple[bool, list[Verdict]]:
+        argv: list = [cost, uuid.uuid4().hex]
+        for _, lim in limits:
+            argv += lim.argv()
+        reply = self.script(keys=[k for k, _ in limits], args=argv)
+        assert len(reply) == 1 + 4 * len(limits)
+        assert all(isinstance(v, int) for v in reply), reply
+        assert reply[0] in (0, 1)
+        verdicts = []
+        for i in range(len(limits)):
+            allowed, remaining, reset_ms, retry = reply[1 + 4 * i: 5 + 4 * i]
+            assert allowed in (0, 1) and remaining >= 0 and reset_ms >= 0
+            assert (retry == 0) if allowed else (retry >= 1), reply
+            verdicts.append(Verdict(bool(allowed), remaining, reset_ms, retry))
+        return bool(reply[0]), verdicts
+
+    def one(self, key: str, lim: Limit, cost: int = 1) -> Verdict:
+        admitted, (v,) = self.call([(key, lim)], cost)
+        assert admitted == (v.allowed or lim.shadow)
+        return v
+
+
+@pytest.fixture
+def rl(redis_client) -> RateLimitScript:
+    return RateLimitScript(redis_client)
+
+
+def raw_state(r, key: str):
+    """Everything the script stores under `key`, without the TTL."""
+    kind = r.type(key).decode()
+    if kind == "none":
+        return None
+    if kind == "string":
+        return r.get(key)
+    if kind == "hash":
+        return r.hgetall(key)
+    if kind == "zset":
+        return r.zrange(key, 0, -1, withscores=True)
+    raise AssertionError(f"unexpected type {kind} at {key}")
+
+
+def redis_now_us(r) -> int:
+    sec, usec = r.time()
+    return sec * 1_000_000 + usec
+
+
+def sleep_ms(ms: float) -> None:
+    time.sleep(ms / 1000 + MARGIN_S)
+
+
+def align_to_window_start(r, window_ms: int, offset_ms: int = 10) -> None:
+    """Sleep until `offset_ms` into the next Redis-time window (sw windows are aligned)."""
+    w = window_ms * 1000
+    now = redis_now_us(r)
+    time.sleep(((now // w + 1) * w - now) / 1e6 + offset_ms / 1000)
+
+
+def assert_ms_until(got_ms: int, target_us: float, before_us: int, after_us: int) -> None:
+    """`got_ms` is the script's rounded-up wait until `target_us`, taken at a Redis time
+    between `before_us` and `after_us` (1 ms of slack for float rounding)."""
+    assert math.ceil((target_us - after_us) / 1000) - 1 <= got_ms, (got_ms, target_us)
+    assert got_ms <= math.ceil((target_us - before_us) / 1000) + 1, (got_ms, target_us)
+
+
+LONG = 60_000  # ms; nothing refills during a burst
+BURST_CASES = {
+    "fw": Limit("fw", 5, LONG),
+    "sw": Limit("sw", 5, LONG),
+    "sl": Limit("sl", 5, LONG),
+    "tb": Limit("tb", 10, LONG, burst=4),  # T = 6 s, capacity 4
+}
+ALGOS = pytest.mark.parametrize("lim", BURST_CASES.values(), ids=BURST_CASES.keys())
+
+
+@ALGOS
+def test_burst_admits_exactly_capacity(rl, lim):
+    verdicts = [rl.one("{u}:k", lim) for _ in range(lim.capacity + 5)]
+
+    assert [v.allowed for v in verdicts] == [True] * lim.capacity + [False] * 5
+    assert [v.remaining for v in verdicts[: lim.capacity]] == list(range(lim.capacity - 1, -1, -1))
+    for v in verdicts[lim.capacity:]:
+        assert v.remaining == 0
+        assert 1 <= v.retry_after_ms <= lim.ttl_bound_ms()
+        assert v.reset_ms > 0
+
+
+@ALGOS
+def test_rejected_requests_do_not_consume(rl, redis_client, lim):
+    for _ in range(lim.capacity):
+        assert rl.one("{u}:k", lim).allowed
+    before = raw_state(redis_client, "{u}:k")
+    assert before is not None
+
+    for _ in range(3):
+        assert not rl.one("{u}:k", lim).allowed
+    assert raw_state(redis_client, "{u}:k") == before
+
+
+@ALGOS
+def test_cost_consumes_that_many_units(rl, redis_client, lim):
+    cost = 3
+    first = rl.one("{u}:k", lim, cost=cost)
+    assert first.allowed and first.remaining == lim.capacity - cost
+    second = rl.one("{u}:k", lim, cost=cost)
+    assert not second.allowed and second.remaining == lim.capacity - cost
+    assert rl.one("{u}:k", lim, cost=lim.capacity - cost).allowed
+    if lim.algo == "sl":  # one unique member per unit
+        assert redis_client.zcard("{u}:k") == lim.capacity
+
+
+def test_one_rejecting_limit_consumes_nothing_anywhere(rl, redis_client):
+    limits = [
+        ("{u}:fw", Limit("fw", 10, LONG)),
+        ("{u}:sw", Limit("sw", 10, LONG)),
+        ("{u}:sl", Limit("sl", 10, LONG)),
+        ("{u}:tb", Limit("tb", 10, LONG, burst=10)),
+        ("{u}:shadow", Limit("fw", 10, LONG, shadow=True)),
+        ("{u}:tight", Limit("fw", 1, LONG)),
+    ]
+    admitted, _ = rl.call(limits)
+    assert admitted
+    before = {k: raw_state(redis_client, k) for k, _ in limits}
+    assert all(v is not None for v in before.values())
+
+    for _ in range(3):
+        admitted, verdicts = rl.call(limits)
+        assert not admitted
+        *others, tight = verdicts
+        assert not tight.allowed and tight.retry_after_ms >= 1
+        assert [v.allowed for v in others] == [True] * 5
+        # remaining as of now: nothing of this request was taken
+        assert [v.remaining for v in others] == [9] * 5
+    assert {k: raw_state(redis_client, k) for k, _ in limits} == before
+
+
+def test_nothing_is_written_when_first_request_is_rejected(rl, redis_client):
+    limits = [
+        ("{u}:fw", Limit("fw", 10, LONG)),
+        ("{u}:sw", Limit("sw", 10, LONG)),
+        ("{u}:sl", Limit("sl", 10, LONG)),
+        ("{u}:tb", Limit("tb", 10, LONG)),
+        ("{u}:full", Limit("fw", 1, LONG)),
+    ]
+    redis_client.set("{u}:full", 1, px=LONG)
+    admitted, _ = rl.call(limits)
+    assert not admitted
+    assert redis_client.keys("*") == [b"{u}:full"]
+
+
+@ALGOS
+def test_shadow_limit_over_never_rejects_and_is_reported(rl, redis_client, lim):
+    shadow = Limit(lim.algo, lim.limit, lim.window_ms, lim.burst, shadow=True)
+    limits = [("{u}:enforced", Limit("fw", 100, LONG)), ("{u}:shadow", shadow)]
+
+    for _ in range(shadow.capacity):
+        admitted, (_, s) = rl.call(limits)
+        assert admitted and s.allowed
+    state_when_full = raw_state(redis_client, "{u}:shadow")
+
+    for _ in range(3):
+        admitted, (enforced, s) = rl.call(limits)
+        assert admitted and enforced.allowed
+        assert not s.allowed and s.remaining == 0 and s.retry_after_ms >= 1
+    # an over shadow limit is not consumed; the enforced one took every request
+    assert raw_state(redis_client, "{u}:shadow") == state_when_full
+    assert int(redis_client.get("{u}:enforced")) == shadow.capacity + 3
+
+
+# --- windows and refill (short windows, real sleeps) -------------------------------------
+
+
+def test_fw_resets_after_window(rl):
+    lim = Limit("fw", 3, 200)
+    assert all(rl.one("{u}:k", lim).allowed for _ in range(3))
+    rejected = rl.one("{u}:k", lim)
+    assert not rejected.allowed and rejected.reset_ms <= 200
+
+    sleep_ms(200)
+    fresh = rl.one("{u}:k", lim)
+    assert fresh.allowed and fresh.remaining == 2 and fresh.reset_ms == 200
+
+
+def sw_expected_admits(prev: int, cur: int, limit: int, elapsed_fraction: float) -> int:
+    """How many cost-1 requests the weighted estimate admits at this instant."""
+    n = 0
+    while prev * (1 - elapsed_fraction) + cur + n + 1 <= limit:
+        n += 1
+    return n
+
+
+def test_sw_previous_window_decays_progressively(rl, redis_client):
+    lim = Limit("sw", 10, 400)
+    w_us = lim.window_ms * 1000
+    align_to_window_start(redis_client, lim.window_ms)
+    assert all(rl.one("{u}:k", lim).allowed for _ in range(10))
+    assert not rl.one("{u}:k", lim).allowed
+    filled_idx = redis_now_us(redis_client) // w_us
+
+    cur = 0
+    for fraction in (0.25, 0.75):  # of the next window: prev weighs 0.75, then 0.25
+        target_us = (filled_idx + 1 + fraction) * w_us
+        time.sleep(max(0.0, (target_us - redis_now_us(redis_client)) / 1e6))
+        t0 = redis_now_us(redis_client)
+        admitted = 0
+        while rl.one("{u}:k", lim).allowed:
+            admitted += 1
+            assert admitted <= 10
+        assert t0 // w_us == filled_idx + 1, "test slept past the next window"
+        expected = sw_expected_admits(10, cur, 10, (t0 % w_us) / w_us)
+        assert abs(admitted - expected) <= 1, (fraction, admitted, expected)
+        cur += admitted
+    # 10 * 0.75 leaves room for ~2, then 10 * 0.25 + 2 leaves room for ~5 more
+    assert 6 <= cur <= 8
+
+
+def test_sl_frees_slots_as_oldest_entries_age_out(rl, redis_client):
+    lim = Limit("sl", 2, 300)
+    assert rl.one("{u}:k", lim).allowed
+    time.sleep(0.15)
+    assert rl.one("{u}:k", lim).allowed
+    oldest, newest = (s for _, s in redis_client.zrange("{u}:k", 0, -1, withscores=True))
+
+    before = redis_now_us(redis_client)
+    rejected = rl.one("{u}:k", lim)
+    after = redis_now_us(redis_client)
+    assert not rejected.allowed
+    # exactly when the oldest entry leaves the window; fully reset when the newest does
+    assert_ms_until(rejected.retry_after_ms, oldest + 300_000, before, after)
+    assert_ms_until(rejected.reset_ms, newest + 300_000, before, after)
+
+    # cost 2 needs both entries gone: the wait is until the newest leaves
+    before = redis_now_us(redis_client)
+    rejected2 = rl.one("{u}:k", lim, cost=2)
+    after = redis_now_us(redis_client)
+    assert not rejected2.allowed
+    assert_ms_until(rejected2.retry_after_ms, newest + 300_000, before, after)
+
+    sleep_ms(rejected.retry_after_ms)
+    freed = rl.one("{u}:k", lim)
+    assert freed.allowed and freed.remaining == 0  # one slot back, the newer entry still counts
+    assert not rl.one("{u}:k", lim).allowed
+    assert redis_client.zcard("{u}:k") == 2  # the aged-out entry was trimmed
+
+
+def test_tb_refills_one_token_per_interval(rl, redis_client):
+    lim = Limit("tb", 4, 400, burst=3)  # T = 100 ms, tau = 300 ms
+    assert all(rl.one("{u}:k", lim).allowed for _ in range(3))
+    time.sleep(0.03)  # so the exact wait differs clearly from a whole T
+    tat = int(redis_client.get("{u}:k"))
+    before = redis_now_us(redis_client)
+    rejected = rl.one("{u}:k", lim)
+    after = redis_now_us(redis_client)
+    assert not rejected.allowed and 1 <= rejected.retry_after_ms <= 100
+    # admitted once TAT + T - tau <= now
+    assert_ms_until(rejected.retry_after_ms, tat + 100_000 - 300_000, before, after)
+    assert_ms_until(rejected.reset_ms, tat, before, after)
+
+    sleep_ms(rejected.retry_after_ms)
+    one = rl.one("{u}:k", lim)
+    assert one.allowed and one.remaining == 0
+    again = rl.one("{u}:k", lim)
+    assert not again.allowed and again.remaining == 0
+
+    # reset_ms is when the bucket is full again: then a whole burst passes
+    sleep_ms(again.reset_ms)
+    assert [rl.one("{u}:k", lim).allowed for _ in range(4)] == [True, True, True, False]
+
+
+# --- TTLs --------------------------------------------------------------------------------
+
+
+def test_every_written_key_has_a_bounded_ttl(rl, redis_client):
+    limits = [
+        ("{u}:fw", Limit("fw", 3, 1000)),
+        ("{u}:sw", Limit("sw", 3, 2000)),
+        ("{u}:sl", Limit("sl", 3, 3000)),
+        ("{u}:tb", Limit("tb", 8, 4000, burst=2)),  # T = 500 ms, capacity 2
+        ("{u}:shadow", Limit("sl", 1, 1000, shadow=True)),
+    ]
+    outcomes = []
+    for _ in range(5):  # admitted twice, then tb (capacity 2) rejects; the shadow is over
+        admitted, _ = rl.call(limits)
+        outcomes.append(admitted)
+        for key, lim in limits:
+            ttl = redis_client.pttl(key)
+            assert 0 < ttl <= lim.ttl_bound_ms(), (key, ttl)
+    assert outcomes == [True, True, False, False, False]
+
+
+# --- retry_after is honest ---------------------------------------------------------------
+
+SHORT_CASES = {
+    "fw": Limit("fw", 3, 150),
+    "sw": Limit("sw", 3, 300),
+    "sl": Limit("sl", 3, 200),
+    "tb": Limit("tb", 3, 300, burst=2),
+}
+
+
+@pytest.mark.parametrize("lim", SHORT_CASES.values(), ids=SHORT_CASES.keys())
+def test_waiting_retry_after_is_enough(rl, lim):
+    for _ in range(3):  # later rounds start from partly drained / decayed state
+        while (v := rl.one("{u}:k", lim)).allowed:
+            pass
+        assert 1 <= v.retry_after_ms <= lim.ttl_bound_ms()
+        sleep_ms(v.retry_after_ms)
+        assert rl.one("{u}:k", lim).allowed
+
+
+@pytest.mark.parametrize(
+    "stored_window,admit_at_window,reset_at_window",
+    [
+        # the previous window is full, the current empty: wait until prev has decayed enough
+        # (4 * (1 - e/W) + 1 <= 4 at e = W/4); fully restored when this window ends
+        pytest.param(-1, 0, 1, id="prev_decays_in_this_window"),
+        # the current window is full: it becomes prev next window and decays from there
+        pytest.param(0, 1, 2, id="cur_carries_into_next_window"),
+    ],
+)
+def test_sw_retry_after_is_exact(rl, redis_client, stored_window, admit_at_window,
+                                 reset_at_window):
+    lim = Limit("sw", 4, 400)
+    w_us = lim.window_ms * 1000
+    align_to_window_start(redis_client, lim.window_ms, offset_ms=20)
+    before = redis_now_us(redis_client)
+    idx = before // w_us
+    redis_client.hset("{u}:k", mapping={"w": idx + stored_window, "c": 4, "p": 0})
+    redis_client.pexpire("{u}:k", 800)
+
+    v = rl.one("{u}:k", lim)
+    after = redis_now_us(redis_client)
+    assert after // w_us == idx, "test slept past the window it set up"
+    assert not v.allowed and v.remaining == 0
+    assert_ms_until(v.retry_after_ms, (idx + admit_at_window) * w_us + w_us // 4, before, after)
+    assert_ms_until(v.reset_ms, (idx + reset_at_window) * w_us, before, after)
+    sleep_ms(v.retry_after_ms)
+    assert rl.one("{u}:k", lim).allowed
+
+
+# --- odd stored state --------------------------------------------------------------------
+
+
+@ALGOS
+def test_missing_key_is_a_fresh_limit(rl, lim):
+    v = rl.one("{u}:nothing-here", lim)
+    assert v.allowed and v.remaining == lim.capacity - 1 and v.retry_after_ms == 0
+    expected_reset = {
+        "fw": lim.window_ms,
+        "sl": lim.window_ms,
+        "tb": math.ceil(lim.t_ms),
+    }.get(lim.algo)
+    if expected_reset is not None:
+        assert v.reset_ms == expected_reset
+    else:  # sw: the hit fades out by the end of the next aligned window
+        assert lim.window_ms < v.reset_ms <= 2 * lim.window_ms
+
+
+@pytest.mark.parametrize("lim", SHORT_CASES.values(), ids=SHORT_CASES.keys())
+def test_expired_key_is_a_fresh_limit(rl, redis_client, lim):
+    while rl.one("{u}:k", lim).allowed:
+        pass
+    sleep_ms(lim.ttl_bound_ms())
+    assert redis_client.exists("{u}:k") == 0
+    v = rl.one("{u}:k", lim)
+    assert v.allowed and v.remaining == lim.capacity - 1
+
+
+@pytest.mark.parametrize("stored,allowed,after", [(5, False, b"5"), (2, True, b"3")],
+                         ids=["over", "under"])
+def test_fw_counter_without_ttl_is_repaired(rl, redis_client, stored, allowed, after):
+    lim = Limit("fw", 5, 1000)
+    redis_client.set("{u}:k", stored)  # e.g. written by hand or by an old buggy client
+    assert redis_client.pttl("{u}:k") == -1
+
+    v = rl.one("{u}:k", lim)
+    assert v.allowed is allowed
+    assert redis_client.get("{u}:k") == after
+    assert 0 < redis_client.pttl("{u}:k") <= 1000
+    if not allowed:
+        assert 1 <= v.retry_after_ms <= 1000
+
+
+def test_sw_stale_window_is_ignored(rl, redis_client):
+    lim = Limit("sw", 5, LONG)
+    redis_client.hset("{u}:k", mapping={"w": 1, "c": 100, "p": 100})
+    redis_client.pexpire("{u}:k", LONG)
+    v = rl.one("{u}:k", lim)
+    assert v.allowed and v.remaining == 4
+
+
+def test_tb_tat_in_the_past_is_a_full_bucket(rl, redis_client):
+    lim = Limit("tb", 10, LONG, burst=4)
+    redis_client.set("{u}:k", redis_now_us(redis_client) - 3_600_000_000, px=LONG)
+    v = rl.one("{u}:k", lim)
+    assert v.allowed and v.remaining == 3
