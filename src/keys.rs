@@ -5,7 +5,10 @@
 //!
 //! ```text
 //! rate limit:  <prefix>:rl:{<tag>}:<policy>:<limit>:<algo>:<limit>/<window_ms>[/<burst>]:<scope>
+//! idempotency: <prefix>:idem:{t.<tenant hash>}:<policy>:<key hash>
 //! ```
+//!
+//! `<key hash>` is 32 hex digits (128 bits) of SHA-256 of the client's Idempotency-Key.
 //!
 //! * `<tag>` is `t.<tenant hash>` for limits scoped by tenant, else `p.<policy>`.
 //! * `<scope>` is a short hash of the selected request values (`_` for `by: []`).
@@ -101,6 +104,16 @@ pub fn rate_limit_key(
     )
 }
 
+/// The hash of a client's Idempotency-Key as it appears in the record's key and in logs.
+pub fn client_key_hash(client_key: &str) -> String {
+    let digest = Sha256::digest(client_key.as_bytes());
+    hex(&digest[..16])
+}
+
+pub fn idempotency_key(prefix: &str, tenant_tag: &str, policy: &str, key_hash: &str) -> String {
+    format!("{prefix}:idem:{{{tenant_tag}}}:{policy}:{key_hash}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,6 +125,7 @@ mod tests {
             matcher: Match::default(),
             failure_mode: FailureMode::Closed,
             rate_limits: vec![],
+            idempotency: None,
         }
     }
 
@@ -180,6 +194,23 @@ mod tests {
                 "_"
             ),
             "cg:rl:{p.create-order}:create-order:tenant:fw:100/60000:_"
+        );
+    }
+
+    #[test]
+    fn idempotency_keys() {
+        assert_eq!(
+            client_key_hash("8e03978e-40d5-43e8"),
+            "532dd433aeb15fea4386d9366377e969"
+        );
+        assert_eq!(
+            idempotency_key(
+                "cg:demo",
+                &tenant_tag("acme"),
+                "create-order",
+                &client_key_hash("8e03978e-40d5-43e8")
+            ),
+            "cg:demo:idem:{t.d2e79529ba2c46b2}:create-order:532dd433aeb15fea4386d9366377e969"
         );
     }
 

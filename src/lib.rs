@@ -9,10 +9,11 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+pub mod acquire;
 pub mod config;
 pub mod flow;
-pub mod ids;
 pub mod idempotency;
+pub mod ids;
 pub mod keys;
 pub mod metrics;
 pub mod ratelimit;

@@ -5,6 +5,8 @@
 //!
 //! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`
 //! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant`
+//! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
+//!   body_too_large|unreadable|released|completed|complete_failed|stale_owner|outcome_unknown`
 //! * `cg.redis.calls|errors|timeouts|noscript`, histogram `cg.redis.latency_ms`
 
 use crate::config::Config;
@@ -37,6 +39,24 @@ pub struct LimitMetrics {
     pub shadow_rejected: u32,
 }
 
+/// `cg.policy.<policy>.idem.<name>`, defined for policies with `idempotency`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdemMetrics {
+    pub acquired: u32,
+    pub replayed: u32,
+    pub in_progress: u32,
+    pub conflict: u32,
+    pub missing_key: u32,
+    pub invalid_key: u32,
+    pub body_too_large: u32,
+    pub unreadable: u32,
+    pub released: u32,
+    pub completed: u32,
+    pub complete_failed: u32,
+    pub stale_owner: u32,
+    pub outcome_unknown: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyMetrics {
     pub failed_open: u32,
@@ -44,6 +64,7 @@ pub struct PolicyMetrics {
     pub missing_tenant: u32,
     /// One entry per rate limit, in config order.
     pub limits: Vec<LimitMetrics>,
+    pub idem: Option<IdemMetrics>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,6 +108,24 @@ impl Metrics {
                             }
                         })
                         .collect(),
+                    idem: p.idempotency.as_ref().map(|_| {
+                        let mut c = |n: &str| counter(format!("{base}.idem.{n}"));
+                        IdemMetrics {
+                            acquired: c("acquired"),
+                            replayed: c("replayed"),
+                            in_progress: c("in_progress"),
+                            conflict: c("conflict"),
+                            missing_key: c("missing_key"),
+                            invalid_key: c("invalid_key"),
+                            body_too_large: c("body_too_large"),
+                            unreadable: c("unreadable"),
+                            released: c("released"),
+                            completed: c("completed"),
+                            complete_failed: c("complete_failed"),
+                            stale_owner: c("stale_owner"),
+                            outcome_unknown: c("outcome_unknown"),
+                        }
+                    }),
                 }
             })
             .collect();

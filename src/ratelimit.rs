@@ -1,75 +1,47 @@
 //! Rate limits of one request: which script calls to make, and what their replies mean.
 //!
-//! Limits are grouped by their key's hash tag (the hashed tenant for tenant-scoped limits,
-//! else the policy); each group is one call of `ratelimit.lua`, which checks every limit of
-//! the group and consumes from all of them only if all allow. Groups are independent calls:
-//! a request admitted by one group and rejected by another has consumed from the first.
+//! Keys, script arguments and the verdict. The calls themselves are planned by
+//! [`crate::acquire`], which groups limits by hash tag.
 
 use crate::config::{Policy, RateLimit};
 use crate::keys;
-use crate::redis::{resp::Reply, CallError, ScriptCall};
 use crate::request::{selector_value, Caller, Request};
 use crate::respond::{self, LocalResponse, Problem, QuotaView};
 use serde_json::{json, Map};
 
-/// One script call: the limits (indices into `policy.rate_limits`) whose keys share `tag`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Group {
-    pub tag: String,
-    pub limits: Vec<usize>,
-    pub call: ScriptCall,
+/// The hash tag of a limit's key: the hashed tenant for tenant-scoped limits, else the policy.
+pub fn tag(policy: &Policy, limit: &RateLimit, caller: &Caller) -> String {
+    if limit.tenant_scoped() {
+        keys::tenant_tag(&caller.tenant)
+    } else {
+        keys::policy_tag(&policy.name)
+    }
 }
 
-/// Builds one call per hash tag, tenant group first. `nonce` must be unique per request.
-pub fn plan(
+/// The counter key of `limit` for this caller and request.
+pub fn key(
     prefix: &str,
     policy: &Policy,
+    limit: &RateLimit,
     caller: &Caller,
     req: &Request,
-    nonce: &str,
-) -> Vec<Group> {
-    let mut groups: Vec<Group> = Vec::new();
-    for (i, limit) in policy.rate_limits.iter().enumerate() {
-        let tag = if limit.tenant_scoped() {
-            keys::tenant_tag(&caller.tenant)
-        } else {
-            keys::policy_tag(&policy.name)
-        };
-        let key = keys::rate_limit_key(prefix, &tag, policy, limit, &scope(limit, caller, req));
-        let pos = match groups.iter().position(|g| g.tag == tag) {
-            Some(pos) => pos,
-            None => {
-                groups.push(Group {
-                    tag,
-                    limits: Vec::new(),
-                    call: ScriptCall {
-                        keys: Vec::new(),
-                        args: vec!["1".into(), nonce.to_string()],
-                    },
-                });
-                groups.len() - 1
-            }
-        };
-        let g = &mut groups[pos];
-        g.limits.push(i);
-        g.call.keys.push(key);
-        g.call.args.extend(limit_args(limit));
-    }
-    groups.sort_by_key(|g| !g.tag.starts_with("t."));
-    groups
-}
-
-fn scope(limit: &RateLimit, caller: &Caller, req: &Request) -> String {
+) -> String {
     let parts: Vec<(String, Option<&str>)> = limit
         .by
         .iter()
         .map(|sel| (sel.spelling(), selector_value(sel, caller, req)))
         .collect();
-    keys::scope_hash(&parts)
+    keys::rate_limit_key(
+        prefix,
+        &tag(policy, limit, caller),
+        policy,
+        limit,
+        &keys::scope_hash(&parts),
+    )
 }
 
 /// The five per-limit arguments of `ratelimit.lua`.
-fn limit_args(limit: &RateLimit) -> [String; 5] {
+pub fn limit_args(limit: &RateLimit) -> [String; 5] {
     [
         limit.algorithm.code().to_string(),
         limit.limit.to_string(),
@@ -86,46 +58,6 @@ pub struct LimitState {
     pub remaining: u64,
     pub reset_ms: u64,
     pub retry_after_ms: u64,
-}
-
-/// A group's reply: admitted, and each limit's state in group order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GroupReply {
-    pub admitted: bool,
-    pub states: Vec<LimitState>,
-}
-
-/// Reads `ratelimit.lua`'s reply: `[admitted, (allowed, remaining, reset_ms, retry_ms) * n]`.
-pub fn read_reply(reply: &Reply, n: usize) -> Result<GroupReply, CallError> {
-    let bad = |why: &str| CallError::UnexpectedReply(format!("ratelimit reply: {why}"));
-    if let Reply::Error(e) = reply {
-        return Err(CallError::Redis(e.clone()));
-    }
-    let items = reply.as_array().ok_or_else(|| bad("not an array"))?;
-    if items.len() != 1 + 4 * n {
-        return Err(bad(&format!("{} values for {n} limits", items.len())));
-    }
-    let mut ints = Vec::with_capacity(items.len());
-    for item in items {
-        ints.push(item.as_int().ok_or_else(|| bad("non-integer value"))?);
-    }
-    let flag = |v: i64| match v {
-        0 => Ok(false),
-        1 => Ok(true),
-        _ => Err(bad("flag is neither 0 nor 1")),
-    };
-    let count = |v: i64| u64::try_from(v).map_err(|_| bad("negative count"));
-    let admitted = flag(ints[0])?;
-    let mut states = Vec::with_capacity(n);
-    for chunk in ints[1..].chunks_exact(4) {
-        states.push(LimitState {
-            allowed: flag(chunk[0])?,
-            remaining: count(chunk[1])?,
-            reset_ms: count(chunk[2])?,
-            retry_after_ms: count(chunk[3])?,
-        });
-    }
-    Ok(GroupReply { admitted, states })
 }
 
 fn view<'a>((l, s): &(&'a RateLimit, &LimitState)) -> QuotaView<'a> {
@@ -218,112 +150,6 @@ mod tests {
             ]}]}"#,
         )
         .expect("valid")
-    }
-
-    fn request() -> (Caller, Request) {
-        let req = Request::from_headers(
-            vec![
-                (":method".into(), "POST".into()),
-                (":path".into(), "/orders".into()),
-            ],
-            Some("10.0.0.9:1234"),
-        );
-        let caller = Caller {
-            tenant: "acme".into(),
-            principal: "alice".into(),
-        };
-        (caller, req)
-    }
-
-    #[test]
-    fn groups_by_hash_tag() {
-        let c = config();
-        let (caller, req) = request();
-        let groups = plan("cg:demo", &c.policies[0], &caller, &req, "n1");
-        assert_eq!(groups.len(), 2);
-        assert_eq!(groups[0].tag, "t.d2e79529ba2c46b2");
-        assert_eq!(groups[0].limits, vec![0, 1]);
-        assert_eq!(groups[1].tag, "p.create-order");
-        assert_eq!(groups[1].limits, vec![2, 3]);
-        let g = &groups[0].call;
-        assert!(g.keys[0]
-            .starts_with("cg:demo:rl:{t.d2e79529ba2c46b2}:create-order:tenant:sw:100/60000:"));
-        assert!(g.keys[1]
-            .starts_with("cg:demo:rl:{t.d2e79529ba2c46b2}:create-order:user-burst:tb:10/1000/20:"));
-        assert_eq!(
-            g.args,
-            vec!["1", "n1", "sw", "100", "60000", "100", "0", "tb", "10", "1000", "20", "0"]
-        );
-        assert_eq!(
-            groups[1].call.keys[1],
-            "cg:demo:rl:{p.create-order}:create-order:global:sl:5/250:_"
-        );
-        assert_eq!(
-            &groups[1].call.args[2..7],
-            &["fw", "1000", "3600000", "1000", "1"]
-        );
-        // No raw identifier in any key.
-        for g in &groups {
-            for k in &g.call.keys {
-                assert!(
-                    !k.contains("acme") && !k.contains("alice") && !k.contains("10.0.0.9"),
-                    "{k}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn scopes_separate_callers() {
-        let c = config();
-        let (caller, req) = request();
-        let other = Caller {
-            tenant: "globex".into(),
-            principal: "alice".into(),
-        };
-        let a = plan("cg", &c.policies[0], &caller, &req, "n");
-        let b = plan("cg", &c.policies[0], &other, &req, "n");
-        assert_ne!(a[0].call.keys, b[0].call.keys, "tenant-scoped keys differ");
-        assert_eq!(
-            a[1].call.keys, b[1].call.keys,
-            "ip and global keys are shared"
-        );
-    }
-
-    fn reply(values: &[i64]) -> Reply {
-        Reply::Array(Some(values.iter().map(|v| Reply::Int(*v)).collect()))
-    }
-
-    #[test]
-    fn reads_replies() {
-        let got = read_reply(&reply(&[1, 1, 99, 60000, 0, 0, 0, 400, 250]), 2).expect("valid");
-        assert!(got.admitted);
-        assert_eq!(
-            got.states[1],
-            LimitState {
-                allowed: false,
-                remaining: 0,
-                reset_ms: 400,
-                retry_after_ms: 250
-            }
-        );
-        let bad = [
-            (reply(&[1, 1, 2, 3]), 1usize),
-            (reply(&[2, 1, 2, 3, 4]), 1),
-            (reply(&[1, 1, -2, 3, 4]), 1),
-            (Reply::Int(1), 1),
-            (Reply::Array(Some(vec![Reply::Status("OK".into())])), 0),
-        ];
-        for (r, n) in bad {
-            assert!(
-                matches!(read_reply(&r, n), Err(CallError::UnexpectedReply(_))),
-                "{r:?}"
-            );
-        }
-        assert_eq!(
-            read_reply(&Reply::Error("ERR boom".into()), 1),
-            Err(CallError::Redis("ERR boom".into()))
-        );
     }
 
     fn st(allowed: bool, remaining: u64, reset_ms: u64, retry_after_ms: u64) -> LimitState {

@@ -27,6 +27,15 @@ pub enum Problem {
     RateLimited,
     GuardUnavailable,
     MissingTenant,
+    IdempotencyKeyMissing,
+    IdempotencyKeyInvalid,
+    RequestBodyTooLarge,
+    /// The same request is still being processed (409).
+    IdempotencyKeyInUse,
+    /// The key was used for a different request (422, or 409 by configuration).
+    IdempotencyKeyConflict {
+        status: u32,
+    },
 }
 
 impl Problem {
@@ -35,6 +44,10 @@ impl Problem {
             Problem::RateLimited => 429,
             Problem::GuardUnavailable => 503,
             Problem::MissingTenant => 401,
+            Problem::IdempotencyKeyMissing | Problem::IdempotencyKeyInvalid => 400,
+            Problem::RequestBodyTooLarge => 413,
+            Problem::IdempotencyKeyInUse => 409,
+            Problem::IdempotencyKeyConflict { status } => status,
         }
     }
 
@@ -43,6 +56,11 @@ impl Problem {
             Problem::RateLimited => "rate_limited",
             Problem::GuardUnavailable => "guard_unavailable",
             Problem::MissingTenant => "missing_tenant",
+            Problem::IdempotencyKeyMissing => "idempotency_key_missing",
+            Problem::IdempotencyKeyInvalid => "idempotency_key_invalid",
+            Problem::RequestBodyTooLarge => "request_body_too_large",
+            Problem::IdempotencyKeyInUse => "idempotency_key_in_use",
+            Problem::IdempotencyKeyConflict { .. } => "idempotency_key_conflict",
         }
     }
 
@@ -51,6 +69,11 @@ impl Problem {
             Problem::RateLimited => "Too Many Requests",
             Problem::GuardUnavailable => "Service Unavailable",
             Problem::MissingTenant => "Unauthorized",
+            Problem::IdempotencyKeyMissing => "Idempotency-Key Missing",
+            Problem::IdempotencyKeyInvalid => "Idempotency-Key Invalid",
+            Problem::RequestBodyTooLarge => "Content Too Large",
+            Problem::IdempotencyKeyInUse => "Request In Progress",
+            Problem::IdempotencyKeyConflict { .. } => "Idempotency-Key Reused",
         }
     }
 }

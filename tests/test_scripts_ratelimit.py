@@ -1,4 +1,5 @@
-"""src/lua/ratelimit.lua against a real redis-server.
+"""The rate-limit part of src/lua/acquire.lua against a real redis-server (idempotency off;
+the idempotency section is tested in test_scripts_idempotency.py).
 
 Timing tests use short windows, generous margins and, where an exact expectation depends on
 when the script ran, Redis TIME read right before/after the call instead of the local clock.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[1] / "src/lua/ratelimit.lua"
+SCRIPT = Path(__file__).parents[1] / "src/lua/acquire.lua"
 MARGIN_S = 0.03  # added to every sleep the script told us to take
 
 
@@ -48,6 +49,14 @@ class Limit:
                 "1" if self.shadow else "0"]
 
 
+def rate_limit_argv(limits: list[Limit], cost: int = 1, nonce: str | None = None) -> list:
+    """acquire.lua's ARGV up to the limits: n, cost, nonce, then five values per limit."""
+    argv: list = [len(limits), cost, nonce or uuid.uuid4().hex]
+    for lim in limits:
+        argv += lim.argv()
+    return argv
+
+
 @dataclass(frozen=True)
 class Verdict:
     allowed: bool
@@ -63,9 +72,7 @@ class RateLimitScript:
         self.script = client.register_script(SCRIPT.read_text())
 
     def call(self, limits: list[tuple[str, Limit]], cost: int = 1) -> tuple[bool, list[Verdict]]:
-        argv: list = [cost, uuid.uuid4().hex]
-        for _, lim in limits:
-            argv += lim.argv()
+        argv = rate_limit_argv([lim for _, lim in limits], cost) + ["0"]  # idempotency off
         reply = self.script(keys=[k for k, _ in limits], args=argv)
         assert len(reply) == 1 + 4 * len(limits)
         assert all(isinstance(v, int) for v in reply), reply

@@ -8,6 +8,7 @@ pub mod units;
 
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};
+
 use serde_json::Value;
 
 /// What a policy does when Redis cannot answer (unreachable, error, or too slow).
@@ -118,12 +119,90 @@ impl RateLimit {
     }
 }
 
+/// A part of the request that enters the idempotency fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FingerprintPart {
+    Method,
+    Path,
+    Query,
+    Principal,
+    Body,
+    Header(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replay {
+    /// Store status, replay headers and body (when it fits `max_response_body`).
+    Full,
+    /// Store status and replay headers only (a reference record).
+    Reference,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// The client gets the response once the record is written.
+    Sync,
+    /// The response goes out at once; the record is written right after.
+    Async,
+}
+
+/// A status or a class of statuses (`"5xx"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusMatch {
+    Exact(u32),
+    Class(u32),
+}
+
+impl StatusMatch {
+    pub fn matches(self, status: u32) -> bool {
+        match self {
+            StatusMatch::Exact(s) => s == status,
+            StatusMatch::Class(c) => status / 100 == c,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Idempotency {
+    /// Lower-case header name.
+    pub header: String,
+    pub required: bool,
+    /// Upper-case methods the key applies to.
+    pub methods: Vec<String>,
+    pub processing_ttl_ms: u64,
+    pub completed_ttl_ms: u64,
+    pub fingerprint: Vec<FingerprintPart>,
+    pub max_request_body: u64,
+    pub replay: Replay,
+    pub max_response_body: u64,
+    /// Lower-case names of the response headers stored and replayed.
+    pub replay_headers: Vec<String>,
+    pub conflict_status: u32,
+    pub retryable_statuses: Vec<StatusMatch>,
+    pub complete: Completion,
+}
+
+impl Idempotency {
+    pub fn applies_to(&self, method: &str) -> bool {
+        self.methods.iter().any(|m| m == method)
+    }
+
+    pub fn retryable(&self, status: u32) -> bool {
+        self.retryable_statuses.iter().any(|s| s.matches(status))
+    }
+
+    pub fn needs_body(&self) -> bool {
+        self.fingerprint.contains(&FingerprintPart::Body)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     pub name: String,
     pub matcher: Match,
     pub failure_mode: FailureMode,
     pub rate_limits: Vec<RateLimit>,
+    pub idempotency: Option<Idempotency>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -292,13 +371,242 @@ fn policy(v: &Value, path: &str, default_failure: FailureMode) -> Result<Policy>
             rate_limits.push(limit);
         }
     }
+    let idempotency = match o.get("idempotency") {
+        Some(v) => Some(idempotency(v, &o.field_path("idempotency"))?),
+        None => None,
+    };
     o.finish()?;
     Ok(Policy {
         name,
         matcher,
         failure_mode,
         rate_limits,
+        idempotency,
     })
+}
+
+/// The largest request body the filter buffers to fingerprint.
+pub const MAX_REQUEST_BODY: u64 = 64 << 20;
+/// The largest response body stored for replay (it travels through the gateway as an argument).
+pub const MAX_RESPONSE_BODY: u64 = 4 << 20;
+
+fn idempotency(v: &Value, path: &str) -> Result<Idempotency> {
+    let mut o = Obj::new(v, path)?;
+    let header = header_name(&mut o, "header")?.unwrap_or("idempotency-key".into());
+    let required = o.opt_bool("required")?.unwrap_or(true);
+    let methods_path = o.field_path("methods");
+    let methods = match o.opt_str_list("methods")? {
+        None => vec!["POST".to_string(), "PATCH".to_string()],
+        Some(list) if list.is_empty() => {
+            return Err(ConfigError::new(
+                methods_path,
+                "must list at least one method",
+            ))
+        }
+        Some(list) => {
+            let mut out = Vec::new();
+            for (i, m) in list.iter().enumerate() {
+                if m.is_empty() || !m.bytes().all(|b| b.is_ascii_alphabetic()) {
+                    return Err(ConfigError::new(
+                        index(&methods_path, i),
+                        format!("{m:?} is not an HTTP method"),
+                    ));
+                }
+                out.push(m.to_ascii_uppercase());
+            }
+            out
+        }
+    };
+    let processing_ttl_ms = duration(&mut o, "processing_ttl")?.unwrap_or(120_000);
+    let completed_ttl_ms = duration(&mut o, "completed_ttl")?.unwrap_or(86_400_000);
+    let fp_path = o.field_path("fingerprint");
+    let fingerprint = match o.opt_str_list("fingerprint")? {
+        None => vec![
+            FingerprintPart::Method,
+            FingerprintPart::Path,
+            FingerprintPart::Principal,
+            FingerprintPart::Body,
+        ],
+        Some(list) => {
+            let mut out = Vec::new();
+            for (i, part) in list.iter().enumerate() {
+                let p = match *part {
+                    "method" => FingerprintPart::Method,
+                    "path" => FingerprintPart::Path,
+                    "query" => FingerprintPart::Query,
+                    "principal" => FingerprintPart::Principal,
+                    "body" => FingerprintPart::Body,
+                    other => match other.strip_prefix("header:").filter(|h| is_header_name(h)) {
+                        Some(h) => FingerprintPart::Header(h.to_ascii_lowercase()),
+                        None => {
+                            return Err(ConfigError::new(
+                                index(&fp_path, i),
+                                format!("{other:?} is not one of method, path, query, principal, body, header:<name>"),
+                            ))
+                        }
+                    },
+                };
+                if out.contains(&p) {
+                    return Err(ConfigError::new(
+                        index(&fp_path, i),
+                        format!("{part:?} is listed twice"),
+                    ));
+                }
+                out.push(p);
+            }
+            out
+        }
+    };
+    let max_request_body = size(&mut o, "max_request_body", MAX_REQUEST_BODY)?.unwrap_or(1 << 20);
+    let replay = match o.opt_str("replay")? {
+        None | Some("full") => Replay::Full,
+        Some("reference") => Replay::Reference,
+        Some(other) => {
+            return Err(ConfigError::new(
+                o.field_path("replay"),
+                format!("{other:?} is not one of \"full\", \"reference\""),
+            ))
+        }
+    };
+    let max_response_body =
+        size(&mut o, "max_response_body", MAX_RESPONSE_BODY)?.unwrap_or(64 << 10);
+    let rh_path = o.field_path("replay_headers");
+    let replay_headers = match o.opt_str_list("replay_headers")? {
+        None => vec!["content-type".into(), "location".into(), "etag".into()],
+        Some(list) => {
+            let mut out = Vec::new();
+            for (i, h) in list.iter().enumerate() {
+                if !is_header_name(h) || h.starts_with(':') {
+                    return Err(ConfigError::new(
+                        index(&rh_path, i),
+                        format!("{h:?} is not an HTTP header name"),
+                    ));
+                }
+                out.push(h.to_ascii_lowercase());
+            }
+            out
+        }
+    };
+    let conflict_path = o.field_path("conflict_status");
+    let conflict_status = match o.get("conflict_status") {
+        None => 422,
+        Some(v) => match v.as_u64() {
+            Some(409) => 409,
+            Some(422) => 422,
+            _ => {
+                return Err(ConfigError::new(
+                    conflict_path,
+                    format!("{v} is not 409 or 422"),
+                ))
+            }
+        },
+    };
+    let rs_path = o.field_path("retryable_statuses");
+    let retryable_statuses = match o.opt_array("retryable_statuses")? {
+        None => vec![
+            StatusMatch::Class(5),
+            StatusMatch::Exact(408),
+            StatusMatch::Exact(425),
+            StatusMatch::Exact(429),
+        ],
+        Some(items) => {
+            let mut out = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                let parsed = match item {
+                    Value::Number(n) => n
+                        .as_u64()
+                        .filter(|s| (100..=599).contains(s))
+                        .and_then(|s| u32::try_from(s).ok())
+                        .map(StatusMatch::Exact),
+                    Value::String(s) => match s.as_bytes() {
+                        [d @ b'1'..=b'5', b'x', b'x'] => {
+                            Some(StatusMatch::Class(u32::from(d - b'0')))
+                        }
+                        _ => None,
+                    },
+                    _ => None,
+                };
+                let Some(m) = parsed else {
+                    return Err(ConfigError::new(
+                        index(&rs_path, i),
+                        format!("{item} is not a status (100-599) or a class like \"5xx\""),
+                    ));
+                };
+                let failure = match m {
+                    StatusMatch::Exact(s) => s >= 400,
+                    StatusMatch::Class(c) => c >= 4,
+                };
+                if !failure {
+                    return Err(ConfigError::new(
+                        index(&rs_path, i),
+                        format!(
+                            "{item} is not a 4xx or 5xx status; only failures can be retryable"
+                        ),
+                    ));
+                }
+                out.push(m);
+            }
+            out
+        }
+    };
+    let complete = match o.opt_str("complete")? {
+        None | Some("sync") => Completion::Sync,
+        Some("async") => Completion::Async,
+        Some(other) => {
+            return Err(ConfigError::new(
+                o.field_path("complete"),
+                format!("{other:?} is not one of \"sync\", \"async\""),
+            ))
+        }
+    };
+    o.finish()?;
+    Ok(Idempotency {
+        header,
+        required,
+        methods,
+        processing_ttl_ms,
+        completed_ttl_ms,
+        fingerprint,
+        max_request_body,
+        replay,
+        max_response_body,
+        replay_headers,
+        conflict_status,
+        retryable_statuses,
+        complete,
+    })
+}
+
+fn size(o: &mut Obj<'_>, field: &'static str, max: u64) -> Result<Option<u64>> {
+    let path = o.field_path(field);
+    match o.get(field) {
+        None => Ok(None),
+        Some(Value::String(s)) => match units::parse_size(s) {
+            Some(n) if n <= max => Ok(Some(n)),
+            Some(_) => Err(ConfigError::new(
+                path,
+                format!("{s:?} is larger than the maximum of {max} bytes"),
+            )),
+            None => Err(ConfigError::new(
+                path,
+                format!("{s:?} is not a size (use e.g. \"64KiB\", \"1MiB\")"),
+            )),
+        },
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(b) if b > 0 && b <= max => Ok(Some(b)),
+            _ => Err(ConfigError::new(
+                path,
+                format!("{n} is not a size between 1 and {max} bytes"),
+            )),
+        },
+        Some(other) => Err(ConfigError::new(
+            path,
+            format!(
+                "expected a size such as \"64KiB\", found {}",
+                reader::kind(other)
+            ),
+        )),
+    }
 }
 
 fn matcher(v: &Value, path: &str) -> Result<Match> {
@@ -369,12 +677,14 @@ fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
         "sliding_window" => Algorithm::SlidingWindow,
         "sliding_log" => Algorithm::SlidingLog,
         "token_bucket" => Algorithm::TokenBucket,
-        other => return Err(ConfigError::new(
-            o.field_path("algorithm"),
-            format!(
+        other => {
+            return Err(ConfigError::new(
+                o.field_path("algorithm"),
+                format!(
                 "{other:?} is not one of fixed_window, sliding_window, sliding_log, token_bucket"
             ),
-        )),
+            ))
+        }
     };
     let limit = limit_value(&mut o, "limit")?
         .ok_or_else(|| ConfigError::new(o.field_path("limit"), "is required"))?;

@@ -207,3 +207,106 @@ fn missing_redis_is_refused() {
     let err = Config::parse(b"{}").expect_err("invalid");
     assert_eq!(err.to_string(), "redis: is required");
 }
+
+fn with_idempotency(idem: Value) -> std::result::Result<Config, ConfigError> {
+    let mut v = base();
+    v["policies"][0]["idempotency"] = idem;
+    Config::from_value(&v)
+}
+
+#[test]
+fn idempotency_defaults_and_example() {
+    let c = with_idempotency(json!({})).expect("valid");
+    let i = c.policies[0].idempotency.as_ref().expect("present");
+    assert_eq!(i.header, "idempotency-key");
+    assert!(i.required);
+    assert_eq!(i.methods, vec!["POST", "PATCH"]);
+    assert_eq!(
+        (i.processing_ttl_ms, i.completed_ttl_ms),
+        (120_000, 86_400_000)
+    );
+    assert_eq!(
+        i.fingerprint,
+        vec![
+            FingerprintPart::Method,
+            FingerprintPart::Path,
+            FingerprintPart::Principal,
+            FingerprintPart::Body
+        ]
+    );
+    assert_eq!(
+        (i.max_request_body, i.max_response_body),
+        (1 << 20, 64 << 10)
+    );
+    assert_eq!(i.replay, Replay::Full);
+    assert_eq!(i.replay_headers, vec!["content-type", "location", "etag"]);
+    assert_eq!(i.conflict_status, 422);
+    assert_eq!(i.complete, Completion::Sync);
+    for (status, retry) in [
+        (500, true),
+        (503, true),
+        (408, true),
+        (425, true),
+        (429, true),
+        (400, false),
+        (409, false),
+        (201, false),
+        (302, false),
+    ] {
+        assert_eq!(i.retryable(status), retry, "{status}");
+    }
+    let example = with_idempotency(json!({
+        "header": "Idempotency-Key", "required": true, "methods": ["POST", "PATCH"],
+        "processing_ttl": "2m", "completed_ttl": "24h", "fingerprint": ["method", "path", "body"],
+        "max_request_body": "1MiB", "replay": "full", "max_response_body": "64KiB",
+        "replay_headers": ["content-type", "location", "etag"], "conflict_status": 409,
+        "retryable_statuses": ["5xx", 429], "complete": "async"
+    }))
+    .expect("valid");
+    let i = example.policies[0].idempotency.as_ref().expect("present");
+    assert_eq!(i.conflict_status, 409);
+    assert!(!i.fingerprint.contains(&FingerprintPart::Principal));
+    assert!(!i.retryable(408));
+    assert_eq!(i.complete, Completion::Async);
+}
+
+#[test]
+fn bad_idempotency_names_the_field() {
+    let cases: &[(&str, Value, &str)] = &[
+        ("ttl", json!({"processing_ttl": "2 minutes"}),
+         "policies[0].idempotency.processing_ttl: \"2 minutes\" is not a duration (use e.g. \"250ms\", \"2s\", \"1m\", \"24h\")"),
+        ("size", json!({"max_request_body": "1GB"}),
+         "policies[0].idempotency.max_request_body: \"1GB\" is not a size (use e.g. \"64KiB\", \"1MiB\")"),
+        ("size_too_big", json!({"max_response_body": "8MiB"}),
+         "policies[0].idempotency.max_response_body: \"8MiB\" is larger than the maximum of 4194304 bytes"),
+        ("conflict", json!({"conflict_status": 400}),
+         "policies[0].idempotency.conflict_status: 400 is not 409 or 422"),
+        ("fingerprint", json!({"fingerprint": ["method", "cookie"]}),
+         "policies[0].idempotency.fingerprint[1]: \"cookie\" is not one of method, path, query, principal, body, header:<name>"),
+        ("fingerprint_twice", json!({"fingerprint": ["body", "body"]}),
+         "policies[0].idempotency.fingerprint[1]: \"body\" is listed twice"),
+        ("replay", json!({"replay": "partial"}),
+         "policies[0].idempotency.replay: \"partial\" is not one of \"full\", \"reference\""),
+        ("replay_header", json!({"replay_headers": ["content type"]}),
+         "policies[0].idempotency.replay_headers[0]: \"content type\" is not an HTTP header name"),
+        ("retryable_success", json!({"retryable_statuses": [200]}),
+         "policies[0].idempotency.retryable_statuses[0]: 200 is not a 4xx or 5xx status; only failures can be retryable"),
+        ("retryable_bad", json!({"retryable_statuses": ["5xy"]}),
+         "policies[0].idempotency.retryable_statuses[0]: \"5xy\" is not a status (100-599) or a class like \"5xx\""),
+        ("methods_empty", json!({"methods": []}),
+         "policies[0].idempotency.methods: must list at least one method"),
+        ("complete", json!({"complete": "later"}),
+         "policies[0].idempotency.complete: \"later\" is not one of \"sync\", \"async\""),
+        ("unknown", json!({"ttl": "1m"}),
+         "policies[0].idempotency.ttl: unknown field (known here: complete, completed_ttl, conflict_status, fingerprint, header, max_request_body, max_response_body, methods, processing_ttl, replay, replay_headers, required, retryable_statuses)"),
+        ("header", json!({"header": ""}),
+         "policies[0].idempotency.header: \"\" is not an HTTP header name"),
+    ];
+    for (name, idem, want) in cases {
+        let got = match with_idempotency(idem.clone()) {
+            Ok(_) => "OK".to_string(),
+            Err(e) => e.to_string(),
+        };
+        assert_eq!(&got, want, "case {name}");
+    }
+}

@@ -1,11 +1,26 @@
 //! The per-request state machine. Host callbacks feed it events; it never does I/O and
 //! answers with the next [`Step`] for the adapter to carry out.
+//!
+//! Order of the guards of one policy: rate limits, then the idempotency acquire (in the same
+//! script call where they share a hash slot). A request that owns an idempotency record
+//! completes or releases it when the upstream's response arrives.
 
-use crate::config::{Config, FailureMode, Policy};
-use crate::metrics::{MetricSink, Metrics, PolicyMetrics};
-use crate::ratelimit::{self, Group, LimitState, Verdict};
-use crate::redis::{is_noscript, resp::Reply, CallError, Scripts};
-use crate::request::{identify, select_policy, Request};
+mod background;
+
+pub use background::Background;
+
+use crate::acquire::{self, IdemAcquire, IdemAnswer};
+use crate::config::{
+    Completion, Config, FailureMode, FingerprintPart, Idempotency, Policy, Replay,
+};
+use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
+use crate::idempotency::header::{parse_key, KeyError};
+use crate::idempotency::record::{Record, StoredResponse};
+use crate::keys;
+use crate::metrics::{IdemMetrics, MetricSink, Metrics, PolicyMetrics};
+use crate::ratelimit::{self, LimitState, Verdict};
+use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
+use crate::request::{identify, select_policy, Caller, Request};
 use crate::respond::{self, LocalResponse, Problem};
 use serde_json::Map;
 
@@ -15,6 +30,11 @@ pub struct Runtime {
     pub scripts: Scripts,
     pub metrics: Metrics,
 }
+
+/// The header that carries the request fingerprint to the upstream.
+pub const FINGERPRINT_HEADER: &str = "x-idempotency-fingerprint";
+/// Marks a replayed response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
 /// One gateway request to send: `slot` comes back with the answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,11 +46,11 @@ pub struct Outgoing {
 /// What the adapter does next.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
-    /// Let the request go on to the upstream.
+    /// Let the stream go on (resume it if it is paused).
     Continue,
-    /// Send these calls and keep the request paused.
+    /// Send these calls and keep the stream paused.
     Dispatch(Vec<Outgoing>),
-    /// Keep the request paused; answers are still outstanding.
+    /// Keep the stream paused.
     Wait,
     /// Answer the client locally.
     Respond(LocalResponse),
@@ -38,22 +58,66 @@ pub enum Step {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
-    /// No decision needed yet or no policy applies.
+    /// Nothing to do (no policy, or the request went on).
     Idle,
-    /// Rate-limit calls are outstanding.
-    Limiting,
+    /// Buffering the request body to fingerprint it.
+    Buffering,
+    /// Acquire calls are outstanding; the request is paused.
+    Acquiring,
     /// The request went on to the upstream.
     Forwarded,
-    /// The filter answered locally; later answers are ignored.
-    Answered,
+    /// Buffering the response body to store it (sync completion).
+    BufferingResponse,
+    /// Copying the response body as it passes (async completion).
+    CopyingResponse,
+    /// The complete/release call is outstanding; the response is paused.
+    Completing,
+    /// Decided; later answers are ignored.
+    Done,
+}
+
+/// Why a call was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    Acquire,
+    Complete,
+    Release,
 }
 
 #[derive(Debug)]
 struct Pending {
-    group: Group,
+    purpose: Purpose,
+    script: ScriptId,
+    call: ScriptCall,
+    /// Rate limits (indices into the policy's) this call answers for.
+    limits: Vec<usize>,
+    idem: bool,
     by_sha: bool,
     sent_ms: u64,
     done: bool,
+}
+
+/// The idempotency state of a request that uses a key.
+#[derive(Debug)]
+struct Idem {
+    acquire: IdemAcquire,
+    /// Hash of the client's key, for logs.
+    key_hash: String,
+    /// We hold the `PROCESSING` record.
+    owned: bool,
+    /// The stored response being assembled.
+    status: u32,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    too_large: bool,
+}
+
+/// The request parts kept while the body is buffered.
+#[derive(Debug)]
+struct Held {
+    caller: Caller,
+    req: Request,
+    nonce: String,
 }
 
 #[derive(Debug)]
@@ -62,8 +126,15 @@ pub struct Flow {
     phase: Phase,
     pending: Vec<Pending>,
     states: Vec<Option<LimitState>>,
+    idem_answer: Option<IdemAnswer>,
+    idem: Option<Idem>,
+    held: Option<Held>,
     deadline_ms: u64,
+    forwarded: bool,
+    response_seen: bool,
     response_headers: Vec<(String, String)>,
+    upstream_headers: Vec<(String, String)>,
+    background: Vec<Background>,
 }
 
 impl Default for Flow {
@@ -73,66 +144,307 @@ impl Default for Flow {
             phase: Phase::Idle,
             pending: Vec::new(),
             states: Vec::new(),
+            idem_answer: None,
+            idem: None,
+            held: None,
             deadline_ms: 0,
+            forwarded: false,
+            response_seen: false,
             response_headers: Vec::new(),
+            upstream_headers: Vec::new(),
+            background: Vec::new(),
         }
     }
 }
 
+/// Envoy's `response.code_details` for local replies where the request never reached an
+/// upstream, so a retry cannot repeat a side effect: the record is released.
+const NEVER_SENT: &[&str] = &[
+    "no_healthy_upstream",
+    "cluster_not_found",
+    "route_not_found",
+    "connection_failure",
+    "upstream_reset_before_response_started{connection_failure",
+    "overflow",
+    "maintenance_mode",
+    "request_payload_too_large",
+    "direct_response",
+];
+
 impl Flow {
-    /// Request headers arrived: pick the policy, identify the caller, start the Redis calls.
+    fn policy<'a>(&self, rt: &'a Runtime) -> Option<(&'a Policy, &'a PolicyMetrics)> {
+        Some((
+            rt.config.policies.get(self.policy)?,
+            rt.metrics.policies.get(self.policy)?,
+        ))
+    }
+
+    fn idem_metrics<'a>(&self, rt: &'a Runtime) -> Option<&'a IdemMetrics> {
+        rt.metrics.policies.get(self.policy)?.idem.as_ref()
+    }
+
+    fn idem_config<'a>(&self, rt: &'a Runtime) -> Option<&'a Idempotency> {
+        rt.config.policies.get(self.policy)?.idempotency.as_ref()
+    }
+
+    /// Request headers arrived. `owner` is a fresh random token for an idempotency record.
+    #[allow(clippy::too_many_arguments)]
     pub fn on_request(
         &mut self,
         rt: &Runtime,
-        req: &Request,
+        req: Request,
         nonce: &str,
+        owner: &str,
+        end_of_stream: bool,
         now_ms: u64,
         m: &dyn MetricSink,
     ) -> Step {
-        let Some(policy) = select_policy(&rt.config.policies, req) else {
+        let Some(index) = select_policy(&rt.config.policies, &req)
+            .and_then(|p| rt.config.policies.iter().position(|q| std::ptr::eq(p, q)))
+        else {
             return Step::Continue;
         };
-        self.policy = rt
-            .config
-            .policies
-            .iter()
-            .position(|p| std::ptr::eq(p, policy))
-            .unwrap_or(0);
-        let Some(pm) = rt.metrics.policies.get(self.policy) else {
+        self.policy = index;
+        let Some((policy, pm)) = self.policy(rt) else {
             return Step::Continue;
         };
-        let caller = match identify(&rt.config.identity, req) {
+        let caller = match identify(&rt.config.identity, &req) {
             Ok(c) => c,
             Err(()) => {
                 m.increment(pm.missing_tenant);
-                self.phase = Phase::Answered;
-                return Step::Respond(respond::problem(
+                let detail = format!(
+                    "this operation requires the {} header",
+                    rt.config.identity.tenant_header
+                );
+                return self.answer(respond::problem(
                     Problem::MissingTenant,
-                    &format!(
-                        "this operation requires the {} header",
-                        rt.config.identity.tenant_header
-                    ),
+                    &detail,
                     Map::new(),
                     Vec::new(),
                 ));
             }
         };
+        if let Some(idem) = policy
+            .idempotency
+            .as_ref()
+            .filter(|i| i.applies_to(&req.method))
+        {
+            let values: Vec<&str> = req
+                .headers
+                .iter()
+                .filter(|(n, _)| *n == idem.header)
+                .map(|(_, v)| v.as_str())
+                .collect();
+            let client_key = match parse_key(&values) {
+                Ok(k) => Some(k),
+                Err(KeyError::Missing) if !idem.required => None,
+                Err(e) => {
+                    let (metric, problem) = match e {
+                        KeyError::Missing => (
+                            pm.idem.as_ref().map(|i| i.missing_key),
+                            Problem::IdempotencyKeyMissing,
+                        ),
+                        _ => (
+                            pm.idem.as_ref().map(|i| i.invalid_key),
+                            Problem::IdempotencyKeyInvalid,
+                        ),
+                    };
+                    if let Some(id) = metric {
+                        m.increment(id);
+                    }
+                    return self.answer(respond::problem(
+                        problem,
+                        &e.detail(&idem.header),
+                        Map::new(),
+                        Vec::new(),
+                    ));
+                }
+            };
+            if let Some(client_key) = client_key {
+                let declared = req
+                    .header("content-length")
+                    .and_then(|v| v.trim().parse::<u64>().ok());
+                if idem.needs_body() && declared.is_some_and(|n| n > idem.max_request_body) {
+                    return self.body_too_large(rt, m);
+                }
+                let key_hash = keys::client_key_hash(&client_key);
+                let tag = keys::tenant_tag(&caller.tenant);
+                self.idem = Some(Idem {
+                    acquire: IdemAcquire {
+                        key: keys::idempotency_key(
+                            &rt.config.redis.key_prefix,
+                            &tag,
+                            &policy.name,
+                            &key_hash,
+                        ),
+                        tag,
+                        fingerprint: String::new(),
+                        owner: owner.to_string(),
+                        processing_ttl_ms: idem.processing_ttl_ms,
+                    },
+                    key_hash,
+                    owned: false,
+                    status: 0,
+                    headers: Vec::new(),
+                    body: Vec::new(),
+                    too_large: false,
+                });
+                let held = Held {
+                    caller,
+                    req,
+                    nonce: nonce.to_string(),
+                };
+                if idem.needs_body() && !end_of_stream {
+                    self.held = Some(held);
+                    self.phase = Phase::Buffering;
+                    return Step::Wait;
+                }
+                return self.start_acquire(rt, held, &[], now_ms, m);
+            }
+        }
         if policy.rate_limits.is_empty() {
             self.phase = Phase::Forwarded;
+            self.forwarded = true;
             return Step::Continue;
         }
-        let groups = ratelimit::plan(&rt.config.redis.key_prefix, policy, &caller, req, nonce);
+        let held = Held {
+            caller,
+            req,
+            nonce: nonce.to_string(),
+        };
+        self.start_acquire(rt, held, &[], now_ms, m)
+    }
+
+    /// A piece of the request body arrived; `body_size` is all that is buffered so far.
+    pub fn on_request_body(
+        &mut self,
+        rt: &Runtime,
+        body_size: usize,
+        end_of_stream: bool,
+        read: impl FnOnce() -> Vec<u8>,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
+        match self.phase {
+            Phase::Buffering => {
+                let max = self.idem_config(rt).map_or(0, |i| i.max_request_body);
+                if body_size as u64 > max {
+                    return self.body_too_large(rt, m);
+                }
+                if !end_of_stream {
+                    return Step::Wait;
+                }
+                let body = read();
+                match self.held.take() {
+                    Some(held) => self.start_acquire(rt, held, &body, now_ms, m),
+                    None => Step::Continue,
+                }
+            }
+            Phase::Acquiring => Step::Wait,
+            _ => Step::Continue,
+        }
+    }
+
+    /// The request ended without a body callback with end_of_stream (e.g. trailers).
+    pub fn on_request_trailers(
+        &mut self,
+        rt: &Runtime,
+        read: impl FnOnce() -> Vec<u8>,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
+        match self.phase {
+            Phase::Buffering => {
+                let body = read();
+                match self.held.take() {
+                    Some(held) => self.start_acquire(rt, held, &body, now_ms, m),
+                    None => Step::Continue,
+                }
+            }
+            Phase::Acquiring => Step::Wait,
+            _ => Step::Continue,
+        }
+    }
+
+    fn body_too_large(&mut self, rt: &Runtime, m: &dyn MetricSink) -> Step {
+        let Some(idem) = self.idem_config(rt) else {
+            return Step::Continue;
+        };
+        if let Some(im) = self.idem_metrics(rt) {
+            m.increment(im.body_too_large);
+        }
+        let detail = format!(
+            "the request body is larger than the {} bytes this operation fingerprints",
+            idem.max_request_body
+        );
+        self.answer(respond::problem(
+            Problem::RequestBodyTooLarge,
+            &detail,
+            Map::new(),
+            Vec::new(),
+        ))
+    }
+
+    fn fingerprint(idem: &Idempotency, held: &Held, body: &[u8]) -> String {
+        let mut f = Fingerprint::default();
+        for part in &idem.fingerprint {
+            match part {
+                FingerprintPart::Method => f.part("method", held.req.method.as_bytes()),
+                FingerprintPart::Path => f.part("path", held.req.path.as_bytes()),
+                FingerprintPart::Query => f.part("query", held.req.query.as_bytes()),
+                FingerprintPart::Principal => f.part("principal", held.caller.principal.as_bytes()),
+                FingerprintPart::Body => {
+                    let json = is_json(held.req.header("content-type"));
+                    f.part("body", &canonical_body(body, json));
+                }
+                FingerprintPart::Header(h) => match held.req.header(h) {
+                    Some(v) => f.part(&format!("header:{h}"), v.as_bytes()),
+                    None => f.part(&format!("header:{h}!"), b""),
+                },
+            }
+        }
+        f.finish()
+    }
+
+    fn start_acquire(
+        &mut self,
+        rt: &Runtime,
+        held: Held,
+        body: &[u8],
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
+        let Some((policy, _)) = self.policy(rt) else {
+            return Step::Continue;
+        };
+        if let (Some(idem), Some(cfg)) = (self.idem.as_mut(), policy.idempotency.as_ref()) {
+            idem.acquire.fingerprint = Self::fingerprint(cfg, &held, body);
+            self.upstream_headers
+                .push((FINGERPRINT_HEADER.into(), idem.acquire.fingerprint.clone()));
+        }
+        let groups = acquire::plan(
+            &rt.config.redis.key_prefix,
+            policy,
+            &held.caller,
+            &held.req,
+            &held.nonce,
+            self.idem.as_ref().map(|i| &i.acquire),
+        );
         self.states = vec![None; policy.rate_limits.len()];
         self.pending = groups
             .into_iter()
-            .map(|group| Pending {
-                group,
+            .map(|g| Pending {
+                purpose: Purpose::Acquire,
+                script: ScriptId::Acquire,
+                call: g.call,
+                limits: g.limits,
+                idem: g.idem,
                 by_sha: true,
                 sent_ms: now_ms,
                 done: false,
             })
             .collect();
-        self.phase = Phase::Limiting;
+        self.phase = Phase::Acquiring;
         self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
         let out = (0..self.pending.len())
             .map(|slot| self.outgoing(rt, slot, now_ms, m))
@@ -146,11 +458,11 @@ impl Flow {
         p.sent_ms = now_ms;
         Outgoing {
             slot,
-            body: p.group.call.encode(&rt.scripts.ratelimit, p.by_sha),
+            body: p.call.encode(rt.scripts.get(p.script), p.by_sha),
         }
     }
 
-    /// The adapter could not send a call, or the gateway answered.
+    /// A gateway answer (or a failure to send) for `slot`.
     pub fn on_reply(
         &mut self,
         rt: &Runtime,
@@ -159,7 +471,7 @@ impl Flow {
         now_ms: u64,
         m: &dyn MetricSink,
     ) -> Step {
-        if self.phase != Phase::Limiting {
+        if !matches!(self.phase, Phase::Acquiring | Phase::Completing) {
             return Step::Wait;
         }
         let Some(p) = self.pending.get_mut(slot).filter(|p| !p.done) else {
@@ -178,36 +490,61 @@ impl Flow {
             Ok(reply) => reply,
             Err(e) => {
                 m.increment(rt.metrics.redis.errors);
-                return self.fail(rt, &e, m);
-            }
-        };
-        let read = match ratelimit::read_reply(&reply, p.group.limits.len()) {
-            Ok(r) => r,
-            Err(e) => {
-                m.increment(rt.metrics.redis.errors);
-                return self.fail(rt, &e, m);
+                return self.call_failed(rt, slot, &e, m);
             }
         };
         p.done = true;
-        for (&i, state) in p.group.limits.iter().zip(read.states) {
-            if let Some(s) = self.states.get_mut(i) {
-                *s = Some(state);
+        match p.purpose {
+            Purpose::Acquire => {
+                let (n, idem) = (p.limits.len(), p.idem);
+                let read = match acquire::read_reply(&reply, n, idem) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        m.increment(rt.metrics.redis.errors);
+                        return self.call_failed(rt, slot, &e, m);
+                    }
+                };
+                for (&i, state) in p.limits.iter().zip(read.states) {
+                    if let Some(s) = self.states.get_mut(i) {
+                        *s = Some(state);
+                    }
+                }
+                if let Some(answer) = read.idem {
+                    if answer == IdemAnswer::Acquired {
+                        if let Some(i) = self.idem.as_mut() {
+                            i.owned = true;
+                        }
+                    }
+                    self.idem_answer = Some(answer);
+                }
+                if self.pending.iter().any(|p| !p.done) {
+                    return Step::Wait;
+                }
+                self.decide(rt, m)
+            }
+            Purpose::Complete | Purpose::Release => {
+                let purpose = p.purpose;
+                self.settle(rt, purpose, &reply, m);
+                self.phase = Phase::Done;
+                Step::Continue
             }
         }
-        if self.pending.iter().any(|p| !p.done) {
-            return Step::Wait;
+    }
+
+    /// Counts the result of a complete or release call (ours or in the background).
+    fn settle(&mut self, rt: &Runtime, purpose: Purpose, reply: &Reply, m: &dyn MetricSink) {
+        let key_hash = self.idem.as_ref().map_or("", |i| i.key_hash.as_str());
+        let name = self.policy(rt).map_or("", |(p, _)| p.name.as_str());
+        if let Some(im) = self.idem_metrics(rt) {
+            background::count_settlement(im, purpose, reply, name, key_hash, m);
         }
-        self.finish_limits(rt, m)
+        if let Some(i) = self.idem.as_mut() {
+            i.owned = false;
+        }
     }
 
-    fn policy<'a>(&self, rt: &'a Runtime) -> Option<(&'a Policy, &'a PolicyMetrics)> {
-        Some((
-            rt.config.policies.get(self.policy)?,
-            rt.metrics.policies.get(self.policy)?,
-        ))
-    }
-
-    fn finish_limits(&mut self, rt: &Runtime, m: &dyn MetricSink) -> Step {
+    /// All acquire calls answered: rate-limit verdict first, then the idempotency answer.
+    fn decide(&mut self, rt: &Runtime, m: &dyn MetricSink) -> Step {
         let Some((policy, pm)) = self.policy(rt) else {
             return Step::Continue;
         };
@@ -219,29 +556,139 @@ impl Flow {
                 m,
             );
         }
+        let verdict = ratelimit::decide(policy, &states);
+        let admitted = matches!(verdict, Verdict::Allow(_));
+        // A limit counts `allowed` only for admitted requests, `rejected` when it is one the
+        // request violated, `shadow_rejected` when a shadow limit would have rejected.
         for ((limit, state), lm) in policy.rate_limits.iter().zip(&states).zip(&pm.limits) {
-            m.increment(match (state.allowed, limit.shadow) {
-                (true, _) => lm.allowed,
-                (false, true) => lm.shadow_rejected,
-                (false, false) => lm.rejected,
-            });
+            let metric = match (state.allowed, limit.shadow) {
+                (true, _) if admitted => Some(lm.allowed),
+                (true, _) => None,
+                (false, true) => Some(lm.shadow_rejected),
+                (false, false) => Some(lm.rejected),
+            };
+            if let Some(id) = metric {
+                m.increment(id);
+            }
         }
-        match ratelimit::decide(policy, &states) {
-            Verdict::Allow(headers) => {
-                if rt.config.response_headers {
-                    self.response_headers = headers;
-                }
-                self.phase = Phase::Forwarded;
-                Step::Continue
-            }
+        let limit_headers = match verdict {
             Verdict::Reject(response) => {
-                self.phase = Phase::Answered;
-                Step::Respond(response)
+                // Another slot may have acquired the record: give it back.
+                self.release_in_background(rt);
+                return self.answer(response);
             }
+            Verdict::Allow(headers) if rt.config.response_headers => headers,
+            Verdict::Allow(_) => Vec::new(),
+        };
+        let answer = self.idem_answer.take();
+        let (Some(answer), Some(cfg), Some(im)) =
+            (answer, self.idem_config(rt), self.idem_metrics(rt))
+        else {
+            return self.forward(limit_headers);
+        };
+        match answer {
+            IdemAnswer::Acquired => {
+                m.increment(im.acquired);
+                self.forward(limit_headers)
+            }
+            IdemAnswer::Skipped => self.forward(limit_headers),
+            IdemAnswer::InProgress { .. } => {
+                m.increment(im.in_progress);
+                let mut headers = vec![("retry-after".to_string(), "1".to_string())];
+                headers.extend(limit_headers);
+                self.answer(respond::problem(
+                    Problem::IdempotencyKeyInUse,
+                    "a request with this Idempotency-Key is still being processed; retry later",
+                    Map::new(),
+                    headers,
+                ))
+            }
+            IdemAnswer::Conflict => {
+                m.increment(im.conflict);
+                self.conflict(cfg.conflict_status, limit_headers)
+            }
+            IdemAnswer::Unreadable => {
+                m.increment(im.unreadable);
+                m.increment(im.conflict);
+                log::warn!(
+                    "idempotency record of policy {} key {} is unreadable; answering as a conflict",
+                    policy.name,
+                    self.idem.as_ref().map_or("", |i| i.key_hash.as_str())
+                );
+                self.conflict(cfg.conflict_status, limit_headers)
+            }
+            IdemAnswer::Completed(record) => match replay(&record, limit_headers.clone()) {
+                Some(response) => {
+                    m.increment(im.replayed);
+                    self.answer(response)
+                }
+                None => {
+                    m.increment(im.unreadable);
+                    m.increment(im.conflict);
+                    self.conflict(cfg.conflict_status, limit_headers)
+                }
+            },
         }
     }
 
-    /// The one place a failed Redis call becomes the policy's answer.
+    fn conflict(&mut self, status: u32, headers: Vec<(String, String)>) -> Step {
+        self.answer(respond::problem(
+            Problem::IdempotencyKeyConflict { status },
+            "this Idempotency-Key was already used for a different request",
+            Map::new(),
+            headers,
+        ))
+    }
+
+    fn forward(&mut self, response_headers: Vec<(String, String)>) -> Step {
+        self.response_headers = response_headers;
+        self.phase = Phase::Forwarded;
+        self.forwarded = true;
+        Step::Continue
+    }
+
+    fn answer(&mut self, response: LocalResponse) -> Step {
+        self.phase = Phase::Done;
+        self.response_headers.clear();
+        Step::Respond(response)
+    }
+
+    fn call_failed(
+        &mut self,
+        rt: &Runtime,
+        slot: usize,
+        err: &CallError,
+        m: &dyn MetricSink,
+    ) -> Step {
+        let purpose = self.pending.get(slot).map(|p| p.purpose);
+        match purpose {
+            Some(Purpose::Complete | Purpose::Release) => {
+                self.completion_failed(rt, err, m);
+                Step::Continue
+            }
+            _ => self.fail(rt, err, m),
+        }
+    }
+
+    /// The record could not be completed or released: the response goes out anyway and the
+    /// record expires at its processing TTL.
+    fn completion_failed(&mut self, rt: &Runtime, err: &CallError, m: &dyn MetricSink) {
+        if let Some(im) = self.idem_metrics(rt) {
+            m.increment(im.complete_failed);
+        }
+        log::warn!(
+            "idempotency record of policy {} key {} not completed ({}); it expires at its processing TTL",
+            self.policy(rt).map_or("", |(p, _)| p.name.as_str()),
+            self.idem.as_ref().map_or("", |i| i.key_hash.as_str()),
+            err.describe()
+        );
+        if let Some(i) = self.idem.as_mut() {
+            i.owned = false;
+        }
+        self.phase = Phase::Done;
+    }
+
+    /// The one place a failed acquire becomes the policy's answer.
     fn fail(&mut self, rt: &Runtime, err: &CallError, m: &dyn MetricSink) -> Step {
         let Some((policy, pm)) = self.policy(rt) else {
             return Step::Continue;
@@ -255,16 +702,16 @@ impl Flow {
                 FailureMode::Closed => "failing closed",
             }
         );
+        // A record acquired by a call that did answer is given back either way.
+        self.release_in_background(rt);
         match policy.failure_mode {
             FailureMode::Open => {
                 m.increment(pm.failed_open);
-                self.phase = Phase::Forwarded;
-                Step::Continue
+                self.forward(Vec::new())
             }
             FailureMode::Closed => {
                 m.increment(pm.failed_closed);
-                self.phase = Phase::Answered;
-                Step::Respond(respond::problem(
+                self.answer(respond::problem(
                     Problem::GuardUnavailable,
                     "the coordination store did not answer in time; retry shortly",
                     Map::new(),
@@ -274,16 +721,25 @@ impl Flow {
         }
     }
 
-    /// When the request is paused on Redis, the time by which it must be decided.
+    /// When the stream is paused on Redis, the time by which it must go on.
     pub fn deadline_ms(&self) -> Option<u64> {
-        (self.phase == Phase::Limiting).then_some(self.deadline_ms)
+        matches!(self.phase, Phase::Acquiring | Phase::Completing).then_some(self.deadline_ms)
     }
 
-    /// The watchdog: decides a request whose calls outlived the timeout.
+    /// The request body is being held (buffering or deciding).
+    pub fn holds_request(&self) -> bool {
+        matches!(self.phase, Phase::Buffering | Phase::Acquiring)
+    }
+
+    /// The watchdog: decides a stream whose calls outlived the timeout.
     pub fn on_tick(&mut self, rt: &Runtime, now_ms: u64, m: &dyn MetricSink) -> Step {
         match self.deadline_ms() {
             Some(deadline) if now_ms >= deadline => {
                 m.increment(rt.metrics.redis.timeouts);
+                if self.phase == Phase::Completing {
+                    self.completion_failed(rt, &CallError::Timeout, m);
+                    return Step::Continue;
+                }
                 self.fail(rt, &CallError::Timeout, m)
             }
             _ => Step::Wait,
@@ -294,6 +750,292 @@ impl Flow {
     pub fn response_headers(&self) -> &[(String, String)] {
         &self.response_headers
     }
+
+    /// Headers to set on the request before it goes upstream.
+    pub fn upstream_headers(&self) -> &[(String, String)] {
+        if self.forwarded {
+            &self.upstream_headers
+        } else {
+            &[]
+        }
+    }
+
+    /// Calls for the root context to send: they must outlive this request.
+    pub fn take_background(&mut self) -> Vec<Background> {
+        std::mem::take(&mut self.background)
+    }
+
+    fn release_in_background(&mut self, rt: &Runtime) {
+        let policy = self.policy;
+        let Some(i) = self.idem.as_mut() else {
+            return;
+        };
+        // An acquire still in flight may have created the record: release by owner anyway.
+        let maybe_owned = i.owned || self.pending.iter().any(|p| p.idem && !p.done);
+        if !maybe_owned {
+            return;
+        }
+        i.owned = false;
+        let _ = rt;
+        self.background.push(Background::new(
+            policy,
+            Purpose::Release,
+            ScriptCall {
+                keys: vec![i.acquire.key.clone()],
+                args: vec![i.acquire.owner.clone()],
+            },
+            i.key_hash.clone(),
+        ));
+    }
+
+    fn completion_call(&self, rt: &Runtime) -> Option<(Purpose, ScriptCall)> {
+        let idem = self.idem.as_ref()?;
+        let cfg = self.idem_config(rt)?;
+        let body = match cfg.replay {
+            Replay::Full if !idem.too_large => Some(idem.body.as_slice()),
+            _ => None,
+        };
+        let stored = StoredResponse::new(
+            u16::try_from(idem.status).unwrap_or(500),
+            idem.headers.clone(),
+            body,
+        );
+        Some((
+            Purpose::Complete,
+            ScriptCall {
+                keys: vec![idem.acquire.key.clone()],
+                args: vec![
+                    idem.acquire.owner.clone(),
+                    idem.acquire.fingerprint.clone(),
+                    cfg.completed_ttl_ms.to_string(),
+                    stored.to_json(),
+                ],
+            },
+        ))
+    }
+
+    fn release_call(&self) -> Option<(Purpose, ScriptCall)> {
+        let idem = self.idem.as_ref()?;
+        Some((
+            Purpose::Release,
+            ScriptCall {
+                keys: vec![idem.acquire.key.clone()],
+                args: vec![idem.acquire.owner.clone()],
+            },
+        ))
+    }
+
+    /// Sends a complete/release now (sync: the response waits) or hands it to the root.
+    fn settle_record(
+        &mut self,
+        rt: &Runtime,
+        call: Option<(Purpose, ScriptCall)>,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
+        let Some((purpose, call)) = call else {
+            return Step::Continue;
+        };
+        let sync = self
+            .idem_config(rt)
+            .is_some_and(|c| c.complete == Completion::Sync);
+        if !sync {
+            let key_hash = self
+                .idem
+                .as_ref()
+                .map_or(String::new(), |i| i.key_hash.clone());
+            if let Some(i) = self.idem.as_mut() {
+                i.owned = false;
+            }
+            self.background
+                .push(Background::new(self.policy, purpose, call, key_hash));
+            self.phase = Phase::Done;
+            return Step::Continue;
+        }
+        let script = match purpose {
+            Purpose::Release => ScriptId::Release,
+            _ => ScriptId::Complete,
+        };
+        self.pending = vec![Pending {
+            purpose,
+            script,
+            call,
+            limits: Vec::new(),
+            idem: false,
+            by_sha: true,
+            sent_ms: now_ms,
+            done: false,
+        }];
+        self.phase = Phase::Completing;
+        self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
+        Step::Dispatch(vec![self.outgoing(rt, 0, now_ms, m)])
+    }
+
+    /// The response's headers. `via_upstream` is false for Envoy's own local replies, with
+    /// `details` its `response.code_details`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_response_headers(
+        &mut self,
+        rt: &Runtime,
+        status: u32,
+        via_upstream: bool,
+        details: &str,
+        headers: &[(String, String)],
+        end_of_stream: bool,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
+        self.response_seen = true;
+        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
+        if !owned || self.phase != Phase::Forwarded {
+            return Step::Continue;
+        }
+        let Some(cfg) = self.idem_config(rt) else {
+            return Step::Continue;
+        };
+        if !via_upstream {
+            if NEVER_SENT.iter().any(|d| details.contains(d)) {
+                let call = self.release_call();
+                return self.settle_record(rt, call, now_ms, m);
+            }
+            // Timed out or reset after it was sent: the outcome is unknown, keep PROCESSING.
+            self.outcome_unknown(rt, details, m);
+            return Step::Continue;
+        }
+        if cfg.retryable(status) {
+            let call = self.release_call();
+            return self.settle_record(rt, call, now_ms, m);
+        }
+        let replay_headers: Vec<(String, String)> = headers
+            .iter()
+            .filter(|(n, _)| cfg.replay_headers.iter().any(|h| h == n))
+            .cloned()
+            .collect();
+        let needs_body = cfg.replay == Replay::Full && !end_of_stream;
+        let sync = cfg.complete == Completion::Sync;
+        if let Some(i) = self.idem.as_mut() {
+            i.status = status;
+            i.headers = replay_headers;
+        }
+        if needs_body {
+            self.phase = if sync {
+                Phase::BufferingResponse
+            } else {
+                Phase::CopyingResponse
+            };
+            return if sync { Step::Wait } else { Step::Continue };
+        }
+        let call = self.completion_call(rt);
+        self.settle_record(rt, call, now_ms, m)
+    }
+
+    /// A piece of the response body. Sync completion buffers (`body_size` is the total so
+    /// far, `read` returns it all); async completion copies each chunk as it passes.
+    pub fn on_response_body(
+        &mut self,
+        rt: &Runtime,
+        body_size: usize,
+        end_of_stream: bool,
+        read: impl FnOnce() -> Vec<u8>,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
+        let max = self.idem_config(rt).map_or(0, |c| c.max_response_body);
+        match self.phase {
+            Phase::BufferingResponse => {
+                if body_size as u64 > max {
+                    // Too large to store: complete with a reference record now.
+                    if let Some(i) = self.idem.as_mut() {
+                        i.too_large = true;
+                    }
+                } else if !end_of_stream {
+                    return Step::Wait;
+                } else if let Some(i) = self.idem.as_mut() {
+                    i.body = read();
+                }
+                let call = self.completion_call(rt);
+                self.settle_record(rt, call, now_ms, m)
+            }
+            Phase::CopyingResponse => {
+                if let Some(i) = self.idem.as_mut() {
+                    if !i.too_large {
+                        if (i.body.len() + body_size) as u64 > max {
+                            i.too_large = true;
+                            i.body.clear();
+                        } else {
+                            i.body.extend(read());
+                        }
+                    }
+                }
+                if end_of_stream {
+                    let call = self.completion_call(rt);
+                    return self.settle_record(rt, call, now_ms, m);
+                }
+                Step::Continue
+            }
+            Phase::Completing => Step::Wait,
+            _ => Step::Continue,
+        }
+    }
+
+    fn outcome_unknown(&mut self, rt: &Runtime, details: &str, m: &dyn MetricSink) {
+        if let Some(im) = self.idem_metrics(rt) {
+            m.increment(im.outcome_unknown);
+        }
+        log::warn!(
+            "policy {} key {}: the upstream's outcome is unknown ({}); the record stays PROCESSING until its TTL",
+            self.policy(rt).map_or("", |(p, _)| p.name.as_str()),
+            self.idem.as_ref().map_or("", |i| i.key_hash.as_str()),
+            if details.is_empty() { "stream ended" } else { details }
+        );
+        if let Some(i) = self.idem.as_mut() {
+            i.owned = false;
+        }
+        self.phase = Phase::Done;
+    }
+
+    /// The stream is gone. A record we still own is released if the request never left
+    /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise.
+    pub fn on_done(&mut self, rt: &Runtime, m: &dyn MetricSink) {
+        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
+        match self.phase {
+            Phase::Acquiring => self.release_in_background(rt),
+            _ if !owned => {}
+            Phase::Completing => {
+                // The sync call may be cancelled with the stream: finish it from the root.
+                if let Some(p) = self.pending.first().filter(|p| !p.done) {
+                    let key_hash = self
+                        .idem
+                        .as_ref()
+                        .map_or(String::new(), |i| i.key_hash.clone());
+                    self.background.push(Background::new(
+                        self.policy,
+                        p.purpose,
+                        p.call.clone(),
+                        key_hash,
+                    ));
+                }
+            }
+            _ if !self.forwarded => self.release_in_background(rt),
+            _ if !self.response_seen => self.outcome_unknown(rt, "", m),
+            _ => {}
+        }
+        self.phase = Phase::Done;
+    }
+}
+
+/// The stored response as a local reply, with `Idempotent-Replayed: true`.
+fn replay(record: &Record, extra: Vec<(String, String)>) -> Option<LocalResponse> {
+    let stored = record.response.as_ref()?;
+    let body = stored.body_bytes()?;
+    let mut headers = stored.headers.clone();
+    headers.push((REPLAYED_HEADER.into(), "true".into()));
+    headers.extend(extra);
+    Some(LocalResponse {
+        status: u32::from(stored.status),
+        headers,
+        body,
+    })
 }
 
 #[cfg(test)]

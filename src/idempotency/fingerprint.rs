@@ -11,7 +11,12 @@ pub fn is_json(content_type: Option<&str>) -> bool {
     let Some(ct) = content_type else {
         return false;
     };
-    let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     essence == "application/json"
         || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
@@ -85,23 +90,38 @@ mod tests {
     fn canonical_json() {
         let cases: &[(&[u8], &str)] = &[
             (br#"{ "b": 2, "a": 1 }"#, r#"{"a":1,"b":2}"#),
-            (br#"{"z":{"y":[3,{"b":1,"a":0}],"x":null}}"#, r#"{"z":{"x":null,"y":[3,{"a":0,"b":1}]}}"#),
+            (
+                br#"{"z":{"y":[3,{"b":1,"a":0}],"x":null}}"#,
+                r#"{"z":{"x":null,"y":[3,{"a":0,"b":1}]}}"#,
+            ),
             (b"  [1, 2.50, \"\\u0041\"]  ", r#"[1,2.5,"A"]"#),
             (br#"{"a":1e2}"#, r#"{"a":100.0}"#),
         ];
         for (input, want) in cases {
-            assert_eq!(String::from_utf8(canonical_body(input, true)).expect("utf8"), *want);
+            assert_eq!(
+                String::from_utf8(canonical_body(input, true)).expect("utf8"),
+                *want
+            );
         }
         // Not JSON, or not declared JSON: bytes as they are.
-        assert_eq!(canonical_body(b"{ \"b\": 2 }", false), b"{ \"b\": 2 }".to_vec());
+        assert_eq!(
+            canonical_body(b"{ \"b\": 2 }", false),
+            b"{ \"b\": 2 }".to_vec()
+        );
         assert_eq!(canonical_body(b"{oops", true), b"{oops".to_vec());
     }
 
     #[test]
     fn same_request_same_fingerprint() {
-        assert_eq!(fp(br#"{"a":1,"b":2}"#, true), fp(br#"{ "b": 2, "a": 1 }"#, true));
+        assert_eq!(
+            fp(br#"{"a":1,"b":2}"#, true),
+            fp(br#"{ "b": 2, "a": 1 }"#, true)
+        );
         assert_ne!(fp(br#"{"a":1,"b":2}"#, true), fp(br#"{"a":1,"b":3}"#, true));
-        assert_ne!(fp(br#"{"a":1,"b":2}"#, false), fp(br#"{ "b": 2, "a": 1 }"#, false));
+        assert_ne!(
+            fp(br#"{"a":1,"b":2}"#, false),
+            fp(br#"{ "b": 2, "a": 1 }"#, false)
+        );
         let f = fp(b"x", false);
         assert!(f.starts_with("sha256:") && f.len() == 7 + 64, "{f}");
         // Length prefixes: moving bytes between parts changes the fingerprint.

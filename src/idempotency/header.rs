@@ -41,7 +41,10 @@ pub fn parse_key(values: &[&str]) -> Result<String, KeyError> {
         if raw.is_empty() {
             return Err(KeyError::Empty);
         }
-        if !raw.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\' && b != b',') {
+        if !raw
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\' && b != b',')
+        {
             return Err(KeyError::Malformed);
         }
         raw.to_string()
@@ -89,8 +92,16 @@ mod tests {
         let too_long = "a".repeat(256);
         let quoted_long = format!("\"{too_long}\"");
         let cases: Vec<(&str, Vec<&str>, Result<String, KeyError>)> = vec![
-            ("sf_string", vec!["\"8e03978e-40d5-43e8\""], Ok("8e03978e-40d5-43e8".into())),
-            ("token", vec!["8e03978e-40d5-43e8"], Ok("8e03978e-40d5-43e8".into())),
+            (
+                "sf_string",
+                vec!["\"8e03978e-40d5-43e8\""],
+                Ok("8e03978e-40d5-43e8".into()),
+            ),
+            (
+                "token",
+                vec!["8e03978e-40d5-43e8"],
+                Ok("8e03978e-40d5-43e8".into()),
+            ),
             ("surrounding_space", vec!["  \"abc\" "], Ok("abc".into())),
             ("escapes", vec![r#""a\"b\\c""#], Ok(r#"a"b\c"#.into())),
             ("inner_space", vec!["\"a b\""], Ok("a b".into())),
@@ -100,7 +111,11 @@ mod tests {
             ("empty_token", vec![""], Err(KeyError::Empty)),
             ("empty_string", vec!["\"\""], Err(KeyError::Empty)),
             ("too_long", vec![too_long.as_str()], Err(KeyError::TooLong)),
-            ("too_long_quoted", vec![quoted_long.as_str()], Err(KeyError::TooLong)),
+            (
+                "too_long_quoted",
+                vec![quoted_long.as_str()],
+                Err(KeyError::TooLong),
+            ),
             ("unterminated", vec!["\"abc"], Err(KeyError::Malformed)),
             ("trailing", vec!["\"abc\";x=1"], Err(KeyError::Malformed)),
             ("bad_escape", vec![r#""a\nb""#], Err(KeyError::Malformed)),

@@ -117,7 +117,11 @@ const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 pub fn base64_encode(data: &[u8]) -> String {
     let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
     for chunk in data.chunks(3) {
-        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
         let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
         for i in 0..4 {
             if i <= chunk.len() {
@@ -132,7 +136,7 @@ pub fn base64_encode(data: &[u8]) -> String {
 
 pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
     let bytes = text.as_bytes();
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return None;
     }
     let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
@@ -205,8 +209,10 @@ mod tests {
     #[test]
     fn tolerates_other_versions() {
         // An older writer: no schema_version, no timestamps; a newer one: extra fields.
-        let old = Record::parse(br#"{"state":"COMPLETED","fingerprint":"sha256:ab","response":{"status":200}}"#)
-            .expect("old record readable");
+        let old = Record::parse(
+            br#"{"state":"COMPLETED","fingerprint":"sha256:ab","response":{"status":200}}"#,
+        )
+        .expect("old record readable");
         assert_eq!(old.schema_version, 1);
         assert_eq!(old.response.and_then(|r| r.body_bytes()), Some(vec![]));
         let newer = Record::parse(
@@ -232,15 +238,25 @@ mod tests {
 
     #[test]
     fn stored_response_json() {
-        let r = StoredResponse::new(201, vec![("location".into(), "/orders/1".into())], Some(b"ok"));
+        let r = StoredResponse::new(
+            201,
+            vec![("location".into(), "/orders/1".into())],
+            Some(b"ok"),
+        );
         assert_eq!(
             r.to_json(),
             r#"{"status":201,"headers":[["location","/orders/1"]],"body":"ok"}"#
         );
         let bin = StoredResponse::new(200, vec![], Some(b"\xff\x00"));
-        assert_eq!(bin.to_json(), r#"{"status":200,"headers":[],"body_base64":"/wA="}"#);
+        assert_eq!(
+            bin.to_json(),
+            r#"{"status":200,"headers":[],"body_base64":"/wA="}"#
+        );
         assert_eq!(bin.body_bytes(), Some(vec![0xff, 0x00]));
         let reference = StoredResponse::new(201, vec![], None);
-        assert_eq!(reference.to_json(), r#"{"status":201,"headers":[],"reference":true}"#);
+        assert_eq!(
+            reference.to_json(),
+            r#"{"status":201,"headers":[],"reference":true}"#
+        );
     }
 }

@@ -28,16 +28,39 @@ impl Script {
     }
 }
 
+/// Which script a call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScriptId {
+    /// Rate limits and the idempotency acquire of one hash slot.
+    Acquire,
+    /// `PROCESSING` -> `COMPLETED`, only by the owner.
+    Complete,
+    /// Deletes a `PROCESSING` record, only by the owner.
+    Release,
+}
+
 /// The scripts the filter runs, loaded once per VM.
 #[derive(Debug)]
 pub struct Scripts {
-    pub ratelimit: Script,
+    pub acquire: Script,
+    pub complete: Script,
+    pub release: Script,
 }
 
 impl Scripts {
     pub fn load() -> Scripts {
         Scripts {
-            ratelimit: Script::new("ratelimit", include_str!("../lua/ratelimit.lua")),
+            acquire: Script::new("acquire", include_str!("../lua/acquire.lua")),
+            complete: Script::new("complete", include_str!("../lua/complete.lua")),
+            release: Script::new("release", include_str!("../lua/release.lua")),
+        }
+    }
+
+    pub fn get(&self, id: ScriptId) -> &Script {
+        match id {
+            ScriptId::Acquire => &self.acquire,
+            ScriptId::Complete => &self.complete,
+            ScriptId::Release => &self.release,
         }
     }
 }
@@ -104,7 +127,9 @@ impl CallError {
             CallError::Transport => "gateway unreachable".into(),
             CallError::Gateway(status) => format!("gateway answered HTTP {status}"),
             CallError::Malformed(why) => format!("gateway reply is not RESP: {why}"),
-            CallError::Redis(e) => format!("redis error: {}", e.chars().take(120).collect::<String>()),
+            CallError::Redis(e) => {
+                format!("redis error: {}", e.chars().take(120).collect::<String>())
+            }
             CallError::UnexpectedReply(why) => format!("unexpected reply: {why}"),
             CallError::Timeout => "no answer within the timeout".into(),
         }

@@ -6,8 +6,8 @@
 //! Host calls go through `hostcalls` with their `Result`s handled: the SDK's trait helpers
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
-use crate::config::{Config, ConfigError};
-use crate::flow::{Flow, Outgoing, Runtime, Step};
+use crate::config::{Config, ConfigError, RedisConfig};
+use crate::flow::{Background, Flow, Outgoing, Runtime, Step};
 use crate::ids::TokenSource;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::redis::{webdis, CallError, Scripts};
@@ -23,9 +23,11 @@ use std::time::{Duration, UNIX_EPOCH};
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     std::panic::set_hook(Box::new(|info| {
-        let _ = hostcalls::log(LogLevel::Critical, &format!("coordination-guard panicked: {info}"));
+        let _ = hostcalls::log(LogLevel::Critical, &format!("panicked: {info}"));
     }));
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { vm: None }) });
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        Box::new(Root { vm: None, calls: HashMap::new() })
+    });
 }}
 
 /// Per-VM (per worker) state shared by the root context and every HTTP context.
@@ -34,6 +36,17 @@ struct Vm {
     tokens: RefCell<TokenSource>,
     /// Requests paused on Redis, for the watchdog.
     waiting: RefCell<HashMap<u32, Weak<RefCell<Flow>>>>,
+    /// Calls the root sends on its next tick.
+    outbox: RefCell<Vec<Background>>,
+}
+
+impl Vm {
+    fn token(&self) -> String {
+        match self.tokens.try_borrow_mut() {
+            Ok(mut t) => t.token(),
+            Err(_) => format!("{:032x}", now_ms()),
+        }
+    }
 }
 
 struct HostMetrics;
@@ -58,11 +71,48 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-struct Root {
-    vm: Option<Rc<Vm>>,
+/// Sends one gateway request; the token comes back with the answer.
+fn dispatch(redis: &RedisConfig, body: &[u8]) -> Result<u32, CallError> {
+    let mut headers: Vec<(&str, &str)> = vec![
+        (":method", "POST"),
+        (":path", "/"),
+        (":authority", redis.authority.as_str()),
+        ("content-type", "text/plain"),
+    ];
+    if let Some(auth) = &redis.authorization {
+        headers.push(("authorization", auth.as_str()));
+    }
+    hostcalls::dispatch_http_call(
+        &redis.cluster,
+        headers,
+        Some(body),
+        vec![],
+        Duration::from_millis(redis.timeout_ms),
+    )
+    .map_err(|status| {
+        log::warn!("cannot dispatch to cluster {}: {status:?}", redis.cluster);
+        CallError::Transport
+    })
 }
 
-impl Context for Root {}
+/// The answer of the callout whose response callback is running.
+fn call_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError> {
+    let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+        .ok()
+        .flatten()
+        .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+    let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    webdis::decode(status, &body)
+}
+
+struct Root {
+    vm: Option<Rc<Vm>>,
+    /// Outstanding background callouts.
+    calls: HashMap<u32, Background>,
+}
 
 impl Root {
     fn configure(&mut self, bytes: &[u8]) -> Result<(), ConfigError> {
@@ -85,8 +135,38 @@ impl Root {
             },
             tokens: RefCell::new(TokenSource::from_entropy(now_ms())),
             waiting: RefCell::new(HashMap::new()),
+            outbox: RefCell::new(Vec::new()),
         }));
         Ok(())
+    }
+
+    fn send_background(&mut self, vm: &Vm, mut bg: Background) {
+        let body = bg.encode(&vm.runtime, now_ms(), &HostMetrics);
+        match dispatch(&vm.runtime.config.redis, &body) {
+            Ok(token) => {
+                self.calls.insert(token, bg);
+            }
+            Err(e) => {
+                bg.on_answer(&vm.runtime, Err(e), now_ms(), &HostMetrics);
+            }
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        let (Some(vm), Some(mut bg)) = (self.vm.clone(), self.calls.remove(&token)) else {
+            return;
+        };
+        if bg.on_answer(&vm.runtime, call_answer(body_size), now_ms(), &HostMetrics) {
+            self.send_background(&vm, bg);
+        }
     }
 }
 
@@ -117,11 +197,18 @@ impl RootContext for Root {
             return;
         };
         let now = now_ms();
+        let outbox: Vec<Background> = vm
+            .outbox
+            .try_borrow_mut()
+            .map(|mut o| std::mem::take(&mut *o))
+            .unwrap_or_default();
+        for bg in outbox {
+            self.send_background(&vm, bg);
+        }
         // Collect first: no borrow of `waiting` may be held while the host is called.
         let mut expired = Vec::new();
-        vm.waiting
-            .borrow_mut()
-            .retain(|&ctx, weak| match weak.upgrade() {
+        if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
+            waiting.retain(|&ctx, weak| match weak.upgrade() {
                 None => false,
                 Some(flow) => {
                     let due = flow
@@ -134,13 +221,31 @@ impl RootContext for Root {
                     !due
                 }
             });
+        }
         for (ctx, flow) in expired {
-            let step = match flow.try_borrow_mut() {
-                Ok(mut f) => f.on_tick(&vm.runtime, now, &HostMetrics),
+            // The request was paused deciding, or the response completing.
+            let (step, was_request) = match flow.try_borrow_mut() {
+                Ok(mut f) => {
+                    let was_request = f.holds_request();
+                    (f.on_tick(&vm.runtime, now, &HostMetrics), was_request)
+                }
                 Err(_) => continue,
             };
             if hostcalls::set_effective_context(ctx).is_ok() {
-                finish_paused(step);
+                match step {
+                    Step::Continue => {
+                        if was_request {
+                            let _ = hostcalls::resume_http_request();
+                        } else {
+                            let _ = hostcalls::resume_http_response();
+                        }
+                    }
+                    Step::Respond(r) => send_local(&r),
+                    Step::Dispatch(_) | Step::Wait => {}
+                }
+            }
+            if let Ok(mut f) = flow.try_borrow_mut() {
+                vm.outbox.borrow_mut().extend(f.take_background());
             }
         }
     }
@@ -151,23 +256,12 @@ impl RootContext for Root {
             vm: self.vm.clone(),
             flow: Rc::new(RefCell::new(Flow::default())),
             calls: HashMap::new(),
-            paused: false,
+            paused: None,
         }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
-    }
-}
-
-/// Carries out a step for a request that is paused (watchdog path): resume or answer.
-fn finish_paused(step: Step) {
-    match step {
-        Step::Continue => {
-            let _ = hostcalls::resume_http_request();
-        }
-        Step::Respond(r) => send_local(&r),
-        Step::Dispatch(_) | Step::Wait => {}
     }
 }
 
@@ -182,14 +276,20 @@ fn send_local(r: &crate::respond::LocalResponse) {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Request,
+    Response,
+}
+
 struct Filter {
     context_id: u32,
     vm: Option<Rc<Vm>>,
     flow: Rc<RefCell<Flow>>,
     /// Outstanding callout token -> flow slot.
     calls: HashMap<u32, usize>,
-    /// The request is stopped in the filter and must be resumed to go on.
-    paused: bool,
+    /// Which direction is stopped in this filter, waiting to be resumed.
+    paused: Option<Dir>,
 }
 
 impl Context for Filter {
@@ -206,18 +306,22 @@ impl Context for Filter {
         let Some(vm) = self.vm.clone() else {
             return;
         };
-        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let answer = webdis::decode(status, &body);
+        let answer = call_answer(body_size);
         let step =
             self.with_flow(|f| f.on_reply(&vm.runtime, slot, answer, now_ms(), &HostMetrics));
-        self.carry_out(&vm, step);
+        let dir = self.paused.unwrap_or(Dir::Request);
+        self.carry_out(&vm, step, dir);
+    }
+
+    fn on_done(&mut self) -> bool {
+        if let Some(vm) = self.vm.clone() {
+            if let Ok(mut f) = self.flow.try_borrow_mut() {
+                f.on_done(&vm.runtime, &HostMetrics);
+            }
+            self.flush_background(&vm);
+            self.unregister(&vm);
+        }
+        true
     }
 }
 
@@ -229,32 +333,66 @@ impl Filter {
         }
     }
 
-    /// Carries out a step from this context's own callbacks; returns the filter's action.
-    fn carry_out(&mut self, vm: &Rc<Vm>, step: Step) -> Action {
+    fn flush_background(&self, vm: &Vm) {
+        let calls = match self.flow.try_borrow_mut() {
+            Ok(mut f) => f.take_background(),
+            Err(_) => return,
+        };
+        if !calls.is_empty() {
+            if let Ok(mut outbox) = vm.outbox.try_borrow_mut() {
+                outbox.extend(calls);
+            }
+        }
+    }
+
+    fn set_upstream_headers(&self) {
+        let headers: Vec<(String, String)> = match self.flow.try_borrow() {
+            Ok(f) => f.upstream_headers().to_vec(),
+            Err(_) => return,
+        };
+        for (name, value) in &headers {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
+        }
+    }
+
+    /// Carries out a step raised in direction `dir`; returns the filter's action.
+    fn carry_out(&mut self, vm: &Rc<Vm>, step: Step, dir: Dir) -> Action {
+        self.flush_background(vm);
         match step {
             Step::Continue => {
                 self.unregister(vm);
-                if self.paused {
-                    self.paused = false;
-                    let _ = hostcalls::resume_http_request();
+                if dir == Dir::Request {
+                    self.set_upstream_headers();
+                }
+                match self.paused.take() {
+                    Some(Dir::Request) => {
+                        let _ = hostcalls::resume_http_request();
+                    }
+                    Some(Dir::Response) => {
+                        let _ = hostcalls::resume_http_response();
+                    }
+                    None => {}
                 }
                 Action::Continue
             }
-            Step::Wait => Action::Pause,
+            Step::Wait => {
+                self.paused = Some(dir);
+                Action::Pause
+            }
             Step::Respond(r) => {
                 self.unregister(vm);
+                self.paused = None;
                 send_local(&r);
-                self.paused = true;
                 Action::Pause
             }
             Step::Dispatch(calls) => {
-                self.paused = true;
-                vm.waiting
-                    .borrow_mut()
-                    .insert(self.context_id, Rc::downgrade(&self.flow));
+                self.paused = Some(dir);
+                if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
+                    waiting.insert(self.context_id, Rc::downgrade(&self.flow));
+                }
                 let mut failed = Vec::new();
                 for call in calls {
-                    if let Err(slot) = self.dispatch(vm, &call) {
+                    if let Err(slot) = self.send(vm, &call) {
                         failed.push(slot);
                     }
                 }
@@ -269,42 +407,20 @@ impl Filter {
                             &HostMetrics,
                         )
                     });
-                    action = self.carry_out(vm, step);
+                    action = self.carry_out(vm, step, dir);
                 }
                 action
             }
         }
     }
 
-    fn dispatch(&mut self, vm: &Vm, call: &Outgoing) -> Result<(), usize> {
-        let redis = &vm.runtime.config.redis;
-        let mut headers: Vec<(&str, &str)> = vec![
-            (":method", "POST"),
-            (":path", "/"),
-            (":authority", redis.authority.as_str()),
-            ("content-type", "text/plain"),
-        ];
-        if let Some(auth) = &redis.authorization {
-            headers.push(("authorization", auth.as_str()));
-        }
-        match hostcalls::dispatch_http_call(
-            &redis.cluster,
-            headers,
-            Some(&call.body),
-            vec![],
-            Duration::from_millis(redis.timeout_ms),
-        ) {
+    fn send(&mut self, vm: &Vm, call: &Outgoing) -> Result<(), usize> {
+        match dispatch(&vm.runtime.config.redis, &call.body) {
             Ok(token) => {
                 self.calls.insert(token, call.slot);
                 Ok(())
             }
-            Err(status) => {
-                log::warn!(
-                    "cannot dispatch to cluster {}: {status:?}",
-                    redis.cluster
-                );
-                Err(call.slot)
-            }
+            Err(_) => Err(call.slot),
         }
     }
 
@@ -313,70 +429,135 @@ impl Filter {
             waiting.remove(&self.context_id);
         }
     }
-
-    fn is_waiting(&self) -> bool {
-        self.flow
-            .try_borrow()
-            .map(|f| f.deadline_ms().is_some())
-            .unwrap_or(false)
-    }
 }
 
-fn request_headers() -> Vec<(String, String)> {
-    hostcalls::get_map_bytes(MapType::HttpRequestHeaders)
+fn header_pairs(map: MapType) -> Vec<(String, String)> {
+    hostcalls::get_map_bytes(map)
         .unwrap_or_default()
         .into_iter()
         .map(|(n, v)| (n, String::from_utf8_lossy(&v).into_owned()))
         .collect()
 }
 
-fn source_address() -> Option<String> {
-    let bytes = hostcalls::get_property(vec!["source", "address"]).ok()??;
+fn property(path: Vec<&str>) -> Option<String> {
+    let bytes = hostcalls::get_property(path).ok()??;
     String::from_utf8(bytes).ok()
 }
 
+fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(kind, 0, size)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
 impl HttpContext for Filter {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let req = Request::from_headers(request_headers(), source_address().as_deref());
-        let nonce = match vm.tokens.try_borrow_mut() {
-            Ok(mut t) => t.token(),
-            Err(_) => format!("{}-{}", self.context_id, now_ms()),
-        };
-        let step =
-            self.with_flow(|f| f.on_request(&vm.runtime, &req, &nonce, now_ms(), &HostMetrics));
-        self.carry_out(&vm, step)
+        let req = Request::from_headers(
+            header_pairs(MapType::HttpRequestHeaders),
+            property(vec!["source", "address"]).as_deref(),
+        );
+        let (nonce, owner) = (vm.token(), vm.token());
+        let step = self.with_flow(|f| {
+            f.on_request(
+                &vm.runtime,
+                req,
+                &nonce,
+                &owner,
+                end_of_stream,
+                now_ms(),
+                &HostMetrics,
+            )
+        });
+        self.carry_out(&vm, step, Dir::Request)
     }
 
-    fn on_http_request_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
-        // While headers are held for a decision, hold the body too: returning Continue here
-        // would let Envoy pass the headers on before the decision.
-        if self.is_waiting() {
-            Action::Pause
-        } else {
-            Action::Continue
-        }
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        // While the request is held for a decision its body is held too: returning Continue
+        // here would let Envoy pass the headers on before the decision.
+        let step = self.with_flow(|f| {
+            f.on_request_body(
+                &vm.runtime,
+                body_size,
+                end_of_stream,
+                || buffer(BufferType::HttpRequestBody, body_size),
+                now_ms(),
+                &HostMetrics,
+            )
+        });
+        self.carry_out(&vm, step, Dir::Request)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        if self.is_waiting() {
-            Action::Pause
-        } else {
-            Action::Continue
-        }
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        let step = self.with_flow(|f| {
+            f.on_request_trailers(
+                &vm.runtime,
+                || buffer(BufferType::HttpRequestBody, usize::MAX >> 1),
+                now_ms(),
+                &HostMetrics,
+            )
+        });
+        self.carry_out(&vm, step, Dir::Request)
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let headers: Vec<(String, String)> = match self.flow.try_borrow() {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        let extra: Vec<(String, String)> = match self.flow.try_borrow() {
             Ok(f) => f.response_headers().to_vec(),
             Err(_) => Vec::new(),
         };
-        for (name, value) in &headers {
+        for (name, value) in &extra {
             let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
         }
-        Action::Continue
+        let headers = header_pairs(MapType::HttpResponseHeaders);
+        let status = headers
+            .iter()
+            .find(|(n, _)| n == ":status")
+            .and_then(|(_, v)| v.parse::<u32>().ok())
+            .unwrap_or(0);
+        let details = property(vec!["response", "code_details"]).unwrap_or_default();
+        let via_upstream = details == "via_upstream";
+        let step = self.with_flow(|f| {
+            f.on_response_headers(
+                &vm.runtime,
+                status,
+                via_upstream,
+                &details,
+                &headers,
+                end_of_stream,
+                now_ms(),
+                &HostMetrics,
+            )
+        });
+        self.carry_out(&vm, step, Dir::Response)
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        let step = self.with_flow(|f| {
+            f.on_response_body(
+                &vm.runtime,
+                body_size,
+                end_of_stream,
+                || buffer(BufferType::HttpResponseBody, body_size),
+                now_ms(),
+                &HostMetrics,
+            )
+        });
+        self.carry_out(&vm, step, Dir::Response)
     }
 }
 

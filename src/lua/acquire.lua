@@ -1,38 +1,93 @@
--- ratelimit.lua: check n rate limits and consume from them in one atomic call.
+-- acquire.lua: one atomic "acquire" for one hash slot: check n rate limits and consume from
+-- them, then, if they admitted the request, acquire its idempotency record.
 --
--- KEYS[i]  counter key of limit i, i = 1..n (n = #KEYS). All keys share one hash tag and
---          the script touches no other key, so it is Redis Cluster safe.
--- ARGV[1]  cost: integer >= 1, units this request consumes from every limit
--- ARGV[2]  nonce: string unique per request (makes sliding_log members unique)
--- then 5 values per limit i, starting at ARGV[3 + (i-1)*5]:
+-- KEYS[1..n]   rate-limit counters, KEYS[i] for limit i (n = ARGV[1]; may be 0)
+-- KEYS[n+1]    idempotency record, present iff the idempotency section is on
+--              All keys share one hash tag and the script touches no other key, so it is
+--              Redis Cluster safe.
+-- ARGV[1]      n: number of rate limits (integer >= 0)
+-- ARGV[2]      cost: integer >= 1, units this request consumes from every limit
+-- ARGV[3]      nonce: string unique per request (makes sliding_log members unique)
+-- ARGV[4 .. 3+5n]  five values per limit i, starting at ARGV[4 + (i-1)*5]:
 --   algo       "fw" fixed_window | "sw" sliding_window | "sl" sliding_log | "tb" token_bucket
 --   limit      integer > 0
 --   window_ms  integer > 0
 --   burst      integer > 0, token bucket capacity (ignored by fw/sw/sl)
 --   shadow     "1": reported but never rejects | "0"
+-- ARGV[4+5n]   "1": idempotency section on | "0": off (then ARGV[5+5n..7+5n] may be omitted)
+-- ARGV[5+5n]   fingerprint ("sha256:<64 hex>")
+-- ARGV[6+5n]   owner token (32 hex)
+-- ARGV[7+5n]   processing_ttl_ms: integer > 0, lease of the PROCESSING record
 --
--- Reply: flat array of 1 + 4n integers
---   [1]  admitted: 1 if every non-shadow limit allows the request, else 0
---   then per limit i, at 2 + (i-1)*4:
+-- Reply: flat array
+--   [1]  admitted: 1 if every non-shadow limit allows the request, else 0 (1 when n = 0)
+--   then 4 integers per limit i, at 2 + (i-1)*4:
 --     allowed         1/0, this limit's own verdict
 --     remaining       units left, after consumption if admitted, else as of now; >= 0
 --     reset_ms        ms until this limit's quota is fully restored if nothing else arrives
 --                     (fw: until the window ends, window_ms if no window is open); >= 0
 --     retry_after_ms  if allowed == 0: ms until a request of this cost would be allowed, >= 1;
 --                     else 0
+--   then, iff the idempotency section is on, 3 more values at 2 + 4n:
+--     code     integer: 0 SKIPPED (rate limits did not admit; nothing written)
+--                       1 ACQUIRED (PROCESSING record created, owned by ARGV[6+5n])
+--                       2 IN_PROGRESS (same fingerprint, state PROCESSING)
+--                       3 COMPLETED (same fingerprint)
+--                       4 CONFLICT (different fingerprint, any state)
+--                       5 UNREADABLE (the value is not a record we can read: not JSON, not an
+--                         object, no string fingerprint, state neither PROCESSING nor
+--                         COMPLETED, or not a string key at all)
+--     pttl_ms  integer: the record's PTTL after the call (-2 if absent, -1 if it has no TTL)
+--     record   bulk string: the stored record JSON for code 3, else "" (never for CONFLICT)
 --
--- Two phases: check every limit without writing, then, only if admitted, consume `cost` from
--- every limit whose own verdict is allow. A rejected request consumes nothing anywhere.
+-- Order: rate limits first, then idempotency. Phase 1 checks every limit without writing;
+-- only if admitted, phase 2 consumes `cost` from every limit whose own verdict is allow, and
+-- then the idempotency record is acquired. So a rejected request consumes nothing anywhere
+-- and writes no record, and a duplicate (codes 2-5) has still consumed its rate limits.
 -- The one write outside that rule: a fw counter found without a TTL gets one, because it
--- would otherwise reject forever.
+-- would otherwise reject forever. An existing record is never written.
+--
+-- The PROCESSING record, compact JSON, TTL processing_ttl_ms:
+--   {"schema_version":1,"state":"PROCESSING","fingerprint":"sha256:..","owner":"..",
+--    "created_ms":<Redis TIME, ms>,"updated_ms":<same>}
+--
+-- Arguments are validated before anything is read or written; a bad one is a script error.
 --
 -- Time comes from redis.call('TIME') so every proxy agrees; it is kept in microseconds
 -- (about 1.7e15, exact in a double) and every reply value is converted to whole ms.
 
+local function bad(what) error('acquire.lua: ' .. what, 0) end
+
+local function count_arg(i, min)
+  local v = tonumber(ARGV[i])
+  if v == nil or v ~= math.floor(v) or v < min or v == math.huge then
+    bad('ARGV[' .. i .. '] must be an integer >= ' .. min .. ', got ' .. tostring(ARGV[i]))
+  end
+  return v
+end
+
+local n = count_arg(1, 0)
+local cost = count_arg(2, 1)
+local nonce = ARGV[3] or bad('ARGV[3] (nonce) is missing')
+local idem_flag = ARGV[4 + 5 * n]
+if idem_flag ~= '0' and idem_flag ~= '1' then
+  bad('ARGV[' .. (4 + 5 * n) .. '] (idempotency flag) must be "0" or "1", got '
+      .. tostring(idem_flag))
+end
+local idem = idem_flag == '1'
+if #KEYS ~= n + (idem and 1 or 0) then
+  bad(#KEYS .. ' keys for ' .. n .. ' limits, idempotency ' .. (idem and 'on' or 'off'))
+end
+local idem_key, fingerprint, owner, processing_ttl_ms
+if idem then
+  idem_key = KEYS[n + 1]
+  fingerprint = ARGV[5 + 5 * n] or bad('fingerprint is missing')
+  owner = ARGV[6 + 5 * n] or bad('owner token is missing')
+  processing_ttl_ms = count_arg(7 + 5 * n, 1)
+end
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cost = tonumber(ARGV[1])
-local nonce = ARGV[2]
 
 -- Integer-valued string of a big double: tostring() would keep only 14 digits.
 local function int(x) return string.format('%.0f', x) end
@@ -188,24 +243,33 @@ algos.tb = {
   end,
 }
 
--- Phase 1: check everything; nothing is written but the fw TTL repair.
+-- Arguments of every limit, parsed before anything is read or written.
 local limits, states = {}, {}
-local admitted = true
-for i = 1, #KEYS do
-  local a = 3 + (i - 1) * 5
-  local p = { algo = algos[ARGV[a]] or error('ratelimit.lua: unknown algo ' .. tostring(ARGV[a])),
-              limit = tonumber(ARGV[a + 1]),
-              window_ms = tonumber(ARGV[a + 2]), burst = tonumber(ARGV[a + 3]),
+for i = 1, n do
+  local a = 4 + (i - 1) * 5
+  local p = { algo = algos[ARGV[a]] or bad('unknown algo ' .. tostring(ARGV[a])),
+              limit = count_arg(a + 1, 1),
+              window_ms = count_arg(a + 2, 1), burst = count_arg(a + 3, 1),
               shadow = ARGV[a + 4] == '1' }
+  if ARGV[a + 4] ~= '0' and ARGV[a + 4] ~= '1' then
+    bad('ARGV[' .. (a + 4) .. '] (shadow) must be "0" or "1", got ' .. tostring(ARGV[a + 4]))
+  end
   p.w = p.window_ms * 1000
+  limits[i] = p
+end
+
+-- Phase 1: check everything; nothing is written but the fw TTL repair.
+local admitted = true
+for i = 1, n do
+  local p = limits[i]
   local s = p.algo.check(KEYS[i], p)
   if not s.ok and not p.shadow then admitted = false end
-  limits[i], states[i] = p, s
+  states[i] = s
 end
 
 -- Phase 2: consume only if admitted, and only where this limit's own verdict is allow.
 local reply = { admitted and 1 or 0 }
-for i = 1, #KEYS do
+for i = 1, n do
   local p, s = limits[i], states[i]
   local remaining, reset = s.remaining, s.reset_ms
   if admitted and s.ok then remaining, reset = p.algo.consume(KEYS[i], p, s) end
@@ -214,4 +278,42 @@ for i = 1, #KEYS do
   reply[#reply + 1] = reset
   reply[#reply + 1] = s.ok and 0 or s.retry_ms
 end
+if not idem then return reply end
+
+-- Idempotency: create the PROCESSING record if absent, else report what is there.
+local SKIPPED, ACQUIRED, IN_PROGRESS, COMPLETED, CONFLICT, UNREADABLE = 0, 1, 2, 3, 4, 5
+
+-- Decoded record, or nil if the value is not one we can read.
+local function decode(raw)
+  local ok, rec = pcall(cjson.decode, raw)
+  if not ok or type(rec) ~= 'table' or type(rec.fingerprint) ~= 'string' then return nil end
+  if rec.state ~= 'PROCESSING' and rec.state ~= 'COMPLETED' then return nil end
+  return rec
+end
+
+local function acquire()
+  if not admitted then return SKIPPED, '' end
+  local kind = redis.call('TYPE', idem_key)
+  kind = type(kind) == 'table' and kind.ok or kind
+  if kind == 'none' then
+    local now_ms = int(math.floor(now / 1000))
+    local record = '{"schema_version":1,"state":"PROCESSING","fingerprint":'
+      .. cjson.encode(fingerprint) .. ',"owner":' .. cjson.encode(owner)
+      .. ',"created_ms":' .. now_ms .. ',"updated_ms":' .. now_ms .. '}'
+    redis.call('SET', idem_key, record, 'PX', int(processing_ttl_ms), 'NX')
+    return ACQUIRED, ''
+  end
+  if kind ~= 'string' then return UNREADABLE, '' end
+  local raw = redis.call('GET', idem_key)
+  local rec = decode(raw)
+  if rec == nil then return UNREADABLE, '' end
+  if rec.fingerprint ~= fingerprint then return CONFLICT, '' end
+  if rec.state == 'PROCESSING' then return IN_PROGRESS, '' end
+  return COMPLETED, raw
+end
+
+local code, record = acquire()
+reply[#reply + 1] = code
+reply[#reply + 1] = redis.call('PTTL', idem_key)
+reply[#reply + 1] = record
 return reply

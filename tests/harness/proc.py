@@ -1,0 +1,203 @@
+"""Start real processes on free loopback ports and stop them by their own pid.
+
+Every process gets a free port, a log file, a start-up deadline and is stopped (SIGTERM, then
+SIGKILL) by the pid we started, never by name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Every Proc that has not been stopped yet, by pid; `stop_all()` is the safety net at exit.
+_RUNNING: dict[int, "Proc"] = {}
+_PR_SET_PDEATHSIG = 1
+
+
+class PrerequisiteMissing(RuntimeError):
+    """A binary the tests need is not installed; the message names the command that fixes it."""
+
+
+def require_binary(name: str, fix: str = "make deps") -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise PrerequisiteMissing(f"`{name}` is not installed; run `{fix}`")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reserve_dead_port() -> tuple[socket.socket, int]:
+    """A loopback port that refuses connections for as long as the socket is kept open.
+
+    The socket is bound but never listens: connecting gets RST at once, and no other process
+    can take the port in the meantime (a merely "free" port could be reused by anyone).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock, sock.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout}s")
+
+
+def wait_http(url: str, timeout: float, proc: "Proc | None" = None, expect: int | None = None) -> int:
+    """Poll `url` until it answers (with `expect`, if given); returns the status code."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                last = resp.status
+        except urllib.error.HTTPError as e:
+            last = e.code
+        except OSError as e:
+            last = e
+        if isinstance(last, int) and (expect is None or last == expect):
+            return last
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer {expect or 'at all'} within {timeout}s (last: {last!r})")
+
+
+def _die_with_parent() -> None:
+    """Child side of Popen: get SIGTERM if the test runner dies, so nothing outlives it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def stop_all() -> list[str]:
+    """Stop every Proc still running (by pid); returns their names, so callers can complain."""
+    leftovers = [f"{p.name} (pid {p.pid})" for p in list(_RUNNING.values())]
+    for proc in list(_RUNNING.values()):
+        proc.stop()
+    return leftovers
+
+
+class Proc:
+    """One child process with its own log file; `stop()` signals exactly its pid.
+
+    The child runs in its own session (a Ctrl-C in the terminal reaches only the harness) and
+    gets SIGTERM if the thread that started it dies, so a killed test run leaves nothing behind.
+    """
+
+    def __init__(self, name: str, argv: list[str], workdir: Path, env: dict | None = None):
+        self.name = name
+        self.argv = argv
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=workdir,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        self.pid = self.popen.pid
+        _RUNNING[self.pid] = self
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit code, or None if the process is still running after `timeout` seconds."""
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        _RUNNING.pop(self.pid, None)
+        if self.popen.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.popen.wait(timeout=timeout)
+        if not self._log.closed:
+            self._log.close()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+class RedisServer:
+    """A throwaway redis-server on a free port, no persistence."""
+
+    def __init__(self, workdir: Path, port: int | None = None):
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.proc: Proc | None = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        """Start (or restart, on the same port) the server and wait until it listens."""
+        binary = require_binary("redis-server")
+        self.proc = Proc(
+            f"redis-{self.port}",
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)],
+            self.workdir,
+        )
+        try:
+            wait_for_port(self.port, timeout, self.proc.popen)
+        except Exception:
+            self.proc.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def client(self):
+        import redis  # installed into .venv by `make deps`
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)

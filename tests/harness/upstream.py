@@ -1,0 +1,214 @@
+"""The protected service: an HTTP/1.1 server that counts what it executed.
+
+Tests assert on its side effects ("did the second POST /orders reach the service?"), so every
+request it serves is recorded; the admin endpoints under /__upstream/ are not.
+
+Run standalone: `python tests/harness/upstream.py --port 8080` (port 0 picks a free one; the
+first line on stdout names the address). Import `Upstream` to run it as a child process that a
+test stops by pid.
+
+Request headers that steer the answer:
+- `x-upstream-delay-ms: N`   sleep N ms before answering
+- `x-upstream-status: S`     answer with status S
+- `x-upstream-header-<name>: v` add response header `<name>: v`
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+RECORDED_HEADERS = ("x-tenant-id", "x-user-id", "x-fencing-token", "x-idempotency-fingerprint",
+                    "idempotency-key")
+ADMIN_PREFIX = "/__upstream/"
+
+
+class Ledger:
+    """Everything served, guarded by one lock (the server is threaded)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_path: dict[str, int] = {}
+        self.requests: list[dict] = []
+
+    def record(self, entry: dict) -> int:
+        key = f"{entry['method']} {entry['path']}"
+        with self.lock:
+            self.by_path[key] = self.by_path.get(key, 0) + 1
+            entry["served"] = self.by_path[key]
+            self.requests.append(entry)
+            return self.by_path[key]
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"total": len(self.requests), "by_path": dict(self.by_path),
+                    "requests": list(self.requests)}
+
+    def reset(self) -> None:
+        with self.lock:
+            self.by_path.clear()
+            self.requests.clear()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "cg-upstream"
+    ledger: Ledger  # set on the subclass made by `serve`
+
+    def log_message(self, fmt: str, *args) -> None:  # quiet: the ledger is the log
+        pass
+
+    def _read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    break
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+            return b"".join(chunks)
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _send(self, status: int, payload: dict, extra: dict | None = None) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (extra or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _handle(self) -> None:
+        body = self._read_body()
+        path = self.path.split("?", 1)[0]
+        if path.startswith(ADMIN_PREFIX):
+            return self._admin(path)
+        delay_ms = int(self.headers.get("x-upstream-delay-ms") or 0)
+        if delay_ms > 0:
+            time.sleep(delay_ms / 1000)
+        entry = {
+            "method": self.command,
+            "path": path,
+            "headers": {h: self.headers.get(h) for h in RECORDED_HEADERS if h in self.headers},
+            "body_sha256": hashlib.sha256(body).hexdigest(),
+            "body_len": len(body),
+            "time": time.time(),
+        }
+        served = self.ledger.record(entry)
+        status = int(self.headers.get("x-upstream-status") or 200)
+        extra = {name[len("x-upstream-header-"):]: value for name, value in self.headers.items()
+                 if name.lower().startswith("x-upstream-header-")}
+        self._send(status, {"served": served, "method": self.command, "path": path}, extra)
+
+    def _admin(self, path: str) -> None:
+        if path == ADMIN_PREFIX + "stats" and self.command == "GET":
+            return self._send(200, self.ledger.snapshot())
+        if path == ADMIN_PREFIX + "reset" and self.command == "POST":
+            self.ledger.reset()
+            return self._send(200, {"reset": True})
+        self._send(404, {"error": f"no admin endpoint {self.command} {path}"})
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _handle
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024
+
+
+def serve(port: int) -> None:
+    handler = type("BoundHandler", (Handler,), {"ledger": Ledger()})
+    server = Server(("127.0.0.1", port), handler)
+    print(f"upstream listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+class Upstream:
+    """The upstream as a child process on a kernel-chosen port; stopped by its pid."""
+
+    def __init__(self, workdir: Path, port: int = 0):
+        self.workdir = Path(workdir)
+        self.requested_port = port
+        self.port: int | None = None
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> "Upstream":
+        from .proc import Proc, wait_for_port
+
+        self.proc = Proc(f"upstream-{self.requested_port or 'any'}",
+                         [sys.executable, "-u", __file__, "--port", str(self.requested_port)],
+                         self.workdir)
+        try:
+            deadline = time.monotonic() + timeout
+            while self.port is None:
+                for line in self.proc.log_text().splitlines():
+                    if line.startswith("upstream listening on "):
+                        self.port = int(line.rsplit(":", 1)[1])
+                if self.port is None:
+                    if not self.proc.alive() or time.monotonic() > deadline:
+                        raise RuntimeError(f"upstream did not start:\n{self.proc.log_tail()}")
+                    time.sleep(0.05)
+            wait_for_port(self.port, max(0.1, deadline - time.monotonic()), self.proc.popen)
+        except Exception:
+            self.proc.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def _admin(self, method: str, name: str) -> dict:
+        req = urllib.request.Request(f"{self.url}{ADMIN_PREFIX}{name}", method=method,
+                                     data=b"" if method == "POST" else None)
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def stats(self) -> dict:
+        """`{"total": n, "by_path": {"POST /orders": 3}, "requests": [...]}`"""
+        return self._admin("GET", "stats")
+
+    def count(self, method: str, path: str) -> int:
+        return self.stats()["by_path"].get(f"{method} {path}", 0)
+
+    def requests(self) -> list[dict]:
+        return self.stats()["requests"]
+
+    def reset(self) -> None:
+        self._admin("POST", "reset")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    serve(parser.parse_args(argv).port)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()

@@ -1,0 +1,120 @@
+"""webdis: the HTTP gateway in front of Redis that the filter calls through Envoy.
+
+The ACL is locked down the way a deployment should be: anonymous clients can run nothing, and
+the filter's Basic-auth user can run only EVAL and EVALSHA.
+
+Observed with Debian's webdis 0.1.9 (tests/test_harness.py pins these):
+- POST `/` with body `EVAL/<script>/<numkeys>/<args...>.raw` answers 200 with raw RESP; path
+  segments are percent-decoded.
+- Redis errors (`-NOSCRIPT ...`, `-ERR ...`) still come back as HTTP 200 with the error line.
+- Anonymous or disallowed command: 403 with an empty body.
+- A POST with `Connection: close` sometimes gets no answer at all (webdis bug); Envoy keeps
+  upstream connections alive, so only hand-written clients need to care.
+- Redis down: 503 with an empty body, answered at once; webdis reconnects by itself within a
+  few milliseconds of Redis coming back on the same port.
+- Raw replies are re-encoded by webdis: integers inside arrays come back as bulk strings, and
+  nil or nested-array elements are dropped while the `*N` count is kept (a malformed reply), so
+  scripts must return flat arrays of strings/integers.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import urllib.parse
+from pathlib import Path
+
+from .proc import Proc, free_port, require_binary, wait_for_port
+
+
+class Webdis:
+    """One webdis process. `start()` again after `stop()` reuses the same port and config."""
+
+    def __init__(self, workdir: Path, redis_port: int, user: str = "cg", password: str = "secret",
+                 port: int | None = None):
+        self.workdir = Path(workdir)
+        self.redis_port = redis_port
+        self.user = user
+        self.password = password
+        self.port = port or free_port()
+        self.proc: Proc | None = None
+        self.config_path = self.workdir / "webdis.json"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def authorization(self) -> str:
+        """The `Authorization` header value the filter must send (`redis.authorization`)."""
+        token = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+        return f"Basic {token}"
+
+    def config(self) -> dict:
+        return {
+            "redis_host": "127.0.0.1",
+            "redis_port": self.redis_port,
+            "redis_auth": None,
+            "http_host": "127.0.0.1",
+            "http_port": self.port,
+            "threads": 2,
+            "daemonize": False,
+            "database": 0,
+            "acl": [
+                {"disabled": ["*"]},
+                {"http_basic_auth": f"{self.user}:{self.password}", "enabled": ["EVALSHA", "EVAL"]},
+            ],
+            "verbosity": 1,
+            "logfile": str(self.workdir / "webdis.log"),
+        }
+
+    def start(self, timeout: float = 10.0) -> "Webdis":
+        binary = require_binary("webdis")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
+        # webdis without a config file starts on 7379 with everything allowed: always pass one.
+        self.proc = Proc(f"webdis-{self.port}", [binary, str(self.config_path)], self.workdir)
+        try:
+            wait_for_port(self.port, timeout, self.proc.popen)
+        except Exception:
+            self.proc.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def restart(self, timeout: float = 10.0) -> "Webdis":
+        self.stop()
+        return self.start(timeout)
+
+    def command(self, *parts: str | int | bytes, auth: bool = True, timeout: float = 5.0) -> tuple[int, bytes]:
+        """POST one command the way the filter does (raw output); returns (status, body).
+
+        Sent without `Connection: close`: webdis 0.1.9 sometimes drops the answer to a POST
+        that carries it (about 1 in 5 here), so clients must keep the connection alive.
+        """
+        segments = [urllib.parse.quote(p if isinstance(p, bytes) else str(p), safe="") for p in parts]
+        body = ("/".join(segments) + ".raw").encode()
+        headers = {"Content-Type": "application/x-www-form-urlencoded"}
+        if auth:
+            headers["Authorization"] = self.authorization
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("POST", "/", body=body, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def eval(self, script: str, keys: list = (), args: list = (), auth: bool = True) -> tuple[int, bytes]:
+        return self.command("EVAL", script, len(keys), *keys, *args, auth=auth)
+
+    def log_text(self) -> str:
+        path = self.workdir / "webdis.log"
+        return path.read_text(errors="replace") if path.exists() else ""

@@ -1,0 +1,259 @@
+"""The test frame itself: processes start, talk and stop the way the e2e suite relies on."""
+
+import hashlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.demo import PORTS, render_demo
+from harness.envoy import envoy_binary, validate_config
+from harness.proc import ROOT, PrerequisiteMissing, free_port
+from harness.stack import BLACKHOLE_CLUSTER, DEAD_CLUSTER, GATEWAY_CLUSTER
+
+DEMO_PLUGIN = json.loads((ROOT / "envoy" / "demo-plugin.json").read_text())
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A stopped child we have not reaped yet would still be a zombie: treat that as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def stack_pids(stack) -> list[int]:
+    parts = [stack.redis_server, stack.webdis, stack.upstream, *stack.envoys]
+    return [p.proc.pid for p in parts]
+
+
+def test_plain_envoy_proxies_to_the_counting_upstream(stack_factory):
+    stack = stack_factory()
+    first = stack.envoy.request("POST", "/orders", headers={"x-tenant-id": "acme", "idempotency-key": "k1"},
+                                body=b"hello")
+    second = stack.envoy.request("POST", "/orders", headers={
+        "x-upstream-status": "201", "x-upstream-header-x-order-id": "42"})
+    stack.envoy.request("GET", "/health")
+
+    assert (first.status, first.json()["served"]) == (200, 1)
+    assert (second.status, second.json()["served"], second.headers["x-order-id"]) == (201, 2, "42")
+    stats = stack.upstream.stats()
+    assert stats["total"] == 3
+    assert stats["by_path"] == {"POST /orders": 2, "GET /health": 1}
+    recorded = stats["requests"][0]
+    assert recorded["headers"] == {"x-tenant-id": "acme", "idempotency-key": "k1"}
+    assert recorded["body_sha256"] == hashlib.sha256(b"hello").hexdigest()
+    assert stack.envoy.stat("cluster.upstream.upstream_rq_completed") == 3
+
+    stack.upstream.reset()
+    assert stack.upstream.stats() == {"total": 0, "by_path": {}, "requests": []}
+
+
+def test_upstream_delays_and_reads_chunked_bodies(stack_factory):
+    stack = stack_factory()
+    slow = stack.envoy.request("GET", "/slow", headers={"x-upstream-delay-ms": "300"})
+    assert slow.status == 200 and slow.elapsed >= 0.3
+
+    conn = http.client.HTTPConnection("127.0.0.1", stack.envoy.port, timeout=5)
+    conn.request("POST", "/chunked", body=iter([b"ab", b"cd"]), encode_chunked=True,
+                 headers={"Transfer-Encoding": "chunked"})
+    assert conn.getresponse().status == 200
+    conn.close()
+    assert stack.upstream.requests()[-1]["body_sha256"] == hashlib.sha256(b"abcd").hexdigest()
+
+
+def test_webdis_allows_only_eval_for_the_filter_user(stack_factory):
+    webdis = stack_factory().webdis
+
+    assert webdis.eval("return 1") == (200, b":1\r\n")
+    assert webdis.eval("return 1", auth=False) == (403, b"")
+    assert webdis.command("GET", "x") == (403, b"")
+    assert webdis.command("EVALSHA", "0" * 40, 0)[1].startswith(b"-NOSCRIPT")
+    # Arguments are percent-decoded, so any byte survives the trip.
+    assert webdis.eval("return ARGV[1]", [], ["a/b%c d"]) == (200, b"$7\r\na/b%c d\r\n")
+    assert webdis.authorization == "Basic Y2c6c2VjcmV0"
+
+
+def test_webdis_reencodes_raw_array_replies(stack_factory):
+    """Pins webdis 0.1.9's quirks that the filter's RESP parser and the Lua scripts live with."""
+    webdis = stack_factory().webdis
+
+    assert webdis.eval("return {1, 'a', -5}")[1] == b"*3\r\n$1\r\n1\r\n$1\r\na\r\n$2\r\n-5\r\n"
+    # nil and nested arrays are dropped, the count is not: scripts must return flat, nil-free arrays.
+    assert webdis.eval("return {1, false, 3}")[1] == b"*3\r\n$1\r\n1\r\n$1\r\n3\r\n"
+    assert webdis.eval("return {1, {2}, 3}")[1] == b"*3\r\n$1\r\n1\r\n$1\r\n3\r\n"
+    assert webdis.eval("return redis.error_reply('boom')") == (200, b"-ERR boom\r\n")
+
+
+def test_webdis_answers_503_while_redis_is_down(stack_factory):
+    stack = stack_factory()
+    stack.redis.set("before", "1")
+    stack.stop_redis()
+
+    started = time.monotonic()
+    assert stack.webdis.eval("return 1") == (503, b"")
+    assert time.monotonic() - started < 0.5
+
+    stack.start_redis()  # waits until webdis has reconnected
+    assert stack.webdis.eval("return 1") == (200, b":1\r\n")
+    assert stack.redis.get("before") is None  # no persistence: a restarted Redis is empty
+
+
+def test_webdis_restarts_on_the_same_port(stack_factory):
+    webdis = stack_factory().webdis
+    port, pid = webdis.port, webdis.proc.pid
+    webdis.restart()
+    assert (webdis.port, webdis.eval("return 2")) == (port, (200, b":2\r\n"))
+    assert webdis.proc.pid != pid and not pid_alive(pid)
+
+
+def test_gateway_clusters_through_envoy(stack_factory):
+    stack = stack_factory()
+    envoy = stack.add_envoy(None, cluster_header="x-harness-cluster")
+    body = b"EVAL/return%201/0.raw"
+    headers = {"Authorization": stack.webdis.authorization}
+
+    def via(cluster):
+        return envoy.request("POST", "/", headers={**headers, "x-harness-cluster": cluster}, body=body)
+
+    ok = via(GATEWAY_CLUSTER)
+    assert (ok.status, ok.body) == (200, b":1\r\n")
+
+    dead = via(DEAD_CLUSTER)
+    assert dead.status == 503 and dead.elapsed < 0.5, dead
+
+    hang = via(BLACKHOLE_CLUSTER)  # the harness route times out after 2 s
+    assert hang.status == 504 and hang.elapsed >= 1.9, hang
+    assert stack.blackhole.accepted >= 1 and stack.blackhole.bytes_received > 0
+
+
+def test_stack_stops_every_process_it_started(stack_factory):
+    stack = stack_factory(envoys=2)
+    pids = stack_pids(stack)
+    assert len(pids) == 5 and all(pid_alive(p) for p in pids)
+    assert stack.envoys[0].port != stack.envoys[1].port
+
+    stack.stop()
+    assert [p for p in pids if pid_alive(p)] == []
+
+
+def test_failed_start_stops_what_was_already_running(tmp_path):
+    from harness.stack import Stack
+
+    stack = Stack(tmp_path, {"policies": []}, wasm_path=tmp_path / "missing.wasm")
+    with pytest.raises(PrerequisiteMissing, match="make build"):
+        stack.start()
+    pids = [stack.redis_server.proc.pid, stack.webdis.proc.pid, stack.upstream.proc.pid]
+    assert [p for p in pids if pid_alive(p)] == []
+
+
+def test_envoy_bin_override_must_be_executable(monkeypatch, tmp_path):
+    not_executable = tmp_path / "envoy"
+    not_executable.write_text("")
+    monkeypatch.setenv("ENVOY_BIN", str(not_executable))
+    with pytest.raises(PrerequisiteMissing, match="ENVOY_BIN"):
+        envoy_binary()
+    monkeypatch.delenv("ENVOY_BIN")
+    assert os.access(envoy_binary(), os.X_OK)
+
+
+def test_benchmark_variants_start(stack_factory):
+    stack = stack_factory(None, direct_response=True)
+    limited = stack.add_envoy(None, local_ratelimit={"max_tokens": 2, "fill_interval": "60s"},
+                              direct_response=False)
+
+    assert stack.envoy.request("GET", "/").body == b"ok\n"
+    assert stack.upstream.stats()["total"] == 0
+    statuses = [limited.request("GET", "/").status for _ in range(3)]
+    assert statuses == [200, 200, 429]
+
+
+# --- with the real filter (target/wasm32-wasip1/release/coordination_guard.wasm, `make build`) ---
+
+
+def demo_plugin_for(stack) -> dict:
+    return {**DEMO_PLUGIN, "redis": {**DEMO_PLUGIN["redis"], **stack.redis_section(key_prefix="cg:demo")}}
+
+
+def test_filter_metrics_carry_policy_and_limit_labels(stack_factory):
+    stack = stack_factory(None)
+    envoy = stack.add_envoy(demo_plugin_for(stack))
+    assert envoy.request("POST", "/orders", headers={"x-tenant-id": "acme", "x-user-id": "alice"}).status == 200
+
+    name = "wasmcustom.cg.policy.create-order.limit.tenant.allowed"
+    assert envoy.stat(name) == 1
+    samples = envoy.prometheus_samples()
+    assert samples['cg_policy_limit_allowed{cg_policy="create-order",cg_limit="tenant"}'] == 1
+    assert samples['cg_policy_limit_allowed{cg_policy="default",cg_limit="global"}'] == 0
+
+
+def test_envoy_refuses_a_plugin_config_the_filter_rejects(stack_factory):
+    stack = stack_factory(None)
+    code, log = stack.envoy_expect_failure({**demo_plugin_for(stack), "no_such_field": 1})
+    assert code == 1, log
+    assert "Unable to create Wasm plugin coordination-guard" in log
+
+
+def test_demo_config_validates(tmp_path):
+    config = render_demo(tmp_path / "demo.yaml")
+    assert validate_config(config) == (0, f"configuration '{config}' OK\n")
+
+
+def test_demo_runs_and_stops_on_sigint(tmp_path):
+    ports = {name: free_port() for name in PORTS}
+    argv = [sys.executable, "-m", "harness.demo", "--out", str(tmp_path / "demo.yaml"),
+            "--logs", str(tmp_path / "logs")]
+    for name, port in ports.items():
+        argv += [f"--{name}-port", str(port)]
+    demo = subprocess.Popen(argv, cwd=ROOT / "tests", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 30
+        while not lines or not lines[-1].startswith("pids: "):
+            line = demo.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        children = [int(kv.split("=")[1]) for kv in lines[-1].split()[1:]]
+        conn = http.client.HTTPConnection("127.0.0.1", ports["envoy"], timeout=5)
+        conn.request("POST", "/orders", headers={"x-tenant-id": "acme", "x-user-id": "alice"})
+        assert conn.getresponse().status == 200
+        conn.close()
+
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=20) == 0
+        assert [p for p in children if pid_alive(p)] == []
+    finally:
+        if demo.poll() is None:
+            demo.terminate()  # the demo stops its children on SIGTERM too
+            try:
+                demo.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                demo.kill()
+                demo.wait()
+
+
+def test_demo_reports_busy_ports(tmp_path):
+    stack_ports = {name: free_port() for name in PORTS}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", stack_ports["redis"]))
+        busy.listen(1)
+        argv = [sys.executable, "-m", "harness.demo", "--out", str(tmp_path / "demo.yaml"),
+                "--logs", str(tmp_path / "logs")]
+        for name, port in stack_ports.items():
+            argv += [f"--{name}-port", str(port)]
+        result = subprocess.run(argv, cwd=ROOT / "tests", capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert f"redis: 127.0.0.1:{stack_ports['redis']} is in use by " in result.stderr
+    assert f"(pid {os.getpid()})" in result.stderr
