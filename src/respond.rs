@@ -30,6 +30,7 @@ pub enum Problem {
     IdempotencyKeyMissing,
     IdempotencyKeyInvalid,
     RequestBodyTooLarge,
+    RequestBodyTimeout,
     /// The same request is still being processed (409).
     IdempotencyKeyInUse,
     /// The key was used for a different request (422, or 409 by configuration).
@@ -46,6 +47,7 @@ impl Problem {
             Problem::MissingTenant => 401,
             Problem::IdempotencyKeyMissing | Problem::IdempotencyKeyInvalid => 400,
             Problem::RequestBodyTooLarge => 413,
+            Problem::RequestBodyTimeout => 408,
             Problem::IdempotencyKeyInUse => 409,
             Problem::IdempotencyKeyConflict { status } => status,
         }
@@ -59,6 +61,7 @@ impl Problem {
             Problem::IdempotencyKeyMissing => "idempotency_key_missing",
             Problem::IdempotencyKeyInvalid => "idempotency_key_invalid",
             Problem::RequestBodyTooLarge => "request_body_too_large",
+            Problem::RequestBodyTimeout => "request_body_timeout",
             Problem::IdempotencyKeyInUse => "idempotency_key_in_use",
             Problem::IdempotencyKeyConflict { .. } => "idempotency_key_conflict",
         }
@@ -72,6 +75,7 @@ impl Problem {
             Problem::IdempotencyKeyMissing => "Idempotency-Key Missing",
             Problem::IdempotencyKeyInvalid => "Idempotency-Key Invalid",
             Problem::RequestBodyTooLarge => "Content Too Large",
+            Problem::RequestBodyTimeout => "Request Timeout",
             Problem::IdempotencyKeyInUse => "Request In Progress",
             Problem::IdempotencyKeyConflict { .. } => "Idempotency-Key Reused",
         }

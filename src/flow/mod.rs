@@ -157,6 +157,9 @@ impl Default for Flow {
     }
 }
 
+/// How long the filter waits for the next piece of a request body it must fingerprint.
+pub const BODY_IDLE_TIMEOUT_MS: u64 = 10_000;
+
 /// Envoy's `response.code_details` for local replies where the request never reached an
 /// upstream, so a retry cannot repeat a side effect: the record is released.
 const NEVER_SENT: &[&str] = &[
@@ -297,6 +300,7 @@ impl Flow {
                 if idem.needs_body() && !end_of_stream {
                     self.held = Some(held);
                     self.phase = Phase::Buffering;
+                    self.deadline_ms = now_ms.saturating_add(BODY_IDLE_TIMEOUT_MS);
                     return Step::Wait;
                 }
                 return self.start_acquire(rt, held, &[], now_ms, m);
@@ -332,6 +336,7 @@ impl Flow {
                     return self.body_too_large(rt, m);
                 }
                 if !end_of_stream {
+                    self.deadline_ms = now_ms.saturating_add(BODY_IDLE_TIMEOUT_MS);
                     return Step::Wait;
                 }
                 let body = read();
@@ -721,9 +726,14 @@ impl Flow {
         }
     }
 
-    /// When the stream is paused on Redis, the time by which it must go on.
+    /// When the stream is paused (on Redis, or waiting for the request body), the time by
+    /// which it must go on.
     pub fn deadline_ms(&self) -> Option<u64> {
-        matches!(self.phase, Phase::Acquiring | Phase::Completing).then_some(self.deadline_ms)
+        matches!(
+            self.phase,
+            Phase::Buffering | Phase::Acquiring | Phase::Completing
+        )
+        .then_some(self.deadline_ms)
     }
 
     /// The request body is being held (buffering or deciding).
@@ -734,6 +744,21 @@ impl Flow {
     /// The watchdog: decides a stream whose calls outlived the timeout.
     pub fn on_tick(&mut self, rt: &Runtime, now_ms: u64, m: &dyn MetricSink) -> Step {
         match self.deadline_ms() {
+            Some(deadline) if now_ms >= deadline && self.phase == Phase::Buffering => {
+                log::warn!(
+                    "policy {}: no request body data for {} s; if no body ever arrives, the host \
+                     must set allow_on_headers_stop_iteration: true on the Wasm plugin",
+                    self.policy(rt).map_or("", |(p, _)| p.name.as_str()),
+                    BODY_IDLE_TIMEOUT_MS / 1000
+                );
+                self.held = None;
+                self.answer(respond::problem(
+                    Problem::RequestBodyTimeout,
+                    "the request body did not arrive in time",
+                    Map::new(),
+                    Vec::new(),
+                ))
+            }
             Some(deadline) if now_ms >= deadline => {
                 m.increment(rt.metrics.redis.timeouts);
                 if self.phase == Phase::Completing {

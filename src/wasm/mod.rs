@@ -377,6 +377,10 @@ impl Filter {
             }
             Step::Wait => {
                 self.paused = Some(dir);
+                // A stream waiting for its body has a deadline too (see Flow::deadline_ms).
+                if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
+                    waiting.insert(self.context_id, Rc::downgrade(&self.flow));
+                }
                 Action::Pause
             }
             Step::Respond(r) => {
