@@ -263,3 +263,481 @@ fn watchdog_times_out_per_failure_mode() {
     assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
     assert_eq!(open.deadline_ms(), None);
 }
+
+const IDEM_CONFIG: &str = r#"{
+  "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},
+  "policies": [
+    {"name": "orders", "match": {"path_prefix": "/orders"}, "failure_mode": "fail_closed",
+     "rate_limits": [{"name": "tenant", "by": ["tenant"], "algorithm": "fixed_window", "limit": 5, "window": "1m"}],
+     "idempotency": {"max_request_body": "1KiB", "replay_headers": ["content-type", "location"]}},
+    {"name": "async", "match": {"path_prefix": "/async"},
+     "idempotency": {"complete": "async", "required": false, "fingerprint": ["method", "path"]}}
+  ]
+}"#;
+
+fn idem_runtime(rec: &Recorder) -> Runtime {
+    let config = Config::parse(IDEM_CONFIG.as_bytes()).expect("valid");
+    let metrics = rec.metrics(&config);
+    Runtime {
+        config,
+        scripts: Scripts::load(),
+        metrics,
+    }
+}
+
+fn idem_req(path: &str, key: Option<&str>, extra: &[(&str, &str)]) -> Request {
+    let mut headers = vec![
+        (":method".to_string(), "POST".to_string()),
+        (":path".to_string(), path.to_string()),
+        ("x-tenant-id".to_string(), "acme".to_string()),
+        ("content-type".to_string(), "application/json".to_string()),
+    ];
+    if let Some(k) = key {
+        headers.push(("idempotency-key".into(), k.into()));
+    }
+    for (n, v) in extra {
+        headers.push((n.to_string(), v.to_string()));
+    }
+    Request::from_headers(headers, None)
+}
+
+/// An acquire reply: one fixed-window limit (admitted) plus the idempotency section.
+fn acquire_reply(code: i64, record: &str) -> Reply {
+    Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(1),
+        Reply::Int(4),
+        Reply::Int(60_000),
+        Reply::Int(0),
+        Reply::Int(code),
+        Reply::Int(100_000),
+        Reply::Bulk(Some(record.as_bytes().to_vec())),
+    ]))
+}
+
+/// Headers, then the body in two chunks: returns the acquire dispatch.
+fn start_with_body(flow: &mut Flow, rt: &Runtime, rec: &Recorder, body: &[u8]) -> Vec<Outgoing> {
+    let step = flow.on_request(
+        rt,
+        idem_req("/orders", Some("\"k-1\""), &[]),
+        "n",
+        "owner-1",
+        false,
+        0,
+        rec,
+    );
+    assert_eq!(step, Step::Wait, "headers are held while the body is read");
+    assert_eq!(
+        flow.on_request_body(rt, 3, false, Vec::new, 1, rec),
+        Step::Wait
+    );
+    dispatched(flow.on_request_body(rt, body.len(), true, || body.to_vec(), 2, rec))
+}
+
+#[test]
+fn acquire_then_complete_sync() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = Flow::default();
+    let out = start_with_body(&mut flow, &rt, &rec, br#"{ "b": 2, "a": 1 }"#);
+    assert_eq!(out.len(), 1, "the record rides with the tenant limit");
+    let body = String::from_utf8_lossy(&out[0].body).into_owned();
+    assert!(
+        body.contains("%3Aidem%3A%7Bt%2Ed2e79529ba2c46b2%7D%3Aorders%3A"),
+        "{body}"
+    );
+    assert!(!body.contains("k-1"), "the client's key never appears raw");
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(acquire_reply(1, "")), 3, &rec),
+        Step::Continue
+    );
+    assert_eq!(rec.count("cg.policy.orders.idem.acquired"), 1);
+    let fp = flow.upstream_headers().to_vec();
+    assert_eq!(fp.len(), 1);
+    assert_eq!(fp[0].0, FINGERPRINT_HEADER);
+    assert!(fp[0].1.starts_with("sha256:") && fp[0].1.len() == 71);
+
+    // The same body with keys in another order has the same fingerprint.
+    let mut again = Flow::default();
+    start_with_body(&mut again, &rt, &rec, br#"{"a":1,"b":2}"#);
+    again.on_reply(&rt, 0, Ok(acquire_reply(1, "")), 3, &rec);
+    assert_eq!(again.upstream_headers(), &fp[..]);
+
+    let headers = vec![
+        (":status".to_string(), "201".to_string()),
+        ("content-type".to_string(), "application/json".to_string()),
+        ("location".to_string(), "/orders/7".to_string()),
+        ("x-secret".to_string(), "not stored".to_string()),
+    ];
+    let step = flow.on_response_headers(&rt, 201, true, "via_upstream", &headers, false, 4, &rec);
+    assert_eq!(step, Step::Wait, "sync completion holds the response");
+    let out = dispatched(flow.on_response_body(&rt, 9, true, || b"{\"id\":7}".to_vec(), 5, &rec));
+    let body = String::from_utf8_lossy(&out[0].body).into_owned();
+    assert!(body.starts_with("EVALSHA/"), "{body}");
+    assert!(
+        body.contains("location") && !body.contains("x-secret"),
+        "{body}"
+    );
+    assert_eq!(
+        flow.deadline_ms(),
+        Some(55),
+        "the completion is bounded by the timeout"
+    );
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(Reply::Int(1)), 6, &rec),
+        Step::Continue
+    );
+    assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
+    flow.on_done(&rt, &rec);
+    assert!(flow.take_background().is_empty());
+}
+
+#[test]
+fn answers_by_stored_state() {
+    let completed = r#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab","created_ms":1,"updated_ms":2,
+        "response":{"status":201,"headers":[["location","/orders/7"]],"body":"{\"id\":7}"}}"#;
+    let cases: Vec<(i64, &str, u32, &str)> = vec![
+        (2, "", 409, "cg.policy.orders.idem.in_progress"),
+        (4, "", 422, "cg.policy.orders.idem.conflict"),
+        (5, "", 422, "cg.policy.orders.idem.unreadable"),
+        (3, "not json", 422, "cg.policy.orders.idem.unreadable"),
+        (3, completed, 201, "cg.policy.orders.idem.replayed"),
+    ];
+    for (code, record, status, metric) in cases {
+        let rec = Recorder::default();
+        let rt = idem_runtime(&rec);
+        let mut flow = Flow::default();
+        start_with_body(&mut flow, &rt, &rec, b"{}");
+        let Step::Respond(r) = flow.on_reply(&rt, 0, Ok(acquire_reply(code, record)), 3, &rec)
+        else {
+            panic!("code {code}: expected a local answer");
+        };
+        assert_eq!(r.status, status, "code {code}");
+        assert_eq!(rec.count(metric), 1, "code {code}");
+        match status {
+            409 => assert_eq!(r.header("retry-after"), Some("1")),
+            201 => {
+                assert_eq!(r.header(REPLAYED_HEADER), Some("true"));
+                assert_eq!(r.header("location"), Some("/orders/7"));
+                assert_eq!(r.body, b"{\"id\":7}".to_vec());
+            }
+            _ => {
+                assert_eq!(r.header("content-type"), Some("application/problem+json"));
+                let body = String::from_utf8_lossy(&r.body);
+                assert!(body.contains("idempotency_key_conflict"), "{body}");
+            }
+        }
+        assert!(flow.upstream_headers().is_empty(), "nothing goes upstream");
+        flow.on_done(&rt, &rec);
+        assert!(
+            flow.take_background().is_empty(),
+            "nothing to release: not ours"
+        );
+    }
+}
+
+#[test]
+fn bad_keys_and_bodies() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let cases: Vec<(Request, u32, &str)> = vec![
+        (
+            idem_req("/orders", None, &[]),
+            400,
+            "cg.policy.orders.idem.missing_key",
+        ),
+        (
+            idem_req("/orders", Some("\"open"), &[]),
+            400,
+            "cg.policy.orders.idem.invalid_key",
+        ),
+        (
+            idem_req("/orders", Some(&"x".repeat(256)), &[]),
+            400,
+            "cg.policy.orders.idem.invalid_key",
+        ),
+        (
+            idem_req("/orders", Some("k"), &[("content-length", "2048")]),
+            413,
+            "cg.policy.orders.idem.body_too_large",
+        ),
+    ];
+    for (req, status, metric) in cases {
+        let before = rec.count(metric);
+        let mut flow = Flow::default();
+        let Step::Respond(r) = flow.on_request(&rt, req, "n", "o", false, 0, &rec) else {
+            panic!("expected {status}");
+        };
+        assert_eq!(r.status, status);
+        assert_eq!(rec.count(metric), before + 1, "{metric}");
+    }
+    // A body that grows past the limit while buffering.
+    let mut flow = Flow::default();
+    assert_eq!(
+        flow.on_request(
+            &rt,
+            idem_req("/orders", Some("k"), &[]),
+            "n",
+            "o",
+            false,
+            0,
+            &rec
+        ),
+        Step::Wait
+    );
+    let Step::Respond(r) = flow.on_request_body(&rt, 1025, false, Vec::new, 1, &rec) else {
+        panic!("expected 413");
+    };
+    assert_eq!(r.status, 413);
+    // Not required: no key, no idempotency.
+    let mut flow = Flow::default();
+    assert_eq!(
+        flow.on_request(&rt, idem_req("/async", None, &[]), "n", "o", false, 0, &rec),
+        Step::Continue
+    );
+}
+
+#[test]
+fn body_that_never_comes_times_out() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = Flow::default();
+    assert_eq!(
+        flow.on_request(
+            &rt,
+            idem_req("/orders", Some("k"), &[]),
+            "n",
+            "o",
+            false,
+            0,
+            &rec
+        ),
+        Step::Wait
+    );
+    assert_eq!(flow.deadline_ms(), Some(BODY_IDLE_TIMEOUT_MS));
+    assert_eq!(
+        flow.on_tick(&rt, BODY_IDLE_TIMEOUT_MS - 1, &rec),
+        Step::Wait
+    );
+    let Step::Respond(r) = flow.on_tick(&rt, BODY_IDLE_TIMEOUT_MS, &rec) else {
+        panic!("expected 408");
+    };
+    assert_eq!(r.status, 408);
+}
+
+fn forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
+    let mut flow = Flow::default();
+    start_with_body(&mut flow, rt, rec, b"{}");
+    assert_eq!(
+        flow.on_reply(rt, 0, Ok(acquire_reply(1, "")), 3, rec),
+        Step::Continue
+    );
+    flow
+}
+
+#[test]
+fn retryable_statuses_release() {
+    for status in [500, 503, 408, 425, 429] {
+        let rec = Recorder::default();
+        let rt = idem_runtime(&rec);
+        let mut flow = forwarded(&rt, &rec);
+        let out = dispatched(flow.on_response_headers(
+            &rt,
+            status,
+            true,
+            "via_upstream",
+            &[],
+            false,
+            4,
+            &rec,
+        ));
+        let body = String::from_utf8_lossy(&out[0].body).into_owned();
+        assert!(
+            body.contains(&rt.scripts.release.sha1),
+            "status {status} releases"
+        );
+        assert_eq!(
+            flow.on_reply(&rt, 0, Ok(Reply::Int(1)), 5, &rec),
+            Step::Continue
+        );
+        assert_eq!(rec.count("cg.policy.orders.idem.released"), 1);
+    }
+    // 400 is a final answer: stored.
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = forwarded(&rt, &rec);
+    let out =
+        dispatched(flow.on_response_headers(&rt, 400, true, "via_upstream", &[], true, 4, &rec));
+    assert!(String::from_utf8_lossy(&out[0].body).contains(&rt.scripts.complete.sha1));
+}
+
+#[test]
+fn stale_owner_and_failed_completion_are_counted() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = forwarded(&rt, &rec);
+    dispatched(flow.on_response_headers(&rt, 201, true, "via_upstream", &[], true, 4, &rec));
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(Reply::Int(-1)), 5, &rec),
+        Step::Continue
+    );
+    assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
+
+    let mut flow = forwarded(&rt, &rec);
+    dispatched(flow.on_response_headers(&rt, 201, true, "via_upstream", &[], true, 4, &rec));
+    assert_eq!(
+        flow.on_reply(&rt, 0, Err(CallError::Gateway(503)), 5, &rec),
+        Step::Continue
+    );
+    assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 1);
+
+    let mut flow = forwarded(&rt, &rec);
+    dispatched(flow.on_response_headers(&rt, 201, true, "via_upstream", &[], true, 4, &rec));
+    assert_eq!(
+        flow.on_tick(&rt, 1_000, &rec),
+        Step::Continue,
+        "a slow completion lets the response go"
+    );
+    assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 2);
+}
+
+#[test]
+fn envoy_local_replies() {
+    // Never reached an upstream: released.
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = forwarded(&rt, &rec);
+    let out = dispatched(flow.on_response_headers(
+        &rt,
+        503,
+        false,
+        "no_healthy_upstream",
+        &[],
+        true,
+        4,
+        &rec,
+    ));
+    assert!(String::from_utf8_lossy(&out[0].body).contains(&rt.scripts.release.sha1));
+    // Timed out after it was sent: kept PROCESSING.
+    let mut flow = forwarded(&rt, &rec);
+    let step = flow.on_response_headers(
+        &rt,
+        504,
+        false,
+        "upstream_response_timeout",
+        &[],
+        true,
+        4,
+        &rec,
+    );
+    assert_eq!(step, Step::Continue);
+    assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
+    flow.on_done(&rt, &rec);
+    assert!(flow.take_background().is_empty());
+}
+
+#[test]
+fn stream_ends_early() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    // Client gone while the acquire is in flight: release by owner, from the root.
+    let mut flow = Flow::default();
+    start_with_body(&mut flow, &rt, &rec, b"{}");
+    flow.on_done(&rt, &rec);
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::Release);
+    assert_eq!(bg[0].call.args, vec!["owner-1".to_string()]);
+    // Forwarded, then the stream ended without a response: outcome unknown, kept.
+    let mut flow = forwarded(&rt, &rec);
+    flow.on_done(&rt, &rec);
+    assert!(flow.take_background().is_empty());
+    assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
+}
+
+#[test]
+fn async_completion_goes_to_the_root() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = Flow::default();
+    let out = dispatched(flow.on_request(
+        &rt,
+        idem_req("/async", Some("k"), &[]),
+        "n",
+        "o",
+        true,
+        0,
+        &rec,
+    ));
+    assert_eq!(out.len(), 1);
+    let reply = Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(1),
+        Reply::Int(-2),
+        Reply::Bulk(Some(vec![])),
+    ]));
+    assert_eq!(flow.on_reply(&rt, 0, Ok(reply), 1, &rec), Step::Continue);
+    assert_eq!(
+        flow.on_response_headers(&rt, 200, true, "via_upstream", &[], false, 2, &rec),
+        Step::Continue
+    );
+    assert_eq!(
+        flow.on_response_body(&rt, 2, false, || b"ab".to_vec(), 3, &rec),
+        Step::Continue
+    );
+    assert_eq!(
+        flow.on_response_body(&rt, 1, true, || b"c".to_vec(), 4, &rec),
+        Step::Continue
+    );
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::Complete);
+    assert!(
+        bg[0].call.args[3].contains("\"body\":\"abc\""),
+        "{}",
+        bg[0].call.args[3]
+    );
+}
+
+#[test]
+fn rate_limit_rejection_releases_a_record_acquired_elsewhere() {
+    // The record is acquired in the tenant group while another group rejects.
+    let config = Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p",
+          "rate_limits": [{"name": "ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1, "window": "1m"}],
+          "idempotency": {"fingerprint": ["method"]}}]}"#,
+    )
+    .expect("valid");
+    let rec = Recorder::default();
+    let metrics = rec.metrics(&config);
+    let rt = Runtime {
+        config,
+        scripts: Scripts::load(),
+        metrics,
+    };
+    let mut flow = Flow::default();
+    let out = dispatched(flow.on_request(
+        &rt,
+        idem_req("/x", Some("k"), &[]),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    assert_eq!(out.len(), 2);
+    let acquired = Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(1),
+        Reply::Int(-2),
+        Reply::Bulk(Some(vec![])),
+    ]));
+    assert_eq!(flow.on_reply(&rt, 0, Ok(acquired), 1, &rec), Step::Wait);
+    let Step::Respond(r) = flow.on_reply(&rt, 1, Ok(ints(&[0, 0, 0, 100, 100])), 2, &rec) else {
+        panic!("expected 429");
+    };
+    assert_eq!(r.status, 429);
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::Release);
+}

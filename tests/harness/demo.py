@@ -83,6 +83,8 @@ def instructions(ports: dict[str, int], config: Path, logs: Path) -> str:
     order = f"curl -i -X POST -H 'x-tenant-id: acme' -H 'x-user-id: alice' {envoy}/orders"
     burst = ("for i in $(seq 1 8); do curl -s -o /dev/null -w '%{http_code}\\n' -X POST "
              f"-H 'x-tenant-id: acme' -H 'x-user-id: alice' {envoy}/orders; done")
+    idem = (f"curl -i -X POST -H 'x-tenant-id: acme' -H 'x-user-id: bob' "
+            f"-H 'content-type: application/json' -H 'idempotency-key: \"order-0001\"' {envoy}/orders")
     return f"""
 coordination-guard demo is up
   Envoy     {envoy}  (admin {admin})
@@ -95,6 +97,11 @@ An allowed request:
   {order}
 A burst that exceeds the user-burst limit (2/s, burst 3) and gets 429s:
   {burst}
+An idempotent request, sent twice: the second is replayed (Idempotent-Replayed: true) and the
+service runs it once; the same key with another body gets 422:
+  {idem} -d '{{"item": "book", "qty": 1}}'
+  {idem} -d '{{"qty": 1, "item": "book"}}'
+  {idem} -d '{{"item": "pen", "qty": 2}}'
 The filter's metrics:
   curl -s '{admin}/stats?filter=wasmcustom'
   curl -s {admin}/stats/prometheus | grep '^cg_'
