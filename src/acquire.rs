@@ -23,6 +23,17 @@ pub struct IdemAcquire {
     pub processing_ttl_ms: u64,
 }
 
+/// The lease part of an acquire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseAcquire {
+    pub key: String,
+    pub fence_key: String,
+    pub tag: String,
+    pub owner: String,
+    pub ttl_ms: u64,
+    pub fence_ttl_ms: u64,
+}
+
 /// One script call: the limits (indices into `policy.rate_limits`) whose keys share `tag`,
 /// and whether it carries the idempotency acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,6 +41,7 @@ pub struct Group {
     pub tag: String,
     pub limits: Vec<usize>,
     pub idem: bool,
+    pub lease: bool,
     pub call: ScriptCall,
 }
 
@@ -41,6 +53,7 @@ pub fn plan(
     req: &Request,
     nonce: &str,
     idem: Option<&IdemAcquire>,
+    lease: Option<&LeaseAcquire>,
 ) -> Vec<Group> {
     let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
     for (i, limit) in policy.rate_limits.iter().enumerate() {
@@ -54,9 +67,13 @@ pub fn plan(
             None => groups.push((tag, vec![i], vec![key])),
         }
     }
-    if let Some(idem) = idem {
-        if !groups.iter().any(|g| g.0 == idem.tag) {
-            groups.push((idem.tag.clone(), Vec::new(), Vec::new()));
+    for tag in idem
+        .map(|i| &i.tag)
+        .into_iter()
+        .chain(lease.map(|l| &l.tag))
+    {
+        if !groups.iter().any(|g| g.0 == *tag) {
+            groups.push((tag.clone(), Vec::new(), Vec::new()));
         }
     }
     let mut out: Vec<Group> = groups
@@ -77,10 +94,23 @@ pub fn plan(
                 }
                 None => args.push("0".into()),
             }
+            let with_lease = lease.filter(|l| l.tag == tag);
+            match with_lease {
+                Some(l) => {
+                    keys.push(l.key.clone());
+                    keys.push(l.fence_key.clone());
+                    args.push("1".into());
+                    args.push(l.owner.clone());
+                    args.push(l.ttl_ms.to_string());
+                    args.push(l.fence_ttl_ms.to_string());
+                }
+                None => args.push("0".into()),
+            }
             Group {
                 tag,
                 limits,
                 idem: with_idem.is_some(),
+                lease: with_lease.is_some(),
                 call: ScriptCall { keys, args },
             }
         })
@@ -106,22 +136,39 @@ pub enum IdemAnswer {
     Unreadable,
 }
 
-/// A group's reply: admitted, each limit's state in group order, the idempotency answer.
+/// What the lease section of an acquire found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseAnswer {
+    /// Not attempted: the rate limits rejected, or the idempotency answer was not "acquired".
+    Skipped,
+    /// We hold the lease; the fencing token.
+    Acquired { token: i64 },
+    /// Someone else holds it for `pttl_ms` more.
+    Busy { pttl_ms: i64 },
+}
+
+/// A group's reply: admitted, each limit's state in group order, the section answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupReply {
     pub admitted: bool,
     pub states: Vec<LimitState>,
     pub idem: Option<IdemAnswer>,
+    pub lease: Option<LeaseAnswer>,
 }
 
-/// Reads `acquire.lua`'s reply for a group of `n` limits (and the idempotency section).
-pub fn read_reply(reply: &Reply, n: usize, idem: bool) -> Result<GroupReply, CallError> {
+/// Reads `acquire.lua`'s reply for a group of `n` limits and the sections it carries.
+pub fn read_reply(
+    reply: &Reply,
+    n: usize,
+    idem: bool,
+    lease: bool,
+) -> Result<GroupReply, CallError> {
     let bad = |why: &str| CallError::UnexpectedReply(format!("acquire reply: {why}"));
     if let Reply::Error(e) = reply {
         return Err(CallError::Redis(e.clone()));
     }
     let items = reply.as_array().ok_or_else(|| bad("not an array"))?;
-    let want = 1 + 4 * n + if idem { 3 } else { 0 };
+    let want = 1 + 4 * n + if idem { 3 } else { 0 } + if lease { 2 } else { 0 };
     if items.len() != want {
         return Err(bad(&format!("{} values, expected {want}", items.len())));
     }
@@ -164,10 +211,23 @@ pub fn read_reply(reply: &Reply, n: usize, idem: bool) -> Result<GroupReply, Cal
     } else {
         None
     };
+    let lease = if lease {
+        let at = 1 + 4 * n + if idem.is_some() { 3 } else { 0 };
+        let value = int(at + 1)?;
+        Some(match int(at)? {
+            0 => LeaseAnswer::Skipped,
+            1 if value > 0 => LeaseAnswer::Acquired { token: value },
+            2 => LeaseAnswer::Busy { pttl_ms: value },
+            _ => return Err(bad("unknown lease code")),
+        })
+    } else {
+        None
+    };
     Ok(GroupReply {
         admitted,
         states,
         idem,
+        lease,
     })
 }
 
@@ -222,7 +282,7 @@ mod tests {
     fn groups_by_hash_tag() {
         let c = config();
         let (caller, req) = request();
-        let groups = plan("cg:demo", &c.policies[0], &caller, &req, "n1", None);
+        let groups = plan("cg:demo", &c.policies[0], &caller, &req, "n1", None, None);
         assert_eq!(groups.len(), 2);
         assert_eq!(groups[0].tag, "t.d2e79529ba2c46b2");
         assert_eq!(groups[0].limits, vec![0, 1]);
@@ -237,7 +297,7 @@ mod tests {
             g.args,
             vec![
                 "2", "1", "n1", "sw", "100", "60000", "100", "0", "tb", "10", "1000", "20", "0",
-                "0"
+                "0", "0"
             ]
         );
         assert_eq!(
@@ -269,14 +329,21 @@ mod tests {
             &req,
             "n1",
             Some(&idem()),
+            None,
         );
         assert_eq!(groups.len(), 2);
         assert!(groups[0].idem && !groups[1].idem);
         assert_eq!(groups[0].call.keys.len(), 3);
         assert_eq!(groups[0].call.keys[2], idem().key);
         let args = &groups[0].call.args;
-        assert_eq!(&args[args.len() - 4..], &["1", "sha256:ff", "o1", "120000"]);
-        assert_eq!(groups[1].call.args.last().map(String::as_str), Some("0"));
+        assert_eq!(
+            &args[args.len() - 5..],
+            &["1", "sha256:ff", "o1", "120000", "0"]
+        );
+        assert_eq!(
+            &groups[1].call.args[groups[1].call.args.len() - 2..],
+            &["0", "0"]
+        );
         // No tenant-scoped limit: the record gets a group of its own.
         let alone = plan(
             "cg:demo",
@@ -285,13 +352,81 @@ mod tests {
             &req,
             "n1",
             Some(&idem()),
+            None,
         );
         assert_eq!(alone.len(), 2);
         assert_eq!(alone[0].tag, "t.d2e79529ba2c46b2");
         assert_eq!(alone[0].limits, Vec::<usize>::new());
         assert_eq!(
             alone[0].call.args,
-            vec!["0", "1", "n1", "1", "sha256:ff", "o1", "120000"]
+            vec!["0", "1", "n1", "1", "sha256:ff", "o1", "120000", "0"]
+        );
+    }
+
+    #[test]
+    fn lease_rides_with_the_tenant_group() {
+        let c = config();
+        let (caller, req) = request();
+        let lease = LeaseAcquire {
+            key: "cg:lease:{t.d2e79529ba2c46b2}:create-order:r".into(),
+            fence_key: "cg:fence:{t.d2e79529ba2c46b2}:create-order:r".into(),
+            tag: keys::tenant_tag("acme"),
+            owner: "o2".into(),
+            ttl_ms: 10_000,
+            fence_ttl_ms: 604_800_000,
+        };
+        let groups = plan(
+            "cg",
+            &c.policies[0],
+            &caller,
+            &req,
+            "n1",
+            Some(&idem()),
+            Some(&lease),
+        );
+        assert!(groups[0].idem && groups[0].lease);
+        assert_eq!(
+            &groups[0].call.keys[2..],
+            &[idem().key, lease.key.clone(), lease.fence_key.clone()]
+        );
+        let args = &groups[0].call.args;
+        assert_eq!(
+            &args[args.len() - 8..],
+            &[
+                "1",
+                "sha256:ff",
+                "o1",
+                "120000",
+                "1",
+                "o2",
+                "10000",
+                "604800000"
+            ]
+        );
+        let reply = Reply::Array(Some(vec![
+            Reply::Int(1),
+            Reply::Int(1),
+            Reply::Int(0),
+            Reply::Bulk(Some(vec![])),
+            Reply::Int(1),
+            Reply::Bulk(Some(b"1795987737970123".to_vec())),
+        ]));
+        let got = read_reply(&reply, 0, true, true).expect("valid");
+        assert_eq!(
+            got.lease,
+            Some(LeaseAnswer::Acquired {
+                token: 1_795_987_737_970_123
+            })
+        );
+        let busy = Reply::Array(Some(vec![Reply::Int(1), Reply::Int(2), Reply::Int(4200)]));
+        assert_eq!(
+            read_reply(&busy, 0, false, true).expect("valid").lease,
+            Some(LeaseAnswer::Busy { pttl_ms: 4200 })
+        );
+        let bad = Reply::Array(Some(vec![Reply::Int(1), Reply::Int(1), Reply::Int(0)]));
+        assert!(
+            read_reply(&bad, 0, false, true).is_err(),
+            "an acquired lease needs a token"
         );
     }
 
@@ -303,8 +438,8 @@ mod tests {
             tenant: "globex".into(),
             principal: "alice".into(),
         };
-        let a = plan("cg", &c.policies[0], &caller, &req, "n", None);
-        let b = plan("cg", &c.policies[0], &other, &req, "n", None);
+        let a = plan("cg", &c.policies[0], &caller, &req, "n", None, None);
+        let b = plan("cg", &c.policies[0], &other, &req, "n", None, None);
         assert_ne!(a[0].call.keys, b[0].call.keys, "tenant-scoped keys differ");
         assert_eq!(
             a[1].call.keys, b[1].call.keys,
@@ -318,8 +453,13 @@ mod tests {
 
     #[test]
     fn reads_replies() {
-        let got =
-            read_reply(&reply(&[1, 1, 99, 60000, 0, 0, 0, 400, 250]), 2, false).expect("valid");
+        let got = read_reply(
+            &reply(&[1, 1, 99, 60000, 0, 0, 0, 400, 250]),
+            2,
+            false,
+            false,
+        )
+        .expect("valid");
         assert!(got.admitted);
         assert_eq!(
             got.states[1],
@@ -340,12 +480,15 @@ mod tests {
         ];
         for (r, n) in bad {
             assert!(
-                matches!(read_reply(&r, n, false), Err(CallError::UnexpectedReply(_))),
+                matches!(
+                    read_reply(&r, n, false, false),
+                    Err(CallError::UnexpectedReply(_))
+                ),
                 "{r:?}"
             );
         }
         assert_eq!(
-            read_reply(&Reply::Error("ERR boom".into()), 1, false),
+            read_reply(&Reply::Error("ERR boom".into()), 1, false, false),
             Err(CallError::Redis("ERR boom".into()))
         );
     }
@@ -371,16 +514,16 @@ mod tests {
             (3, b"garbage", IdemAnswer::Unreadable),
         ];
         for (code, record, want) in cases {
-            let got = read_reply(&idem_reply(code, record), 0, true).expect("valid");
+            let got = read_reply(&idem_reply(code, record), 0, true, false).expect("valid");
             assert_eq!(got.idem, Some(want), "code {code}");
         }
-        let got = read_reply(&idem_reply(3, completed), 0, true).expect("valid");
+        let got = read_reply(&idem_reply(3, completed), 0, true, false).expect("valid");
         let Some(IdemAnswer::Completed(r)) = got.idem else {
             panic!("expected a completed record");
         };
         assert_eq!(r.response.map(|r| r.status), Some(201));
         assert!(matches!(
-            read_reply(&idem_reply(9, b""), 0, true),
+            read_reply(&idem_reply(9, b""), 0, true, false),
             Err(CallError::UnexpectedReply(_))
         ));
     }

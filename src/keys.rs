@@ -6,6 +6,8 @@
 //! ```text
 //! rate limit:  <prefix>:rl:{<tag>}:<policy>:<limit>:<algo>:<limit>/<window_ms>[/<burst>]:<scope>
 //! idempotency: <prefix>:idem:{t.<tenant hash>}:<policy>:<key hash>
+//! lease:       <prefix>:lease:{t.<tenant hash>}:<policy>:<resource hash>
+//! fence:       <prefix>:fence:{t.<tenant hash>}:<policy>:<resource hash>
 //! ```
 //!
 //! `<key hash>` is 32 hex digits (128 bits) of SHA-256 of the client's Idempotency-Key.
@@ -114,6 +116,19 @@ pub fn idempotency_key(prefix: &str, tenant_tag: &str, policy: &str, key_hash: &
     format!("{prefix}:idem:{{{tenant_tag}}}:{policy}:{key_hash}")
 }
 
+/// The lease key and the fencing counter key of a resource.
+pub fn lease_keys(
+    prefix: &str,
+    tenant_tag: &str,
+    policy: &str,
+    resource_hash: &str,
+) -> (String, String) {
+    (
+        format!("{prefix}:lease:{{{tenant_tag}}}:{policy}:{resource_hash}"),
+        format!("{prefix}:fence:{{{tenant_tag}}}:{policy}:{resource_hash}"),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +141,7 @@ mod tests {
             failure_mode: FailureMode::Closed,
             rate_limits: vec![],
             idempotency: None,
+            lease: None,
         }
     }
 
@@ -212,6 +228,13 @@ mod tests {
             ),
             "cg:demo:idem:{t.d2e79529ba2c46b2}:create-order:532dd433aeb15fea4386d9366377e969"
         );
+    }
+
+    #[test]
+    fn lease_key_shapes() {
+        let (lease, fence) = lease_keys("cg", &tenant_tag("acme"), "activate", "abcd");
+        assert_eq!(lease, "cg:lease:{t.d2e79529ba2c46b2}:activate:abcd");
+        assert_eq!(fence, "cg:fence:{t.d2e79529ba2c46b2}:activate:abcd");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant`
 //! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
 //!   body_too_large|unreadable|released|completed|complete_failed|stale_owner|outcome_unknown`
+//! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource`
 //! * `cg.redis.calls|errors|timeouts|noscript`, histogram `cg.redis.latency_ms`
 
 use crate::config::Config;
@@ -57,6 +58,18 @@ pub struct IdemMetrics {
     pub outcome_unknown: u32,
 }
 
+/// `cg.policy.<policy>.lease.<name>`, defined for policies with `lease`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseMetrics {
+    pub acquired: u32,
+    pub busy: u32,
+    pub waited: u32,
+    pub released: u32,
+    pub extended: u32,
+    pub lost: u32,
+    pub missing_resource: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyMetrics {
     pub failed_open: u32,
@@ -65,6 +78,7 @@ pub struct PolicyMetrics {
     /// One entry per rate limit, in config order.
     pub limits: Vec<LimitMetrics>,
     pub idem: Option<IdemMetrics>,
+    pub lease: Option<LeaseMetrics>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,6 +138,18 @@ impl Metrics {
                             complete_failed: c("complete_failed"),
                             stale_owner: c("stale_owner"),
                             outcome_unknown: c("outcome_unknown"),
+                        }
+                    }),
+                    lease: p.lease.as_ref().map(|_| {
+                        let mut c = |n: &str| counter(format!("{base}.lease.{n}"));
+                        LeaseMetrics {
+                            acquired: c("acquired"),
+                            busy: c("busy"),
+                            waited: c("waited"),
+                            released: c("released"),
+                            extended: c("extended"),
+                            lost: c("lost"),
+                            missing_resource: c("missing_resource"),
                         }
                     }),
                 }

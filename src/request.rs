@@ -122,6 +122,11 @@ pub fn selector_value<'a>(sel: &Selector, caller: &'a Caller, req: &'a Request) 
         Selector::Method => Some(req.method.as_str()),
         Selector::Path => Some(req.path.as_str()),
         Selector::Header(h) => req.header(h),
+        Selector::PathSegment(n) => req.path.split('/').nth(*n).filter(|s| !s.is_empty()),
+        Selector::Query(name) => req.query.split('&').find_map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (k == name).then_some(v)
+        }),
     }
 }
 
@@ -201,6 +206,37 @@ mod tests {
             Config::parse(br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "all"}]}"#)
                 .expect("valid");
         assert!(select_policy(&catch_all.policies, &req("GET", "/", "h")).is_some());
+    }
+
+    #[test]
+    fn selector_values() {
+        let r = req("POST", "/orders/123/activate?mode=fast&x=&dry", "h");
+        let caller = Caller {
+            tenant: "t".into(),
+            principal: "p".into(),
+        };
+        let cases = [
+            (Selector::PathSegment(1), Some("orders")),
+            (Selector::PathSegment(2), Some("123")),
+            (Selector::PathSegment(3), Some("activate")),
+            (Selector::PathSegment(4), None),
+            (Selector::Query("mode".into()), Some("fast")),
+            (Selector::Query("x".into()), Some("")),
+            (Selector::Query("dry".into()), Some("")),
+            (Selector::Query("missing".into()), None),
+            (Selector::Header("x-tenant-id".into()), Some("acme")),
+            (Selector::Method, Some("POST")),
+            (Selector::Path, Some("/orders/123/activate")),
+        ];
+        for (sel, want) in cases {
+            assert_eq!(selector_value(&sel, &caller, &r), want, "{sel:?}");
+        }
+        let trailing = req("POST", "/orders//x", "h");
+        assert_eq!(
+            selector_value(&Selector::PathSegment(2), &caller, &trailing),
+            None,
+            "empty segment"
+        );
     }
 
     #[test]

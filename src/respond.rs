@@ -37,6 +37,10 @@ pub enum Problem {
     IdempotencyKeyConflict {
         status: u32,
     },
+    /// Another request holds the lease on this resource (409).
+    ResourceLocked,
+    /// The request does not carry the lease's resource selector (400).
+    LeaseResourceMissing,
 }
 
 impl Problem {
@@ -50,6 +54,8 @@ impl Problem {
             Problem::RequestBodyTimeout => 408,
             Problem::IdempotencyKeyInUse => 409,
             Problem::IdempotencyKeyConflict { status } => status,
+            Problem::ResourceLocked => 409,
+            Problem::LeaseResourceMissing => 400,
         }
     }
 
@@ -64,6 +70,8 @@ impl Problem {
             Problem::RequestBodyTimeout => "request_body_timeout",
             Problem::IdempotencyKeyInUse => "idempotency_key_in_use",
             Problem::IdempotencyKeyConflict { .. } => "idempotency_key_conflict",
+            Problem::ResourceLocked => "resource_locked",
+            Problem::LeaseResourceMissing => "lease_resource_missing",
         }
     }
 
@@ -78,6 +86,8 @@ impl Problem {
             Problem::RequestBodyTimeout => "Request Timeout",
             Problem::IdempotencyKeyInUse => "Request In Progress",
             Problem::IdempotencyKeyConflict { .. } => "Idempotency-Key Reused",
+            Problem::ResourceLocked => "Resource Locked",
+            Problem::LeaseResourceMissing => "Lease Resource Missing",
         }
     }
 }

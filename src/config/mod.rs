@@ -38,6 +38,10 @@ pub enum Selector {
     Path,
     /// A request header, lower-cased name.
     Header(String),
+    /// The N-th `/`-separated segment of the path (`/orders/123/activate`: 2 is `123`).
+    PathSegment(usize),
+    /// A query parameter's raw value.
+    Query(String),
 }
 
 impl Selector {
@@ -50,6 +54,8 @@ impl Selector {
             Selector::Method => "method".into(),
             Selector::Path => "path".into(),
             Selector::Header(h) => format!("header:{h}"),
+            Selector::PathSegment(n) => format!("path_segment:{n}"),
+            Selector::Query(q) => format!("query:{q}"),
         }
     }
 }
@@ -196,6 +202,34 @@ impl Idempotency {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnBusy {
+    /// `409 resource_locked` at once.
+    Reject,
+    /// Poll (with backoff) until the lease is free or `max_wait` passes.
+    Wait,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// What is serialized; leases are always scoped by tenant too.
+    pub resource: Vec<Selector>,
+    pub ttl_ms: u64,
+    pub on_busy: OnBusy,
+    pub max_wait_ms: u64,
+    /// Lower-case header that carries the fencing token to the upstream.
+    pub fencing_header: String,
+    pub extend: bool,
+}
+
+impl Lease {
+    /// TTL of the fencing counter: far beyond any lease. Tokens stay increasing even if the
+    /// counter is lost (they never fall below Redis time in microseconds).
+    pub fn fence_ttl_ms(&self) -> u64 {
+        self.ttl_ms.saturating_mul(100).max(7 * 86_400_000)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     pub name: String,
@@ -203,6 +237,7 @@ pub struct Policy {
     pub failure_mode: FailureMode,
     pub rate_limits: Vec<RateLimit>,
     pub idempotency: Option<Idempotency>,
+    pub lease: Option<Lease>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -375,6 +410,10 @@ fn policy(v: &Value, path: &str, default_failure: FailureMode) -> Result<Policy>
         Some(v) => Some(idempotency(v, &o.field_path("idempotency"))?),
         None => None,
     };
+    let lease = match o.get("lease") {
+        Some(v) => Some(lease(v, &o.field_path("lease"))?),
+        None => None,
+    };
     o.finish()?;
     Ok(Policy {
         name,
@@ -382,6 +421,62 @@ fn policy(v: &Value, path: &str, default_failure: FailureMode) -> Result<Policy>
         failure_mode,
         rate_limits,
         idempotency,
+        lease,
+    })
+}
+
+fn selectors(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<Selector>> {
+    let path = o.field_path(field);
+    let mut out = Vec::new();
+    for (i, s) in o
+        .opt_str_list(field)?
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
+        let sel_path = index(&path, i);
+        let sel = selector(s).ok_or_else(|| {
+            ConfigError::new(&sel_path, format!("{s:?} is not a selector ({SELECTORS})"))
+        })?;
+        if out.contains(&sel) {
+            return Err(ConfigError::new(sel_path, format!("{s:?} is listed twice")));
+        }
+        out.push(sel);
+    }
+    Ok(out)
+}
+
+fn lease(v: &Value, path: &str) -> Result<Lease> {
+    let mut o = Obj::new(v, path)?;
+    let resource = selectors(&mut o, "resource")?;
+    if resource.is_empty() {
+        return Err(ConfigError::new(
+            o.field_path("resource"),
+            "must name at least one selector",
+        ));
+    }
+    let ttl_ms = duration(&mut o, "ttl")?.unwrap_or(10_000);
+    let on_busy = match o.opt_str("on_busy")? {
+        None | Some("reject") => OnBusy::Reject,
+        Some("wait") => OnBusy::Wait,
+        Some(other) => {
+            return Err(ConfigError::new(
+                o.field_path("on_busy"),
+                format!("{other:?} is not one of \"reject\", \"wait\""),
+            ))
+        }
+    };
+    let max_wait_ms = duration(&mut o, "max_wait")?.unwrap_or(2_000);
+    let fencing_header = header_name(&mut o, "fencing_header")?.unwrap_or("x-fencing-token".into());
+    let extend = o.opt_bool("extend")?.unwrap_or(true);
+    o.finish()?;
+    Ok(Lease {
+        resource,
+        ttl_ms,
+        on_busy,
+        max_wait_ms,
+        fencing_header,
+        extend,
     })
 }
 
@@ -657,21 +752,7 @@ fn request_path(o: &mut Obj<'_>, field: &'static str) -> Result<Option<String>> 
 fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
     let mut o = Obj::new(v, path)?;
     let name = name(&mut o, "name")?;
-    let by_path = o.field_path("by");
-    let mut by = Vec::new();
-    for (i, s) in o.opt_str_list("by")?.unwrap_or_default().iter().enumerate() {
-        let sel_path = index(&by_path, i);
-        let sel = selector(s).ok_or_else(|| {
-            ConfigError::new(
-                &sel_path,
-                format!("{s:?} is not a selector (tenant, principal, client_ip, method, path, header:<name>)"),
-            )
-        })?;
-        if by.contains(&sel) {
-            return Err(ConfigError::new(sel_path, format!("{s:?} is listed twice")));
-        }
-        by.push(sel);
-    }
+    let by = selectors(&mut o, "by")?;
     let algorithm = match o.req_str("algorithm")? {
         "fixed_window" => Algorithm::FixedWindow,
         "sliding_window" => Algorithm::SlidingWindow,
@@ -732,7 +813,10 @@ fn limit_value(o: &mut Obj<'_>, field: &'static str) -> Result<Option<u64>> {
     }
 }
 
-/// Parses a selector of `by` (and, for leases, a resource part).
+const SELECTORS: &str =
+    "tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>";
+
+/// Parses a selector of `by` or of a lease's `resource`.
 pub fn selector(s: &str) -> Option<Selector> {
     Some(match s {
         "tenant" => Selector::Tenant,
@@ -741,6 +825,16 @@ pub fn selector(s: &str) -> Option<Selector> {
         "method" => Selector::Method,
         "path" => Selector::Path,
         _ => {
+            if let Some(n) = s.strip_prefix("path_segment:") {
+                let n: usize = n.parse().ok().filter(|n| (1..=64).contains(n))?;
+                return Some(Selector::PathSegment(n));
+            }
+            if let Some(q) = s.strip_prefix("query:") {
+                let ok = !q.is_empty()
+                    && q.bytes()
+                        .all(|b| b.is_ascii_graphic() && !b"&=#?".contains(&b));
+                return ok.then(|| Selector::Query(q.to_string()));
+            }
             let h = s.strip_prefix("header:")?;
             if !is_header_name(h) {
                 return None;

@@ -147,9 +147,9 @@ fn bad_configs_name_the_field() {
         ("bad_algorithm", "/policies/0/rate_limits/0/algorithm", json!("leaky"),
          "policies[0].rate_limits[0].algorithm: \"leaky\" is not one of fixed_window, sliding_window, sliding_log, token_bucket"),
         ("bad_selector", "/policies/0/rate_limits/1/by/1", json!("user"),
-         "policies[0].rate_limits[1].by[1]: \"user\" is not a selector (tenant, principal, client_ip, method, path, header:<name>)"),
+         "policies[0].rate_limits[1].by[1]: \"user\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>)"),
         ("bad_header_selector", "/policies/0/rate_limits/1/by/1", json!("header:"),
-         "policies[0].rate_limits[1].by[1]: \"header:\" is not a selector (tenant, principal, client_ip, method, path, header:<name>)"),
+         "policies[0].rate_limits[1].by[1]: \"header:\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>)"),
         ("duplicate_selector", "/policies/0/rate_limits/1/by/1", json!("tenant"),
          "policies[0].rate_limits[1].by[1]: \"tenant\" is listed twice"),
         ("burst_on_window", "/policies/0/rate_limits/0/burst", json!(5),
@@ -307,6 +307,40 @@ fn bad_idempotency_names_the_field() {
             Ok(_) => "OK".to_string(),
             Err(e) => e.to_string(),
         };
+        assert_eq!(&got, want, "case {name}");
+    }
+}
+
+#[test]
+fn lease_config() {
+    let mut v = base();
+    v["policies"][0]["lease"] = json!({"resource": ["tenant", "path_segment:2"]});
+    let c = Config::from_value(&v).expect("valid");
+    let l = c.policies[0].lease.as_ref().expect("lease");
+    assert_eq!(l.resource, vec![Selector::Tenant, Selector::PathSegment(2)]);
+    assert_eq!((l.ttl_ms, l.max_wait_ms), (10_000, 2_000));
+    assert_eq!(l.on_busy, OnBusy::Reject);
+    assert_eq!(l.fencing_header, "x-fencing-token");
+    assert!(l.extend);
+    assert_eq!(l.fence_ttl_ms(), 7 * 86_400_000);
+    let cases: &[(&str, Value, &str)] = &[
+        ("empty_resource", json!({"resource": []}), "policies[0].lease.resource: must name at least one selector"),
+        ("bad_segment", json!({"resource": ["path_segment:0"]}),
+         "policies[0].lease.resource[0]: \"path_segment:0\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>)"),
+        ("bad_on_busy", json!({"resource": ["tenant"], "on_busy": "queue"}),
+         "policies[0].lease.on_busy: \"queue\" is not one of \"reject\", \"wait\""),
+        ("bad_ttl", json!({"resource": ["tenant"], "ttl": "10"}),
+         "policies[0].lease.ttl: \"10\" is not a duration (use e.g. \"250ms\", \"2s\", \"1m\", \"24h\")"),
+        ("unknown", json!({"resource": ["tenant"], "fence": true}),
+         "policies[0].lease.fence: unknown field (known here: extend, fencing_header, max_wait, on_busy, resource, ttl)"),
+    ];
+    for (name, lease, want) in cases {
+        let mut v = base();
+        v["policies"][0]["lease"] = lease.clone();
+        let got = Config::from_value(&v)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert_eq!(&got, want, "case {name}");
     }
 }

@@ -1,8 +1,9 @@
 //! Calls the root context sends on a request's behalf because they must outlive it or must
-//! not hold it: async completion, and releasing a record the request will not use.
+//! not hold it: async completion, releasing a record the request will not use, releasing and
+//! extending leases.
 
 use super::{Purpose, Runtime};
-use crate::metrics::{IdemMetrics, MetricSink};
+use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,7 +33,9 @@ impl Background {
         match self.purpose {
             Purpose::Release => ScriptId::Release,
             Purpose::Complete => ScriptId::Complete,
-            Purpose::Acquire => ScriptId::Acquire,
+            Purpose::Acquire | Purpose::LeaseRetry => ScriptId::Acquire,
+            Purpose::LeaseRelease => ScriptId::LeaseRelease,
+            Purpose::LeaseExtend => ScriptId::LeaseExtend,
         }
     }
 
@@ -58,14 +61,10 @@ impl Background {
         let Some(policy) = rt.config.policies.get(self.policy) else {
             return false;
         };
-        let Some(im) = rt
-            .metrics
-            .policies
-            .get(self.policy)
-            .and_then(|p| p.idem.as_ref())
-        else {
+        let Some(pm) = rt.metrics.policies.get(self.policy) else {
             return false;
         };
+        let lease = matches!(self.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
         match answer {
             Ok(reply) if is_noscript(&reply) && self.by_sha => {
                 m.increment(rt.metrics.redis.noscript);
@@ -73,21 +72,62 @@ impl Background {
                 true
             }
             Ok(reply) => {
-                count_settlement(im, self.purpose, &reply, &policy.name, &self.key_hash, m);
+                if let (true, Some(lm)) = (lease, pm.lease.as_ref()) {
+                    count_lease(lm, self.purpose, &reply, &policy.name, m);
+                } else if let Some(im) = pm.idem.as_ref() {
+                    count_settlement(im, self.purpose, &reply, &policy.name, &self.key_hash, m);
+                }
                 false
             }
             Err(e) => {
                 m.increment(rt.metrics.redis.errors);
-                m.increment(im.complete_failed);
-                log::warn!(
-                    "idempotency record of policy {} key {} not settled ({}); it expires at its processing TTL",
-                    policy.name,
-                    self.key_hash,
-                    e.describe()
-                );
+                match pm.idem.as_ref().filter(|_| !lease) {
+                    Some(im) => {
+                        m.increment(im.complete_failed);
+                        log::warn!(
+                            "idempotency record of policy {} key {} not settled ({}); it expires at its processing TTL",
+                            policy.name,
+                            self.key_hash,
+                            e.describe()
+                        );
+                    }
+                    None => log::warn!(
+                        "lease of policy {} not {} ({}); it expires at its TTL",
+                        policy.name,
+                        if self.purpose == Purpose::LeaseExtend {
+                            "extended"
+                        } else {
+                            "released"
+                        },
+                        e.describe()
+                    ),
+                }
                 false
             }
         }
+    }
+}
+
+/// Counts what a lease release (`1` released) or extension (`1` extended) found; `0` (expired)
+/// and `-1` (another owner) mean the lease was lost.
+pub fn count_lease(
+    lm: &LeaseMetrics,
+    purpose: Purpose,
+    reply: &Reply,
+    policy: &str,
+    m: &dyn MetricSink,
+) {
+    match (purpose, reply.as_int()) {
+        (Purpose::LeaseRelease, Some(1)) => m.increment(lm.released),
+        (Purpose::LeaseExtend, Some(1)) => m.increment(lm.extended),
+        (_, Some(0 | -1)) => {
+            m.increment(lm.lost);
+            log::warn!(
+                "policy {policy}: a lease was lost (it expired{}); the upstream's fencing check protects the data",
+                if reply.as_int() == Some(-1) { " and another request holds it" } else { "" }
+            );
+        }
+        _ => log::warn!("policy {policy}: unexpected answer to a lease update: {reply:?}"),
     }
 }
 

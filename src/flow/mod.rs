@@ -9,18 +9,18 @@ mod background;
 
 pub use background::Background;
 
-use crate::acquire::{self, IdemAcquire, IdemAnswer};
+use crate::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire, LeaseAnswer};
 use crate::config::{
-    Completion, Config, FailureMode, FingerprintPart, Idempotency, Policy, Replay,
+    Completion, Config, FailureMode, FingerprintPart, Idempotency, Lease, OnBusy, Policy, Replay,
 };
 use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
 use crate::idempotency::header::{parse_key, KeyError};
 use crate::idempotency::record::{Record, StoredResponse};
 use crate::keys;
-use crate::metrics::{IdemMetrics, MetricSink, Metrics, PolicyMetrics};
+use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
 use crate::ratelimit::{self, LimitState, Verdict};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
-use crate::request::{identify, select_policy, Caller, Request};
+use crate::request::{identify, select_policy, selector_value, Caller, Request};
 use crate::respond::{self, LocalResponse, Problem};
 use serde_json::Map;
 
@@ -64,6 +64,8 @@ enum Phase {
     Buffering,
     /// Acquire calls are outstanding; the request is paused.
     Acquiring,
+    /// The lease is busy and `on_busy: wait`: polling again at the deadline.
+    LeaseWaiting,
     /// The request went on to the upstream.
     Forwarded,
     /// Buffering the response body to store it (sync completion).
@@ -80,8 +82,12 @@ enum Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Purpose {
     Acquire,
+    /// A lease-only acquire while waiting for a busy lease.
+    LeaseRetry,
     Complete,
     Release,
+    LeaseRelease,
+    LeaseExtend,
 }
 
 #[derive(Debug)]
@@ -92,6 +98,7 @@ struct Pending {
     /// Rate limits (indices into the policy's) this call answers for.
     limits: Vec<usize>,
     idem: bool,
+    lease: bool,
     by_sha: bool,
     sent_ms: u64,
     done: bool,
@@ -112,6 +119,20 @@ struct Idem {
     too_large: bool,
 }
 
+/// The lease state of a request on a policy with `lease`.
+#[derive(Debug)]
+struct LeaseState {
+    acquire: LeaseAcquire,
+    /// We hold the lease (and must release it).
+    held: bool,
+    /// While waiting for a busy lease: give up at this time.
+    wait_until_ms: u64,
+    backoff_ms: u64,
+    waited: bool,
+    /// When to extend the lease next (`extend: true`).
+    next_extend_ms: Option<u64>,
+}
+
 /// The request parts kept while the body is buffered.
 #[derive(Debug)]
 struct Held {
@@ -128,7 +149,10 @@ pub struct Flow {
     states: Vec<Option<LimitState>>,
     idem_answer: Option<IdemAnswer>,
     idem: Option<Idem>,
+    lease: Option<LeaseState>,
+    lease_answer: Option<LeaseAnswer>,
     held: Option<Held>,
+    nonce: String,
     deadline_ms: u64,
     forwarded: bool,
     response_seen: bool,
@@ -146,7 +170,10 @@ impl Default for Flow {
             states: Vec::new(),
             idem_answer: None,
             idem: None,
+            lease: None,
+            lease_answer: None,
             held: None,
+            nonce: String::new(),
             deadline_ms: 0,
             forwarded: false,
             response_seen: false,
@@ -156,6 +183,10 @@ impl Default for Flow {
         }
     }
 }
+
+/// First and largest pause between polls of a busy lease (`on_busy: wait`).
+pub const LEASE_POLL_FIRST_MS: u64 = 25;
+pub const LEASE_POLL_MAX_MS: u64 = 400;
 
 /// How long the filter waits for the next piece of a request body it must fingerprint.
 pub const BODY_IDLE_TIMEOUT_MS: u64 = 10_000;
@@ -188,6 +219,60 @@ impl Flow {
 
     fn idem_config<'a>(&self, rt: &'a Runtime) -> Option<&'a Idempotency> {
         rt.config.policies.get(self.policy)?.idempotency.as_ref()
+    }
+
+    fn lease_config<'a>(&self, rt: &'a Runtime) -> Option<&'a Lease> {
+        rt.config.policies.get(self.policy)?.lease.as_ref()
+    }
+
+    fn lease_metrics<'a>(&self, rt: &'a Runtime) -> Option<&'a LeaseMetrics> {
+        rt.metrics.policies.get(self.policy)?.lease.as_ref()
+    }
+
+    /// Names the lease's resource for this request; `Err` names the missing selector.
+    fn prepare_lease(
+        &mut self,
+        rt: &Runtime,
+        caller: &Caller,
+        req: &Request,
+        owner: &str,
+    ) -> Result<(), String> {
+        let Some((policy, _)) = self.policy(rt) else {
+            return Ok(());
+        };
+        let Some(lease) = policy.lease.as_ref() else {
+            return Ok(());
+        };
+        let mut parts = Vec::with_capacity(lease.resource.len());
+        for sel in &lease.resource {
+            match selector_value(sel, caller, req) {
+                Some(v) => parts.push((sel.spelling(), Some(v))),
+                None => return Err(sel.spelling()),
+            }
+        }
+        let tag = keys::tenant_tag(&caller.tenant);
+        let (key, fence_key) = keys::lease_keys(
+            &rt.config.redis.key_prefix,
+            &tag,
+            &policy.name,
+            &keys::scope_hash(&parts),
+        );
+        self.lease = Some(LeaseState {
+            acquire: LeaseAcquire {
+                key,
+                fence_key,
+                tag,
+                owner: owner.to_string(),
+                ttl_ms: lease.ttl_ms,
+                fence_ttl_ms: lease.fence_ttl_ms(),
+            },
+            held: false,
+            wait_until_ms: 0,
+            backoff_ms: LEASE_POLL_FIRST_MS,
+            waited: false,
+            next_extend_ms: None,
+        });
+        Ok(())
     }
 
     /// Request headers arrived. `owner` is a fresh random token for an idempotency record.
@@ -227,6 +312,22 @@ impl Flow {
                 ));
             }
         };
+        if let Err(missing) = self.prepare_lease(rt, &caller, &req, owner) {
+            if let Some(lm) = pm.lease.as_ref() {
+                m.increment(lm.missing_resource);
+            }
+            let detail = format!(
+                "this operation needs the lease resource {missing}, which the request does not carry"
+            );
+            let mut extra = Map::new();
+            extra.insert("missing-selector".into(), serde_json::json!(missing));
+            return self.answer(respond::problem(
+                Problem::LeaseResourceMissing,
+                &detail,
+                extra,
+                Vec::new(),
+            ));
+        }
         if let Some(idem) = policy
             .idempotency
             .as_ref()
@@ -306,7 +407,7 @@ impl Flow {
                 return self.start_acquire(rt, held, &[], now_ms, m);
             }
         }
-        if policy.rate_limits.is_empty() {
+        if policy.rate_limits.is_empty() && self.lease.is_none() {
             self.phase = Phase::Forwarded;
             self.forwarded = true;
             return Step::Continue;
@@ -434,7 +535,9 @@ impl Flow {
             &held.req,
             &held.nonce,
             self.idem.as_ref().map(|i| &i.acquire),
+            self.lease.as_ref().map(|l| &l.acquire),
         );
+        self.nonce = held.nonce.clone();
         self.states = vec![None; policy.rate_limits.len()];
         self.pending = groups
             .into_iter()
@@ -444,6 +547,7 @@ impl Flow {
                 call: g.call,
                 limits: g.limits,
                 idem: g.idem,
+                lease: g.lease,
                 by_sha: true,
                 sent_ms: now_ms,
                 done: false,
@@ -500,9 +604,21 @@ impl Flow {
         };
         p.done = true;
         match p.purpose {
+            Purpose::LeaseRetry => {
+                let read = match acquire::read_reply(&reply, 0, false, true) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        m.increment(rt.metrics.redis.errors);
+                        return self.call_failed(rt, slot, &e, m);
+                    }
+                };
+                let answer = read.lease.unwrap_or(LeaseAnswer::Skipped);
+                let headers = std::mem::take(&mut self.response_headers);
+                self.on_lease_answer(rt, answer, headers, now_ms, m)
+            }
             Purpose::Acquire => {
-                let (n, idem) = (p.limits.len(), p.idem);
-                let read = match acquire::read_reply(&reply, n, idem) {
+                let (n, idem, lease) = (p.limits.len(), p.idem, p.lease);
+                let read = match acquire::read_reply(&reply, n, idem, lease) {
                     Ok(r) => r,
                     Err(e) => {
                         m.increment(rt.metrics.redis.errors);
@@ -522,11 +638,18 @@ impl Flow {
                     }
                     self.idem_answer = Some(answer);
                 }
+                if let Some(answer) = read.lease {
+                    if let (LeaseAnswer::Acquired { .. }, Some(l)) = (answer, self.lease.as_mut()) {
+                        l.held = true;
+                    }
+                    self.lease_answer = Some(answer);
+                }
                 if self.pending.iter().any(|p| !p.done) {
                     return Step::Wait;
                 }
-                self.decide(rt, m)
+                self.decide(rt, now_ms, m)
             }
+            Purpose::LeaseRelease | Purpose::LeaseExtend => Step::Wait,
             Purpose::Complete | Purpose::Release => {
                 let purpose = p.purpose;
                 self.settle(rt, purpose, &reply, m);
@@ -549,7 +672,7 @@ impl Flow {
     }
 
     /// All acquire calls answered: rate-limit verdict first, then the idempotency answer.
-    fn decide(&mut self, rt: &Runtime, m: &dyn MetricSink) -> Step {
+    fn decide(&mut self, rt: &Runtime, now_ms: u64, m: &dyn MetricSink) -> Step {
         let Some((policy, pm)) = self.policy(rt) else {
             return Step::Continue;
         };
@@ -578,8 +701,9 @@ impl Flow {
         }
         let limit_headers = match verdict {
             Verdict::Reject(response) => {
-                // Another slot may have acquired the record: give it back.
+                // Another slot may have acquired the record or the lease: give them back.
                 self.release_in_background(rt);
+                self.release_lease(rt);
                 return self.answer(response);
             }
             Verdict::Allow(headers) if rt.config.response_headers => headers,
@@ -589,12 +713,14 @@ impl Flow {
         let (Some(answer), Some(cfg), Some(im)) =
             (answer, self.idem_config(rt), self.idem_metrics(rt))
         else {
-            return self.forward(limit_headers);
+            let lease = self.lease_answer.take().unwrap_or(LeaseAnswer::Skipped);
+            return self.on_lease_answer(rt, lease, limit_headers, now_ms, m);
         };
         match answer {
             IdemAnswer::Acquired => {
                 m.increment(im.acquired);
-                self.forward(limit_headers)
+                let lease = self.lease_answer.take().unwrap_or(LeaseAnswer::Skipped);
+                self.on_lease_answer(rt, lease, limit_headers, now_ms, m)
             }
             IdemAnswer::Skipped => self.forward(limit_headers),
             IdemAnswer::InProgress { .. } => {
@@ -634,6 +760,124 @@ impl Flow {
                 }
             },
         }
+    }
+
+    /// The lease answer, once rate limits and idempotency let the request through.
+    fn on_lease_answer(
+        &mut self,
+        rt: &Runtime,
+        answer: LeaseAnswer,
+        headers: Vec<(String, String)>,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
+        let (Some(cfg), Some(lm)) = (self.lease_config(rt), self.lease_metrics(rt)) else {
+            return self.forward(headers);
+        };
+        let Some(lease) = self.lease.as_mut() else {
+            return self.forward(headers);
+        };
+        match answer {
+            LeaseAnswer::Skipped => self.forward(headers),
+            LeaseAnswer::Acquired { token } => {
+                m.increment(lm.acquired);
+                if lease.waited {
+                    m.increment(lm.waited);
+                }
+                lease.held = true;
+                if cfg.extend {
+                    lease.next_extend_ms = Some(now_ms.saturating_add(cfg.ttl_ms / 2));
+                }
+                self.upstream_headers
+                    .push((cfg.fencing_header.clone(), token.to_string()));
+                self.forward(headers)
+            }
+            LeaseAnswer::Busy { pttl_ms } => {
+                if cfg.on_busy == OnBusy::Wait {
+                    if !lease.waited {
+                        lease.waited = true;
+                        lease.wait_until_ms = now_ms.saturating_add(cfg.max_wait_ms);
+                    }
+                    let next = now_ms.saturating_add(lease.backoff_ms);
+                    if next < lease.wait_until_ms {
+                        lease.backoff_ms = (lease.backoff_ms * 2).min(LEASE_POLL_MAX_MS);
+                        self.phase = Phase::LeaseWaiting;
+                        self.deadline_ms = next;
+                        self.response_headers = headers;
+                        return Step::Wait;
+                    }
+                }
+                m.increment(lm.busy);
+                // The idempotency record this request acquired is not going to be used.
+                self.release_in_background(rt);
+                let retry = respond::retry_after_secs(u64::try_from(pttl_ms).unwrap_or(1000));
+                let mut all = vec![("retry-after".to_string(), retry.to_string())];
+                all.extend(headers);
+                self.answer(respond::problem(
+                    Problem::ResourceLocked,
+                    &format!("another request holds this resource; retry after {retry} s"),
+                    Map::new(),
+                    all,
+                ))
+            }
+        }
+    }
+
+    /// Polls a busy lease again (`on_busy: wait`).
+    fn poll_lease(&mut self, rt: &Runtime, now_ms: u64, m: &dyn MetricSink) -> Step {
+        let Some(lease) = self.lease.as_ref() else {
+            return Step::Continue;
+        };
+        let a = &lease.acquire;
+        let call = ScriptCall {
+            keys: vec![a.key.clone(), a.fence_key.clone()],
+            args: vec![
+                "0".into(),
+                "1".into(),
+                self.nonce.clone(),
+                "0".into(),
+                "1".into(),
+                a.owner.clone(),
+                a.ttl_ms.to_string(),
+                a.fence_ttl_ms.to_string(),
+            ],
+        };
+        self.pending = vec![Pending {
+            purpose: Purpose::LeaseRetry,
+            script: ScriptId::Acquire,
+            call,
+            limits: Vec::new(),
+            idem: false,
+            lease: true,
+            by_sha: true,
+            sent_ms: now_ms,
+            done: false,
+        }];
+        self.phase = Phase::Acquiring;
+        self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
+        Step::Dispatch(vec![self.outgoing(rt, 0, now_ms, m)])
+    }
+
+    /// Gives a held lease back, from the root (the call must outlive the stream).
+    fn release_lease(&mut self, rt: &Runtime) {
+        let _ = rt;
+        let policy = self.policy;
+        // An acquire still in flight may hold the lease: release by owner anyway.
+        let in_flight = self.pending.iter().any(|p| p.lease && !p.done);
+        let Some(l) = self.lease.as_mut().filter(|l| l.held || in_flight) else {
+            return;
+        };
+        l.held = false;
+        l.next_extend_ms = None;
+        self.background.push(Background::new(
+            policy,
+            Purpose::LeaseRelease,
+            ScriptCall {
+                keys: vec![l.acquire.key.clone()],
+                args: vec![l.acquire.owner.clone()],
+            },
+            String::new(),
+        ));
     }
 
     fn conflict(&mut self, status: u32, headers: Vec<(String, String)>) -> Step {
@@ -707,8 +951,9 @@ impl Flow {
                 FailureMode::Closed => "failing closed",
             }
         );
-        // A record acquired by a call that did answer is given back either way.
+        // A record or lease acquired by a call that did answer is given back either way.
         self.release_in_background(rt);
+        self.release_lease(rt);
         match policy.failure_mode {
             FailureMode::Open => {
                 m.increment(pm.failed_open);
@@ -729,21 +974,38 @@ impl Flow {
     /// When the stream is paused (on Redis, or waiting for the request body), the time by
     /// which it must go on.
     pub fn deadline_ms(&self) -> Option<u64> {
-        matches!(
+        let stream = matches!(
             self.phase,
-            Phase::Buffering | Phase::Acquiring | Phase::Completing
+            Phase::Buffering | Phase::Acquiring | Phase::LeaseWaiting | Phase::Completing
         )
-        .then_some(self.deadline_ms)
+        .then_some(self.deadline_ms);
+        let extend = self.lease.as_ref().and_then(|l| l.next_extend_ms);
+        match (stream, extend) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// The request body is being held (buffering or deciding).
     pub fn holds_request(&self) -> bool {
-        matches!(self.phase, Phase::Buffering | Phase::Acquiring)
+        matches!(
+            self.phase,
+            Phase::Buffering | Phase::Acquiring | Phase::LeaseWaiting
+        ) && !self.forwarded
     }
 
     /// The watchdog: decides a stream whose calls outlived the timeout.
     pub fn on_tick(&mut self, rt: &Runtime, now_ms: u64, m: &dyn MetricSink) -> Step {
-        match self.deadline_ms() {
+        self.extend_lease(now_ms);
+        if self.phase == Phase::LeaseWaiting && now_ms >= self.deadline_ms {
+            return self.poll_lease(rt, now_ms, m);
+        }
+        let stream_deadline = matches!(
+            self.phase,
+            Phase::Buffering | Phase::Acquiring | Phase::Completing
+        )
+        .then_some(self.deadline_ms);
+        match stream_deadline {
             Some(deadline) if now_ms >= deadline && self.phase == Phase::Buffering => {
                 log::warn!(
                     "policy {}: no request body data for {} s; if no body ever arrives, the host \
@@ -769,6 +1031,28 @@ impl Flow {
             }
             _ => Step::Wait,
         }
+    }
+
+    /// Extends a held lease at half its TTL while the request is in flight.
+    fn extend_lease(&mut self, now_ms: u64) {
+        let policy = self.policy;
+        let Some(l) = self.lease.as_mut().filter(|l| l.held) else {
+            return;
+        };
+        let Some(due) = l.next_extend_ms.filter(|d| now_ms >= *d) else {
+            return;
+        };
+        let half = (l.acquire.ttl_ms / 2).max(1);
+        l.next_extend_ms = Some(due.max(now_ms).saturating_add(half));
+        self.background.push(Background::new(
+            policy,
+            Purpose::LeaseExtend,
+            ScriptCall {
+                keys: vec![l.acquire.key.clone()],
+                args: vec![l.acquire.owner.clone(), l.acquire.ttl_ms.to_string()],
+            },
+            String::new(),
+        ));
     }
 
     /// Headers to add to the upstream's response (`RateLimit-Policy`, `RateLimit`).
@@ -887,6 +1171,7 @@ impl Flow {
             call,
             limits: Vec::new(),
             idem: false,
+            lease: false,
             by_sha: true,
             sent_ms: now_ms,
             done: false,
@@ -911,6 +1196,8 @@ impl Flow {
         m: &dyn MetricSink,
     ) -> Step {
         self.response_seen = true;
+        // The upstream answered: the protected operation is over.
+        self.release_lease(rt);
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         if !owned || self.phase != Phase::Forwarded {
             return Step::Continue;
@@ -1022,6 +1309,7 @@ impl Flow {
     /// The stream is gone. A record we still own is released if the request never left
     /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise.
     pub fn on_done(&mut self, rt: &Runtime, m: &dyn MetricSink) {
+        self.release_lease(rt);
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         match self.phase {
             Phase::Acquiring => self.release_in_background(rt),

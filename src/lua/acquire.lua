@@ -1,8 +1,11 @@
 -- acquire.lua: one atomic "acquire" for one hash slot: check n rate limits and consume from
--- them, then, if they admitted the request, acquire its idempotency record.
+-- them, then, if they admitted the request, acquire its idempotency record, then its lease.
 --
 -- KEYS[1..n]   rate-limit counters, KEYS[i] for limit i (n = ARGV[1]; may be 0)
 -- KEYS[n+1]    idempotency record, present iff the idempotency section is on
+-- then, iff the lease section is on, two more keys after the record (if any):
+--   lease key   the lease, a string holding the owner token
+--   fence key   the fencing counter, a string holding the last fencing token issued
 --              All keys share one hash tag and the script touches no other key, so it is
 --              Redis Cluster safe.
 -- ARGV[1]      n: number of rate limits (integer >= 0)
@@ -18,6 +21,11 @@
 -- ARGV[5+5n]   fingerprint ("sha256:<64 hex>")
 -- ARGV[6+5n]   owner token (32 hex)
 -- ARGV[7+5n]   processing_ttl_ms: integer > 0, lease of the PROCESSING record
+-- ARGV[L]      "1": lease section on | "0" or absent: off (then nothing follows);
+--              L = 5+5n when the idempotency section is off, 8+5n when it is on
+-- ARGV[L+1]    lease owner token (32 hex; must not be empty)
+-- ARGV[L+2]    lease_ttl_ms: integer > 0
+-- ARGV[L+3]    fence_ttl_ms: integer > 0, TTL of the fence key, set again at every ACQUIRED
 --
 -- Reply: flat array
 --   [1]  admitted: 1 if every non-shadow limit allows the request, else 0 (1 when n = 0)
@@ -39,13 +47,31 @@
 --                         COMPLETED, or not a string key at all)
 --     pttl_ms  integer: the record's PTTL after the call (-2 if absent, -1 if it has no TTL)
 --     record   bulk string: the stored record JSON for code 3, else "" (never for CONFLICT)
+--   then, iff the lease section is on, 2 more values (after the idempotency values, if any):
+--     code     0 SKIPPED (rate limits did not admit, or the idempotency section is on and its
+--                code is not 1 ACQUIRED; nothing written for the lease)
+--              1 ACQUIRED (SET lease <owner> NX PX lease_ttl_ms succeeded)
+--              2 BUSY (the lease exists, held by another owner or by this one: no re-entrancy)
+--     value    ACQUIRED: the fencing token, as a decimal STRING; BUSY: the lease's PTTL in
+--              ms, >= 1 (1 if it has no TTL, which is left as it is); SKIPPED: 0
+--   The reply never holds a nil (webdis would drop it), and no integer of more than 10
+--   digits: webdis 0.1.9 crashes on one inside an array (and truncates a top-level one), so
+--   the ~16-digit fencing token travels as a string.
 --
 -- Order: rate limits first, then idempotency. Phase 1 checks every limit without writing;
 -- only if admitted, phase 2 consumes `cost` from every limit whose own verdict is allow, and
 -- then the idempotency record is acquired. So a rejected request consumes nothing anywhere
 -- and writes no record, and a duplicate (codes 2-5) has still consumed its rate limits.
 -- The one write outside that rule: a fw counter found without a TTL gets one, because it
--- would otherwise reject forever. An existing record is never written.
+-- would otherwise reject forever. An existing record is never written. The lease is taken
+-- last, only by a request that was admitted and (with idempotency on) acquired its record, so
+-- a replay, a duplicate in progress or a conflict never holds it.
+--
+-- Fencing token: token = max(stored + 1, now_us), stored = the fence key's value (0 if
+-- absent, or not a non-negative integer below 2^53), now_us = Redis TIME in µs; then
+-- SET fence token PX fence_ttl_ms. Tokens of one fence key strictly increase, also after the
+-- key expired or was evicted, as long as Redis TIME does not go backwards (e.g. a failover
+-- to a replica whose clock is behind). The resource the lease protects must check them.
 --
 -- The PROCESSING record, compact JSON, TTL processing_ttl_ms:
 --   {"schema_version":1,"state":"PROCESSING","fingerprint":"sha256:..","owner":"..",
@@ -75,15 +101,40 @@ if idem_flag ~= '0' and idem_flag ~= '1' then
       .. tostring(idem_flag))
 end
 local idem = idem_flag == '1'
-if #KEYS ~= n + (idem and 1 or 0) then
-  bad(#KEYS .. ' keys for ' .. n .. ' limits, idempotency ' .. (idem and 'on' or 'off'))
-end
 local idem_key, fingerprint, owner, processing_ttl_ms
 if idem then
   idem_key = KEYS[n + 1]
   fingerprint = ARGV[5 + 5 * n] or bad('fingerprint is missing')
   owner = ARGV[6 + 5 * n] or bad('owner token is missing')
   processing_ttl_ms = count_arg(7 + 5 * n, 1)
+end
+local L = (idem and 8 or 5) + 5 * n
+local lease_flag = ARGV[L]
+if lease_flag ~= nil and lease_flag ~= '0' and lease_flag ~= '1' then
+  bad('ARGV[' .. L .. '] (lease flag) must be "0" or "1", got ' .. tostring(lease_flag))
+end
+local lease = lease_flag == '1'
+local lease_key, fence_key, lease_owner, lease_ttl_ms, fence_ttl_ms
+if lease then
+  lease_key = KEYS[n + (idem and 1 or 0) + 1]
+  fence_key = KEYS[n + (idem and 1 or 0) + 2]
+  lease_owner = ARGV[L + 1]
+  if lease_owner == nil or lease_owner == '' then
+    bad('ARGV[' .. (L + 1) .. '] (lease owner) is missing')
+  end
+  lease_ttl_ms = count_arg(L + 2, 1)
+  fence_ttl_ms = count_arg(L + 3, 1)
+end
+
+if #KEYS ~= n + (idem and 1 or 0) + (lease and 2 or 0) then
+  bad(#KEYS .. ' keys for ' .. n .. ' limits, idempotency ' .. (idem and 'on' or 'off')
+      .. ', lease ' .. (lease and 'on' or 'off'))
+end
+if lease then
+  for i = 1, #KEYS - 2 do
+    if KEYS[i] == lease_key or KEYS[i] == fence_key then bad('KEYS[' .. i .. '] is reused') end
+  end
+  if lease_key == fence_key then bad('the lease key and the fence key are the same') end
 end
 
 local t = redis.call('TIME')
@@ -278,7 +329,6 @@ for i = 1, n do
   reply[#reply + 1] = reset
   reply[#reply + 1] = s.ok and 0 or s.retry_ms
 end
-if not idem then return reply end
 
 -- Idempotency: create the PROCESSING record if absent, else report what is there.
 local SKIPPED, ACQUIRED, IN_PROGRESS, COMPLETED, CONFLICT, UNREADABLE = 0, 1, 2, 3, 4, 5
@@ -312,8 +362,41 @@ local function acquire()
   return COMPLETED, raw
 end
 
-local code, record = acquire()
-reply[#reply + 1] = code
-reply[#reply + 1] = redis.call('PTTL', idem_key)
-reply[#reply + 1] = record
+local idem_code = SKIPPED
+if idem then
+  local record
+  idem_code, record = acquire()
+  reply[#reply + 1] = idem_code
+  reply[#reply + 1] = redis.call('PTTL', idem_key)
+  reply[#reply + 1] = record
+end
+if not lease then return reply end
+
+-- Lease: SET NX PX with the owner token; a fencing token for every acquisition.
+local LEASE_SKIPPED, LEASE_ACQUIRED, LEASE_BUSY = 0, 1, 2
+local MAX_EXACT = 9007199254740992 -- 2^53
+
+-- The last token issued under the fence key, 0 if it is absent or not one we wrote.
+local function last_token()
+  local kind = redis.call('TYPE', fence_key)
+  kind = type(kind) == 'table' and kind.ok or kind
+  if kind ~= 'string' then return 0 end
+  local v = tonumber(redis.call('GET', fence_key))
+  if v == nil or v ~= math.floor(v) or v < 0 or v >= MAX_EXACT then return 0 end
+  return v
+end
+
+local function take_lease()
+  if not admitted or (idem and idem_code ~= ACQUIRED) then return LEASE_SKIPPED, 0 end
+  if not redis.call('SET', lease_key, lease_owner, 'NX', 'PX', int(lease_ttl_ms)) then
+    return LEASE_BUSY, math.max(1, redis.call('PTTL', lease_key))
+  end
+  local token = math.max(last_token() + 1, now)
+  redis.call('SET', fence_key, int(token), 'PX', int(fence_ttl_ms))
+  return LEASE_ACQUIRED, int(token)
+end
+
+local lease_code, lease_value = take_lease()
+reply[#reply + 1] = lease_code
+reply[#reply + 1] = lease_value
 return reply

@@ -37,6 +37,10 @@ pub enum ScriptId {
     Complete,
     /// Deletes a `PROCESSING` record, only by the owner.
     Release,
+    /// Deletes a lease, only by its owner.
+    LeaseRelease,
+    /// Extends a lease, only by its owner.
+    LeaseExtend,
 }
 
 /// The scripts the filter runs, loaded once per VM.
@@ -45,6 +49,8 @@ pub struct Scripts {
     pub acquire: Script,
     pub complete: Script,
     pub release: Script,
+    pub lease_release: Script,
+    pub lease_extend: Script,
 }
 
 impl Scripts {
@@ -53,6 +59,8 @@ impl Scripts {
             acquire: Script::new("acquire", include_str!("../lua/acquire.lua")),
             complete: Script::new("complete", include_str!("../lua/complete.lua")),
             release: Script::new("release", include_str!("../lua/release.lua")),
+            lease_release: Script::new("lease_release", include_str!("../lua/lease_release.lua")),
+            lease_extend: Script::new("lease_extend", include_str!("../lua/lease_extend.lua")),
         }
     }
 
@@ -61,6 +69,8 @@ impl Scripts {
             ScriptId::Acquire => &self.acquire,
             ScriptId::Complete => &self.complete,
             ScriptId::Release => &self.release,
+            ScriptId::LeaseRelease => &self.lease_release,
+            ScriptId::LeaseExtend => &self.lease_extend,
         }
     }
 }

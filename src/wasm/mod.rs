@@ -7,7 +7,7 @@
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
 use crate::config::{Config, ConfigError, RedisConfig};
-use crate::flow::{Background, Flow, Outgoing, Runtime, Step};
+use crate::flow::{Background, Flow, Runtime, Step};
 use crate::ids::TokenSource;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::redis::{webdis, CallError, Scripts};
@@ -15,7 +15,7 @@ use crate::request::Request;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 use std::time::{Duration, UNIX_EPOCH};
@@ -26,7 +26,7 @@ proxy_wasm::main! {{
         let _ = hostcalls::log(LogLevel::Critical, &format!("panicked: {info}"));
     }));
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(Root { vm: None, calls: HashMap::new() })
+        Box::new(Root { vm: None, calls: HashMap::new(), stream_calls: HashMap::new() })
     });
 }}
 
@@ -34,8 +34,9 @@ proxy_wasm::main! {{
 struct Vm {
     runtime: Runtime,
     tokens: RefCell<TokenSource>,
-    /// Requests paused on Redis, for the watchdog.
-    waiting: RefCell<HashMap<u32, Weak<RefCell<Flow>>>>,
+    /// Streams with a deadline (paused on Redis or the body, or holding a lease to extend),
+    /// for the root's tick.
+    waiting: RefCell<HashMap<u32, Weak<Stream>>>,
     /// Calls the root sends on its next tick.
     outbox: RefCell<Vec<Background>>,
 }
@@ -46,6 +47,121 @@ impl Vm {
             Ok(mut t) => t.token(),
             Err(_) => format!("{:032x}", now_ms()),
         }
+    }
+}
+
+/// One HTTP stream: its state machine and which direction is stopped in the filter.
+struct Stream {
+    ctx: u32,
+    flow: RefCell<Flow>,
+    paused: Cell<Option<Dir>>,
+}
+
+impl Stream {
+    fn step(&self, f: impl FnOnce(&mut Flow) -> Step) -> Step {
+        match self.flow.try_borrow_mut() {
+            Ok(mut flow) => f(&mut flow),
+            Err(_) => Step::Wait,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Request,
+    Response,
+}
+
+/// Carries out `step` for `stream`. `dir` is the direction of the host callback that raised
+/// it, or `None` for asynchronous events (callout answers, ticks), where the stream is
+/// resumed instead of continued. Calls are registered through `register(token, slot)`.
+fn apply(
+    vm: &Vm,
+    stream: &Rc<Stream>,
+    step: Step,
+    dir: Option<Dir>,
+    register: &mut dyn FnMut(u32, usize),
+) -> Action {
+    let action = match step {
+        Step::Continue => {
+            let paused = stream.paused.take();
+            if dir == Some(Dir::Request) || paused == Some(Dir::Request) {
+                set_upstream_headers(stream);
+            }
+            if dir.is_none() {
+                match paused {
+                    Some(Dir::Request) => {
+                        let _ = hostcalls::resume_http_request();
+                    }
+                    Some(Dir::Response) => {
+                        let _ = hostcalls::resume_http_response();
+                    }
+                    None => {}
+                }
+            }
+            Action::Continue
+        }
+        Step::Wait => {
+            if dir.is_some() {
+                stream.paused.set(dir);
+            }
+            Action::Pause
+        }
+        Step::Respond(r) => {
+            stream.paused.set(None);
+            send_local(&r);
+            Action::Pause
+        }
+        Step::Dispatch(calls) => {
+            if dir.is_some() {
+                stream.paused.set(dir);
+            }
+            let mut action = Action::Pause;
+            for call in calls {
+                match dispatch(&vm.runtime.config.redis, &call.body) {
+                    Ok(token) => register(token, call.slot),
+                    Err(e) => {
+                        let step = stream.step(|f| {
+                            f.on_reply(&vm.runtime, call.slot, Err(e), now_ms(), &HostMetrics)
+                        });
+                        action = apply(vm, stream, step, None, register);
+                    }
+                }
+            }
+            action
+        }
+    };
+    settle_stream(vm, stream);
+    action
+}
+
+/// Hands the stream's background calls to the root and keeps the watchdog registry current.
+fn settle_stream(vm: &Vm, stream: &Rc<Stream>) {
+    let (calls, deadline) = match stream.flow.try_borrow_mut() {
+        Ok(mut f) => (f.take_background(), f.deadline_ms()),
+        Err(_) => return,
+    };
+    if !calls.is_empty() {
+        if let Ok(mut outbox) = vm.outbox.try_borrow_mut() {
+            outbox.extend(calls);
+        }
+    }
+    if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
+        if deadline.is_some() {
+            waiting.insert(stream.ctx, Rc::downgrade(stream));
+        } else {
+            waiting.remove(&stream.ctx);
+        }
+    }
+}
+
+fn set_upstream_headers(stream: &Stream) {
+    let headers: Vec<(String, String)> = match stream.flow.try_borrow() {
+        Ok(f) => f.upstream_headers().to_vec(),
+        Err(_) => return,
+    };
+    for (name, value) in &headers {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
     }
 }
 
@@ -112,6 +228,8 @@ struct Root {
     vm: Option<Rc<Vm>>,
     /// Outstanding background callouts.
     calls: HashMap<u32, Background>,
+    /// Callouts the root sent for a stream (lease polls): token -> stream, slot.
+    stream_calls: HashMap<u32, (Weak<Stream>, usize)>,
 }
 
 impl Root {
@@ -153,6 +271,24 @@ impl Root {
     }
 }
 
+impl Root {
+    /// Carries out a step for a stream from the root (tick or a call the root sent).
+    fn apply_for(&mut self, vm: &Rc<Vm>, stream: &Rc<Stream>, step: Step) {
+        if step == Step::Wait {
+            settle_stream(vm, stream);
+            return;
+        }
+        if hostcalls::set_effective_context(stream.ctx).is_err() {
+            return;
+        }
+        let weak = Rc::downgrade(stream);
+        let calls = &mut self.stream_calls;
+        apply(vm, stream, step, None, &mut |token, slot| {
+            calls.insert(token, (weak.clone(), slot));
+        });
+    }
+}
+
 impl Context for Root {
     fn on_http_call_response(
         &mut self,
@@ -161,7 +297,20 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
-        let (Some(vm), Some(mut bg)) = (self.vm.clone(), self.calls.remove(&token)) else {
+        let Some(vm) = self.vm.clone() else {
+            return;
+        };
+        if let Some((weak, slot)) = self.stream_calls.remove(&token) {
+            let Some(stream) = weak.upgrade() else {
+                return;
+            };
+            let answer = call_answer(body_size);
+            let step =
+                stream.step(|f| f.on_reply(&vm.runtime, slot, answer, now_ms(), &HostMetrics));
+            self.apply_for(&vm, &stream, step);
+            return;
+        }
+        let Some(mut bg) = self.calls.remove(&token) else {
             return;
         };
         if bg.on_answer(&vm.runtime, call_answer(body_size), now_ms(), &HostMetrics) {
@@ -206,57 +355,34 @@ impl RootContext for Root {
             self.send_background(&vm, bg);
         }
         // Collect first: no borrow of `waiting` may be held while the host is called.
-        let mut expired = Vec::new();
+        let mut due = Vec::new();
         if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
-            waiting.retain(|&ctx, weak| match weak.upgrade() {
+            waiting.retain(|_, weak| match weak.upgrade() {
                 None => false,
-                Some(flow) => {
-                    let due = flow
-                        .try_borrow()
-                        .map(|f| f.deadline_ms().is_some_and(|d| now >= d))
-                        .unwrap_or(false);
-                    if due {
-                        expired.push((ctx, flow));
+                Some(stream) => {
+                    let deadline = stream.flow.try_borrow().ok().and_then(|f| f.deadline_ms());
+                    if deadline.is_some_and(|d| now >= d) {
+                        due.push(stream);
                     }
-                    !due
+                    true
                 }
             });
         }
-        for (ctx, flow) in expired {
-            // The request was paused deciding, or the response completing.
-            let (step, was_request) = match flow.try_borrow_mut() {
-                Ok(mut f) => {
-                    let was_request = f.holds_request();
-                    (f.on_tick(&vm.runtime, now, &HostMetrics), was_request)
-                }
-                Err(_) => continue,
-            };
-            if hostcalls::set_effective_context(ctx).is_ok() {
-                match step {
-                    Step::Continue => {
-                        if was_request {
-                            let _ = hostcalls::resume_http_request();
-                        } else {
-                            let _ = hostcalls::resume_http_response();
-                        }
-                    }
-                    Step::Respond(r) => send_local(&r),
-                    Step::Dispatch(_) | Step::Wait => {}
-                }
-            }
-            if let Ok(mut f) = flow.try_borrow_mut() {
-                vm.outbox.borrow_mut().extend(f.take_background());
-            }
+        for stream in due {
+            let step = stream.step(|f| f.on_tick(&vm.runtime, now, &HostMetrics));
+            self.apply_for(&vm, &stream, step);
         }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Filter {
-            context_id,
             vm: self.vm.clone(),
-            flow: Rc::new(RefCell::new(Flow::default())),
+            stream: Rc::new(Stream {
+                ctx: context_id,
+                flow: RefCell::new(Flow::default()),
+                paused: Cell::new(None),
+            }),
             calls: HashMap::new(),
-            paused: None,
         }))
     }
 
@@ -276,20 +402,11 @@ fn send_local(r: &crate::respond::LocalResponse) {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dir {
-    Request,
-    Response,
-}
-
 struct Filter {
-    context_id: u32,
     vm: Option<Rc<Vm>>,
-    flow: Rc<RefCell<Flow>>,
+    stream: Rc<Stream>,
     /// Outstanding callout token -> flow slot.
     calls: HashMap<u32, usize>,
-    /// Which direction is stopped in this filter, waiting to be resumed.
-    paused: Option<Dir>,
 }
 
 impl Context for Filter {
@@ -307,131 +424,32 @@ impl Context for Filter {
             return;
         };
         let answer = call_answer(body_size);
-        let step =
-            self.with_flow(|f| f.on_reply(&vm.runtime, slot, answer, now_ms(), &HostMetrics));
-        let dir = self.paused.unwrap_or(Dir::Request);
-        self.carry_out(&vm, step, dir);
+        let step = self
+            .stream
+            .step(|f| f.on_reply(&vm.runtime, slot, answer, now_ms(), &HostMetrics));
+        self.apply(&vm, step, None);
     }
 
     fn on_done(&mut self) -> bool {
         if let Some(vm) = self.vm.clone() {
-            if let Ok(mut f) = self.flow.try_borrow_mut() {
+            if let Ok(mut f) = self.stream.flow.try_borrow_mut() {
                 f.on_done(&vm.runtime, &HostMetrics);
             }
-            self.flush_background(&vm);
-            self.unregister(&vm);
+            settle_stream(&vm, &self.stream);
+            if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
+                waiting.remove(&self.stream.ctx);
+            }
         }
         true
     }
 }
 
 impl Filter {
-    fn with_flow(&self, f: impl FnOnce(&mut Flow) -> Step) -> Step {
-        match self.flow.try_borrow_mut() {
-            Ok(mut flow) => f(&mut flow),
-            Err(_) => Step::Wait,
-        }
-    }
-
-    fn flush_background(&self, vm: &Vm) {
-        let calls = match self.flow.try_borrow_mut() {
-            Ok(mut f) => f.take_background(),
-            Err(_) => return,
-        };
-        if !calls.is_empty() {
-            if let Ok(mut outbox) = vm.outbox.try_borrow_mut() {
-                outbox.extend(calls);
-            }
-        }
-    }
-
-    fn set_upstream_headers(&self) {
-        let headers: Vec<(String, String)> = match self.flow.try_borrow() {
-            Ok(f) => f.upstream_headers().to_vec(),
-            Err(_) => return,
-        };
-        for (name, value) in &headers {
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
-        }
-    }
-
-    /// Carries out a step raised in direction `dir`; returns the filter's action.
-    fn carry_out(&mut self, vm: &Rc<Vm>, step: Step, dir: Dir) -> Action {
-        self.flush_background(vm);
-        match step {
-            Step::Continue => {
-                self.unregister(vm);
-                if dir == Dir::Request {
-                    self.set_upstream_headers();
-                }
-                match self.paused.take() {
-                    Some(Dir::Request) => {
-                        let _ = hostcalls::resume_http_request();
-                    }
-                    Some(Dir::Response) => {
-                        let _ = hostcalls::resume_http_response();
-                    }
-                    None => {}
-                }
-                Action::Continue
-            }
-            Step::Wait => {
-                self.paused = Some(dir);
-                // A stream waiting for its body has a deadline too (see Flow::deadline_ms).
-                if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
-                    waiting.insert(self.context_id, Rc::downgrade(&self.flow));
-                }
-                Action::Pause
-            }
-            Step::Respond(r) => {
-                self.unregister(vm);
-                self.paused = None;
-                send_local(&r);
-                Action::Pause
-            }
-            Step::Dispatch(calls) => {
-                self.paused = Some(dir);
-                if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
-                    waiting.insert(self.context_id, Rc::downgrade(&self.flow));
-                }
-                let mut failed = Vec::new();
-                for call in calls {
-                    if let Err(slot) = self.send(vm, &call) {
-                        failed.push(slot);
-                    }
-                }
-                let mut action = Action::Pause;
-                for slot in failed {
-                    let step = self.with_flow(|f| {
-                        f.on_reply(
-                            &vm.runtime,
-                            slot,
-                            Err(CallError::Transport),
-                            now_ms(),
-                            &HostMetrics,
-                        )
-                    });
-                    action = self.carry_out(vm, step, dir);
-                }
-                action
-            }
-        }
-    }
-
-    fn send(&mut self, vm: &Vm, call: &Outgoing) -> Result<(), usize> {
-        match dispatch(&vm.runtime.config.redis, &call.body) {
-            Ok(token) => {
-                self.calls.insert(token, call.slot);
-                Ok(())
-            }
-            Err(_) => Err(call.slot),
-        }
-    }
-
-    fn unregister(&self, vm: &Vm) {
-        if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
-            waiting.remove(&self.context_id);
-        }
+    fn apply(&mut self, vm: &Rc<Vm>, step: Step, dir: Option<Dir>) -> Action {
+        let calls = &mut self.calls;
+        apply(vm, &self.stream, step, dir, &mut |token, slot| {
+            calls.insert(token, slot);
+        })
     }
 }
 
@@ -465,7 +483,7 @@ impl HttpContext for Filter {
             property(vec!["source", "address"]).as_deref(),
         );
         let (nonce, owner) = (vm.token(), vm.token());
-        let step = self.with_flow(|f| {
+        let step = self.stream.step(|f| {
             f.on_request(
                 &vm.runtime,
                 req,
@@ -476,7 +494,7 @@ impl HttpContext for Filter {
                 &HostMetrics,
             )
         });
-        self.carry_out(&vm, step, Dir::Request)
+        self.apply(&vm, step, Some(Dir::Request))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
@@ -485,7 +503,7 @@ impl HttpContext for Filter {
         };
         // While the request is held for a decision its body is held too: returning Continue
         // here would let Envoy pass the headers on before the decision.
-        let step = self.with_flow(|f| {
+        let step = self.stream.step(|f| {
             f.on_request_body(
                 &vm.runtime,
                 body_size,
@@ -495,14 +513,14 @@ impl HttpContext for Filter {
                 &HostMetrics,
             )
         });
-        self.carry_out(&vm, step, Dir::Request)
+        self.apply(&vm, step, Some(Dir::Request))
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let step = self.with_flow(|f| {
+        let step = self.stream.step(|f| {
             f.on_request_trailers(
                 &vm.runtime,
                 || buffer(BufferType::HttpRequestBody, usize::MAX >> 1),
@@ -510,14 +528,14 @@ impl HttpContext for Filter {
                 &HostMetrics,
             )
         });
-        self.carry_out(&vm, step, Dir::Request)
+        self.apply(&vm, step, Some(Dir::Request))
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let extra: Vec<(String, String)> = match self.flow.try_borrow() {
+        let extra: Vec<(String, String)> = match self.stream.flow.try_borrow() {
             Ok(f) => f.response_headers().to_vec(),
             Err(_) => Vec::new(),
         };
@@ -532,7 +550,7 @@ impl HttpContext for Filter {
             .unwrap_or(0);
         let details = property(vec!["response", "code_details"]).unwrap_or_default();
         let via_upstream = details == "via_upstream";
-        let step = self.with_flow(|f| {
+        let step = self.stream.step(|f| {
             f.on_response_headers(
                 &vm.runtime,
                 status,
@@ -544,14 +562,14 @@ impl HttpContext for Filter {
                 &HostMetrics,
             )
         });
-        self.carry_out(&vm, step, Dir::Response)
+        self.apply(&vm, step, Some(Dir::Response))
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let step = self.with_flow(|f| {
+        let step = self.stream.step(|f| {
             f.on_response_body(
                 &vm.runtime,
                 body_size,
@@ -561,14 +579,16 @@ impl HttpContext for Filter {
                 &HostMetrics,
             )
         });
-        self.carry_out(&vm, step, Dir::Response)
+        self.apply(&vm, step, Some(Dir::Response))
     }
 }
 
 impl Drop for Filter {
     fn drop(&mut self) {
         if let Some(vm) = &self.vm {
-            self.unregister(vm);
+            if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
+                waiting.remove(&self.stream.ctx);
+            }
         }
     }
 }
