@@ -94,16 +94,29 @@ pub struct Caller {
 
 pub const ANONYMOUS: &str = "anonymous";
 
-/// Resolves the caller; `Err(())` means the tenant is missing and the policy says reject.
-#[allow(clippy::result_unit_err)]
-pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, ()> {
-    let tenant = match req
-        .header(&identity.tenant_header)
-        .filter(|t| !t.is_empty())
-    {
+/// Why a request has no usable tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TenantError {
+    /// Absent or empty, and `missing_tenant: reject`.
+    Missing,
+    /// The header appears more than once: which tenant is calling is ambiguous.
+    Repeated,
+}
+
+/// Resolves the caller from the identity headers.
+pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, TenantError> {
+    let mut values = req
+        .headers
+        .iter()
+        .filter(|(n, _)| *n == identity.tenant_header);
+    let first = values.next().map(|(_, v)| v.as_str());
+    if values.next().is_some() {
+        return Err(TenantError::Repeated);
+    }
+    let tenant = match first.filter(|t| !t.is_empty()) {
         Some(t) => t.to_string(),
         None if identity.missing_tenant == MissingTenant::Anonymous => ANONYMOUS.to_string(),
-        None => return Err(()),
+        None => return Err(TenantError::Missing),
     };
     let principal = req
         .header(&identity.principal_header)
@@ -252,9 +265,16 @@ mod tests {
         assert_eq!(caller.principal, ANONYMOUS);
         let mut without = with.clone();
         without.headers.retain(|(n, _)| n != "x-tenant-id");
-        assert_eq!(identify(&id, &without), Err(()));
+        assert_eq!(identify(&id, &without), Err(TenantError::Missing));
         without.headers.push(("x-tenant-id".into(), String::new()));
-        assert_eq!(identify(&id, &without), Err(()), "empty tenant is missing");
+        assert_eq!(
+            identify(&id, &without),
+            Err(TenantError::Missing),
+            "empty tenant is missing"
+        );
+        let mut twice = with.clone();
+        twice.headers.push(("x-tenant-id".into(), "globex".into()));
+        assert_eq!(identify(&id, &twice), Err(TenantError::Repeated));
         id.missing_tenant = MissingTenant::Anonymous;
         assert_eq!(
             identify(&id, &without).expect("anonymous").tenant,

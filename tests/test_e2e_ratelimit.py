@@ -11,6 +11,8 @@ Each test gets its own stack (stack_factory); config-refusal cases share one mod
 from __future__ import annotations
 
 import hashlib
+import http.client
+import json
 import re
 import threading
 import time
@@ -473,9 +475,29 @@ def test_missing_tenant_is_rejected_with_401(stack_factory):
     resp = post(stack.envoy, tenant=None)
     body = assert_problem(resp, 401, "missing_tenant")
     assert TENANT in body["detail"], body
+    assert resp.headers["www-authenticate"] == f'Tenant header="{TENANT}"'  # RFC 9110: 401 has a challenge
     assert stack.upstream.stats()["total"] == 0
     assert stack.envoy.stat("wasmcustom.cg.policy.orders.missing_tenant") == 1
     assert stack.envoy.stat("wasmcustom.cg.redis.calls") == 0
+    assert redis_keys(stack, "cg:e2e") == set()
+
+
+def test_repeated_tenant_header_is_ambiguous(stack_factory):
+    stack = start(stack_factory, [{"name": "orders", "rate_limits": [rl("tenant", limit=2)]}])
+    conn = http.client.HTTPConnection("127.0.0.1", stack.envoy.port, timeout=10)
+    try:
+        conn.putrequest("POST", "/orders")
+        conn.putheader(TENANT, "acme")
+        conn.putheader(TENANT, "globex")
+        conn.putheader("content-length", "0")
+        conn.endheaders()
+        raw = conn.getresponse()
+        status, body = raw.status, json.loads(raw.read())
+    finally:
+        conn.close()
+    assert status == 400, body
+    assert body["type"].endswith("ambiguous_tenant") and TENANT in body["detail"], body
+    assert stack.upstream.stats()["total"] == 0
     assert redis_keys(stack, "cg:e2e") == set()
 
 

@@ -80,7 +80,11 @@ impl Background {
                 false
             }
             Err(e) => {
-                m.increment(rt.metrics.redis.errors);
+                m.increment(if e == CallError::Timeout {
+                    rt.metrics.redis.timeouts
+                } else {
+                    rt.metrics.redis.errors
+                });
                 match pm.idem.as_ref().filter(|_| !lease) {
                     Some(im) => {
                         m.increment(im.complete_failed);

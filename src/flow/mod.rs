@@ -20,7 +20,7 @@ use crate::keys;
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
 use crate::ratelimit::{self, LimitState, Verdict};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
-use crate::request::{identify, select_policy, selector_value, Caller, Request};
+use crate::request::{identify, select_policy, selector_value, Caller, Request, TenantError};
 use crate::respond::{self, LocalResponse, Problem};
 use serde_json::Map;
 
@@ -298,14 +298,27 @@ impl Flow {
         };
         let caller = match identify(&rt.config.identity, &req) {
             Ok(c) => c,
-            Err(()) => {
+            Err(TenantError::Missing) => {
+                m.increment(pm.missing_tenant);
+                let header = &rt.config.identity.tenant_header;
+                let detail = format!("this operation requires the {header} header");
+                // A 401 carries a challenge (RFC 9110): the scheme names what is missing.
+                let challenge = format!("Tenant header=\"{header}\"");
+                return self.answer(respond::problem(
+                    Problem::MissingTenant,
+                    &detail,
+                    Map::new(),
+                    vec![("www-authenticate".into(), challenge)],
+                ));
+            }
+            Err(TenantError::Repeated) => {
                 m.increment(pm.missing_tenant);
                 let detail = format!(
-                    "this operation requires the {} header",
+                    "the {} header must appear once",
                     rt.config.identity.tenant_header
                 );
                 return self.answer(respond::problem(
-                    Problem::MissingTenant,
+                    Problem::AmbiguousTenant,
                     &detail,
                     Map::new(),
                     Vec::new(),
@@ -598,7 +611,11 @@ impl Flow {
             }
             Ok(reply) => reply,
             Err(e) => {
-                m.increment(rt.metrics.redis.errors);
+                m.increment(if e == CallError::Timeout {
+                    rt.metrics.redis.timeouts
+                } else {
+                    rt.metrics.redis.errors
+                });
                 return self.call_failed(rt, slot, &e, m);
             }
         };

@@ -86,6 +86,10 @@ fn missing_tenant_is_401() {
     };
     assert_eq!(r.status, 401);
     assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    assert_eq!(
+        r.header("www-authenticate"),
+        Some("Tenant header=\"x-tenant-id\"")
+    );
     assert_eq!(rec.count("cg.policy.orders.missing_tenant"), 1);
 }
 
@@ -740,4 +744,248 @@ fn rate_limit_rejection_releases_a_record_acquired_elsewhere() {
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::Release);
+}
+
+const LEASE_CONFIG: &str = r#"{
+  "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},
+  "policies": [
+    {"name": "activate", "match": {"path_prefix": "/orders"},
+     "lease": {"resource": ["tenant", "path_segment:2"], "ttl": "10s", "on_busy": "reject"}},
+    {"name": "wait", "match": {"path_prefix": "/wait"},
+     "lease": {"resource": ["path_segment:2"], "ttl": "2s", "on_busy": "wait", "max_wait": "200ms",
+               "fencing_header": "x-lease-token", "extend": false}}
+  ]
+}"#;
+
+fn lease_runtime(rec: &Recorder) -> Runtime {
+    let config = Config::parse(LEASE_CONFIG.as_bytes()).expect("valid");
+    let metrics = rec.metrics(&config);
+    Runtime {
+        config,
+        scripts: Scripts::load(),
+        metrics,
+    }
+}
+
+fn lease_reply(code: i64, value: &[u8]) -> Reply {
+    Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(code),
+        Reply::Bulk(Some(value.to_vec())),
+    ]))
+}
+
+#[test]
+fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    let out = dispatched(flow.on_request(
+        &rt,
+        req("POST", "/orders/123/activate", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    assert_eq!(out.len(), 1);
+    let body = String::from_utf8_lossy(&out[0].body).into_owned();
+    assert!(
+        body.contains("%3Alease%3A%7Bt%2Ed2e79529ba2c46b2%7D%3Aactivate%3A"),
+        "{body}"
+    );
+    assert!(
+        !body.contains("123"),
+        "the resource never appears raw: {body}"
+    );
+    let step = flow.on_reply(&rt, 0, Ok(lease_reply(1, b"1795988269215845")), 1, &rec);
+    assert_eq!(step, Step::Continue);
+    assert_eq!(
+        flow.upstream_headers(),
+        &[(
+            "x-fencing-token".to_string(),
+            "1795988269215845".to_string()
+        )]
+    );
+    assert_eq!(rec.count("cg.policy.activate.lease.acquired"), 1);
+    // Extension is due at half the TTL.
+    assert_eq!(flow.deadline_ms(), Some(5_001));
+    assert_eq!(flow.on_tick(&rt, 5_001, &rec), Step::Wait);
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::LeaseExtend);
+    assert_eq!(
+        bg[0].call.args,
+        vec!["own".to_string(), "10000".to_string()]
+    );
+    assert_eq!(flow.deadline_ms(), Some(10_001));
+    // The response releases it, from the root.
+    assert_eq!(
+        flow.on_response_headers(&rt, 200, true, "via_upstream", &[], true, 6_000, &rec),
+        Step::Continue
+    );
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
+    assert_eq!(flow.deadline_ms(), None, "no more extensions");
+    flow.on_done(&rt, &rec);
+    assert!(flow.take_background().is_empty(), "released once");
+}
+
+#[test]
+fn busy_lease_rejects_with_retry_after() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        req("POST", "/orders/123/activate", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    let Step::Respond(r) = flow.on_reply(&rt, 0, Ok(lease_reply(2, b"4200")), 1, &rec) else {
+        panic!("expected 409");
+    };
+    assert_eq!(r.status, 409);
+    assert_eq!(r.header("retry-after"), Some("5"));
+    assert!(String::from_utf8_lossy(&r.body).contains("resource_locked"));
+    assert_eq!(rec.count("cg.policy.activate.lease.busy"), 1);
+    flow.on_done(&rt, &rec);
+    assert!(
+        flow.take_background().is_empty(),
+        "nothing held, nothing released"
+    );
+}
+
+#[test]
+fn busy_lease_waits_then_runs() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        req("POST", "/wait/9/x", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(lease_reply(2, b"900")), 1, &rec),
+        Step::Wait
+    );
+    assert_eq!(flow.deadline_ms(), Some(1 + LEASE_POLL_FIRST_MS));
+    assert!(flow.holds_request());
+    let out = dispatched(flow.on_tick(&rt, 1 + LEASE_POLL_FIRST_MS, &rec));
+    let body = String::from_utf8_lossy(&out[0].body).into_owned();
+    assert!(
+        body.starts_with("EVALSHA/") && body.contains("/2/"),
+        "a lease-only acquire: {body}"
+    );
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(lease_reply(1, b"77")), 30, &rec),
+        Step::Continue
+    );
+    assert_eq!(
+        flow.upstream_headers(),
+        &[("x-lease-token".to_string(), "77".to_string())]
+    );
+    assert_eq!(rec.count("cg.policy.wait.lease.waited"), 1);
+    assert_eq!(flow.deadline_ms(), None, "extend: false");
+}
+
+#[test]
+fn busy_lease_gives_up_after_max_wait() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        req("POST", "/wait/9/x", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    let mut now = 1;
+    let mut step = flow.on_reply(&rt, 0, Ok(lease_reply(2, b"1500")), now, &rec);
+    let mut polls = 0;
+    while step == Step::Wait {
+        now = flow.deadline_ms().expect("a poll is scheduled");
+        dispatched(flow.on_tick(&rt, now, &rec));
+        polls += 1;
+        step = flow.on_reply(&rt, 0, Ok(lease_reply(2, b"1500")), now + 1, &rec);
+    }
+    let Step::Respond(r) = step else {
+        panic!("expected 409, got {step:?}");
+    };
+    assert_eq!(r.status, 409);
+    assert!(now <= 200, "gave up within max_wait, at {now}");
+    assert!((2..=5).contains(&polls), "backoff: {polls} polls");
+    assert_eq!(rec.count("cg.policy.wait.lease.busy"), 1);
+}
+
+#[test]
+fn missing_resource_is_400() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    let Step::Respond(r) = flow.on_request(
+        &rt,
+        req("POST", "/orders", Some("acme")),
+        "n",
+        "o",
+        true,
+        0,
+        &rec,
+    ) else {
+        panic!("expected 400");
+    };
+    assert_eq!(r.status, 400);
+    let body: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(body["missing-selector"], "path_segment:2");
+    assert_eq!(rec.count("cg.policy.activate.lease.missing_resource"), 1);
+}
+
+#[test]
+fn stream_reset_releases_the_lease() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        req("POST", "/orders/1/a", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(lease_reply(1, b"5")), 1, &rec),
+        Step::Continue
+    );
+    flow.on_done(&rt, &rec);
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
+    // Client gone while the acquire is in flight: released by owner too.
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        req("POST", "/orders/1/a", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    flow.on_done(&rt, &rec);
+    assert_eq!(flow.take_background().len(), 1);
 }

@@ -32,10 +32,12 @@ pub fn encode(command: &[&[u8]]) -> Vec<u8> {
     out
 }
 
-/// Turns the gateway's HTTP answer into a Redis reply.
+/// Turns the gateway's HTTP answer into a Redis reply. Webdis never answers 504 itself: that
+/// is Envoy's own reply when the callout's timeout fires.
 pub fn decode(status: Option<u32>, body: &[u8]) -> Result<Reply, CallError> {
     match status {
         Some(200) => resp::parse(body).map_err(CallError::Malformed),
+        Some(504) => Err(CallError::Timeout),
         Some(s) => Err(CallError::Gateway(s)),
         None => Err(CallError::Transport),
     }
@@ -58,6 +60,10 @@ mod tests {
     fn decodes_answers() {
         assert_eq!(decode(Some(200), b":1\r\n"), Ok(Reply::Int(1)));
         assert_eq!(decode(Some(503), b""), Err(CallError::Gateway(503)));
+        assert_eq!(
+            decode(Some(504), b"upstream request timeout"),
+            Err(CallError::Timeout)
+        );
         assert_eq!(decode(Some(403), b""), Err(CallError::Gateway(403)));
         assert_eq!(decode(None, b""), Err(CallError::Transport));
         assert!(matches!(

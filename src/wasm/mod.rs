@@ -203,7 +203,9 @@ fn dispatch(redis: &RedisConfig, body: &[u8]) -> Result<u32, CallError> {
         headers,
         Some(body),
         vec![],
-        Duration::from_millis(redis.timeout_ms),
+        // The watchdog decides at `timeout` (within a tick); the host's own timer is a backstop
+        // set later, so a slow gateway is counted as a timeout, not as Envoy's 504.
+        Duration::from_millis(redis.timeout_ms.saturating_mul(2).saturating_add(100)),
     )
     .map_err(|status| {
         log::warn!("cannot dispatch to cluster {}: {status:?}", redis.cluster);
