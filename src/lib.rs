@@ -16,6 +16,7 @@ pub mod idempotency;
 pub mod ids;
 pub mod keys;
 pub mod metrics;
+pub mod overlimit;
 pub mod ratelimit;
 pub mod redis;
 pub mod request;

@@ -9,6 +9,7 @@
 //!   body_too_large|unreadable|released|completed|complete_failed|stale_owner|outcome_unknown`
 //! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource`
 //! * `cg.redis.calls|errors|timeouts|noscript`, histogram `cg.redis.latency_ms`
+//! * `cg.over_limit_cache.hits`
 
 use crate::config::Config;
 
@@ -95,6 +96,8 @@ pub struct Metrics {
     /// One entry per policy, in config order.
     pub policies: Vec<PolicyMetrics>,
     pub redis: RedisMetrics,
+    /// Requests rejected by the over-limit cache, without a Redis call.
+    pub over_limit_cache_hits: u32,
 }
 
 impl Metrics {
@@ -162,7 +165,12 @@ impl Metrics {
             noscript: counter("cg.redis.noscript".into()),
             latency_ms: define(Kind::Histogram, "cg.redis.latency_ms"),
         };
-        Metrics { policies, redis }
+        let over_limit_cache_hits = define(Kind::Counter, "cg.over_limit_cache.hits");
+        Metrics {
+            policies,
+            redis,
+            over_limit_cache_hits,
+        }
     }
 }
 
@@ -238,6 +246,7 @@ mod tests {
                 "cg.redis.timeouts",
                 "cg.redis.noscript",
                 "cg.redis.latency_ms",
+                "cg.over_limit_cache.hits",
             ]
         );
     }

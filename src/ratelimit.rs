@@ -80,11 +80,14 @@ pub enum Verdict {
 
 /// Decides from every limit's state (`states[i]` for `policy.rate_limits[i]`).
 /// Rejected when any non-shadow limit rejected.
-pub fn decide(policy: &Policy, states: &[LimitState]) -> Verdict {
+/// `None` is a limit whose state is unknown (the over-limit cache answered for another one):
+/// it is left out of the headers.
+pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
     let enforced: Vec<(&RateLimit, &LimitState)> = policy
         .rate_limits
         .iter()
         .zip(states)
+        .filter_map(|(l, s)| Some((l, s.as_ref()?)))
         .filter(|(l, _)| !l.shadow)
         .collect();
     let violated: Vec<&(&RateLimit, &LimitState)> =
@@ -167,10 +170,10 @@ mod tests {
         let verdict = decide(
             &c.policies[0],
             &[
-                st(true, 50, 30_000, 0),
-                st(true, 3, 700, 0),
-                st(false, 0, 10, 10),
-                st(true, 4, 250, 0),
+                Some(st(true, 50, 30_000, 0)),
+                Some(st(true, 3, 700, 0)),
+                Some(st(false, 0, 10, 10)),
+                Some(st(true, 4, 250, 0)),
             ],
         );
         assert_eq!(
@@ -194,10 +197,10 @@ mod tests {
         let verdict = decide(
             &c.policies[0],
             &[
-                st(false, 0, 16_200, 16_200),
-                st(true, 3, 700, 0),
-                st(true, 1, 10, 0),
-                st(false, 0, 200, 120),
+                Some(st(false, 0, 16_200, 16_200)),
+                Some(st(true, 3, 700, 0)),
+                Some(st(true, 1, 10, 0)),
+                Some(st(false, 0, 200, 120)),
             ],
         );
         let Verdict::Reject(r) = verdict else {
@@ -224,10 +227,10 @@ mod tests {
         let verdict = decide(
             &c.policies[0],
             &[
-                st(true, 1, 1, 0),
-                st(true, 1, 1, 0),
-                st(false, 0, 5, 5),
-                st(true, 1, 1, 0),
+                Some(st(true, 1, 1, 0)),
+                Some(st(true, 1, 1, 0)),
+                Some(st(false, 0, 5, 5)),
+                Some(st(true, 1, 1, 0)),
             ],
         );
         assert!(matches!(verdict, Verdict::Allow(_)));

@@ -229,7 +229,7 @@ def test_shadow_limits_count_but_never_reject(stack_factory):
          "rate_limits": [rl("enforced", limit=3), rl("dry-run", limit=1, shadow=True)]},
         {"name": "observe", "match": {"path_prefix": "/observe"},
          "rate_limits": [rl("dry-run", limit=1, shadow=True)]},
-    ])
+    ], over_limit_cache={"entries": 0})  # exact Redis verdicts per limit, no local answers
     envoy = stack.envoy
 
     mixed = [post(envoy, "/mixed") for _ in range(5)]
@@ -267,7 +267,7 @@ def test_multiple_limits_name_the_violated_one_and_list_the_most_restrictive_fir
     """
     stack = start(stack_factory, [{"name": "orders", "rate_limits": [
         rl("tenant", limit=3), rl("global", limit=4, by=()), rl("user", limit=2, by=("tenant", "principal")),
-    ]}])
+    ]}], over_limit_cache={"entries": 0})  # every request sees every limit's Redis state
     envoy = stack.envoy
 
     def header_pairs(resp):
@@ -663,3 +663,33 @@ def test_gateway_is_locked_down(stack_factory):
     assert webdis.eval("return 1") == (200, b":1\r\n")
     assert stack.redis.get("cg:secret") == b"x"
     assert stack.redis.exists("a") == 0
+
+
+# --- over-limit cache ------------------------------------------------------------------------
+
+
+def test_over_limit_cache_answers_locally_until_the_counter_admits(stack_factory):
+    """Once Redis says a counter rejects until T, the filter answers 429 itself until T: no
+    Redis call, correct Retry-After, counters moving; other tenants still go to Redis."""
+    stack = start(stack_factory, [{"name": "olc", "rate_limits": [
+        rl("tenant", limit=2, window="2s", algorithm="fixed_window")]}])
+    envoy = stack.envoy
+    assert [post(envoy).status for _ in range(3)] == [200, 200, 429]
+    calls = envoy.stat("wasmcustom.cg.redis.calls")
+    cached = [post(envoy) for _ in range(5)]
+    assert [r.status for r in cached] == [429] * 5
+    for r in cached:
+        assert_problem(r, 429, "rate_limited")
+        assert 1 <= int(r.headers["retry-after"]) <= 2, r.headers
+        assert remaining(r) == {"tenant": 0}
+    # Both workers learn it through shared data: no call for any of the five.
+    assert envoy.stat("wasmcustom.cg.redis.calls") == calls
+    assert envoy.stat("wasmcustom.cg.over_limit_cache.hits") == 5
+    assert envoy.stat("wasmcustom.cg.policy.olc.limit.tenant.rejected") == 6
+    # Another tenant still goes to Redis and is admitted.
+    assert post(envoy, tenant="globex").status == 200
+    assert envoy.stat("wasmcustom.cg.redis.calls") == calls + 1
+    # After the window the tenant is admitted again, by Redis: the cache never over-rejects.
+    time.sleep(2.2)
+    assert post(envoy).status == 200
+    assert stack.upstream.stats()["total"] == 4

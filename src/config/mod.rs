@@ -247,7 +247,12 @@ pub struct Config {
     pub failure_mode: FailureMode,
     pub response_headers: bool,
     pub policies: Vec<Policy>,
+    /// Slots of the over-limit cache (0 disables it).
+    pub over_limit_cache_entries: usize,
 }
+
+/// Default size of the over-limit cache: 16 bytes a slot, per worker and in shared data.
+pub const DEFAULT_OVER_LIMIT_CACHE_ENTRIES: usize = 10_000;
 
 pub const DEFAULT_TIMEOUT_MS: u64 = 50;
 
@@ -287,6 +292,28 @@ impl Config {
                 policies.push(p);
             }
         }
+        let over_limit_cache_entries = match root.get("over_limit_cache") {
+            None => DEFAULT_OVER_LIMIT_CACHE_ENTRIES,
+            Some(v) => {
+                let mut o = Obj::new(v, "over_limit_cache")?;
+                let path = o.field_path("entries");
+                let entries = match o.get("entries") {
+                    None => DEFAULT_OVER_LIMIT_CACHE_ENTRIES,
+                    Some(n) => n
+                        .as_u64()
+                        .filter(|n| *n <= 1_000_000)
+                        .and_then(|n| usize::try_from(n).ok())
+                        .ok_or_else(|| {
+                            ConfigError::new(
+                                path,
+                                format!("{n} is not a number of entries from 0 to 1000000"),
+                            )
+                        })?,
+                };
+                o.finish()?;
+                entries
+            }
+        };
         root.finish()?;
         Ok(Config {
             redis,
@@ -294,6 +321,7 @@ impl Config {
             failure_mode,
             response_headers,
             policies,
+            over_limit_cache_entries,
         })
     }
 

@@ -139,7 +139,7 @@ fn bad_configs_name_the_field() {
         ("empty_limit_name", "/policies/0/rate_limits/1/name", json!(""),
          "policies[0].rate_limits[1].name: must not be empty"),
         ("unknown_top", "/rate_limit", json!(1),
-         "rate_limit: unknown field (known here: failure_mode, identity, policies, redis, response_headers)"),
+         "rate_limit: unknown field (known here: failure_mode, identity, over_limit_cache, policies, redis, response_headers)"),
         ("unknown_in_limit", "/policies/0/rate_limits/0/windw", json!("1s"),
          "policies[0].rate_limits[0].windw: unknown field (known here: algorithm, burst, by, limit, name, shadow, window)"),
         ("unknown_in_match", "/policies/0/match/path", json!("/x"),

@@ -18,6 +18,7 @@ use crate::idempotency::header::{parse_key, KeyError};
 use crate::idempotency::record::{Record, StoredResponse};
 use crate::keys;
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
+use crate::overlimit::{OverLimitCache, SharedStore};
 use crate::ratelimit::{self, LimitState, Verdict};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
 use crate::request::{identify, select_policy, selector_value, Caller, Request, TenantError};
@@ -29,6 +30,20 @@ pub struct Runtime {
     pub config: Config,
     pub scripts: Scripts,
     pub metrics: Metrics,
+    pub over_limit: OverLimitCache,
+}
+
+impl Runtime {
+    /// `shared` mirrors the over-limit cache across the proxy's workers.
+    pub fn new(config: Config, metrics: Metrics, shared: Option<Box<dyn SharedStore>>) -> Runtime {
+        let over_limit = OverLimitCache::new(config.over_limit_cache_entries, shared);
+        Runtime {
+            config,
+            scripts: Scripts::load(),
+            metrics,
+            over_limit,
+        }
+    }
 }
 
 /// The header that carries the request fingerprint to the upstream.
@@ -153,6 +168,8 @@ pub struct Flow {
     lease_answer: Option<LeaseAnswer>,
     held: Option<Held>,
     nonce: String,
+    /// The Redis key of each rate limit (policy order), for the over-limit cache.
+    limit_keys: Vec<String>,
     deadline_ms: u64,
     forwarded: bool,
     response_seen: bool,
@@ -174,6 +191,7 @@ impl Default for Flow {
             lease_answer: None,
             held: None,
             nonce: String::new(),
+            limit_keys: Vec::new(),
             deadline_ms: 0,
             forwarded: false,
             response_seen: false,
@@ -552,6 +570,17 @@ impl Flow {
         );
         self.nonce = held.nonce.clone();
         self.states = vec![None; policy.rate_limits.len()];
+        self.limit_keys = vec![String::new(); policy.rate_limits.len()];
+        for g in &groups {
+            for (&i, key) in g.limits.iter().zip(&g.call.keys) {
+                if let Some(k) = self.limit_keys.get_mut(i) {
+                    k.clone_from(key);
+                }
+            }
+        }
+        if let Some(step) = self.cached_rejection(rt, now_ms, m) {
+            return step;
+        }
         self.pending = groups
             .into_iter()
             .map(|g| Pending {
@@ -701,7 +730,14 @@ impl Flow {
                 m,
             );
         }
-        let verdict = ratelimit::decide(policy, &states);
+        // Remember counters that reject, until the script says they could admit again.
+        for ((limit, state), key) in policy.rate_limits.iter().zip(&states).zip(&self.limit_keys) {
+            if !state.allowed && !limit.shadow && state.retry_after_ms > 0 {
+                rt.over_limit
+                    .mark(key, now_ms.saturating_add(state.retry_after_ms));
+            }
+        }
+        let verdict = ratelimit::decide(policy, &self.states);
         let admitted = matches!(verdict, Verdict::Allow(_));
         // A limit counts `allowed` only for admitted requests, `rejected` when it is one the
         // request violated, `shadow_rejected` when a shadow limit would have rejected.
@@ -776,6 +812,43 @@ impl Flow {
                     self.conflict(cfg.conflict_status, limit_headers)
                 }
             },
+        }
+    }
+
+    /// A 429 from the over-limit cache, when one of the request's enforced counters is known
+    /// to reject: no Redis call, nothing acquired, nothing consumed.
+    fn cached_rejection(&mut self, rt: &Runtime, now_ms: u64, m: &dyn MetricSink) -> Option<Step> {
+        if !rt.over_limit.enabled() {
+            return None;
+        }
+        let (policy, pm) = self.policy(rt)?;
+        let mut states: Vec<Option<LimitState>> = vec![None; policy.rate_limits.len()];
+        let mut hit = false;
+        for (i, (limit, key)) in policy.rate_limits.iter().zip(&self.limit_keys).enumerate() {
+            if limit.shadow {
+                continue;
+            }
+            if let Some(until) = rt.over_limit.rejecting_until(key, now_ms) {
+                let wait = until - now_ms;
+                states[i] = Some(LimitState {
+                    allowed: false,
+                    remaining: 0,
+                    reset_ms: wait,
+                    retry_after_ms: wait,
+                });
+                if let Some(lm) = pm.limits.get(i) {
+                    m.increment(lm.rejected);
+                }
+                hit = true;
+            }
+        }
+        if !hit {
+            return None;
+        }
+        m.increment(rt.metrics.over_limit_cache_hits);
+        match ratelimit::decide(policy, &states) {
+            Verdict::Reject(response) => Some(self.answer(response)),
+            Verdict::Allow(_) => None,
         }
     }
 

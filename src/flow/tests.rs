@@ -21,11 +21,7 @@ const CONFIG: &str = r#"{
 fn runtime(rec: &Recorder) -> Runtime {
     let config = Config::parse(CONFIG.as_bytes()).expect("valid");
     let metrics = rec.metrics(&config);
-    Runtime {
-        config,
-        scripts: Scripts::load(),
-        metrics,
-    }
+    Runtime::new(config, metrics, None)
 }
 
 fn req(method: &str, path: &str, tenant: Option<&str>) -> Request {
@@ -282,11 +278,7 @@ const IDEM_CONFIG: &str = r#"{
 fn idem_runtime(rec: &Recorder) -> Runtime {
     let config = Config::parse(IDEM_CONFIG.as_bytes()).expect("valid");
     let metrics = rec.metrics(&config);
-    Runtime {
-        config,
-        scripts: Scripts::load(),
-        metrics,
-    }
+    Runtime::new(config, metrics, None)
 }
 
 fn idem_req(path: &str, key: Option<&str>, extra: &[(&str, &str)]) -> Request {
@@ -714,11 +706,7 @@ fn rate_limit_rejection_releases_a_record_acquired_elsewhere() {
     .expect("valid");
     let rec = Recorder::default();
     let metrics = rec.metrics(&config);
-    let rt = Runtime {
-        config,
-        scripts: Scripts::load(),
-        metrics,
-    };
+    let rt = Runtime::new(config, metrics, None);
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
         &rt,
@@ -760,11 +748,7 @@ const LEASE_CONFIG: &str = r#"{
 fn lease_runtime(rec: &Recorder) -> Runtime {
     let config = Config::parse(LEASE_CONFIG.as_bytes()).expect("valid");
     let metrics = rec.metrics(&config);
-    Runtime {
-        config,
-        scripts: Scripts::load(),
-        metrics,
-    }
+    Runtime::new(config, metrics, None)
 }
 
 fn lease_reply(code: i64, value: &[u8]) -> Reply {
@@ -988,4 +972,73 @@ fn stream_reset_releases_the_lease() {
     ));
     flow.on_done(&rt, &rec);
     assert_eq!(flow.take_background().len(), 1);
+}
+
+#[test]
+fn over_limit_cache_rejects_locally_until_the_deadline() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec);
+    let mut first = Flow::default();
+    dispatched(first.on_request(
+        &rt,
+        req("POST", "/orders", Some("acme")),
+        "n",
+        "o",
+        true,
+        1_000,
+        &rec,
+    ));
+    assert_eq!(
+        first.on_reply(&rt, 1, Ok(ints(&[1, 1, 99, 1, 0])), 1_001, &rec),
+        Step::Wait
+    );
+    let Step::Respond(r) =
+        first.on_reply(&rt, 0, Ok(ints(&[0, 0, 0, 30_000, 30_000])), 1_002, &rec)
+    else {
+        panic!("expected 429");
+    };
+    assert_eq!(r.status, 429);
+    let calls = rec.count("cg.redis.calls");
+
+    // Same tenant, 10 s later: answered locally, with the remaining wait.
+    let mut second = Flow::default();
+    let Step::Respond(r) = second.on_request(
+        &rt,
+        req("POST", "/orders", Some("acme")),
+        "n",
+        "o",
+        true,
+        11_002,
+        &rec,
+    ) else {
+        panic!("expected a cached 429");
+    };
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), Some("20"));
+    assert_eq!(r.header("ratelimit"), Some("\"tenant\";r=0;t=20"));
+    assert_eq!(rec.count("cg.redis.calls"), calls, "no Redis call");
+    assert_eq!(rec.count("cg.over_limit_cache.hits"), 1);
+    assert_eq!(rec.count("cg.policy.orders.limit.tenant.rejected"), 2);
+
+    // Another tenant is not affected; after the deadline the tenant goes to Redis again.
+    let mut other = Flow::default();
+    dispatched(other.on_request(
+        &rt,
+        req("POST", "/orders", Some("globex")),
+        "n",
+        "o",
+        true,
+        11_002,
+        &rec,
+    ));
+    let mut later = Flow::default();
+    dispatched(later.on_request(
+        &rt,
+        req("POST", "/orders", Some("acme")),
+        "n",
+        "o",
+        true,
+        31_002,
+        &rec,
+    ));
 }

@@ -10,7 +10,8 @@ use crate::config::{Config, ConfigError, RedisConfig};
 use crate::flow::{Background, Flow, Runtime, Step};
 use crate::ids::TokenSource;
 use crate::metrics::{Kind, MetricSink, Metrics};
-use crate::redis::{webdis, CallError, Scripts};
+use crate::overlimit::SharedStore;
+use crate::redis::{webdis, CallError};
 use crate::request::Request;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -165,6 +166,18 @@ fn set_upstream_headers(stream: &Stream) {
     }
 }
 
+/// The proxy's shared data: the over-limit cache's mirror across workers.
+struct HostShared;
+
+impl SharedStore for HostShared {
+    fn get(&self, slot: &str) -> Option<Vec<u8>> {
+        hostcalls::get_shared_data(slot).ok()?.0
+    }
+    fn set(&self, slot: &str, value: &[u8]) {
+        let _ = hostcalls::set_shared_data(slot, Some(value), None);
+    }
+}
+
 struct HostMetrics;
 
 impl MetricSink for HostMetrics {
@@ -248,11 +261,7 @@ impl Root {
         let tick = (config.timeout_ms() / 2).clamp(5, 1_000);
         let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
         self.vm = Some(Rc::new(Vm {
-            runtime: Runtime {
-                config,
-                scripts: Scripts::load(),
-                metrics,
-            },
+            runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
             tokens: RefCell::new(TokenSource::from_entropy(now_ms())),
             waiting: RefCell::new(HashMap::new()),
             outbox: RefCell::new(Vec::new()),

@@ -1,0 +1,176 @@
+//! The over-limit cache: once Redis says a counter rejects until time T, requests for that
+//! counter are rejected locally until T, without a Redis call (the idea of envoyproxy/
+//! ratelimit's local cache). It is exact, not approximate: `T` is the script's own
+//! `retry_after`, the earliest time that counter could admit a request of this cost, and
+//! counters only move towards "more rejected" until then.
+//!
+//! Memory is bounded by construction: a fixed table of slots indexed by a hash of the Redis
+//! key (a colliding key simply overwrites the slot, which costs a Redis call, never a wrong
+//! answer because the slot also stores the key's full 64-bit hash). The same table is
+//! mirrored in the host's shared data, so every worker of the proxy learns what one worker
+//! learnt.
+
+use std::cell::RefCell;
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+/// The host's shared data (proxy-wasm `get_shared_data` / `set_shared_data`), or a fake.
+pub trait SharedStore {
+    fn get(&self, slot: &str) -> Option<Vec<u8>>;
+    fn set(&self, slot: &str, value: &[u8]);
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Entry {
+    hash: u64,
+    until_ms: u64,
+}
+
+pub struct OverLimitCache {
+    slots: RefCell<Vec<Entry>>,
+    shared: Option<Box<dyn SharedStore>>,
+}
+
+/// Hash of a Redis key, the same in every worker (SipHash with fixed keys).
+pub fn key_hash(key: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    key.hash(&mut h);
+    // 0 marks an empty slot.
+    h.finish().max(1)
+}
+
+impl OverLimitCache {
+    /// `capacity` slots (0 disables the cache).
+    pub fn new(capacity: usize, shared: Option<Box<dyn SharedStore>>) -> OverLimitCache {
+        OverLimitCache {
+            slots: RefCell::new(vec![Entry::default(); capacity]),
+            shared,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.slots
+            .try_borrow()
+            .map(|s| !s.is_empty())
+            .unwrap_or(false)
+    }
+
+    fn slot_of(&self, hash: u64) -> Option<usize> {
+        let n = self.slots.try_borrow().ok()?.len();
+        (n > 0).then(|| (hash % n as u64) as usize)
+    }
+
+    fn shared_name(slot: usize) -> String {
+        format!("cg.olc.{slot}")
+    }
+
+    /// Until when `key` is known to reject, if it still does at `now_ms`.
+    pub fn rejecting_until(&self, key: &str, now_ms: u64) -> Option<u64> {
+        let hash = key_hash(key);
+        let slot = self.slot_of(hash)?;
+        let local = self.slots.try_borrow().ok()?.get(slot).copied()?;
+        if local.hash == hash && local.until_ms > now_ms {
+            return Some(local.until_ms);
+        }
+        let shared = self.shared.as_ref()?.get(&Self::shared_name(slot))?;
+        let entry = decode(&shared)?;
+        if entry.hash == hash && entry.until_ms > now_ms {
+            if let Ok(mut slots) = self.slots.try_borrow_mut() {
+                if let Some(s) = slots.get_mut(slot) {
+                    *s = entry;
+                }
+            }
+            return Some(entry.until_ms);
+        }
+        None
+    }
+
+    /// Records that `key` rejects until `until_ms`.
+    pub fn mark(&self, key: &str, until_ms: u64) {
+        let hash = key_hash(key);
+        let Some(slot) = self.slot_of(hash) else {
+            return;
+        };
+        let entry = Entry { hash, until_ms };
+        if let Ok(mut slots) = self.slots.try_borrow_mut() {
+            if let Some(s) = slots.get_mut(slot) {
+                *s = entry;
+            }
+        }
+        if let Some(shared) = &self.shared {
+            shared.set(&Self::shared_name(slot), &encode(entry));
+        }
+    }
+}
+
+fn encode(e: Entry) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&e.hash.to_le_bytes());
+    out[8..].copy_from_slice(&e.until_ms.to_le_bytes());
+    out
+}
+
+fn decode(bytes: &[u8]) -> Option<Entry> {
+    let hash = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let until_ms = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
+    Some(Entry { hash, until_ms })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::rc::Rc;
+
+    #[derive(Default, Clone)]
+    struct FakeShared(Rc<RefCell<HashMap<String, Vec<u8>>>>);
+
+    impl SharedStore for FakeShared {
+        fn get(&self, slot: &str) -> Option<Vec<u8>> {
+            self.0.borrow().get(slot).cloned()
+        }
+        fn set(&self, slot: &str, value: &[u8]) {
+            self.0.borrow_mut().insert(slot.to_string(), value.to_vec());
+        }
+    }
+
+    #[test]
+    fn remembers_until_the_deadline() {
+        let c = OverLimitCache::new(64, None);
+        assert_eq!(c.rejecting_until("k", 0), None);
+        c.mark("k", 1_000);
+        assert_eq!(c.rejecting_until("k", 999), Some(1_000));
+        assert_eq!(
+            c.rejecting_until("k", 1_000),
+            None,
+            "expired at the deadline"
+        );
+        assert_eq!(c.rejecting_until("other", 10), None);
+    }
+
+    #[test]
+    fn collisions_never_answer_for_another_key() {
+        let c = OverLimitCache::new(1, None);
+        c.mark("a", 1_000);
+        c.mark("b", 2_000);
+        assert_eq!(c.rejecting_until("a", 10), None, "a was evicted by b");
+        assert_eq!(c.rejecting_until("b", 10), Some(2_000));
+    }
+
+    #[test]
+    fn workers_share_what_they_learn() {
+        let shared = FakeShared::default();
+        let w1 = OverLimitCache::new(64, Some(Box::new(shared.clone())));
+        let w2 = OverLimitCache::new(64, Some(Box::new(shared.clone())));
+        w1.mark("k", 5_000);
+        assert_eq!(w2.rejecting_until("k", 10), Some(5_000));
+        assert_eq!(shared.0.borrow().len(), 1, "one slot, bounded");
+    }
+
+    #[test]
+    fn disabled() {
+        let c = OverLimitCache::new(0, None);
+        c.mark("k", 5_000);
+        assert!(!c.enabled());
+        assert_eq!(c.rejecting_until("k", 10), None);
+    }
+}
