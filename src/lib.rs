@@ -10,6 +10,7 @@
 )]
 
 pub mod acquire;
+pub mod batch;
 pub mod config;
 pub mod flow;
 pub mod idempotency;

@@ -693,3 +693,32 @@ def test_over_limit_cache_answers_locally_until_the_counter_admits(stack_factory
     time.sleep(2.2)
     assert post(envoy).status == 200
     assert stack.upstream.stats()["total"] == 4
+
+
+# --- callout coalescing --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cross_slot", [False, True], ids=["per-slot", "cross-slot"])
+def test_batching_coalesces_calls_and_keeps_decisions_exact(stack_factory, cross_slot):
+    """With `redis.batch`, concurrent requests of one worker share script calls; every request
+    still gets exactly the decision it would get alone (limit admitted, the rest 429)."""
+    stack = stack_factory(None, envoys=0)
+    config = plugin(stack, [{"name": "batched", "rate_limits": [
+        rl("tenant", limit=20, by=("tenant",), algorithm="fixed_window"),
+        rl("global", limit=1000, by=(), algorithm="sliding_window"),
+    ]}], over_limit_cache={"entries": 0})
+    config["redis"]["batch"] = {"max_delay": "2ms", "max_requests": 16, "cross_slot": cross_slot}
+    envoy = stack.add_envoy(config)
+    tenants = [f"t{i}" for i in range(4)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        results = list(pool.map(lambda i: (tenants[i % 4], post(envoy, tenant=tenants[i % 4]).status),
+                                range(4 * 30)))
+    for t in tenants:
+        statuses = [s for (tt, s) in results if tt == t]
+        assert statuses.count(200) == 20 and statuses.count(429) == 10, (t, statuses)
+    assert stack.upstream.stats()["total"] == 80
+    calls = envoy.stat("wasmcustom.cg.redis.calls")
+    # 120 requests, two hash slots each: unbatched that is 240 calls (+ NOSCRIPT retries).
+    assert calls < 200, f"{calls} gateway calls for 120 requests: nothing was coalesced"
+    assert envoy.stat("wasmcustom.cg.policy.batched.limit.tenant.allowed") == 80
+    assert envoy.stat("wasmcustom.cg.policy.batched.limit.tenant.rejected") == 40

@@ -87,6 +87,17 @@ pub struct RedisConfig {
     pub timeout_ms: u64,
     pub authorization: Option<String>,
     pub key_prefix: String,
+    pub batch: Option<Batch>,
+}
+
+/// Callout coalescing: acquire calls of one worker sent together from the root context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batch {
+    /// How long a call may wait for others (the root's tick).
+    pub max_delay_ms: u64,
+    pub max_requests: usize,
+    /// Batch calls of different hash slots together (only without Redis Cluster).
+    pub cross_slot: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -379,6 +390,36 @@ fn redis_config(v: &Value, path: &str) -> Result<RedisConfig> {
             format!("{key_prefix:?} must be 1-64 printable ASCII characters without spaces, '{{' or '}}'"),
         ));
     }
+    let batch = match o.get("batch") {
+        None => None,
+        Some(v) => {
+            let mut b = Obj::new(v, &o.field_path("batch"))?;
+            let max_delay_ms = duration(&mut b, "max_delay")?.unwrap_or(1);
+            if max_delay_ms > 100 {
+                return Err(ConfigError::new(
+                    b.field_path("max_delay"),
+                    "must be at most 100ms: every batched request waits for it",
+                ));
+            }
+            let max_requests = match b.opt_positive("max_requests")? {
+                None => 32,
+                Some(n) if n <= 1000 => n as usize,
+                Some(n) => {
+                    return Err(ConfigError::new(
+                        b.field_path("max_requests"),
+                        format!("{n} is too large (at most 1000)"),
+                    ))
+                }
+            };
+            let cross_slot = b.opt_bool("cross_slot")?.unwrap_or(false);
+            b.finish()?;
+            Some(Batch {
+                max_delay_ms,
+                max_requests,
+                cross_slot,
+            })
+        }
+    };
     o.finish()?;
     Ok(RedisConfig {
         cluster: cluster.to_string(),
@@ -386,6 +427,7 @@ fn redis_config(v: &Value, path: &str) -> Result<RedisConfig> {
         timeout_ms,
         authorization,
         key_prefix: key_prefix.to_string(),
+        batch,
     })
 }
 

@@ -39,9 +39,8 @@ impl Background {
         }
     }
 
-    /// The gateway request body; counts the call.
-    pub fn encode(&mut self, rt: &Runtime, now_ms: u64, m: &dyn MetricSink) -> Vec<u8> {
-        m.increment(rt.metrics.redis.calls);
+    /// The gateway request body.
+    pub fn encode(&mut self, rt: &Runtime, now_ms: u64) -> Vec<u8> {
         self.sent_ms = now_ms;
         self.call.encode(rt.scripts.get(self.script()), self.by_sha)
     }

@@ -55,7 +55,17 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outgoing {
     pub slot: usize,
-    pub body: Vec<u8>,
+    pub script: ScriptId,
+    pub call: ScriptCall,
+    /// `EVALSHA` (else `EVAL` with the source, after `NOSCRIPT`).
+    pub by_sha: bool,
+}
+
+impl Outgoing {
+    /// The gateway request body.
+    pub fn encode(&self, scripts: &Scripts) -> Vec<u8> {
+        self.call.encode(scripts.get(self.script), self.by_sha)
+    }
 }
 
 /// What the adapter does next.
@@ -598,18 +608,19 @@ impl Flow {
         self.phase = Phase::Acquiring;
         self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
         let out = (0..self.pending.len())
-            .map(|slot| self.outgoing(rt, slot, now_ms, m))
+            .map(|slot| self.outgoing(slot, now_ms))
             .collect();
         Step::Dispatch(out)
     }
 
-    fn outgoing(&mut self, rt: &Runtime, slot: usize, now_ms: u64, m: &dyn MetricSink) -> Outgoing {
-        m.increment(rt.metrics.redis.calls);
+    fn outgoing(&mut self, slot: usize, now_ms: u64) -> Outgoing {
         let p = &mut self.pending[slot];
         p.sent_ms = now_ms;
         Outgoing {
             slot,
-            body: p.call.encode(rt.scripts.get(p.script), p.by_sha),
+            script: p.script,
+            call: p.call.clone(),
+            by_sha: p.by_sha,
         }
     }
 
@@ -636,7 +647,7 @@ impl Flow {
             Ok(reply) if is_noscript(&reply) && p.by_sha => {
                 m.increment(rt.metrics.redis.noscript);
                 p.by_sha = false;
-                return Step::Dispatch(vec![self.outgoing(rt, slot, now_ms, m)]);
+                return Step::Dispatch(vec![self.outgoing(slot, now_ms)]);
             }
             Ok(reply) => reply,
             Err(e) => {
@@ -914,7 +925,7 @@ impl Flow {
     }
 
     /// Polls a busy lease again (`on_busy: wait`).
-    fn poll_lease(&mut self, rt: &Runtime, now_ms: u64, m: &dyn MetricSink) -> Step {
+    fn poll_lease(&mut self, rt: &Runtime, now_ms: u64) -> Step {
         let Some(lease) = self.lease.as_ref() else {
             return Step::Continue;
         };
@@ -945,7 +956,7 @@ impl Flow {
         }];
         self.phase = Phase::Acquiring;
         self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
-        Step::Dispatch(vec![self.outgoing(rt, 0, now_ms, m)])
+        Step::Dispatch(vec![self.outgoing(0, now_ms)])
     }
 
     /// Gives a held lease back, from the root (the call must outlive the stream).
@@ -1088,7 +1099,7 @@ impl Flow {
     pub fn on_tick(&mut self, rt: &Runtime, now_ms: u64, m: &dyn MetricSink) -> Step {
         self.extend_lease(now_ms);
         if self.phase == Phase::LeaseWaiting && now_ms >= self.deadline_ms {
-            return self.poll_lease(rt, now_ms, m);
+            return self.poll_lease(rt, now_ms);
         }
         let stream_deadline = matches!(
             self.phase,
@@ -1230,7 +1241,6 @@ impl Flow {
         rt: &Runtime,
         call: Option<(Purpose, ScriptCall)>,
         now_ms: u64,
-        m: &dyn MetricSink,
     ) -> Step {
         let Some((purpose, call)) = call else {
             return Step::Continue;
@@ -1268,7 +1278,7 @@ impl Flow {
         }];
         self.phase = Phase::Completing;
         self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
-        Step::Dispatch(vec![self.outgoing(rt, 0, now_ms, m)])
+        Step::Dispatch(vec![self.outgoing(0, now_ms)])
     }
 
     /// The response's headers. `via_upstream` is false for Envoy's own local replies, with
@@ -1298,7 +1308,7 @@ impl Flow {
         if !via_upstream {
             if NEVER_SENT.iter().any(|d| details.contains(d)) {
                 let call = self.release_call();
-                return self.settle_record(rt, call, now_ms, m);
+                return self.settle_record(rt, call, now_ms);
             }
             // Timed out or reset after it was sent: the outcome is unknown, keep PROCESSING.
             self.outcome_unknown(rt, details, m);
@@ -1306,7 +1316,7 @@ impl Flow {
         }
         if cfg.retryable(status) {
             let call = self.release_call();
-            return self.settle_record(rt, call, now_ms, m);
+            return self.settle_record(rt, call, now_ms);
         }
         let replay_headers: Vec<(String, String)> = headers
             .iter()
@@ -1328,7 +1338,7 @@ impl Flow {
             return if sync { Step::Wait } else { Step::Continue };
         }
         let call = self.completion_call(rt);
-        self.settle_record(rt, call, now_ms, m)
+        self.settle_record(rt, call, now_ms)
     }
 
     /// A piece of the response body. Sync completion buffers (`body_size` is the total so
@@ -1340,7 +1350,6 @@ impl Flow {
         end_of_stream: bool,
         read: impl FnOnce() -> Vec<u8>,
         now_ms: u64,
-        m: &dyn MetricSink,
     ) -> Step {
         let max = self.idem_config(rt).map_or(0, |c| c.max_response_body);
         match self.phase {
@@ -1356,7 +1365,7 @@ impl Flow {
                     i.body = read();
                 }
                 let call = self.completion_call(rt);
-                self.settle_record(rt, call, now_ms, m)
+                self.settle_record(rt, call, now_ms)
             }
             Phase::CopyingResponse => {
                 if let Some(i) = self.idem.as_mut() {
@@ -1371,7 +1380,7 @@ impl Flow {
                 }
                 if end_of_stream {
                     let call = self.completion_call(rt);
-                    return self.settle_record(rt, call, now_ms, m);
+                    return self.settle_record(rt, call, now_ms);
                 }
                 Step::Continue
             }

@@ -41,6 +41,8 @@ pub enum ScriptId {
     LeaseRelease,
     /// Extends a lease, only by its owner.
     LeaseExtend,
+    /// Several acquires in one call (callout coalescing).
+    Batch,
 }
 
 /// The scripts the filter runs, loaded once per VM.
@@ -51,6 +53,7 @@ pub struct Scripts {
     pub release: Script,
     pub lease_release: Script,
     pub lease_extend: Script,
+    pub batch: Script,
 }
 
 impl Scripts {
@@ -61,6 +64,14 @@ impl Scripts {
             release: Script::new("release", include_str!("../lua/release.lua")),
             lease_release: Script::new("lease_release", include_str!("../lua/lease_release.lua")),
             lease_extend: Script::new("lease_extend", include_str!("../lua/lease_extend.lua")),
+            batch: Script::new(
+                "batch",
+                concat!(
+                    include_str!("../lua/batch_head.lua"),
+                    include_str!("../lua/acquire.lua"),
+                    include_str!("../lua/batch_tail.lua")
+                ),
+            ),
         }
     }
 
@@ -71,6 +82,7 @@ impl Scripts {
             ScriptId::Release => &self.release,
             ScriptId::LeaseRelease => &self.lease_release,
             ScriptId::LeaseExtend => &self.lease_extend,
+            ScriptId::Batch => &self.batch,
         }
     }
 }

@@ -6,12 +6,13 @@
 //! Host calls go through `hostcalls` with their `Result`s handled: the SDK's trait helpers
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
+use crate::batch;
 use crate::config::{Config, ConfigError, RedisConfig};
 use crate::flow::{Background, Flow, Runtime, Step};
 use crate::ids::TokenSource;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::overlimit::SharedStore;
-use crate::redis::{webdis, CallError};
+use crate::redis::{resp::Reply, webdis, CallError, ScriptCall, ScriptId};
 use crate::request::Request;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -27,7 +28,12 @@ proxy_wasm::main! {{
         let _ = hostcalls::log(LogLevel::Critical, &format!("panicked: {info}"));
     }));
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(Root { vm: None, calls: HashMap::new(), stream_calls: HashMap::new() })
+        Box::new(Root {
+            vm: None,
+            calls: HashMap::new(),
+            stream_calls: HashMap::new(),
+            batches: HashMap::new(),
+        })
     });
 }}
 
@@ -40,6 +46,22 @@ struct Vm {
     waiting: RefCell<HashMap<u32, Weak<Stream>>>,
     /// Calls the root sends on its next tick.
     outbox: RefCell<Vec<Background>>,
+    /// Acquire calls waiting to be coalesced (`redis.batch`), sent by the root's tick.
+    batch_queue: RefCell<Vec<Queued>>,
+}
+
+/// An acquire call of a stream waiting for the next batch.
+struct Queued {
+    stream: Weak<Stream>,
+    slot: usize,
+    call: ScriptCall,
+}
+
+/// A batch in flight: whose answers it carries.
+struct InFlightBatch {
+    members: Vec<(Weak<Stream>, usize)>,
+    call: ScriptCall,
+    by_sha: bool,
 }
 
 impl Vm {
@@ -118,8 +140,19 @@ fn apply(
                 stream.paused.set(dir);
             }
             let mut action = Action::Pause;
+            let batching = vm.runtime.config.redis.batch.is_some();
             for call in calls {
-                match dispatch(&vm.runtime.config.redis, &call.body) {
+                if batching && call.script == ScriptId::Acquire && call.by_sha {
+                    if let Ok(mut queue) = vm.batch_queue.try_borrow_mut() {
+                        queue.push(Queued {
+                            stream: Rc::downgrade(stream),
+                            slot: call.slot,
+                            call: call.call,
+                        });
+                        continue;
+                    }
+                }
+                match send(vm, &call.encode(&vm.runtime.scripts)) {
                     Ok(token) => register(token, call.slot),
                     Err(e) => {
                         let step = stream.step(|f| {
@@ -201,6 +234,12 @@ fn now_ms() -> u64 {
 }
 
 /// Sends one gateway request; the token comes back with the answer.
+/// Sends one gateway request and counts it.
+fn send(vm: &Vm, body: &[u8]) -> Result<u32, CallError> {
+    HostMetrics.increment(vm.runtime.metrics.redis.calls);
+    dispatch(&vm.runtime.config.redis, body)
+}
+
 fn dispatch(redis: &RedisConfig, body: &[u8]) -> Result<u32, CallError> {
     let mut headers: Vec<(&str, &str)> = vec![
         (":method", "POST"),
@@ -245,6 +284,8 @@ struct Root {
     calls: HashMap<u32, Background>,
     /// Callouts the root sent for a stream (lease polls): token -> stream, slot.
     stream_calls: HashMap<u32, (Weak<Stream>, usize)>,
+    /// Batches in flight.
+    batches: HashMap<u32, InFlightBatch>,
 }
 
 impl Root {
@@ -258,20 +299,24 @@ impl Root {
             hostcalls::define_metric(t, name).unwrap_or(u32::MAX)
         });
         // The watchdog's resolution: half the timeout, within 5 ms .. 1 s.
-        let tick = (config.timeout_ms() / 2).clamp(5, 1_000);
+        let mut tick = (config.timeout_ms() / 2).clamp(5, 1_000);
+        if let Some(batch) = config.redis.batch {
+            tick = tick.min(batch.max_delay_ms.max(1));
+        }
         let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
         self.vm = Some(Rc::new(Vm {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
             tokens: RefCell::new(TokenSource::from_entropy(now_ms())),
             waiting: RefCell::new(HashMap::new()),
             outbox: RefCell::new(Vec::new()),
+            batch_queue: RefCell::new(Vec::new()),
         }));
         Ok(())
     }
 
     fn send_background(&mut self, vm: &Vm, mut bg: Background) {
-        let body = bg.encode(&vm.runtime, now_ms(), &HostMetrics);
-        match dispatch(&vm.runtime.config.redis, &body) {
+        let body = bg.encode(&vm.runtime, now_ms());
+        match send(vm, &body) {
             Ok(token) => {
                 self.calls.insert(token, bg);
             }
@@ -283,6 +328,87 @@ impl Root {
 }
 
 impl Root {
+    /// Sends the queued acquire calls as batches: per hash tag unless `cross_slot`, at most
+    /// `max_requests` each.
+    fn flush_batches(&mut self, vm: &Rc<Vm>) {
+        let Some(cfg) = vm.runtime.config.redis.batch else {
+            return;
+        };
+        let queued: Vec<Queued> = match vm.batch_queue.try_borrow_mut() {
+            Ok(mut q) if !q.is_empty() => std::mem::take(&mut *q),
+            _ => return,
+        };
+        let mut groups: Vec<(String, Vec<Queued>)> = Vec::new();
+        for q in queued {
+            let tag = if cfg.cross_slot {
+                String::new()
+            } else {
+                q.call
+                    .keys
+                    .first()
+                    .map(|k| batch::hash_tag(k).to_string())
+                    .unwrap_or_default()
+            };
+            match groups.iter_mut().find(|g| g.0 == tag) {
+                Some(g) => g.1.push(q),
+                None => groups.push((tag, vec![q])),
+            }
+        }
+        for (_, members) in groups {
+            let mut members = members.into_iter().peekable();
+            while members.peek().is_some() {
+                let chunk: Vec<Queued> = members.by_ref().take(cfg.max_requests).collect();
+                let call = batch::build(chunk.iter().map(|q| &q.call));
+                let batch = InFlightBatch {
+                    members: chunk.into_iter().map(|q| (q.stream, q.slot)).collect(),
+                    call,
+                    by_sha: true,
+                };
+                self.send_batch(vm, batch);
+            }
+        }
+    }
+
+    fn send_batch(&mut self, vm: &Rc<Vm>, batch: InFlightBatch) {
+        let body = batch.call.encode(&vm.runtime.scripts.batch, batch.by_sha);
+        match send(vm, &body) {
+            Ok(token) => {
+                self.batches.insert(token, batch);
+            }
+            Err(e) => self.on_batch_answer(vm, batch, Err(e)),
+        }
+    }
+
+    /// Hands every member of a batch its own answer.
+    fn on_batch_answer(
+        &mut self,
+        vm: &Rc<Vm>,
+        mut batch: InFlightBatch,
+        answer: Result<Reply, CallError>,
+    ) {
+        if let Ok(reply) = &answer {
+            if crate::redis::is_noscript(reply) && batch.by_sha {
+                HostMetrics.increment(vm.runtime.metrics.redis.noscript);
+                batch.by_sha = false;
+                self.send_batch(vm, batch);
+                return;
+            }
+        }
+        let n = batch.members.len();
+        let parts: Vec<Result<Reply, CallError>> = match answer.and_then(|r| batch::split(&r, n)) {
+            Ok(parts) => parts,
+            Err(e) => vec![Err(e); n],
+        };
+        let now = now_ms();
+        for ((weak, slot), part) in batch.members.into_iter().zip(parts) {
+            let Some(stream) = weak.upgrade() else {
+                continue;
+            };
+            let step = stream.step(|f| f.on_reply(&vm.runtime, slot, part, now, &HostMetrics));
+            self.apply_for(vm, &stream, step);
+        }
+    }
+
     /// Carries out a step for a stream from the root (tick or a call the root sent).
     fn apply_for(&mut self, vm: &Rc<Vm>, stream: &Rc<Stream>, step: Step) {
         if step == Step::Wait {
@@ -311,6 +437,11 @@ impl Context for Root {
         let Some(vm) = self.vm.clone() else {
             return;
         };
+        if let Some(batch) = self.batches.remove(&token) {
+            let answer = call_answer(body_size);
+            self.on_batch_answer(&vm, batch, answer);
+            return;
+        }
         if let Some((weak, slot)) = self.stream_calls.remove(&token) {
             let Some(stream) = weak.upgrade() else {
                 return;
@@ -365,6 +496,7 @@ impl RootContext for Root {
         for bg in outbox {
             self.send_background(&vm, bg);
         }
+        self.flush_batches(&vm);
         // Collect first: no borrow of `waiting` may be held while the host is called.
         let mut due = Vec::new();
         if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
@@ -587,7 +719,6 @@ impl HttpContext for Filter {
                 end_of_stream,
                 || buffer(BufferType::HttpResponseBody, body_size),
                 now_ms(),
-                &HostMetrics,
             )
         });
         self.apply(&vm, step, Some(Dir::Response))

@@ -1,0 +1,16 @@
+-- batch.lua: several acquire.lua calls in one script call (callout coalescing).
+--
+-- Built by concatenation: this head, then acquire.lua, then batch_tail.lua. acquire.lua's
+-- body becomes the function acquire_one(KEYS, ARGV), so each sub-call runs exactly as it would
+-- alone, one after the other, inside one atomic script.
+--
+-- KEYS       the keys of every sub-call, in order
+-- ARGV[1]    count: number of sub-calls
+-- then per sub-call: nkeys, nargs, then its nargs arguments (acquire.lua's ARGV)
+--
+-- Reply: flat array (webdis cannot carry nested arrays): per sub-call, its reply length then
+-- its reply values; -1 instead of a length when that sub-call raised an error (then
+-- followed by one value, the error text). Keys of different sub-calls may be in different
+-- hash slots: the filter only batches across slots when `cross_slot` is on (no Redis Cluster).
+
+local function acquire_one(KEYS, ARGV)
