@@ -54,9 +54,13 @@ pub fn plan(
     nonce: &str,
     idem: Option<&IdemAcquire>,
     lease: Option<&LeaseAcquire>,
+    skip: &[bool],
 ) -> Vec<Group> {
     let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
     for (i, limit) in policy.rate_limits.iter().enumerate() {
+        if skip.get(i).copied().unwrap_or(false) {
+            continue;
+        }
         let tag = ratelimit::tag(policy, limit, caller);
         let key = ratelimit::key(prefix, policy, limit, caller, req);
         match groups.iter_mut().find(|g| g.0 == tag) {
@@ -282,7 +286,16 @@ mod tests {
     fn groups_by_hash_tag() {
         let c = config();
         let (caller, req) = request();
-        let groups = plan("cg:demo", &c.policies[0], &caller, &req, "n1", None, None);
+        let groups = plan(
+            "cg:demo",
+            &c.policies[0],
+            &caller,
+            &req,
+            "n1",
+            None,
+            None,
+            &[],
+        );
         assert_eq!(groups.len(), 2);
         assert_eq!(groups[0].tag, "t.d2e79529ba2c46b2");
         assert_eq!(groups[0].limits, vec![0, 1]);
@@ -330,6 +343,7 @@ mod tests {
             "n1",
             Some(&idem()),
             None,
+            &[],
         );
         assert_eq!(groups.len(), 2);
         assert!(groups[0].idem && !groups[1].idem);
@@ -353,6 +367,7 @@ mod tests {
             "n1",
             Some(&idem()),
             None,
+            &[],
         );
         assert_eq!(alone.len(), 2);
         assert_eq!(alone[0].tag, "t.d2e79529ba2c46b2");
@@ -383,6 +398,7 @@ mod tests {
             "n1",
             Some(&idem()),
             Some(&lease),
+            &[],
         );
         assert!(groups[0].idem && groups[0].lease);
         assert_eq!(
@@ -431,6 +447,35 @@ mod tests {
     }
 
     #[test]
+    fn skipped_limits_are_left_out() {
+        let c = config();
+        let (caller, req) = request();
+        let groups = plan(
+            "cg",
+            &c.policies[0],
+            &caller,
+            &req,
+            "n",
+            None,
+            None,
+            &[true, true],
+        );
+        assert_eq!(groups.len(), 1, "the tenant group has nothing left to ask");
+        assert_eq!(groups[0].limits, vec![2, 3]);
+        let none = plan(
+            "cg",
+            &c.policies[0],
+            &caller,
+            &req,
+            "n",
+            None,
+            None,
+            &[true; 4],
+        );
+        assert!(none.is_empty());
+    }
+
+    #[test]
     fn scopes_separate_callers() {
         let c = config();
         let (caller, req) = request();
@@ -438,8 +483,8 @@ mod tests {
             tenant: "globex".into(),
             principal: "alice".into(),
         };
-        let a = plan("cg", &c.policies[0], &caller, &req, "n", None, None);
-        let b = plan("cg", &c.policies[0], &other, &req, "n", None, None);
+        let a = plan("cg", &c.policies[0], &caller, &req, "n", None, None, &[]);
+        let b = plan("cg", &c.policies[0], &other, &req, "n", None, None, &[]);
         assert_ne!(a[0].call.keys, b[0].call.keys, "tenant-scoped keys differ");
         assert_eq!(
             a[1].call.keys, b[1].call.keys,

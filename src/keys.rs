@@ -82,12 +82,7 @@ pub fn limit_params(limit: &RateLimit) -> String {
             limit.window_ms,
             limit.burst
         ),
-        _ => format!(
-            "{}:{}/{}",
-            limit.algorithm.code(),
-            limit.limit,
-            limit.window_ms
-        ),
+        _ => format!("{}:{}/{}", limit.code(), limit.limit, limit.window_ms),
     }
 }
 
@@ -154,6 +149,7 @@ mod tests {
             window_ms: 60_000,
             burst,
             shadow: false,
+            leased: false,
         }
     }
 

@@ -18,6 +18,7 @@ pub mod ids;
 pub mod keys;
 pub mod metrics;
 pub mod overlimit;
+pub mod quota;
 pub mod ratelimit;
 pub mod redis;
 pub mod request;

@@ -43,7 +43,7 @@ pub fn key(
 /// The five per-limit arguments of `ratelimit.lua`.
 pub fn limit_args(limit: &RateLimit) -> [String; 5] {
     [
-        limit.algorithm.code().to_string(),
+        limit.code().to_string(),
         limit.limit.to_string(),
         limit.window_ms.to_string(),
         limit.burst.to_string(),

@@ -722,3 +722,27 @@ def test_batching_coalesces_calls_and_keeps_decisions_exact(stack_factory, cross
     assert calls < 200, f"{calls} gateway calls for 120 requests: nothing was coalesced"
     assert envoy.stat("wasmcustom.cg.policy.batched.limit.tenant.allowed") == 80
     assert envoy.stat("wasmcustom.cg.policy.batched.limit.tenant.rejected") == 40
+
+
+# --- leased quota --------------------------------------------------------------------------
+
+
+def test_leased_quota_never_admits_more_than_the_limit(stack_factory):
+    """`mode: leased`: workers take slices of the window and admit from them locally. Across
+    two Envoy processes (four workers) the total admitted never exceeds the limit, falls short
+    of it only by what sits idle in other workers' slices, and costs far fewer Redis calls."""
+    stack = start(stack_factory, [{"name": "leased", "rate_limits": [
+        rl("tenant", limit=60, by=("tenant",), algorithm="fixed_window", mode="leased"),
+    ]}], envoys=2)
+    envoys = stack.envoys
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        statuses = list(pool.map(lambda i: post(envoys[i % 2]).status, range(120)))
+    admitted = statuses.count(200)
+    assert statuses.count(200) + statuses.count(429) == 120, statuses
+    assert admitted <= 60, f"leased quota over-admitted: {admitted} > 60"
+    assert admitted >= 45, f"under-admission beyond the documented bound: {admitted}"
+    assert stack.upstream.stats()["total"] == admitted
+    counter = [k for k in stack.redis.keys("cg:e2e:rl:*") if b":lq:60/60000:" in k]
+    assert len(counter) == 1 and int(stack.redis.get(counter[0])) <= 60
+    calls = sum(e.stat("wasmcustom.cg.redis.calls") for e in envoys)
+    assert calls < admitted, f"{calls} Redis calls for {admitted} admitted requests"

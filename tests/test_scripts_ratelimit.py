@@ -464,3 +464,23 @@ def test_tb_tat_in_the_past_is_a_full_bucket(rl, redis_client):
     redis_client.set("{u}:k", redis_now_us(redis_client) - 3_600_000_000, px=LONG)
     v = rl.one("{u}:k", lim)
     assert v.allowed and v.remaining == 3
+
+
+def test_leased_quota_slices_never_exceed_the_limit(redis_client):
+    """algo "lq": each admitted call takes an eighth of what is left (at least the cost), and
+    reports the slice as `remaining`; the slices of a window add up to at most the limit."""
+    script = redis_client.register_script(
+        (Path(__file__).resolve().parents[1] / "src/lua/acquire.lua").read_text())
+    key = "cg:{t}:lq"
+    slices = []
+    for i in range(40):
+        reply = [int(v) for v in script(keys=[key], args=[
+            "1", "1", f"n{i}", "lq", "50", "60000", "50", "0", "0", "0"])]
+        if reply[0] == 0:
+            assert reply[1] == 0 and reply[4] >= 1, reply  # rejected: retry after the window
+            break
+        slices.append(reply[2])
+    assert slices[:3] == [6, 5, 4], slices  # 50 // 8, 44 // 8, 39 // 8
+    assert sum(slices) == 50, slices
+    assert int(redis_client.get(key)) == 50
+    assert 0 < redis_client.pttl(key) <= 60000

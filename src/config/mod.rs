@@ -127,9 +127,22 @@ pub struct RateLimit {
     /// Token bucket capacity; equals `limit` for the other algorithms.
     pub burst: u64,
     pub shadow: bool,
+    /// `mode: leased`: a worker takes slices of the window's quota and admits from them
+    /// locally (fixed windows only).
+    pub leased: bool,
 }
 
 impl RateLimit {
+    /// The script's algorithm code, also part of the key: `lq` for a leased fixed window, so
+    /// it never shares a counter with an exact one.
+    pub fn code(&self) -> &'static str {
+        if self.leased {
+            "lq"
+        } else {
+            self.algorithm.code()
+        }
+    }
+
     /// True when the counter is scoped by tenant, so its key is hash-tagged by the tenant.
     pub fn tenant_scoped(&self) -> bool {
         self.by.contains(&Selector::Tenant)
@@ -859,6 +872,22 @@ fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
         ));
     }
     let shadow = o.opt_bool("shadow")?.unwrap_or(false);
+    let leased = match o.opt_str("mode")? {
+        None | Some("exact") => false,
+        Some("leased") if algorithm == Algorithm::FixedWindow && !shadow => true,
+        Some("leased") => {
+            return Err(ConfigError::new(
+                o.field_path("mode"),
+                "\"leased\" needs algorithm fixed_window and no shadow",
+            ))
+        }
+        Some(other) => {
+            return Err(ConfigError::new(
+                o.field_path("mode"),
+                format!("{other:?} is not one of \"exact\", \"leased\""),
+            ))
+        }
+    };
     o.finish()?;
     Ok(RateLimit {
         name,
@@ -868,6 +897,7 @@ fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
         window_ms,
         burst,
         shadow,
+        leased,
     })
 }
 

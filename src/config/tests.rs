@@ -141,7 +141,7 @@ fn bad_configs_name_the_field() {
         ("unknown_top", "/rate_limit", json!(1),
          "rate_limit: unknown field (known here: failure_mode, identity, over_limit_cache, policies, redis, response_headers)"),
         ("unknown_in_limit", "/policies/0/rate_limits/0/windw", json!("1s"),
-         "policies[0].rate_limits[0].windw: unknown field (known here: algorithm, burst, by, limit, name, shadow, window)"),
+         "policies[0].rate_limits[0].windw: unknown field (known here: algorithm, burst, by, limit, mode, name, shadow, window)"),
         ("unknown_in_match", "/policies/0/match/path", json!("/x"),
          "policies[0].match.path: unknown field (known here: host, methods, path_exact, path_prefix)"),
         ("bad_algorithm", "/policies/0/rate_limits/0/algorithm", json!("leaky"),

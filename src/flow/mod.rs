@@ -19,6 +19,7 @@ use crate::idempotency::record::{Record, StoredResponse};
 use crate::keys;
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
 use crate::overlimit::{OverLimitCache, SharedStore};
+use crate::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::ratelimit::{self, LimitState, Verdict};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
 use crate::request::{identify, select_policy, selector_value, Caller, Request, TenantError};
@@ -31,6 +32,7 @@ pub struct Runtime {
     pub scripts: Scripts,
     pub metrics: Metrics,
     pub over_limit: OverLimitCache,
+    pub quota: LeasedQuota,
 }
 
 impl Runtime {
@@ -42,6 +44,7 @@ impl Runtime {
             scripts: Scripts::load(),
             metrics,
             over_limit,
+            quota: LeasedQuota::new(QUOTA_SLOTS),
         }
     }
 }
@@ -180,6 +183,10 @@ pub struct Flow {
     nonce: String,
     /// The Redis key of each rate limit (policy order), for the over-limit cache.
     limit_keys: Vec<String>,
+    /// Leased limits admitted from this worker's slice (no Redis call for them).
+    local: Vec<bool>,
+    /// Slices Redis granted to leased limits in this request's acquire (0: none).
+    granted: Vec<u64>,
     deadline_ms: u64,
     forwarded: bool,
     response_seen: bool,
@@ -202,6 +209,8 @@ impl Default for Flow {
             held: None,
             nonce: String::new(),
             limit_keys: Vec::new(),
+            local: Vec::new(),
+            granted: Vec::new(),
             deadline_ms: 0,
             forwarded: false,
             response_seen: false,
@@ -569,6 +578,43 @@ impl Flow {
             self.upstream_headers
                 .push((FINGERPRINT_HEADER.into(), idem.acquire.fingerprint.clone()));
         }
+        let n = policy.rate_limits.len();
+        self.nonce = held.nonce.clone();
+        self.limit_keys = policy
+            .rate_limits
+            .iter()
+            .map(|l| {
+                ratelimit::key(
+                    &rt.config.redis.key_prefix,
+                    policy,
+                    l,
+                    &held.caller,
+                    &held.req,
+                )
+            })
+            .collect();
+        self.states = vec![None; n];
+        self.granted = vec![0; n];
+        self.local = vec![false; n];
+        // Leased limits admit from this worker's slice while it lasts.
+        for (i, limit) in policy.rate_limits.iter().enumerate() {
+            if !limit.leased {
+                continue;
+            }
+            if let Some((left, expires)) = rt.quota.take(&self.limit_keys[i], now_ms) {
+                self.states[i] = Some(LimitState {
+                    allowed: true,
+                    remaining: left,
+                    reset_ms: expires.saturating_sub(now_ms),
+                    retry_after_ms: 0,
+                });
+                self.local[i] = true;
+            }
+        }
+        if let Some(step) = self.cached_rejection(rt, now_ms, m) {
+            self.refund_local(rt);
+            return step;
+        }
         let groups = acquire::plan(
             &rt.config.redis.key_prefix,
             policy,
@@ -577,19 +623,11 @@ impl Flow {
             &held.nonce,
             self.idem.as_ref().map(|i| &i.acquire),
             self.lease.as_ref().map(|l| &l.acquire),
+            &self.local,
         );
-        self.nonce = held.nonce.clone();
-        self.states = vec![None; policy.rate_limits.len()];
-        self.limit_keys = vec![String::new(); policy.rate_limits.len()];
-        for g in &groups {
-            for (&i, key) in g.limits.iter().zip(&g.call.keys) {
-                if let Some(k) = self.limit_keys.get_mut(i) {
-                    k.clone_from(key);
-                }
-            }
-        }
-        if let Some(step) = self.cached_rejection(rt, now_ms, m) {
-            return step;
+        if groups.is_empty() {
+            // Every limit answered locally, nothing else to acquire: no Redis call.
+            return self.decide(rt, now_ms, m);
         }
         self.pending = groups
             .into_iter()
@@ -682,7 +720,17 @@ impl Flow {
                         return self.call_failed(rt, slot, &e, m);
                     }
                 };
+                let policy = rt.config.policies.get(self.policy);
                 for (&i, state) in p.limits.iter().zip(read.states) {
+                    // A leased limit's "remaining" is the slice granted when its call admitted.
+                    let leased = policy
+                        .and_then(|pol| pol.rate_limits.get(i))
+                        .is_some_and(|l| l.leased);
+                    if leased && read.admitted && state.allowed {
+                        if let Some(g) = self.granted.get_mut(i) {
+                            *g = state.remaining;
+                        }
+                    }
                     if let Some(s) = self.states.get_mut(i) {
                         *s = Some(state);
                     }
@@ -740,6 +788,30 @@ impl Flow {
                 &CallError::UnexpectedReply("missing limit state".into()),
                 m,
             );
+        }
+        // Slices granted by Redis: this request uses one unit if it is admitted; the rest (or
+        // all of it) is admitted locally later. Local units of a rejected request go back.
+        let admitted = policy
+            .rate_limits
+            .iter()
+            .zip(&states)
+            .all(|(l, s)| l.shadow || s.allowed);
+        for (i, &g) in self.granted.iter().enumerate() {
+            if g == 0 {
+                continue;
+            }
+            let left = if admitted { g - 1 } else { g };
+            let reset = states.get(i).map_or(0, |s| s.reset_ms);
+            if let Some(key) = self.limit_keys.get(i) {
+                rt.quota
+                    .add(key, left, now_ms.saturating_add(reset), now_ms);
+            }
+            if let Some(Some(s)) = self.states.get_mut(i) {
+                s.remaining = left;
+            }
+        }
+        if !admitted {
+            self.refund_local(rt);
         }
         // Remember counters that reject, until the script says they could admit again.
         for ((limit, state), key) in policy.rate_limits.iter().zip(&states).zip(&self.limit_keys) {
@@ -823,6 +895,17 @@ impl Flow {
                     self.conflict(cfg.conflict_status, limit_headers)
                 }
             },
+        }
+    }
+
+    /// Gives back the units this request took from local slices (it was rejected).
+    fn refund_local(&mut self, rt: &Runtime) {
+        for (i, taken) in self.local.iter_mut().enumerate() {
+            if std::mem::take(taken) {
+                if let Some(key) = self.limit_keys.get(i) {
+                    rt.quota.refund(key);
+                }
+            }
         }
     }
 

@@ -1040,3 +1040,73 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
         &rec,
     ));
 }
+
+#[test]
+fn leased_quota_admits_from_local_slices() {
+    let config = Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p", "rate_limits": [
+          {"name": "t", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100, "window": "1m", "mode": "leased"}]}]}"#,
+    )
+    .expect("valid");
+    let rec = Recorder::default();
+    let metrics = rec.metrics(&config);
+    let rt = Runtime::new(config, metrics, None);
+    // The first request asks Redis, which grants a slice of 12 (an eighth of 100).
+    let mut first = Flow::default();
+    let out =
+        dispatched(first.on_request(&rt, req("GET", "/", Some("acme")), "n", "o", true, 0, &rec));
+    assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("/lq/"));
+    assert_eq!(
+        first.on_reply(&rt, 0, Ok(ints(&[1, 1, 12, 60_000, 0])), 1, &rec),
+        Step::Continue
+    );
+    assert_eq!(first.response_headers()[1].1, "\"t\";r=11;t=60");
+    // The next 11 are admitted locally: no call.
+    for i in 0..11 {
+        let mut f = Flow::default();
+        assert_eq!(
+            f.on_request(
+                &rt,
+                req("GET", "/", Some("acme")),
+                "n",
+                "o",
+                true,
+                2 + i,
+                &rec
+            ),
+            Step::Continue,
+            "{i}"
+        );
+    }
+    // The 13th asks Redis again.
+    let mut again = Flow::default();
+    dispatched(again.on_request(&rt, req("GET", "/", Some("acme")), "n", "o", true, 20, &rec));
+    assert_eq!(rec.count("cg.policy.p.limit.t.allowed"), 12);
+    // Another tenant has its own counter and slice.
+    let mut other = Flow::default();
+    dispatched(other.on_request(
+        &rt,
+        req("GET", "/", Some("globex")),
+        "n",
+        "o",
+        true,
+        20,
+        &rec,
+    ));
+    // After the window the slice is gone.
+    let mut late = Flow::default();
+    assert_eq!(
+        late.on_reply(&rt, 0, Ok(ints(&[1, 1, 1, 1, 0])), 1, &rec),
+        Step::Wait,
+        "idle flow ignores answers"
+    );
+    dispatched(late.on_request(
+        &rt,
+        req("GET", "/", Some("acme")),
+        "n",
+        "o",
+        true,
+        61_000,
+        &rec,
+    ));
+}

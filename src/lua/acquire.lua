@@ -13,6 +13,7 @@
 -- ARGV[3]      nonce: string unique per request (makes sliding_log members unique)
 -- ARGV[4 .. 3+5n]  five values per limit i, starting at ARGV[4 + (i-1)*5]:
 --   algo       "fw" fixed_window | "sw" sliding_window | "sl" sliding_log | "tb" token_bucket
+--              | "lq" leased quota: a fixed window that hands out slices (see below)
 --   limit      integer > 0
 --   window_ms  integer > 0
 --   burst      integer > 0, token bucket capacity (ignored by fw/sw/sl)
@@ -32,6 +33,7 @@
 --   then 4 integers per limit i, at 2 + (i-1)*4:
 --     allowed         1/0, this limit's own verdict
 --     remaining       units left, after consumption if admitted, else as of now; >= 0
+--                     ("lq" when admitted: the size of the slice granted, >= cost)
 --     reset_ms        ms until this limit's quota is fully restored if nothing else arrives
 --                     (fw: until the window ends, window_ms if no window is open); >= 0
 --     retry_after_ms  if allowed == 0: ms until a request of this cost would be allowed, >= 1;
@@ -171,6 +173,22 @@ algos.fw = {
     local n = redis.call('INCRBY', key, cost)
     if n == cost then redis.call('PEXPIRE', key, p.window_ms) end
     return math.max(0, p.limit - n), s.reset
+  end,
+}
+
+-- Leased quota: the fixed-window counter of a limit in `mode: leased`. Instead of one unit the
+-- caller takes a slice of what is left, admits this request from it and the rest locally. A
+-- slice never exceeds what is left, so all the slices of a window never exceed the limit; it
+-- is an eighth of what is left (at least `cost`), so slices shrink as the window fills and
+-- the units idle in other callers' slices when the counter runs out stay small.
+algos.lq = {
+  check = algos.fw.check,
+  consume = function(key, p, s)
+    local left = p.limit - s.count
+    local slice = math.min(left, math.max(cost, math.floor(left / 8)))
+    local n = redis.call('INCRBY', key, slice)
+    if n == slice then redis.call('PEXPIRE', key, p.window_ms) end
+    return slice, s.reset
   end,
 }
 
