@@ -10,7 +10,7 @@ use crate::config::Policy;
 use crate::idempotency::record::Record;
 use crate::ratelimit::{self, LimitState};
 use crate::redis::{resp::Reply, CallError, ScriptCall};
-use crate::request::{Caller, Request};
+use crate::request::Caller;
 
 /// The idempotency part of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,24 +45,23 @@ pub struct Group {
     pub call: ScriptCall,
 }
 
-/// Plans the calls: tenant-tagged group first.
-pub fn plan(
-    prefix: &str,
+/// Plans the calls: tenant-tagged group first. `keys[i]` is the counter key of limit `i`, or
+/// `None` for a limit that needs no call (answered from a local slice).
+pub fn plan<S: AsRef<str>>(
     policy: &Policy,
     caller: &Caller,
-    req: &Request,
+    keys: &[Option<S>],
     nonce: &str,
     idem: Option<&IdemAcquire>,
     lease: Option<&LeaseAcquire>,
-    skip: &[bool],
 ) -> Vec<Group> {
     let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
     for (i, limit) in policy.rate_limits.iter().enumerate() {
-        if skip.get(i).copied().unwrap_or(false) {
+        let Some(key) = keys.get(i).and_then(Option::as_ref) else {
             continue;
-        }
+        };
+        let key = key.as_ref().to_string();
         let tag = ratelimit::tag(policy, limit, caller);
-        let key = ratelimit::key(prefix, policy, limit, caller, req);
         match groups.iter_mut().find(|g| g.0 == tag) {
             Some(g) => {
                 g.1.push(i);
@@ -240,6 +239,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::keys;
+    use crate::request::Request;
 
     fn config() -> Config {
         Config::parse(
@@ -272,6 +272,25 @@ mod tests {
         (caller, req)
     }
 
+    /// Every limit's key, or `None` where `skip` says so.
+    fn keys(
+        prefix: &str,
+        policy: &Policy,
+        caller: &Caller,
+        req: &Request,
+        skip: &[bool],
+    ) -> Vec<Option<String>> {
+        policy
+            .rate_limits
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                (!skip.get(i).copied().unwrap_or(false))
+                    .then(|| ratelimit::key(prefix, policy, l, caller, req))
+            })
+            .collect()
+    }
+
     fn idem() -> IdemAcquire {
         IdemAcquire {
             key: "cg:demo:idem:{t.d2e79529ba2c46b2}:create-order:k".into(),
@@ -287,14 +306,12 @@ mod tests {
         let c = config();
         let (caller, req) = request();
         let groups = plan(
-            "cg:demo",
             &c.policies[0],
             &caller,
-            &req,
+            &keys("cg:demo", &c.policies[0], &caller, &req, &[]),
             "n1",
             None,
             None,
-            &[],
         );
         assert_eq!(groups.len(), 2);
         assert_eq!(groups[0].tag, "t.d2e79529ba2c46b2");
@@ -336,14 +353,12 @@ mod tests {
         let c = config();
         let (caller, req) = request();
         let groups = plan(
-            "cg:demo",
             &c.policies[0],
             &caller,
-            &req,
+            &keys("cg:demo", &c.policies[0], &caller, &req, &[]),
             "n1",
             Some(&idem()),
             None,
-            &[],
         );
         assert_eq!(groups.len(), 2);
         assert!(groups[0].idem && !groups[1].idem);
@@ -360,14 +375,12 @@ mod tests {
         );
         // No tenant-scoped limit: the record gets a group of its own.
         let alone = plan(
-            "cg:demo",
             &c.policies[1],
             &caller,
-            &req,
+            &keys("cg:demo", &c.policies[1], &caller, &req, &[]),
             "n1",
             Some(&idem()),
             None,
-            &[],
         );
         assert_eq!(alone.len(), 2);
         assert_eq!(alone[0].tag, "t.d2e79529ba2c46b2");
@@ -391,14 +404,12 @@ mod tests {
             fence_ttl_ms: 604_800_000,
         };
         let groups = plan(
-            "cg",
             &c.policies[0],
             &caller,
-            &req,
+            &keys("cg", &c.policies[0], &caller, &req, &[]),
             "n1",
             Some(&idem()),
             Some(&lease),
-            &[],
         );
         assert!(groups[0].idem && groups[0].lease);
         assert_eq!(
@@ -451,26 +462,22 @@ mod tests {
         let c = config();
         let (caller, req) = request();
         let groups = plan(
-            "cg",
             &c.policies[0],
             &caller,
-            &req,
+            &keys("cg", &c.policies[0], &caller, &req, &[true, true]),
             "n",
             None,
             None,
-            &[true, true],
         );
         assert_eq!(groups.len(), 1, "the tenant group has nothing left to ask");
         assert_eq!(groups[0].limits, vec![2, 3]);
         let none = plan(
-            "cg",
             &c.policies[0],
             &caller,
-            &req,
+            &keys("cg", &c.policies[0], &caller, &req, &[true; 4]),
             "n",
             None,
             None,
-            &[true; 4],
         );
         assert!(none.is_empty());
     }
@@ -483,8 +490,22 @@ mod tests {
             tenant: "globex".into(),
             principal: "alice".into(),
         };
-        let a = plan("cg", &c.policies[0], &caller, &req, "n", None, None, &[]);
-        let b = plan("cg", &c.policies[0], &other, &req, "n", None, None, &[]);
+        let a = plan(
+            &c.policies[0],
+            &caller,
+            &keys("cg", &c.policies[0], &caller, &req, &[]),
+            "n",
+            None,
+            None,
+        );
+        let b = plan(
+            &c.policies[0],
+            &other,
+            &keys("cg", &c.policies[0], &other, &req, &[]),
+            "n",
+            None,
+            None,
+        );
         assert_ne!(a[0].call.keys, b[0].call.keys, "tenant-scoped keys differ");
         assert_eq!(
             a[1].call.keys, b[1].call.keys,

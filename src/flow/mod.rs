@@ -615,15 +615,19 @@ impl Flow {
             self.refund_local(rt);
             return step;
         }
+        let keys: Vec<Option<&str>> = self
+            .limit_keys
+            .iter()
+            .zip(&self.local)
+            .map(|(k, &local)| (!local).then_some(k.as_str()))
+            .collect();
         let groups = acquire::plan(
-            &rt.config.redis.key_prefix,
             policy,
             &held.caller,
-            &held.req,
+            &keys,
             &held.nonce,
             self.idem.as_ref().map(|i| &i.acquire),
             self.lease.as_ref().map(|l| &l.acquire),
-            &self.local,
         );
         if groups.is_empty() {
             // Every limit answered locally, nothing else to acquire: no Redis call.
