@@ -1,7 +1,8 @@
 //! The canonical request fingerprint: SHA-256 over the selected parts of the request.
 //! A JSON body is canonicalised first (object keys sorted recursively, no insignificant
-//! whitespace, numbers and strings as serde_json normalises them), so `{"a":1,"b":2}` and
-//! `{ "b": 2, "a": 1 }` are the same request; any other body counts byte for byte.
+//! whitespace, strings re-escaped one way, numbers exactly as sent: see [`super::canonical`]),
+//! so `{"a":1,"b":2}` and `{ "b": 2, "a": 1 }` are the same request; any other body, and JSON
+//! that repeats a member name, counts byte for byte.
 
 use crate::keys::hex;
 use sha2::{Digest, Sha256};
@@ -25,10 +26,8 @@ pub fn is_json(content_type: Option<&str>) -> bool {
 /// the raw bytes.
 pub fn canonical_body(body: &[u8], json: bool) -> Vec<u8> {
     if json {
-        // serde_json's map is ordered by key (no `preserve_order`), so re-serialising sorts
-        // every object recursively and drops whitespace.
-        if let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) {
-            return value.to_string().into_bytes();
+        if let Some(canonical) = super::canonical::canonicalize(body) {
+            return canonical;
         }
     }
     body.to_vec()
@@ -94,8 +93,8 @@ mod tests {
                 br#"{"z":{"y":[3,{"b":1,"a":0}],"x":null}}"#,
                 r#"{"z":{"x":null,"y":[3,{"a":0,"b":1}]}}"#,
             ),
-            (b"  [1, 2.50, \"\\u0041\"]  ", r#"[1,2.5,"A"]"#),
-            (br#"{"a":1e2}"#, r#"{"a":100.0}"#),
+            (b"  [1, 2.50, \"\\u0041\"]  ", r#"[1,2.50,"A"]"#),
+            (br#"{"a":1e2}"#, r#"{"a":1e2}"#),
         ];
         for (input, want) in cases {
             assert_eq!(

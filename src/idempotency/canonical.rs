@@ -1,0 +1,292 @@
+//! Canonical JSON for the request fingerprint: object members sorted by key (recursively), no
+//! insignificant whitespace, strings re-escaped one way (`"\u0041"` is `"A"`), and numbers
+//! kept exactly as sent. Numbers are not normalised on purpose: `123456789012345678901` and
+//! `123456789012345678902` are different requests to the service even though they are the
+//! same `f64`, and folding them would replay one request's response for another. An object
+//! that repeats a member name is refused (the service may read either value), and the caller
+//! then fingerprints the raw bytes.
+
+/// Nesting deeper than this is refused rather than recursed into.
+const MAX_DEPTH: usize = 128;
+
+/// The canonical form of `input`, or `None` if it is not JSON (or repeats a member name).
+pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
+    let mut p = Parser { s: input, i: 0 };
+    let mut out = Vec::with_capacity(input.len());
+    p.ws();
+    p.value(&mut out, 0)?;
+    p.ws();
+    (p.i == p.s.len()).then_some(out)
+}
+
+struct Parser<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl Parser<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.s.get(self.i).copied()
+    }
+
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, b: u8) -> Option<()> {
+        (self.peek() == Some(b)).then(|| self.i += 1)
+    }
+
+    fn value(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        match self.peek()? {
+            b'{' => self.object(out, depth),
+            b'[' => self.array(out, depth),
+            b'"' => {
+                let s = self.string()?;
+                write_string(out, &s);
+                Some(())
+            }
+            b't' => self.literal(out, b"true"),
+            b'f' => self.literal(out, b"false"),
+            b'n' => self.literal(out, b"null"),
+            _ => self.number(out),
+        }
+    }
+
+    fn literal(&mut self, out: &mut Vec<u8>, word: &[u8]) -> Option<()> {
+        let end = self.i.checked_add(word.len())?;
+        (self.s.get(self.i..end)? == word).then(|| {
+            self.i = end;
+            out.extend_from_slice(word);
+        })
+    }
+
+    fn object(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
+        self.eat(b'{')?;
+        let mut members: Vec<(String, Vec<u8>)> = Vec::new();
+        self.ws();
+        if self.eat(b'}').is_none() {
+            loop {
+                self.ws();
+                let key = self.string()?;
+                self.ws();
+                self.eat(b':')?;
+                self.ws();
+                let mut value = Vec::new();
+                self.value(&mut value, depth + 1)?;
+                members.push((key, value));
+                self.ws();
+                if self.eat(b',').is_some() {
+                    continue;
+                }
+                self.eat(b'}')?;
+                break;
+            }
+        }
+        members.sort_by(|a, b| a.0.cmp(&b.0));
+        if members.windows(2).any(|w| w[0].0 == w[1].0) {
+            return None;
+        }
+        out.push(b'{');
+        for (n, (key, value)) in members.iter().enumerate() {
+            if n > 0 {
+                out.push(b',');
+            }
+            write_string(out, key);
+            out.push(b':');
+            out.extend_from_slice(value);
+        }
+        out.push(b'}');
+        Some(())
+    }
+
+    fn array(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
+        self.eat(b'[')?;
+        out.push(b'[');
+        self.ws();
+        if self.eat(b']').is_none() {
+            let mut first = true;
+            loop {
+                if !first {
+                    out.push(b',');
+                }
+                first = false;
+                self.ws();
+                self.value(out, depth + 1)?;
+                self.ws();
+                if self.eat(b',').is_some() {
+                    continue;
+                }
+                self.eat(b']')?;
+                break;
+            }
+        }
+        out.push(b']');
+        Some(())
+    }
+
+    /// A number, validated against the JSON grammar and copied as written.
+    fn number(&mut self, out: &mut Vec<u8>) -> Option<()> {
+        let start = self.i;
+        self.eat(b'-');
+        match self.peek()? {
+            b'0' => self.i += 1,
+            b'1'..=b'9' => self.digits(),
+            _ => return None,
+        }
+        if self.eat(b'.').is_some() {
+            self.peek().filter(u8::is_ascii_digit)?;
+            self.digits();
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            self.i += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.i += 1;
+            }
+            self.peek().filter(u8::is_ascii_digit)?;
+            self.digits();
+        }
+        out.extend_from_slice(&self.s[start..self.i]);
+        Some(())
+    }
+
+    fn digits(&mut self) {
+        while self.peek().is_some_and(|b| b.is_ascii_digit()) {
+            self.i += 1;
+        }
+    }
+
+    /// A string literal, unescaped.
+    fn string(&mut self) -> Option<String> {
+        self.eat(b'"')?;
+        let mut out: Vec<u8> = Vec::new();
+        loop {
+            let b = self.peek()?;
+            self.i += 1;
+            match b {
+                b'"' => return String::from_utf8(out).ok(),
+                b'\\' => {
+                    let e = self.peek()?;
+                    self.i += 1;
+                    let c = match e {
+                        b'"' => '"',
+                        b'\\' => '\\',
+                        b'/' => '/',
+                        b'b' => '\u{8}',
+                        b'f' => '\u{c}',
+                        b'n' => '\n',
+                        b'r' => '\r',
+                        b't' => '\t',
+                        b'u' => self.unicode_escape()?,
+                        _ => return None,
+                    };
+                    let mut buf = [0u8; 4];
+                    out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                }
+                0x00..=0x1f => return None,
+                _ => out.push(b),
+            }
+        }
+    }
+
+    fn hex4(&mut self) -> Option<u32> {
+        let end = self.i.checked_add(4)?;
+        let text = std::str::from_utf8(self.s.get(self.i..end)?).ok()?;
+        let v = u32::from_str_radix(text, 16).ok()?;
+        self.i = end;
+        Some(v)
+    }
+
+    fn unicode_escape(&mut self) -> Option<char> {
+        let hi = self.hex4()?;
+        if (0xd800..0xdc00).contains(&hi) {
+            self.eat(b'\\')?;
+            self.eat(b'u')?;
+            let lo = self.hex4()?;
+            if !(0xdc00..0xe000).contains(&lo) {
+                return None;
+            }
+            return char::from_u32(0x10000 + ((hi - 0xd800) << 10) + (lo - 0xdc00));
+        }
+        char::from_u32(hi)
+    }
+}
+
+/// Writes a string the one canonical way (serde_json's escaping).
+fn write_string(out: &mut Vec<u8>, s: &str) {
+    match serde_json::to_string(s) {
+        Ok(text) => out.extend_from_slice(text.as_bytes()),
+        Err(_) => out.extend_from_slice(b"\"\""),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(s: &str) -> Option<String> {
+        canonicalize(s.as_bytes()).map(|b| String::from_utf8(b).expect("utf8"))
+    }
+
+    #[test]
+    fn sorts_and_strips() {
+        let cases = [
+            (r#"{ "b": 2, "a": 1 }"#, r#"{"a":1,"b":2}"#),
+            (
+                r#"{"z":{"y":[3,{"b":1,"a":0}],"x":null}}"#,
+                r#"{"z":{"x":null,"y":[3,{"a":0,"b":1}]}}"#,
+            ),
+            (
+                "  [1, 2.50, \"\\u0041\", true, false]  ",
+                r#"[1,2.50,"A",true,false]"#,
+            ),
+            (r#""\ud83d\ude00\/\n""#, "\"\u{1F600}/\\n\""),
+            ("{}", "{}"),
+            ("[ ]", "[]"),
+            ("-0.5e+10", "-0.5e+10"),
+        ];
+        for (input, want) in cases {
+            assert_eq!(canon(input).as_deref(), Some(want), "{input}");
+        }
+    }
+
+    #[test]
+    fn numbers_stay_exactly_as_sent() {
+        assert_ne!(
+            canon(r#"{"n":123456789012345678901}"#),
+            canon(r#"{"n":123456789012345678902}"#)
+        );
+        assert_ne!(canon(r#"{"n":0.1}"#), canon(r#"{"n":0.10000000000000001}"#));
+        assert_eq!(canon(r#"{"n":1e2}"#).as_deref(), Some(r#"{"n":1e2}"#));
+    }
+
+    #[test]
+    fn refuses_what_is_not_json_or_ambiguous() {
+        for bad in [
+            r#"{"to":"alice","to":"bob"}"#,
+            "{oops",
+            r#"{"a":1,}"#,
+            "[1,]",
+            "01",
+            "1.",
+            "-",
+            ".5",
+            "1e",
+            r#""\x""#,
+            "\"a\u{1}b\"",
+            r#""\ud800""#,
+            "tru",
+            "[1] [2]",
+            "",
+        ] {
+            assert_eq!(canon(bad), None, "{bad:?}");
+        }
+        let deep = "[".repeat(200) + &"]".repeat(200);
+        assert_eq!(canon(&deep), None, "too deep");
+    }
+}
