@@ -71,6 +71,15 @@ clean: ## Remove build outputs (keeps .venv).
 test: deps build lint unit ## Everything: build, lint, unit tests, then the suite against real Envoy/Redis/webdis.
 	$(VENV)/bin/pytest -q tests/
 
+##@ Benchmarks
+
+.PHONY: bench bench-core
+bench: deps build ## Filter cost vs plain Envoy (wrk, real stack): table, bench/results.json, bench/report.svg. Env BENCH_ROUNDS=3 BENCH_SECONDS=5.
+	$(PYTHON) bench/run.py
+
+bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match, keys, fingerprints).
+	cargo bench --bench core
+
 ##@ Run
 
 .PHONY: run demo-config

@@ -349,9 +349,20 @@ impl Config {
         })
     }
 
-    /// The smallest Redis timeout, which sets the watchdog's tick.
-    pub fn timeout_ms(&self) -> u64 {
-        self.redis.timeout_ms
+    /// The root context's tick: the watchdog's resolution (half the Redis timeout), fine
+    /// enough to extend the shortest lease at half its TTL in time (a quarter of it), and the
+    /// batching delay. Within 1 ms .. 1 s, and at least 5 ms unless batching asks for less.
+    pub fn tick_ms(&self) -> u64 {
+        let mut tick = (self.redis.timeout_ms / 2).clamp(5, 1_000);
+        for lease in self.policies.iter().filter_map(|p| p.lease.as_ref()) {
+            if lease.extend {
+                tick = tick.min((lease.ttl_ms / 4).max(5));
+            }
+        }
+        if let Some(batch) = self.redis.batch {
+            tick = tick.min(batch.max_delay_ms.max(1));
+        }
+        tick
     }
 }
 

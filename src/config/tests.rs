@@ -344,3 +344,28 @@ fn lease_config() {
         assert_eq!(&got, want, "case {name}");
     }
 }
+
+#[test]
+fn tick_follows_timeout_leases_and_batching() {
+    let tick = |v: Value| Config::from_value(&v).expect("valid").tick_ms();
+    assert_eq!(tick(json!({"redis": {"cluster": "gw"}})), 25);
+    assert_eq!(
+        tick(json!({"redis": {"cluster": "gw", "timeout": "1s"}})),
+        500
+    );
+    assert_eq!(
+        tick(json!({"redis": {"cluster": "gw", "timeout": "5ms"}})),
+        5
+    );
+    assert_eq!(
+        tick(
+            json!({"redis": {"cluster": "gw", "timeout": "1s"}, "policies": [
+            {"name": "p", "lease": {"resource": ["tenant"], "ttl": "1s"}}]})
+        ),
+        250
+    );
+    assert_eq!(
+        tick(json!({"redis": {"cluster": "gw", "batch": {"max_delay": "2ms"}}})),
+        2
+    );
+}

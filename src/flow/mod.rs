@@ -187,11 +187,15 @@ pub struct Flow {
     local: Vec<bool>,
     /// Slices Redis granted to leased limits in this request's acquire (0: none).
     granted: Vec<u64>,
+    /// The record/lease call, sent once the rate limits of the other slots admitted.
+    deferred: Option<acquire::Group>,
     deadline_ms: u64,
     forwarded: bool,
     response_seen: bool,
     response_headers: Vec<(String, String)>,
     upstream_headers: Vec<(String, String)>,
+    /// Request headers the filter owns: removed from what the client sent.
+    strip_headers: Vec<String>,
     background: Vec<Background>,
 }
 
@@ -211,11 +215,13 @@ impl Default for Flow {
             limit_keys: Vec::new(),
             local: Vec::new(),
             granted: Vec::new(),
+            deferred: None,
             deadline_ms: 0,
             forwarded: false,
             response_seen: false,
             response_headers: Vec::new(),
             upstream_headers: Vec::new(),
+            strip_headers: Vec::new(),
             background: Vec::new(),
         }
     }
@@ -362,6 +368,14 @@ impl Flow {
                 ));
             }
         };
+        // The fencing token and the fingerprint come from the filter only, never the client,
+        // also when the request goes on without them (fail_open, no key).
+        if let Some(lease) = &policy.lease {
+            self.strip_headers.push(lease.fencing_header.clone());
+        }
+        if policy.idempotency.is_some() {
+            self.strip_headers.push(FINGERPRINT_HEADER.to_string());
+        }
         if let Err(missing) = self.prepare_lease(rt, &caller, &req, owner) {
             if let Some(lm) = pm.lease.as_ref() {
                 m.increment(lm.missing_resource);
@@ -496,7 +510,8 @@ impl Flow {
                     None => Step::Continue,
                 }
             }
-            Phase::Acquiring => Step::Wait,
+            // Still deciding (or waiting for a lease): the body stays held with the headers.
+            Phase::Acquiring | Phase::LeaseWaiting => Step::Wait,
             _ => Step::Continue,
         }
     }
@@ -517,7 +532,8 @@ impl Flow {
                     None => Step::Continue,
                 }
             }
-            Phase::Acquiring => Step::Wait,
+            // Still deciding (or waiting for a lease): the body stays held with the headers.
+            Phase::Acquiring | Phase::LeaseWaiting => Step::Wait,
             _ => Step::Continue,
         }
     }
@@ -633,19 +649,20 @@ impl Flow {
             // Every limit answered locally, nothing else to acquire: no Redis call.
             return self.decide(rt, now_ms, m);
         }
-        self.pending = groups
+        // Rate limits first: when the record or the lease rides in one slot and other slots
+        // hold rate limits, those go first and the record/lease call only once they admit,
+        // so a rate-limited request never takes a lease or a record (a second round trip).
+        let (mut sections, plain): (Vec<acquire::Group>, Vec<acquire::Group>) =
+            groups.into_iter().partition(|g| g.idem || g.lease);
+        let first = if plain.is_empty() {
+            sections
+        } else {
+            self.deferred = sections.pop();
+            plain
+        };
+        self.pending = first
             .into_iter()
-            .map(|g| Pending {
-                purpose: Purpose::Acquire,
-                script: ScriptId::Acquire,
-                call: g.call,
-                limits: g.limits,
-                idem: g.idem,
-                lease: g.lease,
-                by_sha: true,
-                sent_ms: now_ms,
-                done: false,
-            })
+            .map(|g| acquire_pending(g, now_ms))
             .collect();
         self.phase = Phase::Acquiring;
         self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
@@ -675,7 +692,10 @@ impl Flow {
         now_ms: u64,
         m: &dyn MetricSink,
     ) -> Step {
-        if !matches!(self.phase, Phase::Acquiring | Phase::Completing) {
+        if !matches!(
+            self.phase,
+            Phase::Acquiring | Phase::Completing | Phase::BufferingResponse
+        ) {
             return Step::Wait;
         }
         let Some(p) = self.pending.get_mut(slot).filter(|p| !p.done) else {
@@ -756,14 +776,34 @@ impl Flow {
                 if self.pending.iter().any(|p| !p.done) {
                     return Step::Wait;
                 }
+                if let Some(group) = self.deferred.take() {
+                    let rejected = self.policy(rt).is_some_and(|(pol, _)| {
+                        pol.rate_limits
+                            .iter()
+                            .zip(&self.states)
+                            .any(|(l, s)| !l.shadow && s.is_some_and(|s| !s.allowed))
+                    });
+                    if !rejected {
+                        self.pending.push(acquire_pending(group, now_ms));
+                        self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
+                        return Step::Dispatch(vec![self.outgoing(self.pending.len() - 1, now_ms)]);
+                    }
+                    // Rejected by the first round: the deferred limits are not asked.
+                }
                 self.decide(rt, now_ms, m)
             }
-            Purpose::LeaseRelease | Purpose::LeaseExtend => Step::Wait,
+            Purpose::LeaseRelease => {
+                let name = self.policy(rt).map_or("", |(p, _)| p.name.as_str());
+                if let Some(lm) = self.lease_metrics(rt) {
+                    background::count_lease(lm, Purpose::LeaseRelease, &reply, name, m);
+                }
+                self.response_calls_done()
+            }
+            Purpose::LeaseExtend => Step::Wait,
             Purpose::Complete | Purpose::Release => {
                 let purpose = p.purpose;
                 self.settle(rt, purpose, &reply, m);
-                self.phase = Phase::Done;
-                Step::Continue
+                self.response_calls_done()
             }
         }
     }
@@ -785,8 +825,11 @@ impl Flow {
         let Some((policy, pm)) = self.policy(rt) else {
             return Step::Continue;
         };
-        let states: Vec<LimitState> = self.states.iter().flatten().copied().collect();
-        if states.len() != policy.rate_limits.len() {
+        // A limit without a state was not asked (its round was skipped after a rejection);
+        // any other gap is a broken reply.
+        let states = self.states.clone();
+        let rejected_early = states.iter().flatten().any(|s| !s.allowed);
+        if !rejected_early && states.iter().any(Option::is_none) {
             return self.fail(
                 rt,
                 &CallError::UnexpectedReply("missing limit state".into()),
@@ -799,13 +842,13 @@ impl Flow {
             .rate_limits
             .iter()
             .zip(&states)
-            .all(|(l, s)| l.shadow || s.allowed);
+            .all(|(l, s)| l.shadow || s.is_some_and(|s| s.allowed));
         for (i, &g) in self.granted.iter().enumerate() {
             if g == 0 {
                 continue;
             }
             let left = if admitted { g - 1 } else { g };
-            let reset = states.get(i).map_or(0, |s| s.reset_ms);
+            let reset = states.get(i).copied().flatten().map_or(0, |s| s.reset_ms);
             if let Some(key) = self.limit_keys.get(i) {
                 rt.quota
                     .add(key, left, now_ms.saturating_add(reset), now_ms);
@@ -819,6 +862,9 @@ impl Flow {
         }
         // Remember counters that reject, until the script says they could admit again.
         for ((limit, state), key) in policy.rate_limits.iter().zip(&states).zip(&self.limit_keys) {
+            let Some(state) = state else {
+                continue;
+            };
             if !state.allowed && !limit.shadow && state.retry_after_ms > 0 {
                 rt.over_limit
                     .mark(key, now_ms.saturating_add(state.retry_after_ms));
@@ -829,6 +875,9 @@ impl Flow {
         // A limit counts `allowed` only for admitted requests, `rejected` when it is one the
         // request violated, `shadow_rejected` when a shadow limit would have rejected.
         for ((limit, state), lm) in policy.rate_limits.iter().zip(&states).zip(&pm.limits) {
+            let Some(state) = state else {
+                continue;
+            };
             let metric = match (state.allowed, limit.shadow) {
                 (true, _) if admitted => Some(lm.allowed),
                 (true, _) => None,
@@ -986,8 +1035,11 @@ impl Flow {
                         lease.waited = true;
                         lease.wait_until_ms = now_ms.saturating_add(cfg.max_wait_ms);
                     }
-                    let next = now_ms.saturating_add(lease.backoff_ms);
-                    if next < lease.wait_until_ms {
+                    // The last poll lands exactly at max_wait.
+                    let next = now_ms
+                        .saturating_add(lease.backoff_ms)
+                        .min(lease.wait_until_ms);
+                    if now_ms < lease.wait_until_ms {
                         lease.backoff_ms = (lease.backoff_ms * 2).min(LEASE_POLL_MAX_MS);
                         self.phase = Phase::LeaseWaiting;
                         self.deadline_ms = next;
@@ -1100,10 +1152,26 @@ impl Flow {
         let purpose = self.pending.get(slot).map(|p| p.purpose);
         match purpose {
             Some(Purpose::Complete | Purpose::Release) => {
+                self.mark_done(slot);
                 self.completion_failed(rt, err, m);
-                Step::Continue
+                self.response_calls_done()
+            }
+            Some(Purpose::LeaseRelease) => {
+                self.mark_done(slot);
+                log::warn!(
+                    "lease of policy {} not released ({}); it expires at its TTL",
+                    self.policy(rt).map_or("", |(p, _)| p.name.as_str()),
+                    err.describe()
+                );
+                self.response_calls_done()
             }
             _ => self.fail(rt, err, m),
+        }
+    }
+
+    fn mark_done(&mut self, slot: usize) {
+        if let Some(p) = self.pending.get_mut(slot) {
+            p.done = true;
         }
     }
 
@@ -1122,7 +1190,6 @@ impl Flow {
         if let Some(i) = self.idem.as_mut() {
             i.owned = false;
         }
-        self.phase = Phase::Done;
     }
 
     /// The one place a failed acquire becomes the policy's answer.
@@ -1212,7 +1279,15 @@ impl Flow {
             Some(deadline) if now_ms >= deadline => {
                 m.increment(rt.metrics.redis.timeouts);
                 if self.phase == Phase::Completing {
-                    self.completion_failed(rt, &CallError::Timeout, m);
+                    // The response goes out; late answers are ignored.
+                    let idem_pending = self.pending.iter().any(|p| {
+                        !p.done && matches!(p.purpose, Purpose::Complete | Purpose::Release)
+                    });
+                    self.pending.iter_mut().for_each(|p| p.done = true);
+                    if idem_pending {
+                        self.completion_failed(rt, &CallError::Timeout, m);
+                    }
+                    self.phase = Phase::Done;
                     return Step::Continue;
                 }
                 self.fail(rt, &CallError::Timeout, m)
@@ -1248,7 +1323,19 @@ impl Flow {
         &self.response_headers
     }
 
-    /// Headers to set on the request before it goes upstream.
+    /// The changes to make to the request headers before they go upstream, once: headers to
+    /// remove (values a client must not be able to supply), then headers to set.
+    pub fn take_upstream_changes(&mut self) -> (Vec<String>, Vec<(String, String)>) {
+        if !self.forwarded {
+            return (Vec::new(), Vec::new());
+        }
+        (
+            std::mem::take(&mut self.strip_headers),
+            std::mem::take(&mut self.upstream_headers),
+        )
+    }
+
+    /// Headers to set on the request before it goes upstream (until taken).
     pub fn upstream_headers(&self) -> &[(String, String)] {
         if self.forwarded {
             &self.upstream_headers
@@ -1352,7 +1439,21 @@ impl Flow {
             Purpose::Release => ScriptId::Release,
             _ => ScriptId::Complete,
         };
-        self.pending = vec![Pending {
+        let out = self.push_pending(purpose, script, call, now_ms);
+        self.phase = Phase::Completing;
+        self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
+        Step::Dispatch(vec![out])
+    }
+
+    /// Adds a call the response waits for and returns it to send.
+    fn push_pending(
+        &mut self,
+        purpose: Purpose,
+        script: ScriptId,
+        call: ScriptCall,
+        now_ms: u64,
+    ) -> Outgoing {
+        self.pending.push(Pending {
             purpose,
             script,
             call,
@@ -1362,10 +1463,33 @@ impl Flow {
             by_sha: true,
             sent_ms: now_ms,
             done: false,
-        }];
-        self.phase = Phase::Completing;
-        self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
-        Step::Dispatch(vec![self.outgoing(0, now_ms)])
+        });
+        self.outgoing(self.pending.len() - 1, now_ms)
+    }
+
+    /// The lease release the response waits for, so the client's next request finds the
+    /// resource free.
+    fn lease_release_now(&mut self, now_ms: u64) -> Option<Outgoing> {
+        let l = self.lease.as_mut().filter(|l| l.held)?;
+        l.held = false;
+        l.next_extend_ms = None;
+        let call = ScriptCall {
+            keys: vec![l.acquire.key.clone()],
+            args: vec![l.acquire.owner.clone()],
+        };
+        Some(self.push_pending(Purpose::LeaseRelease, ScriptId::LeaseRelease, call, now_ms))
+    }
+
+    /// After a response-side call answered: go on once none is outstanding.
+    fn response_calls_done(&mut self) -> Step {
+        if self.pending.iter().any(|p| !p.done) {
+            return Step::Wait;
+        }
+        if self.phase == Phase::Completing {
+            self.phase = Phase::Done;
+            return Step::Continue;
+        }
+        Step::Wait
     }
 
     /// The response's headers. `via_upstream` is false for Envoy's own local replies, with
@@ -1383,8 +1507,59 @@ impl Flow {
         m: &dyn MetricSink,
     ) -> Step {
         self.response_seen = true;
-        // The upstream answered: the protected operation is over.
-        self.release_lease(rt);
+        // The upstream answered: the protected operation is over. The response waits for the
+        // release (one round trip), except with async idempotency completion, whose body
+        // copying must not be paused: there the root releases it.
+        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
+        let async_idem = owned
+            && self
+                .idem_config(rt)
+                .is_some_and(|c| c.complete == Completion::Async);
+        let release = if async_idem {
+            self.release_lease(rt);
+            None
+        } else {
+            self.lease_release_now(now_ms)
+        };
+        let step = self.idem_response_headers(
+            rt,
+            status,
+            via_upstream,
+            details,
+            headers,
+            end_of_stream,
+            now_ms,
+            m,
+        );
+        match (release, step) {
+            (None, step) => step,
+            (Some(out), Step::Continue) => {
+                self.phase = Phase::Completing;
+                self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
+                Step::Dispatch(vec![out])
+            }
+            (Some(out), Step::Wait) => Step::Dispatch(vec![out]),
+            (Some(out), Step::Dispatch(mut calls)) => {
+                calls.push(out);
+                Step::Dispatch(calls)
+            }
+            (Some(_), step) => step,
+        }
+    }
+
+    /// The idempotency side of the response headers: complete, release, or buffer first.
+    #[allow(clippy::too_many_arguments)]
+    fn idem_response_headers(
+        &mut self,
+        rt: &Runtime,
+        status: u32,
+        via_upstream: bool,
+        details: &str,
+        headers: &[(String, String)],
+        end_of_stream: bool,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         if !owned || self.phase != Phase::Forwarded {
             return Step::Continue;
@@ -1496,30 +1671,56 @@ impl Flow {
     /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise.
     pub fn on_done(&mut self, rt: &Runtime, m: &dyn MetricSink) {
         self.release_lease(rt);
+        // Response-side calls still outstanding may be cancelled with the stream: the root
+        // sends them again (an answer that arrives twice is counted twice, nothing worse).
+        let key_hash = self
+            .idem
+            .as_ref()
+            .map_or(String::new(), |i| i.key_hash.clone());
+        let unfinished: Vec<(Purpose, ScriptCall)> = self
+            .pending
+            .iter()
+            .filter(|p| !p.done)
+            .filter(|p| {
+                matches!(
+                    p.purpose,
+                    Purpose::Complete | Purpose::Release | Purpose::LeaseRelease
+                )
+            })
+            .map(|p| (p.purpose, p.call.clone()))
+            .collect();
+        for (purpose, call) in unfinished {
+            self.background.push(Background::new(
+                self.policy,
+                purpose,
+                call,
+                key_hash.clone(),
+            ));
+        }
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         match self.phase {
             Phase::Acquiring => self.release_in_background(rt),
             _ if !owned => {}
-            Phase::Completing => {
-                // The sync call may be cancelled with the stream: finish it from the root.
-                if let Some(p) = self.pending.first().filter(|p| !p.done) {
-                    let key_hash = self
-                        .idem
-                        .as_ref()
-                        .map_or(String::new(), |i| i.key_hash.clone());
-                    self.background.push(Background::new(
-                        self.policy,
-                        p.purpose,
-                        p.call.clone(),
-                        key_hash,
-                    ));
-                }
-            }
+            Phase::Completing => {}
             _ if !self.forwarded => self.release_in_background(rt),
             _ if !self.response_seen => self.outcome_unknown(rt, "", m),
             _ => {}
         }
         self.phase = Phase::Done;
+    }
+}
+
+fn acquire_pending(g: acquire::Group, now_ms: u64) -> Pending {
+    Pending {
+        purpose: Purpose::Acquire,
+        script: ScriptId::Acquire,
+        call: g.call,
+        limits: g.limits,
+        idem: g.idem,
+        lease: g.lease,
+        by_sha: true,
+        sent_ms: now_ms,
+        done: false,
     }
 }
 

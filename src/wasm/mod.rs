@@ -189,12 +189,17 @@ fn settle_stream(vm: &Vm, stream: &Rc<Stream>) {
     }
 }
 
+/// Applies the flow's request-header changes, once, while the headers are still held (the
+/// host refuses changes to headers already sent, and the SDK panics on that refusal).
 fn set_upstream_headers(stream: &Stream) {
-    let headers: Vec<(String, String)> = match stream.flow.try_borrow() {
-        Ok(f) => f.upstream_headers().to_vec(),
+    let (strip, set) = match stream.flow.try_borrow_mut() {
+        Ok(mut f) => f.take_upstream_changes(),
         Err(_) => return,
     };
-    for (name, value) in &headers {
+    for name in &strip {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None);
+    }
+    for (name, value) in &set {
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
     }
 }
@@ -299,10 +304,7 @@ impl Root {
             hostcalls::define_metric(t, name).unwrap_or(u32::MAX)
         });
         // The watchdog's resolution: half the timeout, within 5 ms .. 1 s.
-        let mut tick = (config.timeout_ms() / 2).clamp(5, 1_000);
-        if let Some(batch) = config.redis.batch {
-            tick = tick.min(batch.max_delay_ms.max(1));
-        }
+        let tick = config.tick_ms();
         let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
         self.vm = Some(Rc::new(Vm {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
@@ -488,16 +490,9 @@ impl RootContext for Root {
             return;
         };
         let now = now_ms();
-        let outbox: Vec<Background> = vm
-            .outbox
-            .try_borrow_mut()
-            .map(|mut o| std::mem::take(&mut *o))
-            .unwrap_or_default();
-        for bg in outbox {
-            self.send_background(&vm, bg);
-        }
-        self.flush_batches(&vm);
-        // Collect first: no borrow of `waiting` may be held while the host is called.
+        // Streams first, so what they hand over (extensions, releases, polls) goes out in
+        // this same tick. Collect first: no borrow of `waiting` may be held while the host
+        // is called.
         let mut due = Vec::new();
         if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
             waiting.retain(|_, weak| match weak.upgrade() {
@@ -515,6 +510,15 @@ impl RootContext for Root {
             let step = stream.step(|f| f.on_tick(&vm.runtime, now, &HostMetrics));
             self.apply_for(&vm, &stream, step);
         }
+        let outbox: Vec<Background> = vm
+            .outbox
+            .try_borrow_mut()
+            .map(|mut o| std::mem::take(&mut *o))
+            .unwrap_or_default();
+        for bg in outbox {
+            self.send_background(&vm, bg);
+        }
+        self.flush_batches(&vm);
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

@@ -1,0 +1,891 @@
+#!/usr/bin/env python3
+"""`make bench`: the filter's cost, measured against plain Envoy in the same run.
+
+Starts the stack of the end-to-end tests (tests/harness: Redis, webdis, the release .wasm in
+real Envoy) with Envoy answering by a direct response, so no upstream is measured. Every
+scenario gets its own Envoy and runs alternately with a plain Envoy (no filter) driven by the
+same wrk script: plain, scenario, plain, scenario, ... for BENCH_ROUNDS rounds of
+BENCH_SECONDS each. The figures quoted are medians over the rounds and the ratio to plain is
+the median of the per-round ratios: on a shared 2-core machine an absolute req/s says little,
+the ratio measured a few seconds apart says more, and CPU seconds per 10k requests (from
+/proc/<pid>/stat) are steadier still.
+
+Idempotency with fresh keys is the exception: the filter (rightly) releases a record whose
+request got Envoy's direct response (it never reached a service), so that scenario's Envoy and
+its plain baseline both proxy to a third Envoy that answers directly. Replays never reach it.
+`rl_allowed_leased` runs once src/config/mod.rs knows `"mode": "leased"`; before that the
+report says "not built yet".
+
+Output: a table on stdout, bench/results.json (every run's raw numbers) and bench/report.svg.
+Exit status 1 if a run had socket errors or unexpected statuses, or the correctness check
+failed (rl_rejected must admit exactly its limit per run); a missed goal is a finding, not an
+error.
+
+Environment: BENCH_ROUNDS (3), BENCH_SECONDS (5), BENCH_WARMUP (1, seconds per Envoy before
+a scenario's rounds), BENCH_SCENARIOS (comma list, default all), ENVOY_BIN (another Envoy).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import resource
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from harness.envoy import DEFAULT_WASM, Envoy, envoy_binary  # noqa: E402
+from harness.proc import PrerequisiteMissing, require_binary, stop_all  # noqa: E402
+from harness.stack import Stack  # noqa: E402
+
+BENCH = ROOT / "bench"
+WORK = BENCH / "work"
+LUA = BENCH / "lua"
+RESULTS = BENCH / "results.json"
+CHART = BENCH / "report.svg"
+
+THREADS = 2
+CONNECTIONS = 16
+TENANT_HEADER = "x-tenant-id"
+REJECTED_LIMIT = 10
+HUGE_LIMIT = 1_000_000_000
+SETTLE_SECONDS = 0.5  # after wrk ends: completions and lease releases go out on the next tick
+IDEM_BODY = b'{"customer":"c-123","items":[{"sku":"SKU-1","qty":2}],"currency":"EUR"}'
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        sys.exit(f"{name}={raw!r} is not an integer")
+    if value < 1:
+        sys.exit(f"{name}={raw!r} must be at least 1")
+    return value
+
+
+# --- scenarios -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Scenario:
+    name: str
+    title: str
+    script: str  # bench/lua/<script>
+    plugin: Callable[[Stack], dict] | None = None  # None: no wasm filter
+    local_ratelimit: dict | None = None
+    goal: float | None = None
+    # Expected answers: None = every response 2xx; N = exactly N admitted (2xx) per run, the
+    # rest 429 (counted as the successful outcome of a rejected-path benchmark).
+    admitted_exactly: int | None = None
+    # Script arguments for one run; `nonce` is unique per run.
+    args: Callable[["Scenario", str], list[str]] = lambda s, nonce: [nonce]
+    prepare: Callable[["Scenario", Envoy], None] | None = None
+    # Checks of the filter's own counters for one run: (stats delta, record) -> problems.
+    verify: Callable[[dict, dict], list[str]] | None = None
+    # The scenario's Envoy routes to an upstream (a plain Envoy answering with a direct
+    # response) instead of answering itself; `plain_routed`: its paired plain Envoy too.
+    routed: bool = False
+    plain_routed: bool = False
+    state: dict = field(default_factory=dict)
+
+
+def plugin_base(stack: Stack, name: str, policies: list[dict]) -> dict:
+    return {"redis": stack.redis_section(key_prefix=f"cg:bench:{name}"),
+            "identity": {"tenant_header": TENANT_HEADER, "principal_header": "x-user-id",
+                         "missing_tenant": "reject"},
+            "failure_mode": "fail_closed",
+            "policies": policies}
+
+
+def rate_limited(name: str, limit: int, **extra) -> Callable[[Stack], dict]:
+    def build(stack: Stack) -> dict:
+        rl = {"name": "tenant", "by": ["tenant"], "algorithm": "fixed_window", "limit": limit,
+              "window": "1h", **extra}
+        return plugin_base(stack, name, [{"name": "api", "match": {"path_prefix": "/api"},
+                                          "rate_limits": [rl]}])
+    return build
+
+
+def no_policy(stack: Stack) -> dict:
+    # A policy the benchmark's GET /api/items never matches: the filter parses the request and
+    # finds nothing to do.
+    return plugin_base(stack, "no_policy", [{
+        "name": "create-order", "match": {"methods": ["POST"], "path_prefix": "/orders"},
+        "rate_limits": [{"name": "tenant", "by": ["tenant"], "algorithm": "fixed_window",
+                         "limit": 100, "window": "1m"}]}])
+
+
+def idempotent(name: str) -> Callable[[Stack], dict]:
+    def build(stack: Stack) -> dict:
+        return plugin_base(stack, name, [{
+            "name": "create-order", "match": {"methods": ["POST"], "path_prefix": "/orders"},
+            "idempotency": {"header": "idempotency-key", "required": True, "methods": ["POST"],
+                            "processing_ttl": "2m", "completed_ttl": "10m",
+                            "fingerprint": ["method", "path", "body"], "max_request_body": "1MiB",
+                            "replay": "full", "max_response_body": "64KiB",
+                            "replay_headers": ["content-type"], "complete": "sync"}}])
+    return build
+
+
+def leased(stack: Stack) -> dict:
+    return plugin_base(stack, "lease", [{
+        "name": "activate-order", "match": {"methods": ["POST"], "path_prefix": "/orders/"},
+        "lease": {"resource": ["tenant", "path_segment:2"], "ttl": "10s", "on_busy": "reject",
+                  "fencing_header": "x-fencing-token", "extend": True}}])
+
+
+def prepare_replay(scenario: Scenario, envoy: Envoy) -> None:
+    """Store the response the rounds replay: one request with the key, then check a replay."""
+    key = f"bench-replay-{uuid.uuid4().hex[:12]}"
+    headers = {TENANT_HEADER: "bench", "content-type": "application/json", "idempotency-key": key}
+    first = envoy.request("POST", "/orders", headers=headers, body=IDEM_BODY)
+    second = envoy.request("POST", "/orders", headers=headers, body=IDEM_BODY)
+    if first.status != 200 or second.status != 200 or \
+            second.headers.get("idempotent-replayed") != "true":
+        raise RuntimeError(f"idem_replay warm-up: expected 200 then a replayed 200, got {first!r} "
+                           f"then {second!r}")
+    scenario.state["key"] = key
+
+
+def near(a: int, b: int) -> bool:
+    """Counts of one run that may differ by the requests wrk abandoned in flight at its end."""
+    return abs(a - b) <= CONNECTIONS
+
+
+def cg(stats: dict, name: str) -> int:
+    return stats.get(f"wasmcustom.cg.{name}", 0)
+
+
+def verify_no_calls(stats: dict, rec: dict) -> list[str]:
+    calls = cg(stats, "redis.calls")
+    return [f"{calls} Redis calls, expected none (no policy matches)"] if calls else []
+
+
+def verify_allowed(stats: dict, rec: dict) -> list[str]:
+    ok2 = stats.get("http.ingress.downstream_rq_2xx", 0)
+    allowed = cg(stats, "policy.api.limit.tenant.allowed")
+    rejected = cg(stats, "policy.api.limit.tenant.rejected")
+    if rejected or not near(allowed, ok2):
+        return [f"limit allowed {allowed}, rejected {rejected}, for {ok2} 2xx responses"]
+    return []
+
+
+def aborted(stats: dict) -> int:
+    """Requests whose client went away before the answer: wrk drops its in-flight requests
+    when it stops. Their settlement races the stream's end and may be counted oddly."""
+    return stats.get("http.ingress.downstream_rq_rx_reset", 0)
+
+
+def verify_fresh(stats: dict, rec: dict) -> list[str]:
+    ok2 = stats.get("http.ingress.downstream_rq_2xx", 0)
+    idem = {n: cg(stats, f"policy.create-order.idem.{n}")
+            for n in ("acquired", "completed", "released", "replayed", "conflict", "in_progress",
+                      "complete_failed", "stale_owner", "outcome_unknown")}
+    never = {n: idem[n] for n in ("replayed", "conflict", "in_progress", "complete_failed")
+             if idem[n]}
+    too_many = {n: idem[n] for n in ("released", "stale_owner", "outcome_unknown")
+                if idem[n] > aborted(stats)}
+    if never or too_many or not near(idem["acquired"], ok2) or not near(idem["completed"], ok2):
+        return [f"idempotency counters {idem} for {ok2} 2xx responses and {aborted(stats)} "
+                f"aborted (expected every answered request acquired and completed)"]
+    return []
+
+
+def verify_replay(stats: dict, rec: dict) -> list[str]:
+    ok2 = stats.get("http.ingress.downstream_rq_2xx", 0)
+    replayed = cg(stats, "policy.create-order.idem.replayed")
+    acquired = cg(stats, "policy.create-order.idem.acquired")
+    stale = cg(stats, "policy.create-order.idem.stale_owner")
+    problems = []
+    if acquired or not near(replayed, ok2) or stale > aborted(stats):
+        problems.append(f"idempotency replayed {replayed}, acquired {acquired}, stale_owner "
+                        f"{stale}, for {ok2} 2xx responses and {aborted(stats)} aborted "
+                        f"(expected every request replayed)")
+    upstream = rec.get("upstream_envoy", {}).get("requests", 0)
+    if upstream:
+        problems.append(f"{upstream} requests reached the upstream (expected replays only)")
+    return problems
+
+
+def verify_lease(stats: dict, rec: dict) -> list[str]:
+    ok2 = stats.get("http.ingress.downstream_rq_2xx", 0)
+    lease = {n: cg(stats, f"policy.activate-order.lease.{n}")
+             for n in ("acquired", "released", "busy", "lost", "missing_resource")}
+    bad = {n: v for n, v in lease.items() if v and n not in ("acquired", "released")}
+    if bad or not near(lease["acquired"], ok2) or not near(lease["released"], ok2):
+        return [f"lease counters {lease} for {ok2} 2xx responses (expected every request "
+                f"acquired and released)"]
+    return []
+
+
+def leased_mode_exists() -> bool:
+    """True once src/config/mod.rs accepts `"mode": "leased"` on a rate limit (issue #5)."""
+    source = (ROOT / "src" / "config" / "mod.rs").read_text()
+    return '"leased"' in source
+
+
+def scenarios() -> list[Scenario]:
+    found = [
+        Scenario("local_ratelimit", "Envoy local_ratelimit (native anchor)", "get.lua",
+                 local_ratelimit={"max_tokens": HUGE_LIMIT, "fill_interval": "1s"}),
+        Scenario("no_policy", "filter, no policy matches", "get.lua", no_policy, goal=0.70,
+                 verify=verify_no_calls),
+        Scenario("rl_allowed", "rate limit allowed, 10k tenants", "tenants.lua",
+                 rate_limited("rl_allowed", HUGE_LIMIT), goal=0.40, verify=verify_allowed),
+        Scenario("rl_rejected", f"rate limit rejected, 1 tenant, limit {REJECTED_LIMIT}/1h",
+                 "one_tenant.lua", rate_limited("rl_rejected", REJECTED_LIMIT), goal=0.65,
+                 admitted_exactly=REJECTED_LIMIT),
+        # Envoy's direct response counts as "never reached the service" and releases the
+        # record: fresh keys go through an upstream (a direct-response Envoy), and so does
+        # their paired plain Envoy, so the ratio is the filter's alone.
+        Scenario("idem_fresh", "idempotency, fresh key per request (via upstream)",
+                 "idem_fresh.lua", idempotent("idem_fresh"), verify=verify_fresh,
+                 routed=True, plain_routed=True),
+        # Only the warm-up request reaches the upstream; every measured request is a replay
+        # answered by the filter, compared with plain Envoy's direct response as elsewhere.
+        Scenario("idem_replay", "idempotency replay, same key", "idem_replay.lua",
+                 idempotent("idem_replay"), goal=0.35, verify=verify_replay, routed=True,
+                 args=lambda s, nonce: [s.state["key"]], prepare=prepare_replay),
+        Scenario("lease", "lease per request (acquire + release)", "lease.lua", leased,
+                 verify=verify_lease),
+    ]
+    if leased_mode_exists():
+        # One hot counter (like the local_ratelimit anchor): the case leased quota is for.
+        found.insert(3, Scenario("rl_allowed_leased", "rate limit allowed, leased quota, 1 tenant",
+                                 "get.lua", rate_limited("rl_allowed_leased", HUGE_LIMIT,
+                                                         mode="leased"), goal=0.60,
+                                 verify=verify_allowed))
+    return found
+
+
+GOALS = {"no_policy": 0.70, "rl_allowed": 0.40, "rl_rejected": 0.65, "rl_allowed_leased": 0.60,
+         "idem_replay": 0.35}
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        data = f.read()
+    fields = data[data.rindex(")") + 2:].split()  # fields[0] is field 3 (state)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def machine_busy_seconds() -> float:
+    """CPU time the whole machine spent busy (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        parts = f.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in parts[:8])
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+def children_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def self_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+STAT_FILTER = r"^(http\.ingress\.downstream_rq_|wasmcustom\.cg\.)"
+
+
+class Bench:
+    def __init__(self, stack: Stack, rounds: int, seconds: int, warmup: int):
+        self.stack = stack
+        self.rounds = rounds
+        self.seconds = seconds
+        self.warmup = warmup
+        self.lua_dir = WORK / "lua"
+        self.lua_dir.mkdir(parents=True, exist_ok=True)
+        self.errors: list[str] = []
+        self.plain = stack.envoy
+        self._upstream: Envoy | None = None
+        self._plain_proxy: Envoy | None = None
+
+    def start_envoy(self, name: str, plugin: dict | None, *, routed: bool = False,
+                    local_ratelimit: dict | None = None) -> Envoy:
+        """An Envoy on this stack; `routed`: it proxies to the upstream Envoy instead of
+        answering itself. Registered with the stack, so `stack.stop()` stops it too."""
+        workdir = WORK / "stack" / f"envoy-{name}"
+        if routed:
+            s = self.stack
+            envoy = Envoy(workdir, plugin, self.upstream().port, s.webdis.port,
+                          wasm_path=s.wasm_path, blackhole_port=s.blackhole.port,
+                          dead_port=s.dead_port, local_ratelimit=local_ratelimit,
+                          direct_response=False, concurrency=s.concurrency)
+        else:
+            envoy = self.stack.new_envoy(workdir, plugin, local_ratelimit=local_ratelimit)
+        self.stack.envoys.append(envoy)
+        envoy.start()
+        return envoy
+
+    def stop_envoy(self, envoy: Envoy) -> None:
+        if envoy in self.stack.envoys:
+            self.stack.envoys.remove(envoy)
+        envoy.stop()
+
+    def upstream(self) -> Envoy:
+        """The service of routed scenarios: a plain Envoy that answers with a direct response."""
+        if self._upstream is None:
+            self._upstream = self.start_envoy("upstream", None)
+        return self._upstream
+
+    def plain_proxy(self) -> Envoy:
+        """Plain Envoy (no filter) proxying to the upstream Envoy: the baseline of routed runs."""
+        if self._plain_proxy is None:
+            self._plain_proxy = self.start_envoy("plain-proxy", None, routed=True)
+        return self._plain_proxy
+
+    def script(self, name: str) -> Path:
+        """bench/lua/<name> with bench/lua/done.lua appended (the machine-readable summary)."""
+        path = self.lua_dir / name
+        if not path.exists():
+            path.write_text((LUA / name).read_text() + (LUA / "done.lua").read_text())
+        return path
+
+    def snapshot(self, envoy: Envoy) -> dict:
+        commandstats = self.stack.redis.info("commandstats")
+        s = self.stack
+        own_pids = [e.proc.pid for e in s.envoys] + [s.webdis.proc.pid,
+                                                     s.redis_server.proc.pid,
+                                                     s.upstream.proc.pid]
+        snap = {
+            "stats": envoy.stats(filter=STAT_FILTER),
+            "evals": {name: dict(commandstats.get(f"cmdstat_{name}", {"calls": 0, "usec": 0}))
+                      for name in ("evalsha", "eval")},
+            "cpu": {"envoy": cpu_seconds(envoy.proc.pid),
+                    "webdis": cpu_seconds(s.webdis.proc.pid),
+                    "redis": cpu_seconds(s.redis_server.proc.pid)},
+            "own_cpu": sum(cpu_seconds(pid) for pid in own_pids) + self_cpu_seconds(),
+            "children_cpu": children_cpu_seconds(),
+            "machine": machine_busy_seconds(),
+            "time": time.monotonic(),
+        }
+        if self._upstream is not None:
+            snap["upstream_requests"] = self._upstream.stat("http.ingress.downstream_rq_total")
+            snap["cpu"]["upstream_envoy"] = cpu_seconds(self._upstream.proc.pid)
+        return snap
+
+    def wrk(self, envoy: Envoy, script: Path, args: list[str], seconds: int) -> dict:
+        argv = ["wrk", f"-t{THREADS}", f"-c{CONNECTIONS}", f"-d{seconds}s", "--latency",
+                "-s", str(script), f"{envoy.url}/", "--", *args]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                stdin=subprocess.DEVNULL)
+        try:
+            out, _ = proc.communicate(timeout=seconds + 30)
+        except BaseException:
+            proc.kill()  # by its own pid
+            proc.wait()
+            raise
+        line = next((ln for ln in out.splitlines() if ln.startswith("BENCH_RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            raise RuntimeError(f"wrk failed ({proc.returncode}): {shlex.join(argv)}\n{out}")
+        return json.loads(line[len("BENCH_RESULT "):])
+
+    def settle(self, envoy: Envoy) -> None:
+        """Wait for the filter's background calls (completions, releases) to drain."""
+        time.sleep(SETTLE_SECONDS)
+        last = envoy.stat("wasmcustom.cg.redis.calls")
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = envoy.stat("wasmcustom.cg.redis.calls")
+            if now == last:
+                return
+            last = now
+
+    def run(self, envoy: Envoy, scenario: Scenario, kind: str, round_no: int,
+            seconds: int) -> dict:
+        nonce = f"{scenario.name}-{kind}-{round_no}-{uuid.uuid4().hex[:8]}"
+        args = scenario.args(scenario, nonce)
+        before = self.snapshot(envoy)
+        result = self.wrk(envoy, self.script(scenario.script), args, seconds)
+        self.settle(envoy)
+        after = self.snapshot(envoy)
+        return self.record(scenario, kind, round_no, args, before, after, result)
+
+    def record(self, scenario: Scenario, kind: str, round_no: int, args: list[str],
+               before: dict, after: dict, w: dict) -> dict:
+        stats = {name: value - before["stats"].get(name, 0)
+                 for name, value in after["stats"].items()
+                 if value - before["stats"].get(name, 0)}
+        evals = {name: {k: after["evals"][name].get(k, 0) - before["evals"][name].get(k, 0)
+                        for k in ("calls", "usec")} for name in ("evalsha", "eval")}
+        cpu = {name: round(after["cpu"][name] - before["cpu"].get(name, 0), 3)
+               for name in after["cpu"]}
+        cpu["wrk"] = round(after["children_cpu"] - before["children_cpu"], 3)
+        machine = after["machine"] - before["machine"]
+        own = after["own_cpu"] - before["own_cpu"] + cpu["wrk"]
+        wall = after["time"] - before["time"]
+        requests = w["requests"]
+        per_10k = {name: round(value / requests * 10_000, 4) if requests else None
+                   for name, value in cpu.items()}
+        rec = {
+            "scenario": scenario.name, "kind": kind, "round": round_no, "script_args": args,
+            "requests": requests,
+            "requests_per_second": round(requests / (w["duration_us"] / 1e6), 1),
+            "latency_ms": {"p50": w["latency_p50_us"] / 1000, "p90": w["latency_p90_us"] / 1000,
+                           "p99": w["latency_p99_us"] / 1000,
+                           "mean": round(w["latency_mean_us"] / 1000, 3),
+                           "max": w["latency_max_us"] / 1000},
+            "wrk": w,
+            "envoy_stats_delta": stats,
+            "redis_commandstats_delta": evals,
+            "redis_calls_per_request": _per(stats.get("wasmcustom.cg.redis.calls", 0), requests),
+            "redis_evals_per_request": _per(evals["evalsha"]["calls"] + evals["eval"]["calls"],
+                                            requests),
+            "cpu_seconds": cpu,
+            "cpu_seconds_per_10k_requests": per_10k,
+            # CPU that no process of this benchmark used while it ran (other work on the
+            # machine), in cores: the noise indicator for this run.
+            "foreign_cpu_cores": round(max(0.0, machine - own) / wall, 3) if wall > 0 else None,
+        }
+        if "upstream_requests" in after:
+            rec["upstream_envoy"] = {"requests": after["upstream_requests"]
+                                     - before.get("upstream_requests", 0)}
+        rec["problems"] = self.check(scenario if kind == "scenario" else None, rec)
+        for problem in rec["problems"]:
+            self.errors.append(f"{scenario.name} {kind} round {round_no}: {problem}")
+        return rec
+
+    @staticmethod
+    def check(scenario: Scenario | None, rec: dict) -> list[str]:
+        """Socket errors and statuses; `scenario` None for a plain run (all 2xx expected)."""
+        w, s = rec["wrk"], rec["envoy_stats_delta"]
+        problems = []
+        sockets = {k: w[k] for k in ("connect_errors", "read_errors", "write_errors", "timeouts")
+                   if w[k]}
+        if sockets:
+            problems.append(f"socket errors {sockets}")
+        if w["requests"] == 0:
+            problems.append("no request completed")
+        ok2, c4, c5 = (s.get(f"http.ingress.downstream_rq_{c}", 0) for c in ("2xx", "4xx", "5xx"))
+        other = {c: s[f"http.ingress.downstream_rq_{c}"] for c in ("1xx", "3xx")
+                 if s.get(f"http.ingress.downstream_rq_{c}")}
+        if c5:
+            problems.append(f"{c5} responses 5xx (Envoy downstream_rq_5xx)")
+        if other:
+            problems.append(f"unexpected status classes {other}")
+        limit = scenario.admitted_exactly if scenario else None
+        if limit is None:
+            if c4 or w["non_2xx_3xx"]:
+                problems.append(f"{c4} responses 4xx at Envoy, {w['non_2xx_3xx']} non-2xx at wrk "
+                                f"(expected every response 2xx)")
+        else:
+            allowed = cg(s, "policy.api.limit.tenant.allowed")
+            rejected = cg(s, "policy.api.limit.tenant.rejected")
+            rec["correctness"] = {"limit": limit, "admitted_2xx": ok2, "rejected_4xx": c4,
+                                  "filter_allowed": allowed, "filter_rejected": rejected,
+                                  "ok": ok2 == limit and allowed == limit and rejected == c4}
+            if not rec["correctness"]["ok"]:
+                problems.append(f"correctness: admitted {ok2} (filter allowed {allowed}), "
+                                f"expected exactly the limit {limit}; 4xx {c4}, filter "
+                                f"rejected {rejected}")
+            if w["non_2xx_3xx"] < w["requests"] - limit:
+                problems.append(f"wrk saw {w['requests'] - w['non_2xx_3xx']} 2xx responses, "
+                                f"more than the limit {limit}")
+        if scenario is not None and scenario.verify is not None:
+            problems += scenario.verify(s, rec)
+        return problems
+
+    def scenario(self, scenario: Scenario) -> dict:
+        plugin = scenario.plugin(self.stack) if scenario.plugin else None
+        plain = self.plain_proxy() if scenario.plain_routed else self.plain
+        envoy = self.start_envoy(scenario.name, plugin, routed=scenario.routed,
+                                 local_ratelimit=scenario.local_ratelimit)
+        try:
+            if scenario.prepare:
+                scenario.prepare(scenario, envoy)
+            print(f"  {scenario.name}: warm-up {self.warmup}s each", flush=True)
+            for target, kind in ((plain, "plain"), (envoy, "scenario")):
+                self.wrk(target, self.script(scenario.script),
+                         scenario.args(scenario, f"{scenario.name}-warmup-{kind}-"
+                                                 f"{uuid.uuid4().hex[:8]}"), self.warmup)
+            runs = []
+            for r in range(1, self.rounds + 1):
+                for target, kind in ((plain, "plain"), (envoy, "scenario")):
+                    rec = self.run(target, scenario, kind, r, self.seconds)
+                    runs.append(rec)
+                    flag = "" if not rec["problems"] else "  PROBLEM: " + "; ".join(rec["problems"])
+                    print(f"  {scenario.name} round {r} {kind:8} {rec['requests_per_second']:>9.0f}"
+                          f" req/s  p99 {rec['latency_ms']['p99']:.2f} ms  callouts/req "
+                          f"{rec['redis_calls_per_request']:.2f}{flag}", flush=True)
+            warnings = [ln for ln in envoy.log_text().splitlines()
+                        if re.search(r"\]\[(warning|error|critical)\]", ln)
+                        and "global_downstream_max_connections" not in ln]
+        finally:
+            self.stop_envoy(envoy)
+        summary = summarize(scenario, runs)
+        summary["envoy_log_warnings"] = len(warnings)
+        if warnings:
+            summary["envoy_log_warning_samples"] = warnings[:5]
+        return {"title": scenario.title, "script": f"bench/lua/{scenario.script}",
+                "plugin_config": plugin, "local_ratelimit": scenario.local_ratelimit,
+                "routed": scenario.routed, "plain_routed": scenario.plain_routed,
+                "goal": scenario.goal, "summary": summary, "runs": runs}
+
+
+def _per(value: float, requests: int) -> float | None:
+    return round(value / requests, 4) if requests else None
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 4) if values else None
+
+
+def summarize(scenario: Scenario | None, runs: list[dict], kind: str = "scenario") -> dict:
+    mine = [r for r in runs if r["kind"] == kind]
+    out = {
+        "requests_per_second": _median([r["requests_per_second"] for r in mine]),
+        "latency_p50_ms": _median([r["latency_ms"]["p50"] for r in mine]),
+        "latency_p99_ms": _median([r["latency_ms"]["p99"] for r in mine]),
+        "redis_calls_per_request": _median([r["redis_calls_per_request"] for r in mine]),
+        "redis_evals_per_request": _median([r["redis_evals_per_request"] for r in mine]),
+        "cpu_seconds_per_10k_requests": {
+            name: _median([r["cpu_seconds_per_10k_requests"].get(name) for r in mine])
+            for name in ("envoy", "webdis", "redis", "wrk", "upstream_envoy")},
+        "foreign_cpu_cores": _median([r["foreign_cpu_cores"] for r in mine]),
+    }
+    if scenario is not None:
+        plain = {r["round"]: r for r in runs if r["kind"] == "plain"}
+        ratios = [r["requests_per_second"] / plain[r["round"]]["requests_per_second"]
+                  for r in mine if plain.get(r["round"], {}).get("requests_per_second")]
+        out["plain"] = summarize(None, runs, "plain")
+        out["ratio_to_plain"] = _median(ratios)
+        out["ratio_per_round"] = [round(x, 4) for x in ratios]
+        if scenario.goal is not None and out["ratio_to_plain"] is not None:
+            out["goal"] = scenario.goal
+            out["goal_met"] = out["ratio_to_plain"] >= scenario.goal
+        checks = [r["correctness"] for r in mine if "correctness" in r]
+        if checks:
+            out["correctness"] = {"limit": scenario.admitted_exactly,
+                                  "admitted_per_run": [c["admitted_2xx"] for c in checks],
+                                  "ok": all(c["ok"] for c in checks)}
+    return out
+
+
+# --- reporting -----------------------------------------------------------------------------------
+
+
+def fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def table(results: dict) -> str:
+    head = ["scenario", "req/s", "plain req/s", "ratio", "round ratios", "goal", "p50 ms",
+            "p99 ms", "callouts/req", "EVAL/req", "CPU s/10k: envoy", "webdis", "redis", "wrk",
+            "other load"]
+    rows = [head]
+    plain = results["plain"]
+    cpu = plain["cpu_seconds_per_10k_requests"]
+    rows.append(["plain", fmt(plain["requests_per_second"], ".0f"), "", "1.00", "", "",
+                 fmt(plain["latency_p50_ms"], ".2f"), fmt(plain["latency_p99_ms"], ".2f"),
+                 "0", "0", fmt(cpu["envoy"], ".3f"), fmt(cpu["webdis"], ".3f"),
+                 fmt(cpu["redis"], ".3f"), fmt(cpu["wrk"], ".3f"),
+                 fmt(plain["foreign_cpu_cores"], ".2f")])
+    for name, sc in results["scenarios"].items():
+        s = sc["summary"]
+        cpu = s["cpu_seconds_per_10k_requests"]
+        goal = ""
+        if "goal" in s:
+            goal = f">={s['goal']:.2f} {'met' if s['goal_met'] else 'MISSED'}"
+        rows.append([name, fmt(s["requests_per_second"], ".0f"),
+                     fmt(s["plain"]["requests_per_second"], ".0f"),
+                     fmt(s["ratio_to_plain"], ".2f"),
+                     " ".join(f"{x:.2f}" for x in s["ratio_per_round"]), goal,
+                     fmt(s["latency_p50_ms"], ".2f"), fmt(s["latency_p99_ms"], ".2f"),
+                     fmt(s["redis_calls_per_request"], ".2f"),
+                     fmt(s["redis_evals_per_request"], ".2f"),
+                     fmt(cpu["envoy"], ".3f"), fmt(cpu["webdis"], ".3f"), fmt(cpu["redis"], ".3f"),
+                     fmt(cpu["wrk"], ".3f"), fmt(s["foreign_cpu_cores"], ".2f")])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("-" * len(lines[0]))
+    for name, why in results["skipped"].items():
+        goal = f" (goal >= {GOALS[name]:.2f})" if name in GOALS else ""
+        lines.append(f"{name}: {why}{goal}")
+    return "\n".join(lines)
+
+
+CPU_PARTS = (("envoy", "#1565c0"), ("webdis", "#ef6c00"), ("redis", "#6a1b9a"))
+
+
+def svg_chart(results: dict) -> str:
+    """Two panels: the ratio to plain Envoy per scenario with its goal marked, and the CPU
+    seconds per 10k requests of Envoy, webdis and Redis (stacked)."""
+    entries = [("plain", 1.0, None, None, results["plain"]["cpu_seconds_per_10k_requests"], "")]
+    for name, sc in results["scenarios"].items():
+        s = sc["summary"]
+        mark = " *" if sc.get("plain_routed") else ""
+        entries.append((name, s["ratio_to_plain"], s.get("goal"), s["ratio_per_round"],
+                        s["cpu_seconds_per_10k_requests"], mark))
+    for name in results["skipped"]:
+        entries.append((name, None, GOALS.get(name), None, None, ""))
+    left, bar_w, row_h, top = 170, 520, 30, 78
+    width = left + bar_w + 110
+    panel_h = row_h * len(entries)
+    top2 = top + panel_h + 110  # the CPU panel
+    height = top2 + panel_h + 90
+    top_ratio = max([1.2] + [r for e in entries for r in [e[1] or 0, *(e[3] or [])]])
+    top_cpu = max([sum((e[4] or {}).get(n) or 0 for n, _ in CPU_PARTS) for e in entries] + [0.1])
+    x = lambda r: left + bar_w * r / top_ratio  # noqa: E731
+    xc = lambda c: left + bar_w * c / (top_cpu * 1.1)  # noqa: E731
+    meta = results["meta"]
+    rounds = f'{meta["rounds"]} round{"s" if meta["rounds"] != 1 else ""}'
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="24" font-size="15" font-weight="bold">coordination-guard: '
+           f'throughput relative to plain Envoy</text>',
+           f'<text x="{left}" y="44" fill="#555">median of per-round ratios, {rounds} x '
+           f'{meta["seconds"]} s, wrk -t{THREADS} -c{CONNECTIONS}, Envoy '
+           f'{_xml(meta["envoy_version_short"])}, {meta["date"][:10]}</text>',
+           f'<text x="{left}" y="62" fill="#555">bar: ratio (green: goal met, red: missed, '
+           f'grey: no goal); black tick: goal; dots: single rounds</text>']
+
+    def grid(y0: float, ticks: list[float], pos, label: str, fmt_tick: str) -> None:
+        for tick in ticks:
+            out.append(f'<line x1="{pos(tick):.1f}" y1="{y0 - 6}" x2="{pos(tick):.1f}" '
+                       f'y2="{y0 + panel_h}" stroke="#e5e5e5"/>')
+            out.append(f'<text x="{pos(tick):.1f}" y="{y0 + panel_h + 16}" text-anchor="middle" '
+                       f'fill="#555">{tick:{fmt_tick}}</text>')
+        out.append(f'<text x="{left + bar_w / 2}" y="{y0 + panel_h + 36}" text-anchor="middle" '
+                   f'fill="#555">{_xml(label)}</text>')
+
+    grid(top, [i / 10 for i in range(0, int(top_ratio * 10) + 1, 2)], x,
+         "req/s / plain Envoy req/s (same run)", ".1f")
+    for i, (name, ratio, goal, per_round, _cpu, mark) in enumerate(entries):
+        y = top + i * row_h
+        out.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end">'
+                   f'{_xml(name + mark)}</text>')
+        if ratio is None:
+            out.append(f'<text x="{left + 6}" y="{y + row_h / 2 + 4}" fill="#999">not built yet'
+                       f'</text>')
+        else:
+            color = "#9e9e9e" if goal is None else ("#2e7d32" if ratio >= goal else "#c62828")
+            out.append(f'<rect x="{left}" y="{y + 6}" width="{x(ratio) - left:.1f}" '
+                       f'height="{row_h - 12}" fill="{color}"/>')
+            out.append(f'<text x="{left + bar_w + 14}" y="{y + row_h / 2 + 4}" '
+                       f'font-weight="bold">{ratio:.2f}</text>')
+            for r in per_round or []:
+                out.append(f'<circle cx="{x(r):.1f}" cy="{y + row_h / 2}" r="2.2" fill="black" '
+                           f'fill-opacity="0.45"/>')
+        if goal is not None:
+            out.append(f'<line x1="{x(goal):.1f}" y1="{y + 2}" x2="{x(goal):.1f}" '
+                       f'y2="{y + row_h - 2}" stroke="black" stroke-width="2"/>')
+            out.append(f'<text x="{x(goal) + 4:.1f}" y="{y + 11}" font-size="10" '
+                       f'stroke="white" stroke-width="3" paint-order="stroke">goal '
+                       f'{goal:.2f}</text>')
+    if any(e[5] for e in entries):
+        out.append(f'<text x="{left}" y="{top + panel_h + 56}" fill="#555" font-size="11">* via an '
+                   f'upstream Envoy, and so is its plain baseline (a direct response releases '
+                   f'the record)</text>')
+
+    out.append(f'<text x="{left}" y="{top2 - 30}" font-size="15" font-weight="bold">CPU '
+               f'seconds per 10k requests (median of rounds)</text>')
+    legend_x = left
+    for part, color in CPU_PARTS:
+        out.append(f'<rect x="{legend_x}" y="{top2 - 20}" width="10" height="10" '
+                   f'fill="{color}"/>')
+        out.append(f'<text x="{legend_x + 14}" y="{top2 - 11}">{part}</text>')
+        legend_x += 80
+    step = _nice_step(top_cpu * 1.1)
+    grid(top2, [i * step for i in range(int(top_cpu * 1.1 / step) + 1)], xc,
+         "CPU seconds (user + system, /proc) per 10k requests", ".1f")
+    for i, (name, _r, _g, _p, cpu, mark) in enumerate(entries):
+        y = top2 + i * row_h
+        out.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 4}" text-anchor="end">'
+                   f'{_xml(name + mark)}</text>')
+        if cpu is None:
+            out.append(f'<text x="{left + 6}" y="{y + row_h / 2 + 4}" fill="#999">not built yet'
+                       f'</text>')
+            continue
+        at = 0.0
+        for part, color in CPU_PARTS:
+            value = cpu.get(part) or 0.0
+            out.append(f'<rect x="{xc(at):.1f}" y="{y + 6}" width="{xc(at + value) - xc(at):.1f}" '
+                       f'height="{row_h - 12}" fill="{color}"/>')
+            at += value
+        out.append(f'<text x="{xc(at) + 6:.1f}" y="{y + row_h / 2 + 4}">{at:.2f}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _nice_step(span: float) -> float:
+    """A 1/2/5 x 10^n grid step giving about eight ticks over `span`."""
+    raw = span / 8
+    magnitude = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    for factor in (1, 2, 5, 10):
+        if raw <= factor * magnitude:
+            return factor * magnitude
+    return 10 * magnitude
+
+
+def _xml(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30,
+                                stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    return lines[0] if lines else "unknown"
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    rounds = env_int("BENCH_ROUNDS", 3)
+    seconds = env_int("BENCH_SECONDS", 5)
+    warmup = env_int("BENCH_WARMUP", 1)
+    wanted = [s for s in os.environ.get("BENCH_SCENARIOS", "").split(",") if s.strip()]
+    try:
+        require_binary("wrk")
+        require_binary("redis-server")
+        require_binary("webdis")
+        envoy_bin = envoy_binary()
+    except PrerequisiteMissing as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    if not DEFAULT_WASM.exists():
+        print(f"bench: {DEFAULT_WASM} is missing; run `make build`", file=sys.stderr)
+        return 2
+    chosen = scenarios()
+    unknown = set(wanted) - {s.name for s in chosen}
+    if unknown:
+        print(f"bench: unknown BENCH_SCENARIOS {sorted(unknown)}; known: "
+              f"{', '.join(s.name for s in chosen)}", file=sys.stderr)
+        return 2
+    if wanted:
+        chosen = [s for s in chosen if s.name in wanted]
+    skipped = {}
+    if not leased_mode_exists():
+        skipped["rl_allowed_leased"] = ('not built yet (no "mode": "leased" rate limits in '
+                                        'src/config/mod.rs)')
+
+    envoy_version = tool_version([envoy_bin, "--version"])
+    short = re.search(r"/(\d+\.\d+\.\d+)/", envoy_version)
+    meta = {
+        "command": "make bench" if os.environ.get("MAKELEVEL") else shlex.join(sys.argv),
+        "argv": sys.argv,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("BENCH_") or k == "ENVOY_BIN"},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "envoy_version": envoy_version,
+        "envoy_version_short": short.group(1) if short else envoy_version,
+        "wrk_version": tool_version(["wrk", "--version"]),
+        "redis_version": tool_version(["redis-server", "--version"]),
+        "wasm": str(DEFAULT_WASM.relative_to(ROOT)),
+        "wasm_size_bytes": DEFAULT_WASM.stat().st_size,
+        "rounds": rounds, "seconds": seconds, "warmup_seconds": warmup,
+        "wrk": {"threads": THREADS, "connections": CONNECTIONS},
+        "envoy_concurrency": 2,
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3],
+    }
+    print(f"bench: {len(chosen)} scenarios x {rounds} round(s) x {seconds}s (+ plain Envoy each "
+          f"round), wrk -t{THREADS} -c{CONNECTIONS}; {meta['envoy_version_short']}; "
+          f"{meta['wasm']} {meta['wasm_size_bytes']} bytes; load average "
+          f"{' '.join(meta['loadavg_at_start'])}", flush=True)
+
+    if WORK.exists():
+        shutil.rmtree(WORK)
+    WORK.mkdir(parents=True)
+    stack = Stack(WORK / "stack", None, envoys=1, direct_response=True, concurrency=2)
+    scenario_results: dict[str, dict] = {}
+    bench: Bench | None = None
+    try:
+        stack.start()
+        bench = Bench(stack, rounds, seconds, warmup)
+        for scenario in chosen:
+            try:
+                scenario_results[scenario.name] = bench.scenario(scenario)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                bench.errors.append(f"{scenario.name}: {e}")
+                print(f"  {scenario.name}: FAILED: {e}", flush=True)
+    finally:
+        stack.stop()
+        leftovers = stop_all()
+        if leftovers:
+            print(f"bench: stopped leftover processes {', '.join(leftovers)}", file=sys.stderr)
+
+    all_plain = [r for sc in scenario_results.values() for r in sc["runs"] if r["kind"] == "plain"]
+    get_plain = [r for name, sc in scenario_results.items() for r in sc["runs"]
+                 if r["kind"] == "plain" and sc["script"].endswith("/get.lua")]
+    results = {
+        "meta": meta,
+        # The plain row: plain runs of the GET scenarios (the others send other requests).
+        "plain": summarize(None, get_plain or all_plain, "plain"),
+        "plain_basis": "plain runs with bench/lua/get.lua" if get_plain else "all plain runs",
+        "scenarios": scenario_results,
+        "skipped": skipped,
+        "errors": bench.errors if bench else [],
+    }
+    results["meta"]["loadavg_at_end"] = Path("/proc/loadavg").read_text().split()[:3]
+    results["ok"] = not results["errors"]
+    checks = {name: sc["summary"]["correctness"] for name, sc in scenario_results.items()
+              if "correctness" in sc["summary"]}
+    results["correctness"] = checks
+
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    CHART.write_text(svg_chart(results))
+
+    print()
+    print(table(results))
+    print()
+    print(f".wasm: {meta['wasm_size_bytes']} bytes ({meta['wasm']})")
+    for name, c in checks.items():
+        verdict = "ok" if c["ok"] else "FAILED"
+        print(f"correctness ({name}): admitted per run {c['admitted_per_run']}, "
+              f"limit {c['limit']}: {verdict}")
+    foreign = _median([r["foreign_cpu_cores"] for sc in scenario_results.values()
+                       for r in sc["runs"]])
+    print(f"other load: CPU (cores) used by processes outside this benchmark while it measured; "
+          f"median {fmt(foreign, '.2f')} of {meta['cpus']}")
+    print(f"wrote {RESULTS.relative_to(ROOT)} and {CHART.relative_to(ROOT)}")
+    if results["errors"]:
+        print("\nbench FAILED:", file=sys.stderr)
+        for error in results["errors"]:
+            print(f"  {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through main's finally: the stack is stopped
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _terminate)
+    sys.exit(main())
