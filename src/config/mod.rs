@@ -349,6 +349,18 @@ impl Config {
         })
     }
 
+    /// Whether any limit or lease selects the client address (read from the host only then).
+    pub fn uses_client_ip(&self) -> bool {
+        self.policies.iter().any(|p| {
+            p.rate_limits
+                .iter()
+                .any(|l| l.by.contains(&Selector::ClientIp))
+                || p.lease
+                    .as_ref()
+                    .is_some_and(|l| l.resource.contains(&Selector::ClientIp))
+        })
+    }
+
     /// The root context's tick: the watchdog's resolution (half the Redis timeout), fine
     /// enough to extend the shortest lease at half its TTL in time (a quarter of it), and the
     /// batching delay. Within 1 ms .. 1 s, and at least 5 ms unless batching asks for less.

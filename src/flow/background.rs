@@ -15,6 +15,10 @@ pub struct Background {
     pub key_hash: String,
     by_sha: bool,
     pub sent_ms: u64,
+    /// False when the request may not own what this call gives back (a release sent while
+    /// its acquire was still in flight, or a call sent again after the stream ended): then
+    /// "not ours" is the expected answer, not a stale owner or a lost lease.
+    pub certain: bool,
 }
 
 impl Background {
@@ -26,7 +30,14 @@ impl Background {
             key_hash,
             by_sha: true,
             sent_ms: 0,
+            certain: true,
         }
+    }
+
+    /// A call whose "not ours" answer is expected (see [`Background::certain`]).
+    pub fn uncertain(mut self) -> Background {
+        self.certain = false;
+        self
     }
 
     fn script(&self) -> ScriptId {
@@ -69,6 +80,14 @@ impl Background {
                 m.increment(rt.metrics.redis.noscript);
                 self.by_sha = false;
                 true
+            }
+            Ok(reply) if !self.certain && matches!(reply.as_int(), Some(0 | -1)) => {
+                log::debug!(
+                    "policy {}: nothing of this request's to settle ({:?})",
+                    policy.name,
+                    self.purpose
+                );
+                false
             }
             Ok(reply) => {
                 if let (true, Some(lm)) = (lease, pm.lease.as_ref()) {

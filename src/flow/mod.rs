@@ -1107,9 +1107,10 @@ impl Flow {
         let Some(l) = self.lease.as_mut().filter(|l| l.held || in_flight) else {
             return;
         };
+        let certain = l.held;
         l.held = false;
         l.next_extend_ms = None;
-        self.background.push(Background::new(
+        let call = Background::new(
             policy,
             Purpose::LeaseRelease,
             ScriptCall {
@@ -1117,7 +1118,9 @@ impl Flow {
                 args: vec![l.acquire.owner.clone()],
             },
             String::new(),
-        ));
+        );
+        self.background
+            .push(if certain { call } else { call.uncertain() });
     }
 
     fn conflict(&mut self, status: u32, headers: Vec<(String, String)>) -> Step {
@@ -1318,6 +1321,12 @@ impl Flow {
         ));
     }
 
+    /// Whether the response matters to this request (a record to complete, a lease to
+    /// release); if not, the adapter skips reading the response.
+    pub fn wants_response(&self) -> bool {
+        self.idem.as_ref().is_some_and(|i| i.owned) || self.lease.as_ref().is_some_and(|l| l.held)
+    }
+
     /// Headers to add to the upstream's response (`RateLimit-Policy`, `RateLimit`).
     pub fn response_headers(&self) -> &[(String, String)] {
         &self.response_headers
@@ -1359,9 +1368,10 @@ impl Flow {
         if !maybe_owned {
             return;
         }
+        let certain = i.owned;
         i.owned = false;
         let _ = rt;
-        self.background.push(Background::new(
+        let call = Background::new(
             policy,
             Purpose::Release,
             ScriptCall {
@@ -1369,7 +1379,9 @@ impl Flow {
                 args: vec![i.acquire.owner.clone()],
             },
             i.key_hash.clone(),
-        ));
+        );
+        self.background
+            .push(if certain { call } else { call.uncertain() });
     }
 
     fn completion_call(&self, rt: &Runtime) -> Option<(Purpose, ScriptCall)> {
@@ -1690,12 +1702,9 @@ impl Flow {
             .map(|p| (p.purpose, p.call.clone()))
             .collect();
         for (purpose, call) in unfinished {
-            self.background.push(Background::new(
-                self.policy,
-                purpose,
-                call,
-                key_hash.clone(),
-            ));
+            // The first call may have done it already: "not ours" is then expected.
+            self.background
+                .push(Background::new(self.policy, purpose, call, key_hash.clone()).uncertain());
         }
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         match self.phase {

@@ -1179,3 +1179,36 @@ fn leased_quota_admits_from_local_slices() {
         &rec,
     ));
 }
+
+#[test]
+fn expected_not_ours_answers_are_not_stale_owners() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    // Client gone while the acquire is in flight: the release may find nothing of ours.
+    let mut flow = Flow::default();
+    start_with_body(&mut flow, &rt, &rec, b"{}");
+    flow.on_done(&rt, &rec);
+    let mut bg = flow.take_background();
+    assert!(!bg[0].certain);
+    assert!(!bg[0].on_answer(&rt, Ok(Reply::Int(0)), 5, &rec));
+    assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 0);
+    // A release of a record we did own that finds it gone is a stale owner.
+    let mut flow = forwarded(&rt, &rec);
+    flow.on_done(&rt, &rec);
+    assert!(
+        flow.take_background().is_empty(),
+        "kept PROCESSING: outcome unknown"
+    );
+    let mut owned = Background::new(
+        0,
+        Purpose::Release,
+        crate::redis::ScriptCall {
+            keys: vec!["k".into()],
+            args: vec!["o".into()],
+        },
+        "h".into(),
+    );
+    assert!(owned.certain);
+    owned.on_answer(&rt, Ok(Reply::Int(-1)), 5, &rec);
+    assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
+}

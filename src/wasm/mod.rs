@@ -7,13 +7,14 @@
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
 use crate::batch;
+use crate::config::Algorithm;
 use crate::config::{Config, ConfigError, RedisConfig};
 use crate::flow::{Background, Flow, Runtime, Step};
 use crate::ids::TokenSource;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::overlimit::SharedStore;
 use crate::redis::{resp::Reply, webdis, CallError, ScriptCall, ScriptId};
-use crate::request::Request;
+use crate::request::{select_policy, Request};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -625,11 +626,43 @@ impl HttpContext for Filter {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
+        // The hot path of a request no policy matches: three header reads, nothing else.
+        let pseudo = |name: &str| {
+            hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+                .ok()
+                .flatten()
+                .map(|v| (name.to_string(), String::from_utf8_lossy(&v).into_owned()))
+        };
+        let probe = Request::from_headers(
+            [":method", ":path", ":authority"]
+                .iter()
+                .filter_map(|n| pseudo(n))
+                .collect(),
+            None,
+        );
+        let Some(policy) = select_policy(&vm.runtime.config.policies, &probe) else {
+            return Action::Continue;
+        };
+        let needs_tokens = policy.idempotency.is_some()
+            || policy.lease.is_some()
+            || policy
+                .rate_limits
+                .iter()
+                .any(|l| l.algorithm == Algorithm::SlidingLog);
+        let (nonce, owner) = if needs_tokens {
+            (vm.token(), vm.token())
+        } else {
+            ("-".to_string(), "-".to_string())
+        };
+        let address = if vm.runtime.config.uses_client_ip() {
+            property(vec!["source", "address"])
+        } else {
+            None
+        };
         let req = Request::from_headers(
             header_pairs(MapType::HttpRequestHeaders),
-            property(vec!["source", "address"]).as_deref(),
+            address.as_deref(),
         );
-        let (nonce, owner) = (vm.token(), vm.token());
         let step = self.stream.step(|f| {
             f.on_request(
                 &vm.runtime,
@@ -682,12 +715,15 @@ impl HttpContext for Filter {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let extra: Vec<(String, String)> = match self.stream.flow.try_borrow() {
-            Ok(f) => f.response_headers().to_vec(),
-            Err(_) => Vec::new(),
+        let (extra, interested) = match self.stream.flow.try_borrow() {
+            Ok(f) => (f.response_headers().to_vec(), f.wants_response()),
+            Err(_) => (Vec::new(), false),
         };
         for (name, value) in &extra {
             let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+        }
+        if !interested {
+            return Action::Continue;
         }
         let headers = header_pairs(MapType::HttpResponseHeaders);
         let status = headers
