@@ -15,6 +15,8 @@ use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::overlimit::SharedStore;
 use crate::redis::{resp::Reply, webdis, CallError, ScriptCall, ScriptId};
 use crate::request::{select_policy, Request};
+mod abi;
+
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -115,10 +117,10 @@ fn apply(
             if dir.is_none() {
                 match paused {
                     Some(Dir::Request) => {
-                        let _ = hostcalls::resume_http_request();
+                        let _ = abi::resume(false);
                     }
                     Some(Dir::Response) => {
-                        let _ = hostcalls::resume_http_response();
+                        let _ = abi::resume(true);
                     }
                     None => {}
                 }
@@ -191,17 +193,17 @@ fn settle_stream(vm: &Vm, stream: &Rc<Stream>) {
 }
 
 /// Applies the flow's request-header changes, once, while the headers are still held (the
-/// host refuses changes to headers already sent, and the SDK panics on that refusal).
+/// host refuses changes to headers already sent).
 fn set_upstream_headers(stream: &Stream) {
     let (strip, set) = match stream.flow.try_borrow_mut() {
         Ok(mut f) => f.take_upstream_changes(),
         Err(_) => return,
     };
     for name in &strip {
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None);
+        let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
     }
     for (name, value) in &set {
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
+        let _ = abi::set_header(MapType::HttpRequestHeaders, name, value);
     }
 }
 
@@ -545,7 +547,7 @@ fn send_local(r: &crate::respond::LocalResponse) {
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_str()))
         .collect();
-    if let Err(status) = hostcalls::send_http_response(r.status, headers, Some(&r.body)) {
+    if let Err(status) = abi::send_local_response(r.status, &headers, &r.body) {
         log::error!("cannot send a local response: {status:?}");
     }
 }
@@ -720,7 +722,7 @@ impl HttpContext for Filter {
             Err(_) => (Vec::new(), false),
         };
         for (name, value) in &extra {
-            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+            let _ = abi::add_header(MapType::HttpResponseHeaders, name, value);
         }
         if !interested {
             return Action::Continue;
