@@ -49,8 +49,13 @@ struct Vm {
     waiting: RefCell<HashMap<u32, Weak<Stream>>>,
     /// Calls the root sends on its next tick.
     outbox: RefCell<Vec<Background>>,
-    /// Acquire calls waiting to be coalesced (`redis.batch`), sent by the root's tick.
+    /// Acquire calls waiting to be coalesced (`redis.batch`), sent by the root when this
+    /// worker's event loop comes back to it (or on the tick at the latest).
     batch_queue: RefCell<Vec<Queued>>,
+    /// This worker's shared queue: an HTTP context enqueues to wake the root, which the host
+    /// does on the worker's next event-loop turn, so every acquire raised in this turn shares
+    /// one batch without waiting for a timer.
+    wake_queue: Option<u32>,
 }
 
 /// An acquire call of a stream waiting for the next batch.
@@ -147,11 +152,16 @@ fn apply(
             for call in calls {
                 if batching && call.script == ScriptId::Acquire && call.by_sha {
                     if let Ok(mut queue) = vm.batch_queue.try_borrow_mut() {
+                        let first = queue.is_empty();
                         queue.push(Queued {
                             stream: Rc::downgrade(stream),
                             slot: call.slot,
                             call: call.call,
                         });
+                        drop(queue);
+                        if let (true, Some(q)) = (first, vm.wake_queue) {
+                            let _ = hostcalls::enqueue_shared_queue(q, Some(b"1"));
+                        }
                         continue;
                     }
                 }
@@ -308,6 +318,15 @@ impl Root {
         });
         // The watchdog's resolution: half the timeout, within 5 ms .. 1 s.
         let tick = config.tick_ms();
+        // A queue of this worker's own (a random name: the host keys queues by VM and name,
+        // and every worker runs the same VM).
+        let wake_queue = match config.redis.batch {
+            Some(_) => {
+                let name = format!("cg.batch.{}", TokenSource::from_entropy(now_ms()).token());
+                hostcalls::register_shared_queue(&name).ok()
+            }
+            None => None,
+        };
         let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
         self.vm = Some(Rc::new(Vm {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
@@ -315,6 +334,7 @@ impl Root {
             waiting: RefCell::new(HashMap::new()),
             outbox: RefCell::new(Vec::new()),
             batch_queue: RefCell::new(Vec::new()),
+            wake_queue,
         }));
         Ok(())
     }
@@ -486,6 +506,14 @@ impl RootContext for Root {
                 false
             }
         }
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        let Some(vm) = self.vm.clone() else {
+            return;
+        };
+        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
+        self.flush_batches(&vm);
     }
 
     fn on_tick(&mut self) {
