@@ -24,5 +24,8 @@ pub mod redis;
 pub mod request;
 pub mod respond;
 
+#[cfg(test)]
+mod robustness_tests;
+
 #[cfg(target_arch = "wasm32")]
 mod wasm;
