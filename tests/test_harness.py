@@ -257,3 +257,18 @@ def test_demo_reports_busy_ports(tmp_path):
     assert result.returncode == 1
     assert f"redis: 127.0.0.1:{stack_ports['redis']} is in use by " in result.stderr
     assert f"(pid {os.getpid()})" in result.stderr
+
+
+def test_upstream_restarts_in_the_same_workdir(tmp_path):
+    """The upstream's log is appended to: a second start must read its own port, not the first's."""
+    from harness.upstream import Upstream
+
+    first = Upstream(tmp_path).start()
+    old_port = first.port
+    first.stop()
+    second = Upstream(tmp_path).start()
+    try:
+        assert second.port != old_port or second.alive()
+        assert second.stats()["total"] == 0  # it answers on the port it reported
+    finally:
+        second.stop()

@@ -157,13 +157,18 @@ class Upstream:
     def start(self, timeout: float = 10.0) -> "Upstream":
         from .proc import Proc, wait_for_port
 
-        self.proc = Proc(f"upstream-{self.requested_port or 'any'}",
-                         [sys.executable, "-u", __file__, "--port", str(self.requested_port)],
+        name = f"upstream-{self.requested_port or 'any'}"
+        # The log is appended to: only what this start writes counts (a reused workdir holds
+        # an earlier run's "listening" line).
+        old_log = self.workdir / f"{name}.log"
+        skip = old_log.stat().st_size if old_log.exists() else 0
+        self.port = None
+        self.proc = Proc(name, [sys.executable, "-u", __file__, "--port", str(self.requested_port)],
                          self.workdir)
         try:
             deadline = time.monotonic() + timeout
             while self.port is None:
-                for line in self.proc.log_text().splitlines():
+                for line in self.proc.log_text()[skip:].splitlines():
                     if line.startswith("upstream listening on "):
                         self.port = int(line.rsplit(":", 1)[1])
                 if self.port is None:
