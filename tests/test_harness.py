@@ -264,11 +264,10 @@ def test_upstream_restarts_in_the_same_workdir(tmp_path):
     from harness.upstream import Upstream
 
     first = Upstream(tmp_path).start()
-    old_port = first.port
     first.stop()
     second = Upstream(tmp_path).start()
     try:
-        assert second.port != old_port or second.alive()
-        assert second.stats()["total"] == 0  # it answers on the port it reported
+        # A stale port would point at the stopped first process: connection refused.
+        assert second.stats()["total"] == 0
     finally:
         second.stop()
