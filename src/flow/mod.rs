@@ -891,8 +891,8 @@ impl Flow {
         let limit_headers = match verdict {
             Verdict::Reject(response) => {
                 // Another slot may have acquired the record or the lease: give them back.
-                self.release_in_background(rt);
-                self.release_lease(rt);
+                self.release_in_background();
+                self.release_lease();
                 return self.answer(response);
             }
             Verdict::Allow(headers) if rt.config.response_headers => headers,
@@ -1049,7 +1049,7 @@ impl Flow {
                 }
                 m.increment(lm.busy);
                 // The idempotency record this request acquired is not going to be used.
-                self.release_in_background(rt);
+                self.release_in_background();
                 let retry = respond::retry_after_secs(u64::try_from(pttl_ms).unwrap_or(1000));
                 let mut all = vec![("retry-after".to_string(), retry.to_string())];
                 all.extend(headers);
@@ -1099,8 +1099,7 @@ impl Flow {
     }
 
     /// Gives a held lease back, from the root (the call must outlive the stream).
-    fn release_lease(&mut self, rt: &Runtime) {
-        let _ = rt;
+    fn release_lease(&mut self) {
         let policy = self.policy;
         // An acquire still in flight may hold the lease: release by owner anyway.
         let in_flight = self.pending.iter().any(|p| p.lease && !p.done);
@@ -1210,8 +1209,8 @@ impl Flow {
             }
         );
         // A record or lease acquired by a call that did answer is given back either way.
-        self.release_in_background(rt);
-        self.release_lease(rt);
+        self.release_in_background();
+        self.release_lease();
         match policy.failure_mode {
             FailureMode::Open => {
                 m.increment(pm.failed_open);
@@ -1358,7 +1357,7 @@ impl Flow {
         std::mem::take(&mut self.background)
     }
 
-    fn release_in_background(&mut self, rt: &Runtime) {
+    fn release_in_background(&mut self) {
         let policy = self.policy;
         let Some(i) = self.idem.as_mut() else {
             return;
@@ -1370,7 +1369,6 @@ impl Flow {
         }
         let certain = i.owned;
         i.owned = false;
-        let _ = rt;
         let call = Background::new(
             policy,
             Purpose::Release,
@@ -1528,21 +1526,19 @@ impl Flow {
                 .idem_config(rt)
                 .is_some_and(|c| c.complete == Completion::Async);
         let release = if async_idem {
-            self.release_lease(rt);
+            self.release_lease();
             None
         } else {
             self.lease_release_now(now_ms)
         };
-        let step = self.idem_response_headers(
-            rt,
+        let head = ResponseHead {
             status,
             via_upstream,
             details,
             headers,
             end_of_stream,
-            now_ms,
-            m,
-        );
+        };
+        let step = self.idem_response_headers(rt, &head, now_ms, m);
         match (release, step) {
             (None, step) => step,
             (Some(out), Step::Continue) => {
@@ -1560,18 +1556,20 @@ impl Flow {
     }
 
     /// The idempotency side of the response headers: complete, release, or buffer first.
-    #[allow(clippy::too_many_arguments)]
     fn idem_response_headers(
         &mut self,
         rt: &Runtime,
-        status: u32,
-        via_upstream: bool,
-        details: &str,
-        headers: &[(String, String)],
-        end_of_stream: bool,
+        head: &ResponseHead<'_>,
         now_ms: u64,
         m: &dyn MetricSink,
     ) -> Step {
+        let ResponseHead {
+            status,
+            via_upstream,
+            details,
+            headers,
+            end_of_stream,
+        } = *head;
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         if !owned || self.phase != Phase::Forwarded {
             return Step::Continue;
@@ -1682,7 +1680,7 @@ impl Flow {
     /// The stream is gone. A record we still own is released if the request never left
     /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise.
     pub fn on_done(&mut self, rt: &Runtime, m: &dyn MetricSink) {
-        self.release_lease(rt);
+        self.release_lease();
         // Response-side calls still outstanding may be cancelled with the stream: the root
         // sends them again (an answer that arrives twice is counted twice, nothing worse).
         let key_hash = self
@@ -1708,15 +1706,25 @@ impl Flow {
         }
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         match self.phase {
-            Phase::Acquiring => self.release_in_background(rt),
+            Phase::Acquiring => self.release_in_background(),
             _ if !owned => {}
             Phase::Completing => {}
-            _ if !self.forwarded => self.release_in_background(rt),
+            _ if !self.forwarded => self.release_in_background(),
             _ if !self.response_seen => self.outcome_unknown(rt, "", m),
             _ => {}
         }
         self.phase = Phase::Done;
     }
+}
+
+/// What the response's headers say, as the idempotency decision needs it.
+#[derive(Clone, Copy)]
+struct ResponseHead<'a> {
+    status: u32,
+    via_upstream: bool,
+    details: &'a str,
+    headers: &'a [(String, String)],
+    end_of_stream: bool,
 }
 
 fn acquire_pending(g: acquire::Group, now_ms: u64) -> Pending {
