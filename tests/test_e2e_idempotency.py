@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from harness.concurrency import in_thread, wait_for
 from harness.envoy import Envoy, Response
 from harness.stack import Stack
 from harness.upstream import Upstream
@@ -173,38 +174,6 @@ def stored(stack: Stack, key: str) -> dict | None:
 
 def upstream_requests(stack: Stack, path: str) -> list[dict]:
     return [r for r in stack.upstream.requests() if r["path"] == path]
-
-
-def in_thread(fn, *args, **kwargs):
-    """Runs fn in a thread; returns a function that joins it and gives back its result."""
-    out: dict = {}
-
-    def run():
-        try:
-            out["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # re-raised in the test's thread
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-
-    def result(timeout: float = 20.0):
-        t.join(timeout)
-        assert not t.is_alive(), f"{fn} did not return within {timeout}s"
-        if "error" in out:
-            raise out["error"]
-        return out["value"]
-
-    return result
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 def own_envoy(stack: Stack, key_prefix: str, *policies: dict) -> Envoy:

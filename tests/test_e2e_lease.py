@@ -34,6 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from harness.concurrency import in_thread, wait_for
 from harness.envoy import Envoy, Response
 from harness.stack import Stack
 
@@ -186,38 +187,6 @@ def token_of(entry: dict) -> int:
     value = entry["headers"].get(FENCING_HEADER)
     assert value is not None and TOKEN_RE.match(value), entry
     return int(value)
-
-
-def in_thread(fn, *args, **kwargs):
-    """Runs fn in a thread; returns a function that joins it and gives back its result."""
-    out: dict = {}
-
-    def run():
-        try:
-            out["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # re-raised in the test's thread
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-
-    def result(timeout: float = 20.0):
-        t.join(timeout)
-        assert not t.is_alive(), f"{fn} did not return within {timeout}s"
-        if "error" in out:
-            raise out["error"]
-        return out["value"]
-
-    return result
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 def sleep_until(t0: float, offset: float) -> None:

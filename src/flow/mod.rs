@@ -504,15 +504,9 @@ impl Flow {
                     self.deadline_ms = now_ms.saturating_add(BODY_IDLE_TIMEOUT_MS);
                     return Step::Wait;
                 }
-                let body = read();
-                match self.held.take() {
-                    Some(held) => self.start_acquire(rt, held, &body, now_ms, m),
-                    None => Step::Continue,
-                }
+                self.request_complete(rt, read, now_ms, m)
             }
-            // Still deciding (or waiting for a lease): the body stays held with the headers.
-            Phase::Acquiring | Phase::LeaseWaiting => Step::Wait,
-            _ => Step::Continue,
+            _ => self.request_part(),
         }
     }
 
@@ -525,13 +519,29 @@ impl Flow {
         m: &dyn MetricSink,
     ) -> Step {
         match self.phase {
-            Phase::Buffering => {
-                let body = read();
-                match self.held.take() {
-                    Some(held) => self.start_acquire(rt, held, &body, now_ms, m),
-                    None => Step::Continue,
-                }
-            }
+            Phase::Buffering => self.request_complete(rt, read, now_ms, m),
+            _ => self.request_part(),
+        }
+    }
+
+    /// The whole body is here: fingerprint it and acquire.
+    fn request_complete(
+        &mut self,
+        rt: &Runtime,
+        read: impl FnOnce() -> Vec<u8>,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
+        let body = read();
+        match self.held.take() {
+            Some(held) => self.start_acquire(rt, held, &body, now_ms, m),
+            None => Step::Continue,
+        }
+    }
+
+    /// A later part of a request that is not being buffered.
+    fn request_part(&self) -> Step {
+        match self.phase {
             // Still deciding (or waiting for a lease): the body stays held with the headers.
             Phase::Acquiring | Phase::LeaseWaiting => Step::Wait,
             _ => Step::Continue,
