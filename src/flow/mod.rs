@@ -264,6 +264,18 @@ impl Flow {
         rt.config.policies.get(self.policy)?.idempotency.as_ref()
     }
 
+    /// The policy's name and the client key's hash, as logs show them.
+    fn policy_name<'a>(&self, rt: &'a Runtime) -> &'a str {
+        rt.config
+            .policies
+            .get(self.policy)
+            .map_or("", |p| p.name.as_str())
+    }
+
+    fn key_hash(&self) -> &str {
+        self.idem.as_ref().map_or("", |i| i.key_hash.as_str())
+    }
+
     fn lease_config<'a>(&self, rt: &'a Runtime) -> Option<&'a Lease> {
         rt.config.policies.get(self.policy)?.lease.as_ref()
     }
@@ -803,7 +815,7 @@ impl Flow {
                 self.decide(rt, now_ms, m)
             }
             Purpose::LeaseRelease => {
-                let name = self.policy(rt).map_or("", |(p, _)| p.name.as_str());
+                let name = self.policy_name(rt);
                 if let Some(lm) = self.lease_metrics(rt) {
                     background::count_lease(lm, Purpose::LeaseRelease, &reply, name, m);
                 }
@@ -820,8 +832,8 @@ impl Flow {
 
     /// Counts the result of a complete or release call (ours or in the background).
     fn settle(&mut self, rt: &Runtime, purpose: Purpose, reply: &Reply, m: &dyn MetricSink) {
-        let key_hash = self.idem.as_ref().map_or("", |i| i.key_hash.as_str());
-        let name = self.policy(rt).map_or("", |(p, _)| p.name.as_str());
+        let key_hash = self.key_hash();
+        let name = self.policy_name(rt);
         if let Some(im) = self.idem_metrics(rt) {
             background::count_settlement(im, purpose, reply, name, key_hash, m);
         }
@@ -943,7 +955,7 @@ impl Flow {
                 log::warn!(
                     "idempotency record of policy {} key {} is unreadable; answering as a conflict",
                     policy.name,
-                    self.idem.as_ref().map_or("", |i| i.key_hash.as_str())
+                    self.key_hash()
                 );
                 self.conflict(cfg.conflict_status, limit_headers)
             }
@@ -1172,7 +1184,7 @@ impl Flow {
                 self.mark_done(slot);
                 log::warn!(
                     "lease of policy {} not released ({}); it expires at its TTL",
-                    self.policy(rt).map_or("", |(p, _)| p.name.as_str()),
+                    self.policy_name(rt),
                     err.describe()
                 );
                 self.response_calls_done()
@@ -1195,8 +1207,8 @@ impl Flow {
         }
         log::warn!(
             "idempotency record of policy {} key {} not completed ({}); it expires at its processing TTL",
-            self.policy(rt).map_or("", |(p, _)| p.name.as_str()),
-            self.idem.as_ref().map_or("", |i| i.key_hash.as_str()),
+            self.policy_name(rt),
+            self.key_hash(),
             err.describe()
         );
         if let Some(i) = self.idem.as_mut() {
@@ -1277,7 +1289,7 @@ impl Flow {
                 log::warn!(
                     "policy {}: no request body data for {} s; if no body ever arrives, the host \
                      must set allow_on_headers_stop_iteration: true on the Wasm plugin",
-                    self.policy(rt).map_or("", |(p, _)| p.name.as_str()),
+                    self.policy_name(rt),
                     BODY_IDLE_TIMEOUT_MS / 1000
                 );
                 self.held = None;
@@ -1677,8 +1689,8 @@ impl Flow {
         }
         log::warn!(
             "policy {} key {}: the upstream's outcome is unknown ({}); the record stays PROCESSING until its TTL",
-            self.policy(rt).map_or("", |(p, _)| p.name.as_str()),
-            self.idem.as_ref().map_or("", |i| i.key_hash.as_str()),
+            self.policy_name(rt),
+            self.key_hash(),
             if details.is_empty() { "stream ended" } else { details }
         );
         if let Some(i) = self.idem.as_mut() {
