@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from harness.scripts import Limit, owner
 import redis
 
 LUA = Path(__file__).parents[1] / "src/lua"
@@ -32,20 +34,6 @@ FP2 = "sha256:" + "b" * 64
 PROCESSING_TTL = 30_000
 COMPLETED_TTL = 86_400_000
 RESPONSE = '{"status":201,"headers":[["location","/o/1"]],"body":"{\\"id\\":1}"}'
-
-
-def owner() -> str:
-    return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class Limit:
-    algo: str
-    limit: int
-    window_ms: int
-
-    def argv(self) -> list:
-        return [self.algo, self.limit, self.window_ms, self.limit, "0"]
 
 
 @dataclass(frozen=True)

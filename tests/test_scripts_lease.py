@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from harness.scripts import Limit, owner
 import redis
 
 LUA = Path(__file__).parents[1] / "src/lua"
@@ -38,20 +40,6 @@ FENCE_TTL = 600_000
 PROCESSING_TTL = 30_000
 FP = "sha256:" + "a" * 64
 FP2 = "sha256:" + "b" * 64
-
-
-def owner() -> str:
-    return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class Limit:
-    algo: str
-    limit: int
-    window_ms: int
-
-    def argv(self) -> list:
-        return [self.algo, self.limit, self.window_ms, self.limit, "0"]
 
 
 LIMITS = [("{t1}:rl:fw", Limit("fw", 3, 60_000)), ("{t1}:rl:sl", Limit("sl", 3, 60_000))]
