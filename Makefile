@@ -56,14 +56,18 @@ build: deps-rust ## Build the filter: target/wasm32-wasip1/release/coordination_
 unit: ## Rust unit tests (native, no Envoy).
 	cargo test
 
-lint: deps-rust ## rustfmt check and clippy (native and wasm), warnings are errors.
+FLOOR := bench/floor/Cargo.toml
+
+lint: deps-rust ## rustfmt check and clippy (native and wasm; also the bench anchors' crate), warnings are errors.
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --target $(WASM_TARGET) --release -- -D warnings
+	cargo fmt --check --manifest-path $(FLOOR)
+	cargo clippy --manifest-path $(FLOOR) --target $(WASM_TARGET) --release -- -D warnings
 
 clean: ## Remove build outputs (keeps .venv).
 	cargo clean
-	rm -rf build .pytest_cache
+	rm -rf build .pytest_cache bench/floor/target bench/work
 
 ##@ Test
 

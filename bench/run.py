@@ -16,6 +16,14 @@ its plain baseline both proxy to a third Envoy that answers directly. Replays ne
 `rl_allowed_leased` runs once src/config/mod.rs knows `"mode": "leased"`; before that the
 report says "not built yet".
 
+Two anchors have no goal: `local_ratelimit` (Envoy's native filter, in-process) and
+`wasm_floor`, a proxy-wasm filter that only reads `:path` and bumps a counter
+(bench/floor, a crate of its own, built here with cargo before the stack starts): what any
+proxy-wasm filter costs on this machine at the least. A third, `wasm_naive`, is the same
+filter making one webdis callout per request (an EVAL of a one-line INCR) that the request
+waits for: the naive design the issue quotes, what one callout per request costs whatever
+the script does; the anchor of the exact rate-limit paths.
+
 Output: a table on stdout, bench/results.json (every run's raw numbers) and bench/report.svg.
 Exit status 1 if a run had socket errors or unexpected statuses, or the correctness check
 failed (rl_rejected must admit exactly its limit per run); a missed goal is a finding, not an
@@ -40,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +64,10 @@ from harness.stack import Stack  # noqa: E402
 BENCH = ROOT / "bench"
 WORK = BENCH / "work"
 LUA = BENCH / "lua"
+FLOOR = BENCH / "floor"
+FLOOR_WASM = FLOOR / "target" / "wasm32-wasip1" / "release" / "wasm_floor.wasm"
+FLOOR_BUILD = ["cargo", "build", "--release", "--target", "wasm32-wasip1", "--manifest-path",
+               str((FLOOR / "Cargo.toml").relative_to(ROOT))]
 RESULTS = BENCH / "results.json"
 CHART = BENCH / "report.svg"
 
@@ -90,6 +103,7 @@ class Scenario:
     title: str
     script: str  # bench/lua/<script>
     plugin: Callable[[Stack], dict] | None = None  # None: no wasm filter
+    wasm_path: Path | None = None  # another .wasm than ours (the plugin config goes to it)
     local_ratelimit: dict | None = None
     goal: float | None = None
     # Expected answers: None = every response 2xx; N = exactly N admitted (2xx) per run, the
@@ -178,6 +192,34 @@ def cg(stats: dict, name: str) -> int:
     return stats.get(f"wasmcustom.cg.{name}", 0)
 
 
+def verify_floor(stats: dict, rec: dict) -> list[str]:
+    """Every request wrk counted went through the floor filter (plus those in flight at its
+    end)."""
+    count = stats.get("wasmcustom.floor.requests", 0)
+    if not rec["requests"] <= count <= rec["requests"] + CONNECTIONS:
+        return [f"floor.requests counted {count} for {rec['requests']} requests at wrk"]
+    return []
+
+
+def verify_naive(stats: dict, rec: dict) -> list[str]:
+    """Every request made its callout and got a 200 from webdis."""
+    problems = verify_floor(stats, rec)
+    count = stats.get("wasmcustom.floor.callouts", 0)
+    if not rec["requests"] <= count <= rec["requests"] + CONNECTIONS:
+        problems.append(f"floor.callouts counted {count} for {rec['requests']} requests at wrk")
+    return problems
+
+
+def naive(stack: Stack) -> dict:
+    """The floor filter's callout mode: EVAL of a one-line INCR on one key, through webdis."""
+    script = "return redis.call('INCR', KEYS[1])"
+    body = "/".join(urllib.parse.quote(a, safe="").replace(".", "%2E")
+                    for a in ("EVAL", script, "1", "cg:bench:naive")) + ".raw"
+    redis = stack.redis_section()
+    return {"callout": {"cluster": redis["cluster"], "authority": redis["authority"],
+                        "authorization": redis["authorization"], "body": body}}
+
+
 def verify_no_calls(stats: dict, rec: dict) -> list[str]:
     calls = cg(stats, "redis.calls")
     return [f"{calls} Redis calls, expected none (no policy matches)"] if calls else []
@@ -250,6 +292,11 @@ def scenarios() -> list[Scenario]:
     found = [
         Scenario("local_ratelimit", "Envoy local_ratelimit (native anchor)", "get.lua",
                  local_ratelimit={"max_tokens": HUGE_LIMIT, "fill_interval": "1s"}),
+        # The floor filter ignores its configuration; the template wants one.
+        Scenario("wasm_floor", "minimal proxy-wasm filter (anchor)", "get.lua",
+                 lambda stack: {}, wasm_path=FLOOR_WASM, verify=verify_floor),
+        Scenario("wasm_naive", "minimal filter + 1 webdis callout per request (anchor)",
+                 "get.lua", naive, wasm_path=FLOOR_WASM, verify=verify_naive),
         Scenario("no_policy", "filter, no policy matches", "get.lua", no_policy, goal=0.70,
                  verify=verify_no_calls),
         Scenario("rl_allowed", "rate limit allowed, 10k tenants", "tenants.lua",
@@ -279,10 +326,11 @@ def scenarios() -> list[Scenario]:
     ]
     if leased_mode_exists():
         # One hot counter (like the local_ratelimit anchor): the case leased quota is for.
-        found.insert(3, Scenario("rl_allowed_leased", "rate limit allowed, leased quota, 1 tenant",
-                                 "get.lua", rate_limited("rl_allowed_leased", HUGE_LIMIT,
-                                                         mode="leased"), goal=0.60,
-                                 verify=verify_allowed))
+        after = next(i for i, s in enumerate(found) if s.name == "rl_allowed") + 1
+        found.insert(after, Scenario(
+            "rl_allowed_leased", "rate limit allowed, leased quota, 1 tenant", "get.lua",
+            rate_limited("rl_allowed_leased", HUGE_LIMIT, mode="leased"), goal=0.60,
+            verify=verify_allowed))
     return found
 
 
@@ -319,7 +367,7 @@ def self_cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-STAT_FILTER = r"^(http\.ingress\.downstream_rq_|wasmcustom\.cg\.)"
+STAT_FILTER = r"^(http\.ingress\.downstream_rq_|wasmcustom\.(cg|floor)\.)"
 
 
 class Bench:
@@ -336,18 +384,21 @@ class Bench:
         self._plain_proxy: Envoy | None = None
 
     def start_envoy(self, name: str, plugin: dict | None, *, routed: bool = False,
-                    local_ratelimit: dict | None = None) -> Envoy:
+                    local_ratelimit: dict | None = None, wasm_path: Path | None = None) -> Envoy:
         """An Envoy on this stack; `routed`: it proxies to the upstream Envoy instead of
-        answering itself. Registered with the stack, so `stack.stop()` stops it too."""
+        answering itself; `wasm_path`: another .wasm than the stack's. Registered with the
+        stack, so `stack.stop()` stops it too."""
         workdir = WORK / "stack" / f"envoy-{name}"
+        wasm_path = wasm_path or self.stack.wasm_path
         if routed:
             s = self.stack
             envoy = Envoy(workdir, plugin, self.upstream().port, s.webdis.port,
-                          wasm_path=s.wasm_path, blackhole_port=s.blackhole.port,
+                          wasm_path=wasm_path, blackhole_port=s.blackhole.port,
                           dead_port=s.dead_port, local_ratelimit=local_ratelimit,
                           direct_response=False, concurrency=s.concurrency)
         else:
-            envoy = self.stack.new_envoy(workdir, plugin, local_ratelimit=local_ratelimit)
+            envoy = self.stack.new_envoy(workdir, plugin, local_ratelimit=local_ratelimit,
+                                         wasm_path=wasm_path)
         self.stack.envoys.append(envoy)
         envoy.start()
         return envoy
@@ -525,7 +576,8 @@ class Bench:
         plugin = scenario.plugin(self.stack) if scenario.plugin else None
         plain = self.plain_proxy() if scenario.plain_routed else self.plain
         envoy = self.start_envoy(scenario.name, plugin, routed=scenario.routed,
-                                 local_ratelimit=scenario.local_ratelimit)
+                                 local_ratelimit=scenario.local_ratelimit,
+                                 wasm_path=scenario.wasm_path)
         try:
             if scenario.prepare:
                 scenario.prepare(scenario, envoy)
@@ -552,7 +604,9 @@ class Bench:
         summary["envoy_log_warnings"] = len(warnings)
         if warnings:
             summary["envoy_log_warning_samples"] = warnings[:5]
+        wasm = (scenario.wasm_path or self.stack.wasm_path) if plugin is not None else None
         return {"title": scenario.title, "script": f"bench/lua/{scenario.script}",
+                "wasm": str(wasm.relative_to(ROOT)) if wasm else None,
                 "plugin_config": plugin, "local_ratelimit": scenario.local_ratelimit,
                 "routed": scenario.routed, "plain_routed": scenario.plain_routed,
                 "goal": scenario.goal, "summary": summary, "runs": runs}
@@ -776,6 +830,21 @@ def tool_version(argv: list[str]) -> str:
 # --- main ----------------------------------------------------------------------------------------
 
 
+def build_floor() -> bool:
+    """Build bench/floor (the wasm_floor anchor); False, having said why, if that failed."""
+    print(f"bench: {shlex.join(FLOOR_BUILD)}", flush=True)
+    try:
+        code = subprocess.run(FLOOR_BUILD, cwd=ROOT, stdin=subprocess.DEVNULL).returncode
+        why = f"exit status {code}" if code else f"no {FLOOR_WASM.relative_to(ROOT)}"
+    except OSError as e:
+        code, why = None, str(e)
+    if code == 0 and FLOOR_WASM.exists():
+        return True
+    print(f"bench: building the wasm_floor anchor failed ({why}): {shlex.join(FLOOR_BUILD)} "
+          f"(in {ROOT})", file=sys.stderr)
+    return False
+
+
 def main() -> int:
     rounds = env_int("BENCH_ROUNDS", 3)
     seconds = env_int("BENCH_SECONDS", 5)
@@ -800,6 +869,8 @@ def main() -> int:
         return 2
     if wanted:
         chosen = [s for s in chosen if s.name in wanted]
+    if any(s.wasm_path == FLOOR_WASM for s in chosen) and not build_floor():
+        return 2
     skipped = {}
     if not leased_mode_exists():
         skipped["rl_allowed_leased"] = ('not built yet (no "mode": "leased" rate limits in '
@@ -818,6 +889,8 @@ def main() -> int:
         "redis_version": tool_version(["redis-server", "--version"]),
         "wasm": str(DEFAULT_WASM.relative_to(ROOT)),
         "wasm_size_bytes": DEFAULT_WASM.stat().st_size,
+        "floor_wasm": str(FLOOR_WASM.relative_to(ROOT)) if FLOOR_WASM.exists() else None,
+        "floor_wasm_size_bytes": FLOOR_WASM.stat().st_size if FLOOR_WASM.exists() else None,
         "rounds": rounds, "seconds": seconds, "warmup_seconds": warmup,
         "wrk": {"threads": THREADS, "connections": CONNECTIONS},
         "envoy_concurrency": 2,
@@ -875,6 +948,8 @@ def main() -> int:
     print(table(results))
     print()
     print(f".wasm: {meta['wasm_size_bytes']} bytes ({meta['wasm']})")
+    if "wasm_floor" in scenario_results:
+        print(f"floor .wasm: {meta['floor_wasm_size_bytes']} bytes ({meta['floor_wasm']})")
     for name, c in checks.items():
         verdict = "ok" if c["ok"] else "FAILED"
         print(f"correctness ({name}): admitted per run {c['admitted_per_run']}, "

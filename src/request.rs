@@ -85,6 +85,84 @@ pub fn select_policy<'a>(policies: &'a [Policy], req: &Request) -> Option<&'a Po
     policies.iter().find(|p| p.matcher.matches(req))
 }
 
+/// The pseudo-headers a matcher reads, each fetched at most once and only when a matcher
+/// needs it: in the proxy every read is a host call, and most requests match no policy.
+pub struct Probe<F: FnMut(&str) -> Option<String>> {
+    read: F,
+    method: Option<String>,
+    path: Option<String>,
+    host: Option<String>,
+}
+
+impl<F: FnMut(&str) -> Option<String>> Probe<F> {
+    /// `read(name)` returns the raw value of `:method`, `:path` or `:authority`.
+    pub fn new(read: F) -> Probe<F> {
+        Probe {
+            read,
+            method: None,
+            path: None,
+            host: None,
+        }
+    }
+
+    fn method(&mut self) -> &str {
+        let read = &mut self.read;
+        self.method
+            .get_or_insert_with(|| read(":method").unwrap_or_default().to_ascii_uppercase())
+    }
+
+    fn path(&mut self) -> &str {
+        let read = &mut self.read;
+        self.path.get_or_insert_with(|| {
+            let raw = read(":path").unwrap_or_default();
+            match raw.split_once('?') {
+                Some((path, _)) => path.to_string(),
+                None => raw,
+            }
+        })
+    }
+
+    fn host(&mut self) -> &str {
+        let read = &mut self.read;
+        self.host.get_or_insert_with(|| {
+            strip_port(&read(":authority").unwrap_or_default()).to_ascii_lowercase()
+        })
+    }
+
+    /// The same verdict as [`Match::matches`] on the whole request; the path is checked
+    /// first (it tells most policies apart), then the method, then the host.
+    fn fits(&mut self, m: &Match) -> bool {
+        if m.path_prefix.is_some() || m.path_exact.is_some() {
+            let path = self.path();
+            if m.path_prefix
+                .as_ref()
+                .is_some_and(|p| !path.starts_with(p.as_str()))
+                || m.path_exact.as_ref().is_some_and(|p| path != p)
+            {
+                return false;
+            }
+        }
+        if !m.methods.is_empty() {
+            let method = self.method();
+            if !m.methods.iter().any(|x| x == method) {
+                return false;
+            }
+        }
+        match &m.host {
+            Some(h) => self.host() == h,
+            None => true,
+        }
+    }
+}
+
+/// [`select_policy`] reading only the pseudo-headers the matchers need, each at most once.
+pub fn select_policy_lazy<'a, F: FnMut(&str) -> Option<String>>(
+    policies: &'a [Policy],
+    probe: &mut Probe<F>,
+) -> Option<&'a Policy> {
+    policies.iter().find(|p| probe.fits(&p.matcher))
+}
+
 /// Who is calling: the raw tenant and principal. These never leave the filter unhashed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
@@ -214,7 +292,38 @@ mod tests {
             let got =
                 select_policy(&config.policies, &req(method, path, host)).map(|p| p.name.as_str());
             assert_eq!(got, want, "{method} {path} {host}");
+            // The lazy probe agrees and reads each pseudo-header at most once.
+            let mut reads = Vec::new();
+            let mut probe = Probe::new(|name: &str| {
+                reads.push(name.to_string());
+                [(":method", method), (":path", path), (":authority", host)]
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| v.to_string())
+            });
+            let lazy = select_policy_lazy(&config.policies, &mut probe).map(|p| p.name.as_str());
+            drop(probe);
+            assert_eq!(lazy, want, "lazy: {method} {path} {host}");
+            let mut unique = reads.clone();
+            unique.sort();
+            unique.dedup();
+            assert_eq!(unique.len(), reads.len(), "each read once: {reads:?}");
         }
+        // A request no policy's path fits costs one read.
+        let mut reads = 0;
+        let mut probe = Probe::new(|name: &str| {
+            reads += 1;
+            (name == ":path").then(|| "/elsewhere".to_string())
+        });
+        let only_orders = Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [
+                {"name": "a", "match": {"methods": ["POST"], "path_prefix": "/orders"}},
+                {"name": "b", "match": {"host": "h", "path_exact": "/x"}}]}"#,
+        )
+        .expect("valid");
+        assert!(select_policy_lazy(&only_orders.policies, &mut probe).is_none());
+        drop(probe);
+        assert_eq!(reads, 1);
         let catch_all =
             Config::parse(br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "all"}]}"#)
                 .expect("valid");

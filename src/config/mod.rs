@@ -362,16 +362,18 @@ impl Config {
     }
 
     /// The root context's tick: the watchdog's resolution (half the Redis timeout), fine
-    /// enough to extend the shortest lease at half its TTL in time (a quarter of it), and the
-    /// batching delay. Within 1 ms .. 1 s, and at least 5 ms unless batching asks for less.
-    pub fn tick_ms(&self) -> u64 {
+    /// enough to extend the shortest lease at half its TTL in time (a quarter of it), and,
+    /// when `batch_by_tick` (the host gave no queue to wake the root with), the batching
+    /// delay. Within 1 ms .. 1 s, and at least 5 ms unless batching by tick asks for less: a
+    /// finer tick wakes every worker that often, also when it is idle.
+    pub fn tick_ms(&self, batch_by_tick: bool) -> u64 {
         let mut tick = (self.redis.timeout_ms / 2).clamp(5, 1_000);
         for lease in self.policies.iter().filter_map(|p| p.lease.as_ref()) {
             if lease.extend {
                 tick = tick.min((lease.ttl_ms / 4).max(5));
             }
         }
-        if let Some(batch) = self.redis.batch {
+        if let (Some(batch), true) = (self.redis.batch, batch_by_tick) {
             tick = tick.min(batch.max_delay_ms.max(1));
         }
         tick

@@ -347,7 +347,7 @@ fn lease_config() {
 
 #[test]
 fn tick_follows_timeout_leases_and_batching() {
-    let tick = |v: Value| Config::from_value(&v).expect("valid").tick_ms();
+    let tick = |v: Value| Config::from_value(&v).expect("valid").tick_ms(true);
     assert_eq!(tick(json!({"redis": {"cluster": "gw"}})), 25);
     assert_eq!(
         tick(json!({"redis": {"cluster": "gw", "timeout": "1s"}})),
@@ -367,5 +367,11 @@ fn tick_follows_timeout_leases_and_batching() {
     assert_eq!(
         tick(json!({"redis": {"cluster": "gw", "batch": {"max_delay": "2ms"}}})),
         2
+    );
+    // With a queue to wake the root, batches do not need a fine tick.
+    let batched = json!({"redis": {"cluster": "gw", "batch": {"max_delay": "2ms"}}});
+    assert_eq!(
+        Config::from_value(&batched).expect("valid").tick_ms(false),
+        25
     );
 }

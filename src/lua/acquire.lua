@@ -81,14 +81,22 @@
 --
 -- Arguments are validated before anything is read or written; a bad one is a script error.
 --
--- Time comes from redis.call('TIME') so every proxy agrees; it is kept in microseconds
--- (about 1.7e15, exact in a double) and every reply value is converted to whole ms.
+-- Time comes from redis.call('TIME') so every proxy agrees; it is read once, and only when a
+-- sw, sl or tb limit or the idempotency or lease section is on (fw and lq use Redis TTLs). It
+-- is kept in microseconds (about 1.7e15, exact in a double) and every reply value is
+-- converted to whole ms.
+--
+-- Cost: every rate-limited request runs this script, so a call pays only for what it uses.
+-- No closures or tables per algorithm, limit or section: each algorithm is inline code in
+-- an if-chain, phase 1 writes each verdict straight into the reply and keeps what phase 2
+-- needs in one flat table, and the idempotency and lease code runs only when that section
+-- is on. fw skips PTTL for a counter that GET found absent (PTTL would say -2).
 
 local function bad(what) error('acquire.lua: ' .. what, 0) end
 
 local function count_arg(i, min)
   local v = tonumber(ARGV[i])
-  if v == nil or v ~= math.floor(v) or v < min or v == math.huge then
+  if v == nil or v % 1 ~= 0 or v < min then -- v % 1 is NaN for inf and NaN
     bad('ARGV[' .. i .. '] must be an integer >= ' .. min .. ', got ' .. tostring(ARGV[i]))
   end
   return v
@@ -139,73 +147,76 @@ if lease then
   if lease_key == fence_key then bad('the lease key and the fence key are the same') end
 end
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-
--- Integer-valued string of a big double: tostring() would keep only 14 digits.
-local function int(x) return string.format('%.0f', x) end
--- µs span -> whole ms, rounded up so waiting that long is always enough.
-local function ms(us) return math.max(0, math.ceil(us / 1000)) end
-local function retry_ms(us) return math.max(1, math.ceil(us / 1000)) end
-
--- Each algorithm: check(key, p) reads state and returns it with ok / remaining / reset_ms /
--- retry_ms as of now; consume(key, p, s) writes and returns remaining, reset_ms afterwards.
--- p = { algo, limit, window_ms, w (window in µs), burst, shadow }.
-local algos = {}
-
--- Fixed window: one counter; the window opens at its first consumption.
-algos.fw = {
-  check = function(key, p)
-    local count = tonumber(redis.call('GET', key)) or 0
-    local ttl = redis.call('PTTL', key)
-    if ttl == -1 then
-      redis.call('PEXPIRE', key, p.window_ms)
-      ttl = p.window_ms
-    end
-    local reset = ttl >= 0 and ttl or p.window_ms
-    return { count = count, reset = reset,
-             ok = count + cost <= p.limit,
-             remaining = math.max(0, p.limit - count),
-             reset_ms = reset,
-             retry_ms = math.max(1, reset) }
-  end,
-  consume = function(key, p, s)
-    local n = redis.call('INCRBY', key, cost)
-    if n == cost then redis.call('PEXPIRE', key, p.window_ms) end
-    return math.max(0, p.limit - n), s.reset
-  end,
-}
-
--- Leased quota: the fixed-window counter of a limit in `mode: leased`. Instead of one unit the
--- caller takes a slice of what is left, admits this request from it and the rest locally. A
--- slice never exceeds what is left, so all the slices of a window never exceed the limit; it
--- is an eighth of what is left (at least `cost`), so slices shrink as the window fills and
--- the units idle in other callers' slices when the counter runs out stay small.
-algos.lq = {
-  check = algos.fw.check,
-  consume = function(key, p, s)
-    local left = p.limit - s.count
-    local slice = math.min(left, math.max(cost, math.floor(left / 8)))
-    local n = redis.call('INCRBY', key, slice)
-    if n == slice then redis.call('PEXPIRE', key, p.window_ms) end
-    return slice, s.reset
-  end,
-}
-
--- Sliding window: counts of the current and previous aligned windows; the previous one is
--- weighted by the share of it still inside the sliding window. Constant memory, approximate.
--- reset_ms: when the estimate reaches 0, i.e. the end of the next window if the current one
--- has hits (they then fade out as "previous"), the end of the current one if only the
--- previous has hits, else 0. Never more than 2 windows, the key's TTL.
-local function sw_reset(cur, prev, left, w)
-  if cur > 0 then return ms(left + w) end
-  if prev > 0 then return ms(left) end
-  return 0
+-- Every limit's arguments, validated before anything is read or written.
+local need_time = idem or lease
+for i = 1, n do
+  local a = 4 + (i - 1) * 5
+  local algo = ARGV[a]
+  if algo ~= 'fw' and algo ~= 'lq' and algo ~= 'sw' and algo ~= 'sl' and algo ~= 'tb' then
+    bad('unknown algo ' .. tostring(algo))
+  end
+  count_arg(a + 1, 1) -- limit
+  count_arg(a + 2, 1) -- window_ms
+  count_arg(a + 3, 1) -- burst
+  if ARGV[a + 4] ~= '0' and ARGV[a + 4] ~= '1' then
+    bad('ARGV[' .. (a + 4) .. '] (shadow) must be "0" or "1", got ' .. tostring(ARGV[a + 4]))
+  end
+  if algo ~= 'fw' and algo ~= 'lq' then need_time = true end
 end
 
-algos.sw = {
-  check = function(key, p)
-    local w = p.w
+-- Redis TIME in µs, and the helpers of the sections that use it; all nil when none is on.
+local now, int, ms, retry_ms
+if need_time then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  -- Integer-valued string of a big double: tostring() would keep only 14 digits. '%d' says
+  -- the same as '%.0f' for a whole number in [1, 2^53) and costs a third.
+  int = function(x)
+    if x >= 1 and x < 9007199254740992 and x % 1 == 0 then return string.format('%d', x) end
+    return string.format('%.0f', x)
+  end
+  -- µs span -> whole ms, rounded up so waiting that long is always enough.
+  ms = function(us) return math.max(0, math.ceil(us / 1000)) end
+  retry_ms = function(us) return math.max(1, math.ceil(us / 1000)) end
+end
+
+-- Phase 1: check every limit; nothing is written but the fw TTL repair. Limit i's verdict
+-- goes straight into its reply slots r .. r+3; what else phase 2 needs of it (sw, sl, tb)
+-- goes to saved[2i-1] and saved[2i]. The reply is sized up front for the usual single
+-- limit: growing a table rehashes it.
+local reply, saved = n == 1 and { 1, 0, 0, 0, 0 } or { 1 }, {}
+local admitted = true
+for i = 1, n do
+  local a, r, key = 4 + (i - 1) * 5, 2 + (i - 1) * 4, KEYS[i]
+  local algo, limit, window_ms = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local ok, remaining, reset, retry
+
+  if algo == 'fw' or algo == 'lq' then
+    -- Fixed window: one counter; the window opens at its first consumption. Leased quota
+    -- ("lq") is the same counter, consumed by slices (phase 2).
+    local raw = redis.call('GET', key)
+    local count = tonumber(raw) or 0
+    ok = count + cost <= limit
+    remaining = math.max(0, limit - count)
+    reset = window_ms -- no window open: GET found no counter, so no PTTL call (it says -2)
+    if raw then
+      local ttl = redis.call('PTTL', key)
+      if ttl >= 0 then
+        reset = ttl
+      elseif ttl == -1 then
+        redis.call('PEXPIRE', key, window_ms) -- without a TTL it would reject forever
+      end
+    end
+    retry = math.max(1, reset)
+
+  elseif algo == 'sw' then
+    -- Sliding window: counts of the current and previous aligned windows; the previous one is
+    -- weighted by the share of it still inside the sliding window. Constant memory,
+    -- approximate. reset_ms: when the estimate reaches 0, i.e. the end of the next window if
+    -- the current one has hits (they then fade out as "previous"), the end of the current
+    -- one if only the previous has hits, else 0. Never more than 2 windows, the key's TTL.
+    -- saved: cur, prev (after rolling over to the current window).
+    local w = window_ms * 1000
     local idx = math.floor(now / w)
     local h = redis.call('HMGET', key, 'w', 'c', 'p')
     local stored, cur, prev = tonumber(h[1]), tonumber(h[2]) or 0, tonumber(h[3]) or 0
@@ -217,204 +228,207 @@ algos.sw = {
     local elapsed = now - idx * w
     local left = w - elapsed
     local est = prev * (1 - elapsed / w) + cur
-    local s = { idx = idx, cur = cur, prev = prev, left = left, est = est,
-                ok = est + cost <= p.limit,
-                remaining = math.max(0, math.floor(p.limit - est)),
-                reset_ms = sw_reset(cur, prev, left, w) }
-    if not s.ok then
-      local room = p.limit - cost - cur
+    ok = est + cost <= limit
+    remaining = math.max(0, math.floor(limit - est))
+    if cur > 0 then
+      reset = ms(left + w)
+    elseif prev > 0 then
+      reset = ms(left)
+    else
+      reset = 0
+    end
+    if not ok then
+      local room = limit - cost - cur
       local wait
       if room >= 0 then
         -- cur fits: wait until prev's weighted share decays to room (before this window ends)
         wait = w * (1 - room / prev) - elapsed
-      elseif p.limit >= cost then
+      elseif limit >= cost then
         -- cur alone is too high: in the next window cur becomes prev and decays from there
-        wait = left + w * (1 - (p.limit - cost) / cur)
+        wait = left + w * (1 - (limit - cost) / cur)
       else
         wait = left + w -- cost > limit never fits; the caller validates this away
       end
-      s.retry_ms = retry_ms(wait)
+      retry = retry_ms(wait)
     end
-    return s
-  end,
-  consume = function(key, p, s)
-    redis.call('HSET', key, 'w', int(s.idx), 'c', int(s.cur + cost), 'p', int(s.prev))
-    redis.call('PEXPIRE', key, 2 * p.window_ms)
-    local remaining = math.max(0, math.floor(p.limit - s.est - cost))
-    return remaining, sw_reset(s.cur + cost, s.prev, s.left, p.w)
-  end,
-}
+    saved[2 * i - 1], saved[2 * i] = cur, prev
 
--- Sliding log: one ZSET member per unit, scored by its time in µs; an entry counts while
--- score > now - window. Exact, memory grows with the limit.
--- reset_ms: when the newest entry leaves the window (window_ms right after consuming),
--- 0 when the window is empty.
-algos.sl = {
-  check = function(key, p)
-    local since = '(' .. int(now - p.w)
+  elseif algo == 'sl' then
+    -- Sliding log: one ZSET member per unit, scored by its time in µs; an entry counts while
+    -- score > now - window. Exact, memory grows with the limit. reset_ms: when the newest
+    -- entry leaves the window (window_ms right after consuming), 0 when the window is empty.
+    -- saved: count.
+    local w = window_ms * 1000
+    local since = '(' .. int(now - w)
     local count = redis.call('ZCOUNT', key, since, '+inf')
-    local s = { count = count,
-                ok = count + cost <= p.limit,
-                remaining = math.max(0, p.limit - count),
-                reset_ms = 0 }
+    ok = count + cost <= limit
+    remaining = math.max(0, limit - count)
+    reset = 0
     local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    if newest[2] then s.reset_ms = ms(tonumber(newest[2]) + p.w - now) end
-    if not s.ok then
+    if newest[2] then reset = ms(tonumber(newest[2]) + w - now) end
+    if not ok then
       -- the k oldest entries in the window have to leave; the k-th leaves at score + window
-      local k = count + cost - p.limit
-      local wait = p.w -- cost > limit never fits; the caller validates this away
+      local k = count + cost - limit
+      local wait = w -- cost > limit never fits; the caller validates this away
       if k <= count then
         local e = redis.call('ZRANGEBYSCORE', key, since, '+inf', 'WITHSCORES', 'LIMIT', k - 1, 1)
-        wait = tonumber(e[2]) + p.w - now
+        wait = tonumber(e[2]) + w - now
       end
-      s.retry_ms = retry_ms(wait)
+      retry = retry_ms(wait)
     end
-    return s
-  end,
-  consume = function(key, p, s)
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now - p.w))
-    local args, score = {}, int(now)
-    for i = 1, cost do
-      args[#args + 1] = score
-      args[#args + 1] = score .. ':' .. nonce .. ':' .. i
-    end
-    redis.call('ZADD', key, unpack(args))
-    redis.call('PEXPIRE', key, p.window_ms)
-    return math.max(0, p.limit - s.count - cost), p.window_ms
-  end,
-}
+    saved[2 * i - 1] = count
 
--- Token bucket as GCRA: the key holds the theoretical arrival time (TAT, µs). A request is
--- admitted while TAT after it is at most tau = burst * T ahead of now, T = window / limit.
--- TAT is stored rounded to whole µs; a 1 µs tolerance keeps the verdict and `remaining`
--- from disagreeing over that rounding.
-local function tb_tokens(tat, T, tau, burst)
-  return math.min(burst, math.max(0, math.floor((tau - (tat - now) + 1) / T)))
-end
-
-algos.tb = {
-  check = function(key, p)
-    local T = p.w / p.limit
-    local tau = T * p.burst
+  else -- 'tb'
+    -- Token bucket as GCRA: the key holds the theoretical arrival time (TAT, µs). A request is
+    -- admitted while TAT after it is at most tau = burst * T ahead of now, T = window / limit.
+    -- TAT is stored rounded to whole µs; a 1 µs tolerance keeps the verdict and `remaining`
+    -- from disagreeing over that rounding. saved: the TAT after this request.
+    local T = window_ms * 1000 / limit
+    local burst = tonumber(ARGV[a + 3])
+    local tau = T * burst
     local tat = math.max(tonumber(redis.call('GET', key)) or now, now)
     local new_tat = tat + T * cost
-    local s = { T = T, tau = tau, new_tat = new_tat,
-                ok = new_tat - tau <= now + 1,
-                remaining = tb_tokens(tat, T, tau, p.burst),
-                reset_ms = ms(tat - now) }
-    if not s.ok then s.retry_ms = retry_ms(new_tat - tau - now) end
-    return s
-  end,
-  consume = function(key, p, s)
-    local ahead = s.new_tat - now
-    redis.call('SET', key, int(s.new_tat), 'PX', math.max(1, math.ceil(ahead / 1000)))
-    return tb_tokens(s.new_tat, s.T, s.tau, p.burst), ms(ahead)
-  end,
-}
-
--- Arguments of every limit, parsed before anything is read or written.
-local limits, states = {}, {}
-for i = 1, n do
-  local a = 4 + (i - 1) * 5
-  local p = { algo = algos[ARGV[a]] or bad('unknown algo ' .. tostring(ARGV[a])),
-              limit = count_arg(a + 1, 1),
-              window_ms = count_arg(a + 2, 1), burst = count_arg(a + 3, 1),
-              shadow = ARGV[a + 4] == '1' }
-  if ARGV[a + 4] ~= '0' and ARGV[a + 4] ~= '1' then
-    bad('ARGV[' .. (a + 4) .. '] (shadow) must be "0" or "1", got ' .. tostring(ARGV[a + 4]))
+    ok = new_tat - tau <= now + 1
+    remaining = math.min(burst, math.max(0, math.floor((tau - (tat - now) + 1) / T)))
+    reset = ms(tat - now)
+    if not ok then retry = retry_ms(new_tat - tau - now) end
+    saved[2 * i - 1] = new_tat
   end
-  p.w = p.window_ms * 1000
-  limits[i] = p
-end
 
--- Phase 1: check everything; nothing is written but the fw TTL repair.
-local admitted = true
-for i = 1, n do
-  local p = limits[i]
-  local s = p.algo.check(KEYS[i], p)
-  if not s.ok and not p.shadow then admitted = false end
-  states[i] = s
+  if not ok and ARGV[a + 4] == '0' then admitted = false end -- shadow limits never reject
+  reply[r] = ok and 1 or 0
+  reply[r + 1] = remaining
+  reply[r + 2] = reset
+  reply[r + 3] = ok and 0 or retry
 end
+if not admitted then reply[1] = 0 end
 
--- Phase 2: consume only if admitted, and only where this limit's own verdict is allow.
-local reply = { admitted and 1 or 0 }
-for i = 1, n do
-  local p, s = limits[i], states[i]
-  local remaining, reset = s.remaining, s.reset_ms
-  if admitted and s.ok then remaining, reset = p.algo.consume(KEYS[i], p, s) end
-  reply[#reply + 1] = s.ok and 1 or 0
-  reply[#reply + 1] = remaining
-  reply[#reply + 1] = reset
-  reply[#reply + 1] = s.ok and 0 or s.retry_ms
+-- INCRBY's cost: the string "1" as it came (the usual cost) spares redis.call formatting a
+-- number; any other cost goes as the number, which redis.call formats.
+local cost_arg = ARGV[2] == '1' and '1' or cost
+
+-- Phase 2: consume only if admitted, and only where this limit's own verdict is allow; the
+-- reply's remaining and reset_ms then become the values after consumption.
+if admitted then
+  for i = 1, n do
+    local a, r, key = 4 + (i - 1) * 5, 2 + (i - 1) * 4, KEYS[i]
+    local algo, limit, window_ms = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+
+    if reply[r] == 0 then
+      -- a shadow limit that rejects: phase 1's values stand
+
+    elseif algo == 'fw' or algo == 'lq' then
+      local amount, arg = cost, cost_arg -- arg: amount as INCRBY's argument
+      if algo == 'lq' then
+        -- Leased quota: instead of one unit the caller takes a slice of what is left, admits
+        -- this request from it and the rest locally. A slice never exceeds what is left, so
+        -- all the slices of a window never exceed the limit; it is an eighth of what is left
+        -- (at least `cost`), so slices shrink as the window fills and the units idle in
+        -- other callers' slices when the counter runs out stay small.
+        local left = reply[r + 1] -- limit - count: phase 1's remaining, exact as it allows
+        amount = math.min(left, math.max(cost, math.floor(left / 8)))
+        arg = amount
+      end
+      local c = redis.call('INCRBY', key, arg)
+      if c == amount then redis.call('PEXPIRE', key, window_ms) end -- a new window
+      reply[r + 1] = algo == 'lq' and amount or math.max(0, limit - c)
+      -- reset_ms stands: INCRBY keeps the TTL
+
+    elseif algo == 'sw' then
+      local w, cur, prev = window_ms * 1000, saved[2 * i - 1], saved[2 * i]
+      local idx = math.floor(now / w)
+      local elapsed = now - idx * w
+      local left = w - elapsed
+      local est = prev * (1 - elapsed / w) + cur
+      redis.call('HSET', key, 'w', int(idx), 'c', int(cur + cost), 'p', int(prev))
+      redis.call('PEXPIRE', key, 2 * window_ms)
+      reply[r + 1] = math.max(0, math.floor(limit - est - cost))
+      reply[r + 2] = ms(left + w) -- cur > 0 now: the end of the next window
+
+    elseif algo == 'sl' then
+      local w = window_ms * 1000
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now - w))
+      local args, score = {}, int(now)
+      for u = 1, cost do
+        args[#args + 1] = score
+        args[#args + 1] = score .. ':' .. nonce .. ':' .. u
+      end
+      redis.call('ZADD', key, unpack(args))
+      redis.call('PEXPIRE', key, window_ms)
+      reply[r + 1] = math.max(0, limit - saved[2 * i - 1] - cost)
+      reply[r + 2] = window_ms
+
+    else -- 'tb'
+      local T = window_ms * 1000 / limit
+      local burst = tonumber(ARGV[a + 3])
+      local tau = T * burst
+      local new_tat = saved[2 * i - 1]
+      local ahead = new_tat - now
+      redis.call('SET', key, int(new_tat), 'PX', math.max(1, math.ceil(ahead / 1000)))
+      reply[r + 1] = math.min(burst, math.max(0, math.floor((tau - ahead + 1) / T)))
+      reply[r + 2] = ms(ahead)
+    end
+  end
 end
 
 -- Idempotency: create the PROCESSING record if absent, else report what is there.
-local SKIPPED, ACQUIRED, IN_PROGRESS, COMPLETED, CONFLICT, UNREADABLE = 0, 1, 2, 3, 4, 5
-
--- Decoded record, or nil if the value is not one we can read.
-local function decode(raw)
-  local ok, rec = pcall(cjson.decode, raw)
-  if not ok or type(rec) ~= 'table' or type(rec.fingerprint) ~= 'string' then return nil end
-  if rec.state ~= 'PROCESSING' and rec.state ~= 'COMPLETED' then return nil end
-  return rec
-end
-
-local function acquire()
-  if not admitted then return SKIPPED, '' end
-  local kind = redis.call('TYPE', idem_key)
-  kind = type(kind) == 'table' and kind.ok or kind
-  if kind == 'none' then
-    local now_ms = int(math.floor(now / 1000))
-    local record = '{"schema_version":1,"state":"PROCESSING","fingerprint":'
-      .. cjson.encode(fingerprint) .. ',"owner":' .. cjson.encode(owner)
-      .. ',"created_ms":' .. now_ms .. ',"updated_ms":' .. now_ms .. '}'
-    redis.call('SET', idem_key, record, 'PX', int(processing_ttl_ms), 'NX')
-    return ACQUIRED, ''
-  end
-  if kind ~= 'string' then return UNREADABLE, '' end
-  local raw = redis.call('GET', idem_key)
-  local rec = decode(raw)
-  if rec == nil then return UNREADABLE, '' end
-  if rec.fingerprint ~= fingerprint then return CONFLICT, '' end
-  if rec.state == 'PROCESSING' then return IN_PROGRESS, '' end
-  return COMPLETED, raw
-end
-
-local idem_code = SKIPPED
+local idem_code = 0
 if idem then
-  local record
-  idem_code, record = acquire()
+  local SKIPPED, ACQUIRED, IN_PROGRESS, COMPLETED, CONFLICT, UNREADABLE = 0, 1, 2, 3, 4, 5
+  local pttl, record = nil, ''
+  idem_code = SKIPPED
+  if admitted then
+    -- One GET instead of TYPE + GET: absent reads as false, another type as an error table.
+    local raw = redis.pcall('GET', idem_key)
+    if raw == false then
+      local now_ms = int(math.floor(now / 1000))
+      local rec = '{"schema_version":1,"state":"PROCESSING","fingerprint":'
+        .. cjson.encode(fingerprint) .. ',"owner":' .. cjson.encode(owner)
+        .. ',"created_ms":' .. now_ms .. ',"updated_ms":' .. now_ms .. '}'
+      redis.call('SET', idem_key, rec, 'PX', int(processing_ttl_ms), 'NX')
+      idem_code, pttl = ACQUIRED, processing_ttl_ms -- its PTTL: just set, no call needed
+    elseif type(raw) ~= 'string' then
+      idem_code = UNREADABLE
+    else
+      local decoded, rec = pcall(cjson.decode, raw)
+      if not decoded or type(rec) ~= 'table' or type(rec.fingerprint) ~= 'string'
+          or (rec.state ~= 'PROCESSING' and rec.state ~= 'COMPLETED') then
+        idem_code = UNREADABLE
+      elseif rec.fingerprint ~= fingerprint then
+        idem_code = CONFLICT
+      elseif rec.state == 'PROCESSING' then
+        idem_code = IN_PROGRESS
+      else
+        idem_code, record = COMPLETED, raw
+      end
+    end
+  end
   reply[#reply + 1] = idem_code
-  reply[#reply + 1] = redis.call('PTTL', idem_key)
+  reply[#reply + 1] = pttl or redis.call('PTTL', idem_key)
   reply[#reply + 1] = record
 end
-if not lease then return reply end
 
 -- Lease: SET NX PX with the owner token; a fencing token for every acquisition.
-local LEASE_SKIPPED, LEASE_ACQUIRED, LEASE_BUSY = 0, 1, 2
-local MAX_EXACT = 9007199254740992 -- 2^53
-
--- The last token issued under the fence key, 0 if it is absent or not one we wrote.
-local function last_token()
-  local kind = redis.call('TYPE', fence_key)
-  kind = type(kind) == 'table' and kind.ok or kind
-  if kind ~= 'string' then return 0 end
-  local v = tonumber(redis.call('GET', fence_key))
-  if v == nil or v ~= math.floor(v) or v < 0 or v >= MAX_EXACT then return 0 end
-  return v
-end
-
-local function take_lease()
-  if not admitted or (idem and idem_code ~= ACQUIRED) then return LEASE_SKIPPED, 0 end
-  if not redis.call('SET', lease_key, lease_owner, 'NX', 'PX', int(lease_ttl_ms)) then
-    return LEASE_BUSY, math.max(1, redis.call('PTTL', lease_key))
+if lease then
+  local SKIPPED, ACQUIRED, BUSY = 0, 1, 2
+  local MAX_EXACT = 9007199254740992 -- 2^53
+  local code, value = SKIPPED, 0
+  if admitted and (not idem or idem_code == 1) then -- 1: the record was ACQUIRED
+    if redis.call('SET', lease_key, lease_owner, 'NX', 'PX', int(lease_ttl_ms)) then
+      -- The last token issued under the fence key, 0 if it is absent or not one we wrote.
+      -- One GET instead of TYPE + GET: another type's error table, like false, is no number.
+      local last = tonumber(redis.pcall('GET', fence_key))
+      if last == nil or last ~= math.floor(last) or last < 0 or last >= MAX_EXACT then
+        last = 0
+      end
+      local token = int(math.max(last + 1, now))
+      redis.call('SET', fence_key, token, 'PX', int(fence_ttl_ms))
+      code, value = ACQUIRED, token
+    else
+      code, value = BUSY, math.max(1, redis.call('PTTL', lease_key))
+    end
   end
-  local token = math.max(last_token() + 1, now)
-  redis.call('SET', fence_key, int(token), 'PX', int(fence_ttl_ms))
-  return LEASE_ACQUIRED, int(token)
+  reply[#reply + 1] = code
+  reply[#reply + 1] = value
 end
-
-local lease_code, lease_value = take_lease()
-reply[#reply + 1] = lease_code
-reply[#reply + 1] = lease_value
 return reply

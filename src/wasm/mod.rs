@@ -14,7 +14,7 @@ use crate::ids::TokenSource;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::overlimit::SharedStore;
 use crate::redis::{resp::Reply, webdis, CallError, ScriptCall, ScriptId};
-use crate::request::{select_policy, Request};
+use crate::request::{select_policy_lazy, Probe, Request};
 mod abi;
 
 use proxy_wasm::hostcalls;
@@ -316,8 +316,6 @@ impl Root {
             };
             hostcalls::define_metric(t, name).unwrap_or(u32::MAX)
         });
-        // The watchdog's resolution: half the timeout, within 5 ms .. 1 s.
-        let tick = config.tick_ms();
         // A queue of this worker's own (a random name: the host keys queues by VM and name,
         // and every worker runs the same VM).
         let wake_queue = match config.redis.batch {
@@ -327,6 +325,8 @@ impl Root {
             }
             None => None,
         };
+        // The watchdog's resolution; batches ride on the tick only without a wake queue.
+        let tick = config.tick_ms(config.redis.batch.is_some() && wake_queue.is_none());
         let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
         self.vm = Some(Rc::new(Vm {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
@@ -656,21 +656,15 @@ impl HttpContext for Filter {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        // The hot path of a request no policy matches: three header reads, nothing else.
-        let pseudo = |name: &str| {
+        // The hot path of a request no policy matches: the pseudo-headers the matchers need
+        // (often only `:path`), nothing else.
+        let mut probe = Probe::new(|name: &str| {
             hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
                 .ok()
                 .flatten()
-                .map(|v| (name.to_string(), String::from_utf8_lossy(&v).into_owned()))
-        };
-        let probe = Request::from_headers(
-            [":method", ":path", ":authority"]
-                .iter()
-                .filter_map(|n| pseudo(n))
-                .collect(),
-            None,
-        );
-        let Some(policy) = select_policy(&vm.runtime.config.policies, &probe) else {
+                .map(|v| String::from_utf8_lossy(&v).into_owned())
+        });
+        let Some(policy) = select_policy_lazy(&vm.runtime.config.policies, &mut probe) else {
             return Action::Continue;
         };
         let needs_tokens = policy.idempotency.is_some()

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Micro-benchmark of src/lua/acquire.lua inside Redis: the working tree's version against
+the one at git HEAD, case by case, side by side.
+
+Starts its own redis-server on a free port (tests/harness/proc.py; stopped by its pid on exit,
+also on failure), loads both scripts and, for every case, runs N pipelined EVALSHA calls of
+each version after FLUSHALL + CONFIG RESETSTAT and reads `usec_per_call` of `evalsha` from
+INFO commandstats: the time Redis spent in the script, the redis.call()s inside included,
+without the network or the client. Head and current alternate within every round; the table
+shows the median over the rounds of each, and the median of the per-round ratios (runs a
+second apart share the machine's load, so the ratio is steadier than either figure). Every
+reply is checked (admitted or rejected as the case expects, idempotency / lease code ACQUIRED
+where on), so a case measures what it says.
+
+Environment: N (calls per case and version, default 20000), ROUNDS (default 5),
+CASES (comma list of case names, default all), REV (the git revision to compare with, HEAD).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from harness.proc import RedisServer, stop_all  # noqa: E402
+
+SCRIPT = "src/lua/acquire.lua"
+PIPELINE = 1000  # calls per round trip
+HOUR_MS = 3_600_000
+BIG = 1_000_000_000  # a limit no case reaches
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    about: str
+    call: Callable[[int], tuple[list, list]]  # call number -> (KEYS, ARGV)
+    admitted: int = 1
+    setup: Callable[[object, str], None] | None = None  # (client, sha) before RESETSTAT
+    acquired: tuple[int, ...] = ()  # reply indexes (from the end) that must be 1 ACQUIRED
+
+
+def limit(algo: str, lim: int = BIG, window_ms: int = HOUR_MS) -> list:
+    """One limit's five ARGV values; burst only matters to tb, which gets burst = limit."""
+    return [algo, lim, window_ms, lim if algo == "tb" else 1, "0"]
+
+
+def one(algo: str) -> Callable[[int], tuple[list, list]]:
+    return lambda i: (["{b}:" + algo], [1, 1, f"n{i}", *limit(algo), "0"])
+
+
+def fw_two(i: int) -> tuple[list, list]:
+    return ["{b}:fw1", "{b}:fw2"], [2, 1, "-", *limit("fw"), *limit("fw", window_ms=60_000), "0"]
+
+
+FINGERPRINT = "sha256:" + "ab" * 32
+OWNER = uuid.uuid4().hex
+
+
+def idem(i: int) -> tuple[list, list]:
+    return (["{b}:fw", f"{{b}}:idem:{i}"],
+            [1, 1, "-", *limit("fw"), "1", FINGERPRINT, OWNER, 60_000])
+
+
+def lease(i: int) -> tuple[list, list]:
+    return (["{b}:fw", f"{{b}}:lease:{i}", f"{{b}}:fence:{i}"],
+            [1, 1, "-", *limit("fw"), "0", "1", OWNER, 30_000, 86_400_000])
+
+
+def rejected(i: int) -> tuple[list, list]:
+    return ["{b}:full"], [1, 1, "-", *limit("fw", lim=1), "0"]
+
+
+def fill(client, sha: str) -> None:
+    keys, argv = rejected(0)
+    if client.evalsha(sha, len(keys), *keys, *argv)[0] != 1:
+        raise AssertionError("fw_rej: the call that fills the limit was not admitted")
+
+
+CASES = [
+    Case("fw", "fixed_window, 1 limit, admitted", one("fw")),
+    Case("sw", "sliding_window, 1 limit, admitted", one("sw")),
+    Case("sl", "sliding_log, 1 limit, admitted", one("sl")),
+    Case("tb", "token_bucket, 1 limit, admitted", one("tb")),
+    Case("fw2", "fixed_window, 2 limits, admitted", fw_two),
+    Case("idem", "fw + idempotency on, fresh record key", idem, acquired=(-3,)),
+    Case("lease", "fw + lease on, fresh lease/fence keys", lease, acquired=(-2,)),
+    Case("fw_rej", "fixed_window, 1 limit, rejected", rejected, admitted=0, setup=fill),
+]
+
+
+def run_case(client, sha: str, case: Case, n: int) -> float:
+    client.flushall()
+    if case.setup:
+        case.setup(client, sha)
+    client.config_resetstat()
+    done = 0
+    while done < n:
+        pipe = client.pipeline(transaction=False)
+        batch = range(done, min(n, done + PIPELINE))
+        for i in batch:
+            keys, argv = case.call(i)
+            pipe.evalsha(sha, len(keys), *keys, *argv)
+        for reply in pipe.execute():
+            if reply[0] != case.admitted or any(reply[j] != 1 for j in case.acquired):
+                raise AssertionError(f"{case.name}: unexpected reply {reply!r}")
+        done += len(batch)
+    stats = client.info("commandstats")["cmdstat_evalsha"]
+    if stats["calls"] != n:
+        raise AssertionError(f"{case.name}: {stats['calls']} EVALSHA calls counted, expected {n}")
+    return float(stats["usec_per_call"])
+
+
+def main() -> int:
+    n = int(os.environ.get("N", "20000"))
+    rounds = int(os.environ.get("ROUNDS", "5"))
+    rev = os.environ.get("REV", "HEAD")
+    wanted = os.environ.get("CASES")
+    cases = [c for c in CASES if not wanted or c.name in wanted.split(",")]
+    if not cases:
+        print(f"no case matches CASES={wanted!r}; cases: {', '.join(c.name for c in CASES)}")
+        return 2
+
+    env = " ".join(f"{k}={shlex.quote(os.environ[k])}"
+                   for k in ("N", "ROUNDS", "CASES", "REV") if k in os.environ)
+    print(f"reproduce: cd {ROOT} && {env + ' ' if env else ''}.venv/bin/python bench/scripts.py")
+    head_src = subprocess.run(["git", "show", f"{rev}:{SCRIPT}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+    cur_src = (ROOT / SCRIPT).read_text()
+    print(f"{SCRIPT}: {rev} vs working tree{' (identical)' if head_src == cur_src else ''}; "
+          f"{n} pipelined EVALSHA per case and version, {rounds} rounds")
+    print(f"us = INFO commandstats usec_per_call, median of the rounds; ratio = {rev} / now, "
+          f"median of the per-round ratios; load average {os.getloadavg()[0]:.2f}")
+
+    with tempfile.TemporaryDirectory(prefix="bench-scripts-") as tmp:
+        server = RedisServer(Path(tmp)).start()
+        try:
+            client = server.client()
+            version = client.info("server")["redis_version"]
+            head_sha = client.script_load(head_src)
+            cur_sha = client.script_load(cur_src)
+            print(f"redis-server {version} on 127.0.0.1:{server.port}\n")
+            for sha in (head_sha, cur_sha):  # warm-up, not measured
+                run_case(client, sha, CASES[0], min(n, 2000))
+            print(f"{'case':<8} {'what':<40} {rev + ' us':>9} {'now us':>9} {'ratio':>7}")
+            for case in cases:
+                head, cur = [], []
+                for _ in range(rounds):
+                    head.append(run_case(client, head_sha, case, n))
+                    cur.append(run_case(client, cur_sha, case, n))
+                ratio = statistics.median(h / c for h, c in zip(head, cur))
+                print(f"{case.name:<8} {case.about:<40} {statistics.median(head):>9.2f} "
+                      f"{statistics.median(cur):>9.2f} {ratio:>6.2f}x", flush=True)
+            client.close()
+        finally:
+            server.stop()
+            stop_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
