@@ -51,7 +51,18 @@ fn measure(mut f: impl FnMut()) -> (f64, f64, f64) {
     (per_op[SAMPLES / 2], per_op[0], per_op[SAMPLES - 1])
 }
 
+/// `cargo bench --bench core -- <text>` runs only the cases whose name contains `<text>`.
+fn selected(name: &str) -> bool {
+    std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .is_none_or(|filter| name.contains(filter.as_str()))
+}
+
 fn report(name: &str, f: impl FnMut()) {
+    if !selected(name) {
+        return;
+    }
     let (median, min, max) = measure(f);
     println!("{name:<44} {median:>12.1} ns/op   ({min:.1} .. {max:.1})");
 }
