@@ -19,7 +19,9 @@ report says "not built yet".
 Two anchors have no goal: `local_ratelimit` (Envoy's native filter, in-process) and
 `wasm_floor`, a proxy-wasm filter that only reads `:path` and bumps a counter
 (bench/floor, a crate of its own, built here with cargo before the stack starts): what any
-proxy-wasm filter costs on this machine at the least. A third, `wasm_naive`, is the same
+proxy-wasm filter costs on this machine at the least; `wasm_floor_429` is the same filter
+answering every request with a local 429 shaped like ours (the rejected path's floor). Another,
+`wasm_naive`, is the same
 filter making one webdis callout per request (an EVAL of a one-line INCR) that the request
 waits for: the naive design the issue quotes, what one callout per request costs whatever
 the script does; the anchor of the exact rate-limit paths.
@@ -109,6 +111,8 @@ class Scenario:
     # Expected answers: None = every response 2xx; N = exactly N admitted (2xx) per run, the
     # rest 429 (counted as the successful outcome of a rejected-path benchmark).
     admitted_exactly: int | None = None
+    # Every response is a 429 (an anchor that rejects every request).
+    all_rejected: bool = False
     # Script arguments for one run; `nonce` is unique per run.
     args: Callable[["Scenario", str], list[str]] = lambda s, nonce: [nonce]
     prepare: Callable[["Scenario", Envoy], None] | None = None
@@ -220,6 +224,19 @@ def naive(stack: Stack) -> dict:
                         "authorization": redis["authorization"], "body": body}}
 
 
+def floor_429(stack: Stack) -> dict:
+    """The floor filter's local reply mode, answering what the over-limit cache answers: the
+    same status, headers and body shape as coordination-guard's 429."""
+    body = json.dumps({
+        "detail": 'rate limit "tenant" of operation "api" exceeded; retry after 3600 s',
+        "status": 429, "title": "Too Many Requests",
+        "type": "urn:coordination-guard:problem:rate-limited",
+        "violated-policies": ["tenant"]}, separators=(",", ":"))
+    return {"local_reply": {"status": 429, "body": body, "headers": [
+        ["content-type", "application/problem+json"], ["retry-after", "3600"],
+        ["ratelimit-policy", '"tenant";q=10;w=3600'], ["ratelimit", '"tenant";r=0;t=3600']]}}
+
+
 def verify_no_calls(stats: dict, rec: dict) -> list[str]:
     calls = cg(stats, "redis.calls")
     return [f"{calls} Redis calls, expected none (no policy matches)"] if calls else []
@@ -295,6 +312,8 @@ def scenarios() -> list[Scenario]:
         # The floor filter ignores its configuration; the template wants one.
         Scenario("wasm_floor", "minimal proxy-wasm filter (anchor)", "get.lua",
                  lambda stack: {}, wasm_path=FLOOR_WASM, verify=verify_floor),
+        Scenario("wasm_floor_429", "minimal filter answering 429 locally (anchor)", "get.lua",
+                 floor_429, wasm_path=FLOOR_WASM, verify=verify_floor, all_rejected=True),
         Scenario("wasm_naive", "minimal filter + 1 webdis callout per request (anchor)",
                  "get.lua", naive, wasm_path=FLOOR_WASM, verify=verify_naive),
         Scenario("no_policy", "filter, no policy matches", "get.lua", no_policy, goal=0.70,
@@ -551,7 +570,11 @@ class Bench:
         if other:
             problems.append(f"unexpected status classes {other}")
         limit = scenario.admitted_exactly if scenario else None
-        if limit is None:
+        if scenario is not None and scenario.all_rejected:
+            if ok2 or w["non_2xx_3xx"] != w["requests"]:
+                problems.append(f"{ok2} responses 2xx at Envoy, {w['non_2xx_3xx']} non-2xx of "
+                                f"{w['requests']} at wrk (expected every response 429)")
+        elif limit is None:
             if c4 or w["non_2xx_3xx"]:
                 problems.append(f"{c4} responses 4xx at Envoy, {w['non_2xx_3xx']} non-2xx at wrk "
                                 f"(expected every response 2xx)")

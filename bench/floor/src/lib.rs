@@ -9,6 +9,10 @@
 //!   `floor.callouts` counts the 200 answers. The naive design the issue quotes: what one
 //!   callout per request costs, whatever the script does.
 //!
+//! - `wasm_floor_429` (`{"local_reply": {...}}`): the same, but every request is answered by
+//!   the filter with the given local reply (status, headers, body): the least a filter that
+//!   rejects locally pays, the anchor of the over-limit cache's rejected path.
+//!
 //! It ignores every host error and never panics.
 
 use proxy_wasm::hostcalls;
@@ -31,9 +35,18 @@ struct Callout {
     body: String,
 }
 
+/// The local reply mode's answer.
+#[derive(serde::Deserialize)]
+struct LocalReply {
+    status: u32,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
 #[derive(serde::Deserialize, Default)]
 struct Settings {
     callout: Option<Callout>,
+    local_reply: Option<LocalReply>,
 }
 
 /// The counters' metric ids (None if the host refused one) and the callout, shared by the root
@@ -43,6 +56,7 @@ struct Floor {
     requests: Option<u32>,
     callouts: Option<u32>,
     callout: Option<Rc<Callout>>,
+    local_reply: Option<Rc<LocalReply>>,
 }
 
 impl Context for Floor {
@@ -69,6 +83,7 @@ impl RootContext for Floor {
             _ => Settings::default(),
         };
         self.callout = settings.callout.map(Rc::new);
+        self.local_reply = settings.local_reply.map(Rc::new);
         true
     }
 
@@ -87,6 +102,15 @@ impl HttpContext for Floor {
         let _ = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":path");
         if let Some(id) = self.requests {
             let _ = hostcalls::increment_metric(id, 1);
+        }
+        if let Some(r) = &self.local_reply {
+            let headers = r
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_str()))
+                .collect();
+            let _ = hostcalls::send_http_response(r.status, headers, Some(r.body.as_bytes()));
+            return Action::Pause;
         }
         let Some(c) = &self.callout else {
             return Action::Continue;
