@@ -8,6 +8,7 @@ use crate::keys;
 use crate::request::{selector_value, Caller, Request};
 use crate::respond::{self, LocalResponse, Problem, QuotaView};
 use serde_json::{json, Map};
+use std::fmt::Write;
 
 /// The hash tag of a limit's key: the hashed tenant for tenant-scoped limits, else the policy.
 pub fn tag(policy: &Policy, limit: &RateLimit, caller: &Caller) -> String {
@@ -116,13 +117,18 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
     let retry_after = respond::retry_after_secs(retry_ms);
     let mut extra = Map::new();
     extra.insert("violated-policies".into(), json!(names));
-    let detail = format!(
-        "rate limit {} of operation \"{}\" exceeded; retry after {retry_after} s",
-        names
-            .iter()
-            .map(|n| format!("\"{n}\""))
-            .collect::<Vec<_>>()
-            .join(", "),
+    let mut detail = String::from("rate limit ");
+    for (i, n) in names.iter().enumerate() {
+        if i > 0 {
+            detail.push_str(", ");
+        }
+        detail.push('"');
+        detail.push_str(n);
+        detail.push('"');
+    }
+    let _ = write!(
+        detail,
+        " of operation \"{}\" exceeded; retry after {retry_after} s",
         policy.name
     );
     Verdict::Reject(respond::problem(

@@ -635,7 +635,12 @@ fn header_pairs(map: MapType) -> Vec<(String, String)> {
     hostcalls::get_map_bytes(map)
         .unwrap_or_default()
         .into_iter()
-        .map(|(n, v)| (n, String::from_utf8_lossy(&v).into_owned()))
+        .map(|(n, v)| {
+            // Valid UTF-8 (nearly always) keeps its buffer; anything else is made lossy.
+            let v = String::from_utf8(v)
+                .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+            (n, v)
+        })
         .collect()
 }
 
