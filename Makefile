@@ -77,12 +77,15 @@ test: deps build lint unit ## Everything: build, lint, unit tests, then the suit
 
 ##@ Benchmarks
 
-.PHONY: bench bench-core
+.PHONY: bench bench-core bench-scripts
 bench: deps build ## Filter cost vs plain Envoy (wrk, real stack): table, bench/results.json, bench/report.svg. Env BENCH_ROUNDS=3 BENCH_SECONDS=5.
 	$(PYTHON) bench/run.py
 
-bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match, keys, fingerprints).
+bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match, keys, fingerprints, whole requests).
 	cargo bench --bench core
+
+bench-scripts: deps ## acquire.lua's cost in a real redis-server (us per call), working tree vs git HEAD (env REV).
+	$(PYTHON) bench/scripts.py
 
 ##@ Run
 
