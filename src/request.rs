@@ -30,11 +30,11 @@ impl Request {
             match name.as_str() {
                 ":method" => req.method = value.to_ascii_uppercase(),
                 ":path" => {
-                    let (path, query) = value.split_once('?').unwrap_or((value.as_str(), ""));
+                    let (path, query) = split_path(value);
                     req.path = path.to_string();
                     req.query = query.to_string();
                 }
-                ":authority" => req.host = strip_port(value).to_ascii_lowercase(),
+                ":authority" => req.host = host_of(value),
                 _ => {}
             }
         }
@@ -55,6 +55,16 @@ impl Request {
     }
 }
 
+/// `:path` as the path and the query string (without `?`).
+fn split_path(raw: &str) -> (&str, &str) {
+    raw.split_once('?').unwrap_or((raw, ""))
+}
+
+/// `:authority` as a matcher compares it: lower case, without port.
+fn host_of(authority: &str) -> String {
+    strip_port(authority).to_ascii_lowercase()
+}
+
 fn strip_port(addr: &str) -> String {
     if let Some(rest) = addr.strip_prefix('[') {
         // [v6]:port
@@ -69,15 +79,51 @@ fn strip_port(addr: &str) -> String {
     }
 }
 
+/// The pseudo-headers a policy's match reads, normalised as in [`Request`].
+pub trait MatchInput {
+    fn method(&mut self) -> &str;
+    fn path(&mut self) -> &str;
+    fn host(&mut self) -> &str;
+}
+
+impl MatchInput for &Request {
+    fn method(&mut self) -> &str {
+        &self.method
+    }
+    fn path(&mut self) -> &str {
+        &self.path
+    }
+    fn host(&mut self) -> &str {
+        &self.host
+    }
+}
+
 impl Match {
     pub fn matches(&self, req: &Request) -> bool {
-        (self.methods.is_empty() || self.methods.contains(&req.method))
-            && self
+        self.fits(&mut &*req)
+    }
+
+    /// Whether `input` fits: the path is read first (it tells most policies apart), then the
+    /// method, then the host, each only if this match names it.
+    pub fn fits(&self, input: &mut impl MatchInput) -> bool {
+        if self.path_prefix.is_some() || self.path_exact.is_some() {
+            let path = input.path();
+            if self
                 .path_prefix
                 .as_ref()
-                .is_none_or(|p| req.path.starts_with(p.as_str()))
-            && self.path_exact.as_ref().is_none_or(|p| req.path == *p)
-            && self.host.as_ref().is_none_or(|h| req.host == *h)
+                .is_some_and(|p| !path.starts_with(p.as_str()))
+                || self.path_exact.as_ref().is_some_and(|p| path != p)
+            {
+                return false;
+            }
+        }
+        if !self.methods.is_empty() {
+            let method = input.method();
+            if !self.methods.iter().any(|m| m == method) {
+                return false;
+            }
+        }
+        self.host.as_ref().is_none_or(|h| input.host() == h)
     }
 }
 
@@ -105,7 +151,9 @@ impl<F: FnMut(&str) -> Option<String>> Probe<F> {
             host: None,
         }
     }
+}
 
+impl<F: FnMut(&str) -> Option<String>> MatchInput for Probe<F> {
     fn method(&mut self) -> &str {
         let read = &mut self.read;
         self.method
@@ -116,43 +164,14 @@ impl<F: FnMut(&str) -> Option<String>> Probe<F> {
         let read = &mut self.read;
         self.path.get_or_insert_with(|| {
             let raw = read(":path").unwrap_or_default();
-            match raw.split_once('?') {
-                Some((path, _)) => path.to_string(),
-                None => raw,
-            }
+            split_path(&raw).0.to_string()
         })
     }
 
     fn host(&mut self) -> &str {
         let read = &mut self.read;
-        self.host.get_or_insert_with(|| {
-            strip_port(&read(":authority").unwrap_or_default()).to_ascii_lowercase()
-        })
-    }
-
-    /// The same verdict as [`Match::matches`] on the whole request; the path is checked
-    /// first (it tells most policies apart), then the method, then the host.
-    fn fits(&mut self, m: &Match) -> bool {
-        if m.path_prefix.is_some() || m.path_exact.is_some() {
-            let path = self.path();
-            if m.path_prefix
-                .as_ref()
-                .is_some_and(|p| !path.starts_with(p.as_str()))
-                || m.path_exact.as_ref().is_some_and(|p| path != p)
-            {
-                return false;
-            }
-        }
-        if !m.methods.is_empty() {
-            let method = self.method();
-            if !m.methods.iter().any(|x| x == method) {
-                return false;
-            }
-        }
-        match &m.host {
-            Some(h) => self.host() == h,
-            None => true,
-        }
+        self.host
+            .get_or_insert_with(|| host_of(&read(":authority").unwrap_or_default()))
     }
 }
 
@@ -161,7 +180,7 @@ pub fn select_policy_lazy<'a, F: FnMut(&str) -> Option<String>>(
     policies: &'a [Policy],
     probe: &mut Probe<F>,
 ) -> Option<&'a Policy> {
-    policies.iter().find(|p| probe.fits(&p.matcher))
+    policies.iter().find(|p| p.matcher.fits(probe))
 }
 
 /// Who is calling: the raw tenant and principal. These never leave the filter unhashed.
