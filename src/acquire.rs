@@ -237,25 +237,9 @@ pub fn read_reply(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
     use crate::keys;
+    use crate::ratelimit::tests::config;
     use crate::request::Request;
-
-    fn config() -> Config {
-        Config::parse(
-            br#"{"redis": {"cluster": "gw", "key_prefix": "cg:demo"}, "policies": [
-            {"name": "create-order", "rate_limits": [
-              {"name": "tenant", "by": ["tenant"], "algorithm": "sliding_window", "limit": 100, "window": "1m"},
-              {"name": "user-burst", "by": ["tenant", "principal"], "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 20},
-              {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h", "shadow": true},
-              {"name": "global", "by": [], "algorithm": "sliding_log", "limit": 5, "window": "250ms"}
-            ]},
-            {"name": "ip-only", "rate_limits": [
-              {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h"}
-            ]}]}"#,
-        )
-        .expect("valid")
-    }
 
     fn request() -> (Caller, Request) {
         let req = Request::from_headers(

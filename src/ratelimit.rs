@@ -144,11 +144,13 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::config::Config;
 
-    fn config() -> Config {
+    /// A policy with one limit of each algorithm (one of them shadow), and one keyed by the
+    /// client address only; the unit tests of this module and of `acquire` share it.
+    pub(crate) fn config() -> Config {
         Config::parse(
             br#"{"redis": {"cluster": "gw", "key_prefix": "cg:demo"}, "policies": [
             {"name": "create-order", "rate_limits": [
@@ -156,6 +158,9 @@ mod tests {
               {"name": "user-burst", "by": ["tenant", "principal"], "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 20},
               {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h", "shadow": true},
               {"name": "global", "by": [], "algorithm": "sliding_log", "limit": 5, "window": "250ms"}
+            ]},
+            {"name": "ip-only", "rate_limits": [
+              {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h"}
             ]}]}"#,
         )
         .expect("valid")
