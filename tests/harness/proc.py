@@ -166,36 +166,45 @@ class Proc:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
 
-class RedisServer:
+class Service:
+    """A process of the harness: `proc` once started, stopped and checked by its own pid."""
+
+    proc: Proc | None = None
+
+    def launch(self, name: str, argv: list[str], workdir: Path, port: int,
+               timeout: float) -> None:
+        """Start `argv` as `self.proc` and wait until it listens on `port`; on failure it is
+        stopped again and the error raised."""
+        self.proc = Proc(name, argv, workdir)
+        try:
+            wait_for_port(port, timeout, self.proc.popen)
+        except Exception:
+            self.proc.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+
+class RedisServer(Service):
     """A throwaway redis-server on a free port, no persistence."""
 
     def __init__(self, workdir: Path, port: int | None = None):
         self.workdir = workdir
         self.port = port or free_port()
-        self.proc: Proc | None = None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.alive()
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
         """Start (or restart, on the same port) the server and wait until it listens."""
         binary = require_binary("redis-server")
-        self.proc = Proc(
-            f"redis-{self.port}",
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)],
-            self.workdir,
-        )
-        try:
-            wait_for_port(self.port, timeout, self.proc.popen)
-        except Exception:
-            self.proc.stop()
-            raise
+        self.launch(f"redis-{self.port}",
+                    [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)],
+                    self.workdir, self.port, timeout)
         return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
 
     def client(self):
         import redis  # installed into .venv by `make deps`

@@ -25,10 +25,10 @@ import json
 import urllib.parse
 from pathlib import Path
 
-from .proc import Proc, free_port, require_binary, wait_for_port
+from .proc import Service, free_port, require_binary
 
 
-class Webdis:
+class Webdis(Service):
     """One webdis process. `start()` again after `stop()` reuses the same port and config."""
 
     def __init__(self, workdir: Path, redis_port: int, user: str = "cg", password: str = "secret",
@@ -38,7 +38,6 @@ class Webdis:
         self.user = user
         self.password = password
         self.port = port or free_port()
-        self.proc: Proc | None = None
         self.config_path = self.workdir / "webdis.json"
 
     @property
@@ -74,20 +73,9 @@ class Webdis:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
         # webdis without a config file starts on 7379 with everything allowed: always pass one.
-        self.proc = Proc(f"webdis-{self.port}", [binary, str(self.config_path)], self.workdir)
-        try:
-            wait_for_port(self.port, timeout, self.proc.popen)
-        except Exception:
-            self.proc.stop()
-            raise
+        self.launch(f"webdis-{self.port}", [binary, str(self.config_path)], self.workdir,
+                    self.port, timeout)
         return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.alive()
 
     def restart(self, timeout: float = 10.0) -> "Webdis":
         self.stop()
