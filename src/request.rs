@@ -175,12 +175,10 @@ impl<F: FnMut(&str) -> Option<String>> MatchInput for Probe<F> {
     }
 }
 
-/// [`select_policy`] reading only the pseudo-headers the matchers need, each at most once.
-pub fn select_policy_lazy<'a, F: FnMut(&str) -> Option<String>>(
-    policies: &'a [Policy],
-    probe: &mut Probe<F>,
-) -> Option<&'a Policy> {
-    policies.iter().find(|p| p.matcher.fits(probe))
+/// The index of the first policy whose match fits `input`; with a [`Probe`], only the
+/// pseudo-headers the matchers need are read, each at most once.
+pub fn policy_index(policies: &[Policy], input: &mut impl MatchInput) -> Option<usize> {
+    policies.iter().position(|p| p.matcher.fits(input))
 }
 
 /// Who is calling: the raw tenant and principal. These never leave the filter unhashed.
@@ -321,7 +319,8 @@ mod tests {
                     .find(|(n, _)| *n == name)
                     .map(|(_, v)| v.to_string())
             });
-            let lazy = select_policy_lazy(&config.policies, &mut probe).map(|p| p.name.as_str());
+            let lazy = policy_index(&config.policies, &mut probe)
+                .map(|i| config.policies[i].name.as_str());
             drop(probe);
             assert_eq!(lazy, want, "lazy: {method} {path} {host}");
             let mut unique = reads.clone();
@@ -341,7 +340,7 @@ mod tests {
                 {"name": "b", "match": {"host": "h", "path_exact": "/x"}}]}"#,
         )
         .expect("valid");
-        assert!(select_policy_lazy(&only_orders.policies, &mut probe).is_none());
+        assert!(policy_index(&only_orders.policies, &mut probe).is_none());
         drop(probe);
         assert_eq!(reads, 1);
         let catch_all =

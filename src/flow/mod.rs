@@ -22,7 +22,7 @@ use crate::overlimit::{OverLimitCache, SharedStore};
 use crate::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::ratelimit::{self, LimitState, Verdict};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
-use crate::request::{identify, select_policy, selector_value, Caller, Request, TenantError};
+use crate::request::{identify, policy_index, selector_value, Caller, Request, TenantError};
 use crate::respond::{self, LocalResponse, Problem};
 use serde_json::Map;
 
@@ -342,11 +342,27 @@ impl Flow {
         now_ms: u64,
         m: &dyn MetricSink,
     ) -> Step {
-        let Some(index) = select_policy(&rt.config.policies, &req)
-            .and_then(|p| rt.config.policies.iter().position(|q| std::ptr::eq(p, q)))
-        else {
-            return Step::Continue;
-        };
+        match policy_index(&rt.config.policies, &mut &req) {
+            Some(index) => {
+                self.on_policy_request(rt, index, req, nonce, owner, end_of_stream, now_ms, m)
+            }
+            None => Step::Continue,
+        }
+    }
+
+    /// [`Flow::on_request`] for a request the caller already matched to policy `index`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_policy_request(
+        &mut self,
+        rt: &Runtime,
+        index: usize,
+        req: Request,
+        nonce: &str,
+        owner: &str,
+        end_of_stream: bool,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) -> Step {
         self.policy = index;
         let Some((policy, pm)) = self.policy(rt) else {
             return Step::Continue;

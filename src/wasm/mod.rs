@@ -14,7 +14,7 @@ use crate::ids::TokenSource;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::overlimit::SharedStore;
 use crate::redis::{resp::Reply, webdis, CallError, ScriptCall, ScriptId};
-use crate::request::{select_policy_lazy, Probe, Request};
+use crate::request::{policy_index, Probe, Request};
 mod abi;
 
 use proxy_wasm::hostcalls;
@@ -629,6 +629,16 @@ impl Filter {
             calls.insert(token, slot);
         })
     }
+
+    /// Feeds the flow the event of a host callback in direction `dir` and carries out the
+    /// step it returns (Continue when the filter is not configured).
+    fn event(&mut self, dir: Dir, event: impl FnOnce(&mut Flow, &Runtime) -> Step) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        let step = self.stream.step(|f| event(f, &vm.runtime));
+        self.apply(&vm, step, Some(dir))
+    }
 }
 
 fn header_pairs(map: MapType) -> Vec<(String, String)> {
@@ -669,7 +679,10 @@ impl HttpContext for Filter {
                 .flatten()
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
         });
-        let Some(policy) = select_policy_lazy(&vm.runtime.config.policies, &mut probe) else {
+        let policies = &vm.runtime.config.policies;
+        let Some((index, policy)) =
+            policy_index(policies, &mut probe).and_then(|i| Some((i, policies.get(i)?)))
+        else {
             return Action::Continue;
         };
         let needs_tokens = policy.idempotency.is_some()
@@ -693,8 +706,9 @@ impl HttpContext for Filter {
             address.as_deref(),
         );
         let step = self.stream.step(|f| {
-            f.on_request(
+            f.on_policy_request(
                 &vm.runtime,
+                index,
                 req,
                 &nonce,
                 &owner,
@@ -707,37 +721,29 @@ impl HttpContext for Filter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(vm) = self.vm.clone() else {
-            return Action::Continue;
-        };
         // While the request is held for a decision its body is held too: returning Continue
         // here would let Envoy pass the headers on before the decision.
-        let step = self.stream.step(|f| {
+        self.event(Dir::Request, |f, rt| {
             f.on_request_body(
-                &vm.runtime,
+                rt,
                 body_size,
                 end_of_stream,
                 || buffer(BufferType::HttpRequestBody, body_size),
                 now_ms(),
                 &HostMetrics,
             )
-        });
-        self.apply(&vm, step, Some(Dir::Request))
+        })
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        let Some(vm) = self.vm.clone() else {
-            return Action::Continue;
-        };
-        let step = self.stream.step(|f| {
+        self.event(Dir::Request, |f, rt| {
             f.on_request_trailers(
-                &vm.runtime,
+                rt,
                 || buffer(BufferType::HttpRequestBody, usize::MAX >> 1),
                 now_ms(),
                 &HostMetrics,
             )
-        });
-        self.apply(&vm, step, Some(Dir::Request))
+        })
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -778,19 +784,15 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(vm) = self.vm.clone() else {
-            return Action::Continue;
-        };
-        let step = self.stream.step(|f| {
+        self.event(Dir::Response, |f, rt| {
             f.on_response_body(
-                &vm.runtime,
+                rt,
                 body_size,
                 end_of_stream,
                 || buffer(BufferType::HttpResponseBody, body_size),
                 now_ms(),
             )
-        });
-        self.apply(&vm, step, Some(Dir::Response))
+        })
     }
 }
 
