@@ -176,14 +176,20 @@ class Stack:
         """Redis comes back on the same port, empty (no persistence).
 
         webdis retries its Redis connection about every 100 ms and answers 503 until then;
-        with `wait_gateway` this returns only once webdis answers an EVAL again.
+        each worker thread reconnects on its own, and the filter's pooled connections stay
+        with the thread that accepted them. With `wait_gateway` this returns only once
+        webdis answered twice as many EVALs in a row as it has threads, each on a new
+        connection (handed to the threads in turn), so every thread is back.
         """
         self.redis_server.start(timeout)
         deadline = time.monotonic() + timeout
-        while wait_gateway and self.webdis.eval("return 1")[0] != 200:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"webdis did not reconnect to Redis within {timeout}s")
-            time.sleep(0.02)
+        in_a_row = 0
+        while wait_gateway and in_a_row < 2 * self.webdis.threads:
+            in_a_row = in_a_row + 1 if self.webdis.eval("return 1")[0] == 200 else 0
+            if in_a_row == 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"webdis did not reconnect to Redis within {timeout}s")
+                time.sleep(0.02)
 
     def stop(self) -> None:
         errors = []

@@ -38,6 +38,8 @@ class Webdis(Service):
         self.user = user
         self.password = password
         self.port = port or free_port()
+        # Worker threads; each holds its own connection to Redis and reconnects on its own.
+        self.threads = 2
         self.config_path = self.workdir / "webdis.json"
 
     @property
@@ -57,7 +59,7 @@ class Webdis(Service):
             "redis_auth": None,
             "http_host": "127.0.0.1",
             "http_port": self.port,
-            "threads": 2,
+            "threads": self.threads,
             "daemonize": False,
             "database": 0,
             "acl": [
