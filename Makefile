@@ -77,12 +77,22 @@ test: deps build lint unit ## Everything: build, lint, unit tests, then the suit
 
 ##@ Benchmarks
 
-.PHONY: bench bench-core bench-scripts
+.PHONY: bench bench-core bench-core-v8 bench-scripts
 bench: deps build ## Filter cost vs plain Envoy (wrk, real stack): table, bench/results.json, bench/report.svg. Env BENCH_ROUNDS=3 BENCH_SECONDS=5.
 	$(PYTHON) bench/run.py
 
 bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match, keys, fingerprints, whole requests).
 	cargo bench --bench core
+
+# The core benchmark's .wasm, as cargo reports it.
+CORE_WASM = cargo bench --bench core --target $(WASM_TARGET) --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])'
+
+bench-core-v8: deps-rust ## The same micro-benchmarks built for wasm32-wasip1 and run in V8 (Node's), the engine Envoy embeds. Env CORE_FILTER=<text>.
+	@command -v node >/dev/null || { echo "installing: nodejs"; $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs; }
+	cargo bench --bench core --target $(WASM_TARGET) --no-run
+	wasm=$$($(CORE_WASM)); node bench/wasi.mjs "$$wasm" $(CORE_FILTER)
 
 bench-scripts: deps ## acquire.lua's cost in a real redis-server (us per call), working tree vs git HEAD (env REV).
 	$(PYTHON) bench/scripts.py

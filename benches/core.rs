@@ -6,8 +6,10 @@
 //! `cargo bench --bench core` (or `make bench-core`). Plain `Instant` loops with `black_box`,
 //! no benchmark framework: each case is calibrated to about 50 ms per sample, sampled
 //! `SAMPLES` times, and the median ns/op is printed with the spread (min..max) so a noisy
-//! machine shows as noise instead of a confident number. Native code, not the `.wasm` in V8:
-//! read the figures as relative costs of the parts, not as what a request costs in Envoy.
+//! machine shows as noise instead of a confident number. Native code by default: read those
+//! figures as relative costs of the parts. `make bench-core-v8` builds the same cases for
+//! wasm32-wasip1 and runs them in V8 (Node's, bench/wasi.mjs), the engine Envoy embeds: closer
+//! to what the filter's own code costs a request in Envoy, host calls apart.
 
 use coordination_guard::config::Config;
 use coordination_guard::flow::{Flow, Runtime, Step};
@@ -155,7 +157,12 @@ fn main() {
     let body_1k = json_body(1024);
     let body_64k = json_body(64 * 1024);
 
-    println!("coordination-guard core micro-benchmarks (native, median of {SAMPLES} samples)");
+    let build = if cfg!(target_arch = "wasm32") {
+        "wasm32-wasip1"
+    } else {
+        "native"
+    };
+    println!("coordination-guard core micro-benchmarks ({build}, median of {SAMPLES} samples)");
     report("select_policy: 20 policies, last matches", || {
         black_box(select_policy(
             black_box(&config.policies),

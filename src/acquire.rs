@@ -10,7 +10,6 @@ use crate::config::Policy;
 use crate::idempotency::record::Record;
 use crate::ratelimit::{self, LimitState};
 use crate::redis::{resp::Reply, CallError, ScriptCall};
-use crate::request::Caller;
 
 /// The idempotency part of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,25 +48,24 @@ pub struct Group {
 /// `None` for a limit that needs no call (answered from a local slice).
 pub fn plan<S: AsRef<str>>(
     policy: &Policy,
-    caller: &Caller,
     keys: &[Option<S>],
     nonce: &str,
     idem: Option<&IdemAcquire>,
     lease: Option<&LeaseAcquire>,
 ) -> Vec<Group> {
     let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
-    for (i, limit) in policy.rate_limits.iter().enumerate() {
-        let Some(key) = keys.get(i).and_then(Option::as_ref) else {
+    for (i, key) in keys.iter().enumerate().take(policy.rate_limits.len()) {
+        let Some(key) = key.as_ref().map(AsRef::as_ref) else {
             continue;
         };
-        let key = key.as_ref().to_string();
-        let tag = ratelimit::tag(policy, limit, caller);
+        // Keys with one hash tag share a slot, so one script call.
+        let tag = crate::keys::hash_tag(key);
         match groups.iter_mut().find(|g| g.0 == tag) {
             Some(g) => {
                 g.1.push(i);
-                g.2.push(key);
+                g.2.push(key.to_string());
             }
-            None => groups.push((tag, vec![i], vec![key])),
+            None => groups.push((tag.to_string(), vec![i], vec![key.to_string()])),
         }
     }
     for tag in idem
@@ -239,7 +237,7 @@ mod tests {
     use super::*;
     use crate::keys;
     use crate::ratelimit::tests::config;
-    use crate::request::Request;
+    use crate::request::{Caller, Request};
 
     fn request() -> (Caller, Request) {
         let req = Request::from_headers(
@@ -291,7 +289,6 @@ mod tests {
         let (caller, req) = request();
         let groups = plan(
             &c.policies[0],
-            &caller,
             &keys("cg:demo", &c.policies[0], &caller, &req, &[]),
             "n1",
             None,
@@ -338,7 +335,6 @@ mod tests {
         let (caller, req) = request();
         let groups = plan(
             &c.policies[0],
-            &caller,
             &keys("cg:demo", &c.policies[0], &caller, &req, &[]),
             "n1",
             Some(&idem()),
@@ -360,7 +356,6 @@ mod tests {
         // No tenant-scoped limit: the record gets a group of its own.
         let alone = plan(
             &c.policies[1],
-            &caller,
             &keys("cg:demo", &c.policies[1], &caller, &req, &[]),
             "n1",
             Some(&idem()),
@@ -389,7 +384,6 @@ mod tests {
         };
         let groups = plan(
             &c.policies[0],
-            &caller,
             &keys("cg", &c.policies[0], &caller, &req, &[]),
             "n1",
             Some(&idem()),
@@ -447,7 +441,6 @@ mod tests {
         let (caller, req) = request();
         let groups = plan(
             &c.policies[0],
-            &caller,
             &keys("cg", &c.policies[0], &caller, &req, &[true, true]),
             "n",
             None,
@@ -457,7 +450,6 @@ mod tests {
         assert_eq!(groups[0].limits, vec![2, 3]);
         let none = plan(
             &c.policies[0],
-            &caller,
             &keys("cg", &c.policies[0], &caller, &req, &[true; 4]),
             "n",
             None,
@@ -476,7 +468,6 @@ mod tests {
         };
         let a = plan(
             &c.policies[0],
-            &caller,
             &keys("cg", &c.policies[0], &caller, &req, &[]),
             "n",
             None,
@@ -484,7 +475,6 @@ mod tests {
         );
         let b = plan(
             &c.policies[0],
-            &other,
             &keys("cg", &c.policies[0], &other, &req, &[]),
             "n",
             None,

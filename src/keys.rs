@@ -17,75 +17,119 @@
 //! * The algorithm's parameters are part of the key, so a config change starts a fresh counter.
 //! * Tenants, principals, client addresses and header values only appear hashed.
 
-use crate::config::{Algorithm, Policy, RateLimit};
+use crate::config::{Algorithm, Policy, RateLimit, Selector};
+use crate::respond::push_u64;
 use sha2::{Digest, Sha256};
 
 /// Lower-case hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(bytes.len() * 2);
+    push_hex(&mut out, bytes);
+    out
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     for b in bytes {
         out.push(DIGITS[usize::from(b >> 4)] as char);
         out.push(DIGITS[usize::from(b & 0x0f)] as char);
     }
-    out
 }
 
 /// A 64-bit (16 hex digit) SHA-256 digest of `value`, separated by `domain` so that a tenant
 /// and a header with the same text do not hash alike.
 pub fn short_hash(domain: &str, value: &[u8]) -> String {
+    let mut out = String::with_capacity(16);
+    let mut h = domain_hasher(domain);
+    h.update(value);
+    push_hex(&mut out, &h.finalize()[..8]);
+    out
+}
+
+fn domain_hasher(domain: &str) -> Sha256 {
     let mut h = Sha256::new();
     h.update(domain.as_bytes());
     h.update([0u8]);
-    h.update(value);
-    hex(&h.finalize()[..8])
+    h
 }
 
 /// The hash tag of everything a tenant owns.
 pub fn tenant_tag(tenant: &str) -> String {
-    format!("t.{}", short_hash("tenant", tenant.as_bytes()))
+    let mut out = String::with_capacity(18);
+    push_tenant_tag(&mut out, tenant);
+    out
 }
 
-/// The hash tag of counters that are not scoped by tenant.
-pub fn policy_tag(policy: &str) -> String {
-    format!("p.{policy}")
+/// Appends [`tenant_tag`] to `out`.
+pub fn push_tenant_tag(out: &mut String, tenant: &str) {
+    out.push_str("t.");
+    let mut h = domain_hasher("tenant");
+    h.update(tenant.as_bytes());
+    push_hex(out, &h.finalize()[..8]);
+}
+
+/// Appends the hash tag of counters that are not scoped by tenant: `p.<policy>`.
+pub fn push_policy_tag(out: &mut String, policy: &str) {
+    out.push_str("p.");
+    out.push_str(policy);
+}
+
+/// The hash tag of a key: what Redis Cluster hashes, the text between the first `{` and the
+/// next `}` (a key prefix has neither).
+pub fn hash_tag(key: &str) -> &str {
+    key.split_once('{')
+        .and_then(|(_, rest)| rest.split_once('}'))
+        .map_or(key, |(tag, _)| tag)
 }
 
 /// Hash of the selected values of a counter's scope; `_` when nothing is selected.
 /// Absent values hash differently from empty ones.
-pub fn scope_hash(parts: &[(String, Option<&str>)]) -> String {
-    if parts.is_empty() {
-        return "_".into();
+pub fn scope_hash<'v, 's>(
+    parts: impl IntoIterator<Item = (&'s Selector, Option<&'v str>)>,
+) -> String {
+    let mut out = String::with_capacity(16);
+    push_scope_hash(&mut out, parts);
+    out
+}
+
+/// Appends [`scope_hash`] to `out`. The hashed text is, per part, the selector's spelling,
+/// then `=` and the value or `!` when absent, then 0x1f.
+pub fn push_scope_hash<'v, 's>(
+    out: &mut String,
+    parts: impl IntoIterator<Item = (&'s Selector, Option<&'v str>)>,
+) {
+    let mut parts = parts.into_iter().peekable();
+    if parts.peek().is_none() {
+        out.push('_');
+        return;
     }
-    let mut joined = Vec::new();
-    for (name, value) in parts {
-        joined.extend_from_slice(name.as_bytes());
+    let mut h = HashText(domain_hasher("scope"));
+    for (selector, value) in parts {
+        // Writing into a hasher cannot fail.
+        let _ = selector.write_spelling(&mut h);
         match value {
             Some(v) => {
-                joined.push(b'=');
-                joined.extend_from_slice(v.as_bytes());
+                h.0.update(b"=");
+                h.0.update(v.as_bytes());
             }
-            None => joined.push(b'!'),
+            None => h.0.update(b"!"),
         }
-        joined.push(0x1f);
+        h.0.update([0x1f]);
     }
-    short_hash("scope", &joined)
+    push_hex(out, &h.0.finalize()[..8]);
 }
 
-/// The parameter segment of a rate-limit key: `<algo>:<limit>/<window_ms>[/<burst>]`.
-pub fn limit_params(limit: &RateLimit) -> String {
-    match limit.algorithm {
-        Algorithm::TokenBucket => format!(
-            "{}:{}/{}/{}",
-            limit.algorithm.code(),
-            limit.limit,
-            limit.window_ms,
-            limit.burst
-        ),
-        _ => format!("{}:{}/{}", limit.code(), limit.limit, limit.window_ms),
+/// A hasher that text can be written into.
+struct HashText(Sha256);
+
+impl std::fmt::Write for HashText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0.update(s.as_bytes());
+        Ok(())
     }
 }
 
+/// A rate-limit key with a known tag and scope (see [`write_rate_limit_key`]).
 pub fn rate_limit_key(
     prefix: &str,
     tag: &str,
@@ -93,12 +137,49 @@ pub fn rate_limit_key(
     limit: &RateLimit,
     scope: &str,
 ) -> String {
-    format!(
-        "{prefix}:rl:{{{tag}}}:{}:{}:{}:{scope}",
-        policy.name,
-        limit.name,
-        limit_params(limit)
+    write_rate_limit_key(
+        prefix,
+        policy,
+        limit,
+        |k| k.push_str(tag),
+        |k| k.push_str(scope),
     )
+}
+
+/// `<prefix>:rl:{<tag>}:<policy>:<limit>:<algo>:<limit>/<window_ms>[/<burst>]:<scope>`, with
+/// the tag and the scope appended by `tag` and `scope`: one buffer, no intermediate strings.
+pub fn write_rate_limit_key(
+    prefix: &str,
+    policy: &Policy,
+    limit: &RateLimit,
+    tag: impl FnOnce(&mut String),
+    scope: impl FnOnce(&mut String),
+) -> String {
+    let mut k = String::with_capacity(prefix.len() + policy.name.len() + limit.name.len() + 80);
+    k.push_str(prefix);
+    k.push_str(":rl:{");
+    tag(&mut k);
+    k.push_str("}:");
+    k.push_str(&policy.name);
+    k.push(':');
+    k.push_str(&limit.name);
+    k.push(':');
+    // A token bucket keeps its own code (`lq` is for leased fixed windows only).
+    k.push_str(match limit.algorithm {
+        Algorithm::TokenBucket => limit.algorithm.code(),
+        _ => limit.code(),
+    });
+    k.push(':');
+    push_u64(&mut k, limit.limit);
+    k.push('/');
+    push_u64(&mut k, limit.window_ms);
+    if limit.algorithm == Algorithm::TokenBucket {
+        k.push('/');
+        push_u64(&mut k, limit.burst);
+    }
+    k.push(':');
+    scope(&mut k);
+    k
 }
 
 /// The hash of a client's Idempotency-Key as it appears in the record's key and in logs.
@@ -159,14 +240,21 @@ mod tests {
         assert_eq!(tenant_tag("acme"), "t.d2e79529ba2c46b2");
         assert_eq!(short_hash("tenant", b"acme"), "d2e79529ba2c46b2");
         assert_ne!(short_hash("scope", b"acme"), short_hash("tenant", b"acme"));
-        assert_eq!(scope_hash(&[]), "_");
+        assert_eq!(scope_hash([]), "_");
         assert_eq!(
-            scope_hash(&[("tenant".into(), Some("acme"))]),
+            scope_hash([(&Selector::Tenant, Some("acme"))]),
             "50f9cf87ff31ac8e"
         );
+        let header = Selector::Header("x".into());
         assert_ne!(
-            scope_hash(&[("header:x".into(), Some(""))]),
-            scope_hash(&[("header:x".into(), None)])
+            scope_hash([(&header, Some(""))]),
+            scope_hash([(&header, None)])
+        );
+        // The hashed text: spelling, `=`, value or `!`, 0x1f per part.
+        let path = Selector::PathSegment(2);
+        assert_eq!(
+            scope_hash([(&header, Some("v")), (&path, None)]),
+            short_hash("scope", b"header:x=v\x1fpath_segment:2!\x1f")
         );
     }
 
@@ -200,7 +288,7 @@ mod tests {
         assert_eq!(
             rate_limit_key(
                 "cg",
-                &policy_tag("create-order"),
+                "p.create-order",
                 &p,
                 &limit(Algorithm::FixedWindow, 100),
                 "_"

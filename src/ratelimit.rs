@@ -6,18 +6,8 @@
 use crate::config::{Policy, RateLimit};
 use crate::keys;
 use crate::request::{selector_value, Caller, Request};
-use crate::respond::{self, LocalResponse, Problem, QuotaView};
-use serde_json::{json, Map};
-use std::fmt::Write;
-
-/// The hash tag of a limit's key: the hashed tenant for tenant-scoped limits, else the policy.
-pub fn tag(policy: &Policy, limit: &RateLimit, caller: &Caller) -> String {
-    if limit.tenant_scoped() {
-        keys::tenant_tag(&caller.tenant)
-    } else {
-        keys::policy_tag(&policy.name)
-    }
-}
+use crate::respond::{self, LocalResponse, Member, Problem, QuotaView};
+use std::cell::RefCell;
 
 /// The counter key of `limit` for this caller and request.
 pub fn key(
@@ -27,18 +17,117 @@ pub fn key(
     caller: &Caller,
     req: &Request,
 ) -> String {
-    let parts: Vec<(String, Option<&str>)> = limit
-        .by
-        .iter()
-        .map(|sel| (sel.spelling(), selector_value(sel, caller, req)))
-        .collect();
-    keys::rate_limit_key(
+    keys::write_rate_limit_key(
         prefix,
-        &tag(policy, limit, caller),
         policy,
         limit,
-        &keys::scope_hash(&parts),
+        // The hash tag: the hashed tenant for tenant-scoped limits, else the policy.
+        |k| {
+            if limit.tenant_scoped() {
+                keys::push_tenant_tag(k, &caller.tenant);
+            } else {
+                keys::push_policy_tag(k, &policy.name);
+            }
+        },
+        |k| {
+            keys::push_scope_hash(
+                k,
+                limit
+                    .by
+                    .iter()
+                    .map(|sel| (sel, selector_value(sel, caller, req))),
+            )
+        },
     )
+}
+
+/// Rate-limit keys this worker built, by what they were built from: a key costs two SHA-256
+/// digests, and the requests of one tenant build the same keys again and again.
+///
+/// Bounded by construction, like the over-limit cache: a fixed table of slots indexed by a
+/// hash of the inputs; a slot stores the inputs in full, so a colliding request rebuilds its
+/// key (and takes the slot) instead of reading another's.
+pub struct KeyMemo {
+    slots: RefCell<Vec<Option<Memo>>>,
+}
+
+/// A memo slot: the inputs a key was built from, and the key.
+#[derive(Clone)]
+struct Memo {
+    input: Vec<u8>,
+    key: String,
+}
+
+/// Slots of [`KeyMemo`] per worker: keys are about 100 bytes, so well under 100 KiB.
+pub const KEY_MEMO_SLOTS: usize = 256;
+
+impl KeyMemo {
+    pub fn new(slots: usize) -> KeyMemo {
+        KeyMemo {
+            slots: RefCell::new(vec![None; slots]),
+        }
+    }
+
+    /// [`key`] of limit `limit_index` of policy `policy_index`, from the table when this
+    /// worker built it before.
+    pub fn key(
+        &self,
+        prefix: &str,
+        (policy_index, policy): (usize, &Policy),
+        (limit_index, limit): (usize, &RateLimit),
+        caller: &Caller,
+        req: &Request,
+    ) -> String {
+        let Ok(mut slots) = self.slots.try_borrow_mut() else {
+            return key(prefix, policy, limit, caller, req);
+        };
+        if slots.is_empty() {
+            return key(prefix, policy, limit, caller, req);
+        }
+        // Everything the key depends on besides the config, length-prefixed so that no two
+        // requests with different inputs have the same bytes.
+        let mut input = Vec::with_capacity(64);
+        for n in [policy_index, limit_index] {
+            input.extend_from_slice(&(n as u64).to_le_bytes());
+        }
+        let values = limit
+            .tenant_scoped()
+            .then_some(caller.tenant.as_str())
+            .into_iter();
+        let values = values
+            .map(Some)
+            .chain(limit.by.iter().map(|sel| selector_value(sel, caller, req)));
+        for value in values {
+            match value {
+                Some(v) => {
+                    input.push(1);
+                    input.extend_from_slice(&(v.len() as u64).to_le_bytes());
+                    input.extend_from_slice(v.as_bytes());
+                }
+                None => input.push(0),
+            }
+        }
+        // FNV-1a: the slot only needs spreading (the inputs are compared in full), and
+        // SipHash costs more than the rest of the lookup.
+        let hash = input.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let n = slots.len();
+        let Some(slot) = slots.get_mut((hash % n as u64) as usize) else {
+            return key(prefix, policy, limit, caller, req);
+        };
+        match slot {
+            Some(memo) if memo.input == input => memo.key.clone(),
+            _ => {
+                let built = key(prefix, policy, limit, caller, req);
+                *slot = Some(Memo {
+                    input,
+                    key: built.clone(),
+                });
+                built
+            }
+        }
+    }
 }
 
 /// The five per-limit arguments of `ratelimit.lua`.
@@ -115,9 +204,8 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
     let (p, r) = respond::ratelimit_headers(&views);
     let names: Vec<&str> = violated.iter().map(|(l, _)| l.name.as_str()).collect();
     let retry_after = respond::retry_after_secs(retry_ms);
-    let mut extra = Map::new();
-    extra.insert("violated-policies".into(), json!(names));
-    let mut detail = String::from("rate limit ");
+    let mut detail = String::with_capacity(96);
+    detail.push_str("rate limit ");
     for (i, n) in names.iter().enumerate() {
         if i > 0 {
             detail.push_str(", ");
@@ -126,17 +214,19 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
         detail.push_str(n);
         detail.push('"');
     }
-    let _ = write!(
-        detail,
-        " of operation \"{}\" exceeded; retry after {retry_after} s",
-        policy.name
-    );
+    detail.push_str(" of operation \"");
+    detail.push_str(&policy.name);
+    detail.push_str("\" exceeded; retry after ");
+    respond::push_u64(&mut detail, retry_after);
+    detail.push_str(" s");
+    let mut retry_after_value = String::with_capacity(8);
+    respond::push_u64(&mut retry_after_value, retry_after);
     Verdict::Reject(respond::problem(
         Problem::RateLimited,
         &detail,
-        extra,
+        &[("violated-policies", Member::Strs(&names))],
         vec![
-            ("retry-after".into(), retry_after.to_string()),
+            ("retry-after".into(), retry_after_value),
             ("ratelimit-policy".into(), p),
             ("ratelimit".into(), r),
         ],
@@ -173,6 +263,67 @@ pub(crate) mod tests {
             reset_ms,
             retry_after_ms,
         }
+    }
+
+    /// The memo answers what [`key`] builds: for every limit of the fixture (tenant,
+    /// tenant + principal, client address, none), for inputs that would run together
+    /// without length prefixes, and with one slot, so every other lookup collides.
+    #[test]
+    fn key_memo_gives_the_built_key() {
+        let c = config();
+        let policy = &c.policies[0];
+        let request = |ip: Option<&str>| {
+            Request::from_headers(
+                vec![
+                    (":method".into(), "POST".into()),
+                    (":path".into(), "/o".into()),
+                ],
+                ip,
+            )
+        };
+        let inputs = [
+            ("ab", "c", Some("10.0.0.1:1")),
+            ("a", "bc", Some("10.0.0.1:1")),
+            ("ab", "c", None),
+            ("", "", Some("10.0.0.2:2")),
+            ("ab", "c", Some("10.0.0.1:1")),
+        ];
+        for slots in [0, 1, 256] {
+            let memo = KeyMemo::new(slots);
+            for round in 0..2 {
+                for (tenant, principal, ip) in inputs {
+                    let caller = Caller {
+                        tenant: tenant.into(),
+                        principal: principal.into(),
+                    };
+                    let req = request(ip);
+                    for (i, limit) in policy.rate_limits.iter().enumerate() {
+                        assert_eq!(
+                            memo.key("cg", (0, policy), (i, limit), &caller, &req),
+                            key("cg", policy, limit, &caller, &req),
+                            "slots {slots}, round {round}, {tenant:?}/{principal:?}/{ip:?}, limit {i}"
+                        );
+                    }
+                }
+            }
+        }
+        // Two keys of different limits never share a memo entry.
+        let memo = KeyMemo::new(256);
+        let caller = Caller {
+            tenant: "t".into(),
+            principal: "p".into(),
+        };
+        let req = request(None);
+        let keys: Vec<String> = policy
+            .rate_limits
+            .iter()
+            .enumerate()
+            .map(|l| memo.key("cg", (0, policy), l, &caller, &req))
+            .collect();
+        let mut unique = keys.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), keys.len(), "{keys:?}");
     }
 
     #[test]
@@ -228,8 +379,11 @@ pub(crate) mod tests {
             Some("\"tenant\";r=0;t=17, \"global\";r=0;t=1, \"user-burst\";r=3;t=1")
         );
         let body: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
-        assert_eq!(body["violated-policies"], json!(["tenant", "global"]));
-        assert_eq!(body["status"], json!(429));
+        assert_eq!(
+            body["violated-policies"],
+            serde_json::json!(["tenant", "global"])
+        );
+        assert_eq!(body["status"], serde_json::json!(429));
     }
 
     #[test]

@@ -2,9 +2,6 @@
 //! `Retry-After`, `RateLimit-Policy` and `RateLimit` headers
 //! (draft-ietf-httpapi-ratelimit-headers-10).
 
-use serde_json::{Map, Value};
-use std::fmt::Write;
-
 /// A response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalResponse {
@@ -97,6 +94,13 @@ impl Problem {
     }
 }
 
+/// An extra member of a problem body: a string or a list of strings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Member<'a> {
+    Str(&'a str),
+    Strs(&'a [&'a str]),
+}
+
 /// A problem+json response. `extra` members are added to the body (e.g. `violated-policies`).
 ///
 /// The body is written directly, members sorted by name as serde_json's `Map` keeps them (an
@@ -105,23 +109,25 @@ impl Problem {
 pub fn problem(
     kind: Problem,
     detail: &str,
-    extra: Map<String, Value>,
+    extra: &[(&str, Member<'_>)],
     headers: Vec<(String, String)>,
 ) -> LocalResponse {
-    let type_uri = format!("urn:coordination-guard:problem:{}", kind.slug());
-    let status = kind.status().to_string();
+    let mut status = String::with_capacity(3);
+    push_u64(&mut status, u64::from(kind.status()));
+    let slug = kind.slug();
     let standard = [
         ("detail", JsonText::Str(detail)),
         ("status", JsonText::Raw(&status)),
         ("title", JsonText::Str(kind.title())),
-        ("type", JsonText::Str(&type_uri)),
+        ("type", JsonText::TypeUri(slug)),
     ];
     let mut members: Vec<(&str, JsonText<'_>)> = standard
         .into_iter()
-        .filter(|(name, _)| !extra.contains_key(*name))
+        .filter(|(name, _)| !extra.iter().any(|(n, _)| n == name))
         .collect();
-    members.extend(extra.iter().map(|(k, v)| (k.as_str(), JsonText::Value(v))));
+    members.extend(extra.iter().map(|&(k, v)| (k, JsonText::Member(v))));
     members.sort_by(|a, b| a.0.cmp(b.0));
+    members.dedup_by(|later, first| later.0 == first.0);
     let mut body = Vec::with_capacity(256);
     body.push(b'{');
     for (i, (name, value)) in members.iter().enumerate() {
@@ -131,11 +137,23 @@ pub fn problem(
         write_json_str(&mut body, name);
         body.push(b':');
         match value {
-            JsonText::Str(s) => write_json_str(&mut body, s),
+            JsonText::Str(s) | JsonText::Member(Member::Str(s)) => write_json_str(&mut body, s),
             JsonText::Raw(s) => body.extend_from_slice(s.as_bytes()),
-            JsonText::Value(v) => {
-                // Writing a Value into a Vec cannot fail.
-                let _ = serde_json::to_writer(&mut body, v);
+            JsonText::TypeUri(slug) => {
+                // Slugs are lower-case ASCII words: nothing to escape.
+                body.extend_from_slice(b"\"urn:coordination-guard:problem:");
+                body.extend_from_slice(slug.as_bytes());
+                body.push(b'"');
+            }
+            JsonText::Member(Member::Strs(list)) => {
+                body.push(b'[');
+                for (j, s) in list.iter().enumerate() {
+                    if j > 0 {
+                        body.push(b',');
+                    }
+                    write_json_str(&mut body, s);
+                }
+                body.push(b']');
             }
         }
     }
@@ -153,11 +171,13 @@ pub fn problem(
     }
 }
 
-/// A member value of a problem body: a string to escape, JSON text as is, or a JSON value.
+/// A member value of a problem body: a string to escape, JSON text as is, the type URI of a
+/// slug, or an extra member.
 enum JsonText<'a> {
     Str(&'a str),
     Raw(&'a str),
-    Value(&'a Value),
+    TypeUri(&'a str),
+    Member(Member<'a>),
 }
 
 fn write_json_str(out: &mut Vec<u8>, s: &str) {
@@ -191,29 +211,61 @@ pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
             policy.push_str(", ");
             state.push_str(", ");
         }
-        // Writing into a String cannot fail.
-        let _ = write!(
-            policy,
-            "\"{}\";q={};w={}",
-            v.name,
-            v.quota,
-            v.window_ms.div_ceil(1000).max(1)
-        );
-        let _ = write!(
-            state,
-            "\"{}\";r={};t={}",
-            v.name,
-            v.remaining,
-            v.reset_ms.div_ceil(1000)
-        );
+        for (out, first, second) in [
+            (
+                &mut policy,
+                (";q=", v.quota),
+                (";w=", v.window_ms.div_ceil(1000).max(1)),
+            ),
+            (
+                &mut state,
+                (";r=", v.remaining),
+                (";t=", v.reset_ms.div_ceil(1000)),
+            ),
+        ] {
+            out.push('"');
+            out.push_str(v.name);
+            out.push('"');
+            for (label, n) in [first, second] {
+                out.push_str(label);
+                push_u64(out, n);
+            }
+        }
     }
     (policy, state)
+}
+
+/// Appends the decimal digits of `n` (what `write!` does, without the formatting machinery:
+/// this runs for every request that gets RateLimit headers).
+pub fn push_u64(out: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[at..] {
+        out.push(char::from(d));
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Map, Value};
+
+    #[test]
+    fn push_u64_writes_decimal() {
+        for n in [0, 1, 9, 10, 99, 100, 3_600_000, u64::MAX - 1, u64::MAX] {
+            let mut out = String::from("x");
+            push_u64(&mut out, n);
+            assert_eq!(out, format!("x{n}"));
+        }
+    }
 
     #[test]
     fn retry_after_rounds_up() {
@@ -248,12 +300,10 @@ mod tests {
 
     #[test]
     fn problem_body() {
-        let mut extra = Map::new();
-        extra.insert("violated-policies".into(), json!(["tenant"]));
         let r = problem(
             Problem::RateLimited,
             "limit exceeded",
-            extra,
+            &[("violated-policies", Member::Strs(&["tenant"]))],
             vec![("retry-after".into(), "17".into())],
         );
         assert_eq!(r.status, 429);
@@ -277,23 +327,23 @@ mod tests {
     /// and an extra member that replaces a standard one.
     #[test]
     fn problem_body_bytes() {
-        let cases: Vec<(Problem, &str, Map<String, Value>)> = vec![
-            (Problem::RateLimited, "plain", Map::new()),
+        type Extra<'a> = Vec<(&'a str, Member<'a>)>;
+        let cases: Vec<(Problem, &str, Extra<'_>)> = vec![
+            (Problem::RateLimited, "plain", vec![]),
             (
                 Problem::MissingTenant,
                 "needs \"x-tenant\"\n\t\u{1} and \\ ü \u{2028}",
-                Map::new(),
+                vec![],
             ),
             (
                 Problem::LeaseResourceMissing,
                 "d",
-                [
-                    ("missing-selector".to_string(), json!("path_segment:2")),
-                    ("a-first".to_string(), json!({"z": 1, "a": [1.5, null]})),
-                    ("status".to_string(), json!(499)),
-                ]
-                .into_iter()
-                .collect(),
+                vec![
+                    ("missing-selector", Member::Str("path_segment:2")),
+                    ("a-first", Member::Strs(&["z\"", "", "ü\u{7}"])),
+                    ("status", Member::Str("499")),
+                    ("violated-policies", Member::Strs(&[])),
+                ],
             ),
         ];
         for (kind, detail, extra) in cases {
@@ -305,8 +355,14 @@ mod tests {
             want.insert("title".into(), json!(kind.title()));
             want.insert("status".into(), json!(kind.status()));
             want.insert("detail".into(), json!(detail));
-            want.extend(extra.clone());
-            let got = problem(kind, detail, extra, Vec::new()).body;
+            for &(name, member) in &extra {
+                let value = match member {
+                    Member::Str(s) => json!(s),
+                    Member::Strs(list) => json!(list),
+                };
+                want.insert(name.to_string(), value);
+            }
+            let got = problem(kind, detail, &extra, Vec::new()).body;
             assert_eq!(
                 String::from_utf8(got).expect("utf-8"),
                 Value::Object(want).to_string(),

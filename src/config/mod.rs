@@ -47,15 +47,23 @@ pub enum Selector {
 impl Selector {
     /// The canonical spelling, as in the configuration.
     pub fn spelling(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = self.write_spelling(&mut out);
+        out
+    }
+
+    /// Writes [`Selector::spelling`] without building a string.
+    pub fn write_spelling(&self, w: &mut impl std::fmt::Write) -> std::fmt::Result {
         match self {
-            Selector::Tenant => "tenant".into(),
-            Selector::Principal => "principal".into(),
-            Selector::ClientIp => "client_ip".into(),
-            Selector::Method => "method".into(),
-            Selector::Path => "path".into(),
-            Selector::Header(h) => format!("header:{h}"),
-            Selector::PathSegment(n) => format!("path_segment:{n}"),
-            Selector::Query(q) => format!("query:{q}"),
+            Selector::Tenant => w.write_str("tenant"),
+            Selector::Principal => w.write_str("principal"),
+            Selector::ClientIp => w.write_str("client_ip"),
+            Selector::Method => w.write_str("method"),
+            Selector::Path => w.write_str("path"),
+            Selector::Header(h) => write!(w, "header:{h}"),
+            Selector::PathSegment(n) => write!(w, "path_segment:{n}"),
+            Selector::Query(q) => write!(w, "query:{q}"),
         }
     }
 }

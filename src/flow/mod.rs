@@ -20,11 +20,10 @@ use crate::keys;
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
 use crate::overlimit::{OverLimitCache, SharedStore};
 use crate::quota::{LeasedQuota, QUOTA_SLOTS};
-use crate::ratelimit::{self, LimitState, Verdict};
+use crate::ratelimit::{self, KeyMemo, LimitState, Verdict, KEY_MEMO_SLOTS};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
 use crate::request::{identify, policy_index, selector_value, Caller, Request, TenantError};
-use crate::respond::{self, LocalResponse, Problem};
-use serde_json::Map;
+use crate::respond::{self, LocalResponse, Member, Problem};
 
 /// Everything a VM keeps after `on_configure`.
 pub struct Runtime {
@@ -33,6 +32,7 @@ pub struct Runtime {
     pub metrics: Metrics,
     pub over_limit: OverLimitCache,
     pub quota: LeasedQuota,
+    pub keys: KeyMemo,
 }
 
 impl Runtime {
@@ -45,6 +45,7 @@ impl Runtime {
             metrics,
             over_limit,
             quota: LeasedQuota::new(QUOTA_SLOTS),
+            keys: KeyMemo::new(KEY_MEMO_SLOTS),
         }
     }
 }
@@ -301,7 +302,7 @@ impl Flow {
         let mut parts = Vec::with_capacity(lease.resource.len());
         for sel in &lease.resource {
             match selector_value(sel, caller, req) {
-                Some(v) => parts.push((sel.spelling(), Some(v))),
+                Some(v) => parts.push((sel, Some(v))),
                 None => return Err(sel.spelling()),
             }
         }
@@ -310,7 +311,7 @@ impl Flow {
             &rt.config.redis.key_prefix,
             &tag,
             &policy.name,
-            &keys::scope_hash(&parts),
+            &keys::scope_hash(parts),
         );
         self.lease = Some(LeaseState {
             acquire: LeaseAcquire {
@@ -378,7 +379,7 @@ impl Flow {
                 return self.answer(respond::problem(
                     Problem::MissingTenant,
                     &detail,
-                    Map::new(),
+                    &[],
                     vec![("www-authenticate".into(), challenge)],
                 ));
             }
@@ -391,7 +392,7 @@ impl Flow {
                 return self.answer(respond::problem(
                     Problem::AmbiguousTenant,
                     &detail,
-                    Map::new(),
+                    &[],
                     Vec::new(),
                 ));
             }
@@ -411,12 +412,10 @@ impl Flow {
             let detail = format!(
                 "this operation needs the lease resource {missing}, which the request does not carry"
             );
-            let mut extra = Map::new();
-            extra.insert("missing-selector".into(), serde_json::json!(missing));
             return self.answer(respond::problem(
                 Problem::LeaseResourceMissing,
                 &detail,
-                extra,
+                &[("missing-selector", Member::Str(&missing))],
                 Vec::new(),
             ));
         }
@@ -451,7 +450,7 @@ impl Flow {
                     return self.answer(respond::problem(
                         problem,
                         &e.detail(&idem.header),
-                        Map::new(),
+                        &[],
                         Vec::new(),
                     ));
                 }
@@ -590,7 +589,7 @@ impl Flow {
         self.answer(respond::problem(
             Problem::RequestBodyTooLarge,
             &detail,
-            Map::new(),
+            &[],
             Vec::new(),
         ))
     }
@@ -637,10 +636,11 @@ impl Flow {
         self.limit_keys = policy
             .rate_limits
             .iter()
+            .enumerate()
             .map(|l| {
-                ratelimit::key(
+                rt.keys.key(
                     &rt.config.redis.key_prefix,
-                    policy,
+                    (self.policy, policy),
                     l,
                     &held.caller,
                     &held.req,
@@ -677,7 +677,6 @@ impl Flow {
             .collect();
         let groups = acquire::plan(
             policy,
-            &held.caller,
             &keys,
             &held.nonce,
             self.idem.as_ref().map(|i| &i.acquire),
@@ -957,7 +956,7 @@ impl Flow {
                 self.answer(respond::problem(
                     Problem::IdempotencyKeyInUse,
                     "a request with this Idempotency-Key is still being processed; retry later",
-                    Map::new(),
+                    &[],
                     headers,
                 ))
             }
@@ -1010,7 +1009,9 @@ impl Flow {
         let mut states: Vec<Option<LimitState>> = vec![None; policy.rate_limits.len()];
         let mut hit = false;
         for (i, (limit, key)) in policy.rate_limits.iter().zip(&self.limit_keys).enumerate() {
-            if limit.shadow {
+            // A unit from this worker's slice was counted in Redis when the slice was taken:
+            // it admits whatever the counter says now.
+            if limit.shadow || self.local.get(i).copied().unwrap_or(false) {
                 continue;
             }
             if let Some(until) = rt.over_limit.rejecting_until(key, now_ms) {
@@ -1094,7 +1095,7 @@ impl Flow {
                 self.answer(respond::problem(
                     Problem::ResourceLocked,
                     &format!("another request holds this resource; retry after {retry} s"),
-                    Map::new(),
+                    &[],
                     all,
                 ))
             }
@@ -1164,7 +1165,7 @@ impl Flow {
         self.answer(respond::problem(
             Problem::IdempotencyKeyConflict { status },
             "this Idempotency-Key was already used for a different request",
-            Map::new(),
+            &[],
             headers,
         ))
     }
@@ -1259,7 +1260,7 @@ impl Flow {
                 self.answer(respond::problem(
                     Problem::GuardUnavailable,
                     "the coordination store did not answer in time; retry shortly",
-                    Map::new(),
+                    &[],
                     vec![("retry-after".into(), "1".into())],
                 ))
             }
@@ -1312,7 +1313,7 @@ impl Flow {
                 self.answer(respond::problem(
                     Problem::RequestBodyTimeout,
                     "the request body did not arrive in time",
-                    Map::new(),
+                    &[],
                     Vec::new(),
                 ))
             }

@@ -1130,6 +1130,9 @@ fn leased_quota_admits_from_local_slices() {
         Step::Continue
     );
     assert_eq!(first.response_headers()[1].1, "\"t\";r=11;t=60");
+    // Another worker then learns that the counter rejects (the shared over-limit cache): the
+    // units of this worker's slice were counted when it was taken, so they still admit.
+    rt.over_limit.mark(&first.limit_keys[0], 50_000);
     // The next 11 are admitted locally: no call.
     for i in 0..11 {
         let mut f = Flow::default();
@@ -1147,9 +1150,12 @@ fn leased_quota_admits_from_local_slices() {
             "{i}"
         );
     }
-    // The 13th asks Redis again.
+    // The 13th has no slice left: the over-limit cache answers.
     let mut again = Flow::default();
-    dispatched(again.on_request(&rt, req("GET", "/", Some("acme")), "n", "o", true, 20, &rec));
+    match again.on_request(&rt, req("GET", "/", Some("acme")), "n", "o", true, 20, &rec) {
+        Step::Respond(r) => assert_eq!(r.status, 429),
+        other => panic!("expected a 429 from the over-limit cache, got {other:?}"),
+    }
     assert_eq!(rec.count("cg.policy.p.limit.t.allowed"), 12);
     // Another tenant has its own counter and slice.
     let mut other = Flow::default();
