@@ -32,7 +32,11 @@ failed (rl_rejected must admit exactly its limit per run); a missed goal is a fi
 error.
 
 Environment: BENCH_ROUNDS (3), BENCH_SECONDS (5), BENCH_WARMUP (1, seconds per Envoy before
-a scenario's rounds), BENCH_SCENARIOS (comma list, default all), ENVOY_BIN (another Envoy).
+a scenario's rounds), BENCH_SCENARIOS (comma list, default all), ENVOY_BIN (another Envoy),
+BENCH_COMPARE (a git revision: its .wasm is built from `git archive` under
+target/bench-compare and runs in every round of every scenario of the filter, right after the
+working tree's, with the same plugin config: plain, scenario, compare, plain, ... so two builds
+are compared side by side in one run; the table gets a `<scenario>@<rev>` row each).
 """
 
 from __future__ import annotations
@@ -396,8 +400,11 @@ STAT_FILTER = r"^(http\.ingress\.downstream_rq_|wasmcustom\.(cg|floor)\.)"
 
 
 class Bench:
-    def __init__(self, stack: Stack, rounds: int, seconds: int, warmup: int):
+    def __init__(self, stack: Stack, rounds: int, seconds: int, warmup: int,
+                 compare: tuple[str, Path] | None = None):
         self.stack = stack
+        # (revision, .wasm) of another build to run next to ours in every round.
+        self.compare = compare
         self.rounds = rounds
         self.seconds = seconds
         self.warmup = warmup
@@ -552,7 +559,7 @@ class Bench:
         if "upstream_requests" in after:
             rec["upstream_envoy"] = {"requests": after["upstream_requests"]
                                      - before.get("upstream_requests", 0)}
-        rec["problems"] = self.check(scenario if kind == "scenario" else None, rec)
+        rec["problems"] = self.check(scenario if kind != "plain" else None, rec)
         for problem in rec["problems"]:
             self.errors.append(f"{scenario.name} {kind} round {round_no}: {problem}")
         return rec
@@ -607,17 +614,23 @@ class Bench:
         envoy = self.start_envoy(scenario.name, plugin, routed=scenario.routed,
                                  local_ratelimit=scenario.local_ratelimit,
                                  wasm_path=scenario.wasm_path)
+        targets = [(plain, "plain"), (envoy, "scenario")]
+        compare = None
         try:
+            if self.compare and plugin is not None and scenario.wasm_path is None:
+                compare = self.start_envoy(f"{scenario.name}@{self.compare[0]}", plugin,
+                                           routed=scenario.routed, wasm_path=self.compare[1])
+                targets.append((compare, "compare"))
             if scenario.prepare:
                 scenario.prepare(scenario, envoy)
             print(f"  {scenario.name}: warm-up {self.warmup}s each", flush=True)
-            for target, kind in ((plain, "plain"), (envoy, "scenario")):
+            for target, kind in targets:
                 self.wrk(target, self.script(scenario.script),
                          scenario.args(scenario, f"{scenario.name}-warmup-{kind}-"
                                                  f"{uuid.uuid4().hex[:8]}"), self.warmup)
             runs = []
             for r in range(1, self.rounds + 1):
-                for target, kind in ((plain, "plain"), (envoy, "scenario")):
+                for target, kind in targets:
                     rec = self.run(target, scenario, kind, r, self.seconds)
                     runs.append(rec)
                     flag = "" if not rec["problems"] else "  PROBLEM: " + "; ".join(rec["problems"])
@@ -629,7 +642,13 @@ class Bench:
                         and "global_downstream_max_connections" not in ln]
         finally:
             self.stop_envoy(envoy)
+            if compare is not None:
+                self.stop_envoy(compare)
         summary = summarize(scenario, runs)
+        if compare is not None and self.compare:
+            summary["compare"] = {"revision": self.compare[0],
+                                  "wasm": str(self.compare[1].relative_to(ROOT)),
+                                  **summarize(scenario, runs, "compare")}
         summary["envoy_log_warnings"] = len(warnings)
         if warnings:
             summary["envoy_log_warning_samples"] = warnings[:5]
@@ -715,6 +734,19 @@ def table(results: dict) -> str:
                      fmt(s["redis_evals_per_request"], ".2f"),
                      fmt(cpu["envoy"], ".3f"), fmt(cpu["webdis"], ".3f"), fmt(cpu["redis"], ".3f"),
                      fmt(cpu["wrk"], ".3f"), fmt(s["foreign_cpu_cores"], ".2f")])
+        if "compare" in s:
+            c = s["compare"]
+            ccpu = c["cpu_seconds_per_10k_requests"]
+            rows.append([f"{name}@{c['revision']}", fmt(c["requests_per_second"], ".0f"),
+                         fmt(s["plain"]["requests_per_second"], ".0f"),
+                         fmt(c["ratio_to_plain"], ".2f"),
+                         " ".join(f"{x:.2f}" for x in c["ratio_per_round"]), "",
+                         fmt(c["latency_p50_ms"], ".2f"), fmt(c["latency_p99_ms"], ".2f"),
+                         fmt(c["redis_calls_per_request"], ".2f"),
+                         fmt(c["redis_evals_per_request"], ".2f"),
+                         fmt(ccpu["envoy"], ".3f"), fmt(ccpu["webdis"], ".3f"),
+                         fmt(ccpu["redis"], ".3f"), fmt(ccpu["wrk"], ".3f"),
+                         fmt(c["foreign_cpu_cores"], ".2f")])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = []
     for i, row in enumerate(rows):
@@ -874,6 +906,38 @@ def build_floor() -> bool:
     return False
 
 
+COMPARE = ROOT / "target" / "bench-compare"
+
+
+def build_compare(rev: str) -> tuple[str, Path] | None:
+    """The .wasm of git revision `rev`, built from `git archive` under target/bench-compare
+    (a cargo target directory shared by every revision built there); None, having said why,
+    if that failed."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
+                             capture_output=True, text=True, check=True, timeout=30,
+                             stdin=subprocess.DEVNULL).stdout.strip()
+        src = COMPARE / sha
+        if src.exists():
+            shutil.rmtree(src)
+        src.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True,
+                                 check=True, timeout=60, stdin=subprocess.DEVNULL).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True, timeout=60)
+        build = ["cargo", "build", "--release", "--target", "wasm32-wasip1", "--manifest-path",
+                 str(src / "Cargo.toml")]
+        print(f"bench: BENCH_COMPARE={rev} ({sha}): {shlex.join(build)}", flush=True)
+        subprocess.run(build, cwd=ROOT, check=True, timeout=1800, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "CARGO_TARGET_DIR": str(COMPARE / "target")})
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"bench: cannot build BENCH_COMPARE={rev}: {e}", file=sys.stderr)
+        return None
+    built = COMPARE / "target" / "wasm32-wasip1" / "release" / "coordination_guard.wasm"
+    wasm = COMPARE / f"{sha}.wasm"
+    shutil.copyfile(built, wasm)
+    return sha, wasm
+
+
 def main() -> int:
     rounds = env_int("BENCH_ROUNDS", 3)
     seconds = env_int("BENCH_SECONDS", 5)
@@ -900,6 +964,11 @@ def main() -> int:
         chosen = [s for s in chosen if s.name in wanted]
     if any(s.wasm_path == FLOOR_WASM for s in chosen) and not build_floor():
         return 2
+    compare = None
+    if os.environ.get("BENCH_COMPARE", "").strip():
+        compare = build_compare(os.environ["BENCH_COMPARE"].strip())
+        if compare is None:
+            return 2
     skipped = {}
     if not leased_mode_exists():
         skipped["rl_allowed_leased"] = ('not built yet (no "mode": "leased" rate limits in '
@@ -920,6 +989,8 @@ def main() -> int:
         "wasm_size_bytes": DEFAULT_WASM.stat().st_size,
         "floor_wasm": str(FLOOR_WASM.relative_to(ROOT)) if FLOOR_WASM.exists() else None,
         "floor_wasm_size_bytes": FLOOR_WASM.stat().st_size if FLOOR_WASM.exists() else None,
+        "compare": ({"revision": compare[0], "wasm": str(compare[1].relative_to(ROOT)),
+                     "wasm_size_bytes": compare[1].stat().st_size} if compare else None),
         "rounds": rounds, "seconds": seconds, "warmup_seconds": warmup,
         "wrk": {"threads": THREADS, "connections": CONNECTIONS},
         "envoy_concurrency": 2,
@@ -939,7 +1010,7 @@ def main() -> int:
     bench: Bench | None = None
     try:
         stack.start()
-        bench = Bench(stack, rounds, seconds, warmup)
+        bench = Bench(stack, rounds, seconds, warmup, compare)
         for scenario in chosen:
             try:
                 scenario_results[scenario.name] = bench.scenario(scenario)
@@ -968,6 +1039,10 @@ def main() -> int:
     results["ok"] = not results["errors"]
     checks = {name: sc["summary"]["correctness"] for name, sc in scenario_results.items()
               if "correctness" in sc["summary"]}
+    checks.update({f"{name}@{sc['summary']['compare']['revision']}":
+                   sc["summary"]["compare"]["correctness"]
+                   for name, sc in scenario_results.items()
+                   if "correctness" in sc["summary"].get("compare", {})})
     results["correctness"] = checks
 
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
