@@ -58,8 +58,12 @@ struct Memo {
     key: String,
 }
 
-/// Slots of [`KeyMemo`] per worker: keys are about 100 bytes, so well under 100 KiB.
+/// Slots of [`KeyMemo`] per worker.
 pub const KEY_MEMO_SLOTS: usize = 256;
+
+/// Inputs longer than this (a long header value as a selector) are not memoised, so a slot
+/// holds at most this plus a key (a few hundred bytes): the table stays around 100 KiB.
+const MAX_MEMO_INPUT: usize = 256;
 
 impl KeyMemo {
     pub fn new(slots: usize) -> KeyMemo {
@@ -84,20 +88,14 @@ impl KeyMemo {
         if slots.is_empty() {
             return key(prefix, policy, limit, caller, req);
         }
-        // Everything the key depends on besides the config, length-prefixed so that no two
-        // requests with different inputs have the same bytes.
+        // Everything the key depends on besides the config (the tag is the tenant, one of the
+        // selected values, or the policy), length-prefixed so that no two requests with
+        // different inputs have the same bytes.
         let mut input = Vec::with_capacity(64);
         for n in [policy_index, limit_index] {
             input.extend_from_slice(&(n as u64).to_le_bytes());
         }
-        let values = limit
-            .tenant_scoped()
-            .then_some(caller.tenant.as_str())
-            .into_iter();
-        let values = values
-            .map(Some)
-            .chain(limit.by.iter().map(|sel| selector_value(sel, caller, req)));
-        for value in values {
+        for value in limit.by.iter().map(|sel| selector_value(sel, caller, req)) {
             match value {
                 Some(v) => {
                     input.push(1);
@@ -106,6 +104,9 @@ impl KeyMemo {
                 }
                 None => input.push(0),
             }
+        }
+        if input.len() > MAX_MEMO_INPUT {
+            return key(prefix, policy, limit, caller, req);
         }
         // FNV-1a: the slot only needs spreading (the inputs are compared in full), and
         // SipHash costs more than the rest of the lookup.
@@ -267,7 +268,8 @@ pub(crate) mod tests {
 
     /// The memo answers what [`key`] builds: for every limit of the fixture (tenant,
     /// tenant + principal, client address, none), for inputs that would run together
-    /// without length prefixes, and with one slot, so every other lookup collides.
+    /// without length prefixes or are too long to memoise, and with one slot, so every other
+    /// lookup collides.
     #[test]
     fn key_memo_gives_the_built_key() {
         let c = config();
@@ -281,7 +283,10 @@ pub(crate) mod tests {
                 ip,
             )
         };
+        // Too long to memoise: built each time.
+        let long = "t".repeat(MAX_MEMO_INPUT);
         let inputs = [
+            (long.as_str(), "c", None),
             ("ab", "c", Some("10.0.0.1:1")),
             ("a", "bc", Some("10.0.0.1:1")),
             ("ab", "c", None),
