@@ -126,6 +126,7 @@ pub fn problem(
         .filter(|(name, _)| !extra.iter().any(|(n, _)| n == name))
         .collect();
     members.extend(extra.iter().map(|&(k, v)| (k, JsonText::Member(v))));
+    // A stable sort: of an extra member named twice, the first one counts.
     members.sort_by(|a, b| a.0.cmp(b.0));
     members.dedup_by(|later, first| later.0 == first.0);
     let mut body = Vec::with_capacity(256);
