@@ -40,17 +40,28 @@ fn push_hex(out: &mut String, bytes: &[u8]) {
 /// and a header with the same text do not hash alike.
 pub fn short_hash(domain: &str, value: &[u8]) -> String {
     let mut out = String::with_capacity(16);
-    let mut h = domain_hasher(domain);
-    h.update(value);
-    push_hex(&mut out, &h.finalize()[..8]);
+    push_short_hash(&mut out, domain, value);
     out
 }
 
+/// Appends [`short_hash`] to `out`.
+fn push_short_hash(out: &mut String, domain: &str, value: &[u8]) {
+    let mut h = domain_hasher(domain);
+    h.update(value);
+    push_short_digest(out, h);
+}
+
+/// A hasher fed with `domain` and a 0 byte: what every short hash starts from.
 fn domain_hasher(domain: &str) -> Sha256 {
     let mut h = Sha256::new();
     h.update(domain.as_bytes());
     h.update([0u8]);
     h
+}
+
+/// Appends the first 64 bits of `h`'s digest in hex.
+fn push_short_digest(out: &mut String, h: Sha256) {
+    push_hex(out, &h.finalize()[..8]);
 }
 
 /// The hash tag of everything a tenant owns.
@@ -63,9 +74,7 @@ pub fn tenant_tag(tenant: &str) -> String {
 /// Appends [`tenant_tag`] to `out`.
 pub fn push_tenant_tag(out: &mut String, tenant: &str) {
     out.push_str("t.");
-    let mut h = domain_hasher("tenant");
-    h.update(tenant.as_bytes());
-    push_hex(out, &h.finalize()[..8]);
+    push_short_hash(out, "tenant", tenant.as_bytes());
 }
 
 /// Appends the hash tag of counters that are not scoped by tenant: `p.<policy>`.
@@ -116,7 +125,7 @@ pub fn push_scope_hash<'v, 's>(
         }
         h.0.update([0x1f]);
     }
-    push_hex(out, &h.0.finalize()[..8]);
+    push_short_digest(out, h.0);
 }
 
 /// A hasher that text can be written into.
