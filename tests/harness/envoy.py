@@ -19,7 +19,9 @@ from pathlib import Path
 from .proc import ROOT, PrerequisiteMissing, Proc, reserve_dead_port, wait_for_port, wait_http
 
 TEMPLATE = ROOT / "envoy" / "template.yaml"
-DEFAULT_WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "coordination_guard.wasm"
+# CG_WASM runs the suite against another build (e.g. to see a new test fail on the old one).
+DEFAULT_WASM = Path(os.environ.get("CG_WASM")
+                    or ROOT / "target" / "wasm32-wasip1" / "release" / "coordination_guard.wasm")
 FILTER_NAME = "coordination-guard"
 PLUGIN_PLACEHOLDER = "__PLUGIN_CONFIG__"
 
