@@ -17,6 +17,7 @@ pub mod idempotency;
 pub mod ids;
 pub mod keys;
 pub mod metrics;
+pub mod normalize;
 pub mod overlimit;
 pub mod quota;
 pub mod ratelimit;

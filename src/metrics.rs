@@ -4,7 +4,7 @@
 //! Names (Envoy shows them as `wasmcustom.<name>`):
 //!
 //! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`
-//! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant`
+//! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant|ambiguous_input`
 //! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
 //!   body_too_large|unreadable|released|completed|complete_failed|stale_owner|outcome_unknown`
 //! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource`
@@ -76,6 +76,9 @@ pub struct PolicyMetrics {
     pub failed_open: u32,
     pub failed_closed: u32,
     pub missing_tenant: u32,
+    /// Requests refused because an input had more than one reading: an ambiguous path, a
+    /// repeated principal header or selector input.
+    pub ambiguous_input: u32,
     /// One entry per rate limit, in config order.
     pub limits: Vec<LimitMetrics>,
     pub idem: Option<IdemMetrics>,
@@ -113,6 +116,7 @@ impl Metrics {
                     failed_open: counter(format!("{base}.failed_open")),
                     failed_closed: counter(format!("{base}.failed_closed")),
                     missing_tenant: counter(format!("{base}.missing_tenant")),
+                    ambiguous_input: counter(format!("{base}.ambiguous_input")),
                     limits: p
                         .rate_limits
                         .iter()
@@ -238,6 +242,7 @@ mod tests {
                 "cg.policy.create-order.failed_open",
                 "cg.policy.create-order.failed_closed",
                 "cg.policy.create-order.missing_tenant",
+                "cg.policy.create-order.ambiguous_input",
                 "cg.policy.create-order.limit.tenant.allowed",
                 "cg.policy.create-order.limit.tenant.rejected",
                 "cg.policy.create-order.limit.tenant.shadow_rejected",

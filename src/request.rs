@@ -1,15 +1,21 @@
 //! The parts of an HTTP request the filter looks at, copied out of the host once.
 
 use crate::config::{Identity, Match, MissingTenant, Policy, Selector};
+use crate::normalize::{normalize_path, query_pairs, trim_slash, PathForm};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Request {
     /// Upper-case method.
     pub method: String,
-    /// The path without the query string.
+    /// The path without the query string, in its canonical form (see [`crate::normalize`]).
     pub path: String,
+    /// Other readings of an ambiguous path; `path_ambiguous` says whether it is one.
+    pub path_others: Vec<String>,
+    pub path_ambiguous: bool,
     /// The raw query string, without `?`.
     pub query: String,
+    /// The query's parameters, decoded, in order.
+    pub params: Vec<(String, String)>,
     /// Lower-case host without port.
     pub host: String,
     /// The downstream address without port, if the host told us.
@@ -31,8 +37,12 @@ impl Request {
                 ":method" => req.method = value.to_ascii_uppercase(),
                 ":path" => {
                     let (path, query) = split_path(value);
-                    req.path = path.to_string();
+                    let form = normalize_path(path);
+                    req.path = form.canonical;
+                    req.path_others = form.others;
+                    req.path_ambiguous = form.ambiguous;
                     req.query = query.to_string();
+                    req.params = query_pairs(query);
                 }
                 ":authority" => req.host = host_of(value),
                 _ => {}
@@ -53,6 +63,39 @@ impl Request {
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.as_str())
     }
+
+    /// The value of a header that must appear at most once; `Err` when it is repeated.
+    pub fn single_header(&self, name: &str) -> Result<Option<&str>, Repeated> {
+        single(
+            self.headers
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v),
+        )
+    }
+
+    /// The value of a query parameter (decoded) that must appear at most once.
+    pub fn single_param(&self, name: &str) -> Result<Option<&str>, Repeated> {
+        single(
+            self.params
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v),
+        )
+    }
+}
+
+/// A request input that must appear at most once appears more often: which value counts is
+/// ambiguous (a service may read the first, another the last).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Repeated;
+
+fn single<'a>(mut values: impl Iterator<Item = &'a String>) -> Result<Option<&'a str>, Repeated> {
+    let first = values.next().map(String::as_str);
+    match values.next() {
+        Some(_) => Err(Repeated),
+        None => Ok(first),
+    }
 }
 
 /// `:path` as the path and the query string (without `?`).
@@ -60,9 +103,10 @@ fn split_path(raw: &str) -> (&str, &str) {
     raw.split_once('?').unwrap_or((raw, ""))
 }
 
-/// `:authority` as a matcher compares it: lower case, without port.
+/// `:authority` as a matcher compares it: lower case, without port or a trailing dot.
 fn host_of(authority: &str) -> String {
-    strip_port(authority).to_ascii_lowercase()
+    let host = strip_port(authority);
+    host.strip_suffix('.').unwrap_or(&host).to_ascii_lowercase()
 }
 
 fn strip_port(addr: &str) -> String {
@@ -82,7 +126,12 @@ fn strip_port(addr: &str) -> String {
 /// The pseudo-headers a policy's match reads, normalised as in [`Request`].
 pub trait MatchInput {
     fn method(&mut self) -> &str;
-    fn path(&mut self) -> &str;
+    /// Reading `n` of the path (0: the canonical one); `None` past the last.
+    fn path(&mut self, n: usize) -> Option<&str>;
+    /// Whether the path is ambiguous (reads it if no matcher has).
+    fn path_ambiguous(&mut self) -> bool;
+    /// Whether a matcher has read the path.
+    fn path_read(&self) -> bool;
     fn host(&mut self) -> &str;
 }
 
@@ -90,8 +139,17 @@ impl MatchInput for &Request {
     fn method(&mut self) -> &str {
         &self.method
     }
-    fn path(&mut self) -> &str {
-        &self.path
+    fn path(&mut self, n: usize) -> Option<&str> {
+        match n {
+            0 => Some(&self.path),
+            _ => self.path_others.get(n - 1).map(String::as_str),
+        }
+    }
+    fn path_ambiguous(&mut self) -> bool {
+        self.path_ambiguous
+    }
+    fn path_read(&self) -> bool {
+        true
     }
     fn host(&mut self) -> &str {
         &self.host
@@ -100,22 +158,31 @@ impl MatchInput for &Request {
 
 impl Match {
     pub fn matches(&self, req: &Request) -> bool {
-        self.fits(&mut &*req)
+        self.fits(&mut &*req, 0)
     }
 
-    /// Whether `input` fits: the path is read first (it tells most policies apart), then the
-    /// method, then the host, each only if this match names it.
-    pub fn fits(&self, input: &mut impl MatchInput) -> bool {
+    /// Whether `input` fits with reading `reading` of its path: the path is read first (it
+    /// tells most policies apart), then the method, then the host, each only if this match
+    /// names it.
+    pub fn fits(&self, input: &mut impl MatchInput, reading: usize) -> bool {
         if self.path_prefix.is_some() || self.path_exact.is_some() {
-            let path = input.path();
+            let Some(path) = input.path(reading) else {
+                return false;
+            };
             if self
                 .path_prefix
                 .as_ref()
                 .is_some_and(|p| !path.starts_with(p.as_str()))
-                || self.path_exact.as_ref().is_some_and(|p| path != p)
+                || self
+                    .path_exact
+                    .as_ref()
+                    .is_some_and(|p| trim_slash(path) != trim_slash(p))
             {
                 return false;
             }
+        } else if reading > 0 {
+            // Another reading of the path changes nothing for a match that ignores it.
+            return false;
         }
         if !self.methods.is_empty() {
             let method = input.method();
@@ -127,9 +194,51 @@ impl Match {
     }
 }
 
-/// The first policy whose match fits the request.
+/// What the policies make of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Selected {
+    /// Policy `i` guards the request.
+    Policy(usize),
+    /// The path is ambiguous and one of its readings fits policy `i`: refused, not guessed.
+    AmbiguousPath(usize),
+}
+
+impl Selected {
+    pub fn index(self) -> usize {
+        match self {
+            Selected::Policy(i) | Selected::AmbiguousPath(i) => i,
+        }
+    }
+}
+
+/// The first policy whose match fits `input`. With a [`Probe`], only the pseudo-headers the
+/// matchers need are read, each at most once; the other readings of an ambiguous path are
+/// tried only when no policy fits the canonical one.
+pub fn policy_index(policies: &[Policy], input: &mut impl MatchInput) -> Option<Selected> {
+    if let Some(i) = policies.iter().position(|p| p.matcher.fits(input, 0)) {
+        return Some(if input.path_ambiguous() {
+            Selected::AmbiguousPath(i)
+        } else {
+            Selected::Policy(i)
+        });
+    }
+    // No matcher read the path: none looks at it, so no reading of it fits either.
+    if !input.path_read() || !input.path_ambiguous() {
+        return None;
+    }
+    let mut n = 1;
+    while input.path(n).is_some() {
+        if let Some(i) = policies.iter().position(|p| p.matcher.fits(input, n)) {
+            return Some(Selected::AmbiguousPath(i));
+        }
+        n += 1;
+    }
+    None
+}
+
+/// The first policy that guards the request (ambiguous paths included).
 pub fn select_policy<'a>(policies: &'a [Policy], req: &Request) -> Option<&'a Policy> {
-    policies.iter().find(|p| p.matcher.matches(req))
+    policy_index(policies, &mut &*req).and_then(|s| policies.get(s.index()))
 }
 
 /// The pseudo-headers a matcher reads, each fetched at most once and only when a matcher
@@ -137,7 +246,7 @@ pub fn select_policy<'a>(policies: &'a [Policy], req: &Request) -> Option<&'a Po
 pub struct Probe<F: FnMut(&str) -> Option<String>> {
     read: F,
     method: Option<String>,
-    path: Option<String>,
+    path: Option<PathForm>,
     host: Option<String>,
 }
 
@@ -151,6 +260,14 @@ impl<F: FnMut(&str) -> Option<String>> Probe<F> {
             host: None,
         }
     }
+
+    fn form(&mut self) -> &PathForm {
+        let read = &mut self.read;
+        self.path.get_or_insert_with(|| {
+            let raw = read(":path").unwrap_or_default();
+            normalize_path(split_path(&raw).0)
+        })
+    }
 }
 
 impl<F: FnMut(&str) -> Option<String>> MatchInput for Probe<F> {
@@ -160,12 +277,16 @@ impl<F: FnMut(&str) -> Option<String>> MatchInput for Probe<F> {
             .get_or_insert_with(|| read(":method").unwrap_or_default().to_ascii_uppercase())
     }
 
-    fn path(&mut self) -> &str {
-        let read = &mut self.read;
-        self.path.get_or_insert_with(|| {
-            let raw = read(":path").unwrap_or_default();
-            split_path(&raw).0.to_string()
-        })
+    fn path(&mut self, n: usize) -> Option<&str> {
+        self.form().reading(n)
+    }
+
+    fn path_ambiguous(&mut self) -> bool {
+        self.form().ambiguous
+    }
+
+    fn path_read(&self) -> bool {
+        self.path.is_some()
     }
 
     fn host(&mut self) -> &str {
@@ -173,12 +294,6 @@ impl<F: FnMut(&str) -> Option<String>> MatchInput for Probe<F> {
         self.host
             .get_or_insert_with(|| host_of(&read(":authority").unwrap_or_default()))
     }
-}
-
-/// The index of the first policy whose match fits `input`; with a [`Probe`], only the
-/// pseudo-headers the matchers need are read, each at most once.
-pub fn policy_index(policies: &[Policy], input: &mut impl MatchInput) -> Option<usize> {
-    policies.iter().position(|p| p.matcher.fits(input))
 }
 
 /// Who is calling: the raw tenant and principal. These never leave the filter unhashed.
@@ -190,32 +305,30 @@ pub struct Caller {
 
 pub const ANONYMOUS: &str = "anonymous";
 
-/// Why a request has no usable tenant.
+/// Why a request has no usable identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TenantError {
     /// Absent or empty, and `missing_tenant: reject`.
     Missing,
-    /// The header appears more than once: which tenant is calling is ambiguous.
+    /// The tenant header appears more than once: which tenant is calling is ambiguous.
     Repeated,
+    /// The principal header appears more than once.
+    PrincipalRepeated,
 }
 
 /// Resolves the caller from the identity headers.
 pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, TenantError> {
-    let mut values = req
-        .headers
-        .iter()
-        .filter(|(n, _)| *n == identity.tenant_header);
-    let first = values.next().map(|(_, v)| v.as_str());
-    if values.next().is_some() {
-        return Err(TenantError::Repeated);
-    }
+    let first = req
+        .single_header(&identity.tenant_header)
+        .map_err(|Repeated| TenantError::Repeated)?;
     let tenant = match first.filter(|t| !t.is_empty()) {
         Some(t) => t.to_string(),
         None if identity.missing_tenant == MissingTenant::Anonymous => ANONYMOUS.to_string(),
         None => return Err(TenantError::Missing),
     };
     let principal = req
-        .header(&identity.principal_header)
+        .single_header(&identity.principal_header)
+        .map_err(|Repeated| TenantError::PrincipalRepeated)?
         .filter(|p| !p.is_empty())
         .unwrap_or(ANONYMOUS)
         .to_string();
@@ -223,20 +336,36 @@ pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, TenantErro
 }
 
 /// The value a selector takes for this request; `None` when the request does not carry it.
+/// Paths are canonical and query parameters decoded, so one resource has one name; a
+/// repeated input is refused before (see [`repeated_input`]).
 pub fn selector_value<'a>(sel: &Selector, caller: &'a Caller, req: &'a Request) -> Option<&'a str> {
     match sel {
         Selector::Tenant => Some(caller.tenant.as_str()),
         Selector::Principal => Some(caller.principal.as_str()),
         Selector::ClientIp => req.client_ip.as_deref(),
         Selector::Method => Some(req.method.as_str()),
-        Selector::Path => Some(req.path.as_str()),
+        Selector::Path => Some(trim_slash(&req.path)),
         Selector::Header(h) => req.header(h),
         Selector::PathSegment(n) => req.path.split('/').nth(*n).filter(|s| !s.is_empty()),
-        Selector::Query(name) => req.query.split('&').find_map(|pair| {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            (k == name).then_some(v)
-        }),
+        Selector::Query(name) => req
+            .params
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str()),
     }
+}
+
+/// The first of `selectors` whose input the request carries more than once (a header or a
+/// query parameter): which value names the scope is ambiguous.
+pub fn repeated_input<'s>(
+    selectors: impl IntoIterator<Item = &'s Selector>,
+    req: &Request,
+) -> Option<&'s Selector> {
+    selectors.into_iter().find(|sel| match sel {
+        Selector::Header(h) => req.single_header(h).is_err(),
+        Selector::Query(q) => req.single_param(q).is_err(),
+        _ => false,
+    })
 }
 
 #[cfg(test)]
@@ -320,7 +449,7 @@ mod tests {
                     .map(|(_, v)| v.to_string())
             });
             let lazy = policy_index(&config.policies, &mut probe)
-                .map(|i| config.policies[i].name.as_str());
+                .map(|i| config.policies[i.index()].name.as_str());
             drop(probe);
             assert_eq!(lazy, want, "lazy: {method} {path} {host}");
             let mut unique = reads.clone();
@@ -350,6 +479,64 @@ mod tests {
     }
 
     #[test]
+    fn hostile_spellings_of_a_guarded_path() {
+        let config = Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [
+                {"name": "exact", "match": {"methods": ["POST"], "path_exact": "/orders"}},
+                {"name": "lease", "match": {"methods": ["POST"], "path_prefix": "/lease/"}},
+                {"name": "admin", "match": {"host": "admin.example.com"}}
+            ]}"#,
+        )
+        .expect("valid");
+        let p = |i| Some(Selected::Policy(i));
+        let amb = |i| Some(Selected::AmbiguousPath(i));
+        let cases = [
+            ("/orders", "x", p(0)),
+            ("//orders", "x", p(0)),
+            ("/%6Frders", "x", p(0)),
+            ("/x/../orders", "x", p(0)),
+            ("/orders//", "x", p(0)),
+            ("/orders/", "x", p(0)),
+            ("/./orders?x=1", "x", p(0)),
+            ("/%2E%2E/orders", "x", p(0)),
+            ("/lease/%31/act", "x", p(1)),
+            ("/lease/1%2F2/act", "x", amb(1)),
+            ("/x%2F..%2Forders", "x", amb(0)),
+            ("/orders;jsessionid=1", "x", amb(0)),
+            ("/orders%00", "x", amb(0)),
+            ("/orders\\", "x", amb(0)),
+            ("/lease/1%zz", "x", amb(1)),
+            ("/a//../orders", "x", amb(0)),
+            ("/orders%252F", "x", amb(0)),
+            // Ambiguous, but no reading is guarded: not the filter's business.
+            ("/other%2Fpath", "x", None),
+            ("/other;x", "x", None),
+            // A policy that ignores the path still refuses an ambiguous one.
+            ("/any%2Fthing", "admin.example.com.", amb(2)),
+            ("/anything", "ADMIN.example.com:443", p(2)),
+        ];
+        for (path, host, want) in cases {
+            let r = req("POST", path, host);
+            assert_eq!(
+                policy_index(&config.policies, &mut &r),
+                want,
+                "{path} {host}"
+            );
+            let mut probe = Probe::new(|name: &str| {
+                [(":method", "POST"), (":path", path), (":authority", host)]
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| v.to_string())
+            });
+            assert_eq!(
+                policy_index(&config.policies, &mut probe),
+                want,
+                "lazy: {path} {host}"
+            );
+        }
+    }
+
+    #[test]
     fn selector_values() {
         let r = req("POST", "/orders/123/activate?mode=fast&x=&dry", "h");
         let caller = Caller {
@@ -372,12 +559,63 @@ mod tests {
         for (sel, want) in cases {
             assert_eq!(selector_value(&sel, &caller, &r), want, "{sel:?}");
         }
-        let trailing = req("POST", "/orders//x", "h");
+        // One resource, one name: however the path and query are spelled.
+        for (path, segment, id) in [
+            ("/orders//123/activate/?id=8", "123", "8"),
+            ("/orders/%31%32%33/activate?id=%38", "123", "8"),
+            ("/x/../orders/123/./activate?i%64=8", "123", "8"),
+            ("/%6Frders/12%33/activate?id=8&other=1", "123", "8"),
+        ] {
+            let r = req("POST", path, "h");
+            assert_eq!(
+                selector_value(&Selector::PathSegment(2), &caller, &r),
+                Some(segment),
+                "{path}"
+            );
+            assert_eq!(
+                selector_value(&Selector::Query("id".into()), &caller, &r),
+                Some(id),
+                "{path}"
+            );
+            assert_eq!(
+                selector_value(&Selector::Path, &caller, &r),
+                Some("/orders/123/activate"),
+                "{path}"
+            );
+        }
+        let r = req("POST", "/orders/a%3Ab?q=a+b%2Bc", "h");
         assert_eq!(
-            selector_value(&Selector::PathSegment(2), &caller, &trailing),
-            None,
-            "empty segment"
+            selector_value(&Selector::PathSegment(2), &caller, &r),
+            Some("a:b")
         );
+        assert_eq!(
+            selector_value(&Selector::Query("q".into()), &caller, &r),
+            Some("a b+c")
+        );
+    }
+
+    #[test]
+    fn repeated_inputs_are_ambiguous() {
+        let mut r = req("POST", "/orders/1?id=1&id=2&one=1", "h");
+        r.headers.push(("x-a".into(), "1".into()));
+        r.headers.push(("x-a".into(), "2".into()));
+        r.headers.push(("x-b".into(), "1".into()));
+        let q = Selector::Query("id".into());
+        let a = Selector::Header("x-a".into());
+        let cases: [(&[Selector], Option<&Selector>); 6] = [
+            (&[Selector::Tenant, Selector::PathSegment(2)], None),
+            (&[Selector::Query("one".into())], None),
+            (&[Selector::Header("x-b".into())], None),
+            (&[Selector::Tenant, q.clone()], Some(&q)),
+            (std::slice::from_ref(&a), Some(&a)),
+            (&[Selector::Query("absent".into())], None),
+        ];
+        for (sels, want) in cases {
+            assert_eq!(repeated_input(sels, &r), want, "{sels:?}");
+        }
+        // Repeated once decoded: `i%64` is `id`.
+        let r = req("POST", "/orders/1?id=1&i%64=1", "h");
+        assert_eq!(repeated_input(std::slice::from_ref(&q), &r), Some(&q));
     }
 
     #[test]
@@ -403,6 +641,15 @@ mod tests {
         let mut twice = with.clone();
         twice.headers.push(("x-tenant-id".into(), "globex".into()));
         assert_eq!(identify(&id, &twice), Err(TenantError::Repeated));
+        let mut two_users = with.clone();
+        two_users.headers.push(("x-user-id".into(), "alice".into()));
+        two_users
+            .headers
+            .push(("x-user-id".into(), "mallory".into()));
+        assert_eq!(
+            identify(&id, &two_users),
+            Err(TenantError::PrincipalRepeated)
+        );
         id.missing_tenant = MissingTenant::Anonymous;
         assert_eq!(
             identify(&id, &without).expect("anonymous").tenant,

@@ -26,6 +26,12 @@ pub enum Problem {
     GuardUnavailable,
     MissingTenant,
     AmbiguousTenant,
+    /// The principal header appears more than once (400).
+    AmbiguousPrincipal,
+    /// The path has more than one reading and one of them is guarded (400).
+    AmbiguousPath,
+    /// A header or query parameter a selector reads appears more than once (400).
+    AmbiguousSelector,
     IdempotencyKeyMissing,
     IdempotencyKeyInvalid,
     RequestBodyTooLarge,
@@ -48,7 +54,10 @@ impl Problem {
             Problem::RateLimited => 429,
             Problem::GuardUnavailable => 503,
             Problem::MissingTenant => 401,
-            Problem::AmbiguousTenant => 400,
+            Problem::AmbiguousTenant
+            | Problem::AmbiguousPrincipal
+            | Problem::AmbiguousPath
+            | Problem::AmbiguousSelector => 400,
             Problem::IdempotencyKeyMissing | Problem::IdempotencyKeyInvalid => 400,
             Problem::RequestBodyTooLarge => 413,
             Problem::RequestBodyTimeout => 408,
@@ -65,6 +74,9 @@ impl Problem {
             Problem::GuardUnavailable => "guard_unavailable",
             Problem::MissingTenant => "missing_tenant",
             Problem::AmbiguousTenant => "ambiguous_tenant",
+            Problem::AmbiguousPrincipal => "ambiguous_principal",
+            Problem::AmbiguousPath => "ambiguous_path",
+            Problem::AmbiguousSelector => "ambiguous_selector",
             Problem::IdempotencyKeyMissing => "idempotency_key_missing",
             Problem::IdempotencyKeyInvalid => "idempotency_key_invalid",
             Problem::RequestBodyTooLarge => "request_body_too_large",
@@ -82,6 +94,9 @@ impl Problem {
             Problem::GuardUnavailable => "Service Unavailable",
             Problem::MissingTenant => "Unauthorized",
             Problem::AmbiguousTenant => "Ambiguous Tenant",
+            Problem::AmbiguousPrincipal => "Ambiguous Principal",
+            Problem::AmbiguousPath => "Ambiguous Path",
+            Problem::AmbiguousSelector => "Ambiguous Request",
             Problem::IdempotencyKeyMissing => "Idempotency-Key Missing",
             Problem::IdempotencyKeyInvalid => "Idempotency-Key Invalid",
             Problem::RequestBodyTooLarge => "Content Too Large",

@@ -855,13 +855,33 @@ fn matcher(v: &Value, path: &str) -> Result<Match> {
     })
 }
 
+/// A path of a match: requests are matched in their canonical form, so the path must be
+/// written in it too (else it could never match).
 fn request_path(o: &mut Obj<'_>, field: &'static str) -> Result<Option<String>> {
     match o.opt_str(field)? {
         Some(p) if !p.starts_with('/') => Err(ConfigError::new(
             o.field_path(field),
             format!("{p:?} must start with '/'"),
         )),
-        p => Ok(p.map(str::to_string)),
+        Some(p) => {
+            let form = crate::normalize::normalize_path(p);
+            if form.ambiguous || form.canonical != p {
+                let hint = if form.ambiguous {
+                    "spell it without encoded '/', '\\', NUL, ';' or '..'".to_string()
+                } else {
+                    format!("write {:?}", form.canonical)
+                };
+                return Err(ConfigError::new(
+                    o.field_path(field),
+                    format!(
+                        "{p:?} is not a normalised path (requests are matched decoded, with \
+                         slashes merged and dot segments removed): {hint}"
+                    ),
+                ));
+            }
+            Ok(Some(p.to_string()))
+        }
+        None => Ok(None),
     }
 }
 
@@ -965,7 +985,7 @@ pub fn selector(s: &str) -> Option<Selector> {
             if let Some(q) = s.strip_prefix("query:") {
                 let ok = !q.is_empty()
                     && q.bytes()
-                        .all(|b| b.is_ascii_graphic() && !b"&=#?".contains(&b));
+                        .all(|b| b.is_ascii_graphic() && !b"&=#?%+".contains(&b));
                 return ok.then(|| Selector::Query(q.to_string()));
             }
             let h = s.strip_prefix("header:")?;

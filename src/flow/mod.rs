@@ -22,7 +22,9 @@ use crate::overlimit::{OverLimitCache, SharedStore};
 use crate::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::ratelimit::{self, KeyMemo, LimitState, Verdict, KEY_MEMO_SLOTS};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
-use crate::request::{identify, policy_index, selector_value, Caller, Request, TenantError};
+use crate::request::{
+    identify, policy_index, repeated_input, selector_value, Caller, Request, Selected, TenantError,
+};
 use crate::respond::{self, LocalResponse, Member, Problem};
 
 /// Everything a VM keeps after `on_configure`.
@@ -33,13 +35,24 @@ pub struct Runtime {
     pub over_limit: OverLimitCache,
     pub quota: LeasedQuota,
     pub keys: KeyMemo,
+    /// Request headers only the filter may set (the fingerprint, every lease's fencing
+    /// header): removed from every request the filter sees, guarded or not, so a client can
+    /// never hand the service a value of its own.
+    pub reserved_headers: Vec<String>,
 }
 
 impl Runtime {
     /// `shared` mirrors the over-limit cache across the proxy's workers.
     pub fn new(config: Config, metrics: Metrics, shared: Option<Box<dyn SharedStore>>) -> Runtime {
         let over_limit = OverLimitCache::new(config.over_limit_cache_entries, shared);
+        let mut reserved_headers = vec![FINGERPRINT_HEADER.to_string()];
+        for lease in config.policies.iter().filter_map(|p| p.lease.as_ref()) {
+            if !reserved_headers.contains(&lease.fencing_header) {
+                reserved_headers.push(lease.fencing_header.clone());
+            }
+        }
         Runtime {
+            reserved_headers,
             config,
             scripts: Scripts::load(),
             metrics,
@@ -195,8 +208,6 @@ pub struct Flow {
     response_seen: bool,
     response_headers: Vec<(String, String)>,
     upstream_headers: Vec<(String, String)>,
-    /// Request headers the filter owns: removed from what the client sent.
-    strip_headers: Vec<String>,
     background: Vec<Background>,
 }
 
@@ -222,7 +233,6 @@ impl Default for Flow {
             response_seen: false,
             response_headers: Vec::new(),
             upstream_headers: Vec::new(),
-            strip_headers: Vec::new(),
             background: Vec::new(),
         }
     }
@@ -344,11 +354,29 @@ impl Flow {
         m: &dyn MetricSink,
     ) -> Step {
         match policy_index(&rt.config.policies, &mut &req) {
-            Some(index) => {
+            Some(Selected::Policy(index)) => {
                 self.on_policy_request(rt, index, req, nonce, owner, end_of_stream, now_ms, m)
             }
+            Some(Selected::AmbiguousPath(index)) => self.on_ambiguous_path(rt, index, m),
             None => Step::Continue,
         }
+    }
+
+    /// A request whose path reads more than one way, one of them guarded by policy `index`:
+    /// refused, since the service may read it the way the guard did not.
+    pub fn on_ambiguous_path(&mut self, rt: &Runtime, index: usize, m: &dyn MetricSink) -> Step {
+        self.policy = index;
+        if let Some((_, pm)) = self.policy(rt) {
+            m.increment(pm.ambiguous_input);
+        }
+        self.answer(respond::problem(
+            Problem::AmbiguousPath,
+            "the request path has more than one reading (an encoded '/', a '\\', a NUL, a \
+             broken or double escape, ';' parameters or '..' after '//'); send it in its \
+             plain form",
+            &[],
+            Vec::new(),
+        ))
     }
 
     /// [`Flow::on_request`] for a request the caller already matched to policy `index`.
@@ -396,14 +424,34 @@ impl Flow {
                     Vec::new(),
                 ));
             }
+            Err(TenantError::PrincipalRepeated) => {
+                m.increment(pm.ambiguous_input);
+                let detail = format!(
+                    "the {} header must appear once",
+                    rt.config.identity.principal_header
+                );
+                return self.answer(respond::problem(
+                    Problem::AmbiguousPrincipal,
+                    &detail,
+                    &[],
+                    Vec::new(),
+                ));
+            }
         };
-        // The fencing token and the fingerprint come from the filter only, never the client,
-        // also when the request goes on without them (fail_open, no key).
-        if let Some(lease) = &policy.lease {
-            self.strip_headers.push(lease.fencing_header.clone());
-        }
-        if policy.idempotency.is_some() {
-            self.strip_headers.push(FINGERPRINT_HEADER.to_string());
+        let selectors = policy
+            .rate_limits
+            .iter()
+            .flat_map(|l| &l.by)
+            .chain(policy.lease.iter().flat_map(|l| &l.resource));
+        if let Some(sel) = repeated_input(selectors, &req) {
+            m.increment(pm.ambiguous_input);
+            let spelling = sel.spelling();
+            return self.answer(respond::problem(
+                Problem::AmbiguousSelector,
+                &format!("{spelling} must appear at most once in the request"),
+                &[("selector", Member::Str(&spelling))],
+                Vec::new(),
+            ));
         }
         if let Err(missing) = self.prepare_lease(rt, &caller, &req, owner) {
             if let Some(lm) = pm.lease.as_ref() {
@@ -628,8 +676,6 @@ impl Flow {
         };
         if let (Some(idem), Some(cfg)) = (self.idem.as_mut(), policy.idempotency.as_ref()) {
             idem.acquire.fingerprint = Self::fingerprint(cfg, &held, body);
-            self.upstream_headers
-                .push((FINGERPRINT_HEADER.into(), idem.acquire.fingerprint.clone()));
         }
         let n = policy.rate_limits.len();
         self.nonce = held.nonce.clone();
@@ -945,6 +991,11 @@ impl Flow {
         match answer {
             IdemAnswer::Acquired => {
                 m.increment(im.acquired);
+                // Only a request that holds its record tells the service its fingerprint.
+                if let Some(i) = self.idem.as_ref() {
+                    self.upstream_headers
+                        .push((FINGERPRINT_HEADER.into(), i.acquire.fingerprint.clone()));
+                }
                 let lease = self.lease_answer.take().unwrap_or(LeaseAnswer::Skipped);
                 self.on_lease_answer(rt, lease, limit_headers, now_ms, m)
             }
@@ -1370,16 +1421,13 @@ impl Flow {
         &self.response_headers
     }
 
-    /// The changes to make to the request headers before they go upstream, once: headers to
-    /// remove (values a client must not be able to supply), then headers to set.
-    pub fn take_upstream_changes(&mut self) -> (Vec<String>, Vec<(String, String)>) {
+    /// The headers to set on the request before it goes upstream, once. (The client's own
+    /// copies of them are removed from every request: see [`Runtime::reserved_headers`].)
+    pub fn take_upstream_headers(&mut self) -> Vec<(String, String)> {
         if !self.forwarded {
-            return (Vec::new(), Vec::new());
+            return Vec::new();
         }
-        (
-            std::mem::take(&mut self.strip_headers),
-            std::mem::take(&mut self.upstream_headers),
-        )
+        std::mem::take(&mut self.upstream_headers)
     }
 
     /// Headers to set on the request before it goes upstream (until taken).

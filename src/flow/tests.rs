@@ -1218,3 +1218,117 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     owned.on_answer(&rt, Ok(Reply::Int(-1)), 5, &rec);
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
 }
+
+#[test]
+fn reserved_headers_are_every_filter_owned_header() {
+    let rec = Recorder::default();
+    assert_eq!(
+        lease_runtime(&rec).reserved_headers,
+        vec![FINGERPRINT_HEADER, "x-fencing-token", "x-lease-token"]
+    );
+    assert_eq!(runtime(&rec).reserved_headers, vec![FINGERPRINT_HEADER]);
+}
+
+#[test]
+fn ambiguous_inputs_are_400_before_any_call() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 5] = [
+        ("/orders/1%2F2/act", &[], "ambiguous_path"),
+        ("/orders;x=1/7/act", &[], "ambiguous_path"),
+        ("/x%2F..%2Forders/7", &[], "ambiguous_path"),
+        (
+            "/orders/7/act",
+            &[("x-tenant-id", "acme"), ("x-tenant-id", "acme")],
+            "ambiguous_tenant",
+        ),
+        (
+            "/orders/7/act",
+            &[("x-user-id", "a"), ("x-user-id", "b")],
+            "ambiguous_principal",
+        ),
+    ];
+    for (path, extra, slug) in cases {
+        let mut headers = vec![
+            (":method".to_string(), "POST".to_string()),
+            (":path".to_string(), path.to_string()),
+        ];
+        if extra.iter().all(|(n, _)| *n != "x-tenant-id") {
+            headers.push(("x-tenant-id".into(), "acme".into()));
+        }
+        headers.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
+        let mut flow = Flow::default();
+        let step = flow.on_request(
+            &rt,
+            Request::from_headers(headers, None),
+            "n",
+            "o",
+            true,
+            0,
+            &rec,
+        );
+        let Step::Respond(r) = step else {
+            panic!("{path}: expected a local answer, got {step:?}");
+        };
+        assert_eq!(r.status, 400, "{path}");
+        let body = String::from_utf8_lossy(&r.body).into_owned();
+        assert!(body.contains(slug), "{path}: {body}");
+        assert_eq!(flow.deadline_ms(), None, "nothing outstanding");
+        assert!(flow.take_background().is_empty(), "nothing to give back");
+    }
+    assert_eq!(rec.count("cg.policy.activate.ambiguous_input"), 4);
+
+    // A repeated query parameter a lease resource reads.
+    let config = Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "q", "lease":
+            {"resource": ["query:id"], "ttl": "1s"}}]}"#,
+    )
+    .expect("valid");
+    let metrics = rec.metrics(&config);
+    let rt = Runtime::new(config, metrics, None);
+    for (path, status) in [
+        ("/x?id=1&id=2", 400),
+        ("/x?id=1&i%64=1", 400),
+        ("/x?id=1", 0),
+    ] {
+        let mut flow = Flow::default();
+        let step = flow.on_request(&rt, req("POST", path, Some("t")), "n", "o", true, 0, &rec);
+        match step {
+            Step::Respond(r) => {
+                assert_eq!(r.status, status, "{path}");
+                assert!(String::from_utf8_lossy(&r.body).contains("\"selector\":\"query:id\""));
+            }
+            Step::Dispatch(_) => assert_eq!(status, 0, "{path}"),
+            other => panic!("{path}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn fail_open_sends_no_fingerprint() {
+    let config = Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "o", "failure_mode": "fail_open",
+            "idempotency": {"fingerprint": ["method", "path"]}}]}"#,
+    )
+    .expect("valid");
+    let rec = Recorder::default();
+    let metrics = rec.metrics(&config);
+    let rt = Runtime::new(config, metrics, None);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        idem_req("/o", Some("\"k\""), &[]),
+        "n",
+        "o",
+        true,
+        0,
+        &rec,
+    ));
+    assert_eq!(
+        flow.on_reply(&rt, 0, Err(CallError::Timeout), 60, &rec),
+        Step::Continue
+    );
+    assert!(flow.upstream_headers().is_empty(), "nothing was acquired");
+    assert_eq!(rec.count("cg.policy.o.failed_open"), 1);
+}

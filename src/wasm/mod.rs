@@ -14,7 +14,7 @@ use crate::ids::TokenSource;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::overlimit::SharedStore;
 use crate::redis::{resp::Reply, webdis, CallError, ScriptCall, ScriptId};
-use crate::request::{policy_index, Probe, Request};
+use crate::request::{policy_index, Probe, Request, Selected};
 mod abi;
 
 use proxy_wasm::hostcalls;
@@ -205,13 +205,10 @@ fn settle_stream(vm: &Vm, stream: &Rc<Stream>) {
 /// Applies the flow's request-header changes, once, while the headers are still held (the
 /// host refuses changes to headers already sent).
 fn set_upstream_headers(stream: &Stream) {
-    let (strip, set) = match stream.flow.try_borrow_mut() {
-        Ok(mut f) => f.take_upstream_changes(),
+    let set = match stream.flow.try_borrow_mut() {
+        Ok(mut f) => f.take_upstream_headers(),
         Err(_) => return,
     };
-    for name in &strip {
-        let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
-    }
     for (name, value) in &set {
         let _ = abi::set_header(MapType::HttpRequestHeaders, name, value);
     }
@@ -671,6 +668,10 @@ impl HttpContext for Filter {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
+        // Headers only the filter may set never come from the client, whatever the request.
+        for name in &vm.runtime.reserved_headers {
+            let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
+        }
         // The hot path of a request no policy matches: the pseudo-headers the matchers need
         // (often only `:path`), nothing else.
         let mut probe = Probe::new(|name: &str| {
@@ -680,10 +681,18 @@ impl HttpContext for Filter {
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
         });
         let policies = &vm.runtime.config.policies;
-        let Some((index, policy)) =
-            policy_index(policies, &mut probe).and_then(|i| Some((i, policies.get(i)?)))
-        else {
-            return Action::Continue;
+        let (index, policy) = match policy_index(policies, &mut probe) {
+            None => return Action::Continue,
+            Some(Selected::AmbiguousPath(i)) => {
+                let step = self
+                    .stream
+                    .step(|f| f.on_ambiguous_path(&vm.runtime, i, &HostMetrics));
+                return self.apply(&vm, step, Some(Dir::Request));
+            }
+            Some(Selected::Policy(i)) => match policies.get(i) {
+                Some(p) => (i, p),
+                None => return Action::Continue,
+            },
         };
         let needs_tokens = policy.idempotency.is_some()
             || policy.lease.is_some()

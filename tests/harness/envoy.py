@@ -103,13 +103,22 @@ def substitute(text: str, values: dict[str, object], plugin_config: dict | str |
 
 def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: dict[str, int],
                   extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
-                  direct_response: bool = False, cluster_header: str | None = None) -> dict:
-    """envoy/template.yaml as a dict, with the variant the caller asked for."""
+                  direct_response: bool = False, cluster_header: str | None = None,
+                  path_normalization: bool = True) -> dict:
+    """envoy/template.yaml as a dict, with the variant the caller asked for.
+
+    `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
+    `pathNormalization: MERGE_SLASHES` or a hand-written listener may), so tests see what the
+    filter does on its own with hostile paths.
+    """
     import yaml  # PyYAML, from tests/requirements.txt
 
     text = substitute(TEMPLATE.read_text(), {**ports, "WASM_PATH": str(wasm_path)})
     cfg = yaml.safe_load(text)
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    if not path_normalization:
+        for key in ("normalize_path", "merge_slashes", "path_with_escaped_slashes_action"):
+            hcm.pop(key, None)
     filters = hcm["http_filters"]
     wasm = next(f for f in filters if f["name"] == FILTER_NAME)
     if local_ratelimit is not None:
@@ -171,7 +180,8 @@ class Envoy:
                  blackhole_port: int | None = None, dead_port: int | None = None,
                  extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                  direct_response: bool = False, concurrency: int = 2, listener_port: int = 0,
-                 admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None):
+                 admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
+                 path_normalization: bool = True):
         self.workdir = Path(workdir)
         self.plugin_config = plugin_config
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
@@ -191,7 +201,8 @@ class Envoy:
         self.config = render_config(plugin_config=plugin_config, wasm_path=self.wasm_path,
                                     ports=self.ports, extra_clusters=extra_clusters,
                                     local_ratelimit=local_ratelimit, direct_response=direct_response,
-                                    cluster_header=cluster_header)
+                                    cluster_header=cluster_header,
+                                    path_normalization=path_normalization)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None
