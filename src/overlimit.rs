@@ -26,6 +26,9 @@ struct Entry {
 }
 
 pub struct OverLimitCache {
+    capacity: usize,
+    /// Allocated on the first `mark`: a VM that serves no requests (Envoy's main-thread VM)
+    /// never pays for the table.
     slots: RefCell<Vec<Entry>>,
     shared: Option<Box<dyn SharedStore>>,
 }
@@ -42,21 +45,23 @@ impl OverLimitCache {
     /// `capacity` slots (0 disables the cache).
     pub fn new(capacity: usize, shared: Option<Box<dyn SharedStore>>) -> OverLimitCache {
         OverLimitCache {
-            slots: RefCell::new(vec![Entry::default(); capacity]),
+            capacity,
+            slots: RefCell::new(Vec::new()),
             shared,
         }
     }
 
     pub fn enabled(&self) -> bool {
-        self.slots
-            .try_borrow()
-            .map(|s| !s.is_empty())
-            .unwrap_or(false)
+        self.capacity > 0
     }
 
     fn slot_of(&self, hash: u64) -> Option<usize> {
-        let n = self.slots.try_borrow().ok()?.len();
-        (n > 0).then(|| (hash % n as u64) as usize)
+        (self.capacity > 0).then(|| (hash % self.capacity as u64) as usize)
+    }
+
+    /// Whether this worker's table has been allocated (it is on the first `mark`).
+    pub fn allocated(&self) -> bool {
+        self.slots.try_borrow().is_ok_and(|s| !s.is_empty())
     }
 
     fn shared_name(slot: usize) -> String {
@@ -67,21 +72,34 @@ impl OverLimitCache {
     pub fn rejecting_until(&self, key: &str, now_ms: u64) -> Option<u64> {
         let hash = key_hash(key);
         let slot = self.slot_of(hash)?;
-        let local = self.slots.try_borrow().ok()?.get(slot).copied()?;
+        let local = self
+            .slots
+            .try_borrow()
+            .ok()?
+            .get(slot)
+            .copied()
+            .unwrap_or_default();
         if local.hash == hash && local.until_ms > now_ms {
             return Some(local.until_ms);
         }
         let shared = self.shared.as_ref()?.get(&Self::shared_name(slot))?;
         let entry = decode(&shared)?;
         if entry.hash == hash && entry.until_ms > now_ms {
-            if let Ok(mut slots) = self.slots.try_borrow_mut() {
-                if let Some(s) = slots.get_mut(slot) {
-                    *s = entry;
-                }
-            }
+            self.store_local(slot, entry);
             return Some(entry.until_ms);
         }
         None
+    }
+
+    fn store_local(&self, slot: usize, entry: Entry) {
+        if let Ok(mut slots) = self.slots.try_borrow_mut() {
+            if slots.is_empty() {
+                slots.resize(self.capacity, Entry::default());
+            }
+            if let Some(s) = slots.get_mut(slot) {
+                *s = entry;
+            }
+        }
     }
 
     /// Records that `key` rejects until `until_ms`.
@@ -91,11 +109,7 @@ impl OverLimitCache {
             return;
         };
         let entry = Entry { hash, until_ms };
-        if let Ok(mut slots) = self.slots.try_borrow_mut() {
-            if let Some(s) = slots.get_mut(slot) {
-                *s = entry;
-            }
-        }
+        self.store_local(slot, entry);
         if let Some(shared) = &self.shared {
             shared.set(&Self::shared_name(slot), &encode(entry));
         }
@@ -164,6 +178,31 @@ mod tests {
         w1.mark("k", 5_000);
         assert_eq!(w2.rejecting_until("k", 10), Some(5_000));
         assert_eq!(shared.0.borrow().len(), 1, "one slot, bounded");
+    }
+
+    #[test]
+    fn the_table_is_allocated_on_first_use_only() {
+        let shared = FakeShared::default();
+        let idle = OverLimitCache::new(1_000_000, Some(Box::new(shared.clone())));
+        let worker = OverLimitCache::new(1_000_000, Some(Box::new(shared.clone())));
+        assert!(!idle.allocated() && !worker.allocated());
+        assert_eq!(worker.rejecting_until("k", 0), None);
+        assert!(
+            !worker.allocated(),
+            "a lookup that finds nothing allocates nothing"
+        );
+        worker.mark("k", 5_000);
+        assert!(worker.allocated());
+        assert!(
+            !idle.allocated(),
+            "a VM that serves no requests never allocates"
+        );
+        let reader = OverLimitCache::new(1_000_000, Some(Box::new(shared)));
+        assert_eq!(reader.rejecting_until("k", 10), Some(5_000));
+        assert!(
+            reader.allocated(),
+            "what another worker learnt is kept locally"
+        );
     }
 
     #[test]
