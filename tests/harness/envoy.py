@@ -103,8 +103,13 @@ def substitute(text: str, values: dict[str, object], plugin_config: dict | str |
 
 def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: dict[str, int],
                   extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
-                  direct_response: bool = False, cluster_header: str | None = None) -> dict:
-    """envoy/template.yaml as a dict, with the variant the caller asked for."""
+                  direct_response: bool = False, cluster_header: str | None = None,
+                  buffer_limit: int | None = None) -> dict:
+    """envoy/template.yaml as a dict, with the variant the caller asked for.
+
+    `buffer_limit` sets `per_connection_buffer_limit_bytes` on the listener and on the
+    upstream cluster (Envoy's default is 1 MiB), what the plugin's `envoy_buffer_limit` declares.
+    """
     import yaml  # PyYAML, from tests/requirements.txt
 
     text = substitute(TEMPLATE.read_text(), {**ports, "WASM_PATH": str(wasm_path)})
@@ -129,6 +134,10 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         route["direct_response"] = {"status": 200, "body": {"inline_string": "ok\n"}}
     for name, port in (extra_clusters or {}).items():
         cfg["static_resources"]["clusters"].append(_static_cluster(name, port))
+    if buffer_limit is not None:
+        cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] = buffer_limit
+        upstream = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "upstream")
+        upstream["per_connection_buffer_limit_bytes"] = buffer_limit
     return cfg
 
 
@@ -171,7 +180,8 @@ class Envoy:
                  blackhole_port: int | None = None, dead_port: int | None = None,
                  extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                  direct_response: bool = False, concurrency: int = 2, listener_port: int = 0,
-                 admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None):
+                 admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
+                 buffer_limit: int | None = None):
         self.workdir = Path(workdir)
         self.plugin_config = plugin_config
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
@@ -191,7 +201,7 @@ class Envoy:
         self.config = render_config(plugin_config=plugin_config, wasm_path=self.wasm_path,
                                     ports=self.ports, extra_clusters=extra_clusters,
                                     local_ratelimit=local_ratelimit, direct_response=direct_response,
-                                    cluster_header=cluster_header)
+                                    cluster_header=cluster_header, buffer_limit=buffer_limit)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None
