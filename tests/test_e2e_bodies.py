@@ -123,19 +123,20 @@ def test_a_2mib_response_streams_intact_and_is_replayed_by_reference(shared, gua
     assert idem_stat(envoy, "create-order", "outcome_unknown") == 0
 
 
-@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+@pytest.mark.parametrize("framing", ["content-length", "chunked-buffering", "chunked-streaming"])
 @pytest.mark.parametrize("complete", ["sync", "async"])
 def test_a_response_reset_mid_body_is_never_stored_completed(shared, guard, complete, framing):
     envoy = guard(default_sizes(complete=complete, processing_ttl="30s"),
                   timeout="50ms" if complete == "async" else "500ms")
     tenant, key, path = new_tenant(), new_key(), f"/orders/{uid()}"
-    # Over max_response_body before the reset (streaming), or chunked and still under it
-    # (the filter is buffering it when the upstream goes away).
-    sent = 256 * 1024 if framing == "content-length" else 16 * 1024
+    # Over max_response_body before the reset (streaming, known from content-length or found
+    # out mid-body), or chunked and still under it (the filter is buffering it when the
+    # upstream goes away).
+    sent = 16 * 1024 if framing == "chunked-buffering" else 256 * 1024
     headers = {TENANT_HEADER: tenant, "content-type": "application/json", "idempotency-key": key,
                "x-upstream-status": "201", "x-upstream-body-bytes": str(2 * MiB),
                "x-upstream-reset-after-bytes": str(sent)}
-    if framing == "chunked":
+    if framing.startswith("chunked"):
         headers["x-upstream-chunked"] = "1"
     try:
         status, _, body, error = fetch(envoy, path, headers)
