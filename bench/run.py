@@ -171,7 +171,7 @@ def idempotent(name: str) -> Callable[[Stack], dict]:
             "name": "create-order", "match": {"methods": ["POST"], "path_prefix": "/orders"},
             "idempotency": {"header": "idempotency-key", "required": True, "methods": ["POST"],
                             "processing_ttl": "2m", "completed_ttl": "10m",
-                            "fingerprint": ["method", "path", "body"], "max_request_body": "1MiB",
+                            "fingerprint": ["method", "path", "body"], "max_request_body": "512KiB",
                             "replay": "full", "max_response_body": "64KiB",
                             "replay_headers": ["content-type"], "complete": "sync"}}])
     return build

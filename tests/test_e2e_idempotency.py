@@ -66,7 +66,7 @@ def policy(name: str = "create-order", prefix: str = "/orders", *,
     """A policy guarding POST/PATCH under `prefix`; `idem` overrides the idempotency block."""
     block = {"header": "idempotency-key", "required": True, "methods": ["POST", "PATCH"],
              "processing_ttl": "2m", "completed_ttl": "24h",
-             "fingerprint": ["method", "path", "body"], "max_request_body": "1MiB",
+             "fingerprint": ["method", "path", "body"], "max_request_body": "512KiB",
              "replay": "full", "max_response_body": "64KiB",
              "replay_headers": ["content-type", "location", "etag"], "conflict_status": 422,
              "retryable_statuses": ["5xx", 408, 425, 429], "complete": "sync"}

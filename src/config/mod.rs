@@ -281,7 +281,15 @@ pub struct Config {
     pub policies: Vec<Policy>,
     /// Slots of the over-limit cache (0 disables it).
     pub over_limit_cache_entries: usize,
+    /// Envoy's `per_connection_buffer_limit_bytes` (listener and upstream cluster), as the
+    /// operator declares it: the filter cannot read it, and never buffers that much.
+    pub envoy_buffer_limit: u64,
 }
+
+/// Envoy's default `per_connection_buffer_limit_bytes`.
+pub const DEFAULT_ENVOY_BUFFER_LIMIT: u64 = 1 << 20;
+/// The largest `envoy_buffer_limit` accepted.
+pub const MAX_ENVOY_BUFFER_LIMIT: u64 = 1 << 30;
 
 /// Default size of the over-limit cache: 16 bytes a slot, per worker and in shared data.
 pub const DEFAULT_OVER_LIMIT_CACHE_ENTRIES: usize = 10_000;
@@ -309,12 +317,14 @@ impl Config {
         };
         let failure_mode = failure_mode(&mut root, "failure_mode")?.unwrap_or(FailureMode::Closed);
         let response_headers = root.opt_bool("response_headers")?.unwrap_or(true);
+        let envoy_buffer_limit = size(&mut root, "envoy_buffer_limit", MAX_ENVOY_BUFFER_LIMIT)?
+            .unwrap_or(DEFAULT_ENVOY_BUFFER_LIMIT);
         let mut policies = Vec::new();
         let policies_path = root.field_path("policies");
         if let Some(items) = root.opt_array("policies")? {
             for (i, item) in items.iter().enumerate() {
                 let path = index(&policies_path, i);
-                let p = policy(item, &path, failure_mode)?;
+                let p = policy(item, &path, failure_mode, envoy_buffer_limit)?;
                 if policies.iter().any(|q: &Policy| q.name == p.name) {
                     return Err(ConfigError::new(
                         format!("{path}.name"),
@@ -354,6 +364,7 @@ impl Config {
             response_headers,
             policies,
             over_limit_cache_entries,
+            envoy_buffer_limit,
         })
     }
 
@@ -499,7 +510,12 @@ fn identity(v: &Value, path: &str) -> Result<Identity> {
     })
 }
 
-fn policy(v: &Value, path: &str, default_failure: FailureMode) -> Result<Policy> {
+fn policy(
+    v: &Value,
+    path: &str,
+    default_failure: FailureMode,
+    envoy_buffer_limit: u64,
+) -> Result<Policy> {
     let mut o = Obj::new(v, path)?;
     let name = name(&mut o, "name")?;
     let matcher = match o.get("match") {
@@ -523,7 +539,11 @@ fn policy(v: &Value, path: &str, default_failure: FailureMode) -> Result<Policy>
         }
     }
     let idempotency = match o.get("idempotency") {
-        Some(v) => Some(idempotency(v, &o.field_path("idempotency"))?),
+        Some(v) => Some(idempotency(
+            v,
+            &o.field_path("idempotency"),
+            envoy_buffer_limit,
+        )?),
         None => None,
     };
     let lease = match o.get("lease") {
@@ -601,7 +621,40 @@ pub const MAX_REQUEST_BODY: u64 = 64 << 20;
 /// The largest response body stored for replay (it travels through the gateway as an argument).
 pub const MAX_RESPONSE_BODY: u64 = 4 << 20;
 
-fn idempotency(v: &Value, path: &str) -> Result<Idempotency> {
+/// What the filter buffers must stay below Envoy's buffer limit, else Envoy answers itself
+/// (`413` for a request body, `500` for a response body) before the filter can. Half of it by
+/// default, so that the piece of body that crosses the filter's limit cannot also cross Envoy's.
+fn below_envoy_limit(
+    o: &mut Obj<'_>,
+    field: &'static str,
+    max: u64,
+    default: u64,
+    envoy_buffer_limit: u64,
+) -> Result<u64> {
+    let path = o.field_path(field);
+    match size(o, field, max)? {
+        None => Ok(default.min(envoy_buffer_limit / 2).max(1)),
+        Some(n) if n < envoy_buffer_limit => Ok(n),
+        Some(n) => {
+            let (what, answer, setting) = if field == "max_request_body" {
+                ("request", "413", "the listener's")
+            } else {
+                ("response", "500", "the upstream cluster's")
+            };
+            Err(ConfigError::new(
+                path,
+                format!(
+                    "{n} bytes is not below envoy_buffer_limit ({envoy_buffer_limit} bytes): Envoy \
+                     answers {answer} itself once a filter buffers more of a {what} body than \
+                     {setting} per_connection_buffer_limit_bytes; lower it, or raise that Envoy \
+                     setting and envoy_buffer_limit together"
+                ),
+            ))
+        }
+    }
+}
+
+fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Idempotency> {
     let mut o = Obj::new(v, path)?;
     let header = header_name(&mut o, "header")?.unwrap_or("idempotency-key".into());
     let required = o.opt_bool("required")?.unwrap_or(true);
@@ -668,7 +721,13 @@ fn idempotency(v: &Value, path: &str) -> Result<Idempotency> {
             out
         }
     };
-    let max_request_body = size(&mut o, "max_request_body", MAX_REQUEST_BODY)?.unwrap_or(1 << 20);
+    let max_request_body = below_envoy_limit(
+        &mut o,
+        "max_request_body",
+        MAX_REQUEST_BODY,
+        1 << 20,
+        envoy_buffer_limit,
+    )?;
     let replay = match o.opt_str("replay")? {
         None | Some("full") => Replay::Full,
         Some("reference") => Replay::Reference,
@@ -679,8 +738,13 @@ fn idempotency(v: &Value, path: &str) -> Result<Idempotency> {
             ))
         }
     };
-    let max_response_body =
-        size(&mut o, "max_response_body", MAX_RESPONSE_BODY)?.unwrap_or(64 << 10);
+    let max_response_body = below_envoy_limit(
+        &mut o,
+        "max_response_body",
+        MAX_RESPONSE_BODY,
+        64 << 10,
+        envoy_buffer_limit,
+    )?;
     let rh_path = o.field_path("replay_headers");
     let replay_headers = match o.opt_str_list("replay_headers")? {
         None => vec!["content-type".into(), "location".into(), "etag".into()],

@@ -139,7 +139,7 @@ fn bad_configs_name_the_field() {
         ("empty_limit_name", "/policies/0/rate_limits/1/name", json!(""),
          "policies[0].rate_limits[1].name: must not be empty"),
         ("unknown_top", "/rate_limit", json!(1),
-         "rate_limit: unknown field (known here: failure_mode, identity, over_limit_cache, policies, redis, response_headers)"),
+         "rate_limit: unknown field (known here: envoy_buffer_limit, failure_mode, identity, over_limit_cache, policies, redis, response_headers)"),
         ("unknown_in_limit", "/policies/0/rate_limits/0/windw", json!("1s"),
          "policies[0].rate_limits[0].windw: unknown field (known here: algorithm, burst, by, limit, mode, name, shadow, window)"),
         ("path_with_double_slash", "/policies/0/match/path_prefix", json!("/orders//x"),
@@ -242,10 +242,12 @@ fn idempotency_defaults_and_example() {
             FingerprintPart::Body
         ]
     );
+    // Half of Envoy's default 1 MiB buffer limit for requests (1 MiB once it is raised).
     assert_eq!(
         (i.max_request_body, i.max_response_body),
-        (1 << 20, 64 << 10)
+        (512 << 10, 64 << 10)
     );
+    assert_eq!(c.envoy_buffer_limit, 1 << 20);
     assert_eq!(i.replay, Replay::Full);
     assert_eq!(i.replay_headers, vec!["content-type", "location", "etag"]);
     assert_eq!(i.conflict_status, 422);
@@ -266,7 +268,7 @@ fn idempotency_defaults_and_example() {
     let example = with_idempotency(json!({
         "header": "Idempotency-Key", "required": true, "methods": ["POST", "PATCH"],
         "processing_ttl": "2m", "completed_ttl": "24h", "fingerprint": ["method", "path", "body"],
-        "max_request_body": "1MiB", "replay": "full", "max_response_body": "64KiB",
+        "max_request_body": "512KiB", "replay": "full", "max_response_body": "64KiB",
         "replay_headers": ["content-type", "location", "etag"], "conflict_status": 409,
         "retryable_statuses": ["5xx", 429], "complete": "async"
     }))
@@ -285,6 +287,10 @@ fn bad_idempotency_names_the_field() {
          "policies[0].idempotency.processing_ttl: \"2 minutes\" is not a duration (use e.g. \"250ms\", \"2s\", \"1m\", \"24h\")"),
         ("size", json!({"max_request_body": "1GB"}),
          "policies[0].idempotency.max_request_body: \"1GB\" is not a size (use e.g. \"64KiB\", \"1MiB\")"),
+        ("request_at_envoy_limit", json!({"max_request_body": "1MiB"}),
+         "policies[0].idempotency.max_request_body: 1048576 bytes is not below envoy_buffer_limit (1048576 bytes): Envoy answers 413 itself once a filter buffers more of a request body than the listener's per_connection_buffer_limit_bytes; lower it, or raise that Envoy setting and envoy_buffer_limit together"),
+        ("response_over_envoy_limit", json!({"max_response_body": "2MiB"}),
+         "policies[0].idempotency.max_response_body: 2097152 bytes is not below envoy_buffer_limit (1048576 bytes): Envoy answers 500 itself once a filter buffers more of a response body than the upstream cluster's per_connection_buffer_limit_bytes; lower it, or raise that Envoy setting and envoy_buffer_limit together"),
         ("size_too_big", json!({"max_response_body": "8MiB"}),
          "policies[0].idempotency.max_response_body: \"8MiB\" is larger than the maximum of 4194304 bytes"),
         ("conflict", json!({"conflict_status": 400}),
@@ -382,4 +388,59 @@ fn tick_follows_timeout_leases_and_batching() {
         Config::from_value(&batched).expect("valid").tick_ms(false),
         25
     );
+}
+
+#[test]
+fn envoy_buffer_limit_bounds_what_the_filter_buffers() {
+    let mut v = base();
+    v["envoy_buffer_limit"] = json!("4MiB");
+    v["policies"][0]["idempotency"] =
+        json!({"max_request_body": "3MiB", "max_response_body": "3MiB"});
+    let c = Config::from_value(&v).expect("valid with the limit raised");
+    let i = c.policies[0].idempotency.as_ref().expect("present");
+    assert_eq!(c.envoy_buffer_limit, 4 << 20);
+    assert_eq!(
+        (i.max_request_body, i.max_response_body),
+        (3 << 20, 3 << 20)
+    );
+    // Defaults: 1 MiB / 64 KiB, never more than half of the limit.
+    v["policies"][0]["idempotency"] = json!({});
+    let c = Config::from_value(&v).expect("valid");
+    let i = c.policies[0].idempotency.as_ref().expect("present");
+    assert_eq!(
+        (i.max_request_body, i.max_response_body),
+        (1 << 20, 64 << 10)
+    );
+    v["envoy_buffer_limit"] = json!("64KiB");
+    let c = Config::from_value(&v).expect("valid");
+    let i = c.policies[0].idempotency.as_ref().expect("present");
+    assert_eq!(
+        (i.max_request_body, i.max_response_body),
+        (32 << 10, 32 << 10)
+    );
+    // Just below the limit is accepted, at the limit refused.
+    v["policies"][0]["idempotency"] = json!({"max_response_body": 65535});
+    assert!(Config::from_value(&v).is_ok());
+    v["policies"][0]["idempotency"] = json!({"max_response_body": 65536});
+    let err = Config::from_value(&v)
+        .expect_err("at the limit")
+        .to_string();
+    assert!(
+        err.starts_with("policies[0].idempotency.max_response_body: 65536 bytes is not below envoy_buffer_limit (65536 bytes)"),
+        "{err}"
+    );
+    for (bad, want) in [
+        (
+            json!("lots"),
+            "envoy_buffer_limit: \"lots\" is not a size (use e.g. \"64KiB\", \"1MiB\")",
+        ),
+        (
+            json!(0),
+            "envoy_buffer_limit: 0 is not a size between 1 and 1073741824 bytes",
+        ),
+    ] {
+        let mut v = base();
+        v["envoy_buffer_limit"] = bad;
+        assert_eq!(Config::from_value(&v).expect_err("bad").to_string(), want);
+    }
 }

@@ -114,6 +114,9 @@ enum Phase {
     BufferingResponse,
     /// Copying the response body as it passes (async completion).
     CopyingResponse,
+    /// The response body is larger than `max_response_body`: it passes untouched and a
+    /// reference record is stored once its end of stream is seen.
+    StreamingResponse,
     /// The complete/release call is outstanding; the response is paused.
     Completing,
     /// Decided; later answers are ignored.
@@ -158,7 +161,12 @@ struct Idem {
     status: u32,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
+    /// The body is not stored (larger than `max_response_body`): a reference record.
     too_large: bool,
+    /// The response's `content-length`, if it declared one.
+    declared: Option<u64>,
+    /// Bytes of the response body let through so far while it streams.
+    passed: u64,
 }
 
 /// The lease state of a request on a policy with `lease`.
@@ -531,6 +539,8 @@ impl Flow {
                     headers: Vec::new(),
                     body: Vec::new(),
                     too_large: false,
+                    declared: None,
+                    passed: 0,
                 });
                 let held = Held {
                     caller,
@@ -777,7 +787,10 @@ impl Flow {
     ) -> Step {
         if !matches!(
             self.phase,
-            Phase::Acquiring | Phase::Completing | Phase::BufferingResponse
+            Phase::Acquiring
+                | Phase::Completing
+                | Phase::BufferingResponse
+                | Phase::StreamingResponse
         ) {
             return Step::Wait;
         }
@@ -1607,11 +1620,14 @@ impl Flow {
         // The upstream answered: the protected operation is over. The response waits for the
         // release (one round trip), except with async idempotency completion, whose body
         // copying must not be paused: there the root releases it.
+        // So is a response whose body is known to stream (its content-length is over
+        // max_response_body): pausing its headers would make Envoy buffer its body.
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         let async_idem = owned
-            && self
-                .idem_config(rt)
-                .is_some_and(|c| c.complete == Completion::Async);
+            && self.idem_config(rt).is_some_and(|c| {
+                c.complete == Completion::Async
+                    || (via_upstream && declared_too_large(c, headers, end_of_stream))
+            });
         let release = if async_idem {
             self.release_lease();
             None
@@ -1684,9 +1700,17 @@ impl Flow {
             .collect();
         let needs_body = cfg.replay == Replay::Full && !end_of_stream;
         let sync = cfg.complete == Completion::Sync;
+        let too_large = declared_too_large(cfg, headers, end_of_stream);
         if let Some(i) = self.idem.as_mut() {
             i.status = status;
             i.headers = replay_headers;
+            i.too_large = too_large;
+            i.declared = content_length(headers);
+        }
+        if too_large {
+            // Never buffered: the body streams and the reference is stored at its end.
+            self.phase = Phase::StreamingResponse;
+            return Step::Continue;
         }
         if needs_body {
             self.phase = if sync {
@@ -1701,7 +1725,9 @@ impl Flow {
     }
 
     /// A piece of the response body. Sync completion buffers (`body_size` is the total so
-    /// far, `read` returns it all); async completion copies each chunk as it passes.
+    /// far, `read` returns it all); async completion copies each chunk as it passes. A body
+    /// over `max_response_body` is not buffered any further: it streams, and a reference
+    /// record is stored when its end of stream is seen (sync: the final chunk waits for it).
     pub fn on_response_body(
         &mut self,
         rt: &Runtime,
@@ -1714,10 +1740,13 @@ impl Flow {
         match self.phase {
             Phase::BufferingResponse => {
                 if body_size as u64 > max {
-                    // Too large to store: complete with a reference record now.
+                    // Too large to store: let what is buffered and the rest pass, and store a
+                    // reference once the body has ended.
                     if let Some(i) = self.idem.as_mut() {
                         i.too_large = true;
                     }
+                    self.phase = Phase::StreamingResponse;
+                    return self.stream_response(rt, body_size, end_of_stream, now_ms);
                 } else if !end_of_stream {
                     return Step::Wait;
                 } else if let Some(i) = self.idem.as_mut() {
@@ -1728,13 +1757,12 @@ impl Flow {
             }
             Phase::CopyingResponse => {
                 if let Some(i) = self.idem.as_mut() {
-                    if !i.too_large {
-                        if (i.body.len() + body_size) as u64 > max {
-                            i.too_large = true;
-                            i.body.clear();
-                        } else {
-                            i.body.extend(read());
-                        }
+                    if (i.body.len() + body_size) as u64 > max {
+                        i.too_large = true;
+                        i.body = Vec::new();
+                        self.phase = Phase::StreamingResponse;
+                    } else {
+                        i.body.extend(read());
                     }
                 }
                 if end_of_stream {
@@ -1742,6 +1770,63 @@ impl Flow {
                     return self.settle_record(rt, call, now_ms);
                 }
                 Step::Continue
+            }
+            Phase::StreamingResponse => self.stream_response(rt, body_size, end_of_stream, now_ms),
+            Phase::Completing => Step::Wait,
+            _ => Step::Continue,
+        }
+    }
+
+    /// A response body that is not stored passes (`body_size` bytes more). Its reference is
+    /// stored at its end: the end of stream, or the last byte its `content-length` declared
+    /// (with sync completion that piece waits for the record, so the client cannot see the
+    /// whole response before it is written; the host's empty end of stream may come later).
+    fn stream_response(
+        &mut self,
+        rt: &Runtime,
+        body_size: usize,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> Step {
+        let sync = self
+            .idem_config(rt)
+            .is_some_and(|c| c.complete == Completion::Sync);
+        let Some(i) = self.idem.as_mut() else {
+            return Step::Continue;
+        };
+        i.passed = i.passed.saturating_add(body_size as u64);
+        let complete = i.declared.is_some_and(|n| i.passed >= n);
+        if end_of_stream || (sync && complete) {
+            let call = self.completion_call(rt);
+            return self.settle_record(rt, call, now_ms);
+        }
+        Step::Continue
+    }
+
+    /// The response's trailers: its body has ended (without a body callback that said so).
+    pub fn on_response_trailers(
+        &mut self,
+        rt: &Runtime,
+        read: impl FnOnce() -> Vec<u8>,
+        now_ms: u64,
+    ) -> Step {
+        match self.phase {
+            Phase::BufferingResponse => {
+                let max = self.idem_config(rt).map_or(0, |c| c.max_response_body);
+                let body = read();
+                if let Some(i) = self.idem.as_mut() {
+                    if body.len() as u64 > max {
+                        i.too_large = true;
+                    } else {
+                        i.body = body;
+                    }
+                }
+                let call = self.completion_call(rt);
+                self.settle_record(rt, call, now_ms)
+            }
+            Phase::CopyingResponse | Phase::StreamingResponse => {
+                let call = self.completion_call(rt);
+                self.settle_record(rt, call, now_ms)
             }
             Phase::Completing => Step::Wait,
             _ => Step::Continue,
@@ -1798,6 +1883,10 @@ impl Flow {
             Phase::Completing => {}
             _ if !self.forwarded => self.release_in_background(),
             _ if !self.response_seen => self.outcome_unknown(rt, "", m),
+            // Never stored as completed: the client did not get the whole response either.
+            Phase::BufferingResponse | Phase::CopyingResponse | Phase::StreamingResponse => {
+                self.outcome_unknown(rt, "the response ended before its end of stream", m)
+            }
             _ => {}
         }
         self.phase = Phase::Done;
@@ -1812,6 +1901,28 @@ struct ResponseHead<'a> {
     details: &'a str,
     headers: &'a [(String, String)],
     end_of_stream: bool,
+}
+
+/// The response says (`content-length`) that its body is larger than `max_response_body`:
+/// it is never buffered. Only with `replay: full` (a reference record needs no body).
+fn declared_too_large(
+    cfg: &Idempotency,
+    headers: &[(String, String)],
+    end_of_stream: bool,
+) -> bool {
+    cfg.replay == Replay::Full
+        && !end_of_stream
+        && content_length(headers).is_some_and(|n| n > cfg.max_response_body)
+}
+
+/// The `content-length` of a response, when it has exactly one readable value.
+fn content_length(headers: &[(String, String)]) -> Option<u64> {
+    let mut values = headers.iter().filter(|(n, _)| n == "content-length");
+    let (_, v) = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    v.trim().parse().ok()
 }
 
 fn acquire_pending(g: acquire::Group, now_ms: u64) -> Pending {

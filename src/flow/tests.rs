@@ -1219,6 +1219,221 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
 }
 
+fn never_read() -> Vec<u8> {
+    panic!("a body over max_response_body must not be read")
+}
+
+fn cl(n: u64) -> Vec<(String, String)> {
+    vec![
+        ("content-type".to_string(), "text/plain".to_string()),
+        ("content-length".to_string(), n.to_string()),
+    ]
+}
+
+/// The complete call of `out` stores a reference: status and replay headers, no body.
+fn assert_reference(out: &[Outgoing]) {
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].script, ScriptId::Complete);
+    let stored = &out[0].call.args[3];
+    assert!(stored.contains("\"reference\":true"), "{stored}");
+    assert!(!stored.contains("\"body"), "{stored}");
+    assert!(stored.contains("\"status\":201"), "{stored}");
+}
+
+#[test]
+fn sync_response_declared_too_large_streams_and_holds_only_its_last_piece() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = forwarded(&rt, &rec);
+    // content-length over max_response_body (64 KiB): never buffered, headers go on at once.
+    let step =
+        flow.on_response_headers(&rt, 201, true, "via_upstream", &cl(100_000), false, 4, &rec);
+    assert_eq!(step, Step::Continue);
+    assert_eq!(flow.deadline_ms(), None);
+    assert_eq!(
+        flow.on_response_body(&rt, 60_000, false, never_read, 5),
+        Step::Continue
+    );
+    // The piece that reaches the declared length waits for the record.
+    let out = dispatched(flow.on_response_body(&rt, 40_000, false, never_read, 6));
+    assert_reference(&out);
+    assert_eq!(flow.deadline_ms(), Some(6 + 50));
+    // The host's empty end of stream comes later and waits too.
+    assert_eq!(
+        flow.on_response_body(&rt, 0, true, never_read, 7),
+        Step::Wait
+    );
+    assert_eq!(
+        flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 8, &rec),
+        Step::Continue
+    );
+    assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
+    flow.on_done(&rt, &rec);
+    assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 0);
+    assert!(flow.take_background().is_empty());
+}
+
+#[test]
+fn sync_response_stops_buffering_past_max_response_body() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = forwarded(&rt, &rec);
+    let chunked = vec![("content-type".to_string(), "text/plain".to_string())];
+    assert_eq!(
+        flow.on_response_headers(&rt, 201, true, "via_upstream", &chunked, false, 4, &rec),
+        Step::Wait
+    );
+    // Buffered while it may fit (body_size is all that is buffered so far) ...
+    assert_eq!(
+        flow.on_response_body(&rt, 30_000, false, never_read, 5),
+        Step::Wait
+    );
+    // ... and let through, buffered part included, once it cannot.
+    assert_eq!(
+        flow.on_response_body(&rt, 70_000, false, never_read, 6),
+        Step::Continue
+    );
+    assert_eq!(
+        flow.on_response_body(&rt, 16_384, false, never_read, 7),
+        Step::Continue
+    );
+    // Its end: the last piece waits for the reference record.
+    let out = dispatched(flow.on_response_body(&rt, 10, true, never_read, 8));
+    assert_reference(&out);
+    assert_eq!(
+        flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 9, &rec),
+        Step::Continue
+    );
+    assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
+}
+
+#[test]
+fn response_trailers_end_a_streaming_body() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = forwarded(&rt, &rec);
+    let chunked = vec![("content-type".to_string(), "text/plain".to_string())];
+    flow.on_response_headers(&rt, 201, true, "via_upstream", &chunked, false, 4, &rec);
+    assert_eq!(
+        flow.on_response_body(&rt, 70_000, false, never_read, 5),
+        Step::Continue
+    );
+    let out = dispatched(flow.on_response_trailers(&rt, never_read, 6));
+    assert_reference(&out);
+    // Trailers of a body that fits: it is stored whole.
+    let mut flow = forwarded(&rt, &rec);
+    flow.on_response_headers(&rt, 201, true, "via_upstream", &chunked, false, 4, &rec);
+    assert_eq!(
+        flow.on_response_body(&rt, 2, false, never_read, 5),
+        Step::Wait
+    );
+    let out = dispatched(flow.on_response_trailers(&rt, || b"ok".to_vec(), 6));
+    assert!(out[0].call.args[3].contains("\"body\":\"ok\""));
+}
+
+#[test]
+fn a_response_that_never_ends_is_never_stored_completed() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    // Streaming (declared too large), still buffering, and async copying: the stream ends
+    // (upstream reset) before the body's end of stream.
+    let mut streaming = forwarded(&rt, &rec);
+    streaming.on_response_headers(&rt, 201, true, "via_upstream", &cl(100_000), false, 4, &rec);
+    assert_eq!(
+        streaming.on_response_body(&rt, 60_000, false, never_read, 5),
+        Step::Continue
+    );
+    let mut buffering = forwarded(&rt, &rec);
+    buffering.on_response_headers(&rt, 201, true, "via_upstream", &[], false, 4, &rec);
+    assert_eq!(
+        buffering.on_response_body(&rt, 10, false, never_read, 5),
+        Step::Wait
+    );
+    for mut flow in [streaming, buffering] {
+        flow.on_done(&rt, &rec);
+        assert!(flow.take_background().is_empty());
+    }
+    assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 2);
+    assert_eq!(rec.count("cg.policy.orders.idem.completed"), 0);
+
+    let mut copying = Flow::default();
+    dispatched(copying.on_request(
+        &rt,
+        idem_req("/async", Some("k"), &[]),
+        "n",
+        "o",
+        true,
+        0,
+        &rec,
+    ));
+    let acquired = Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(1),
+        Reply::Int(-2),
+        Reply::Bulk(Some(vec![])),
+    ]));
+    assert_eq!(
+        copying.on_reply(&rt, 0, Ok(acquired), 1, &rec),
+        Step::Continue
+    );
+    copying.on_response_headers(&rt, 201, true, "via_upstream", &cl(100_000), false, 2, &rec);
+    assert_eq!(
+        copying.on_response_body(&rt, 50_000, false, never_read, 3),
+        Step::Continue
+    );
+    copying.on_done(&rt, &rec);
+    assert!(copying.take_background().is_empty(), "nothing completed");
+    assert_eq!(rec.count("cg.policy.async.idem.outcome_unknown"), 1);
+}
+
+#[test]
+fn async_response_over_max_is_stored_by_reference_at_its_end() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        idem_req("/async", Some("k"), &[]),
+        "n",
+        "o",
+        true,
+        0,
+        &rec,
+    ));
+    let acquired = Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(1),
+        Reply::Int(-2),
+        Reply::Bulk(Some(vec![])),
+    ]));
+    assert_eq!(flow.on_reply(&rt, 0, Ok(acquired), 1, &rec), Step::Continue);
+    // No content-length: copied while it fits, then only counted.
+    flow.on_response_headers(&rt, 201, true, "via_upstream", &[], false, 2, &rec);
+    assert_eq!(
+        flow.on_response_body(&rt, 40_000, false, || vec![b'a'; 40_000], 3),
+        Step::Continue
+    );
+    assert_eq!(
+        flow.on_response_body(&rt, 40_000, false, never_read, 4),
+        Step::Continue
+    );
+    // The declared length is not the end for async: the end of stream is.
+    assert!(flow.take_background().is_empty());
+    assert_eq!(
+        flow.on_response_body(&rt, 40_000, true, never_read, 5),
+        Step::Continue
+    );
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::Complete);
+    assert!(
+        bg[0].call.args[3].contains("\"reference\":true"),
+        "{}",
+        bg[0].call.args[3]
+    );
+    assert!(!bg[0].call.args[3].contains("aaaa"));
+}
+
 #[test]
 fn reserved_headers_are_every_filter_owned_header() {
     let rec = Recorder::default();

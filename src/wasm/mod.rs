@@ -803,6 +803,16 @@ impl HttpContext for Filter {
             )
         })
     }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.event(Dir::Response, |f, rt| {
+            f.on_response_trailers(
+                rt,
+                || buffer(BufferType::HttpResponseBody, usize::MAX >> 1),
+                now_ms(),
+            )
+        })
+    }
 }
 
 impl Drop for Filter {

@@ -104,12 +104,15 @@ def substitute(text: str, values: dict[str, object], plugin_config: dict | str |
 def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: dict[str, int],
                   extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                   direct_response: bool = False, cluster_header: str | None = None,
-                  path_normalization: bool = True) -> dict:
+                  path_normalization: bool = True, buffer_limit: int | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
     `pathNormalization: MERGE_SLASHES` or a hand-written listener may), so tests see what the
     filter does on its own with hostile paths.
+
+    `buffer_limit` sets `per_connection_buffer_limit_bytes` on the listener and on the
+    upstream cluster (Envoy's default is 1 MiB), what the plugin's `envoy_buffer_limit` declares.
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -138,6 +141,10 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         route["direct_response"] = {"status": 200, "body": {"inline_string": "ok\n"}}
     for name, port in (extra_clusters or {}).items():
         cfg["static_resources"]["clusters"].append(_static_cluster(name, port))
+    if buffer_limit is not None:
+        cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] = buffer_limit
+        upstream = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "upstream")
+        upstream["per_connection_buffer_limit_bytes"] = buffer_limit
     return cfg
 
 
@@ -181,7 +188,7 @@ class Envoy:
                  extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                  direct_response: bool = False, concurrency: int = 2, listener_port: int = 0,
                  admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
-                 path_normalization: bool = True):
+                 path_normalization: bool = True, buffer_limit: int | None = None):
         self.workdir = Path(workdir)
         self.plugin_config = plugin_config
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
@@ -202,7 +209,8 @@ class Envoy:
                                     ports=self.ports, extra_clusters=extra_clusters,
                                     local_ratelimit=local_ratelimit, direct_response=direct_response,
                                     cluster_header=cluster_header,
-                                    path_normalization=path_normalization)
+                                    path_normalization=path_normalization,
+                                    buffer_limit=buffer_limit)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None

@@ -11,6 +11,10 @@ Request headers that steer the answer:
 - `x-upstream-delay-ms: N`   sleep N ms before answering
 - `x-upstream-status: S`     answer with status S
 - `x-upstream-header-<name>: v` add response header `<name>: v`
+- `x-upstream-body-bytes: N`  answer with `big_body(N)` (N bytes of text) instead of the JSON
+- `x-upstream-chunked: 1`     send that body chunked, without Content-Length
+- `x-upstream-reset-after-bytes: M`  send the headers (Content-Length N) and M bytes of the
+  body, then reset the connection (TCP RST): a response that never completes
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import socket
+import struct
 import sys
 import threading
 import time
@@ -28,6 +34,12 @@ from pathlib import Path
 RECORDED_HEADERS = ("x-tenant-id", "x-user-id", "x-fencing-token", "x-idempotency-fingerprint",
                     "idempotency-key")
 ADMIN_PREFIX = "/__upstream/"
+BODY_PATTERN = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_\n"
+
+
+def big_body(n: int) -> bytes:
+    """The body of `x-upstream-body-bytes: n`: n bytes of a 64-byte text pattern."""
+    return (BODY_PATTERN * (n // len(BODY_PATTERN) + 1))[:n]
 
 
 class Ledger:
@@ -111,7 +123,39 @@ class Handler(BaseHTTPRequestHandler):
         status = int(self.headers.get("x-upstream-status") or 200)
         extra = {name[len("x-upstream-header-"):]: value for name, value in self.headers.items()
                  if name.lower().startswith("x-upstream-header-")}
+        size = self.headers.get("x-upstream-body-bytes")
+        if size is not None:
+            return self._send_big(status, int(size), extra)
         self._send(status, {"served": served, "method": self.command, "path": path}, extra)
+
+    def _send_big(self, status: int, size: int, extra: dict) -> None:
+        body = big_body(size)
+        chunked = self.headers.get("x-upstream-chunked") == "1"
+        reset_after = self.headers.get("x-upstream-reset-after-bytes")
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain")
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(len(body)))
+        for name, value in extra.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if reset_after is not None:
+            body = body[:int(reset_after)]
+        for i in range(0, len(body), 16384):
+            piece = body[i:i + 16384]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        if reset_after is not None:
+            self.wfile.flush()
+            time.sleep(0.2)  # let the bytes go out before the reset
+            # SO_LINGER 0: close() sends a RST instead of a FIN.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()
+            return
+        if chunked:
+            self.wfile.write(b"0\r\n\r\n")
 
     def _admin(self, path: str) -> None:
         if path == ADMIN_PREFIX + "stats" and self.command == "GET":
