@@ -135,10 +135,12 @@ struct Pending {
     by_sha: bool,
     sent_ms: u64,
     done: bool,
-    /// An acquire that may have written a record or a lease this request does not know of:
-    /// not answered yet, or failed in a way that may have run in Redis. A release must then
-    /// carry the owner's cancellation marker.
-    unsettled: bool,
+    /// An acquire that may have written a record (`record_unsettled`) or a lease
+    /// (`lease_unsettled`) this request does not know of: not answered yet, or failed in a
+    /// way that may have run in Redis. Its release then carries the owner's cancellation
+    /// marker; once that release is handed to the root, the flag is cleared.
+    record_unsettled: bool,
+    lease_unsettled: bool,
 }
 
 /// The idempotency state of a request that uses a key.
@@ -776,7 +778,8 @@ impl Flow {
                     // Provably not run (never sent, or refused by the gateway): nothing was
                     // written, so nothing is to be given back for this call.
                     p.done = true;
-                    p.unsettled = false;
+                    p.record_unsettled = false;
+                    p.lease_unsettled = false;
                 }
                 return self.call_failed(rt, slot, &e, now_ms, m);
             }
@@ -791,7 +794,8 @@ impl Flow {
                         return self.call_failed(rt, slot, &e, now_ms, m);
                     }
                 };
-                p.unsettled = false;
+                p.record_unsettled = false;
+                p.lease_unsettled = false;
                 let answer = read.lease.unwrap_or(LeaseAnswer::Skipped);
                 let headers = std::mem::take(&mut self.response_headers);
                 self.on_lease_answer(rt, answer, headers, now_ms, m)
@@ -805,7 +809,8 @@ impl Flow {
                         return self.call_failed(rt, slot, &e, now_ms, m);
                     }
                 };
-                p.unsettled = false;
+                p.record_unsettled = false;
+                p.lease_unsettled = false;
                 let policy = rt.config.policies.get(self.policy);
                 for (&i, state) in p.limits.iter().zip(read.states) {
                     // A leased limit's "remaining" is the slice granted when its call admitted.
@@ -1157,7 +1162,8 @@ impl Flow {
             by_sha: true,
             sent_ms: now_ms,
             done: false,
-            unsettled: true,
+            record_unsettled: false,
+            lease_unsettled: true,
         }];
         self.phase = Phase::Acquiring;
         self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
@@ -1170,13 +1176,17 @@ impl Flow {
         let marker_ttl = self.marker_ttl_ms(rt);
         // An acquire that may still run (or may have run) may hold the lease: release by
         // owner anyway, with the cancellation marker, so a late acquire takes nothing.
-        let in_flight = self.pending.iter().any(|p| p.lease && p.unsettled);
+        let in_flight = self.pending.iter().any(|p| p.lease_unsettled);
         let Some(l) = self.lease.as_mut().filter(|l| l.held || in_flight) else {
             return;
         };
         let certain = l.held;
         l.held = false;
         l.next_extend_ms = None;
+        // Handed over once: the stream's end does not send it again.
+        self.pending
+            .iter_mut()
+            .for_each(|p| p.lease_unsettled = false);
         let call = if certain {
             ScriptCall {
                 keys: vec![l.acquire.key.clone()],
@@ -1460,7 +1470,7 @@ impl Flow {
         // An acquire that may still run (or may have run) may have created the record:
         // release by owner anyway, with the cancellation marker, so a late acquire writes
         // nothing. One that provably did not run needs nothing.
-        let in_flight = self.pending.iter().any(|p| p.idem && p.unsettled);
+        let in_flight = self.pending.iter().any(|p| p.record_unsettled);
         let Some(i) = self.idem.as_mut() else {
             return;
         };
@@ -1469,6 +1479,10 @@ impl Flow {
         }
         let certain = i.owned;
         i.owned = false;
+        // Handed over once: the stream's end does not send it again.
+        self.pending
+            .iter_mut()
+            .for_each(|p| p.record_unsettled = false);
         let call = if certain {
             ScriptCall {
                 keys: vec![i.acquire.key.clone()],
@@ -1576,7 +1590,8 @@ impl Flow {
             by_sha: true,
             sent_ms: now_ms,
             done: false,
-            unsettled: false,
+            record_unsettled: false,
+            lease_unsettled: false,
         });
         self.outgoing(self.pending.len() - 1, now_ms)
     }
@@ -1843,7 +1858,8 @@ fn acquire_pending(g: acquire::Group, now_ms: u64) -> Pending {
         sent_ms: now_ms,
         done: false,
         // Only a call that carries the record or the lease can leave one behind.
-        unsettled: g.idem || g.lease,
+        record_unsettled: g.idem,
+        lease_unsettled: g.lease,
     }
 }
 

@@ -1286,6 +1286,8 @@ fn a_timed_out_acquire_is_compensated_with_the_marker() {
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert!(bg[0].compensation && !bg[0].certain);
+    flow.on_done(&rt, &rec);
+    assert!(flow.take_background().is_empty(), "handed over once");
     // The late answer is ignored; nothing more is sent.
     assert_eq!(
         flow.on_reply(&rt, 0, Ok(acquire_reply(1, "")), deadline + 900, &rec),
@@ -1318,6 +1320,9 @@ fn a_late_lease_is_compensated_and_never_counted_released() {
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     assert!(bg[0].compensation);
+    // The stream's end does not send it a second time.
+    flow.on_done(&rt, &rec);
+    assert!(flow.take_background().is_empty());
     assert_eq!(bg[0].call.keys.len(), 2);
     assert!(bg[0].call.keys[1].contains(":cancel:{t."));
     // The late acquire took the lease and the compensation gave it back: not "released".
