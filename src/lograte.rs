@@ -1,7 +1,7 @@
 //! Rate-limited warnings: in an outage every request fails the same way, and one line per
-//! request would flood the proxy's log. At most one line per kind per [`LOG_INTERVAL_MS`]
-//! goes out (per worker: each VM has its own limiter); the next line of that kind says how
-//! many were suppressed since the last one. Time is an argument.
+//! request would flood the proxy's log. At most one line per kind (and policy) per
+//! [`LOG_INTERVAL_MS`] goes out (per worker: each VM has its own limiter); the next line of
+//! that kind says how many were suppressed since the last one. Time is an argument.
 
 use std::cell::RefCell;
 
@@ -19,19 +19,6 @@ pub enum WarnKind {
     LeaseNotSettled,
     /// The host refused to dispatch a callout.
     Dispatch,
-}
-
-impl WarnKind {
-    const COUNT: usize = 4;
-
-    fn index(self) -> usize {
-        match self {
-            WarnKind::AcquireFailed => 0,
-            WarnKind::RecordNotSettled => 1,
-            WarnKind::LeaseNotSettled => 2,
-            WarnKind::Dispatch => 3,
-        }
-    }
 }
 
 /// What to do with one warning.
@@ -67,16 +54,24 @@ struct Slot {
     suppressed: u64,
 }
 
-/// The pure limiter: one slot per kind.
+/// The pure limiter: one slot per kind and scope (the policy's index; the number of slots is
+/// bounded by the configuration).
 #[derive(Debug, Default)]
 pub struct LogLimiter {
-    slots: [Slot; WarnKind::COUNT],
+    slots: Vec<((WarnKind, usize), Slot)>,
 }
 
 impl LogLimiter {
-    /// Decides about one warning of `kind` at `now_ms`.
-    pub fn admit(&mut self, kind: WarnKind, now_ms: u64) -> Admit {
-        let slot = &mut self.slots[kind.index()];
+    /// Decides about one warning of `kind` for `scope` (a policy index) at `now_ms`.
+    pub fn admit(&mut self, kind: WarnKind, scope: usize, now_ms: u64) -> Admit {
+        let at = match self.slots.iter().position(|(k, _)| *k == (kind, scope)) {
+            Some(at) => at,
+            None => {
+                self.slots.push(((kind, scope), Slot::default()));
+                self.slots.len() - 1
+            }
+        };
+        let slot = &mut self.slots[at].1;
         match slot.last_ms {
             Some(last) if now_ms.saturating_sub(last) < LOG_INTERVAL_MS => {
                 slot.suppressed += 1;
@@ -100,10 +95,17 @@ impl LogLimiter {
 pub struct Warnings(RefCell<LogLimiter>);
 
 impl Warnings {
-    /// Logs `message()` at warning level unless this kind was logged less than a second ago.
-    pub fn warn(&self, kind: WarnKind, now_ms: u64, message: impl FnOnce() -> String) {
+    /// Logs `message()` at warning level unless this kind was logged for `scope` (a policy
+    /// index) less than a second ago.
+    pub fn warn(
+        &self,
+        kind: WarnKind,
+        scope: usize,
+        now_ms: u64,
+        message: impl FnOnce() -> String,
+    ) {
         let admit = match self.0.try_borrow_mut() {
-            Ok(mut l) => l.admit(kind, now_ms),
+            Ok(mut l) => l.admit(kind, scope, now_ms),
             Err(_) => Admit::Log {
                 suppressed: 0,
                 since_ms: 0,
@@ -122,7 +124,7 @@ mod tests {
     #[test]
     fn one_line_per_kind_per_second_with_the_suppressed_count() {
         let mut l = LogLimiter::default();
-        let first = l.admit(WarnKind::AcquireFailed, 10_000);
+        let first = l.admit(WarnKind::AcquireFailed, 0, 10_000);
         assert_eq!(
             first,
             Admit::Log {
@@ -132,15 +134,20 @@ mod tests {
         );
         assert_eq!(first.suffix(), "");
         for t in 10_001..10_813 {
-            assert_eq!(l.admit(WarnKind::AcquireFailed, t), Admit::Suppress);
+            assert_eq!(l.admit(WarnKind::AcquireFailed, 0, t), Admit::Suppress);
         }
-        // Another kind is limited on its own.
+        // Another kind, or the same kind for another policy, is limited on its own.
         assert!(matches!(
-            l.admit(WarnKind::RecordNotSettled, 10_500),
+            l.admit(WarnKind::RecordNotSettled, 0, 10_500),
             Admit::Log { suppressed: 0, .. }
         ));
-        assert_eq!(l.admit(WarnKind::AcquireFailed, 10_999), Admit::Suppress);
-        let next = l.admit(WarnKind::AcquireFailed, 11_000);
+        assert!(matches!(
+            l.admit(WarnKind::AcquireFailed, 1, 10_500),
+            Admit::Log { suppressed: 0, .. }
+        ));
+        assert_eq!(l.admit(WarnKind::AcquireFailed, 1, 10_501), Admit::Suppress);
+        assert_eq!(l.admit(WarnKind::AcquireFailed, 0, 10_999), Admit::Suppress);
+        let next = l.admit(WarnKind::AcquireFailed, 0, 11_000);
         assert_eq!(
             next,
             Admit::Log {
@@ -150,11 +157,11 @@ mod tests {
         );
         assert_eq!(next.suffix(), " (and 813 more like it in the last 1.0 s)");
         // A quiet spell: the next line comes at once and reports nothing suppressed.
-        let later = l.admit(WarnKind::AcquireFailed, 60_000);
+        let later = l.admit(WarnKind::AcquireFailed, 0, 60_000);
         assert_eq!(later.suffix(), "");
-        assert_eq!(l.admit(WarnKind::AcquireFailed, 60_001), Admit::Suppress);
+        assert_eq!(l.admit(WarnKind::AcquireFailed, 0, 60_001), Admit::Suppress);
         assert_eq!(
-            l.admit(WarnKind::AcquireFailed, 62_500).suffix(),
+            l.admit(WarnKind::AcquireFailed, 0, 62_500).suffix(),
             " (and 1 more like it in the last 2.5 s)"
         );
     }
@@ -163,9 +170,9 @@ mod tests {
     fn a_clock_going_backwards_does_not_open_the_gate() {
         let mut l = LogLimiter::default();
         assert!(matches!(
-            l.admit(WarnKind::Dispatch, 5_000),
+            l.admit(WarnKind::Dispatch, 0, 5_000),
             Admit::Log { .. }
         ));
-        assert_eq!(l.admit(WarnKind::Dispatch, 4_000), Admit::Suppress);
+        assert_eq!(l.admit(WarnKind::Dispatch, 0, 4_000), Admit::Suppress);
     }
 }

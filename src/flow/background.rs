@@ -192,7 +192,7 @@ impl Background {
                     Some(im) => {
                         // Only sent for a record that exists or may exist.
                         m.increment(im.complete_failed);
-                        rt.warnings.warn(WarnKind::RecordNotSettled, now_ms, || {
+                        rt.warnings.warn(WarnKind::RecordNotSettled, self.policy, now_ms, || {
                             format!(
                                 "idempotency record of policy {} key {} not settled ({}{tries}); it expires at its processing TTL",
                                 policy.name,
@@ -201,18 +201,21 @@ impl Background {
                             )
                         });
                     }
-                    None => rt.warnings.warn(WarnKind::LeaseNotSettled, now_ms, || {
-                        format!(
-                            "lease of policy {} not {} ({}{tries}); it expires at its TTL",
-                            policy.name,
-                            if self.purpose == Purpose::LeaseExtend {
-                                "extended"
-                            } else {
-                                "released"
-                            },
-                            e.describe()
-                        )
-                    }),
+                    None => {
+                        rt.warnings
+                            .warn(WarnKind::LeaseNotSettled, self.policy, now_ms, || {
+                                format!(
+                                    "lease of policy {} not {} ({}{tries}); it expires at its TTL",
+                                    policy.name,
+                                    if self.purpose == Purpose::LeaseExtend {
+                                        "extended"
+                                    } else {
+                                        "released"
+                                    },
+                                    e.describe()
+                                )
+                            })
+                    }
                 }
                 Next::Done
             }

@@ -1255,13 +1255,14 @@ impl Flow {
             }
             Some(Purpose::LeaseRelease) => {
                 self.mark_done(slot);
-                rt.warnings.warn(WarnKind::LeaseNotSettled, now_ms, || {
-                    format!(
-                        "lease of policy {} not released ({}); it expires at its TTL",
-                        self.policy_name(rt),
-                        err.describe()
-                    )
-                });
+                rt.warnings
+                    .warn(WarnKind::LeaseNotSettled, self.policy, now_ms, || {
+                        format!(
+                            "lease of policy {} not released ({}); it expires at its TTL",
+                            self.policy_name(rt),
+                            err.describe()
+                        )
+                    });
                 self.response_calls_done()
             }
             _ => self.fail(rt, err, now_ms, m),
@@ -1286,7 +1287,7 @@ impl Flow {
         if let Some(im) = self.idem_metrics(rt) {
             m.increment(im.complete_failed);
         }
-        rt.warnings.warn(WarnKind::RecordNotSettled, now_ms, || {
+        rt.warnings.warn(WarnKind::RecordNotSettled, self.policy, now_ms, || {
             format!(
                 "idempotency record of policy {} key {} not completed ({}); it expires at its processing TTL",
                 self.policy_name(rt),
@@ -1304,17 +1305,18 @@ impl Flow {
         let Some((policy, pm)) = self.policy(rt) else {
             return Step::Continue;
         };
-        rt.warnings.warn(WarnKind::AcquireFailed, now_ms, || {
-            format!(
-                "redis call for policy {} failed ({}); {}",
-                policy.name,
-                err.describe(),
-                match policy.failure_mode {
-                    FailureMode::Open => "failing open",
-                    FailureMode::Closed => "failing closed",
-                }
-            )
-        });
+        rt.warnings
+            .warn(WarnKind::AcquireFailed, self.policy, now_ms, || {
+                format!(
+                    "redis call for policy {} failed ({}); {}",
+                    policy.name,
+                    err.describe(),
+                    match policy.failure_mode {
+                        FailureMode::Open => "failing open",
+                        FailureMode::Closed => "failing closed",
+                    }
+                )
+            });
         // A record or lease acquired by a call that did answer is given back either way.
         self.release_in_background(rt);
         self.release_lease(rt);

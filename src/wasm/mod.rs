@@ -280,7 +280,7 @@ fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
         Duration::from_millis(redis.timeout_ms.saturating_mul(2).saturating_add(100)),
     )
     .map_err(|status| {
-        rt.warnings.warn(WarnKind::Dispatch, now_ms(), || {
+        rt.warnings.warn(WarnKind::Dispatch, 0, now_ms(), || {
             format!("cannot dispatch to cluster {}: {status:?}", redis.cluster)
         });
         CallError::NotSent
