@@ -260,7 +260,7 @@ fn whole_requests() {
         if let (Step::Dispatch(out), Some(answer)) = (step.clone(), answer) {
             for o in out {
                 black_box(o.encode(&rt.scripts));
-                let reply = webdis::decode(Some(200), answer);
+                let reply = webdis::decode(Some(200), true, answer);
                 step = flow.on_reply(rt, o.slot, reply, 1_001, &NoMetrics);
             }
         }

@@ -20,6 +20,8 @@ pub struct IdemAcquire {
     pub fingerprint: String,
     pub owner: String,
     pub processing_ttl_ms: u64,
+    /// The owner's cancellation marker (same hash tag), passed as the call's last key.
+    pub cancel_key: String,
 }
 
 /// The lease part of an acquire.
@@ -31,6 +33,8 @@ pub struct LeaseAcquire {
     pub owner: String,
     pub ttl_ms: u64,
     pub fence_ttl_ms: u64,
+    /// The owner's cancellation marker (same hash tag), passed as the call's last key.
+    pub cancel_key: String,
 }
 
 /// One script call: the limits (indices into `policy.rate_limits`) whose keys share `tag`,
@@ -106,6 +110,13 @@ pub fn plan<S: AsRef<str>>(
                     args.push(l.fence_ttl_ms.to_string());
                 }
                 None => args.push("0".into()),
+            }
+            // The cancellation marker, last: a late acquire of a cancelled owner writes nothing.
+            if let Some(marker) = with_idem
+                .map(|d| &d.cancel_key)
+                .or(with_lease.map(|l| &l.cancel_key))
+            {
+                keys.push(marker.clone());
             }
             Group {
                 tag,
@@ -207,6 +218,8 @@ pub fn read_reply(
             }
             4 => IdemAnswer::Conflict,
             5 => IdemAnswer::Unreadable,
+            // Only an acquire the filter already gave up on finds its marker.
+            6 => return Err(bad("cancelled")),
             _ => return Err(bad("unknown idempotency code")),
         })
     } else {
@@ -219,6 +232,7 @@ pub fn read_reply(
             0 => LeaseAnswer::Skipped,
             1 if value > 0 => LeaseAnswer::Acquired { token: value },
             2 => LeaseAnswer::Busy { pttl_ms: value },
+            3 => return Err(bad("cancelled")),
             _ => return Err(bad("unknown lease code")),
         })
     } else {
@@ -280,6 +294,7 @@ mod tests {
             fingerprint: "sha256:ff".into(),
             owner: "o1".into(),
             processing_ttl_ms: 120_000,
+            cancel_key: "cg:demo:cancel:{t.d2e79529ba2c46b2}:create-order:o1".into(),
         }
     }
 
@@ -342,8 +357,14 @@ mod tests {
         );
         assert_eq!(groups.len(), 2);
         assert!(groups[0].idem && !groups[1].idem);
-        assert_eq!(groups[0].call.keys.len(), 3);
+        assert_eq!(groups[0].call.keys.len(), 4);
         assert_eq!(groups[0].call.keys[2], idem().key);
+        assert_eq!(groups[0].call.keys[3], idem().cancel_key);
+        assert_eq!(
+            groups[1].call.keys.len(),
+            2,
+            "no marker without a record or lease"
+        );
         let args = &groups[0].call.args;
         assert_eq!(
             &args[args.len() - 5..],
@@ -381,6 +402,7 @@ mod tests {
             owner: "o2".into(),
             ttl_ms: 10_000,
             fence_ttl_ms: 604_800_000,
+            cancel_key: "cg:cancel:{t.d2e79529ba2c46b2}:create-order:o1".into(),
         };
         let groups = plan(
             &c.policies[0],
@@ -390,9 +412,15 @@ mod tests {
             Some(&lease),
         );
         assert!(groups[0].idem && groups[0].lease);
+        // The record's marker (the same as the lease's: one owner token per request) last.
         assert_eq!(
             &groups[0].call.keys[2..],
-            &[idem().key, lease.key.clone(), lease.fence_key.clone()]
+            &[
+                idem().key,
+                lease.key.clone(),
+                lease.fence_key.clone(),
+                idem().cancel_key
+            ]
         );
         let args = &groups[0].call.args;
         assert_eq!(
@@ -433,6 +461,16 @@ mod tests {
             read_reply(&bad, 0, false, true).is_err(),
             "an acquired lease needs a token"
         );
+        // A cancelled acquire (its owner's marker exists) is never an answer to act on.
+        let cancelled = Reply::Array(Some(vec![Reply::Int(1), Reply::Int(3), Reply::Int(0)]));
+        assert!(read_reply(&cancelled, 0, false, true).is_err());
+        let cancelled = Reply::Array(Some(vec![
+            Reply::Int(1),
+            Reply::Int(6),
+            Reply::Int(-2),
+            Reply::Bulk(Some(vec![])),
+        ]));
+        assert!(read_reply(&cancelled, 0, true, false).is_err());
     }
 
     #[test]

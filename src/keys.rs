@@ -8,6 +8,7 @@
 //! idempotency: <prefix>:idem:{t.<tenant hash>}:<policy>:<key hash>
 //! lease:       <prefix>:lease:{t.<tenant hash>}:<policy>:<resource hash>
 //! fence:       <prefix>:fence:{t.<tenant hash>}:<policy>:<resource hash>
+//! cancel:      <prefix>:cancel:{t.<tenant hash>}:<policy>:<owner token>
 //! ```
 //!
 //! `<key hash>` is 32 hex digits (128 bits) of SHA-256 of the client's Idempotency-Key.
@@ -214,6 +215,13 @@ pub fn lease_keys(
     )
 }
 
+/// The cancellation marker of a request's owner token: written by a release of an acquire the
+/// filter gave up on, so that the acquire, if it still runs, writes nothing. Same hash tag as
+/// the request's record and lease.
+pub fn cancel_key(prefix: &str, tenant_tag: &str, policy: &str, owner: &str) -> String {
+    format!("{prefix}:cancel:{{{tenant_tag}}}:{policy}:{owner}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -328,6 +336,10 @@ mod tests {
         let (lease, fence) = lease_keys("cg", &tenant_tag("acme"), "activate", "abcd");
         assert_eq!(lease, "cg:lease:{t.d2e79529ba2c46b2}:activate:abcd");
         assert_eq!(fence, "cg:fence:{t.d2e79529ba2c46b2}:activate:abcd");
+        assert_eq!(
+            cancel_key("cg", &tenant_tag("acme"), "activate", "0f1e"),
+            "cg:cancel:{t.d2e79529ba2c46b2}:activate:0f1e"
+        );
     }
 
     #[test]

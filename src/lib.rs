@@ -16,6 +16,7 @@ pub mod flow;
 pub mod idempotency;
 pub mod ids;
 pub mod keys;
+pub mod lograte;
 pub mod metrics;
 pub mod normalize;
 pub mod overlimit;

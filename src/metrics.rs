@@ -8,7 +8,7 @@
 //! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
 //!   body_too_large|unreadable|released|completed|complete_failed|stale_owner|outcome_unknown`
 //! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource`
-//! * `cg.redis.calls|errors|timeouts|noscript`, histogram `cg.redis.latency_ms`
+//! * `cg.redis.calls|errors|timeouts|noscript|retries`, histogram `cg.redis.latency_ms`
 //! * `cg.over_limit_cache.hits`
 
 use crate::config::Config;
@@ -91,6 +91,8 @@ pub struct RedisMetrics {
     pub errors: u32,
     pub timeouts: u32,
     pub noscript: u32,
+    /// Background calls (releases) sent again after a failure.
+    pub retries: u32,
     pub latency_ms: u32,
 }
 
@@ -167,6 +169,7 @@ impl Metrics {
             errors: counter("cg.redis.errors".into()),
             timeouts: counter("cg.redis.timeouts".into()),
             noscript: counter("cg.redis.noscript".into()),
+            retries: counter("cg.redis.retries".into()),
             latency_ms: define(Kind::Histogram, "cg.redis.latency_ms"),
         };
         let over_limit_cache_hits = define(Kind::Counter, "cg.over_limit_cache.hits");
@@ -250,6 +253,7 @@ mod tests {
                 "cg.redis.errors",
                 "cg.redis.timeouts",
                 "cg.redis.noscript",
+                "cg.redis.retries",
                 "cg.redis.latency_ms",
                 "cg.over_limit_cache.hits",
             ]

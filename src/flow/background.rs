@@ -1,10 +1,26 @@
 //! Calls the root context sends on a request's behalf because they must outlive it or must
 //! not hold it: async completion, releasing a record the request will not use, releasing and
 //! extending leases.
+//!
+//! Releases are retried: a release that fails in a way that may not have reached Redis (a
+//! timeout, a lost or refused gateway connection) is sent again, with backoff
+//! ([`RETRY_FIRST_MS`], doubling up to [`RETRY_MAX_BACKOFF_MS`]), at most [`MAX_SENDS`] times
+//! and not after [`RETRY_WINDOW_MS`] from the first send. The core decides when
+//! ([`Background::due_ms`]); the root sends what is due on its tick ([`take_due`]).
 
 use super::{Purpose, Runtime};
+use crate::lograte::WarnKind;
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId};
+
+/// The first pause before a release is sent again; it doubles with every attempt.
+pub const RETRY_FIRST_MS: u64 = 100;
+/// The largest pause between two sends of a release.
+pub const RETRY_MAX_BACKOFF_MS: u64 = 1600;
+/// A release is sent at most this many times (the first send included).
+pub const MAX_SENDS: u32 = 6;
+/// No release is sent again later than this after its first send.
+pub const RETRY_WINDOW_MS: u64 = 10_000;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Background {
@@ -19,6 +35,27 @@ pub struct Background {
     /// its acquire was still in flight, or a call sent again after the stream ended): then
     /// "not ours" is the expected answer, not a stale owner or a lost lease.
     pub certain: bool,
+    /// Gives back what an acquire the request gave up on may have taken (the call carries the
+    /// owner's cancellation marker): "released" then is a late acquire undone, not a release
+    /// of something the request knew it held, and is not counted as one.
+    pub compensation: bool,
+    /// Sends so far.
+    pub attempts: u32,
+    /// When it was first sent.
+    pub first_ms: Option<u64>,
+    /// Not to be sent before this time (a retry's backoff); 0 for at once.
+    pub due_ms: u64,
+}
+
+/// What the root does with a background call after its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Settled (or given up): drop it.
+    Done,
+    /// Send it again now (by `EVAL`, after `NOSCRIPT`).
+    Resend,
+    /// Keep it and send it again at [`Background::due_ms`].
+    Retry,
 }
 
 impl Background {
@@ -31,12 +68,23 @@ impl Background {
             by_sha: true,
             sent_ms: 0,
             certain: true,
+            compensation: false,
+            attempts: 0,
+            first_ms: None,
+            due_ms: 0,
         }
     }
 
     /// A call whose "not ours" answer is expected (see [`Background::certain`]).
     pub fn uncertain(mut self) -> Background {
         self.certain = false;
+        self
+    }
+
+    /// A release of what a late acquire may have taken (see [`Background::compensation`]).
+    pub fn compensation(mut self) -> Background {
+        self.certain = false;
+        self.compensation = true;
         self
     }
 
@@ -50,36 +98,55 @@ impl Background {
         }
     }
 
-    /// The gateway request body.
+    /// The gateway request body; counts the send.
     pub fn encode(&mut self, rt: &Runtime, now_ms: u64) -> Vec<u8> {
         self.sent_ms = now_ms;
+        self.attempts = self.attempts.saturating_add(1);
+        self.first_ms.get_or_insert(now_ms);
         self.call.encode(rt.scripts.get(self.script()), self.by_sha)
     }
 
-    /// Handles the answer; `true` means send it again (by EVAL after `NOSCRIPT`).
+    /// After a failed send: when to send it again, if at all. Only releases are retried
+    /// (they are idempotent: compare-and-delete by owner, the marker set again), only after
+    /// failures that may not have reached Redis, bounded in count and time.
+    fn retry_at(&self, err: &CallError, now_ms: u64) -> Option<u64> {
+        if !matches!(self.purpose, Purpose::Release | Purpose::LeaseRelease)
+            || !err.retryable()
+            || self.attempts >= MAX_SENDS
+        {
+            return None;
+        }
+        let shift = self.attempts.saturating_sub(1).min(16);
+        let backoff = (RETRY_FIRST_MS << shift).min(RETRY_MAX_BACKOFF_MS);
+        let at = now_ms.saturating_add(backoff);
+        let first = self.first_ms.unwrap_or(now_ms);
+        (at <= first.saturating_add(RETRY_WINDOW_MS)).then_some(at)
+    }
+
+    /// Handles the answer (or a failure to send).
     pub fn on_answer(
         &mut self,
         rt: &Runtime,
         answer: Result<Reply, CallError>,
         now_ms: u64,
         m: &dyn MetricSink,
-    ) -> bool {
+    ) -> Next {
         m.record(
             rt.metrics.redis.latency_ms,
             now_ms.saturating_sub(self.sent_ms),
         );
         let Some(policy) = rt.config.policies.get(self.policy) else {
-            return false;
+            return Next::Done;
         };
         let Some(pm) = rt.metrics.policies.get(self.policy) else {
-            return false;
+            return Next::Done;
         };
         let lease = matches!(self.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
         match answer {
             Ok(reply) if is_noscript(&reply) && self.by_sha => {
                 m.increment(rt.metrics.redis.noscript);
                 self.by_sha = false;
-                true
+                Next::Resend
             }
             Ok(reply) if !self.certain && matches!(reply.as_int(), Some(0 | -1)) => {
                 log::debug!(
@@ -87,7 +154,15 @@ impl Background {
                     policy.name,
                     self.purpose
                 );
-                false
+                Next::Done
+            }
+            Ok(reply) if self.compensation && reply.as_int() == Some(1) => {
+                log::debug!(
+                    "policy {}: a late acquire was undone ({:?})",
+                    policy.name,
+                    self.purpose
+                );
+                Next::Done
             }
             Ok(reply) => {
                 if let (true, Some(lm)) = (lease, pm.lease.as_ref()) {
@@ -95,7 +170,7 @@ impl Background {
                 } else if let Some(im) = pm.idem.as_ref() {
                     count_settlement(im, self.purpose, &reply, &policy.name, &self.key_hash, m);
                 }
-                false
+                Next::Done
             }
             Err(e) => {
                 m.increment(if e == CallError::Timeout {
@@ -103,31 +178,58 @@ impl Background {
                 } else {
                     rt.metrics.redis.errors
                 });
+                if let Some(at) = self.retry_at(&e, now_ms) {
+                    m.increment(rt.metrics.redis.retries);
+                    self.due_ms = at;
+                    return Next::Retry;
+                }
+                let tries = if self.attempts > 1 {
+                    format!(", {} attempts", self.attempts)
+                } else {
+                    String::new()
+                };
                 match pm.idem.as_ref().filter(|_| !lease) {
                     Some(im) => {
+                        // Only sent for a record that exists or may exist.
                         m.increment(im.complete_failed);
-                        log::warn!(
-                            "idempotency record of policy {} key {} not settled ({}); it expires at its processing TTL",
-                            policy.name,
-                            self.key_hash,
-                            e.describe()
-                        );
+                        rt.warnings.warn(WarnKind::RecordNotSettled, self.policy, now_ms, || {
+                            format!(
+                                "idempotency record of policy {} key {} not settled ({}{tries}); it expires at its processing TTL",
+                                policy.name,
+                                self.key_hash,
+                                e.describe()
+                            )
+                        });
                     }
-                    None => log::warn!(
-                        "lease of policy {} not {} ({}); it expires at its TTL",
-                        policy.name,
-                        if self.purpose == Purpose::LeaseExtend {
-                            "extended"
-                        } else {
-                            "released"
-                        },
-                        e.describe()
-                    ),
+                    None => {
+                        rt.warnings
+                            .warn(WarnKind::LeaseNotSettled, self.policy, now_ms, || {
+                                format!(
+                                    "lease of policy {} not {} ({}{tries}); it expires at its TTL",
+                                    policy.name,
+                                    if self.purpose == Purpose::LeaseExtend {
+                                        "extended"
+                                    } else {
+                                        "released"
+                                    },
+                                    e.describe()
+                                )
+                            })
+                    }
                 }
-                false
+                Next::Done
             }
         }
     }
+}
+
+/// Takes the calls of `outbox` that are due at `now_ms`, in order; the rest stay.
+pub fn take_due(outbox: &mut Vec<Background>, now_ms: u64) -> Vec<Background> {
+    let (due, later): (Vec<Background>, Vec<Background>) = std::mem::take(outbox)
+        .into_iter()
+        .partition(|b| b.due_ms <= now_ms);
+    *outbox = later;
+    due
 }
 
 /// Counts what a lease release (`1` released) or extension (`1` extended) found; `0` (expired)

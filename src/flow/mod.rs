@@ -7,7 +7,7 @@
 
 mod background;
 
-pub use background::Background;
+pub use background::{take_due, Background, Next};
 
 use crate::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire, LeaseAnswer};
 use crate::config::{
@@ -17,6 +17,7 @@ use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
 use crate::idempotency::header::{parse_key, KeyError};
 use crate::idempotency::record::{Record, StoredResponse};
 use crate::keys;
+use crate::lograte::{WarnKind, Warnings};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
 use crate::overlimit::{OverLimitCache, SharedStore};
 use crate::quota::{LeasedQuota, QUOTA_SLOTS};
@@ -39,6 +40,8 @@ pub struct Runtime {
     /// header): removed from every request the filter sees, guarded or not, so a client can
     /// never hand the service a value of its own.
     pub reserved_headers: Vec<String>,
+    /// This worker's rate limiter of repeated warnings.
+    pub warnings: Warnings,
 }
 
 impl Runtime {
@@ -59,6 +62,7 @@ impl Runtime {
             over_limit,
             quota: LeasedQuota::new(QUOTA_SLOTS),
             keys: KeyMemo::new(KEY_MEMO_SLOTS),
+            warnings: Warnings::default(),
         }
     }
 }
@@ -147,6 +151,12 @@ struct Pending {
     by_sha: bool,
     sent_ms: u64,
     done: bool,
+    /// An acquire that may have written a record (`record_unsettled`) or a lease
+    /// (`lease_unsettled`) this request does not know of: not answered yet, or failed in a
+    /// way that may have run in Redis. Its release then carries the owner's cancellation
+    /// marker; once that release is handed to the root, the flag is cleared.
+    record_unsettled: bool,
+    lease_unsettled: bool,
 }
 
 /// The idempotency state of a request that uses a key.
@@ -246,6 +256,10 @@ impl Default for Flow {
     }
 }
 
+/// The least TTL of a cancellation marker (see [`Flow::marker_ttl_ms`]): longer than the
+/// whole retry window of a release, so every retry finds the marker of the ones before.
+pub const MARKER_MIN_TTL_MS: u64 = 60_000;
+
 /// First and largest pause between polls of a busy lease (`on_busy: wait`).
 pub const LEASE_POLL_FIRST_MS: u64 = 25;
 pub const LEASE_POLL_MAX_MS: u64 = 400;
@@ -325,6 +339,7 @@ impl Flow {
             }
         }
         let tag = keys::tenant_tag(&caller.tenant);
+        let cancel_key = keys::cancel_key(&rt.config.redis.key_prefix, &tag, &policy.name, owner);
         let (key, fence_key) = keys::lease_keys(
             &rt.config.redis.key_prefix,
             &tag,
@@ -339,6 +354,7 @@ impl Flow {
                 owner: owner.to_string(),
                 ttl_ms: lease.ttl_ms,
                 fence_ttl_ms: lease.fence_ttl_ms(),
+                cancel_key,
             },
             held: false,
             wait_until_ms: 0,
@@ -520,6 +536,8 @@ impl Flow {
                 }
                 let key_hash = keys::client_key_hash(&client_key);
                 let tag = keys::tenant_tag(&caller.tenant);
+                let cancel_key =
+                    keys::cancel_key(&rt.config.redis.key_prefix, &tag, &policy.name, owner);
                 self.idem = Some(Idem {
                     acquire: IdemAcquire {
                         key: keys::idempotency_key(
@@ -532,6 +550,7 @@ impl Flow {
                         fingerprint: String::new(),
                         owner: owner.to_string(),
                         processing_ttl_ms: idem.processing_ttl_ms,
+                        cancel_key,
                     },
                     key_hash,
                     owned: false,
@@ -814,7 +833,14 @@ impl Flow {
                 } else {
                     rt.metrics.redis.errors
                 });
-                return self.call_failed(rt, slot, &e, m);
+                if !e.may_have_run() {
+                    // Provably not run (never sent, or refused by the gateway): nothing was
+                    // written, so nothing is to be given back for this call.
+                    p.done = true;
+                    p.record_unsettled = false;
+                    p.lease_unsettled = false;
+                }
+                return self.call_failed(rt, slot, &e, now_ms, m);
             }
         };
         p.done = true;
@@ -824,9 +850,11 @@ impl Flow {
                     Ok(r) => r,
                     Err(e) => {
                         m.increment(rt.metrics.redis.errors);
-                        return self.call_failed(rt, slot, &e, m);
+                        return self.call_failed(rt, slot, &e, now_ms, m);
                     }
                 };
+                p.record_unsettled = false;
+                p.lease_unsettled = false;
                 let answer = read.lease.unwrap_or(LeaseAnswer::Skipped);
                 let headers = std::mem::take(&mut self.response_headers);
                 self.on_lease_answer(rt, answer, headers, now_ms, m)
@@ -837,9 +865,11 @@ impl Flow {
                     Ok(r) => r,
                     Err(e) => {
                         m.increment(rt.metrics.redis.errors);
-                        return self.call_failed(rt, slot, &e, m);
+                        return self.call_failed(rt, slot, &e, now_ms, m);
                     }
                 };
+                p.record_unsettled = false;
+                p.lease_unsettled = false;
                 let policy = rt.config.policies.get(self.policy);
                 for (&i, state) in p.limits.iter().zip(read.states) {
                     // A leased limit's "remaining" is the slice granted when its call admitted.
@@ -929,6 +959,7 @@ impl Flow {
             return self.fail(
                 rt,
                 &CallError::UnexpectedReply("missing limit state".into()),
+                now_ms,
                 m,
             );
         }
@@ -987,8 +1018,8 @@ impl Flow {
         let limit_headers = match verdict {
             Verdict::Reject(response) => {
                 // Another slot may have acquired the record or the lease: give them back.
-                self.release_in_background();
-                self.release_lease();
+                self.release_in_background(rt);
+                self.release_lease(rt);
                 return self.answer(response);
             }
             Verdict::Allow(headers) if rt.config.response_headers => headers,
@@ -1152,7 +1183,7 @@ impl Flow {
                 }
                 m.increment(lm.busy);
                 // The idempotency record this request acquired is not going to be used.
-                self.release_in_background();
+                self.release_in_background(rt);
                 let retry = respond::retry_after_secs(u64::try_from(pttl_ms).unwrap_or(1000));
                 let mut all = vec![("retry-after".to_string(), retry.to_string())];
                 all.extend(headers);
@@ -1173,7 +1204,7 @@ impl Flow {
         };
         let a = &lease.acquire;
         let call = ScriptCall {
-            keys: vec![a.key.clone(), a.fence_key.clone()],
+            keys: vec![a.key.clone(), a.fence_key.clone(), a.cancel_key.clone()],
             args: vec![
                 "0".into(),
                 "1".into(),
@@ -1195,6 +1226,8 @@ impl Flow {
             by_sha: true,
             sent_ms: now_ms,
             done: false,
+            record_unsettled: false,
+            lease_unsettled: true,
         }];
         self.phase = Phase::Acquiring;
         self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
@@ -1202,27 +1235,49 @@ impl Flow {
     }
 
     /// Gives a held lease back, from the root (the call must outlive the stream).
-    fn release_lease(&mut self) {
+    fn release_lease(&mut self, rt: &Runtime) {
         let policy = self.policy;
-        // An acquire still in flight may hold the lease: release by owner anyway.
-        let in_flight = self.pending.iter().any(|p| p.lease && !p.done);
+        let marker_ttl = self.marker_ttl_ms(rt);
+        // An acquire that may still run (or may have run) may hold the lease: release by
+        // owner anyway, with the cancellation marker, so a late acquire takes nothing.
+        let in_flight = self.pending.iter().any(|p| p.lease_unsettled);
         let Some(l) = self.lease.as_mut().filter(|l| l.held || in_flight) else {
             return;
         };
         let certain = l.held;
         l.held = false;
         l.next_extend_ms = None;
-        let call = Background::new(
-            policy,
-            Purpose::LeaseRelease,
+        // Handed over once: the stream's end does not send it again.
+        self.pending
+            .iter_mut()
+            .for_each(|p| p.lease_unsettled = false);
+        let call = if certain {
             ScriptCall {
                 keys: vec![l.acquire.key.clone()],
                 args: vec![l.acquire.owner.clone()],
-            },
-            String::new(),
-        );
+            }
+        } else {
+            ScriptCall {
+                keys: vec![l.acquire.key.clone(), l.acquire.cancel_key.clone()],
+                args: vec![l.acquire.owner.clone(), marker_ttl.to_string()],
+            }
+        };
+        let call = Background::new(policy, Purpose::LeaseRelease, call, String::new());
         self.background
-            .push(if certain { call } else { call.uncertain() });
+            .push(if certain { call } else { call.compensation() });
+    }
+
+    /// The TTL of this request's cancellation marker: it must outlive any acquire of this
+    /// request that can still run after the filter gave up on it (see README, "Redis keys").
+    fn marker_ttl_ms(&self, rt: &Runtime) -> u64 {
+        let policy = rt.config.policies.get(self.policy);
+        let processing = policy
+            .and_then(|p| p.idempotency.as_ref())
+            .map_or(0, |i| i.processing_ttl_ms);
+        let lease = policy
+            .and_then(|p| p.lease.as_ref())
+            .map_or(0, |l| l.ttl_ms);
+        processing.max(lease).max(MARKER_MIN_TTL_MS)
     }
 
     fn conflict(&mut self, status: u32, headers: Vec<(String, String)>) -> Step {
@@ -1252,25 +1307,29 @@ impl Flow {
         rt: &Runtime,
         slot: usize,
         err: &CallError,
+        now_ms: u64,
         m: &dyn MetricSink,
     ) -> Step {
         let purpose = self.pending.get(slot).map(|p| p.purpose);
         match purpose {
             Some(Purpose::Complete | Purpose::Release) => {
                 self.mark_done(slot);
-                self.completion_failed(rt, err, m);
+                self.completion_failed(rt, err, now_ms, m);
                 self.response_calls_done()
             }
             Some(Purpose::LeaseRelease) => {
                 self.mark_done(slot);
-                log::warn!(
-                    "lease of policy {} not released ({}); it expires at its TTL",
-                    self.policy_name(rt),
-                    err.describe()
-                );
+                rt.warnings
+                    .warn(WarnKind::LeaseNotSettled, self.policy, now_ms, || {
+                        format!(
+                            "lease of policy {} not released ({}); it expires at its TTL",
+                            self.policy_name(rt),
+                            err.describe()
+                        )
+                    });
                 self.response_calls_done()
             }
-            _ => self.fail(rt, err, m),
+            _ => self.fail(rt, err, now_ms, m),
         }
     }
 
@@ -1282,38 +1341,49 @@ impl Flow {
 
     /// The record could not be completed or released: the response goes out anyway and the
     /// record expires at its processing TTL.
-    fn completion_failed(&mut self, rt: &Runtime, err: &CallError, m: &dyn MetricSink) {
+    fn completion_failed(
+        &mut self,
+        rt: &Runtime,
+        err: &CallError,
+        now_ms: u64,
+        m: &dyn MetricSink,
+    ) {
         if let Some(im) = self.idem_metrics(rt) {
             m.increment(im.complete_failed);
         }
-        log::warn!(
-            "idempotency record of policy {} key {} not completed ({}); it expires at its processing TTL",
-            self.policy_name(rt),
-            self.key_hash(),
-            err.describe()
-        );
+        rt.warnings.warn(WarnKind::RecordNotSettled, self.policy, now_ms, || {
+            format!(
+                "idempotency record of policy {} key {} not completed ({}); it expires at its processing TTL",
+                self.policy_name(rt),
+                self.key_hash(),
+                err.describe()
+            )
+        });
         if let Some(i) = self.idem.as_mut() {
             i.owned = false;
         }
     }
 
     /// The one place a failed acquire becomes the policy's answer.
-    fn fail(&mut self, rt: &Runtime, err: &CallError, m: &dyn MetricSink) -> Step {
+    fn fail(&mut self, rt: &Runtime, err: &CallError, now_ms: u64, m: &dyn MetricSink) -> Step {
         let Some((policy, pm)) = self.policy(rt) else {
             return Step::Continue;
         };
-        log::warn!(
-            "redis call for policy {} failed ({}); {}",
-            policy.name,
-            err.describe(),
-            match policy.failure_mode {
-                FailureMode::Open => "failing open",
-                FailureMode::Closed => "failing closed",
-            }
-        );
+        rt.warnings
+            .warn(WarnKind::AcquireFailed, self.policy, now_ms, || {
+                format!(
+                    "redis call for policy {} failed ({}); {}",
+                    policy.name,
+                    err.describe(),
+                    match policy.failure_mode {
+                        FailureMode::Open => "failing open",
+                        FailureMode::Closed => "failing closed",
+                    }
+                )
+            });
         // A record or lease acquired by a call that did answer is given back either way.
-        self.release_in_background();
-        self.release_lease();
+        self.release_in_background(rt);
+        self.release_lease(rt);
         match policy.failure_mode {
             FailureMode::Open => {
                 m.increment(pm.failed_open);
@@ -1390,12 +1460,12 @@ impl Flow {
                     });
                     self.pending.iter_mut().for_each(|p| p.done = true);
                     if idem_pending {
-                        self.completion_failed(rt, &CallError::Timeout, m);
+                        self.completion_failed(rt, &CallError::Timeout, now_ms, m);
                     }
                     self.phase = Phase::Done;
                     return Step::Continue;
                 }
-                self.fail(rt, &CallError::Timeout, m)
+                self.fail(rt, &CallError::Timeout, now_ms, m)
             }
             _ => Step::Wait,
         }
@@ -1457,29 +1527,39 @@ impl Flow {
         std::mem::take(&mut self.background)
     }
 
-    fn release_in_background(&mut self) {
+    fn release_in_background(&mut self, rt: &Runtime) {
         let policy = self.policy;
+        let marker_ttl = self.marker_ttl_ms(rt);
+        // An acquire that may still run (or may have run) may have created the record:
+        // release by owner anyway, with the cancellation marker, so a late acquire writes
+        // nothing. One that provably did not run needs nothing.
+        let in_flight = self.pending.iter().any(|p| p.record_unsettled);
         let Some(i) = self.idem.as_mut() else {
             return;
         };
-        // An acquire still in flight may have created the record: release by owner anyway.
-        let maybe_owned = i.owned || self.pending.iter().any(|p| p.idem && !p.done);
-        if !maybe_owned {
+        if !i.owned && !in_flight {
             return;
         }
         let certain = i.owned;
         i.owned = false;
-        let call = Background::new(
-            policy,
-            Purpose::Release,
+        // Handed over once: the stream's end does not send it again.
+        self.pending
+            .iter_mut()
+            .for_each(|p| p.record_unsettled = false);
+        let call = if certain {
             ScriptCall {
                 keys: vec![i.acquire.key.clone()],
                 args: vec![i.acquire.owner.clone()],
-            },
-            i.key_hash.clone(),
-        );
+            }
+        } else {
+            ScriptCall {
+                keys: vec![i.acquire.key.clone(), i.acquire.cancel_key.clone()],
+                args: vec![i.acquire.owner.clone(), marker_ttl.to_string()],
+            }
+        };
+        let call = Background::new(policy, Purpose::Release, call, i.key_hash.clone());
         self.background
-            .push(if certain { call } else { call.uncertain() });
+            .push(if certain { call } else { call.compensation() });
     }
 
     fn completion_call(&self, rt: &Runtime) -> Option<(Purpose, ScriptCall)> {
@@ -1573,6 +1653,8 @@ impl Flow {
             by_sha: true,
             sent_ms: now_ms,
             done: false,
+            record_unsettled: false,
+            lease_unsettled: false,
         });
         self.outgoing(self.pending.len() - 1, now_ms)
     }
@@ -1629,7 +1711,7 @@ impl Flow {
                     || (via_upstream && declared_too_large(c, headers, end_of_stream))
             });
         let release = if async_idem {
-            self.release_lease();
+            self.release_lease(rt);
             None
         } else {
             self.lease_release_now(now_ms)
@@ -1852,7 +1934,7 @@ impl Flow {
     /// The stream is gone. A record we still own is released if the request never left
     /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise.
     pub fn on_done(&mut self, rt: &Runtime, m: &dyn MetricSink) {
-        self.release_lease();
+        self.release_lease(rt);
         // Response-side calls still outstanding may be cancelled with the stream: the root
         // sends them again (an answer that arrives twice is counted twice, nothing worse).
         let key_hash = self
@@ -1878,10 +1960,10 @@ impl Flow {
         }
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         match self.phase {
-            Phase::Acquiring => self.release_in_background(),
+            Phase::Acquiring => self.release_in_background(rt),
             _ if !owned => {}
             Phase::Completing => {}
-            _ if !self.forwarded => self.release_in_background(),
+            _ if !self.forwarded => self.release_in_background(rt),
             _ if !self.response_seen => self.outcome_unknown(rt, "", m),
             // Never stored as completed: the client did not get the whole response either.
             Phase::BufferingResponse | Phase::CopyingResponse | Phase::StreamingResponse => {
@@ -1936,6 +2018,9 @@ fn acquire_pending(g: acquire::Group, now_ms: u64) -> Pending {
         by_sha: true,
         sent_ms: now_ms,
         done: false,
+        // Only a call that carries the record or the lease can leave one behind.
+        record_unsettled: g.idem,
+        lease_unsettled: g.lease,
     }
 }
 

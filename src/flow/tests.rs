@@ -645,7 +645,16 @@ fn stream_ends_early() {
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::Release);
-    assert_eq!(bg[0].call.args, vec!["owner-1".to_string()]);
+    // With the owner's cancellation marker: the acquire may still run after this release.
+    assert!(bg[0].compensation);
+    assert_eq!(
+        bg[0].call.args,
+        vec!["owner-1".to_string(), "120000".into()]
+    );
+    assert_eq!(
+        bg[0].call.keys[1],
+        "cg:cancel:{t.d2e79529ba2c46b2}:orders:owner-1"
+    );
     // Forwarded, then the stream ended without a response: outcome unknown, kept.
     let mut flow = forwarded(&rt, &rec);
     flow.on_done(&rt, &rec);
@@ -914,8 +923,8 @@ fn busy_lease_waits_then_runs() {
     let out = dispatched(flow.on_tick(&rt, 1 + LEASE_POLL_FIRST_MS, &rec));
     let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
     assert!(
-        body.starts_with("EVALSHA/") && body.contains("/2/"),
-        "a lease-only acquire: {body}"
+        body.starts_with("EVALSHA/") && body.contains("/3/") && body.contains("%3Acancel%3A"),
+        "a lease-only acquire, with the owner's cancellation marker: {body}"
     );
     assert_eq!(
         flow.on_reply(&rt, 0, Ok(lease_reply(1, b"77")), 30, &rec),
@@ -1196,7 +1205,7 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     flow.on_done(&rt, &rec);
     let mut bg = flow.take_background();
     assert!(!bg[0].certain);
-    assert!(!bg[0].on_answer(&rt, Ok(Reply::Int(0)), 5, &rec));
+    assert_eq!(bg[0].on_answer(&rt, Ok(Reply::Int(0)), 5, &rec), Next::Done);
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 0);
     // A release of a record we did own that finds it gone is a stale owner.
     let mut flow = forwarded(&rt, &rec);
@@ -1546,4 +1555,193 @@ fn fail_open_sends_no_fingerprint() {
     );
     assert!(flow.upstream_headers().is_empty(), "nothing was acquired");
     assert_eq!(rec.count("cg.policy.o.failed_open"), 1);
+}
+
+/// A client key's acquire under the idempotency config, answered with `answer`; returns the
+/// step and what the flow handed to the root.
+fn acquire_fails(answer: Result<Reply, CallError>) -> (Step, Vec<Background>, Recorder) {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = Flow::default();
+    start_with_body(&mut flow, &rt, &rec, b"{}");
+    let step = flow.on_reply(&rt, 0, answer, 3, &rec);
+    let bg = flow.take_background();
+    (step, bg, rec)
+}
+
+#[test]
+fn a_call_that_provably_did_not_run_is_not_compensated() {
+    for e in [
+        CallError::Gateway(503),
+        CallError::Gateway(403),
+        CallError::NotSent,
+    ] {
+        let (step, bg, rec) = acquire_fails(Err(e.clone()));
+        assert!(
+            matches!(step, Step::Respond(ref r) if r.status == 503),
+            "{e:?}"
+        );
+        assert!(
+            bg.is_empty(),
+            "{e:?}: nothing was written, nothing to release"
+        );
+        assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 0);
+    }
+    // Unknown outcomes keep the compensation, with the marker.
+    for e in [
+        CallError::Transport,
+        CallError::Gateway(502),
+        CallError::Redis("OOM".into()),
+    ] {
+        let (_, bg, _) = acquire_fails(Err(e.clone()));
+        assert_eq!(bg.len(), 1, "{e:?}");
+        assert!(bg[0].compensation && bg[0].call.keys.len() == 2, "{e:?}");
+    }
+    // A reply that ran but cannot be read: the record may exist.
+    let (_, bg, _) = acquire_fails(Ok(ints(&[1, 1])));
+    assert_eq!(bg.len(), 1);
+    assert!(bg[0].compensation);
+}
+
+#[test]
+fn a_timed_out_acquire_is_compensated_with_the_marker() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let mut flow = Flow::default();
+    start_with_body(&mut flow, &rt, &rec, b"{}");
+    let deadline = flow.deadline_ms().expect("waiting on Redis");
+    let step = flow.on_tick(&rt, deadline, &rec);
+    assert!(matches!(step, Step::Respond(ref r) if r.status == 503));
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert!(bg[0].compensation && !bg[0].certain);
+    flow.on_done(&rt, &rec);
+    assert!(flow.take_background().is_empty(), "handed over once");
+    // The late answer is ignored; nothing more is sent.
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(acquire_reply(1, "")), deadline + 900, &rec),
+        Step::Wait
+    );
+    assert!(flow.take_background().is_empty());
+    assert_eq!(rec.count("cg.policy.orders.idem.acquired"), 0);
+}
+
+#[test]
+fn a_late_lease_is_compensated_and_never_counted_released() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        req("POST", "/orders/123/activate", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    let deadline = flow.deadline_ms().expect("waiting on Redis");
+    assert!(matches!(
+        flow.on_tick(&rt, deadline, &rec),
+        Step::Respond(_)
+    ));
+    let mut bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
+    assert!(bg[0].compensation);
+    // The stream's end does not send it a second time.
+    flow.on_done(&rt, &rec);
+    assert!(flow.take_background().is_empty());
+    assert_eq!(bg[0].call.keys.len(), 2);
+    assert!(bg[0].call.keys[1].contains(":cancel:{t."));
+    // The late acquire took the lease and the compensation gave it back: not "released".
+    assert_eq!(
+        bg[0].on_answer(&rt, Ok(Reply::Int(1)), deadline + 10, &rec),
+        Next::Done
+    );
+    assert_eq!(rec.count("cg.policy.activate.lease.released"), 0);
+    assert_eq!(rec.count("cg.policy.activate.lease.acquired"), 0);
+    assert_eq!(rec.count("cg.policy.activate.lease.lost"), 0);
+}
+
+#[test]
+fn releases_are_retried_with_backoff_bounded_in_count_and_time() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let (_, bg, _) = acquire_fails(Err(CallError::Timeout));
+    let mut bg = bg.into_iter().next().expect("a compensation");
+    let mut now = 1_000;
+    let mut sends = Vec::new();
+    loop {
+        bg.encode(&rt, now);
+        sends.push(now);
+        now += 500; // each send times out (the host's timeout)
+        match bg.on_answer(&rt, Err(CallError::Timeout), now, &rec) {
+            Next::Retry => {
+                assert!(bg.due_ms > now);
+                now = bg.due_ms;
+            }
+            Next::Done => break,
+            Next::Resend => panic!("no NOSCRIPT here"),
+        }
+    }
+    assert_eq!(sends.len() as u32, background::MAX_SENDS);
+    assert_eq!(sends, vec![1_000, 1_600, 2_300, 3_200, 4_500, 6_600]);
+    assert_eq!(
+        rec.count("cg.redis.retries"),
+        u64::from(background::MAX_SENDS) - 1
+    );
+    // Given up: the record may exist.
+    assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 1);
+
+    // A Redis answer is not retried (it would be the same again).
+    let (_, bg, _) = acquire_fails(Err(CallError::Timeout));
+    let mut bg = bg.into_iter().next().expect("a compensation");
+    bg.encode(&rt, 0);
+    assert_eq!(
+        bg.on_answer(&rt, Err(CallError::Redis("ERR".into())), 5, &rec),
+        Next::Done
+    );
+    // The time window bounds the retries too.
+    let (_, bg, _) = acquire_fails(Err(CallError::Timeout));
+    let mut bg = bg.into_iter().next().expect("a compensation");
+    bg.encode(&rt, 0);
+    bg.encode(&rt, background::RETRY_WINDOW_MS - 50);
+    assert_eq!(
+        bg.on_answer(
+            &rt,
+            Err(CallError::Timeout),
+            background::RETRY_WINDOW_MS,
+            &rec
+        ),
+        Next::Done
+    );
+    // Extensions and completions are not retried.
+    let mut ext = Background::new(
+        0,
+        Purpose::Complete,
+        crate::redis::ScriptCall {
+            keys: vec!["k".into()],
+            args: vec!["o".into()],
+        },
+        "h".into(),
+    );
+    ext.encode(&rt, 0);
+    assert_eq!(
+        ext.on_answer(&rt, Err(CallError::Timeout), 5, &rec),
+        Next::Done
+    );
+}
+
+#[test]
+fn the_root_sends_only_what_is_due() {
+    let (_, bg, _) = acquire_fails(Err(CallError::Timeout));
+    let mut later = bg[0].clone();
+    later.due_ms = 500;
+    let mut outbox = vec![bg[0].clone(), later.clone()];
+    let due = take_due(&mut outbox, 100);
+    assert_eq!(due, vec![bg[0].clone()]);
+    assert_eq!(outbox, vec![later.clone()]);
+    assert_eq!(take_due(&mut outbox, 500), vec![later]);
+    assert!(outbox.is_empty());
 }

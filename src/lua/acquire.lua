@@ -6,6 +6,12 @@
 -- then, iff the lease section is on, two more keys after the record (if any):
 --   lease key   the lease, a string holding the owner token
 --   fence key   the fencing counter, a string holding the last fencing token issued
+-- KEYS[last]   cancellation marker of the owner token, optional: present iff #KEYS is one
+--              more than the keys above (the filter always passes it when the idempotency or
+--              the lease section is on). The filter writes it (release.lua,
+--              lease_release.lua) when it gave up on this very call (timeout, client gone):
+--              a call that finds it writes no record and takes no lease (codes 6 / 3 below),
+--              so a late acquire cannot leave anything behind.
 --              All keys share one hash tag and the script touches no other key, so it is
 --              Redis Cluster safe.
 -- ARGV[1]      n: number of rate limits (integer >= 0)
@@ -47,6 +53,7 @@
 --                       5 UNREADABLE (the value is not a record we can read: not JSON, not an
 --                         object, no string fingerprint, state neither PROCESSING nor
 --                         COMPLETED, or not a string key at all)
+--                       6 CANCELLED (the cancellation marker exists: nothing written)
 --     pttl_ms  integer: the record's PTTL after the call (-2 if absent, -1 if it has no TTL)
 --     record   bulk string: the stored record JSON for code 3, else "" (never for CONFLICT)
 --   then, iff the lease section is on, 2 more values (after the idempotency values, if any):
@@ -54,6 +61,7 @@
 --                code is not 1 ACQUIRED; nothing written for the lease)
 --              1 ACQUIRED (SET lease <owner> NX PX lease_ttl_ms succeeded)
 --              2 BUSY (the lease exists, held by another owner or by this one: no re-entrancy)
+--              3 CANCELLED (the cancellation marker exists: nothing written, no token)
 --     value    ACQUIRED: the fencing token, as a decimal STRING; BUSY: the lease's PTTL in
 --              ms, >= 1 (1 if it has no TTL, which is left as it is); SKIPPED: 0
 --   The reply never holds a nil (webdis would drop it), and no integer of more than 10
@@ -136,15 +144,24 @@ if lease then
   fence_ttl_ms = count_arg(L + 3, 1)
 end
 
-if #KEYS ~= n + (idem and 1 or 0) + (lease and 2 or 0) then
+local nkeys = n + (idem and 1 or 0) + (lease and 2 or 0)
+local cancel_key
+if #KEYS == nkeys + 1 and (idem or lease) then
+  cancel_key = KEYS[nkeys + 1]
+elseif #KEYS ~= nkeys then
   bad(#KEYS .. ' keys for ' .. n .. ' limits, idempotency ' .. (idem and 'on' or 'off')
       .. ', lease ' .. (lease and 'on' or 'off'))
 end
 if lease then
-  for i = 1, #KEYS - 2 do
+  for i = 1, nkeys - 2 do
     if KEYS[i] == lease_key or KEYS[i] == fence_key then bad('KEYS[' .. i .. '] is reused') end
   end
   if lease_key == fence_key then bad('the lease key and the fence key are the same') end
+end
+if cancel_key then
+  for i = 1, nkeys do
+    if KEYS[i] == cancel_key then bad('the cancellation marker is KEYS[' .. i .. '] too') end
+  end
 end
 
 -- Every limit's arguments, validated before anything is read or written.
@@ -371,9 +388,19 @@ if admitted then
   end
 end
 
+-- Cancelled by the filter (it gave up on this call before it ran): nothing is written for
+-- the record or the lease. The rate limits above are counted as for any request that Redis
+-- saw. EXISTS only when a section is on and the marker key was passed.
+local cancelled = admitted and cancel_key ~= nil and redis.call('EXISTS', cancel_key) == 1
+
 -- Idempotency: create the PROCESSING record if absent, else report what is there.
 local idem_code = 0
-if idem then
+if idem and cancelled then
+  idem_code = 6 -- CANCELLED
+  reply[#reply + 1] = idem_code
+  reply[#reply + 1] = redis.call('PTTL', idem_key)
+  reply[#reply + 1] = ''
+elseif idem then
   local SKIPPED, ACQUIRED, IN_PROGRESS, COMPLETED, CONFLICT, UNREADABLE = 0, 1, 2, 3, 4, 5
   local pttl, record = nil, ''
   idem_code = SKIPPED
@@ -413,7 +440,9 @@ if lease then
   local SKIPPED, ACQUIRED, BUSY = 0, 1, 2
   local MAX_EXACT = 9007199254740992 -- 2^53
   local code, value = SKIPPED, 0
-  if admitted and (not idem or idem_code == 1) then -- 1: the record was ACQUIRED
+  if cancelled then
+    code = 3 -- CANCELLED
+  elseif admitted and (not idem or idem_code == 1) then -- 1: the record was ACQUIRED
     if redis.call('SET', lease_key, lease_owner, 'NX', 'PX', int(lease_ttl_ms)) then
       -- The last token issued under the fence key, 0 if it is absent or not one we wrote.
       -- One GET instead of TYPE + GET: another type's error table, like false, is no number.

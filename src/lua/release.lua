@@ -2,7 +2,12 @@
 -- effect, so a retry may run it), atomically, only if the caller still owns it.
 --
 -- KEYS[1]  idempotency record
+-- KEYS[2]  cancellation marker of the owner token, optional (same hash tag as KEYS[1]): when
+--          given, the caller gave up on its acquire call, which may still run later; the
+--          marker is set (SET PX ARGV[2], value "1") whatever the record's state, so that
+--          acquire.lua, finding it, writes nothing. Set before the record is looked at.
 -- ARGV[1]  owner token (the one acquire.lua stored)
+-- ARGV[2]  marker_ttl_ms: integer > 0, required iff KEYS[2] is given
 --
 -- Reply: integer
 --    1 RELEASED   the record was PROCESSING with this owner: deleted
@@ -16,6 +21,15 @@ local key = KEYS[1] or bad('KEYS[1] (record) is missing')
 local owner = ARGV[1] or bad('ARGV[1] (owner) is missing')
 
 local RELEASED, MISSING, NOT_OWNER = 1, 0, -1
+
+if KEYS[2] then
+  local ttl = tonumber(ARGV[2])
+  if ttl == nil or ttl % 1 ~= 0 or ttl < 1 then
+    bad('ARGV[2] (marker_ttl_ms) must be an integer >= 1, got ' .. tostring(ARGV[2]))
+  end
+  if KEYS[2] == key then bad('the marker and the record are the same key') end
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+end
 
 local kind = redis.call('TYPE', key)
 kind = type(kind) == 'table' and kind.ok or kind

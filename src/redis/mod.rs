@@ -128,9 +128,14 @@ impl ScriptCall {
 /// failure mode; none is retried within the request except `NOSCRIPT` (see [`is_noscript`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallError {
-    /// The host could not dispatch the call or the gateway connection failed.
+    /// The call never reached the gateway: the host refused to dispatch it, or the
+    /// connection to the gateway could not be made (Envoy's own answer says so).
+    NotSent,
+    /// The gateway connection failed with an unknown outcome (reset after the request may
+    /// have been sent, or no answer at all).
     Transport,
-    /// The gateway answered with a non-200 status (503: Redis down; 403: ACL/credentials).
+    /// The gateway itself answered with a non-200 status (503: Redis down; 403:
+    /// ACL/credentials).
     Gateway(u32),
     /// The gateway's body was not a Redis reply.
     Malformed(String),
@@ -146,7 +151,8 @@ impl CallError {
     /// A short description for logs; never contains keys or request data.
     pub fn describe(&self) -> String {
         match self {
-            CallError::Transport => "gateway unreachable".into(),
+            CallError::NotSent => "gateway unreachable".into(),
+            CallError::Transport => "gateway connection lost".into(),
             CallError::Gateway(status) => format!("gateway answered HTTP {status}"),
             CallError::Malformed(why) => format!("gateway reply is not RESP: {why}"),
             CallError::Redis(e) => {
@@ -155,6 +161,33 @@ impl CallError {
             CallError::UnexpectedReply(why) => format!("unexpected reply: {why}"),
             CallError::Timeout => "no answer within the timeout".into(),
         }
+    }
+}
+
+impl CallError {
+    /// Whether the command may have run in Redis. `false` only when it provably did not: it
+    /// was never sent, or the gateway refused it without passing it on (webdis answers 4xx
+    /// for a request it will not run and 503 when it has no Redis connection). A call that
+    /// may have run may have written something: only then is compensation worth a call.
+    pub fn may_have_run(&self) -> bool {
+        match self {
+            CallError::NotSent => false,
+            CallError::Gateway(status) => !((400..500).contains(status) || *status == 503),
+            CallError::Transport
+            | CallError::Malformed(_)
+            | CallError::Redis(_)
+            | CallError::UnexpectedReply(_)
+            | CallError::Timeout => true,
+        }
+    }
+
+    /// Whether sending the same call again may get an answer: not when Redis itself answered
+    /// (a script error or a reply we cannot read would be the same again).
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            CallError::NotSent | CallError::Transport | CallError::Gateway(_) | CallError::Timeout
+        )
     }
 }
 
@@ -187,5 +220,26 @@ mod tests {
             "NOSCRIPT No matching script. Please use EVAL.".into()
         )));
         assert!(!is_noscript(&Reply::Error("ERR x".into())));
+    }
+
+    #[test]
+    fn which_failures_may_have_run() {
+        for (e, ran) in [
+            (CallError::NotSent, false),
+            (CallError::Gateway(503), false),
+            (CallError::Gateway(403), false),
+            (CallError::Gateway(401), false),
+            (CallError::Gateway(502), true),
+            (CallError::Gateway(500), true),
+            (CallError::Transport, true),
+            (CallError::Timeout, true),
+            (CallError::Redis("OOM".into()), true),
+            (CallError::Malformed("x".into()), true),
+            (CallError::UnexpectedReply("x".into()), true),
+        ] {
+            assert_eq!(e.may_have_run(), ran, "{e:?}");
+        }
+        assert!(CallError::Timeout.retryable() && CallError::Gateway(503).retryable());
+        assert!(!CallError::Redis("ERR".into()).retryable());
     }
 }

@@ -32,13 +32,33 @@ pub fn encode(command: &[&[u8]]) -> Vec<u8> {
     out
 }
 
-/// Turns the gateway's HTTP answer into a Redis reply. Webdis never answers 504 itself: that
-/// is Envoy's own reply when the callout's timeout fires.
-pub fn decode(status: Option<u32>, body: &[u8]) -> Result<Reply, CallError> {
+/// Envoy's own answers (body text) when the callout never reached the gateway: the
+/// connection could not be made, no endpoint is healthy, or the pool overflowed. A reset of a
+/// connection the request was sent on ("connection termination", "reset") is not one of them.
+const NOT_SENT: &[&str] = &[
+    "connection failure",
+    "no healthy upstream",
+    "overflow",
+    "cluster not found",
+];
+
+/// Turns the gateway's HTTP answer into a Redis reply. `from_gateway` says the answer came
+/// from the gateway itself (its response carries `server` or Envoy's
+/// `x-envoy-upstream-service-time`), not from Envoy on its behalf. Webdis never answers 504
+/// itself: that is Envoy's own reply when the callout's timeout fires.
+pub fn decode(status: Option<u32>, from_gateway: bool, body: &[u8]) -> Result<Reply, CallError> {
     match status {
         Some(200) => resp::parse(body).map_err(CallError::Malformed),
         Some(504) => Err(CallError::Timeout),
-        Some(s) => Err(CallError::Gateway(s)),
+        Some(s) if from_gateway => Err(CallError::Gateway(s)),
+        Some(_) => {
+            let text = String::from_utf8_lossy(body).to_ascii_lowercase();
+            if NOT_SENT.iter().any(|t| text.contains(t)) {
+                Err(CallError::NotSent)
+            } else {
+                Err(CallError::Transport)
+            }
+        }
         None => Err(CallError::Transport),
     }
 }
@@ -58,17 +78,34 @@ mod tests {
 
     #[test]
     fn decodes_answers() {
-        assert_eq!(decode(Some(200), b":1\r\n"), Ok(Reply::Int(1)));
-        assert_eq!(decode(Some(503), b""), Err(CallError::Gateway(503)));
+        assert_eq!(decode(Some(200), true, b":1\r\n"), Ok(Reply::Int(1)));
+        assert_eq!(decode(Some(503), true, b""), Err(CallError::Gateway(503)));
         assert_eq!(
-            decode(Some(504), b"upstream request timeout"),
+            decode(Some(504), false, b"upstream request timeout"),
             Err(CallError::Timeout)
         );
-        assert_eq!(decode(Some(403), b""), Err(CallError::Gateway(403)));
-        assert_eq!(decode(None, b""), Err(CallError::Transport));
+        assert_eq!(decode(Some(403), true, b""), Err(CallError::Gateway(403)));
+        assert_eq!(decode(None, false, b""), Err(CallError::Transport));
         assert!(matches!(
-            decode(Some(200), b"{\"EVAL\":1}"),
+            decode(Some(200), true, b"{\"EVAL\":1}"),
             Err(CallError::Malformed(_))
         ));
+        // Envoy's own 503s: never sent, or sent on a connection that was then lost.
+        for body in [
+            &b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure"[..],
+            b"upstream connect error or disconnect/reset before headers. retried and the latest reset reason: connection failure, transport failure reason: delayed connect error: 111",
+            b"no healthy upstream",
+            b"upstream connect error or disconnect/reset before headers. reset reason: overflow",
+        ] {
+            assert_eq!(decode(Some(503), false, body), Err(CallError::NotSent));
+        }
+        assert_eq!(
+            decode(
+                Some(503),
+                false,
+                b"upstream connect error or disconnect/reset before headers. reset reason: connection termination"
+            ),
+            Err(CallError::Transport)
+        );
     }
 }

@@ -9,8 +9,9 @@
 use crate::batch;
 use crate::config::Algorithm;
 use crate::config::{Config, ConfigError, RedisConfig};
-use crate::flow::{Background, Flow, Runtime, Step};
+use crate::flow::{take_due, Background, Flow, Next, Runtime, Step};
 use crate::ids::TokenSource;
+use crate::lograte::WarnKind;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::overlimit::SharedStore;
 use crate::redis::{resp::Reply, webdis, CallError, ScriptCall, ScriptId};
@@ -252,10 +253,11 @@ fn now_ms() -> u64 {
 /// Sends one gateway request and counts it.
 fn send(vm: &Vm, body: &[u8]) -> Result<u32, CallError> {
     HostMetrics.increment(vm.runtime.metrics.redis.calls);
-    dispatch(&vm.runtime.config.redis, body)
+    dispatch(&vm.runtime, body)
 }
 
-fn dispatch(redis: &RedisConfig, body: &[u8]) -> Result<u32, CallError> {
+fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
+    let redis: &RedisConfig = &rt.config.redis;
     let mut headers: Vec<(&str, &str)> = vec![
         (":method", "POST"),
         (":path", "/"),
@@ -275,8 +277,10 @@ fn dispatch(redis: &RedisConfig, body: &[u8]) -> Result<u32, CallError> {
         Duration::from_millis(redis.timeout_ms.saturating_mul(2).saturating_add(100)),
     )
     .map_err(|status| {
-        log::warn!("cannot dispatch to cluster {}: {status:?}", redis.cluster);
-        CallError::Transport
+        rt.warnings.warn(WarnKind::Dispatch, 0, now_ms(), || {
+            format!("cannot dispatch to cluster {}: {status:?}", redis.cluster)
+        });
+        CallError::NotSent
     })
 }
 
@@ -286,11 +290,19 @@ fn call_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError>
         .ok()
         .flatten()
         .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+    // The gateway's own answer (not Envoy's on its behalf): it names itself, or Envoy's router
+    // timed it.
+    let from_gateway = ["server", "x-envoy-upstream-service-time"].iter().any(|h| {
+        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, h)
+            .ok()
+            .flatten()
+            .is_some()
+    });
     let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
         .ok()
         .flatten()
         .unwrap_or_default();
-    webdis::decode(status, &body)
+    webdis::decode(status, from_gateway, &body)
 }
 
 struct Root {
@@ -343,7 +355,22 @@ impl Root {
                 self.calls.insert(token, bg);
             }
             Err(e) => {
-                bg.on_answer(&vm.runtime, Err(e), now_ms(), &HostMetrics);
+                let next = bg.on_answer(&vm.runtime, Err(e), now_ms(), &HostMetrics);
+                self.after_background(vm, bg, next, false);
+            }
+        }
+    }
+
+    /// Carries out what the core decided about a background call after its answer.
+    /// `resend_now` is false where the call was just refused (no loop on a refusing host).
+    fn after_background(&mut self, vm: &Vm, bg: Background, next: Next, resend_now: bool) {
+        match next {
+            Next::Done => {}
+            Next::Resend if resend_now => self.send_background(vm, bg),
+            Next::Resend | Next::Retry => {
+                if let Ok(mut outbox) = vm.outbox.try_borrow_mut() {
+                    outbox.push(bg);
+                }
             }
         }
     }
@@ -477,9 +504,8 @@ impl Context for Root {
         let Some(mut bg) = self.calls.remove(&token) else {
             return;
         };
-        if bg.on_answer(&vm.runtime, call_answer(body_size), now_ms(), &HostMetrics) {
-            self.send_background(&vm, bg);
-        }
+        let next = bg.on_answer(&vm.runtime, call_answer(body_size), now_ms(), &HostMetrics);
+        self.after_background(&vm, bg, next, true);
     }
 }
 
@@ -538,10 +564,11 @@ impl RootContext for Root {
             let step = stream.step(|f| f.on_tick(&vm.runtime, now, &HostMetrics));
             self.apply_for(&vm, &stream, step);
         }
+        // What is due now; retries waiting for their backoff stay.
         let outbox: Vec<Background> = vm
             .outbox
             .try_borrow_mut()
-            .map(|mut o| std::mem::take(&mut *o))
+            .map(|mut o| take_due(&mut o, now))
             .unwrap_or_default();
         for bg in outbox {
             self.send_background(&vm, bg);
