@@ -320,7 +320,7 @@ impl Flow {
                 tag,
                 owner: owner.to_string(),
                 ttl_ms: lease.ttl_ms,
-                fence_ttl_ms: lease.fence_ttl_ms(),
+                fence_ttl_ms: lease.fence_ttl_ms,
             },
             held: false,
             wait_until_ms: 0,

@@ -308,7 +308,9 @@ struct Root {
 
 impl Root {
     fn configure(&mut self, bytes: &[u8]) -> Result<(), ConfigError> {
-        let config = Config::parse(bytes)?;
+        // `redis.authorization_env` reads the VM's environment (WASI environ: Envoy's
+        // `vm_config.environment_variables`, Istio's `vmConfig.env`).
+        let config = Config::parse_with_env(bytes, &|name| std::env::var(name).ok())?;
         let metrics = Metrics::define(&config, |kind, name| {
             let t = match kind {
                 Kind::Counter => MetricType::Counter,
