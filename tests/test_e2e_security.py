@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from harness.proc import ADMIN_USER, GATEWAY_USER
-from harness.stack import Stack
+from harness.stack import Stack, redis_section
 
 COMMAND_DENIED = b"-ERR The user executing the script can't run this command"
 KEY_DENIED_IN_SCRIPT = b"-ERR The user executing the script can't access at least one of the keys"
@@ -134,6 +134,22 @@ def test_gateway_user_is_what_webdis_runs_as_and_admin_is_separate(stack):
     users = {c["user"] for c in stack.redis.client_list() if c["id"] != str(stack.redis.client_id())}
     assert users == {GATEWAY_USER}
     assert acl_log(stack) == []
+
+
+def test_a_key_prefix_outside_the_acl_fails_closed(stack):
+    """A plugin whose key_prefix the gateway user may not touch gets Redis errors: fail-closed
+    503s, counted, and Redis's ACL LOG names the key."""
+    with pytest.raises(ValueError, match="outside the gateway user's keys"):
+        stack.redis_section(key_prefix="other")
+    section = redis_section(stack.webdis.authorization, key_prefix="other", timeout="1s")
+    envoy = stack.add_envoy({"redis": section, "policies": LIMITED})
+    response = envoy.request("POST", "/orders", headers={"x-tenant-id": "acme"})
+    assert response.status == 503 and response.json()["type"].endswith("guard_unavailable")
+    assert envoy.stat("wasmcustom.cg.redis.errors") >= 1
+    assert envoy.stat("wasmcustom.cg.policy.orders.failed_closed") == 1
+    entry = acl_log(stack)[0]
+    assert entry["reason"] == "key" and entry["object"].startswith("other:rl:")
+    assert stack.redis.keys("other:rl:*") == []
 
 
 # --- redis.authorization_env: the credential from the Wasm VM's environment ----------------
