@@ -225,8 +225,9 @@ def verify_naive(stats: dict, rec: dict) -> list[str]:
 
 
 def naive(stack: Stack) -> dict:
-    """The floor filter's callout mode: EVAL of a one-line INCR on one key, through webdis."""
-    script = "return redis.call('INCR', KEYS[1])"
+    """The floor filter's callout mode: EVAL of a one-line INCRBY on one key, through webdis
+    (INCRBY: the gateway's Redis user may run only the commands the filter's scripts use)."""
+    script = "return redis.call('INCRBY', KEYS[1], 1)"
     body = "/".join(urllib.parse.quote(a, safe="").replace(".", "%2E")
                     for a in ("EVAL", script, "1", "cg:bench:naive")) + ".raw"
     redis = stack.redis_section()

@@ -912,3 +912,25 @@ def test_every_key_has_a_ttl_and_names_no_raw_tenant_or_resource(shared, guard):
         assert shared.redis.pttl(key) > 0, key
         for raw in SENT_RAW:
             assert raw not in key, (raw, key)
+
+
+def test_fence_ttl_setting_sets_the_fence_keys_ttl(shared, guard):
+    """`lease.fence_ttl` replaces the default (7 days here): the fence key's PTTL follows it,
+    set again at every acquire; the lease's own TTL is unchanged."""
+    envoy = guard(lease_policy(ttl="30s", fence_ttl="1h"), lease_policy("default", "/default", ttl="30s"))
+    tenant, order = new_tenant(), new_order()
+    lease_key, fence_key = order_keys(envoy, tenant, order)
+    _, default_fence = order_keys(envoy, tenant, order, "default")
+
+    running = in_thread(act, envoy, order, tenant, delay_ms=500)
+    assert wait_for(lambda: shared.redis.exists(lease_key) == 1, 2.0), "never acquired"
+    assert 29_000 < shared.redis.pttl(lease_key) <= 30_000
+    assert 3_540_000 < shared.redis.pttl(fence_key) <= 3_600_000
+    assert running().status == 200
+    assert act(envoy, None, tenant, path=f"/default/{order}").status == 200
+    assert FENCE_TTL_MS - 60_000 < shared.redis.pttl(default_fence) <= FENCE_TTL_MS
+
+    shared.redis.pexpire(fence_key, 10_000)
+    assert wait_for(lambda: lease_stat(envoy, "released") == 1, 1.0)
+    assert act(envoy, order, tenant).status == 200  # the next acquire sets it again
+    assert 3_540_000 < shared.redis.pttl(fence_key) <= 3_600_000

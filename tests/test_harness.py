@@ -230,6 +230,22 @@ def test_demo_runs_and_stops_on_sigint(tmp_path):
         conn.request("POST", "/orders", headers={"x-tenant-id": "acme", "x-user-id": "alice"})
         assert conn.getresponse().status == 200
         conn.close()
+        # The demo's Redis has the tests' ACL: webdis's `default` user is restricted to cg:*
+        # and the scripts' commands; the printed admin line works.
+        import redis
+
+        cli = next(line for line in lines if "redis-cli" in line).split()
+        admin = redis.Redis(port=ports["redis"], username="admin", password=cli[cli.index("--pass") + 1],
+                            socket_timeout=5)
+        try:
+            assert any(k.startswith(b"cg:demo:") for k in admin.keys("*"))
+            rules = admin.acl_getuser("default")
+            assert (rules["keys"], rules["categories"], rules["channels"]) == (["~cg:*"], ["-@all"], [])
+            assert "+eval" in rules["commands"] and "+keys" not in rules["commands"]
+        finally:
+            admin.close()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=ports["redis"], socket_timeout=5).get("cg:demo:x")
 
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=20) == 0

@@ -252,13 +252,20 @@ pub struct Lease {
     /// Lower-case header that carries the fencing token to the upstream.
     pub fencing_header: String,
     pub extend: bool,
+    /// TTL of the resource's fence key (`fence_ttl`), set again at every acquire.
+    pub fence_ttl_ms: u64,
 }
 
+/// The longest `lease.fence_ttl`: a year (the script does arithmetic on it in Lua doubles,
+/// and a fence key costs memory per resource name for this long after its last lease).
+pub const MAX_FENCE_TTL_MS: u64 = 365 * 86_400_000;
+
 impl Lease {
-    /// TTL of the fencing counter: far beyond any lease. Tokens stay increasing even if the
-    /// counter is lost (they never fall below Redis time in microseconds).
-    pub fn fence_ttl_ms(&self) -> u64 {
-        self.ttl_ms.saturating_mul(100).max(7 * 86_400_000)
+    /// The default TTL of the fencing counter: far beyond any lease (100 x `ttl`, at least 7
+    /// days). Tokens stay increasing even if the counter is lost (they never fall below Redis
+    /// time in microseconds).
+    pub fn default_fence_ttl_ms(ttl_ms: u64) -> u64 {
+        ttl_ms.saturating_mul(100).max(7 * 86_400_000)
     }
 }
 
@@ -296,17 +303,32 @@ pub const DEFAULT_OVER_LIMIT_CACHE_ENTRIES: usize = 10_000;
 
 pub const DEFAULT_TIMEOUT_MS: u64 = 50;
 
+/// A lookup of the Wasm VM's environment variables: the value of a name, `None` if unset.
+pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
+
 impl Config {
-    /// Parses and validates the plugin configuration bytes.
+    /// Parses and validates the plugin configuration bytes, with an empty environment (a
+    /// `redis.authorization_env` is then refused as unset).
     pub fn parse(bytes: &[u8]) -> std::result::Result<Config, ConfigError> {
+        Config::parse_with_env(bytes, &|_| None)
+    }
+
+    /// Parses and validates the plugin configuration bytes; `env` looks up the Wasm VM's
+    /// environment variables (for `redis.authorization_env`). The adapter passes the VM's
+    /// real environment, tests a table.
+    pub fn parse_with_env(bytes: &[u8], env: Env<'_>) -> std::result::Result<Config, ConfigError> {
         let value: Value = serde_json::from_slice(bytes)
             .map_err(|e| ConfigError::new("", format!("configuration is not valid JSON: {e}")))?;
-        Config::from_value(&value)
+        Config::from_value_with_env(&value, env)
     }
 
     pub fn from_value(value: &Value) -> Result<Config> {
+        Config::from_value_with_env(value, &|_| None)
+    }
+
+    pub fn from_value_with_env(value: &Value, env: Env<'_>) -> Result<Config> {
         let mut root = Obj::new(value, "")?;
-        let redis = redis_config(root.required("redis")?, "redis")?;
+        let redis = redis_config(root.required("redis")?, "redis", env)?;
         let identity = match root.get("identity") {
             Some(v) => identity(v, "identity")?,
             None => Identity {
@@ -399,7 +421,7 @@ impl Config {
     }
 }
 
-fn redis_config(v: &Value, path: &str) -> Result<RedisConfig> {
+fn redis_config(v: &Value, path: &str, env: Env<'_>) -> Result<RedisConfig> {
     let mut o = Obj::new(v, path)?;
     let protocol = o.opt_str("protocol")?.unwrap_or("webdis");
     if protocol != "webdis" {
@@ -427,13 +449,27 @@ fn redis_config(v: &Value, path: &str) -> Result<RedisConfig> {
     };
     let timeout_ms = duration(&mut o, "timeout")?.unwrap_or(DEFAULT_TIMEOUT_MS);
     let authorization = match o.opt_str("authorization")? {
-        Some(a) if a.is_empty() || !a.bytes().all(|b| (0x20..0x7f).contains(&b)) => {
+        Some(a) if !is_header_value(a) => {
             return Err(ConfigError::new(
                 o.field_path("authorization"),
                 "must be a non-empty printable ASCII header value",
             ))
         }
         a => a.map(str::to_string),
+    };
+    let env_path = o.field_path("authorization_env");
+    let authorization = match o.opt_str("authorization_env")? {
+        None => authorization,
+        Some(_) if authorization.is_some() => {
+            return Err(ConfigError::new(
+                env_path,
+                format!(
+                    "cannot be combined with {}: give the credential one way",
+                    o.field_path("authorization")
+                ),
+            ))
+        }
+        Some(name) => Some(env_authorization(name, &env_path, env)?),
     };
     let key_prefix = o.opt_str("key_prefix")?.unwrap_or("cg");
     let prefix_ok = !key_prefix.is_empty()
@@ -486,6 +522,43 @@ fn redis_config(v: &Value, path: &str) -> Result<RedisConfig> {
         key_prefix: key_prefix.to_string(),
         batch,
     })
+}
+
+fn is_header_value(v: &str) -> bool {
+    !v.is_empty() && v.bytes().all(|b| (0x20..0x7f).contains(&b))
+}
+
+/// The `Authorization` value read from the VM's environment variable `name`. Errors name the
+/// variable, never its value.
+fn env_authorization(name: &str, path: &str, env: Env<'_>) -> Result<String> {
+    let name_ok = name.len() <= 128
+        && name
+            .bytes()
+            .enumerate()
+            .all(|(i, b)| b == b'_' || b.is_ascii_alphabetic() || (i > 0 && b.is_ascii_digit()));
+    if name.is_empty() || !name_ok {
+        return Err(ConfigError::new(
+            path,
+            format!("{name:?} is not an environment variable name (1-128 of [A-Za-z0-9_], not starting with a digit)"),
+        ));
+    }
+    match env(name) {
+        None => Err(ConfigError::new(
+            path,
+            format!(
+                "environment variable {name} is not set in the Wasm VM (Envoy: vm_config.environment_variables; Istio: vmConfig.env)"
+            ),
+        )),
+        Some(v) if v.is_empty() => Err(ConfigError::new(
+            path,
+            format!("environment variable {name} is empty"),
+        )),
+        Some(v) if !is_header_value(&v) => Err(ConfigError::new(
+            path,
+            format!("environment variable {name} is not a printable ASCII header value"),
+        )),
+        Some(v) => Ok(v),
+    }
 }
 
 fn identity(v: &Value, path: &str) -> Result<Identity> {
@@ -605,6 +678,24 @@ fn lease(v: &Value, path: &str) -> Result<Lease> {
     let max_wait_ms = duration(&mut o, "max_wait")?.unwrap_or(2_000);
     let fencing_header = header_name(&mut o, "fencing_header")?.unwrap_or("x-fencing-token".into());
     let extend = o.opt_bool("extend")?.unwrap_or(true);
+    let fence_ttl_ms = match duration(&mut o, "fence_ttl")? {
+        None => Lease::default_fence_ttl_ms(ttl_ms),
+        Some(f) if f < ttl_ms => {
+            return Err(ConfigError::new(
+                o.field_path("fence_ttl"),
+                format!(
+                    "{f}ms is shorter than the lease ttl ({ttl_ms}ms): the fence key must outlive the lease"
+                ),
+            ))
+        }
+        Some(f) if f > MAX_FENCE_TTL_MS => {
+            return Err(ConfigError::new(
+                o.field_path("fence_ttl"),
+                format!("{f}ms is longer than the maximum of 365d"),
+            ))
+        }
+        Some(f) => f,
+    };
     o.finish()?;
     Ok(Lease {
         resource,
@@ -613,6 +704,7 @@ fn lease(v: &Value, path: &str) -> Result<Lease> {
         max_wait_ms,
         fencing_header,
         extend,
+        fence_ttl_ms,
     })
 }
 

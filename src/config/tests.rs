@@ -336,7 +336,7 @@ fn lease_config() {
     assert_eq!(l.on_busy, OnBusy::Reject);
     assert_eq!(l.fencing_header, "x-fencing-token");
     assert!(l.extend);
-    assert_eq!(l.fence_ttl_ms(), 7 * 86_400_000);
+    assert_eq!(l.fence_ttl_ms, 7 * 86_400_000);
     let cases: &[(&str, Value, &str)] = &[
         ("empty_resource", json!({"resource": []}), "policies[0].lease.resource: must name at least one selector"),
         ("bad_segment", json!({"resource": ["path_segment:0"]}),
@@ -346,7 +346,7 @@ fn lease_config() {
         ("bad_ttl", json!({"resource": ["tenant"], "ttl": "10"}),
          "policies[0].lease.ttl: \"10\" is not a duration (use e.g. \"250ms\", \"2s\", \"1m\", \"24h\")"),
         ("unknown", json!({"resource": ["tenant"], "fence": true}),
-         "policies[0].lease.fence: unknown field (known here: extend, fencing_header, max_wait, on_busy, resource, ttl)"),
+         "policies[0].lease.fence: unknown field (known here: extend, fence_ttl, fencing_header, max_wait, on_busy, resource, ttl)"),
     ];
     for (name, lease, want) in cases {
         let mut v = base();
@@ -443,4 +443,98 @@ fn envoy_buffer_limit_bounds_what_the_filter_buffers() {
         v["envoy_buffer_limit"] = bad;
         assert_eq!(Config::from_value(&v).expect_err("bad").to_string(), want);
     }
+}
+
+#[test]
+fn fence_ttl_defaults_and_bounds() {
+    let lease = |extra: Value| {
+        let mut l = json!({"resource": ["tenant"], "ttl": "10s"});
+        for (k, v) in extra.as_object().expect("object") {
+            l[k] = v.clone();
+        }
+        let mut v = base();
+        v["policies"][0]["lease"] = l;
+        Config::from_value(&v).map(|c| c.policies[0].lease.as_ref().expect("lease").fence_ttl_ms)
+    };
+    let cases: &[(&str, Value, std::result::Result<u64, &str>)] = &[
+        ("default_7d", json!({}), Ok(7 * 86_400_000)),
+        ("default_100x_ttl", json!({"ttl": "2h"}), Ok(200 * 3_600_000)),
+        ("set", json!({"fence_ttl": "1h"}), Ok(3_600_000)),
+        ("equal_to_ttl", json!({"fence_ttl": "10s"}), Ok(10_000)),
+        ("max", json!({"fence_ttl": "365d"}), Ok(365 * 86_400_000)),
+        ("shorter_than_ttl", json!({"fence_ttl": "9s"}),
+         Err("policies[0].lease.fence_ttl: 9000ms is shorter than the lease ttl (10000ms): the fence key must outlive the lease")),
+        ("too_long", json!({"fence_ttl": "366d"}),
+         Err("policies[0].lease.fence_ttl: 31622400000ms is longer than the maximum of 365d")),
+        ("not_a_duration", json!({"fence_ttl": "7 days"}),
+         Err("policies[0].lease.fence_ttl: \"7 days\" is not a duration (use e.g. \"250ms\", \"2s\", \"1m\", \"24h\")")),
+        ("number", json!({"fence_ttl": 60}),
+         Err("policies[0].lease.fence_ttl: 60 is not a duration (a string such as \"2s\")")),
+    ];
+    for (name, extra, want) in cases {
+        let got = lease(extra.clone()).map_err(|e| e.to_string());
+        assert_eq!(got, want.map_err(str::to_string), "case {name}");
+    }
+}
+
+#[test]
+fn authorization_env_reads_the_vm_environment() {
+    const SECRET: &str = "Basic c2VjcmV0OnZhbHVl";
+    let env = |name: &str| match name {
+        "CG_GATEWAY_AUTH" => Some(SECRET.to_string()),
+        "CG_EMPTY" => Some(String::new()),
+        "CG_NEWLINE" => Some(format!("{SECRET}\n")),
+        _ => None,
+    };
+    let parse = |redis_edits: Value| {
+        let mut v = base();
+        let redis = v["redis"].as_object_mut().expect("redis");
+        redis.remove("authorization");
+        for (k, e) in redis_edits.as_object().expect("object") {
+            redis.insert(k.clone(), e.clone());
+        }
+        Config::from_value_with_env(&v, &env).map(|c| c.redis.authorization)
+    };
+    let unset = "redis.authorization_env: environment variable CG_UNSET is not set in the Wasm VM (Envoy: vm_config.environment_variables; Istio: vmConfig.env)";
+    type Want = std::result::Result<Option<&'static str>, &'static str>;
+    let cases: &[(&str, Value, Want)] = &[
+        ("from_env", json!({"authorization_env": "CG_GATEWAY_AUTH"}), Ok(Some(SECRET))),
+        ("inline", json!({"authorization": "Basic eDp5"}), Ok(Some("Basic eDp5"))),
+        ("neither", json!({}), Ok(None)),
+        ("both", json!({"authorization": "Basic eDp5", "authorization_env": "CG_GATEWAY_AUTH"}),
+         Err("redis.authorization_env: cannot be combined with redis.authorization: give the credential one way")),
+        ("unset", json!({"authorization_env": "CG_UNSET"}), Err(unset)),
+        ("empty", json!({"authorization_env": "CG_EMPTY"}),
+         Err("redis.authorization_env: environment variable CG_EMPTY is empty")),
+        ("not_a_header_value", json!({"authorization_env": "CG_NEWLINE"}),
+         Err("redis.authorization_env: environment variable CG_NEWLINE is not a printable ASCII header value")),
+        ("empty_name", json!({"authorization_env": ""}),
+         Err("redis.authorization_env: \"\" is not an environment variable name (1-128 of [A-Za-z0-9_], not starting with a digit)")),
+        ("bad_name", json!({"authorization_env": "CG-AUTH"}),
+         Err("redis.authorization_env: \"CG-AUTH\" is not an environment variable name (1-128 of [A-Za-z0-9_], not starting with a digit)")),
+        ("digit_first", json!({"authorization_env": "1AUTH"}),
+         Err("redis.authorization_env: \"1AUTH\" is not an environment variable name (1-128 of [A-Za-z0-9_], not starting with a digit)")),
+        ("not_a_string", json!({"authorization_env": 5}),
+         Err("redis.authorization_env: expected a string, found a number")),
+    ];
+    for (name, edits, want) in cases {
+        let got = parse(edits.clone()).map_err(|e| e.to_string());
+        let want = want.map(|a| a.map(str::to_string)).map_err(str::to_string);
+        assert_eq!(got, want, "case {name}");
+        if let Err(e) = &got {
+            assert!(
+                !e.contains(SECRET.trim_start_matches("Basic ")),
+                "case {name} shows the secret"
+            );
+        }
+    }
+    // The default entry points see no environment at all.
+    let v = json!({"redis": {"cluster": "gw", "authorization_env": "CG_GATEWAY_AUTH"}});
+    let err = Config::parse(v.to_string().as_bytes()).expect_err("no environment");
+    assert!(
+        err.to_string().contains("CG_GATEWAY_AUTH is not set"),
+        "{err}"
+    );
+    let ok = Config::parse_with_env(v.to_string().as_bytes(), &env).expect("valid");
+    assert_eq!(ok.redis.authorization.as_deref(), Some(SECRET));
 }

@@ -353,7 +353,7 @@ impl Flow {
                 tag,
                 owner: owner.to_string(),
                 ttl_ms: lease.ttl_ms,
-                fence_ttl_ms: lease.fence_ttl_ms(),
+                fence_ttl_ms: lease.fence_ttl_ms,
                 cancel_key,
             },
             held: false,

@@ -1745,3 +1745,41 @@ fn the_root_sends_only_what_is_due() {
     assert_eq!(take_due(&mut outbox, 500), vec![later]);
     assert!(outbox.is_empty());
 }
+
+#[test]
+fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
+    let rec = Recorder::default();
+    let config = Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [
+          {"name": "wait", "lease": {"resource": ["path_segment:2"], "ttl": "2s", "on_busy": "wait",
+                                     "fence_ttl": "1h"}}]}"#,
+    )
+    .expect("valid");
+    let metrics = rec.metrics(&config);
+    let rt = Runtime::new(config, metrics, None);
+    let mut flow = Flow::default();
+    let out = dispatched(flow.on_request(
+        &rt,
+        req("POST", "/wait/9/x", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    let tail = |args: &[String]| args[args.len() - 3..].to_vec();
+    assert_eq!(
+        tail(&out[0].call.args),
+        vec!["own".to_string(), "2000".to_string(), "3600000".to_string()]
+    );
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(lease_reply(2, b"1500")), 1, &rec),
+        Step::Wait
+    );
+    let now = flow.deadline_ms().expect("a poll is scheduled");
+    let poll = dispatched(flow.on_tick(&rt, now, &rec));
+    assert_eq!(
+        tail(&poll[0].call.args),
+        vec!["own".to_string(), "2000".to_string(), "3600000".to_string()]
+    );
+}

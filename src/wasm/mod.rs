@@ -317,7 +317,12 @@ struct Root {
 
 impl Root {
     fn configure(&mut self, bytes: &[u8]) -> Result<(), ConfigError> {
-        let config = Config::parse(bytes)?;
+        // `redis.authorization_env` reads the VM's environment (WASI environ: Envoy's
+        // `vm_config.environment_variables`, Istio's `vmConfig.env`). A value that is not
+        // UTF-8 is passed on lossily, so it is refused as "not printable", not as "unset".
+        let config = Config::parse_with_env(bytes, &|name| {
+            std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+        })?;
         let metrics = Metrics::define(&config, |kind, name| {
             let t = match kind {
                 Kind::Counter => MetricType::Counter,

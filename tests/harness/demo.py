@@ -38,7 +38,9 @@ def render_demo(out: Path, ports: dict[str, int] = PORTS, wasm_path: Path = DEFA
         if ports[name] != PORTS[name]:
             text = text.replace(f"port_value: {PORTS[name]} }}", f"port_value: {ports[name]} }}")
     plugin = DEMO_PLUGIN.read_text()
-    json.loads(plugin)  # fail here, not in Envoy, if the file is not JSON
+    prefix = json.loads(plugin)["redis"]["key_prefix"]  # fail here, not in Envoy, if not JSON
+    if not prefix.startswith("cg:"):
+        raise ValueError(f"{DEMO_PLUGIN}: key_prefix {prefix!r} is outside the gateway user's keys (~cg:*)")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(substitute(text, {"WASM_PATH": str(wasm_path)}, plugin.strip()))
     return out
@@ -77,7 +79,7 @@ def check_ports(ports: dict[str, int]) -> None:
         raise SystemExit("demo: ports busy:\n" + "\n".join(lines) + "\n" + hint)
 
 
-def instructions(ports: dict[str, int], config: Path, logs: Path) -> str:
+def instructions(ports: dict[str, int], config: Path, logs: Path, redis_admin: str = "<password>") -> str:
     envoy = f"http://127.0.0.1:{ports['envoy']}"
     admin = f"http://127.0.0.1:{ports['admin']}"
     order = f"curl -i -X POST -H 'x-tenant-id: acme' -H 'x-user-id: alice' {envoy}/orders"
@@ -102,6 +104,8 @@ service runs it once; the same key with another body gets 422:
   {idem} -d '{{"item": "book", "qty": 1}}'
   {idem} -d '{{"qty": 1, "item": "book"}}'
   {idem} -d '{{"item": "pen", "qty": 2}}'
+Redis as the harness's admin user (webdis's own user may run only the scripts' commands on cg:* keys):
+  redis-cli -p {ports['redis']} --user admin --pass {redis_admin} --no-auth-warning --scan --pattern 'cg:demo:*'
 The filter's metrics:
   curl -s '{admin}/stats?filter=wasmcustom'
   curl -s {admin}/stats/prometheus | grep '^cg_'
@@ -124,13 +128,16 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path, timeout: 
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        started["redis"] = RedisServer(logs / "redis", ports["redis"]).start(timeout)
-        started["webdis"] = Webdis(logs / "webdis", ports["redis"], port=ports["webdis"]).start(timeout)
+        # The same restricted gateway user as the tests: keys `cg:*` (the demo's key_prefix
+        # is cg:demo), only the scripts' commands.
+        started["redis"] = redis = RedisServer(logs / "redis", ports["redis"]).start(timeout)
+        started["webdis"] = Webdis(logs / "webdis", ports["redis"], port=ports["webdis"],
+                                   redis_password=redis.gateway_password).start(timeout)
         started["upstream"] = Upstream(logs / "upstream", ports["upstream"]).start(timeout)
         started["envoy"] = envoy = spawn_envoy(logs / "envoy", config)
         wait_http(f"http://127.0.0.1:{ports['admin']}/ready", timeout, envoy, expect=200)
         wait_for_port(ports["envoy"], timeout, envoy.popen)
-        print(instructions(ports, config, logs), flush=True)
+        print(instructions(ports, config, logs, redis.admin_password), flush=True)
         print("pids: " + " ".join(f"{label}={_pid(p)}" for label, p in started.items()), flush=True)
         while all(p.alive() for p in started.values()):
             time.sleep(0.5)

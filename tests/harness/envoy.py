@@ -54,13 +54,16 @@ def envoy_binary() -> str:
 
 
 def spawn_envoy(workdir: Path, config_path: Path, concurrency: int = 2, log_level: str = "info",
-                admin_address_path: Path | None = None) -> Proc:
-    """Envoy as a child process (log in workdir/envoy.log); the caller waits for readiness."""
+                admin_address_path: Path | None = None, env: dict[str, str] | None = None) -> Proc:
+    """Envoy as a child process (log in workdir/envoy.log); the caller waits for readiness.
+
+    `env` is added to the process environment (e.g. a secret that the Wasm VM reads through
+    `vm_config.environment_variables.host_env_keys`)."""
     argv = [envoy_binary(), "-c", str(config_path), "--disable-hot-restart",
             "--concurrency", str(concurrency), "-l", log_level]
     if admin_address_path is not None:
         argv += ["--admin-address-path", str(admin_address_path)]
-    return Proc("envoy", argv, Path(workdir))
+    return Proc("envoy", argv, Path(workdir), env=env)
 
 
 def validate_config(config_path: Path, timeout: float = 60.0) -> tuple[int, str]:
@@ -104,7 +107,8 @@ def substitute(text: str, values: dict[str, object], plugin_config: dict | str |
 def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: dict[str, int],
                   extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                   direct_response: bool = False, cluster_header: str | None = None,
-                  path_normalization: bool = True, buffer_limit: int | None = None) -> dict:
+                  path_normalization: bool = True, buffer_limit: int | None = None,
+                  vm_env: dict | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
@@ -113,6 +117,10 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
 
     `buffer_limit` sets `per_connection_buffer_limit_bytes` on the listener and on the
     upstream cluster (Envoy's default is 1 MiB), what the plugin's `envoy_buffer_limit` declares.
+
+    `vm_env` becomes the filter's `vm_config.environment_variables` (`{"host_env_keys": [...]}`
+    passes variables of Envoy's own environment to the Wasm VM, `{"key_values": {...}}` sets
+    them; the filter reads them through WASI environ).
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -130,6 +138,8 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         filters.remove(wasm)
     else:
         wasm["typed_config"]["config"]["configuration"]["value"] = plugin_json(plugin_config)
+        if vm_env is not None:
+            wasm["typed_config"]["config"]["vm_config"]["environment_variables"] = vm_env
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     if cluster_header:
         # Harness self-tests: a request carrying this header is routed to the cluster it names.
@@ -188,8 +198,10 @@ class Envoy:
                  extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                  direct_response: bool = False, concurrency: int = 2, listener_port: int = 0,
                  admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
-                 path_normalization: bool = True, buffer_limit: int | None = None):
+                 path_normalization: bool = True, buffer_limit: int | None = None,
+                 vm_env: dict | None = None, process_env: dict[str, str] | None = None):
         self.workdir = Path(workdir)
+        self.process_env = process_env
         self.plugin_config = plugin_config
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
         self.concurrency = concurrency
@@ -210,7 +222,7 @@ class Envoy:
                                     local_ratelimit=local_ratelimit, direct_response=direct_response,
                                     cluster_header=cluster_header,
                                     path_normalization=path_normalization,
-                                    buffer_limit=buffer_limit)
+                                    buffer_limit=buffer_limit, vm_env=vm_env)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None
@@ -234,7 +246,7 @@ class Envoy:
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.admin_address_path.unlink(missing_ok=True)
         return spawn_envoy(self.workdir, self.config_path, self.concurrency, self.log_level,
-                           self.admin_address_path)
+                           self.admin_address_path, env=self.process_env)
 
     def start(self, timeout: float = 20.0) -> "Envoy":
         self.proc = self._spawn()

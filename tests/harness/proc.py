@@ -7,7 +7,9 @@ SIGKILL) by the pid we started, never by name.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -190,23 +192,83 @@ class Service:
         return self.proc is not None and self.proc.alive()
 
 
-class RedisServer(Service):
-    """A throwaway redis-server on a free port, no persistence."""
+# The commands the gateway user may run: EVAL/EVALSHA (all the filter sends through webdis)
+# and every command the scripts in src/lua/ call (tests/test_scripts_acl.py keeps this list
+# equal to them). webdis 0.1.9 sends only AUTH on connect (database 0: no SELECT, no PING),
+# which every user may run.
+GATEWAY_COMMANDS = (
+    "eval", "evalsha",
+    "time", "get", "set", "del", "type", "pttl", "pexpire", "incrby",
+    "hmget", "hset", "zadd", "zcount", "zrange", "zrangebyscore", "zremrangebyscore",
+)
+# The user webdis authenticates as: Debian's webdis 0.1.9 sends `AUTH <password>` (its
+# `redis_auth` takes no user name), which is Redis's `default` user.
+GATEWAY_USER = "default"
+# The harness's own user (all commands, all keys): redis-py clients, liveness checks, test
+# assertions.
+ADMIN_USER = "admin"
 
-    def __init__(self, workdir: Path, port: int | None = None):
-        self.workdir = workdir
+
+def gateway_acl_rules(key_prefix: str) -> str:
+    """The ACL rules of the gateway user, without the password: keys `<key_prefix>:*` only,
+    no channels, only GATEWAY_COMMANDS."""
+    return f"~{key_prefix}:* resetchannels -@all " + " ".join(f"+{c}" for c in GATEWAY_COMMANDS)
+
+
+class RedisServer(Service):
+    """A throwaway redis-server on a free port, no persistence, with two ACL users:
+
+    - `default` (what webdis authenticates as, see GATEWAY_USER): password
+      `gateway_password`, keys `<gateway_key_prefix>:*` only, only GATEWAY_COMMANDS; a script
+      run by it runs with its permissions, so `KEYS`, `FLUSHALL`, `CONFIG` or a key outside
+      the prefix fail with a permission error;
+    - `admin`: password `admin_password`, everything (`client()`).
+
+    The rule for a deployment is `~<key_prefix>:*` for the plugin's `redis.key_prefix`; the
+    harness's prefix is `cg`, so every test's key_prefix must be `cg` or start with `cg:`
+    (Stack.redis_section checks it).
+    """
+
+    def __init__(self, workdir: Path, port: int | None = None, gateway_key_prefix: str = "cg"):
+        self.workdir = Path(workdir)
         self.port = port or free_port()
+        self.gateway_key_prefix = gateway_key_prefix
+        self.gateway_password = secrets.token_hex(16)
+        self.admin_password = secrets.token_hex(16)
+        self.acl_path = self.workdir / "users.acl"
+
+    def acl_file(self) -> str:
+        """The `--aclfile` contents (passwords stored as SHA-256, never in clear)."""
+        def sha(p: str) -> str:
+            return "#" + hashlib.sha256(p.encode()).hexdigest()
+
+        return (f"user {GATEWAY_USER} reset on {sha(self.gateway_password)} "
+                f"{gateway_acl_rules(self.gateway_key_prefix)}\n"
+                f"user {ADMIN_USER} reset on {sha(self.admin_password)} ~* &* +@all\n")
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
         """Start (or restart, on the same port) the server and wait until it listens."""
         binary = require_binary("redis-server")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.acl_path.write_text(self.acl_file())
+        self.acl_path.chmod(0o600)
         self.launch(f"redis-{self.port}",
                     [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)],
+                     "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir.resolve()),
+                     "--aclfile", str(self.acl_path.resolve())],
                     self.workdir, self.port, timeout)
         return self
 
     def client(self):
+        """redis-py as the admin user (everything)."""
         import redis  # installed into .venv by `make deps`
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5,
+                           username=ADMIN_USER, password=self.admin_password)
+
+    def gateway_client(self):
+        """redis-py as the gateway user, with exactly the permissions webdis has."""
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5,
+                           username=GATEWAY_USER, password=self.gateway_password)

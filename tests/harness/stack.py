@@ -101,7 +101,7 @@ class Stack:
     def __init__(self, workdir: Path, plugin_config: dict | str | None = None, envoys: int = 1, *,
                  wasm_path: Path | str | None = None, concurrency: int = 2,
                  local_ratelimit: dict | None = None, direct_response: bool = False,
-                 extra_clusters: dict[str, int] | None = None):
+                 extra_clusters: dict[str, int] | None = None, gateway_key_prefix: str = "cg"):
         self.workdir = Path(workdir)
         self.plugin_config = plugin_config
         self.envoy_count = envoys
@@ -110,6 +110,9 @@ class Stack:
         self.local_ratelimit = local_ratelimit
         self.direct_response = direct_response
         self.extra_clusters = extra_clusters
+        # The gateway's Redis user may touch only `<gateway_key_prefix>:*`: every plugin
+        # key_prefix on this stack must be it or start with it and `:`.
+        self.gateway_key_prefix = gateway_key_prefix
         self.redis_server: RedisServer | None = None
         self.redis = None  # redis-py client on the same Redis the filter uses
         self.webdis: Webdis | None = None
@@ -127,9 +130,11 @@ class Stack:
     def start(self, timeout: float = 20.0) -> "Stack":
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
-            self.redis_server = RedisServer(self.workdir / "redis").start()
+            self.redis_server = RedisServer(self.workdir / "redis",
+                                            gateway_key_prefix=self.gateway_key_prefix).start()
             self.redis = self.redis_server.client()
-            self.webdis = Webdis(self.workdir / "webdis", self.redis_server.port).start()
+            self.webdis = Webdis(self.workdir / "webdis", self.redis_server.port,
+                                 redis_password=self.redis_server.gateway_password).start()
             self.upstream = Upstream(self.workdir / "upstream").start()
             self.blackhole = Blackhole().start()
             self._dead_socket, self.dead_port = reserve_dead_port()
@@ -166,7 +171,12 @@ class Stack:
         return envoy.start_expect_failure(timeout)
 
     def redis_section(self, **overrides) -> dict:
-        return redis_section(self.webdis.authorization, **overrides)
+        section = redis_section(self.webdis.authorization, **overrides)
+        prefix, acl = section["key_prefix"], self.gateway_key_prefix
+        if prefix != acl and not prefix.startswith(acl + ":"):
+            raise ValueError(f"key_prefix {prefix!r} is outside the gateway user's keys "
+                             f"(~{acl}:*): use {acl!r} or {acl + ':...'!r}")
+        return section
 
     def stop_redis(self) -> None:
         """Redis goes away; webdis stays and answers 503 until `start_redis()`."""

@@ -1,7 +1,9 @@
 """webdis: the HTTP gateway in front of Redis that the filter calls through Envoy.
 
 The ACL is locked down the way a deployment should be: anonymous clients can run nothing, and
-the filter's Basic-auth user can run only EVAL and EVALSHA.
+the filter's Basic-auth user can run only EVAL and EVALSHA. webdis itself authenticates to
+Redis with `redis_auth` (a password only in 0.1.9: Redis's `default` user), which Redis
+restricts to the prefix's keys and the scripts' commands (see RedisServer in proc.py).
 
 Observed with Debian's webdis 0.1.9 (tests/test_harness.py pins these):
 - POST `/` with body `EVAL/<script>/<numkeys>/<args...>.raw` answers 200 with raw RESP; path
@@ -32,9 +34,11 @@ class Webdis(Service):
     """One webdis process. `start()` again after `stop()` reuses the same port and config."""
 
     def __init__(self, workdir: Path, redis_port: int, user: str = "cg", password: str = "secret",
-                 port: int | None = None):
+                 port: int | None = None, redis_password: str | None = None):
         self.workdir = Path(workdir)
         self.redis_port = redis_port
+        # Sent as `AUTH <password>` on every connection to Redis (the `default` user).
+        self.redis_password = redis_password
         self.user = user
         self.password = password
         self.port = port or free_port()
@@ -56,7 +60,7 @@ class Webdis(Service):
         return {
             "redis_host": "127.0.0.1",
             "redis_port": self.redis_port,
-            "redis_auth": None,
+            "redis_auth": self.redis_password,
             "http_host": "127.0.0.1",
             "http_port": self.port,
             "threads": self.threads,
@@ -74,6 +78,7 @@ class Webdis(Service):
         binary = require_binary("webdis")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
+        self.config_path.chmod(0o600)  # holds the Redis password
         # webdis without a config file starts on 7379 with everything allowed: always pass one.
         self.launch(f"webdis-{self.port}", [binary, str(self.config_path)], self.workdir,
                     self.port, timeout)

@@ -1,0 +1,137 @@
+"""Every Lua script runs under the gateway's restricted Redis user (tests/harness/proc.py:
+keys `cg:*`, only GATEWAY_COMMANDS), and that command list is exactly what the scripts call.
+
+Scripts run with their caller's permissions in Redis 7: a command or key the ACL lacks fails
+the script with a permission error, so each script runs here once as the gateway user, on
+every path that reaches a different command.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from harness.proc import GATEWAY_COMMANDS, gateway_acl_rules
+
+LUA = Path(__file__).resolve().parents[1] / "src" / "lua"
+TAG = "{t.acl}"
+FP = "sha256:" + "a" * 64
+RESPONSE = '{"status":201,"headers":[],"body":"ok"}'
+
+
+def script_commands() -> set[str]:
+    """Every command the scripts pass to redis.call / redis.pcall (always a string literal)."""
+    found = set()
+    for path in LUA.glob("*.lua"):
+        text = path.read_text()
+        calls = re.findall(r"redis\.p?call\(([^,)]*)", text)
+        for first in calls:
+            literal = re.fullmatch(r"\s*'([A-Za-z]+)'\s*", first)
+            assert literal, f"{path.name}: a command that is not a literal: {first!r}"
+            found.add(literal.group(1).lower())
+    return found
+
+
+def test_gateway_commands_are_exactly_the_scripts_commands():
+    assert set(GATEWAY_COMMANDS) == script_commands() | {"eval", "evalsha"}
+    assert gateway_acl_rules("cg:demo") == (
+        "~cg:demo:* resetchannels -@all +eval +evalsha +time +get +set +del +type +pttl +pexpire "
+        "+incrby +hmget +hset +zadd +zcount +zrange +zrangebyscore +zremrangebyscore")
+
+
+@pytest.fixture
+def gateway(redis_server, redis_client):
+    client = redis_server.gateway_client()
+    yield client
+    client.close()
+
+
+class Script:
+    """A script called the way the filter calls it: EVAL, then EVALSHA once Redis has it
+    (the gateway user may not run SCRIPT LOAD, which redis-py's register_script would)."""
+
+    def __init__(self, client, *names: str):
+        self.client = client
+        self.source = "".join((LUA / n).read_text() for n in names)
+        self.sha = None
+
+    def __call__(self, keys: list, args: list):
+        if self.sha is None:
+            reply = self.client.eval(self.source, len(keys), *keys, *args)
+            self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+            return reply
+        return self.client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+def acquire_args(prefix: str, own: str, fence_ttl_ms: int = 600_000):
+    """acquire.lua with one limit of every algorithm, an idempotency record and a lease."""
+    limits = [("fw", 1, 60_000, 1), ("sw", 1, 60_000, 1), ("sl", 1, 60_000, 1),
+              ("tb", 1, 60_000, 1), ("lq", 2, 60_000, 2)]
+    keys = [f"{prefix}:rl:{TAG}:{algo}" for algo, *_ in limits]
+    args: list = [len(limits), 1, uuid.uuid4().hex]
+    for algo, limit, window, burst in limits:
+        args += [algo, limit, window, burst, "0"]
+    keys.append(f"{prefix}:idem:{TAG}:op:k")
+    args += ["1", FP, own, 30_000]
+    keys += [f"{prefix}:lease:{TAG}:op:r", f"{prefix}:fence:{TAG}:op:r"]
+    args += ["1", own, 30_000, fence_ttl_ms]
+    return keys, args
+
+
+def test_every_script_runs_as_the_gateway_user(gateway, redis_client):
+    prefix = "cg:scripts-acl"
+    acquire = Script(gateway, "acquire.lua")
+    own = uuid.uuid4().hex
+    redis_client.config_resetstat()
+
+    # Only the gateway user runs commands until the stats are read.
+    keys, args = acquire_args(prefix, own)
+    first = acquire(keys, args)
+    # Again, by EVALSHA: every limit now rejects (the over-limit paths), nothing is written.
+    second = acquire(keys, acquire_args(prefix, uuid.uuid4().hex)[1])
+    complete = Script(gateway, "complete.lua")
+    completed = complete([keys[5]], [own, FP, 60_000, RESPONSE])
+    # A completed record is read back (and decoded) by the next acquire of the same key.
+    replay = acquire([keys[5]], [0, 1, "n", "1", FP, uuid.uuid4().hex, 30_000])
+    release = Script(gateway, "release.lua")
+    idem2, own2 = f"{prefix}:idem:{TAG}:op:k2", uuid.uuid4().hex
+    taken2 = acquire([idem2], [0, 1, "n", "1", FP, own2, 30_000])
+    released = release([idem2], [own2])
+    extended = Script(gateway, "lease_extend.lua")([keys[6]], [own, 45_000])
+    lease_released = Script(gateway, "lease_release.lua")([keys[6]], [own])
+    batch = Script(gateway, "batch_head.lua", "acquire.lua", "batch_tail.lua")
+    sub = ["1", "1", "n", "fw", "5", "60000", "5", "0", "0", "0"]
+    batch_key = f"{prefix}:rl:{TAG}:batch"
+    batched = batch([batch_key, batch_key], ["2", "1", str(len(sub)), *sub, "1", str(len(sub)), *sub])
+
+    stats = redis_client.info("commandstats")
+    ran = {name.removeprefix("cmdstat_") for name, s in stats.items() if s["calls"] > 0}
+    refused = {name for name, s in stats.items() if s.get("rejected_calls") or s.get("failed_calls")}
+    # Every granted command was needed on these paths, and none was refused.
+    handshake = {"hello", "auth", "client|setinfo"}  # redis-py's own, on connect
+    assert ran - {"config|resetstat", "info"} - handshake == set(GATEWAY_COMMANDS)
+    assert refused == set()
+    assert redis_client.acl_log() == []
+
+    assert first[0] == 1 and first[-2] == 1, first  # admitted, lease acquired
+    assert redis_client.get(keys[-1]) == first[-1]  # the fencing token
+    assert second[0] == 0, second
+    assert completed == 1
+    assert replay[1] == 3 and b"COMPLETED" in replay[3], replay
+    assert (taken2[1], released) == (1, 1) and not redis_client.exists(idem2)
+    assert (extended, lease_released) == (1, 1) and not redis_client.exists(keys[6])
+    n = int(batched[0])
+    assert [int(v) for v in batched[1:4]] == [1, 1, 4] and int(batched[2 + n]) > 0, batched
+    assert redis_client.get(batch_key) == b"2"
+
+
+def test_scripts_refuse_keys_outside_the_prefix(gateway, redis_client):
+    keys, args = acquire_args("other", uuid.uuid4().hex)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        Script(gateway, "acquire.lua")(keys, args)
+    assert redis_client.keys("other:*") == []
