@@ -165,6 +165,27 @@ def no_policy(stack: Stack) -> dict:
                          "limit": 100, "window": "1m"}]}])
 
 
+SCALE_POLICIES = 1000
+SCALE_LIMITS = 5
+
+
+def scale(name: str, matching: int | None) -> Callable[[Stack], dict]:
+    """SCALE_POLICIES policies of SCALE_LIMITS tenant limits each; policy `matching` (or none)
+    guards the benchmark's GET /api/items, the others other paths: what a request costs when
+    the configuration is large, on the no-policy path and on the rejected path of the first
+    and the last policy."""
+    def build(stack: Stack) -> dict:
+        policies = []
+        for i in range(SCALE_POLICIES):
+            prefix = "/api" if i == matching else f"/other-{i}/"
+            limits = [{"name": f"l{j}", "by": ["tenant"], "algorithm": "fixed_window",
+                       "limit": REJECTED_LIMIT, "window": f"{j + 1}h"} for j in range(SCALE_LIMITS)]
+            policies.append({"name": f"p{i:04d}", "match": {"path_prefix": prefix},
+                             "rate_limits": limits})
+        return plugin_base(stack, name, policies)
+    return build
+
+
 def idempotent(name: str) -> Callable[[Stack], dict]:
     def build(stack: Stack) -> dict:
         return plugin_base(stack, name, [{
@@ -353,6 +374,16 @@ def scenarios() -> list[Scenario]:
                  args=lambda s, nonce: [s.state["key"]], prepare=prepare_replay),
         Scenario("lease", "lease per request (acquire + release)", "lease.lua", leased,
                  verify=verify_lease),
+        # A large configuration: compare with no_policy and rl_rejected of the same run.
+        Scenario("scale_no_policy", f"{SCALE_POLICIES} policies x {SCALE_LIMITS} limits, "
+                 "none matches", "get.lua", scale("scale_no_policy", None),
+                 verify=verify_no_calls),
+        Scenario("scale_first_rejected", f"{SCALE_POLICIES} policies, the first matches, "
+                 "rejected", "one_tenant.lua", scale("scale_first_rejected", 0),
+                 admitted_exactly=REJECTED_LIMIT),
+        Scenario("scale_last_rejected", f"{SCALE_POLICIES} policies, the last matches, "
+                 "rejected", "one_tenant.lua", scale("scale_last_rejected", SCALE_POLICIES - 1),
+                 admitted_exactly=REJECTED_LIMIT),
     ]
     if leased_mode_exists():
         # One hot counter (like the local_ratelimit anchor): the case leased quota is for.

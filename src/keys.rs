@@ -235,6 +235,8 @@ mod tests {
             rate_limits: vec![],
             idempotency: None,
             lease: None,
+            uses_client_ip: false,
+            needs_tokens: false,
         }
     }
 

@@ -40,7 +40,8 @@ def script_commands() -> set[str]:
 def test_gateway_commands_are_exactly_the_scripts_commands():
     assert set(GATEWAY_COMMANDS) == script_commands() | {"eval", "evalsha"}
     assert gateway_acl_rules("cg:demo") == (
-        "~cg:demo:* resetchannels -@all +eval +evalsha +time +get +set +del +type +pttl +pexpire "
+        "~cg:demo:* resetchannels -@all +eval +evalsha +time +get +set +del +exists +type +pttl "
+        "+pexpire "
         "+incrby +hmget +hset +zadd +zcount +zrange +zrangebyscore +zremrangebyscore")
 
 
@@ -100,7 +101,8 @@ def test_every_script_runs_as_the_gateway_user(gateway, redis_client):
     replay = acquire([keys[5]], [0, 1, "n", "1", FP, uuid.uuid4().hex, 30_000])
     release = Script(gateway, "release.lua")
     idem2, own2 = f"{prefix}:idem:{TAG}:op:k2", uuid.uuid4().hex
-    taken2 = acquire([idem2], [0, 1, "n", "1", FP, own2, 30_000])
+    # With the owner's cancellation marker (EXISTS): not cancelled, so it takes the record.
+    taken2 = acquire([idem2, f"{prefix}:cancel:{TAG}:op:{own2}"], [0, 1, "n", "1", FP, own2, 30_000])
     released = release([idem2], [own2])
     extended = Script(gateway, "lease_extend.lua")([keys[6]], [own, 45_000])
     lease_released = Script(gateway, "lease_release.lua")([keys[6]], [own])

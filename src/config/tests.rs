@@ -538,3 +538,32 @@ fn authorization_env_reads_the_vm_environment() {
     let ok = Config::parse_with_env(v.to_string().as_bytes(), &env).expect("valid");
     assert_eq!(ok.redis.authorization.as_deref(), Some(SECRET));
 }
+
+#[test]
+fn per_request_facts_are_derived_once_per_policy() {
+    let c = Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [
+          {"name": "plain", "rate_limits": [{"name": "t", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1, "window": "1s"}]},
+          {"name": "ip", "rate_limits": [{"name": "t", "by": ["tenant", "client_ip"], "algorithm": "fixed_window", "limit": 1, "window": "1s"}]},
+          {"name": "ip-lease", "lease": {"resource": ["client_ip"]}},
+          {"name": "log", "rate_limits": [{"name": "t", "by": [], "algorithm": "sliding_log", "limit": 1, "window": "1s"}]},
+          {"name": "idem", "idempotency": {}}
+        ]}"#,
+    )
+    .expect("valid");
+    let facts: Vec<(&str, bool, bool)> = c
+        .policies
+        .iter()
+        .map(|p| (p.name.as_str(), p.uses_client_ip, p.needs_tokens))
+        .collect();
+    assert_eq!(
+        facts,
+        vec![
+            ("plain", false, false),
+            ("ip", true, false),
+            ("ip-lease", true, true),
+            ("log", false, true),
+            ("idem", false, true),
+        ]
+    );
+}

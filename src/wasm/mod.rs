@@ -7,7 +7,6 @@
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
 use crate::batch;
-use crate::config::Algorithm;
 use crate::config::{Config, ConfigError, RedisConfig};
 use crate::flow::{take_due, Background, Flow, Next, Runtime, Step};
 use crate::ids::TokenSource;
@@ -726,18 +725,12 @@ impl HttpContext for Filter {
                 None => return Action::Continue,
             },
         };
-        let needs_tokens = policy.idempotency.is_some()
-            || policy.lease.is_some()
-            || policy
-                .rate_limits
-                .iter()
-                .any(|l| l.algorithm == Algorithm::SlidingLog);
-        let (nonce, owner) = if needs_tokens {
+        let (nonce, owner) = if policy.needs_tokens {
             (vm.token(), vm.token())
         } else {
             ("-".to_string(), "-".to_string())
         };
-        let address = if vm.runtime.config.uses_client_ip() {
+        let address = if policy.uses_client_ip {
             property(vec!["source", "address"])
         } else {
             None

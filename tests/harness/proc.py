@@ -198,7 +198,7 @@ class Service:
 # which every user may run.
 GATEWAY_COMMANDS = (
     "eval", "evalsha",
-    "time", "get", "set", "del", "type", "pttl", "pexpire", "incrby",
+    "time", "get", "set", "del", "exists", "type", "pttl", "pexpire", "incrby",
     "hmget", "hset", "zadd", "zcount", "zrange", "zrangebyscore", "zremrangebyscore",
 )
 # The user webdis authenticates as: Debian's webdis 0.1.9 sends `AUTH <password>` (its
