@@ -165,6 +165,10 @@ def no_policy(stack: Stack) -> dict:
                          "limit": 100, "window": "1m"}]}])
 
 
+# lease_contended: waiters on one resource, and the time each holds it at the upstream.
+CONTENDED_WAITERS = 32
+CONTENDED_OP_MS = 20
+
 SCALE_POLICIES = 1000
 SCALE_LIMITS = 5
 
@@ -529,6 +533,43 @@ class Bench:
         if proc.returncode != 0 or line is None:
             raise RuntimeError(f"wrk failed ({proc.returncode}): {shlex.join(argv)}\n{out}")
         return json.loads(line[len("BENCH_RESULT "):])
+
+    def contended(self, wasm_path: Path, label: str) -> dict:
+        """One resource, CONTENDED_WAITERS connections, each request holding its lease for
+        CONTENDED_OP_MS at the (Python) upstream: how busy the waiters keep the resource.
+        Utilisation = executions x op time / wall time (1.0: never idle between holders)."""
+        s = self.stack
+        plugin = {"redis": s.redis_section(key_prefix=f"cg:bench:contended:{label}",
+                                           timeout=REDIS_TIMEOUT),
+                  "identity": {"tenant_header": TENANT_HEADER, "missing_tenant": "reject"},
+                  "policies": [{"name": "hot", "match": {"path_prefix": "/hot/"},
+                                "lease": {"resource": ["tenant", "path_segment:2"], "ttl": "10s",
+                                          "on_busy": "wait", "max_wait": "30s"}}]}
+        envoy = Envoy(WORK / "stack" / f"envoy-contended-{label}", plugin, s.upstream.port,
+                      s.webdis.port, wasm_path=wasm_path, blackhole_port=s.blackhole.port,
+                      dead_port=s.dead_port, concurrency=s.concurrency)
+        s.envoys.append(envoy)
+        envoy.start()
+        try:
+            argv = ["wrk", "-t2", f"-c{CONTENDED_WAITERS}", f"-d{self.seconds}s", "--latency",
+                    "--timeout", "40s", "-s", str(self.script("contended.lua")), f"{envoy.url}/",
+                    "--", uuid.uuid4().hex[:12], str(CONTENDED_OP_MS)]
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=self.seconds + 60,
+                                 stdin=subprocess.DEVNULL).stdout
+            line = next((ln for ln in out.splitlines() if ln.startswith("BENCH_RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"wrk failed: {shlex.join(argv)}\n{out}")
+            r = json.loads(line[len("BENCH_RESULT "):])
+            seconds = r["duration_us"] / 1e6
+            ok = r["requests"] - r["non_2xx_3xx"]
+            return {"label": label, "waiters": CONTENDED_WAITERS, "op_ms": CONTENDED_OP_MS,
+                    "executions_per_second": ok / seconds,
+                    "utilisation": ok * CONTENDED_OP_MS / 1000 / seconds,
+                    "refused": r["non_2xx_3xx"], "latency_p50_ms": r["latency_p50_us"] / 1000,
+                    "latency_p99_ms": r["latency_p99_us"] / 1000}
+        finally:
+            s.envoys.remove(envoy)
+            envoy.stop()
 
     def settle(self, envoy: Envoy) -> None:
         """Wait for the filter's background calls (completions, releases) to drain."""
@@ -987,13 +1028,14 @@ def main() -> int:
         print(f"bench: {DEFAULT_WASM} is missing; run `make build`", file=sys.stderr)
         return 2
     chosen = scenarios()
-    unknown = set(wanted) - {s.name for s in chosen}
+    unknown = set(wanted) - {s.name for s in chosen} - {"lease_contended"}
     if unknown:
         print(f"bench: unknown BENCH_SCENARIOS {sorted(unknown)}; known: "
               f"{', '.join(s.name for s in chosen)}", file=sys.stderr)
         return 2
     if wanted:
         chosen = [s for s in chosen if s.name in wanted]
+    # lease_contended runs after the scenarios; its stack needs no plain Envoy round.
     if any(s.wasm_path == FLOOR_WASM for s in chosen) and not build_floor():
         return 2
     compare = None
@@ -1039,6 +1081,7 @@ def main() -> int:
     WORK.mkdir(parents=True)
     stack = Stack(WORK / "stack", None, envoys=1, direct_response=True, concurrency=2)
     scenario_results: dict[str, dict] = {}
+    contended_results: list[dict] = []
     bench: Bench | None = None
     try:
         stack.start()
@@ -1049,6 +1092,16 @@ def main() -> int:
             except (RuntimeError, TimeoutError, OSError) as e:
                 bench.errors.append(f"{scenario.name}: {e}")
                 print(f"  {scenario.name}: FAILED: {e}", flush=True)
+        if not wanted or "lease_contended" in wanted:
+            contended = []
+            for _ in range(rounds):
+                builds = [(DEFAULT_WASM, "ours")] + ([(compare[1], compare[0])] if compare else [])
+                for wasm, label in builds:
+                    try:
+                        contended.append(bench.contended(wasm, label))
+                    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as e:
+                        bench.errors.append(f"lease_contended ({label}): {e}")
+            contended_results = contended
     finally:
         stack.stop()
         leftovers = stop_all()
@@ -1064,6 +1117,7 @@ def main() -> int:
         "plain": summarize(None, get_plain or all_plain, "plain"),
         "plain_basis": "plain runs with bench/lua/get.lua" if get_plain else "all plain runs",
         "scenarios": scenario_results,
+        "lease_contended": contended_results,
         "skipped": skipped,
         "errors": bench.errors if bench else [],
     }
@@ -1094,6 +1148,13 @@ def main() -> int:
                        for r in sc["runs"]])
     print(f"other load: CPU (cores) used by processes outside this benchmark while it measured; "
           f"median {fmt(foreign, '.2f')} of {meta['cpus']}")
+    for label in dict.fromkeys(r["label"] for r in contended_results):
+        runs = [r for r in contended_results if r["label"] == label]
+        print(f"lease_contended ({label}): {CONTENDED_WAITERS} waiters on one resource, "
+              f"{CONTENDED_OP_MS} ms each: utilisation median "
+              f"{fmt(_median([r['utilisation'] for r in runs]), '.2f')} "
+              f"(rounds {', '.join(fmt(r['utilisation'], '.2f') for r in runs)}), "
+              f"{sum(r['refused'] for r in runs)} refused")
     print(f"wrote {RESULTS.relative_to(ROOT)} and {CHART.relative_to(ROOT)}")
     if results["errors"]:
         print("\nbench FAILED:", file=sys.stderr)

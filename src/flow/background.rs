@@ -123,6 +123,16 @@ impl Background {
         (at <= first.saturating_add(RETRY_WINDOW_MS)).then_some(at)
     }
 
+    /// The lease this call gave back, if `answer` says it did: a request of this worker
+    /// waiting for it may poll at once.
+    pub fn freed_lease(&self, answer: &Result<Reply, CallError>) -> Option<&str> {
+        let freed = self.purpose == Purpose::LeaseRelease
+            && matches!(answer, Ok(r) if r.as_int() == Some(1));
+        freed
+            .then(|| self.call.keys.first().map(String::as_str))
+            .flatten()
+    }
+
     /// Handles the answer (or a failure to send).
     pub fn on_answer(
         &mut self,

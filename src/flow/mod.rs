@@ -188,6 +188,9 @@ struct LeaseState {
     /// While waiting for a busy lease: give up at this time.
     wait_until_ms: u64,
     backoff_ms: u64,
+    /// The jitter's state, seeded from the owner token: waiters that met the same busy lease
+    /// poll at different times instead of in lockstep.
+    jitter: u64,
     waited: bool,
     /// When to extend the lease next (`extend: true`).
     next_extend_ms: Option<u64>,
@@ -227,6 +230,8 @@ pub struct Flow {
     response_headers: Vec<(String, String)>,
     upstream_headers: Vec<(String, String)>,
     background: Vec<Background>,
+    /// The lease key this request gave back, until the adapter wakes its waiters.
+    freed_lease: Option<String>,
 }
 
 impl Default for Flow {
@@ -252,6 +257,7 @@ impl Default for Flow {
             response_headers: Vec::new(),
             upstream_headers: Vec::new(),
             background: Vec::new(),
+            freed_lease: None,
         }
     }
 }
@@ -262,7 +268,27 @@ pub const MARKER_MIN_TTL_MS: u64 = 60_000;
 
 /// First and largest pause between polls of a busy lease (`on_busy: wait`).
 pub const LEASE_POLL_FIRST_MS: u64 = 25;
-pub const LEASE_POLL_MAX_MS: u64 = 400;
+pub const LEASE_POLL_MAX_MS: u64 = 100;
+
+/// The pause before the next poll of a busy lease: between half the backoff and all of it
+/// ("equal jitter"), from a xorshift step of `state`.
+fn jittered(backoff_ms: u64, state: &mut u64) -> u64 {
+    let mut x = *state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    let half = backoff_ms / 2;
+    half + x % (backoff_ms - half + 1)
+}
+
+/// A non-zero jitter seed from a token (FNV-1a).
+fn seed(token: &str) -> u64 {
+    let h = token.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    h.max(1)
+}
 
 /// How long the filter waits for the next piece of a request body it must fingerprint.
 pub const BODY_IDLE_TIMEOUT_MS: u64 = 10_000;
@@ -359,6 +385,7 @@ impl Flow {
             held: false,
             wait_until_ms: 0,
             backoff_ms: LEASE_POLL_FIRST_MS,
+            jitter: seed(owner),
             waited: false,
             next_extend_ms: None,
         });
@@ -923,6 +950,9 @@ impl Flow {
                 if let Some(lm) = self.lease_metrics(rt) {
                     background::count_lease(lm, Purpose::LeaseRelease, &reply, name, m);
                 }
+                if reply.as_int() == Some(1) {
+                    self.freed_lease = self.lease.as_ref().map(|l| l.acquire.key.clone());
+                }
                 self.response_calls_done()
             }
             Purpose::LeaseExtend => Step::Wait,
@@ -1171,7 +1201,7 @@ impl Flow {
                     }
                     // The last poll lands exactly at max_wait.
                     let next = now_ms
-                        .saturating_add(lease.backoff_ms)
+                        .saturating_add(jittered(lease.backoff_ms, &mut lease.jitter))
                         .min(lease.wait_until_ms);
                     if now_ms < lease.wait_until_ms {
                         lease.backoff_ms = (lease.backoff_ms * 2).min(LEASE_POLL_MAX_MS);
@@ -1422,6 +1452,26 @@ impl Flow {
             self.phase,
             Phase::Buffering | Phase::Acquiring | Phase::LeaseWaiting
         ) && !self.forwarded
+    }
+
+    /// The lease this request waits for (`on_busy: wait`), while it waits.
+    pub fn waiting_for_lease(&self) -> Option<&str> {
+        (self.phase == Phase::LeaseWaiting)
+            .then(|| self.lease.as_ref().map(|l| l.acquire.key.as_str()))
+            .flatten()
+    }
+
+    /// The lease this request waits for was just given back on this worker: poll it at the
+    /// next tick instead of at the end of the backoff.
+    pub fn wake(&mut self, now_ms: u64) {
+        if self.phase == Phase::LeaseWaiting {
+            self.deadline_ms = self.deadline_ms.min(now_ms);
+        }
+    }
+
+    /// The lease this request gave back, once Redis said so (for [`Flow::wake`] of waiters).
+    pub fn take_freed_lease(&mut self) -> Option<String> {
+        self.freed_lease.take()
     }
 
     /// The watchdog: decides a stream whose calls outlived the timeout.

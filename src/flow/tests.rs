@@ -918,9 +918,13 @@ fn busy_lease_waits_then_runs() {
         flow.on_reply(&rt, 0, Ok(lease_reply(2, b"900")), 1, &rec),
         Step::Wait
     );
-    assert_eq!(flow.deadline_ms(), Some(1 + LEASE_POLL_FIRST_MS));
+    let poll_at = flow.deadline_ms().expect("a poll is scheduled");
+    assert!(
+        (1 + LEASE_POLL_FIRST_MS / 2..=1 + LEASE_POLL_FIRST_MS).contains(&poll_at),
+        "first poll after half to all of the first backoff: {poll_at}"
+    );
     assert!(flow.holds_request());
-    let out = dispatched(flow.on_tick(&rt, 1 + LEASE_POLL_FIRST_MS, &rec));
+    let out = dispatched(flow.on_tick(&rt, poll_at, &rec));
     let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
     assert!(
         body.starts_with("EVALSHA/") && body.contains("/3/") && body.contains("%3Acancel%3A"),
@@ -1782,4 +1786,95 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
         tail(&poll[0].call.args),
         vec!["own".to_string(), "2000".to_string(), "3600000".to_string()]
     );
+}
+
+#[test]
+fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
+    let rec = Recorder::default();
+    let config = Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "wait", "lease":
+            {"resource": ["path_segment:2"], "ttl": "10s", "on_busy": "wait", "max_wait": "5s"}}]}"#,
+    )
+    .expect("valid");
+    let metrics = rec.metrics(&config);
+    let rt = Runtime::new(config, metrics, None);
+    let waiter = |owner: &str| {
+        let mut flow = Flow::default();
+        dispatched(flow.on_request(
+            &rt,
+            req("POST", "/wait/9/x", Some("acme")),
+            "n",
+            owner,
+            true,
+            0,
+            &rec,
+        ));
+        assert_eq!(
+            flow.on_reply(&rt, 0, Ok(lease_reply(2, b"5000")), 0, &rec),
+            Step::Wait
+        );
+        flow
+    };
+    // Waiters that met the same busy lease at the same moment do not poll together.
+    let mut firsts: Vec<u64> = (0..16)
+        .map(|i| waiter(&format!("{i:032x}")).deadline_ms().expect("polls"))
+        .collect();
+    assert!(firsts
+        .iter()
+        .all(|d| (LEASE_POLL_FIRST_MS / 2..=LEASE_POLL_FIRST_MS).contains(d)));
+    firsts.sort();
+    firsts.dedup();
+    assert!(firsts.len() >= 6, "spread: {firsts:?}");
+    // Backoff doubles up to the cap, each pause jittered within it.
+    let mut flow = waiter("owner-a");
+    assert_eq!(
+        flow.waiting_for_lease().map(|k| k.contains(":lease:")),
+        Some(true)
+    );
+    let mut now = 0;
+    let mut pauses = Vec::new();
+    for _ in 0..6 {
+        let next = flow.deadline_ms().expect("polls");
+        pauses.push(next - now);
+        now = next;
+        dispatched(flow.on_tick(&rt, now, &rec));
+        assert_eq!(
+            flow.on_reply(&rt, 0, Ok(lease_reply(2, b"5000")), now, &rec),
+            Step::Wait
+        );
+    }
+    assert!(pauses.iter().all(|p| *p <= LEASE_POLL_MAX_MS), "{pauses:?}");
+    assert!(pauses[5] >= LEASE_POLL_MAX_MS / 2, "{pauses:?}");
+    // The holder on this worker gave the lease back: the waiter polls at the next tick.
+    flow.wake(now + 3);
+    assert_eq!(flow.deadline_ms(), Some(now + 3));
+    dispatched(flow.on_tick(&rt, now + 3, &rec));
+    assert_eq!(flow.waiting_for_lease(), None, "polling, not waiting");
+}
+
+#[test]
+fn a_holder_reports_the_lease_it_freed() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        req("POST", "/orders/5/act", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(lease_reply(1, b"9")), 1, &rec),
+        Step::Continue
+    );
+    let out =
+        dispatched(flow.on_response_headers(&rt, 200, true, "via_upstream", &[], true, 2, &rec));
+    assert_eq!(flow.take_freed_lease(), None, "not before Redis said so");
+    flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 3, &rec);
+    let freed = flow.take_freed_lease().expect("freed");
+    assert!(freed.contains(":lease:"), "{freed}");
+    assert_eq!(flow.take_freed_lease(), None, "once");
 }

@@ -56,6 +56,45 @@ struct Vm {
     /// does on the worker's next event-loop turn, so every acquire raised in this turn shares
     /// one batch without waiting for a timer.
     wake_queue: Option<u32>,
+    /// The root's tick, and whether it is the fine one (a request waits for a lease).
+    tick_ms: u64,
+    fine_tick: Cell<bool>,
+}
+
+/// The root's tick while a request of this worker waits for a busy lease: its polls are due
+/// at jittered times, which the watchdog's coarser tick would bunch together again.
+const LEASE_WAIT_TICK_MS: u64 = 5;
+
+impl Vm {
+    /// Switches the root's tick to the fine one (`true`) or back.
+    fn fine_tick(&self, fine: bool) {
+        if self.fine_tick.get() != fine {
+            self.fine_tick.set(fine);
+            let ms = if fine {
+                LEASE_WAIT_TICK_MS
+            } else {
+                self.tick_ms
+            };
+            let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
+        }
+    }
+
+    /// The lease `key` was given back: this worker's requests waiting for it poll at the next
+    /// tick instead of at the end of their backoff.
+    fn wake_waiters(&self, key: &str) {
+        let streams: Vec<Rc<Stream>> = match self.waiting.try_borrow() {
+            Ok(w) => w.values().filter_map(Weak::upgrade).collect(),
+            Err(_) => return,
+        };
+        let now = now_ms();
+        for stream in streams {
+            if let Ok(mut f) = stream.flow.try_borrow_mut() {
+                if f.waiting_for_lease() == Some(key) {
+                    f.wake(now);
+                }
+            }
+        }
+    }
 }
 
 /// An acquire call of a stream waiting for the next batch.
@@ -184,10 +223,18 @@ fn apply(
 
 /// Hands the stream's background calls to the root and keeps the watchdog registry current.
 fn settle_stream(vm: &Vm, stream: &Rc<Stream>) {
-    let (calls, deadline) = match stream.flow.try_borrow_mut() {
-        Ok(mut f) => (f.take_background(), f.deadline_ms()),
+    let (calls, deadline, freed, waits) = match stream.flow.try_borrow_mut() {
+        Ok(mut f) => (
+            f.take_background(),
+            f.deadline_ms(),
+            f.take_freed_lease(),
+            f.waiting_for_lease().is_some(),
+        ),
         Err(_) => return,
     };
+    if waits {
+        vm.fine_tick(true);
+    }
     if !calls.is_empty() {
         if let Ok(mut outbox) = vm.outbox.try_borrow_mut() {
             outbox.extend(calls);
@@ -199,6 +246,9 @@ fn settle_stream(vm: &Vm, stream: &Rc<Stream>) {
         } else {
             waiting.remove(&stream.ctx);
         }
+    }
+    if let Some(key) = freed {
+        vm.wake_waiters(&key);
     }
 }
 
@@ -348,6 +398,8 @@ impl Root {
             outbox: RefCell::new(Vec::new()),
             batch_queue: RefCell::new(Vec::new()),
             wake_queue,
+            tick_ms: tick,
+            fine_tick: Cell::new(false),
         }));
         Ok(())
     }
@@ -508,8 +560,13 @@ impl Context for Root {
         let Some(mut bg) = self.calls.remove(&token) else {
             return;
         };
-        let next = bg.on_answer(&vm.runtime, call_answer(body_size), now_ms(), &HostMetrics);
+        let answer = call_answer(body_size);
+        let freed = bg.freed_lease(&answer).map(str::to_string);
+        let next = bg.on_answer(&vm.runtime, answer, now_ms(), &HostMetrics);
         self.after_background(&vm, bg, next, true);
+        if let Some(key) = freed {
+            vm.wake_waiters(&key);
+        }
     }
 }
 
@@ -567,6 +624,18 @@ impl RootContext for Root {
         for stream in due {
             let step = stream.step(|f| f.on_tick(&vm.runtime, now, &HostMetrics));
             self.apply_for(&vm, &stream, step);
+        }
+        if vm.fine_tick.get() {
+            let still = vm.waiting.try_borrow().is_ok_and(|w| {
+                w.values().filter_map(Weak::upgrade).any(|s| {
+                    s.flow
+                        .try_borrow()
+                        .is_ok_and(|f| f.waiting_for_lease().is_some())
+                })
+            });
+            if !still {
+                vm.fine_tick(false);
+            }
         }
         // What is due now; retries waiting for their backoff stay.
         let outbox: Vec<Background> = vm
