@@ -1327,7 +1327,7 @@ fn response_trailers_end_a_streaming_body() {
         flow.on_response_body(&rt, 70_000, false, never_read, 5),
         Step::Continue
     );
-    let out = dispatched(flow.on_response_trailers(&rt, never_read, 6));
+    let out = dispatched(flow.on_response_trailers(&rt, &[], never_read, 6));
     assert_reference(&out);
     // Trailers of a body that fits: it is stored whole.
     let mut flow = forwarded(&rt, &rec);
@@ -1336,7 +1336,7 @@ fn response_trailers_end_a_streaming_body() {
         flow.on_response_body(&rt, 2, false, never_read, 5),
         Step::Wait
     );
-    let out = dispatched(flow.on_response_trailers(&rt, || b"ok".to_vec(), 6));
+    let out = dispatched(flow.on_response_trailers(&rt, &[], || b"ok".to_vec(), 6));
     assert!(out[0].call.args[3].contains("\"body\":\"ok\""));
 }
 
