@@ -104,7 +104,8 @@ def substitute(text: str, values: dict[str, object], plugin_config: dict | str |
 def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: dict[str, int],
                   extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                   direct_response: bool = False, cluster_header: str | None = None,
-                  path_normalization: bool = True, buffer_limit: int | None = None) -> dict:
+                  path_normalization: bool = True, buffer_limit: int | None = None,
+                  grpc_upstream_port: int | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
@@ -113,6 +114,9 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
 
     `buffer_limit` sets `per_connection_buffer_limit_bytes` on the listener and on the
     upstream cluster (Envoy's default is 1 MiB), what the plugin's `envoy_buffer_limit` declares.
+
+    `grpc_upstream_port` adds the cluster `grpc_upstream` (HTTP/2, prior knowledge) and routes
+    every path under `/cg.test.` (the gRPC test services) to it.
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -141,6 +145,17 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         route["direct_response"] = {"status": 200, "body": {"inline_string": "ok\n"}}
     for name, port in (extra_clusters or {}).items():
         cfg["static_resources"]["clusters"].append(_static_cluster(name, port))
+    if grpc_upstream_port is not None:
+        cluster = _static_cluster("grpc_upstream", grpc_upstream_port)
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+        cfg["static_resources"]["clusters"].append(cluster)
+        routes.insert(0, {"match": {"prefix": "/cg.test."},
+                          "route": {"cluster": "grpc_upstream", "timeout": "15s"}})
     if buffer_limit is not None:
         cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] = buffer_limit
         upstream = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "upstream")
@@ -188,7 +203,8 @@ class Envoy:
                  extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                  direct_response: bool = False, concurrency: int = 2, listener_port: int = 0,
                  admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
-                 path_normalization: bool = True, buffer_limit: int | None = None):
+                 path_normalization: bool = True, buffer_limit: int | None = None,
+                 grpc_upstream_port: int | None = None):
         self.workdir = Path(workdir)
         self.plugin_config = plugin_config
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
@@ -210,7 +226,8 @@ class Envoy:
                                     local_ratelimit=local_ratelimit, direct_response=direct_response,
                                     cluster_header=cluster_header,
                                     path_normalization=path_normalization,
-                                    buffer_limit=buffer_limit)
+                                    buffer_limit=buffer_limit,
+                                    grpc_upstream_port=grpc_upstream_port)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None
