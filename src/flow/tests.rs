@@ -1788,12 +1788,8 @@ fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
 #[test]
 fn grpc_outcome_is_read_from_grpc_status() {
     // (headers, trailers or None for trailers-only, released, stored fragment)
-    let cases: Vec<(
-        Vec<(String, String)>,
-        Option<Vec<(String, String)>>,
-        bool,
-        &str,
-    )> = vec![
+    type Pairs = Vec<(String, String)>;
+    let cases: Vec<(Pairs, Option<Pairs>, bool, &str)> = vec![
         // Trailers-only, retryable: released (an HTTP 200 says nothing).
         (
             pairs(&[("content-type", "application/grpc"), ("grpc-status", "14")]),
