@@ -13,6 +13,7 @@ pub mod acquire;
 pub mod batch;
 pub mod config;
 pub mod flow;
+pub mod grpc;
 pub mod idempotency;
 pub mod ids;
 pub mod keys;

@@ -2,12 +2,19 @@
 //! `Retry-After`, `RateLimit-Policy` and `RateLimit` headers
 //! (draft-ietf-httpapi-ratelimit-headers-10).
 
+use crate::grpc;
+
 /// A response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalResponse {
     pub status: u32,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
+    /// The problem this answer reports (none for a replay).
+    pub problem: Option<Problem>,
+    /// The gRPC status the host is told to answer a gRPC request with (none: the host maps
+    /// the HTTP status itself).
+    pub grpc_status: Option<u32>,
 }
 
 impl LocalResponse {
@@ -107,6 +114,60 @@ impl Problem {
             Problem::LeaseResourceMissing => "Lease Resource Missing",
         }
     }
+
+    /// The gRPC status a gRPC client gets for this problem. Not the host's mapping of the HTTP
+    /// status (429, 409 and 503 would all be `UNAVAILABLE`, which gRPC clients retry at once):
+    /// a rejection a client should back off from is `RESOURCE_EXHAUSTED`, a call that
+    /// conflicts with one in flight is `ABORTED` (retry later, at a higher level), a key
+    /// reused for another request is `FAILED_PRECONDITION` (not retryable as it is).
+    pub fn grpc_code(self) -> u32 {
+        match self {
+            Problem::RateLimited | Problem::RequestBodyTooLarge => grpc::RESOURCE_EXHAUSTED,
+            Problem::GuardUnavailable => grpc::UNAVAILABLE,
+            Problem::MissingTenant => grpc::UNAUTHENTICATED,
+            Problem::AmbiguousTenant
+            | Problem::AmbiguousPrincipal
+            | Problem::AmbiguousPath
+            | Problem::AmbiguousSelector
+            | Problem::IdempotencyKeyMissing
+            | Problem::IdempotencyKeyInvalid
+            | Problem::LeaseResourceMissing => grpc::INVALID_ARGUMENT,
+            Problem::RequestBodyTimeout => grpc::DEADLINE_EXCEEDED,
+            Problem::IdempotencyKeyInUse | Problem::ResourceLocked => grpc::ABORTED,
+            Problem::IdempotencyKeyConflict { .. } => grpc::FAILED_PRECONDITION,
+        }
+    }
+}
+
+/// The same answer for a gRPC client: a trailers-only response (the host sends HTTP 200 with
+/// `content-type: application/grpc` for any local reply to a gRPC request) whose
+/// `grpc-status` is the problem's [`Problem::grpc_code`] and whose `grpc-message` is the
+/// problem's `detail` (not the JSON). The other headers (`retry-after`, `ratelimit*`,
+/// `www-authenticate`) stay; the body is dropped (the host would put it in `grpc-message`).
+/// An answer that is no problem (a replay) is returned as it is.
+pub fn for_grpc(mut response: LocalResponse) -> LocalResponse {
+    let Some(kind) = response.problem else {
+        return response;
+    };
+    let detail = serde_json::from_slice::<serde_json::Value>(&response.body)
+        .ok()
+        .and_then(|v| v.get("detail")?.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let code = kind.grpc_code();
+    response
+        .headers
+        .retain(|(n, _)| n != "content-type" && n != grpc::STATUS && n != grpc::MESSAGE);
+    let mut status = String::with_capacity(2);
+    push_u64(&mut status, u64::from(code));
+    response.headers.push((grpc::STATUS.into(), status));
+    if !detail.is_empty() {
+        response
+            .headers
+            .push((grpc::MESSAGE.into(), grpc::encode_message(&detail)));
+    }
+    response.body = Vec::new();
+    response.grpc_status = Some(code);
+    response
 }
 
 /// An extra member of a problem body: a string or a list of strings.
@@ -184,6 +245,8 @@ pub fn problem(
         status: kind.status(),
         headers: all,
         body,
+        problem: Some(kind),
+        grpc_status: None,
     }
 }
 
@@ -273,6 +336,85 @@ pub fn push_u64(out: &mut String, mut n: u64) {
 mod tests {
     use super::*;
     use serde_json::{json, Map, Value};
+
+    /// Every problem's gRPC code, with the HTTP status it replaces (table-driven: one row per
+    /// problem kind, so a new kind must be added here).
+    #[test]
+    fn grpc_codes() {
+        let cases = [
+            (Problem::RateLimited, 429, grpc::RESOURCE_EXHAUSTED),
+            (Problem::GuardUnavailable, 503, grpc::UNAVAILABLE),
+            (Problem::MissingTenant, 401, grpc::UNAUTHENTICATED),
+            (Problem::AmbiguousTenant, 400, grpc::INVALID_ARGUMENT),
+            (Problem::AmbiguousPrincipal, 400, grpc::INVALID_ARGUMENT),
+            (Problem::AmbiguousPath, 400, grpc::INVALID_ARGUMENT),
+            (Problem::AmbiguousSelector, 400, grpc::INVALID_ARGUMENT),
+            (Problem::IdempotencyKeyMissing, 400, grpc::INVALID_ARGUMENT),
+            (Problem::IdempotencyKeyInvalid, 400, grpc::INVALID_ARGUMENT),
+            (Problem::RequestBodyTooLarge, 413, grpc::RESOURCE_EXHAUSTED),
+            (Problem::RequestBodyTimeout, 408, grpc::DEADLINE_EXCEEDED),
+            (Problem::IdempotencyKeyInUse, 409, grpc::ABORTED),
+            (
+                Problem::IdempotencyKeyConflict { status: 422 },
+                422,
+                grpc::FAILED_PRECONDITION,
+            ),
+            (
+                Problem::IdempotencyKeyConflict { status: 409 },
+                409,
+                grpc::FAILED_PRECONDITION,
+            ),
+            (Problem::ResourceLocked, 409, grpc::ABORTED),
+            (Problem::LeaseResourceMissing, 400, grpc::INVALID_ARGUMENT),
+        ];
+        for (kind, status, code) in cases {
+            assert_eq!(kind.status(), status, "{kind:?}");
+            assert_eq!(kind.grpc_code(), code, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn grpc_answer() {
+        let http = problem(
+            Problem::RateLimited,
+            "rate limit \"t\" exceeded; retry after 3 s (100%)",
+            &[("violated-policies", Member::Strs(&["t"]))],
+            vec![
+                ("retry-after".into(), "3".into()),
+                ("ratelimit".into(), "\"t\";r=0;t=3".into()),
+            ],
+        );
+        let g = for_grpc(http.clone());
+        assert_eq!(g.status, 429);
+        assert_eq!(g.grpc_status, Some(grpc::RESOURCE_EXHAUSTED));
+        assert!(g.body.is_empty());
+        assert_eq!(
+            g.headers,
+            vec![
+                ("retry-after".to_string(), "3".to_string()),
+                ("ratelimit".to_string(), "\"t\";r=0;t=3".to_string()),
+                ("grpc-status".to_string(), "8".to_string()),
+                (
+                    "grpc-message".to_string(),
+                    "rate limit \"t\" exceeded; retry after 3 s (100%25)".to_string()
+                ),
+            ]
+        );
+        // The HTTP answer is untouched by it, and a replay is no problem: as it is.
+        assert_eq!(http.grpc_status, None);
+        assert_eq!(
+            http.header("content-type"),
+            Some("application/problem+json")
+        );
+        let replay = LocalResponse {
+            status: 201,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: b"{}".to_vec(),
+            problem: None,
+            grpc_status: None,
+        };
+        assert_eq!(for_grpc(replay.clone()), replay);
+    }
 
     #[test]
     fn push_u64_writes_decimal() {

@@ -6,6 +6,7 @@
 mod reader;
 pub mod units;
 
+use crate::grpc;
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};
 
@@ -215,8 +216,13 @@ pub struct Idempotency {
     pub max_response_body: u64,
     /// Lower-case names of the response headers stored and replayed.
     pub replay_headers: Vec<String>,
+    /// Lower-case names of the response trailers stored and replayed besides `grpc-status`
+    /// and `grpc-message`, which a gRPC response always stores.
+    pub replay_trailers: Vec<String>,
     pub conflict_status: u32,
     pub retryable_statuses: Vec<StatusMatch>,
+    /// gRPC status codes after which the record of a gRPC call is released.
+    pub retryable_grpc_codes: Vec<u32>,
     pub complete: Completion,
 }
 
@@ -227,6 +233,11 @@ impl Idempotency {
 
     pub fn retryable(&self, status: u32) -> bool {
         self.retryable_statuses.iter().any(|s| s.matches(status))
+    }
+
+    /// A gRPC call that ended with `code` is released (its retry runs again).
+    pub fn retryable_grpc(&self, code: u32) -> bool {
+        self.retryable_grpc_codes.contains(&code)
     }
 
     pub fn needs_body(&self) -> bool {
@@ -843,23 +854,12 @@ fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Idempot
         64 << 10,
         envoy_buffer_limit,
     )?;
-    let rh_path = o.field_path("replay_headers");
-    let replay_headers = match o.opt_str_list("replay_headers")? {
-        None => vec!["content-type".into(), "location".into(), "etag".into()],
-        Some(list) => {
-            let mut out = Vec::new();
-            for (i, h) in list.iter().enumerate() {
-                if !is_header_name(h) || h.starts_with(':') {
-                    return Err(ConfigError::new(
-                        index(&rh_path, i),
-                        format!("{h:?} is not an HTTP header name"),
-                    ));
-                }
-                out.push(h.to_ascii_lowercase());
-            }
-            out
-        }
-    };
+    let replay_headers = header_list(
+        &mut o,
+        "replay_headers",
+        &["content-type", "location", "etag"],
+    )?;
+    let replay_trailers = header_list(&mut o, "replay_trailers", &[])?;
     let conflict_path = o.field_path("conflict_status");
     let conflict_status = match o.get("conflict_status") {
         None => 422,
@@ -922,6 +922,50 @@ fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Idempot
             out
         }
     };
+    let rg_path = o.field_path("retryable_grpc_codes");
+    let retryable_grpc_codes = match o.opt_array("retryable_grpc_codes")? {
+        None => vec![
+            grpc::UNAVAILABLE,
+            grpc::DEADLINE_EXCEEDED,
+            grpc::RESOURCE_EXHAUSTED,
+            grpc::ABORTED,
+        ],
+        Some(items) => {
+            let mut out = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                let code = match item {
+                    Value::Number(n) => n
+                        .as_u64()
+                        .and_then(|c| u32::try_from(c).ok())
+                        .filter(|&c| grpc::code_name(c).is_some()),
+                    Value::String(s) => grpc::parse_code(s),
+                    _ => None,
+                };
+                let Some(code) = code else {
+                    return Err(ConfigError::new(
+                        index(&rg_path, i),
+                        format!(
+                            "{item} is not a gRPC status code (a name like \"UNAVAILABLE\" or a number 1-16)"
+                        ),
+                    ));
+                };
+                if code == grpc::OK {
+                    return Err(ConfigError::new(
+                        index(&rg_path, i),
+                        format!("{item} is OK; only failures can be retryable"),
+                    ));
+                }
+                if out.contains(&code) {
+                    return Err(ConfigError::new(
+                        index(&rg_path, i),
+                        format!("{item} is listed twice"),
+                    ));
+                }
+                out.push(code);
+            }
+            out
+        }
+    };
     let complete = match o.opt_str("complete")? {
         None | Some("sync") => Completion::Sync,
         Some("async") => Completion::Async,
@@ -944,10 +988,33 @@ fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Idempot
         replay,
         max_response_body,
         replay_headers,
+        replay_trailers,
         conflict_status,
         retryable_statuses,
+        retryable_grpc_codes,
         complete,
     })
+}
+
+/// A list of lower-case header (or trailer) names; `default` when absent.
+fn header_list(o: &mut Obj<'_>, field: &'static str, default: &[&str]) -> Result<Vec<String>> {
+    let path = o.field_path(field);
+    match o.opt_str_list(field)? {
+        None => Ok(default.iter().map(|h| (*h).to_string()).collect()),
+        Some(list) => {
+            let mut out = Vec::new();
+            for (i, h) in list.iter().enumerate() {
+                if !is_header_name(h) || h.starts_with(':') {
+                    return Err(ConfigError::new(
+                        index(&path, i),
+                        format!("{h:?} is not an HTTP header name"),
+                    ));
+                }
+                out.push(h.to_ascii_lowercase());
+            }
+            Ok(out)
+        }
+    }
 }
 
 fn size(o: &mut Obj<'_>, field: &'static str, max: u64) -> Result<Option<u64>> {

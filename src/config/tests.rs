@@ -250,6 +250,20 @@ fn idempotency_defaults_and_example() {
     assert_eq!(c.envoy_buffer_limit, 1 << 20);
     assert_eq!(i.replay, Replay::Full);
     assert_eq!(i.replay_headers, vec!["content-type", "location", "etag"]);
+    assert!(i.replay_trailers.is_empty());
+    assert_eq!(i.retryable_grpc_codes, vec![14, 4, 8, 10]);
+    for (code, retry) in [
+        (14, true),
+        (4, true),
+        (8, true),
+        (10, true),
+        (0, false),
+        (2, false),
+        (5, false),
+        (13, false),
+    ] {
+        assert_eq!(i.retryable_grpc(code), retry, "{code}");
+    }
     assert_eq!(i.conflict_status, 422);
     assert_eq!(i.complete, Completion::Sync);
     for (status, retry) in [
@@ -278,6 +292,21 @@ fn idempotency_defaults_and_example() {
     assert!(!i.fingerprint.contains(&FingerprintPart::Principal));
     assert!(!i.retryable(408));
     assert_eq!(i.complete, Completion::Async);
+    let grpc = with_idempotency(json!({
+        "replay_trailers": ["X-Checksum", "grpc-status-details-bin"],
+        "retryable_grpc_codes": ["UNAVAILABLE", 13, "aborted", "4"]
+    }))
+    .expect("valid");
+    let i = grpc.policies[0].idempotency.as_ref().expect("present");
+    assert_eq!(
+        i.replay_trailers,
+        vec!["x-checksum", "grpc-status-details-bin"]
+    );
+    assert_eq!(i.retryable_grpc_codes, vec![14, 13, 10, 4]);
+    assert!(!i.retryable_grpc(8));
+    let none = with_idempotency(json!({"retryable_grpc_codes": []})).expect("valid");
+    let i = none.policies[0].idempotency.as_ref().expect("present");
+    assert!(!i.retryable_grpc(14));
 }
 
 #[test]
@@ -307,12 +336,24 @@ fn bad_idempotency_names_the_field() {
          "policies[0].idempotency.retryable_statuses[0]: 200 is not a 4xx or 5xx status; only failures can be retryable"),
         ("retryable_bad", json!({"retryable_statuses": ["5xy"]}),
          "policies[0].idempotency.retryable_statuses[0]: \"5xy\" is not a status (100-599) or a class like \"5xx\""),
+        ("replay_trailer", json!({"replay_trailers": ["ok", ":status"]}),
+         "policies[0].idempotency.replay_trailers[1]: \":status\" is not an HTTP header name"),
+        ("replay_trailers_type", json!({"replay_trailers": "grpc-status"}),
+         "policies[0].idempotency.replay_trailers: expected an array, found a string"),
+        ("grpc_code_name", json!({"retryable_grpc_codes": ["UNAVAILABLE", "BUSY"]}),
+         "policies[0].idempotency.retryable_grpc_codes[1]: \"BUSY\" is not a gRPC status code (a name like \"UNAVAILABLE\" or a number 1-16)"),
+        ("grpc_code_number", json!({"retryable_grpc_codes": [17]}),
+         "policies[0].idempotency.retryable_grpc_codes[0]: 17 is not a gRPC status code (a name like \"UNAVAILABLE\" or a number 1-16)"),
+        ("grpc_code_ok", json!({"retryable_grpc_codes": [14, "OK"]}),
+         "policies[0].idempotency.retryable_grpc_codes[1]: \"OK\" is OK; only failures can be retryable"),
+        ("grpc_code_twice", json!({"retryable_grpc_codes": [14, "UNAVAILABLE"]}),
+         "policies[0].idempotency.retryable_grpc_codes[1]: \"UNAVAILABLE\" is listed twice"),
         ("methods_empty", json!({"methods": []}),
          "policies[0].idempotency.methods: must list at least one method"),
         ("complete", json!({"complete": "later"}),
          "policies[0].idempotency.complete: \"later\" is not one of \"sync\", \"async\""),
         ("unknown", json!({"ttl": "1m"}),
-         "policies[0].idempotency.ttl: unknown field (known here: complete, completed_ttl, conflict_status, fingerprint, header, max_request_body, max_response_body, methods, processing_ttl, replay, replay_headers, required, retryable_statuses)"),
+         "policies[0].idempotency.ttl: unknown field (known here: complete, completed_ttl, conflict_status, fingerprint, header, max_request_body, max_response_body, methods, processing_ttl, replay, replay_headers, replay_trailers, required, retryable_grpc_codes, retryable_statuses)"),
         ("header", json!({"header": ""}),
          "policies[0].idempotency.header: \"\" is not an HTTP header name"),
     ];

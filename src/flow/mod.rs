@@ -13,6 +13,7 @@ use crate::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire, LeaseAnswer};
 use crate::config::{
     Completion, Config, FailureMode, FingerprintPart, Idempotency, Lease, OnBusy, Policy, Replay,
 };
+use crate::grpc;
 use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
 use crate::idempotency::header::{parse_key, KeyError};
 use crate::idempotency::record::{Record, StoredResponse};
@@ -177,6 +178,8 @@ struct Idem {
     declared: Option<u64>,
     /// Bytes of the response body let through so far while it streams.
     passed: u64,
+    /// The trailers stored with the response (gRPC status, `replay_trailers`).
+    trailers: Vec<(String, String)>,
 }
 
 /// The lease state of a request on a policy with `lease`.
@@ -227,6 +230,8 @@ pub struct Flow {
     deadline_ms: u64,
     forwarded: bool,
     response_seen: bool,
+    /// The request is gRPC (Envoy answers it with gRPC local replies).
+    grpc: bool,
     response_headers: Vec<(String, String)>,
     upstream_headers: Vec<(String, String)>,
     background: Vec<Background>,
@@ -254,6 +259,7 @@ impl Default for Flow {
             deadline_ms: 0,
             forwarded: false,
             response_seen: false,
+            grpc: false,
             response_headers: Vec::new(),
             upstream_headers: Vec::new(),
             background: Vec::new(),
@@ -405,12 +411,21 @@ impl Flow {
         m: &dyn MetricSink,
     ) -> Step {
         match policy_index(&rt.config.policies, &mut &req) {
+            Some(Selected::AmbiguousPath(index)) => {
+                self.set_grpc(req.header("content-type"));
+                self.on_ambiguous_path(rt, index, m)
+            }
             Some(Selected::Policy(index)) => {
                 self.on_policy_request(rt, index, req, nonce, owner, end_of_stream, now_ms, m)
             }
-            Some(Selected::AmbiguousPath(index)) => self.on_ambiguous_path(rt, index, m),
             None => Step::Continue,
         }
+    }
+
+    /// Whether the request is gRPC (`content-type: application/grpc…`), for a caller that
+    /// answers it before [`Flow::on_policy_request`] (an ambiguous path).
+    pub fn set_grpc(&mut self, content_type: Option<&str>) {
+        self.grpc = grpc::is_grpc_content_type(content_type);
     }
 
     /// A request whose path reads more than one way, one of them guarded by policy `index`:
@@ -444,6 +459,7 @@ impl Flow {
         m: &dyn MetricSink,
     ) -> Step {
         self.policy = index;
+        self.grpc = grpc::is_grpc_content_type(req.header("content-type"));
         let Some((policy, pm)) = self.policy(rt) else {
             return Step::Continue;
         };
@@ -587,6 +603,7 @@ impl Flow {
                     too_large: false,
                     declared: None,
                     passed: 0,
+                    trailers: Vec::new(),
                 });
                 let held = Held {
                     caller,
@@ -1099,17 +1116,19 @@ impl Flow {
                 );
                 self.conflict(cfg.conflict_status, limit_headers)
             }
-            IdemAnswer::Completed(record) => match replay(&record, limit_headers.clone()) {
-                Some(response) => {
-                    m.increment(im.replayed);
-                    self.answer(response)
+            IdemAnswer::Completed(record) => {
+                match replay(&record, limit_headers.clone(), self.grpc) {
+                    Some(response) => {
+                        m.increment(im.replayed);
+                        self.answer(response)
+                    }
+                    None => {
+                        m.increment(im.unreadable);
+                        m.increment(im.conflict);
+                        self.conflict(cfg.conflict_status, limit_headers)
+                    }
                 }
-                None => {
-                    m.increment(im.unreadable);
-                    m.increment(im.conflict);
-                    self.conflict(cfg.conflict_status, limit_headers)
-                }
-            },
+            }
         }
     }
 
@@ -1326,10 +1345,16 @@ impl Flow {
         Step::Continue
     }
 
+    /// Answers locally; a gRPC client gets the problem as a gRPC status (see
+    /// [`respond::for_grpc`]), anyone else the problem+json answer as it is.
     fn answer(&mut self, response: LocalResponse) -> Step {
         self.phase = Phase::Done;
         self.response_headers.clear();
-        Step::Respond(response)
+        Step::Respond(if self.grpc {
+            respond::for_grpc(response)
+        } else {
+            response
+        })
     }
 
     fn call_failed(
@@ -1549,6 +1574,14 @@ impl Flow {
         self.idem.as_ref().is_some_and(|i| i.owned) || self.lease.as_ref().is_some_and(|l| l.held)
     }
 
+    /// Whether the response's trailers matter (a record that settles on them).
+    pub fn wants_response_trailers(&self) -> bool {
+        matches!(
+            self.phase,
+            Phase::BufferingResponse | Phase::CopyingResponse | Phase::StreamingResponse
+        )
+    }
+
     /// Headers to add to the upstream's response (`RateLimit-Policy`, `RateLimit`).
     pub fn response_headers(&self) -> &[(String, String)] {
         &self.response_headers
@@ -1623,7 +1656,8 @@ impl Flow {
             u16::try_from(idem.status).unwrap_or(500),
             idem.headers.clone(),
             body,
-        );
+        )
+        .with_trailers(idem.trailers.clone());
         Some((
             Purpose::Complete,
             ScriptCall {
@@ -1821,7 +1855,19 @@ impl Flow {
             self.outcome_unknown(rt, details, m);
             return Step::Continue;
         }
-        if cfg.retryable(status) {
+        // A gRPC call's outcome is its grpc-status: in the headers of a trailers-only answer,
+        // else in the trailers, so the decision waits for them.
+        let trailers_only = if self.grpc {
+            grpc::status_of(headers)
+        } else {
+            None
+        };
+        let awaits_trailers = self.grpc && trailers_only.is_none() && !end_of_stream;
+        let retry = match trailers_only {
+            Some(code) => cfg.retryable_grpc(code),
+            None => cfg.retryable(status),
+        };
+        if retry {
             let call = self.release_call();
             return self.settle_record(rt, call, now_ms);
         }
@@ -1830,14 +1876,34 @@ impl Flow {
             .filter(|(n, _)| cfg.replay_headers.iter().any(|h| h == n))
             .cloned()
             .collect();
+        let stored_trailers = if trailers_only.is_some() {
+            kept_trailers(cfg, headers)
+        } else {
+            Vec::new()
+        };
         let needs_body = cfg.replay == Replay::Full && !end_of_stream;
         let sync = cfg.complete == Completion::Sync;
         let too_large = declared_too_large(cfg, headers, end_of_stream);
         if let Some(i) = self.idem.as_mut() {
             i.status = status;
             i.headers = replay_headers;
+            i.trailers = stored_trailers;
             i.too_large = too_large;
-            i.declared = content_length(headers);
+            // A gRPC response is decided at its trailers, never at its last declared byte.
+            i.declared = if awaits_trailers {
+                None
+            } else {
+                content_length(headers)
+            };
+        }
+        if awaits_trailers && !needs_body {
+            // No body to store (`replay: reference`): it passes, the record waits for the
+            // status in the trailers.
+            if let Some(i) = self.idem.as_mut() {
+                i.too_large = true;
+            }
+            self.phase = Phase::StreamingResponse;
+            return Step::Continue;
         }
         if too_large {
             // Never buffered: the body streams and the reference is stored at its end.
@@ -1935,34 +2001,58 @@ impl Flow {
         Step::Continue
     }
 
-    /// The response's trailers: its body has ended (without a body callback that said so).
+    /// The response's trailers (`trailers`): its body has ended (without a body callback that
+    /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
+    /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
     pub fn on_response_trailers(
         &mut self,
         rt: &Runtime,
+        trailers: &[(String, String)],
         read: impl FnOnce() -> Vec<u8>,
         now_ms: u64,
     ) -> Step {
-        match self.phase {
-            Phase::BufferingResponse => {
-                let max = self.idem_config(rt).map_or(0, |c| c.max_response_body);
-                let body = read();
-                if let Some(i) = self.idem.as_mut() {
-                    if body.len() as u64 > max {
-                        i.too_large = true;
-                    } else {
-                        i.body = body;
-                    }
-                }
-                let call = self.completion_call(rt);
-                self.settle_record(rt, call, now_ms)
-            }
-            Phase::CopyingResponse | Phase::StreamingResponse => {
-                let call = self.completion_call(rt);
-                self.settle_record(rt, call, now_ms)
-            }
-            Phase::Completing => Step::Wait,
-            _ => Step::Continue,
+        if !matches!(
+            self.phase,
+            Phase::BufferingResponse | Phase::CopyingResponse | Phase::StreamingResponse
+        ) {
+            return match self.phase {
+                Phase::Completing => Step::Wait,
+                _ => Step::Continue,
+            };
         }
+        let Some(cfg) = self.idem_config(rt) else {
+            return Step::Continue;
+        };
+        let code = if self.grpc {
+            grpc::status_of(trailers)
+        } else {
+            None
+        };
+        if code.is_some_and(|c| cfg.retryable_grpc(c)) {
+            if let Some(i) = self.idem.as_mut() {
+                i.body = Vec::new();
+            }
+            let call = self.release_call();
+            return self.settle_record(rt, call, now_ms);
+        }
+        let kept = kept_trailers(cfg, trailers);
+        let max = cfg.max_response_body;
+        let buffering = self.phase == Phase::BufferingResponse;
+        if let Some(i) = self.idem.as_mut() {
+            i.trailers = kept;
+        }
+        if buffering {
+            let body = read();
+            if let Some(i) = self.idem.as_mut() {
+                if body.len() as u64 > max {
+                    i.too_large = true;
+                } else {
+                    i.body = body;
+                }
+            }
+        }
+        let call = self.completion_call(rt);
+        self.settle_record(rt, call, now_ms)
     }
 
     fn outcome_unknown(&mut self, rt: &Runtime, details: &str, m: &dyn MetricSink) {
@@ -2074,10 +2164,31 @@ fn acquire_pending(g: acquire::Group, now_ms: u64) -> Pending {
     }
 }
 
-/// The stored response as a local reply, with `Idempotent-Replayed: true`.
-fn replay(record: &Record, extra: Vec<(String, String)>) -> Option<LocalResponse> {
+/// The trailers of a response the record keeps: `grpc-status`, `grpc-message` and the
+/// configured `replay_trailers`, in the order received.
+fn kept_trailers(cfg: &Idempotency, trailers: &[(String, String)]) -> Vec<(String, String)> {
+    trailers
+        .iter()
+        .filter(|(n, _)| {
+            n == grpc::STATUS || n == grpc::MESSAGE || cfg.replay_trailers.iter().any(|t| t == n)
+        })
+        .cloned()
+        .collect()
+}
+
+/// The stored response as a local reply, with `Idempotent-Replayed: true`. For a gRPC
+/// request whose record holds a gRPC status, see [`grpc_replay`].
+fn replay(record: &Record, extra: Vec<(String, String)>, grpc: bool) -> Option<LocalResponse> {
     let stored = record.response.as_ref()?;
     let body = stored.body_bytes()?;
+    if grpc {
+        if let Some(code) = stored
+            .trailer(grpc::STATUS)
+            .and_then(|v| v.trim().parse().ok())
+        {
+            return Some(grpc_replay(stored, code, body.is_empty(), extra));
+        }
+    }
     let mut headers = stored.headers.clone();
     headers.push((REPLAYED_HEADER.into(), "true".into()));
     headers.extend(extra);
@@ -2085,7 +2196,55 @@ fn replay(record: &Record, extra: Vec<(String, String)>) -> Option<LocalResponse
         status: u32::from(stored.status),
         headers,
         body,
+        problem: None,
+        grpc_status: None,
     })
+}
+
+/// A gRPC replay. The host answers every local reply to a gRPC request trailers-only (HTTP
+/// 200, the status in the headers, no body): the stored `grpc-status`, `grpc-message` and
+/// replay trailers go in its headers, which a gRPC client reads exactly as the original
+/// trailers-only answer, or the original trailers after an empty body. The response messages
+/// themselves cannot be carried: a call that ended `OK` after sending messages (every
+/// successful unary call), or whose body was not stored, is answered `ALREADY_EXISTS`, saying
+/// so, rather than an `OK` without its message (which clients fail as a protocol error). A
+/// failed call is replayed with its status and message (the messages sent before it are not).
+fn grpc_replay(
+    stored: &StoredResponse,
+    code: u32,
+    empty_body: bool,
+    extra: Vec<(String, String)>,
+) -> LocalResponse {
+    let mut headers: Vec<(String, String)> = stored
+        .headers
+        .iter()
+        .filter(|(n, _)| n != "content-length" && n != grpc::STATUS && n != grpc::MESSAGE)
+        .cloned()
+        .collect();
+    let replayable = code != grpc::OK || (empty_body && !stored.reference);
+    let code = if replayable {
+        headers.extend(stored.trailers.iter().cloned());
+        code
+    } else {
+        headers.push((grpc::STATUS.into(), grpc::ALREADY_EXISTS.to_string()));
+        headers.push((
+            grpc::MESSAGE.into(),
+            grpc::encode_message(
+                "the call with this idempotency key already completed with OK; its response \
+                 message cannot be replayed to a gRPC client",
+            ),
+        ));
+        grpc::ALREADY_EXISTS
+    };
+    headers.push((REPLAYED_HEADER.into(), "true".into()));
+    headers.extend(extra);
+    LocalResponse {
+        status: u32::from(stored.status),
+        headers,
+        body: Vec::new(),
+        problem: None,
+        grpc_status: Some(code),
+    }
 }
 
 #[cfg(test)]

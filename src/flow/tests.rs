@@ -1331,7 +1331,7 @@ fn response_trailers_end_a_streaming_body() {
         flow.on_response_body(&rt, 70_000, false, never_read, 5),
         Step::Continue
     );
-    let out = dispatched(flow.on_response_trailers(&rt, never_read, 6));
+    let out = dispatched(flow.on_response_trailers(&rt, &[], never_read, 6));
     assert_reference(&out);
     // Trailers of a body that fits: it is stored whole.
     let mut flow = forwarded(&rt, &rec);
@@ -1340,7 +1340,7 @@ fn response_trailers_end_a_streaming_body() {
         flow.on_response_body(&rt, 2, false, never_read, 5),
         Step::Wait
     );
-    let out = dispatched(flow.on_response_trailers(&rt, || b"ok".to_vec(), 6));
+    let out = dispatched(flow.on_response_trailers(&rt, &[], || b"ok".to_vec(), 6));
     assert!(out[0].call.args[3].contains("\"body\":\"ok\""));
 }
 
@@ -1877,4 +1877,200 @@ fn a_holder_reports_the_lease_it_freed() {
     let freed = flow.take_freed_lease().expect("freed");
     assert!(freed.contains(":lease:"), "{freed}");
     assert_eq!(flow.take_freed_lease(), None, "once");
+}
+
+/// A gRPC request with an Idempotency-Key.
+fn grpc_req(content_type: &str) -> Request {
+    let headers = pairs(&[
+        (":method", "POST"),
+        (":path", "/orders"),
+        ("x-tenant-id", "acme"),
+        ("content-type", content_type),
+        ("idempotency-key", "\"k-1\""),
+    ]);
+    Request::from_headers(headers, None)
+}
+
+/// A gRPC request (`content-type: application/grpc`) that acquired its record.
+fn grpc_forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
+    let mut flow = Flow::default();
+    let step = flow.on_request(
+        rt,
+        grpc_req("application/grpc"),
+        "n",
+        "owner-1",
+        false,
+        0,
+        rec,
+    );
+    assert_eq!(step, Step::Wait);
+    dispatched(flow.on_request_body(rt, 7, true, || b"\0\0\0\0\x02hi".to_vec(), 2, rec));
+    assert_eq!(
+        flow.on_reply(rt, 0, Ok(acquire_reply(1, "")), 3, rec),
+        Step::Continue
+    );
+    flow
+}
+
+fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+    list.iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn grpc_outcome_is_read_from_grpc_status() {
+    // (headers, trailers or None for trailers-only, released, stored fragment)
+    type Pairs = Vec<(String, String)>;
+    let cases: Vec<(Pairs, Option<Pairs>, bool, &str)> = vec![
+        // Trailers-only, retryable: released (an HTTP 200 says nothing).
+        (
+            pairs(&[("content-type", "application/grpc"), ("grpc-status", "14")]),
+            None,
+            true,
+            "",
+        ),
+        // Trailers-only, not retryable: completed with its status and message.
+        (
+            pairs(&[
+                ("content-type", "application/grpc"),
+                ("grpc-status", "5"),
+                ("grpc-message", "no%20such%20order"),
+            ]),
+            None,
+            false,
+            r#""trailers":[["grpc-status","5"],["grpc-message","no%20such%20order"]]"#,
+        ),
+        // Status in the trailers after a message.
+        (
+            pairs(&[("content-type", "application/grpc")]),
+            Some(pairs(&[("grpc-status", "10"), ("grpc-message", "x")])),
+            true,
+            "",
+        ),
+        (
+            pairs(&[("content-type", "application/grpc")]),
+            Some(pairs(&[
+                ("grpc-status", "0"),
+                ("x-checksum", "abc"),
+                ("x-other", "dropped"),
+            ])),
+            false,
+            r#""trailers":[["grpc-status","0"]]"#,
+        ),
+    ];
+    for (headers, trailers, released, stored) in cases {
+        let rec = Recorder::default();
+        let rt = idem_runtime(&rec);
+        let mut flow = grpc_forwarded(&rt, &rec);
+        let at_headers = flow.on_response_headers(
+            &rt,
+            200,
+            true,
+            "via_upstream",
+            &headers,
+            trailers.is_none(),
+            4,
+            &rec,
+        );
+        let out = match &trailers {
+            None => dispatched(at_headers),
+            Some(t) => {
+                // Decided only at the trailers; the body is held meanwhile (sync).
+                assert_eq!(at_headers, Step::Wait, "{headers:?}");
+                assert_eq!(
+                    flow.on_response_body(&rt, 9, false, Vec::new, 5),
+                    Step::Wait
+                );
+                // The trailers wait for the record (sync): the client cannot see the end of
+                // the response before an immediate retry finds the record settled.
+                dispatched(flow.on_response_trailers(&rt, t, || b"\0\0\0\0\x04done".to_vec(), 6))
+            }
+        };
+        assert_eq!(out.len(), 1);
+        if released {
+            assert_eq!(out[0].script, ScriptId::Release, "{headers:?} {trailers:?}");
+        } else {
+            assert_eq!(
+                out[0].script,
+                ScriptId::Complete,
+                "{headers:?} {trailers:?}"
+            );
+            let json = &out[0].call.args[3];
+            assert!(json.contains(stored), "{json}");
+            assert!(!json.contains("x-other"), "{json}");
+        }
+        assert_eq!(
+            flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 7, &rec),
+            Step::Continue
+        );
+        let metric = if released { "released" } else { "completed" };
+        assert_eq!(rec.count(&format!("cg.policy.orders.idem.{metric}")), 1);
+    }
+}
+
+#[test]
+fn grpc_replays_and_local_replies() {
+    let trailers_only = r#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab",
+        "response":{"status":200,"headers":[["content-type","application/grpc"]],
+        "trailers":[["grpc-status","5"],["grpc-message","no%20such%20order"]]}}"#;
+    let with_message = r#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab",
+        "response":{"status":200,"headers":[["content-type","application/grpc"]],
+        "body_base64":"AAAAAAJoaQ==","trailers":[["grpc-status","0"]]}}"#;
+    // (acquire code, record, grpc-status, grpc-message)
+    let cases: Vec<(i64, &str, u32, &str)> = vec![
+        (3, trailers_only, 5, "no%20such%20order"),
+        (
+            3,
+            with_message,
+            6,
+            "the call with this idempotency key already completed with OK; its response message cannot be replayed to a gRPC client",
+        ),
+        (
+            2,
+            "",
+            10,
+            "a request with this Idempotency-Key is still being processed; retry later",
+        ),
+        (
+            4,
+            "",
+            9,
+            "this Idempotency-Key was already used for a different request",
+        ),
+    ];
+    for (code, record, status, message) in cases {
+        let rec = Recorder::default();
+        let rt = idem_runtime(&rec);
+        let mut flow = Flow::default();
+        flow.on_request(
+            &rt,
+            grpc_req("application/grpc+proto"),
+            "n",
+            "owner-1",
+            false,
+            0,
+            &rec,
+        );
+        flow.on_request_body(&rt, 2, true, || b"hi".to_vec(), 1, &rec);
+        let Step::Respond(r) = flow.on_reply(&rt, 0, Ok(acquire_reply(code, record)), 3, &rec)
+        else {
+            panic!("code {code}: expected a local answer");
+        };
+        assert_eq!(r.grpc_status, Some(status), "code {code}");
+        assert_eq!(r.header("grpc-status"), Some(status.to_string().as_str()));
+        assert_eq!(
+            r.header("grpc-message").map(|m| m.replace("%20", " ")),
+            Some(message.replace("%20", " ")),
+            "code {code}"
+        );
+        assert!(
+            r.body.is_empty(),
+            "code {code}: the host would turn a body into the message"
+        );
+        assert_ne!(r.header("content-type"), Some("application/problem+json"));
+        if code == 3 {
+            assert_eq!(r.header(REPLAYED_HEADER), Some("true"));
+        }
+    }
 }

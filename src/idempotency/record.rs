@@ -9,7 +9,14 @@
 //! {"schema_version":1,"state":"PROCESSING","fingerprint":"sha256:…","owner":"…","created_ms":1,"updated_ms":1}
 //! {"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:…","created_ms":1,"updated_ms":2,
 //!  "response":{"status":201,"headers":[["content-type","application/json"]],"body":"{…}"}}
+//! {"schema_version":1,"state":"COMPLETED",…,"response":{"status":200,"headers":[["content-type","application/grpc"]],
+//!  "body_base64":"AAAAAAVoZWxsbw==","trailers":[["grpc-status","0"]]}}
 //! ```
+//!
+//! `trailers` (a gRPC response's `grpc-status` / `grpc-message` and the configured
+//! `replay_trailers`) is optional and left out when empty: a record without it (written before
+//! it existed, or of a response without trailers) reads as no trailers, and an older reader
+//! ignores it.
 
 use serde::{Deserialize, Serialize};
 
@@ -59,6 +66,10 @@ pub struct StoredResponse {
     /// True when the body was not stored (too large, or `replay: "reference"`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub reference: bool,
+    /// The trailers stored (for a gRPC response, its status: `grpc-status`, `grpc-message`),
+    /// or for a trailers-only gRPC response the same fields found in its headers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trailers: Vec<(String, String)>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -81,7 +92,22 @@ impl StoredResponse {
             body: text,
             body_base64: b64,
             reference: body.is_none(),
+            trailers: Vec::new(),
         }
+    }
+
+    /// The same, with stored trailers.
+    pub fn with_trailers(mut self, trailers: Vec<(String, String)>) -> StoredResponse {
+        self.trailers = trailers;
+        self
+    }
+
+    /// A stored trailer.
+    pub fn trailer(&self, name: &str) -> Option<&str> {
+        self.trailers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
     }
 
     pub fn to_json(&self) -> String {
@@ -257,6 +283,49 @@ mod tests {
         assert_eq!(
             reference.to_json(),
             r#"{"status":201,"headers":[],"reference":true}"#
+        );
+    }
+
+    #[test]
+    fn trailers_round_trip() {
+        let r = StoredResponse::new(
+            200,
+            vec![("content-type".into(), "application/grpc".into())],
+            Some(b"\x00\x00\x00\x00\x02hi"),
+        )
+        .with_trailers(vec![
+            ("grpc-status".into(), "5".into()),
+            ("grpc-message".into(), "no%20such%20order".into()),
+        ]);
+        let json = r.to_json();
+        assert_eq!(
+            json,
+            r#"{"status":200,"headers":[["content-type","application/grpc"]],"body":"\u0000\u0000\u0000\u0000\u0002hi","trailers":[["grpc-status","5"],["grpc-message","no%20such%20order"]]}"#
+        );
+        let record = format!(
+            r#"{{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab","response":{json}}}"#
+        );
+        let back = Record::parse(record.as_bytes())
+            .and_then(|r| r.response)
+            .expect("readable");
+        assert_eq!(back, r);
+        assert_eq!(back.trailer("grpc-status"), Some("5"));
+        assert_eq!(back.trailer("grpc-message"), Some("no%20such%20order"));
+        assert_eq!(back.trailer("x"), None);
+        // A record without trailers (older writer) reads as none; trailers of another shape
+        // make the record unreadable rather than half-read.
+        let old = Record::parse(
+            br#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab","response":{"status":201,"headers":[],"body":"ok"}}"#,
+        )
+        .and_then(|r| r.response)
+        .expect("readable");
+        assert!(old.trailers.is_empty());
+        assert_eq!(old.trailer("grpc-status"), None);
+        assert_eq!(
+            Record::parse(
+                br#"{"state":"COMPLETED","fingerprint":"sha256:ab","response":{"status":200,"trailers":"grpc-status: 0"}}"#
+            ),
+            None
         );
     }
 }

@@ -79,11 +79,14 @@ pub fn resume(response: bool) -> Result<(), Refused> {
     check(unsafe { proxy_continue_stream(u32::from(response)) })
 }
 
-/// Answers the effective context's stream locally.
+/// Answers the effective context's stream locally. `grpc_status` (0-16, or -1 for none) is
+/// the status the host gives a gRPC request's answer when the headers carry no `grpc-status`;
+/// with -1 it maps the HTTP status.
 pub fn send_local_response(
     status: u32,
     headers: &[(&str, &str)],
     body: &[u8],
+    grpc_status: i32,
 ) -> Result<(), Refused> {
     let map = serialize(headers);
     // SAFETY: all pointers and lengths come from live buffers; the host copies them.
@@ -96,7 +99,7 @@ pub fn send_local_response(
             body.len(),
             map.as_ptr(),
             map.len(),
-            -1,
+            grpc_status,
         )
     })
 }

@@ -672,7 +672,13 @@ fn send_local(r: &crate::respond::LocalResponse) {
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_str()))
         .collect();
-    if let Err(status) = abi::send_local_response(r.status, &headers, &r.body) {
+    // A gRPC status given is what the host answers a gRPC request with (it sends every local
+    // reply to a gRPC request trailers-only); none lets it map the HTTP status.
+    let grpc_status = r
+        .grpc_status
+        .and_then(|c| i32::try_from(c).ok())
+        .unwrap_or(-1);
+    if let Err(status) = abi::send_local_response(r.status, &headers, &r.body, grpc_status) {
         log::error!("cannot send a local response: {status:?}");
     }
 }
@@ -784,9 +790,15 @@ impl HttpContext for Filter {
         let (index, policy) = match policy_index(policies, &mut probe) {
             None => return Action::Continue,
             Some(Selected::AmbiguousPath(i)) => {
-                let step = self
-                    .stream
-                    .step(|f| f.on_ambiguous_path(&vm.runtime, i, &HostMetrics));
+                let content_type =
+                    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "content-type")
+                        .ok()
+                        .flatten()
+                        .map(|v| String::from_utf8_lossy(&v).into_owned());
+                let step = self.stream.step(|f| {
+                    f.set_grpc(content_type.as_deref());
+                    f.on_ambiguous_path(&vm.runtime, i, &HostMetrics)
+                });
                 return self.apply(&vm, step, Some(Dir::Request));
             }
             Some(Selected::Policy(i)) => match policies.get(i) {
@@ -899,9 +911,20 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        let interested = self
+            .stream
+            .flow
+            .try_borrow()
+            .is_ok_and(|f| f.wants_response_trailers());
+        let trailers = if interested {
+            header_pairs(MapType::HttpResponseTrailers)
+        } else {
+            Vec::new()
+        };
         self.event(Dir::Response, |f, rt| {
             f.on_response_trailers(
                 rt,
+                &trailers,
                 || buffer(BufferType::HttpResponseBody, usize::MAX >> 1),
                 now_ms(),
             )

@@ -108,7 +108,7 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
                   extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                   direct_response: bool = False, cluster_header: str | None = None,
                   path_normalization: bool = True, buffer_limit: int | None = None,
-                  vm_env: dict | None = None) -> dict:
+                  vm_env: dict | None = None, grpc_upstream_port: int | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
@@ -121,6 +121,9 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
     `vm_env` becomes the filter's `vm_config.environment_variables` (`{"host_env_keys": [...]}`
     passes variables of Envoy's own environment to the Wasm VM, `{"key_values": {...}}` sets
     them; the filter reads them through WASI environ).
+
+    `grpc_upstream_port` adds the cluster `grpc_upstream` (HTTP/2, prior knowledge) and routes
+    every path under `/cg.test.` (the gRPC test services) to it.
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -151,6 +154,17 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         route["direct_response"] = {"status": 200, "body": {"inline_string": "ok\n"}}
     for name, port in (extra_clusters or {}).items():
         cfg["static_resources"]["clusters"].append(_static_cluster(name, port))
+    if grpc_upstream_port is not None:
+        cluster = _static_cluster("grpc_upstream", grpc_upstream_port)
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+        cfg["static_resources"]["clusters"].append(cluster)
+        routes.insert(0, {"match": {"prefix": "/cg.test."},
+                          "route": {"cluster": "grpc_upstream", "timeout": "15s"}})
     if buffer_limit is not None:
         cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] = buffer_limit
         upstream = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "upstream")
@@ -199,7 +213,8 @@ class Envoy:
                  direct_response: bool = False, concurrency: int = 2, listener_port: int = 0,
                  admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
                  path_normalization: bool = True, buffer_limit: int | None = None,
-                 vm_env: dict | None = None, process_env: dict[str, str] | None = None):
+                 vm_env: dict | None = None, process_env: dict[str, str] | None = None,
+                 grpc_upstream_port: int | None = None):
         self.workdir = Path(workdir)
         self.process_env = process_env
         self.plugin_config = plugin_config
@@ -222,7 +237,8 @@ class Envoy:
                                     local_ratelimit=local_ratelimit, direct_response=direct_response,
                                     cluster_header=cluster_header,
                                     path_normalization=path_normalization,
-                                    buffer_limit=buffer_limit, vm_env=vm_env)
+                                    buffer_limit=buffer_limit, vm_env=vm_env,
+                                    grpc_upstream_port=grpc_upstream_port)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None
