@@ -104,7 +104,8 @@ def substitute(text: str, values: dict[str, object], plugin_config: dict | str |
 def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: dict[str, int],
                   extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                   direct_response: bool = False, cluster_header: str | None = None,
-                  path_normalization: bool = True, buffer_limit: int | None = None) -> dict:
+                  path_normalization: bool = True, buffer_limit: int | None = None,
+                  routes: dict[str, str] | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
@@ -113,6 +114,9 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
 
     `buffer_limit` sets `per_connection_buffer_limit_bytes` on the listener and on the
     upstream cluster (Envoy's default is 1 MiB), what the plugin's `envoy_buffer_limit` declares.
+
+    `routes` maps path prefixes to clusters (e.g. one of `extra_clusters`), tried before the
+    default route to the upstream.
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -130,11 +134,14 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         filters.remove(wasm)
     else:
         wasm["typed_config"]["config"]["configuration"]["value"] = plugin_json(plugin_config)
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    prefix_routes, routes = routes, hcm["route_config"]["virtual_hosts"][0]["routes"]
     if cluster_header:
         # Harness self-tests: a request carrying this header is routed to the cluster it names.
         routes.insert(0, {"match": {"prefix": "/", "headers": [{"name": cluster_header, "present_match": True}]},
                           "route": {"cluster_header": cluster_header, "timeout": "2s"}})
+    for prefix, cluster in (prefix_routes or {}).items():
+        routes.insert(len(routes) - 1, {"match": {"prefix": prefix},
+                                        "route": {"cluster": cluster, "timeout": "15s"}})
     if direct_response:
         route = routes[-1]
         route.pop("route")
@@ -188,7 +195,8 @@ class Envoy:
                  extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                  direct_response: bool = False, concurrency: int = 2, listener_port: int = 0,
                  admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
-                 path_normalization: bool = True, buffer_limit: int | None = None):
+                 path_normalization: bool = True, buffer_limit: int | None = None,
+                 routes: dict[str, str] | None = None):
         self.workdir = Path(workdir)
         self.plugin_config = plugin_config
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
@@ -210,7 +218,7 @@ class Envoy:
                                     local_ratelimit=local_ratelimit, direct_response=direct_response,
                                     cluster_header=cluster_header,
                                     path_normalization=path_normalization,
-                                    buffer_limit=buffer_limit)
+                                    buffer_limit=buffer_limit, routes=routes)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None
