@@ -229,6 +229,12 @@ pub struct Flow {
     deferred: Option<acquire::Group>,
     deadline_ms: u64,
     forwarded: bool,
+    /// The request asks to switch protocols (`Upgrade`, e.g. WebSocket) or is a `CONNECT`.
+    upgrade: bool,
+    connect: bool,
+    /// The response is a stream that need not end (an accepted upgrade or tunnel, an event
+    /// stream): never buffered, and a held lease stays held (and extended) until it ends.
+    open_ended: bool,
     response_seen: bool,
     /// The request is gRPC (Envoy answers it with gRPC local replies).
     grpc: bool,
@@ -258,6 +264,9 @@ impl Default for Flow {
             deferred: None,
             deadline_ms: 0,
             forwarded: false,
+            upgrade: false,
+            connect: false,
+            open_ended: false,
             response_seen: false,
             grpc: false,
             response_headers: Vec::new(),
@@ -520,6 +529,8 @@ impl Flow {
                 Vec::new(),
             ));
         }
+        self.connect = req.method == "CONNECT";
+        self.upgrade = self.connect || req.header("upgrade").is_some();
         if let Err(missing) = self.prepare_lease(rt, &caller, &req, owner) {
             if let Some(lm) = pm.lease.as_ref() {
                 m.increment(lm.missing_resource);
@@ -610,7 +621,9 @@ impl Flow {
                     req,
                     nonce: nonce.to_string(),
                 };
-                if idem.needs_body() && !end_of_stream {
+                // An upgrade's request "body" is the new protocol, which starts only after the
+                // answer: it is never waited for (the fingerprint's body is empty).
+                if idem.needs_body() && !end_of_stream && !self.upgrade {
                     self.held = Some(held);
                     self.phase = Phase::Buffering;
                     self.deadline_ms = now_ms.saturating_add(BODY_IDLE_TIMEOUT_MS);
@@ -1783,18 +1796,26 @@ impl Flow {
         m: &dyn MetricSink,
     ) -> Step {
         self.response_seen = true;
-        // The upstream answered: the protected operation is over. The response waits for the
-        // release (one round trip), except with async idempotency completion, whose body
-        // copying must not be paused: there the root releases it.
+        let shape = response_shape(status, via_upstream, self.connect, headers, end_of_stream);
+        // An accepted upgrade or tunnel, or an event stream: the operation goes on for as long
+        // as the stream is open, so a held lease stays held (the watchdog extends it) and is
+        // released when the stream ends (`on_done`).
+        self.open_ended = shape != Shape::Plain;
+        // Otherwise the upstream answered: the protected operation is over. The response waits
+        // for the release (one round trip), except with async idempotency completion, whose
+        // body copying must not be paused: there the root releases it.
         // So is a response whose body is known to stream (its content-length is over
-        // max_response_body): pausing its headers would make Envoy buffer its body.
+        // max_response_body, or `replay: reference`): pausing its headers would make Envoy
+        // buffer its body.
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         let async_idem = owned
             && self.idem_config(rt).is_some_and(|c| {
                 c.complete == Completion::Async
-                    || (via_upstream && declared_too_large(c, headers, end_of_stream))
+                    || (via_upstream && streams_body(c, headers, end_of_stream))
             });
-        let release = if async_idem {
+        let release = if self.open_ended {
+            None
+        } else if async_idem {
             self.release_lease(rt);
             None
         } else {
@@ -1806,6 +1827,7 @@ impl Flow {
             details,
             headers,
             end_of_stream,
+            shape,
         };
         let step = self.idem_response_headers(rt, &head, now_ms, m);
         match (release, step) {
@@ -1838,6 +1860,7 @@ impl Flow {
             details,
             headers,
             end_of_stream,
+            shape,
         } = *head;
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         if !owned || self.phase != Phase::Forwarded {
@@ -1871,6 +1894,12 @@ impl Flow {
             let call = self.release_call();
             return self.settle_record(rt, call, now_ms);
         }
+        if shape == Shape::Tunnel {
+            // A switched protocol or a tunnel is a session, not a response that could be
+            // replayed: the record is released (counted `released`) and the 101 goes on.
+            let call = self.release_call();
+            return self.settle_record(rt, call, now_ms);
+        }
         let replay_headers: Vec<(String, String)> = headers
             .iter()
             .filter(|(n, _)| cfg.replay_headers.iter().any(|h| h == n))
@@ -1883,7 +1912,7 @@ impl Flow {
         };
         let needs_body = cfg.replay == Replay::Full && !end_of_stream;
         let sync = cfg.complete == Completion::Sync;
-        let too_large = declared_too_large(cfg, headers, end_of_stream);
+        let too_large = streams_body(cfg, headers, end_of_stream);
         if let Some(i) = self.idem.as_mut() {
             i.status = status;
             i.headers = replay_headers;
@@ -1905,8 +1934,13 @@ impl Flow {
             self.phase = Phase::StreamingResponse;
             return Step::Continue;
         }
-        if too_large {
-            // Never buffered: the body streams and the reference is stored at its end.
+        if too_large || shape == Shape::EventStream {
+            // Never buffered: the body streams and the reference is stored at its end, never
+            // before (a response that does not end is never stored as completed). An event
+            // stream's events are not stored: they pass as they are produced.
+            if let Some(i) = self.idem.as_mut() {
+                i.too_large = true;
+            }
             self.phase = Phase::StreamingResponse;
             return Step::Continue;
         }
@@ -2123,6 +2157,60 @@ struct ResponseHead<'a> {
     details: &'a str,
     headers: &'a [(String, String)],
     end_of_stream: bool,
+    shape: Shape,
+}
+
+/// What kind of stream a response is, as far as the guards care.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// A response that ends (its body, however large, has an end the filter waits for).
+    Plain,
+    /// An accepted upgrade (`101 Switching Protocols`, e.g. WebSocket) or a `CONNECT` tunnel
+    /// (`2xx`): a session in another protocol, open until either side closes it.
+    Tunnel,
+    /// A response whose body is a stream of events that may never end (`text/event-stream`,
+    /// `multipart/x-mixed-replace`).
+    EventStream,
+}
+
+/// Media types of responses that stream for as long as the producer likes.
+const EVENT_STREAM_TYPES: &[&str] = &["text/event-stream", "multipart/x-mixed-replace"];
+
+fn response_shape(
+    status: u32,
+    via_upstream: bool,
+    connect: bool,
+    headers: &[(String, String)],
+    end_of_stream: bool,
+) -> Shape {
+    if !via_upstream {
+        return Shape::Plain;
+    }
+    if status == 101 || (connect && (200..300).contains(&status)) {
+        return Shape::Tunnel;
+    }
+    let event_stream = headers
+        .iter()
+        .filter(|(n, _)| n == "content-type")
+        .any(|(_, v)| {
+            let media = v.split(';').next().unwrap_or("").trim();
+            EVENT_STREAM_TYPES
+                .iter()
+                .any(|t| media.eq_ignore_ascii_case(t))
+        });
+    if event_stream && !end_of_stream {
+        Shape::EventStream
+    } else {
+        Shape::Plain
+    }
+}
+
+/// The response has a body the filter does not store, so it streams untouched and a reference
+/// record is written at its end: `replay: reference`, or `content-length` says the body is
+/// larger than `max_response_body`.
+fn streams_body(cfg: &Idempotency, headers: &[(String, String)], end_of_stream: bool) -> bool {
+    (cfg.replay == Replay::Reference && !end_of_stream)
+        || declared_too_large(cfg, headers, end_of_stream)
 }
 
 /// The response says (`content-length`) that its body is larger than `max_response_body`:

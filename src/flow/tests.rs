@@ -2074,3 +2074,286 @@ fn grpc_replays_and_local_replies() {
         }
     }
 }
+
+// --- upgrades and streams ----------------------------------------------------------------------
+
+fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect()
+}
+
+fn upgrade_req(method: &str, path: &str) -> Request {
+    let mut h = headers(&[
+        (":method", method),
+        (":path", path),
+        (":authority", "api"),
+        ("x-tenant-id", "acme"),
+        ("content-type", "application/json"),
+        ("idempotency-key", "k-up"),
+    ]);
+    if method != "CONNECT" {
+        h.extend(headers(&[
+            ("connection", "upgrade"),
+            ("upgrade", "websocket"),
+        ]));
+    }
+    Request::from_headers(h, None)
+}
+
+#[test]
+fn response_shapes() {
+    let sse = headers(&[("content-type", "Text/Event-Stream; charset=utf-8")]);
+    let mjpeg = headers(&[("content-type", "multipart/x-mixed-replace; boundary=f")]);
+    let json = headers(&[("content-type", "application/json")]);
+    type Case<'a> = (u32, bool, bool, &'a [(String, String)], bool, Shape);
+    let cases: &[Case] = &[
+        (101, true, false, &[], false, Shape::Tunnel),
+        (200, true, true, &[], false, Shape::Tunnel),
+        (204, true, true, &[], true, Shape::Tunnel),
+        (407, true, true, &[], false, Shape::Plain),
+        (200, true, false, &[], false, Shape::Plain),
+        (200, true, false, &sse, false, Shape::EventStream),
+        (200, true, false, &mjpeg, false, Shape::EventStream),
+        // Nothing follows the headers: it has ended.
+        (200, true, false, &sse, true, Shape::Plain),
+        (200, true, false, &json, false, Shape::Plain),
+        // Envoy's own replies are never streams.
+        (101, false, false, &[], false, Shape::Plain),
+        (200, false, false, &sse, false, Shape::Plain),
+    ];
+    for (status, via, connect, h, eos, want) in cases {
+        assert_eq!(
+            response_shape(*status, *via, *connect, h, *eos),
+            *want,
+            "{status} via_upstream={via} connect={connect} {h:?} eos={eos}"
+        );
+    }
+}
+
+#[test]
+fn an_upgrade_holds_its_lease_until_the_stream_ends_and_keeps_extending_it() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    let out = dispatched(flow.on_request(
+        &rt,
+        upgrade_req("GET", "/orders/7/live"),
+        "n",
+        "own",
+        false,
+        0,
+        &rec,
+    ));
+    assert_eq!(out.len(), 1);
+    assert_eq!(
+        flow.on_reply(&rt, 0, Ok(lease_reply(1, b"42")), 1, &rec),
+        Step::Continue
+    );
+    // The 101 goes on at once and the lease stays held.
+    let h = headers(&[("upgrade", "websocket"), ("connection", "upgrade")]);
+    assert_eq!(
+        flow.on_response_headers(&rt, 101, true, "via_upstream", &h, false, 100, &rec),
+        Step::Continue
+    );
+    assert!(flow.take_background().is_empty(), "not released at the 101");
+    assert!(flow.wants_response());
+    // Still registered for the watchdog: extended at every half TTL while open.
+    for due in [5_001, 10_001, 15_001] {
+        assert_eq!(flow.deadline_ms(), Some(due));
+        assert_eq!(
+            flow.on_response_body(&rt, 10, false, never_read, due - 1),
+            Step::Continue,
+            "frames pass"
+        );
+        assert_eq!(flow.on_tick(&rt, due, &rec), Step::Wait);
+        let bg = flow.take_background();
+        assert_eq!(bg.len(), 1);
+        assert_eq!(bg[0].purpose, Purpose::LeaseExtend);
+    }
+    // The session ends: released once, from the root.
+    flow.on_done(&rt, &rec);
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
+    assert!(bg[0].certain);
+    assert_eq!(flow.deadline_ms(), None);
+    flow.on_done(&rt, &rec);
+    assert!(flow.take_background().is_empty(), "released once");
+
+    // An upgrade the service declines is an ordinary response: released before it goes on.
+    let mut declined = Flow::default();
+    dispatched(declined.on_request(
+        &rt,
+        upgrade_req("GET", "/orders/7/live"),
+        "n",
+        "own",
+        false,
+        0,
+        &rec,
+    ));
+    declined.on_reply(&rt, 0, Ok(lease_reply(1, b"43")), 1, &rec);
+    let out = dispatched(declined.on_response_headers(
+        &rt,
+        426,
+        true,
+        "via_upstream",
+        &[],
+        true,
+        2,
+        &rec,
+    ));
+    assert_eq!(out[0].script, ScriptId::LeaseRelease);
+}
+
+#[test]
+fn an_event_stream_holds_its_lease_until_it_ends() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &rt,
+        req("POST", "/orders/9/feed", Some("acme")),
+        "n",
+        "own",
+        true,
+        0,
+        &rec,
+    ));
+    flow.on_reply(&rt, 0, Ok(lease_reply(1, b"9")), 1, &rec);
+    let sse = headers(&[("content-type", "text/event-stream")]);
+    assert_eq!(
+        flow.on_response_headers(&rt, 200, true, "via_upstream", &sse, false, 2, &rec),
+        Step::Continue
+    );
+    assert_eq!(flow.deadline_ms(), Some(5_001), "still extended");
+    flow.on_done(&rt, &rec);
+    let bg = flow.take_background();
+    assert_eq!(bg.len(), 1);
+    assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
+}
+
+#[test]
+fn an_upgrade_is_acquired_without_waiting_for_a_body_and_its_record_released_at_the_101() {
+    for method in ["POST", "CONNECT"] {
+        let rec = Recorder::default();
+        let mut rt = idem_runtime(&rec);
+        if let Some(i) = rt.config.policies[0].idempotency.as_mut() {
+            i.methods.push("CONNECT".into());
+        }
+        let mut flow = Flow::default();
+        // The fingerprint covers the body, but an upgrade's body is the new protocol: the
+        // acquire goes out with the headers.
+        let out = dispatched(flow.on_request(
+            &rt,
+            upgrade_req(method, "/orders/live"),
+            "n",
+            "o",
+            false,
+            0,
+            &rec,
+        ));
+        assert_eq!(out.len(), 1, "{method}");
+        assert_eq!(
+            flow.on_reply(&rt, 0, Ok(acquire_reply(1, "")), 1, &rec),
+            Step::Continue
+        );
+        let status = if method == "CONNECT" { 200 } else { 101 };
+        let out = dispatched(flow.on_response_headers(
+            &rt,
+            status,
+            true,
+            "via_upstream",
+            &[],
+            false,
+            2,
+            &rec,
+        ));
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].script, ScriptId::Release, "{method}: never stored");
+        assert_eq!(
+            flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 3, &rec),
+            Step::Continue
+        );
+        assert_eq!(
+            flow.on_response_body(&rt, 5, false, never_read, 4),
+            Step::Continue
+        );
+        flow.on_done(&rt, &rec);
+        assert!(flow.take_background().is_empty());
+        assert_eq!(rec.count("cg.policy.orders.idem.released"), 1);
+        assert_eq!(rec.count("cg.policy.orders.idem.completed"), 0);
+        assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 0);
+    }
+}
+
+#[test]
+fn an_event_stream_is_never_buffered_and_stored_by_reference_once_it_ended() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let sse = headers(&[("content-type", "text/event-stream")]);
+    let mut flow = forwarded(&rt, &rec);
+    assert_eq!(
+        flow.on_response_headers(&rt, 201, true, "via_upstream", &sse, false, 4, &rec),
+        Step::Continue
+    );
+    for t in 5..8 {
+        assert_eq!(
+            flow.on_response_body(&rt, 100_000, false, never_read, t),
+            Step::Continue,
+            "events pass as they come"
+        );
+    }
+    assert_reference(&dispatched(
+        flow.on_response_body(&rt, 0, true, never_read, 9),
+    ));
+    // One that never ends (the client leaves): the outcome is unknown, nothing is stored.
+    let mut endless = forwarded(&rt, &rec);
+    endless.on_response_headers(&rt, 201, true, "via_upstream", &sse, false, 4, &rec);
+    endless.on_response_body(&rt, 10, false, never_read, 5);
+    endless.on_done(&rt, &rec);
+    assert!(endless.take_background().is_empty());
+    assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
+}
+
+#[test]
+fn replay_reference_is_stored_only_once_the_body_ended() {
+    let rec = Recorder::default();
+    let mut rt = idem_runtime(&rec);
+    if let Some(i) = rt.config.policies[0].idempotency.as_mut() {
+        i.replay = Replay::Reference;
+    }
+    // Sync: the body passes untouched; the piece that completes it waits for the record.
+    let mut flow = forwarded(&rt, &rec);
+    assert_eq!(
+        flow.on_response_headers(&rt, 201, true, "via_upstream", &cl(100), false, 4, &rec),
+        Step::Continue
+    );
+    assert_eq!(
+        flow.on_response_body(&rt, 60, false, never_read, 5),
+        Step::Continue
+    );
+    assert_reference(&dispatched(
+        flow.on_response_body(&rt, 40, false, never_read, 6),
+    ));
+    // Reset before its end: never stored.
+    let mut reset = forwarded(&rt, &rec);
+    reset.on_response_headers(&rt, 201, true, "via_upstream", &cl(100), false, 4, &rec);
+    reset.on_response_body(&rt, 60, false, never_read, 5);
+    reset.on_done(&rt, &rec);
+    assert!(reset.take_background().is_empty());
+    assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
+    // A response without a body is complete at its headers.
+    let mut empty = forwarded(&rt, &rec);
+    assert_reference(&dispatched(empty.on_response_headers(
+        &rt,
+        201,
+        true,
+        "via_upstream",
+        &[],
+        true,
+        4,
+        &rec,
+    )));
+}

@@ -108,7 +108,8 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
                   extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                   direct_response: bool = False, cluster_header: str | None = None,
                   path_normalization: bool = True, buffer_limit: int | None = None,
-                  vm_env: dict | None = None, grpc_upstream_port: int | None = None) -> dict:
+                  vm_env: dict | None = None, grpc_upstream_port: int | None = None,
+                  routes: dict[str, str] | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
@@ -124,6 +125,9 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
 
     `grpc_upstream_port` adds the cluster `grpc_upstream` (HTTP/2, prior knowledge) and routes
     every path under `/cg.test.` (the gRPC test services) to it.
+
+    `routes` maps path prefixes to clusters (e.g. one of `extra_clusters`), tried before the
+    default route to the upstream.
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -143,11 +147,14 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         wasm["typed_config"]["config"]["configuration"]["value"] = plugin_json(plugin_config)
         if vm_env is not None:
             wasm["typed_config"]["config"]["vm_config"]["environment_variables"] = vm_env
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    prefix_routes, routes = routes, hcm["route_config"]["virtual_hosts"][0]["routes"]
     if cluster_header:
         # Harness self-tests: a request carrying this header is routed to the cluster it names.
         routes.insert(0, {"match": {"prefix": "/", "headers": [{"name": cluster_header, "present_match": True}]},
                           "route": {"cluster_header": cluster_header, "timeout": "2s"}})
+    for prefix, cluster in (prefix_routes or {}).items():
+        routes.insert(len(routes) - 1, {"match": {"prefix": prefix},
+                                        "route": {"cluster": cluster, "timeout": "15s"}})
     if direct_response:
         route = routes[-1]
         route.pop("route")
@@ -214,7 +221,7 @@ class Envoy:
                  admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
                  path_normalization: bool = True, buffer_limit: int | None = None,
                  vm_env: dict | None = None, process_env: dict[str, str] | None = None,
-                 grpc_upstream_port: int | None = None):
+                 grpc_upstream_port: int | None = None, routes: dict[str, str] | None = None):
         self.workdir = Path(workdir)
         self.process_env = process_env
         self.plugin_config = plugin_config
@@ -238,7 +245,7 @@ class Envoy:
                                     cluster_header=cluster_header,
                                     path_normalization=path_normalization,
                                     buffer_limit=buffer_limit, vm_env=vm_env,
-                                    grpc_upstream_port=grpc_upstream_port)
+                                    grpc_upstream_port=grpc_upstream_port, routes=routes)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None

@@ -15,6 +15,9 @@ Request headers that steer the answer:
 - `x-upstream-chunked: 1`     send that body chunked, without Content-Length
 - `x-upstream-reset-after-bytes: M`  send the headers (Content-Length N) and M bytes of the
   body, then reset the connection (TCP RST): a response that never completes
+- `x-upstream-sse-events: N`  answer `text/event-stream` (chunked): N events (`data: <i>`),
+  one every `x-upstream-sse-interval-ms` (default 300), then end; N < 0: until the client
+  leaves. The ledger entry counts `events_sent` and the time of the last (`last_event`).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Ledger:
     def snapshot(self) -> dict:
         with self.lock:
             return {"total": len(self.requests), "by_path": dict(self.by_path),
-                    "requests": list(self.requests)}
+                    "requests": [dict(r) for r in self.requests]}
 
     def reset(self) -> None:
         with self.lock:
@@ -123,6 +126,10 @@ class Handler(BaseHTTPRequestHandler):
         status = int(self.headers.get("x-upstream-status") or 200)
         extra = {name[len("x-upstream-header-"):]: value for name, value in self.headers.items()
                  if name.lower().startswith("x-upstream-header-")}
+        events = self.headers.get("x-upstream-sse-events")
+        if events is not None:
+            interval = int(self.headers.get("x-upstream-sse-interval-ms") or 300) / 1000
+            return self._send_events(status, int(events), interval, entry, extra)
         size = self.headers.get("x-upstream-body-bytes")
         if size is not None:
             return self._send_big(status, int(size), extra)
@@ -156,6 +163,32 @@ class Handler(BaseHTTPRequestHandler):
             return
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
+
+    def _send_events(self, status: int, count: int, interval: float, entry: dict,
+                     extra: dict) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        for name, value in extra.items():
+            self.send_header(name, value)
+        self.end_headers()
+        i = 0
+        try:
+            while count < 0 or i < count:
+                if i:
+                    time.sleep(interval)
+                event = b"data: %d\n\n" % i
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+                i += 1
+                with self.ledger.lock:
+                    entry["events_sent"] = i
+                    entry["last_event"] = time.time()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:  # the client (or Envoy) left
+            self.close_connection = True
 
     def _admin(self, path: str) -> None:
         if path == ADMIN_PREFIX + "stats" and self.command == "GET":
