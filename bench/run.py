@@ -117,6 +117,8 @@ class Scenario:
     admitted_exactly: int | None = None
     # Every response is a 429 (an anchor that rejects every request).
     all_rejected: bool = False
+    # The limit whose filter counters must agree with `admitted_exactly`.
+    counted_limit: str = "policy.api.limit.tenant"
     # Script arguments for one run; `nonce` is unique per run.
     args: Callable[["Scenario", str], list[str]] = lambda s, nonce: [nonce]
     prepare: Callable[["Scenario", Envoy], None] | None = None
@@ -384,10 +386,11 @@ def scenarios() -> list[Scenario]:
                  verify=verify_no_calls),
         Scenario("scale_first_rejected", f"{SCALE_POLICIES} policies, the first matches, "
                  "rejected", "one_tenant.lua", scale("scale_first_rejected", 0),
-                 admitted_exactly=REJECTED_LIMIT),
+                 admitted_exactly=REJECTED_LIMIT, counted_limit="policy.p0000.limit.l0"),
         Scenario("scale_last_rejected", f"{SCALE_POLICIES} policies, the last matches, "
                  "rejected", "one_tenant.lua", scale("scale_last_rejected", SCALE_POLICIES - 1),
-                 admitted_exactly=REJECTED_LIMIT),
+                 admitted_exactly=REJECTED_LIMIT,
+                 counted_limit=f"policy.p{SCALE_POLICIES - 1:04d}.limit.l0"),
     ]
     if leased_mode_exists():
         # One hot counter (like the local_ratelimit anchor): the case leased quota is for.
@@ -665,8 +668,8 @@ class Bench:
                 problems.append(f"{c4} responses 4xx at Envoy, {w['non_2xx_3xx']} non-2xx at wrk "
                                 f"(expected every response 2xx)")
         else:
-            allowed = cg(s, "policy.api.limit.tenant.allowed")
-            rejected = cg(s, "policy.api.limit.tenant.rejected")
+            allowed = cg(s, f"{scenario.counted_limit}.allowed")
+            rejected = cg(s, f"{scenario.counted_limit}.rejected")
             rec["correctness"] = {"limit": limit, "admitted_2xx": ok2, "rejected_4xx": c4,
                                   "filter_allowed": allowed, "filter_rejected": rejected,
                                   "ok": ok2 == limit and allowed == limit and rejected == c4}
