@@ -18,7 +18,7 @@ import time
 import pytest
 
 from harness.concurrency import wait_for
-from harness.envoy import Envoy, Response
+from harness.envoy import Envoy
 from harness.stack import Stack
 from harness.upstream import big_body
 from test_e2e_idempotency import (TENANT_HEADER, assert_problem, idem_stat, new_key, new_tenant,
