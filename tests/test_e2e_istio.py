@@ -177,3 +177,41 @@ def test_a_wrong_sha256_keeps_the_module_out(mesh, fail_strategy, expected):
         assert stack.upstream.count("POST", "/orders") == 3
         assert "ratelimit-policy" not in responses[0].headers
     assert stack.redis.keys("cg:istio:*") == []
+
+
+def test_the_envoyfilter_variant_fingerprints_bodies(mesh):
+    """body-fingerprints/envoyfilter.yaml's extension config (what ECDS hands the sidecar) in
+    real Envoy, with the same operator overrides: with allow_on_headers_stop_iteration the
+    demo's body fingerprint and sync completion work (no 408, no held response)."""
+    stack, server = mesh
+    envoyfilter = yaml.safe_load((ISTIO / "body-fingerprints" / "envoyfilter.yaml").read_text())
+    value = copy.deepcopy(envoyfilter["spec"]["configPatches"][0]["patch"]["value"])
+    config = value["typed_config"]["config"]
+    remote = config["vm_config"]["code"]["remote"]
+    remote["http_uri"].update(uri=server.url(MODULE), cluster=FETCH_CLUSTER)
+    remote["sha256"] = hashlib.sha256(DEFAULT_WASM.read_bytes()).hexdigest()
+    plugin_config = json.loads(config["configuration"]["value"])
+    target = stack.redis_section(key_prefix=f"cg:istio:{uuid.uuid4().hex[:8]}")
+    plugin_config["redis"].update(cluster=target["cluster"], authority=target["authority"],
+                                  key_prefix=target["key_prefix"])
+    config["configuration"]["value"] = json.dumps(plugin_config)
+    assert plugin_config["policies"][0]["idempotency"]["fingerprint"][-1] == "body"
+
+    env_name = plugin_config["redis"]["authorization_env"]
+    envoy = stack.new_envoy(stack.workdir / "sidecar-ef", {"redis": {}}, extra_clusters={FETCH_CLUSTER: server.port},
+                            process_env={env_name: stack.webdis.authorization})
+    filters = envoy.config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    index = next(i for i, f in enumerate(filters) if f["name"] == "coordination-guard")
+    filters[index] = {"name": value["name"], "typed_config": value["typed_config"]}
+    stack.envoys.append(envoy)
+    envoy.start()
+
+    key = {"idempotency-key": '"order-7"'}
+    first = order(envoy, "carol", **key)
+    again = order(envoy, "carol", **key)  # sync: the record is written before the response
+    other_body = envoy.request("POST", "/orders", body=b'{"item": "pen"}', headers={
+        "x-tenant-id": "acme", "x-user-id": "carol", "content-type": "application/json", **key})
+    assert first.status == 200 and first.elapsed < 5, first
+    assert again.status == 200 and again.headers.get("idempotent-replayed") == "true"
+    assert other_body.status == 422 and other_body.json()["type"].endswith("idempotency_key_conflict")
+    assert stack.upstream.count("POST", "/orders") == 1
