@@ -23,7 +23,7 @@ SUDO := $(shell if [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then ech
 help: ## Show the targets.
 	@awk 'BEGIN { FS = ":.*## " } \
 	  /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) } \
-	  /^[a-zA-Z0-9_-]+:.*## / { printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+	  /^[a-zA-Z0-9_-]+:.*## / { printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 ##@ Dependencies
 
@@ -120,9 +120,22 @@ bench-scripts: deps ## acquire.lua's cost in a real redis-server (us per call), 
 
 ##@ Run
 
-.PHONY: run demo-config
-run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000 (admin :9901).
-	PYTHONPATH=tests $(PYTHON) -m harness.demo
+# make run PLUGIN=my.json REDIS_PORT=6380 ...: the demo with another plugin config or ports.
+LOGS ?= build/demo
+DEMO_ARGS = --logs $(LOGS) $(if $(PLUGIN),--plugin $(PLUGIN)) \
+  $(foreach p,ENVOY ADMIN UPSTREAM WEBDIS REDIS,$(if $($(p)_PORT),--$(shell echo $(p) | tr A-Z a-z)-port $($(p)_PORT)))
 
-demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`).
-	PYTHONPATH=tests $(PYTHON) -m harness.demo --render-only
+.PHONY: run demo-config demo-redis-down demo-redis-up
+run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000 (admin :9901). PLUGIN=file.json, <NAME>_PORT=n.
+	PYTHONPATH=tests $(PYTHON) -m harness.demo $(DEMO_ARGS)
+
+demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`). PLUGIN=, <NAME>_PORT=.
+	PYTHONPATH=tests $(PYTHON) -m harness.demo --render-only $(DEMO_ARGS)
+
+demo-redis-down: ## Take the running demo's Redis away (watch fail-closed); demo-redis-up brings it back.
+	@[ -f $(LOGS)/demo.pid ] || { echo "no demo is running ($(LOGS)/demo.pid is missing)"; exit 1; }
+	kill -USR1 $$(cat $(LOGS)/demo.pid)
+
+demo-redis-up: ## Start the running demo's Redis again.
+	@[ -f $(LOGS)/demo.pid ] || { echo "no demo is running ($(LOGS)/demo.pid is missing)"; exit 1; }
+	kill -USR2 $$(cat $(LOGS)/demo.pid)

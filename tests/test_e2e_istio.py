@@ -195,7 +195,8 @@ def test_the_envoyfilter_variant_fingerprints_bodies(mesh):
     plugin_config["redis"].update(cluster=target["cluster"], authority=target["authority"],
                                   key_prefix=target["key_prefix"])
     config["configuration"]["value"] = json.dumps(plugin_config)
-    assert plugin_config["policies"][0]["idempotency"]["fingerprint"][-1] == "body"
+    idem = next(p for p in plugin_config["policies"] if "idempotency" in p)["idempotency"]
+    assert idem["fingerprint"][-1] == "body"
 
     env_name = plugin_config["redis"]["authorization_env"]
     envoy = stack.new_envoy(stack.workdir / "sidecar-ef", {"redis": {}}, extra_clusters={FETCH_CLUSTER: server.port},
