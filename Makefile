@@ -120,6 +120,11 @@ bench-scripts: deps ## acquire.lua's cost in a real redis-server (us per call), 
 
 ##@ Run
 
+.PHONY: check
+check: deps-rust ## Check a plugin configuration without Envoy: make check PLUGIN=file.json (summary, or the filter's error).
+	@[ -n "$(PLUGIN)" ] || { echo "usage: make check PLUGIN=path/to/plugin.json"; exit 2; }
+	@cargo run --quiet --bin cg-check -- $(PLUGIN)
+
 # make run PLUGIN=my.json REDIS_PORT=6380 ...: the demo with another plugin config or ports.
 LOGS ?= build/demo
 DEMO_ARGS = --logs $(LOGS) $(if $(PLUGIN),--plugin $(PLUGIN)) \
