@@ -56,7 +56,7 @@ def test_the_performance_doc_gets_the_run_between_its_markers(tmp_path, monkeypa
     text = doc.read_text()
     assert text.startswith("# Performance\nmethod\n") and text.endswith("\nbounds\n")
     assert "old table" not in text
-    assert "| rejected | 60 | 0.60 (0.60) |" in text
+    assert "| rate limit rejected, 1 tenant, limit 10/1h | 60 | 0.60 (0.60) |" in text
     assert "busy 0.85 of the time (rounds 0.80, 0.90)" in text
     doc.write_text("no markers\n")
     assert not bench.write_perf_doc(results) and doc.read_text() == "no markers\n"
