@@ -155,21 +155,15 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture
-def guard(shared):
+def guard(shared, sidecars):
     """`guard(*policies, cluster=None) -> Envoy` with a key_prefix of its own (`.key_prefix`)."""
-    started: list[Envoy] = []
 
     def make(*policies: dict, cluster: str | None = None) -> Envoy:
         prefix = f"cg:e2e-grpc:{uid()}"
-        envoy = shared.add_envoy(plugin(shared, prefix, *policies, cluster=cluster),
-                                 grpc_upstream_port=shared.grpc_service.port)
-        envoy.key_prefix = prefix
-        started.append(envoy)
-        return envoy
+        return sidecars(shared, plugin(shared, prefix, *policies, cluster=cluster), prefix,
+                        grpc_upstream_port=shared.grpc_service.port)
 
-    yield make
-    for envoy in started:
-        envoy.stop()
+    return make
 
 
 def executed(shared: Stack, method: str, body: bytes) -> int:

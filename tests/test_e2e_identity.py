@@ -81,20 +81,13 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture
-def guard(shared):
-    started: list[Envoy] = []
-
+def guard(shared, sidecars):
     def make(policies: list[dict]) -> Envoy:
         prefix = f"cg:identity:{uuid.uuid4().hex[:8]}"
-        envoy = shared.add_envoy(plugin(shared, prefix, policies), pre_filters=[jwt_filter()])
-        envoy.key_prefix = prefix
-        started.append(envoy)
-        return envoy
+        return sidecars(shared, plugin(shared, prefix, policies), prefix,
+                        pre_filters=[jwt_filter()])
 
-    yield make
-    for envoy in started:
-        envoy.stop()
-        shared.envoys.remove(envoy)
+    return make
 
 
 def call(envoy: Envoy, path: str = "/api/x", jwt: str | None = None, method: str = "GET",
