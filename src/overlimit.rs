@@ -182,9 +182,11 @@ mod tests {
 
     #[test]
     fn the_table_is_allocated_on_first_use_only() {
+        // Large enough to matter, small enough for `make unit-wasm`: Node's V8 may crash on
+        // exit after a Wasm memory of tens of MiB.
         let shared = FakeShared::default();
-        let idle = OverLimitCache::new(1_000_000, Some(Box::new(shared.clone())));
-        let worker = OverLimitCache::new(1_000_000, Some(Box::new(shared.clone())));
+        let idle = OverLimitCache::new(10_000, Some(Box::new(shared.clone())));
+        let worker = OverLimitCache::new(10_000, Some(Box::new(shared.clone())));
         assert!(!idle.allocated() && !worker.allocated());
         assert_eq!(worker.rejecting_until("k", 0), None);
         assert!(
@@ -197,7 +199,7 @@ mod tests {
             !idle.allocated(),
             "a VM that serves no requests never allocates"
         );
-        let reader = OverLimitCache::new(1_000_000, Some(Box::new(shared)));
+        let reader = OverLimitCache::new(10_000, Some(Box::new(shared)));
         assert_eq!(reader.rejecting_until("k", 10), Some(5_000));
         assert!(
             reader.allocated(),
