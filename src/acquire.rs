@@ -8,6 +8,7 @@
 
 use crate::config::Policy;
 use crate::idempotency::record::Record;
+use crate::keys::LimitKey;
 use crate::ratelimit::{self, LimitState};
 use crate::redis::{resp::Reply, CallError, ScriptCall};
 
@@ -50,26 +51,26 @@ pub struct Group {
 
 /// Plans the calls: tenant-tagged group first. `keys[i]` is the counter key of limit `i`, or
 /// `None` for a limit that needs no call (answered from a local slice).
-pub fn plan<S: AsRef<str>>(
+pub fn plan(
     policy: &Policy,
-    keys: &[Option<S>],
+    keys: &[Option<&LimitKey>],
     nonce: &str,
     idem: Option<&IdemAcquire>,
     lease: Option<&LeaseAcquire>,
 ) -> Vec<Group> {
     let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
     for (i, key) in keys.iter().enumerate().take(policy.rate_limits.len()) {
-        let Some(key) = key.as_ref().map(AsRef::as_ref) else {
+        let Some(key) = key else {
             continue;
         };
         // Keys with one hash tag share a slot, so one script call.
-        let tag = crate::keys::hash_tag(key);
+        let tag = key.tag();
         match groups.iter_mut().find(|g| g.0 == tag) {
             Some(g) => {
                 g.1.push(i);
-                g.2.push(key.to_string());
+                g.2.push(key.text().to_string());
             }
-            None => groups.push((tag.to_string(), vec![i], vec![key.to_string()])),
+            None => groups.push((tag.to_string(), vec![i], vec![key.text().to_string()])),
         }
     }
     for tag in idem
@@ -275,7 +276,7 @@ mod tests {
         caller: &Caller,
         req: &Request,
         skip: &[bool],
-    ) -> Vec<Option<String>> {
+    ) -> Vec<Option<LimitKey>> {
         policy
             .rate_limits
             .iter()
@@ -285,6 +286,10 @@ mod tests {
                     .then(|| ratelimit::key(prefix, policy, l, caller, req))
             })
             .collect()
+    }
+
+    fn refs(keys: &[Option<LimitKey>]) -> Vec<Option<&LimitKey>> {
+        keys.iter().map(Option::as_ref).collect()
     }
 
     fn idem() -> IdemAcquire {
@@ -304,7 +309,7 @@ mod tests {
         let (caller, req) = request();
         let groups = plan(
             &c.policies[0],
-            &keys("cg:demo", &c.policies[0], &caller, &req, &[]),
+            &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
             "n1",
             None,
             None,
@@ -350,7 +355,7 @@ mod tests {
         let (caller, req) = request();
         let groups = plan(
             &c.policies[0],
-            &keys("cg:demo", &c.policies[0], &caller, &req, &[]),
+            &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
             "n1",
             Some(&idem()),
             None,
@@ -377,7 +382,7 @@ mod tests {
         // No tenant-scoped limit: the record gets a group of its own.
         let alone = plan(
             &c.policies[1],
-            &keys("cg:demo", &c.policies[1], &caller, &req, &[]),
+            &refs(&keys("cg:demo", &c.policies[1], &caller, &req, &[])),
             "n1",
             Some(&idem()),
             None,
@@ -406,7 +411,7 @@ mod tests {
         };
         let groups = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &caller, &req, &[]),
+            &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
             "n1",
             Some(&idem()),
             Some(&lease),
@@ -479,7 +484,7 @@ mod tests {
         let (caller, req) = request();
         let groups = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &caller, &req, &[true, true]),
+            &refs(&keys("cg", &c.policies[0], &caller, &req, &[true, true])),
             "n",
             None,
             None,
@@ -488,7 +493,7 @@ mod tests {
         assert_eq!(groups[0].limits, vec![2, 3]);
         let none = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &caller, &req, &[true; 4]),
+            &refs(&keys("cg", &c.policies[0], &caller, &req, &[true; 4])),
             "n",
             None,
             None,
@@ -506,14 +511,14 @@ mod tests {
         };
         let a = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &caller, &req, &[]),
+            &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
             "n",
             None,
             None,
         );
         let b = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &other, &req, &[]),
+            &refs(&keys("cg", &c.policies[0], &other, &req, &[])),
             "n",
             None,
             None,

@@ -59,17 +59,6 @@ pub fn split(reply: &Reply, n: usize) -> Result<Vec<Result<Reply, CallError>>, C
     Ok(out)
 }
 
-/// The Redis Cluster hash tag of a key (`{...}`), or the whole key.
-pub fn hash_tag(key: &str) -> &str {
-    key.find('{')
-        .and_then(|open| {
-            let rest = &key[open + 1..];
-            let close = rest.find('}')?;
-            (close > 0).then(|| &rest[..close])
-        })
-        .unwrap_or(key)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,17 +104,5 @@ mod tests {
             split(&Reply::Error("NOSCRIPT x".into()), 1),
             Err(CallError::Redis("NOSCRIPT x".into()))
         );
-    }
-
-    #[test]
-    fn hash_tags() {
-        for (key, tag) in [
-            ("cg:rl:{t.abc}:p", "t.abc"),
-            ("cg:rl:{p.orders}:x:{y}", "p.orders"),
-            ("cg:plain", "cg:plain"),
-            ("cg:{}:x", "cg:{}:x"),
-        ] {
-            assert_eq!(hash_tag(key), tag, "{key}");
-        }
     }
 }

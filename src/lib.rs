@@ -17,15 +17,15 @@ pub mod grpc;
 pub mod idempotency;
 pub mod ids;
 pub mod keys;
+pub mod local;
 pub mod lograte;
 pub mod metrics;
 pub mod normalize;
-pub mod overlimit;
-pub mod quota;
 pub mod ratelimit;
 pub mod redis;
 pub mod request;
 pub mod respond;
+pub mod text;
 
 #[cfg(test)]
 mod robustness_tests;

@@ -18,10 +18,11 @@ use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
 use crate::idempotency::header::{parse_key, KeyError};
 use crate::idempotency::record::{Record, StoredResponse};
 use crate::keys;
+use crate::keys::LimitKey;
+use crate::local::overlimit::{OverLimitCache, SharedStore};
+use crate::local::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::lograte::{WarnKind, Warnings};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
-use crate::overlimit::{OverLimitCache, SharedStore};
-use crate::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::ratelimit::{self, KeyMemo, LimitState, Verdict, KEY_MEMO_SLOTS};
 use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
 use crate::request::{
@@ -220,7 +221,7 @@ pub struct Flow {
     held: Option<Held>,
     nonce: String,
     /// The Redis key of each rate limit (policy order), for the over-limit cache.
-    limit_keys: Vec<String>,
+    limit_keys: Vec<LimitKey>,
     /// Leased limits admitted from this worker's slice (no Redis call for them).
     local: Vec<bool>,
     /// Slices Redis granted to leased limits in this request's acquire (0: none).
@@ -787,7 +788,7 @@ impl Flow {
             if !limit.leased {
                 continue;
             }
-            if let Some((left, expires)) = rt.quota.take(&self.limit_keys[i], now_ms) {
+            if let Some((left, expires)) = rt.quota.take(self.limit_keys[i].hash(), now_ms) {
                 self.states[i] = Some(LimitState {
                     allowed: true,
                     remaining: left,
@@ -801,11 +802,11 @@ impl Flow {
             self.refund_local(rt);
             return step;
         }
-        let keys: Vec<Option<&str>> = self
+        let keys: Vec<Option<&LimitKey>> = self
             .limit_keys
             .iter()
             .zip(&self.local)
-            .map(|(k, &local)| (!local).then_some(k.as_str()))
+            .map(|(k, &local)| (!local).then_some(k))
             .collect();
         let groups = acquire::plan(
             policy,
@@ -1038,7 +1039,7 @@ impl Flow {
             let reset = states.get(i).copied().flatten().map_or(0, |s| s.reset_ms);
             if let Some(key) = self.limit_keys.get(i) {
                 rt.quota
-                    .add(key, left, now_ms.saturating_add(reset), now_ms);
+                    .add(key.hash(), left, now_ms.saturating_add(reset), now_ms);
             }
             if let Some(Some(s)) = self.states.get_mut(i) {
                 s.remaining = left;
@@ -1054,7 +1055,7 @@ impl Flow {
             };
             if !state.allowed && !limit.shadow && state.retry_after_ms > 0 {
                 rt.over_limit
-                    .mark(key, now_ms.saturating_add(state.retry_after_ms));
+                    .mark(key.hash(), now_ms.saturating_add(state.retry_after_ms));
             }
         }
         let verdict = ratelimit::decide(policy, &self.states);
@@ -1150,7 +1151,7 @@ impl Flow {
         for (i, taken) in self.local.iter_mut().enumerate() {
             if std::mem::take(taken) {
                 if let Some(key) = self.limit_keys.get(i) {
-                    rt.quota.refund(key);
+                    rt.quota.refund(key.hash());
                 }
             }
         }
@@ -1171,7 +1172,7 @@ impl Flow {
             if limit.shadow || self.local.get(i).copied().unwrap_or(false) {
                 continue;
             }
-            if let Some(until) = rt.over_limit.rejecting_until(key, now_ms) {
+            if let Some(until) = rt.over_limit.rejecting_until(key.hash(), now_ms) {
                 let wait = until - now_ms;
                 states[i] = Some(LimitState {
                     allowed: false,

@@ -23,7 +23,7 @@ impl Script {
         Script {
             name,
             source,
-            sha1: crate::keys::hex(&digest),
+            sha1: crate::text::hex(&digest),
         }
     }
 }

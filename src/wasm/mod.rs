@@ -12,7 +12,7 @@ use crate::flow::{take_due, Background, Flow, Next, Runtime, Step};
 use crate::ids::TokenSource;
 use crate::lograte::WarnKind;
 use crate::metrics::{Kind, MetricSink, Metrics};
-use crate::overlimit::SharedStore;
+use crate::local::overlimit::SharedStore;
 use crate::redis::{resp::Reply, webdis, CallError, ScriptCall, ScriptId};
 use crate::request::{policy_index, Probe, Request, Selected};
 mod abi;
@@ -451,7 +451,7 @@ impl Root {
                 q.call
                     .keys
                     .first()
-                    .map(|k| batch::hash_tag(k).to_string())
+                    .map(|k| crate::keys::hash_tag(k).to_string())
                     .unwrap_or_default()
             };
             match groups.iter_mut().find(|g| g.0 == tag) {
