@@ -11,7 +11,7 @@
 use super::{Purpose, Runtime};
 use crate::lograte::WarnKind;
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink};
-use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId};
+use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall, ScriptId};
 
 /// The first pause before a release is sent again; it doubles with every attempt.
 pub const RETRY_FIRST_MS: u64 = 100;
@@ -152,12 +152,10 @@ impl Background {
             return Next::Done;
         };
         let lease = matches!(self.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
+        if resend_by_eval(&mut self.by_sha, &answer, &rt.metrics.redis, m) {
+            return Next::Resend;
+        }
         match answer {
-            Ok(reply) if is_noscript(&reply) && self.by_sha => {
-                m.increment(rt.metrics.redis.noscript);
-                self.by_sha = false;
-                Next::Resend
-            }
             Ok(reply) if !self.certain && matches!(reply.as_int(), Some(0 | -1)) => {
                 log::debug!(
                     "policy {}: nothing of this request's to settle ({:?})",

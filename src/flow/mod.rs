@@ -24,7 +24,7 @@ use crate::local::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::lograte::{WarnKind, Warnings};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
 use crate::ratelimit::{self, KeyMemo, LimitState, Verdict, KEY_MEMO_SLOTS};
-use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
+use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
 use crate::request::{
     identify, policy_index, repeated_input, selector_value, Caller, Request, Selected, TenantError,
 };
@@ -878,12 +878,10 @@ impl Flow {
             rt.metrics.redis.latency_ms,
             now_ms.saturating_sub(p.sent_ms),
         );
+        if resend_by_eval(&mut p.by_sha, &answer, &rt.metrics.redis, m) {
+            return Step::Dispatch(vec![self.outgoing(slot, now_ms)]);
+        }
         let reply = match answer {
-            Ok(reply) if is_noscript(&reply) && p.by_sha => {
-                m.increment(rt.metrics.redis.noscript);
-                p.by_sha = false;
-                return Step::Dispatch(vec![self.outgoing(slot, now_ms)]);
-            }
             Ok(reply) => reply,
             Err(e) => {
                 m.increment(if e == CallError::Timeout {

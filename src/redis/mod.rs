@@ -4,6 +4,7 @@
 pub mod resp;
 pub mod webdis;
 
+use crate::metrics::{MetricSink, RedisMetrics};
 use resp::Reply;
 use sha1::{Digest, Sha1};
 
@@ -194,6 +195,23 @@ impl CallError {
 /// True when Redis does not know the script yet (first call after a restart or `SCRIPT FLUSH`).
 pub fn is_noscript(reply: &Reply) -> bool {
     matches!(reply, Reply::Error(e) if e.starts_with("NOSCRIPT"))
+}
+
+/// The one `NOSCRIPT` -> `EVAL` retry of every call: true (and counted) when `answer` says
+/// Redis does not know the script and the call went by `EVALSHA`; `by_sha` is then cleared,
+/// so the call is sent again once, with the script's source.
+pub fn resend_by_eval(
+    by_sha: &mut bool,
+    answer: &Result<Reply, CallError>,
+    metrics: &RedisMetrics,
+    m: &dyn MetricSink,
+) -> bool {
+    let retry = *by_sha && matches!(answer, Ok(reply) if is_noscript(reply));
+    if retry {
+        m.increment(metrics.noscript);
+        *by_sha = false;
+    }
+    retry
 }
 
 #[cfg(test)]
