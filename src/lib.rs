@@ -9,8 +9,6 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-pub mod acquire;
-pub mod batch;
 pub mod config;
 pub mod flow;
 pub mod grpc;
@@ -19,6 +17,7 @@ pub mod ids;
 pub mod keys;
 pub mod local;
 pub mod lograte;
+pub mod lua;
 pub mod metrics;
 pub mod normalize;
 pub mod ratelimit;

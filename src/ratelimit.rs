@@ -1,7 +1,7 @@
 //! Rate limits of one request: which script calls to make, and what their replies mean.
 //!
 //! Keys, script arguments and the verdict. The calls themselves are planned by
-//! [`crate::acquire`], which groups limits by hash tag.
+//! [`crate::lua::acquire`], which groups limits by hash tag.
 
 use crate::config::{Policy, RateLimit};
 use crate::keys::{self, LimitKey};

@@ -9,7 +9,6 @@ mod background;
 
 pub use background::{take_due, Background, Next};
 
-use crate::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire, LeaseAnswer};
 use crate::config::{
     Completion, Config, FailureMode, FingerprintPart, Idempotency, Lease, OnBusy, Policy, Replay,
 };
@@ -22,9 +21,11 @@ use crate::keys::LimitKey;
 use crate::local::overlimit::{OverLimitCache, SharedStore};
 use crate::local::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::lograte::{WarnKind, Warnings};
+use crate::lua::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire, LeaseAnswer};
+use crate::lua::{lease, record, ScriptId, Scripts};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
 use crate::ratelimit::{self, KeyMemo, LimitState, Verdict, KEY_MEMO_SLOTS};
-use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
+use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
 use crate::request::{
     identify, policy_index, repeated_input, selector_value, Caller, Request, Selected, TenantError,
 };
@@ -139,6 +140,19 @@ pub enum Purpose {
     Release,
     LeaseRelease,
     LeaseExtend,
+}
+
+impl Purpose {
+    /// The script a call of this purpose runs.
+    pub fn script(self) -> ScriptId {
+        match self {
+            Purpose::Acquire | Purpose::LeaseRetry => ScriptId::Acquire,
+            Purpose::Complete => ScriptId::Complete,
+            Purpose::Release => ScriptId::Release,
+            Purpose::LeaseRelease => ScriptId::LeaseRelease,
+            Purpose::LeaseExtend => ScriptId::LeaseExtend,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -1263,23 +1277,10 @@ impl Flow {
         let Some(lease) = self.lease.as_ref() else {
             return Step::Continue;
         };
-        let a = &lease.acquire;
-        let call = ScriptCall {
-            keys: vec![a.key.clone(), a.fence_key.clone(), a.cancel_key.clone()],
-            args: vec![
-                "0".into(),
-                "1".into(),
-                self.nonce.clone(),
-                "0".into(),
-                "1".into(),
-                a.owner.clone(),
-                a.ttl_ms.to_string(),
-                a.fence_ttl_ms.to_string(),
-            ],
-        };
+        let call = acquire::lease_poll(&lease.acquire, &self.nonce);
         self.pending = vec![Pending {
             purpose: Purpose::LeaseRetry,
-            script: ScriptId::Acquire,
+            script: Purpose::LeaseRetry.script(),
             call,
             limits: Vec::new(),
             idem: false,
@@ -1312,17 +1313,7 @@ impl Flow {
         self.pending
             .iter_mut()
             .for_each(|p| p.lease_unsettled = false);
-        let call = if certain {
-            ScriptCall {
-                keys: vec![l.acquire.key.clone()],
-                args: vec![l.acquire.owner.clone()],
-            }
-        } else {
-            ScriptCall {
-                keys: vec![l.acquire.key.clone(), l.acquire.cancel_key.clone()],
-                args: vec![l.acquire.owner.clone(), marker_ttl.to_string()],
-            }
-        };
+        let call = lease::release(&l.acquire, (!certain).then_some(marker_ttl));
         let call = Background::new(policy, Purpose::LeaseRelease, call, String::new());
         self.background
             .push(if certain { call } else { call.compensation() });
@@ -1572,10 +1563,7 @@ impl Flow {
         self.background.push(Background::new(
             policy,
             Purpose::LeaseExtend,
-            ScriptCall {
-                keys: vec![l.acquire.key.clone()],
-                args: vec![l.acquire.owner.clone(), l.acquire.ttl_ms.to_string()],
-            },
+            lease::extend(&l.acquire),
             String::new(),
         ));
     }
@@ -1641,17 +1629,7 @@ impl Flow {
         self.pending
             .iter_mut()
             .for_each(|p| p.record_unsettled = false);
-        let call = if certain {
-            ScriptCall {
-                keys: vec![i.acquire.key.clone()],
-                args: vec![i.acquire.owner.clone()],
-            }
-        } else {
-            ScriptCall {
-                keys: vec![i.acquire.key.clone(), i.acquire.cancel_key.clone()],
-                args: vec![i.acquire.owner.clone(), marker_ttl.to_string()],
-            }
-        };
+        let call = record::release(&i.acquire, (!certain).then_some(marker_ttl));
         let call = Background::new(policy, Purpose::Release, call, i.key_hash.clone());
         self.background
             .push(if certain { call } else { call.compensation() });
@@ -1672,27 +1650,13 @@ impl Flow {
         .with_trailers(idem.trailers.clone());
         Some((
             Purpose::Complete,
-            ScriptCall {
-                keys: vec![idem.acquire.key.clone()],
-                args: vec![
-                    idem.acquire.owner.clone(),
-                    idem.acquire.fingerprint.clone(),
-                    cfg.completed_ttl_ms.to_string(),
-                    stored.to_json(),
-                ],
-            },
+            record::complete(&idem.acquire, cfg.completed_ttl_ms, stored.to_json()),
         ))
     }
 
     fn release_call(&self) -> Option<(Purpose, ScriptCall)> {
         let idem = self.idem.as_ref()?;
-        Some((
-            Purpose::Release,
-            ScriptCall {
-                keys: vec![idem.acquire.key.clone()],
-                args: vec![idem.acquire.owner.clone()],
-            },
-        ))
+        Some((Purpose::Release, record::release(&idem.acquire, None)))
     }
 
     /// Sends a complete/release now (sync: the response waits) or hands it to the root.
@@ -1721,27 +1685,17 @@ impl Flow {
             self.phase = Phase::Done;
             return Step::Continue;
         }
-        let script = match purpose {
-            Purpose::Release => ScriptId::Release,
-            _ => ScriptId::Complete,
-        };
-        let out = self.push_pending(purpose, script, call, now_ms);
+        let out = self.push_pending(purpose, call, now_ms);
         self.phase = Phase::Completing;
         self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
         Step::Dispatch(vec![out])
     }
 
     /// Adds a call the response waits for and returns it to send.
-    fn push_pending(
-        &mut self,
-        purpose: Purpose,
-        script: ScriptId,
-        call: ScriptCall,
-        now_ms: u64,
-    ) -> Outgoing {
+    fn push_pending(&mut self, purpose: Purpose, call: ScriptCall, now_ms: u64) -> Outgoing {
         self.pending.push(Pending {
             purpose,
-            script,
+            script: purpose.script(),
             call,
             limits: Vec::new(),
             idem: false,
@@ -1761,11 +1715,8 @@ impl Flow {
         let l = self.lease.as_mut().filter(|l| l.held)?;
         l.held = false;
         l.next_extend_ms = None;
-        let call = ScriptCall {
-            keys: vec![l.acquire.key.clone()],
-            args: vec![l.acquire.owner.clone()],
-        };
-        Some(self.push_pending(Purpose::LeaseRelease, ScriptId::LeaseRelease, call, now_ms))
+        let call = lease::release(&l.acquire, None);
+        Some(self.push_pending(Purpose::LeaseRelease, call, now_ms))
     }
 
     /// After a response-side call answered: go on once none is outstanding.
@@ -2237,7 +2188,7 @@ fn content_length(headers: &[(String, String)]) -> Option<u64> {
 fn acquire_pending(g: acquire::Group, now_ms: u64) -> Pending {
     Pending {
         purpose: Purpose::Acquire,
-        script: ScriptId::Acquire,
+        script: Purpose::Acquire.script(),
         call: g.call,
         limits: g.limits,
         idem: g.idem,

@@ -1,92 +1,14 @@
-//! Redis access as data: which script to run with which keys and arguments, and what can go
-//! wrong. No I/O happens here; the adapter sends the encoded request and hands back the answer.
+//! Redis access as data: a script call's keys and arguments as the gateway's request, and
+//! what can go wrong. No I/O happens here; the adapter sends the encoded request and hands back the answer.
 
 pub mod resp;
 pub mod webdis;
 
+use crate::lua::Script;
 use crate::metrics::{MetricSink, RedisMetrics};
 use resp::Reply;
-use sha1::{Digest, Sha1};
 
 pub use resp::Reply as RedisReply;
-
-/// A Lua script with its SHA-1, for EVALSHA.
-#[derive(Debug)]
-pub struct Script {
-    pub name: &'static str,
-    pub source: &'static str,
-    pub sha1: String,
-}
-
-impl Script {
-    pub fn new(name: &'static str, source: &'static str) -> Script {
-        let digest = Sha1::digest(source.as_bytes());
-        Script {
-            name,
-            source,
-            sha1: crate::text::hex(&digest),
-        }
-    }
-}
-
-/// Which script a call runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScriptId {
-    /// Rate limits and the idempotency acquire of one hash slot.
-    Acquire,
-    /// `PROCESSING` -> `COMPLETED`, only by the owner.
-    Complete,
-    /// Deletes a `PROCESSING` record, only by the owner.
-    Release,
-    /// Deletes a lease, only by its owner.
-    LeaseRelease,
-    /// Extends a lease, only by its owner.
-    LeaseExtend,
-    /// Several acquires in one call (callout coalescing).
-    Batch,
-}
-
-/// The scripts the filter runs, loaded once per VM.
-#[derive(Debug)]
-pub struct Scripts {
-    pub acquire: Script,
-    pub complete: Script,
-    pub release: Script,
-    pub lease_release: Script,
-    pub lease_extend: Script,
-    pub batch: Script,
-}
-
-impl Scripts {
-    pub fn load() -> Scripts {
-        Scripts {
-            acquire: Script::new("acquire", include_str!("../lua/acquire.lua")),
-            complete: Script::new("complete", include_str!("../lua/complete.lua")),
-            release: Script::new("release", include_str!("../lua/release.lua")),
-            lease_release: Script::new("lease_release", include_str!("../lua/lease_release.lua")),
-            lease_extend: Script::new("lease_extend", include_str!("../lua/lease_extend.lua")),
-            batch: Script::new(
-                "batch",
-                concat!(
-                    include_str!("../lua/batch_head.lua"),
-                    include_str!("../lua/acquire.lua"),
-                    include_str!("../lua/batch_tail.lua")
-                ),
-            ),
-        }
-    }
-
-    pub fn get(&self, id: ScriptId) -> &Script {
-        match id {
-            ScriptId::Acquire => &self.acquire,
-            ScriptId::Complete => &self.complete,
-            ScriptId::Release => &self.release,
-            ScriptId::LeaseRelease => &self.lease_release,
-            ScriptId::LeaseExtend => &self.lease_extend,
-            ScriptId::Batch => &self.batch,
-        }
-    }
-}
 
 /// One script invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -217,6 +139,7 @@ pub fn resend_by_eval(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lua::Script;
 
     #[test]
     fn evalsha_then_eval() {

@@ -6,12 +6,12 @@
 //! Host calls go through `hostcalls` with their `Result`s handled: the SDK's trait helpers
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
-use crate::batch::{BatchAnswer, Batcher, InFlight};
 use crate::config::{Config, ConfigError, RedisConfig};
 use crate::flow::{take_due, Background, Flow, Next, Runtime, Step};
 use crate::ids::TokenSource;
 use crate::local::overlimit::SharedStore;
 use crate::lograte::WarnKind;
+use crate::lua::batch::{BatchAnswer, Batcher, InFlight};
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::redis::{resp::Reply, webdis, CallError};
 use crate::request::{policy_index, Probe, Request, Selected};

@@ -5,8 +5,9 @@
 
 use crate::config::Batch;
 use crate::keys::hash_tag;
+use crate::lua::{ScriptId, Scripts};
 use crate::metrics::{MetricSink, RedisMetrics};
-use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
+use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
 use std::collections::HashMap;
 
 /// The acquire calls waiting for the next batch, and the batches in flight with whose answers

@@ -84,52 +84,70 @@ pub fn plan(
     }
     let mut out: Vec<Group> = groups
         .into_iter()
-        .map(|(tag, limits, mut keys)| {
-            let mut args = vec![limits.len().to_string(), "1".into(), nonce.to_string()];
-            for &i in &limits {
-                args.extend(ratelimit::limit_args(&policy.rate_limits[i]));
-            }
+        .map(|(tag, limits, keys)| {
             let with_idem = idem.filter(|d| d.tag == tag);
-            match with_idem {
-                Some(d) => {
-                    keys.push(d.key.clone());
-                    args.push("1".into());
-                    args.push(d.fingerprint.clone());
-                    args.push(d.owner.clone());
-                    args.push(d.processing_ttl_ms.to_string());
-                }
-                None => args.push("0".into()),
-            }
             let with_lease = lease.filter(|l| l.tag == tag);
-            match with_lease {
-                Some(l) => {
-                    keys.push(l.key.clone());
-                    keys.push(l.fence_key.clone());
-                    args.push("1".into());
-                    args.push(l.owner.clone());
-                    args.push(l.ttl_ms.to_string());
-                    args.push(l.fence_ttl_ms.to_string());
-                }
-                None => args.push("0".into()),
-            }
-            // The cancellation marker, last: a late acquire of a cancelled owner writes nothing.
-            if let Some(marker) = with_idem
-                .map(|d| &d.cancel_key)
-                .or(with_lease.map(|l| &l.cancel_key))
-            {
-                keys.push(marker.clone());
-            }
+            let limit_args = limits
+                .iter()
+                .flat_map(|&i| ratelimit::limit_args(&policy.rate_limits[i]));
+            let call = group_call(keys, limits.len(), limit_args, nonce, with_idem, with_lease);
             Group {
                 tag,
                 limits,
                 idem: with_idem.is_some(),
                 lease: with_lease.is_some(),
-                call: ScriptCall { keys, args },
+                call,
             }
         })
         .collect();
     out.sort_by_key(|g| !g.tag.starts_with("t."));
     out
+}
+
+/// One `acquire.lua` call: the counters `keys` (`n` limits, their arguments `limit_args`), then
+/// the record's and the lease's sections when given, and the owner's cancellation marker last.
+fn group_call(
+    mut keys: Vec<String>,
+    n: usize,
+    limit_args: impl Iterator<Item = String>,
+    nonce: &str,
+    idem: Option<&IdemAcquire>,
+    lease: Option<&LeaseAcquire>,
+) -> ScriptCall {
+    let mut args = vec![n.to_string(), "1".into(), nonce.to_string()];
+    args.extend(limit_args);
+    match idem {
+        Some(d) => {
+            keys.push(d.key.clone());
+            args.push("1".into());
+            args.push(d.fingerprint.clone());
+            args.push(d.owner.clone());
+            args.push(d.processing_ttl_ms.to_string());
+        }
+        None => args.push("0".into()),
+    }
+    match lease {
+        Some(l) => {
+            keys.push(l.key.clone());
+            keys.push(l.fence_key.clone());
+            args.push("1".into());
+            args.push(l.owner.clone());
+            args.push(l.ttl_ms.to_string());
+            args.push(l.fence_ttl_ms.to_string());
+        }
+        None => args.push("0".into()),
+    }
+    // The cancellation marker, last: a late acquire of a cancelled owner writes nothing.
+    if let Some(marker) = idem.map(|d| &d.cancel_key).or(lease.map(|l| &l.cancel_key)) {
+        keys.push(marker.clone());
+    }
+    ScriptCall { keys, args }
+}
+
+/// A lease-only acquire: polls a busy lease again (`on_busy: wait`). Its reply is read by
+/// [`read_reply`] with no limits, no record and the lease.
+pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
+    group_call(Vec::new(), 0, std::iter::empty(), nonce, None, Some(lease))
 }
 
 /// What the idempotency section of an acquire found.
@@ -476,6 +494,32 @@ mod tests {
             Reply::Bulk(Some(vec![])),
         ]));
         assert!(read_reply(&cancelled, 0, true, false).is_err());
+    }
+
+    #[test]
+    fn a_lease_poll_is_a_lease_only_acquire() {
+        let lease = LeaseAcquire {
+            key: "cg:lease:{t.x}:p:r".into(),
+            fence_key: "cg:fence:{t.x}:p:r".into(),
+            tag: "t.x".into(),
+            owner: "o2".into(),
+            ttl_ms: 10_000,
+            fence_ttl_ms: 604_800_000,
+            cancel_key: "cg:cancel:{t.x}:p:o2".into(),
+        };
+        let call = lease_poll(&lease, "n1");
+        assert_eq!(
+            call.keys,
+            vec![
+                lease.key.clone(),
+                lease.fence_key.clone(),
+                lease.cancel_key.clone()
+            ]
+        );
+        assert_eq!(
+            call.args,
+            vec!["0", "1", "n1", "0", "1", "o2", "10000", "604800000"]
+        );
     }
 
     #[test]
