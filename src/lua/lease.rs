@@ -3,21 +3,18 @@
 //! [`crate::lua::record::outcome`].)
 
 use crate::lua::acquire::LeaseAcquire;
+use crate::lua::record::by_owner;
 use crate::redis::ScriptCall;
 
 /// `lease_release.lua`: deletes the owner's lease. With `marker_ttl_ms`, the owner's
 /// cancellation marker is set first, so that an acquire still in flight takes nothing.
 pub fn release(acquire: &LeaseAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall {
-    match marker_ttl_ms {
-        None => ScriptCall {
-            keys: vec![acquire.key.clone()],
-            args: vec![acquire.owner.clone()],
-        },
-        Some(ttl) => ScriptCall {
-            keys: vec![acquire.key.clone(), acquire.cancel_key.clone()],
-            args: vec![acquire.owner.clone(), ttl.to_string()],
-        },
-    }
+    by_owner(
+        &acquire.key,
+        &acquire.cancel_key,
+        &acquire.owner,
+        marker_ttl_ms,
+    )
 }
 
 /// `lease_extend.lua`: the owner's lease lives `ttl_ms` more.

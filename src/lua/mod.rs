@@ -12,26 +12,7 @@ pub mod batch;
 pub mod lease;
 pub mod record;
 
-use sha1::{Digest, Sha1};
-
-/// A Lua script with its SHA-1, for EVALSHA.
-#[derive(Debug)]
-pub struct Script {
-    pub name: &'static str,
-    pub source: &'static str,
-    pub sha1: String,
-}
-
-impl Script {
-    pub fn new(name: &'static str, source: &'static str) -> Script {
-        let digest = Sha1::digest(source.as_bytes());
-        Script {
-            name,
-            source,
-            sha1: crate::text::hex(&digest),
-        }
-    }
-}
+use crate::redis::Script;
 
 /// Which script a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -21,14 +21,30 @@ pub fn complete(acquire: &IdemAcquire, completed_ttl_ms: u64, response: String) 
 /// `release.lua`: deletes the owner's `PROCESSING` record. With `marker_ttl_ms`, the owner's
 /// cancellation marker is set first, so that an acquire still in flight writes nothing.
 pub fn release(acquire: &IdemAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall {
+    by_owner(
+        &acquire.key,
+        &acquire.cancel_key,
+        &acquire.owner,
+        marker_ttl_ms,
+    )
+}
+
+/// The arguments `release.lua` and `lease_release.lua` share: `KEYS = key [marker]`,
+/// `ARGV = owner [marker_ttl_ms]`.
+pub(crate) fn by_owner(
+    key: &str,
+    cancel_key: &str,
+    owner: &str,
+    marker_ttl_ms: Option<u64>,
+) -> ScriptCall {
     match marker_ttl_ms {
         None => ScriptCall {
-            keys: vec![acquire.key.clone()],
-            args: vec![acquire.owner.clone()],
+            keys: vec![key.to_string()],
+            args: vec![owner.to_string()],
         },
         Some(ttl) => ScriptCall {
-            keys: vec![acquire.key.clone(), acquire.cancel_key.clone()],
-            args: vec![acquire.owner.clone(), ttl.to_string()],
+            keys: vec![key.to_string(), cancel_key.to_string()],
+            args: vec![owner.to_string(), ttl.to_string()],
         },
     }
 }

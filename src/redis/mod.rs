@@ -4,11 +4,30 @@
 pub mod resp;
 pub mod webdis;
 
-use crate::lua::Script;
 use crate::metrics::{MetricSink, RedisMetrics};
 use resp::Reply;
+use sha1::{Digest, Sha1};
 
 pub use resp::Reply as RedisReply;
+
+/// A Lua script with its SHA-1, for EVALSHA.
+#[derive(Debug)]
+pub struct Script {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub sha1: String,
+}
+
+impl Script {
+    pub fn new(name: &'static str, source: &'static str) -> Script {
+        let digest = Sha1::digest(source.as_bytes());
+        Script {
+            name,
+            source,
+            sha1: crate::text::hex(&digest),
+        }
+    }
+}
 
 /// One script invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,7 +158,6 @@ pub fn resend_by_eval(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lua::Script;
 
     #[test]
     fn evalsha_then_eval() {
