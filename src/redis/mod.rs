@@ -1,9 +1,10 @@
-//! Redis access as data: which script to run with which keys and arguments, and what can go
-//! wrong. No I/O happens here; the adapter sends the encoded request and hands back the answer.
+//! Redis access as data: a script call's keys and arguments as the gateway's request, and
+//! what can go wrong. No I/O happens here; the adapter sends the encoded request and hands back the answer.
 
 pub mod resp;
 pub mod webdis;
 
+use crate::metrics::{MetricSink, RedisMetrics};
 use resp::Reply;
 use sha1::{Digest, Sha1};
 
@@ -23,66 +24,7 @@ impl Script {
         Script {
             name,
             source,
-            sha1: crate::keys::hex(&digest),
-        }
-    }
-}
-
-/// Which script a call runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScriptId {
-    /// Rate limits and the idempotency acquire of one hash slot.
-    Acquire,
-    /// `PROCESSING` -> `COMPLETED`, only by the owner.
-    Complete,
-    /// Deletes a `PROCESSING` record, only by the owner.
-    Release,
-    /// Deletes a lease, only by its owner.
-    LeaseRelease,
-    /// Extends a lease, only by its owner.
-    LeaseExtend,
-    /// Several acquires in one call (callout coalescing).
-    Batch,
-}
-
-/// The scripts the filter runs, loaded once per VM.
-#[derive(Debug)]
-pub struct Scripts {
-    pub acquire: Script,
-    pub complete: Script,
-    pub release: Script,
-    pub lease_release: Script,
-    pub lease_extend: Script,
-    pub batch: Script,
-}
-
-impl Scripts {
-    pub fn load() -> Scripts {
-        Scripts {
-            acquire: Script::new("acquire", include_str!("../lua/acquire.lua")),
-            complete: Script::new("complete", include_str!("../lua/complete.lua")),
-            release: Script::new("release", include_str!("../lua/release.lua")),
-            lease_release: Script::new("lease_release", include_str!("../lua/lease_release.lua")),
-            lease_extend: Script::new("lease_extend", include_str!("../lua/lease_extend.lua")),
-            batch: Script::new(
-                "batch",
-                concat!(
-                    include_str!("../lua/batch_head.lua"),
-                    include_str!("../lua/acquire.lua"),
-                    include_str!("../lua/batch_tail.lua")
-                ),
-            ),
-        }
-    }
-
-    pub fn get(&self, id: ScriptId) -> &Script {
-        match id {
-            ScriptId::Acquire => &self.acquire,
-            ScriptId::Complete => &self.complete,
-            ScriptId::Release => &self.release,
-            ScriptId::LeaseRelease => &self.lease_release,
-            ScriptId::LeaseExtend => &self.lease_extend,
-            ScriptId::Batch => &self.batch,
+            sha1: crate::text::hex(&digest),
         }
     }
 }
@@ -194,6 +136,23 @@ impl CallError {
 /// True when Redis does not know the script yet (first call after a restart or `SCRIPT FLUSH`).
 pub fn is_noscript(reply: &Reply) -> bool {
     matches!(reply, Reply::Error(e) if e.starts_with("NOSCRIPT"))
+}
+
+/// The one `NOSCRIPT` -> `EVAL` retry of every call: true (and counted) when `answer` says
+/// Redis does not know the script and the call went by `EVALSHA`; `by_sha` is then cleared,
+/// so the call is sent again once, with the script's source.
+pub fn resend_by_eval(
+    by_sha: &mut bool,
+    answer: &Result<Reply, CallError>,
+    metrics: &RedisMetrics,
+    m: &dyn MetricSink,
+) -> bool {
+    let retry = *by_sha && matches!(answer, Ok(reply) if is_noscript(reply));
+    if retry {
+        m.increment(metrics.noscript);
+        *by_sha = false;
+    }
+    retry
 }
 
 #[cfg(test)]
