@@ -338,7 +338,7 @@ def test_d_fail_closed_is_unavailable_with_the_detail(shared, guard):
     envoy = guard(idem_policy(), cluster=DEAD_CLUSTER)
     out = call(envoy, CREATE, b"x", tenant=f"t-{uid()}", key=f"k-{uid()}")
     assert out.code == grpc.StatusCode.UNAVAILABLE, out
-    assert out.details == "the coordination store did not answer in time; retry shortly"
+    assert out.details == "the coordination store cannot decide: its gateway is unreachable; retry shortly"
     assert out.metadata("retry-after") == "1"
     assert executed(shared, "Create", b"x") == 0
     http = http_post(envoy, "/cg.test.Orders/http", f"t-{uid()}", f"k-{uid()}")

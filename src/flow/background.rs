@@ -192,13 +192,24 @@ impl Background {
                     Some(im) => {
                         // Only sent for a record that exists or may exist.
                         m.increment(im.complete_failed);
+                        let compensation = self.compensation;
                         rt.warnings.warn(WarnKind::RecordNotSettled, self.policy, now_ms, || {
-                            format!(
-                                "idempotency record of policy {} key {} not settled ({}{tries}); it expires at its processing TTL",
-                                policy.name,
-                                self.key_hash,
-                                e.describe()
-                            )
+                            if compensation {
+                                // The acquire timed out: a record exists only if it ran late.
+                                format!(
+                                    "policy {} key {}: could not make sure that a late acquire left no record ({}{tries}); if it did, the record expires at its processing TTL",
+                                    policy.name,
+                                    self.key_hash,
+                                    e.describe()
+                                )
+                            } else {
+                                format!(
+                                    "idempotency record of policy {} key {} not settled ({}{tries}); it expires at its processing TTL",
+                                    policy.name,
+                                    self.key_hash,
+                                    e.describe()
+                                )
+                            }
                         });
                     }
                     None => {

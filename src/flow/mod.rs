@@ -1451,7 +1451,7 @@ impl Flow {
                 m.increment(pm.failed_closed);
                 self.answer(respond::problem(
                     Problem::GuardUnavailable,
-                    "the coordination store did not answer in time; retry shortly",
+                    &err.client_detail(rt.config.redis.timeout_ms),
                     &[],
                     vec![("retry-after".into(), "1".into())],
                 ))

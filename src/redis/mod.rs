@@ -87,6 +87,8 @@ pub enum CallError {
     UnexpectedReply(String),
     /// No answer within the configured timeout (watchdog).
     Timeout,
+    /// The host refused to dispatch: `redis.cluster` names no cluster of this proxy.
+    NoSuchCluster,
 }
 
 impl CallError {
@@ -102,7 +104,37 @@ impl CallError {
             }
             CallError::UnexpectedReply(why) => format!("unexpected reply: {why}"),
             CallError::Timeout => "no answer within the timeout".into(),
+            CallError::NoSuchCluster => {
+                "redis.cluster is not a cluster of this proxy (check its spelling)".into()
+            }
         }
+    }
+
+    /// The cause as the client's `503` says it: which part failed, without configuration
+    /// values or Redis data.
+    pub fn client_detail(&self, timeout_ms: u64) -> String {
+        let cause = match self {
+            CallError::NoSuchCluster => "the proxy has no route to it (its gateway cluster is \
+                                         not configured)"
+                .to_string(),
+            CallError::NotSent | CallError::Transport => "its gateway is unreachable".into(),
+            CallError::Gateway(401 | 403) => "its gateway refused the proxy's credentials".into(),
+            CallError::Gateway(503) => "Redis is unavailable behind its gateway".into(),
+            CallError::Gateway(status) => format!("its gateway answered HTTP {status}"),
+            CallError::Redis(e) if e.starts_with("NOPERM") => {
+                "Redis refused the command (its ACL does not allow the proxy's keys)".into()
+            }
+            CallError::Redis(_) | CallError::Malformed(_) | CallError::UnexpectedReply(_) => {
+                "Redis answered with an error".into()
+            }
+            CallError::Timeout => {
+                let mut t = String::from("it did not answer within ");
+                crate::text::push_u64(&mut t, timeout_ms);
+                t.push_str(" ms");
+                t
+            }
+        };
+        format!("the coordination store cannot decide: {cause}; retry shortly")
     }
 }
 
@@ -113,7 +145,7 @@ impl CallError {
     /// may have run may have written something: only then is compensation worth a call.
     pub fn may_have_run(&self) -> bool {
         match self {
-            CallError::NotSent => false,
+            CallError::NotSent | CallError::NoSuchCluster => false,
             CallError::Gateway(status) => !((400..500).contains(status) || *status == 503),
             CallError::Transport
             | CallError::Malformed(_)
@@ -158,6 +190,33 @@ pub fn resend_by_eval(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_clients_503_names_the_cause() {
+        for (err, cause) in [
+            (CallError::NoSuchCluster, "the proxy has no route to it"),
+            (CallError::NotSent, "its gateway is unreachable"),
+            (
+                CallError::Gateway(403),
+                "its gateway refused the proxy's credentials",
+            ),
+            (
+                CallError::Gateway(503),
+                "Redis is unavailable behind its gateway",
+            ),
+            (
+                CallError::Redis("NOPERM this user has no permissions".into()),
+                "its ACL does not allow the proxy's keys",
+            ),
+            (CallError::Timeout, "it did not answer within 50 ms"),
+        ] {
+            let detail = err.client_detail(50);
+            assert!(detail.contains(cause), "{err:?}: {detail}");
+            assert!(detail.starts_with("the coordination store cannot decide: "));
+        }
+        assert!(!CallError::NoSuchCluster.may_have_run());
+        assert!(!CallError::NoSuchCluster.retryable());
+    }
 
     #[test]
     fn evalsha_then_eval() {

@@ -306,10 +306,20 @@ fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
         Duration::from_millis(redis.timeout_ms.saturating_mul(2).saturating_add(100)),
     )
     .map_err(|status| {
+        // Envoy refuses a callout to a cluster it does not know with BadArgument.
+        let err = if status == proxy_wasm::types::Status::BadArgument {
+            CallError::NoSuchCluster
+        } else {
+            CallError::NotSent
+        };
         rt.warnings.warn(WarnKind::Dispatch, 0, now_ms(), || {
-            format!("cannot dispatch to cluster {}: {status:?}", redis.cluster)
+            format!(
+                "cannot dispatch to cluster {} ({status:?}): {}",
+                redis.cluster,
+                err.describe()
+            )
         });
-        CallError::NotSent
+        err
     })
 }
 
