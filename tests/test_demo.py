@@ -80,10 +80,14 @@ def test_make_run_with_an_own_config_prints_its_examples_and_survives_redis(tmp_
                   {"name": "reports", "match": {"methods": ["POST"], "path_exact": "/reports"},
                    "rate_limits": [{"name": "org", "by": ["tenant"], "algorithm": "fixed_window",
                                     "limit": 4, "window": "1m"}]}]}
+    stale = tmp_path / "logs" / "envoy" / "envoy.log"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("a line of an earlier run\n")
     proc, ports = make_run(tmp_path, plugin)
     try:
         lines = read_until(proc, lambda line: line.startswith("pids: "))
         text = "".join(lines)
+        assert "an earlier run" not in stale.read_text(), "every run's logs start fresh"
         envoy = f"http://127.0.0.1:{ports['envoy']}"
         assert f"-X POST -H 'x-org: acme' -H 'x-user: alice' {envoy}/reports" in text, text
         assert "for i in $(seq 1 7)" in text  # limit 4 + 3
