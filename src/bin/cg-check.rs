@@ -169,8 +169,8 @@ fn describe(c: &Config, credential: &str) -> String {
     let _ = writeln!(
         s,
         "identity: tenant from {}, principal from {}; no tenant: {}",
-        id.tenant_header,
-        id.principal_header,
+        id.tenant.describe(),
+        id.principal.describe(),
         match id.missing_tenant {
             MissingTenant::Reject => "401",
             MissingTenant::Anonymous => "tenant \"anonymous\"",

@@ -10,7 +10,8 @@ mod background;
 pub use background::{take_due, Background, Next};
 
 use crate::config::{
-    Completion, Config, FailureMode, FingerprintPart, Idempotency, Lease, OnBusy, Policy, Replay,
+    Completion, Config, FailureMode, FingerprintPart, IdSource, Idempotency, Lease, OnBusy, Policy,
+    Replay,
 };
 use crate::grpc;
 use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
@@ -491,10 +492,13 @@ impl Flow {
             Ok(c) => c,
             Err(TenantError::Missing) => {
                 m.increment(pm.missing_tenant);
-                let header = &rt.config.identity.tenant_header;
-                let detail = format!("this operation requires the {header} header");
+                let source = &rt.config.identity.tenant;
+                let detail = format!("this operation requires {}", source.describe());
                 // A 401 carries a challenge (RFC 9110): the scheme names what is missing.
-                let challenge = format!("Tenant header=\"{header}\"");
+                let challenge = match source {
+                    IdSource::Header(header) => format!("Tenant header=\"{header}\""),
+                    IdSource::Metadata(_) => "Bearer".to_string(),
+                };
                 return self.answer(respond::problem(
                     Problem::MissingTenant,
                     &detail,
@@ -504,10 +508,7 @@ impl Flow {
             }
             Err(TenantError::Repeated) => {
                 m.increment(pm.missing_tenant);
-                let detail = format!(
-                    "the {} header must appear once",
-                    rt.config.identity.tenant_header
-                );
+                let detail = format!("{} must appear once", rt.config.identity.tenant.describe());
                 return self.answer(respond::problem(
                     Problem::AmbiguousTenant,
                     &detail,
@@ -518,8 +519,8 @@ impl Flow {
             Err(TenantError::PrincipalRepeated) => {
                 m.increment(pm.ambiguous_input);
                 let detail = format!(
-                    "the {} header must appear once",
-                    rt.config.identity.principal_header
+                    "{} must appear once",
+                    rt.config.identity.principal.describe()
                 );
                 return self.answer(respond::problem(
                     Problem::AmbiguousPrincipal,

@@ -6,7 +6,7 @@
 //! Host calls go through `hostcalls` with their `Result`s handled: the SDK's trait helpers
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
-use crate::config::{Config, ConfigError, RedisConfig};
+use crate::config::{Config, ConfigError, IdSource, RedisConfig};
 use crate::flow::{take_due, Background, Flow, Next, Runtime, Step};
 use crate::ids::TokenSource;
 use crate::local::overlimit::SharedStore;
@@ -14,7 +14,7 @@ use crate::lograte::WarnKind;
 use crate::lua::batch::{BatchAnswer, Batcher, InFlight};
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::redis::{resp::Reply, webdis, CallError};
-use crate::request::{policy_index, Probe, Request, Selected};
+use crate::request::{claim_text, policy_index, Probe, Request, Selected};
 mod abi;
 
 use proxy_wasm::hostcalls;
@@ -714,6 +714,14 @@ fn header_pairs(map: MapType) -> Vec<(String, String)> {
         .collect()
 }
 
+/// A leaf of the request's dynamic metadata (`metadata.filter_metadata.<path...>`) as an
+/// identity (see [`claim_text`]).
+fn metadata_text(path: &[String]) -> Option<String> {
+    let mut full = vec!["metadata", "filter_metadata"];
+    full.extend(path.iter().map(String::as_str));
+    claim_text(&hostcalls::get_property(full).ok()??)
+}
+
 fn property(path: Vec<&str>) -> Option<String> {
     let bytes = hostcalls::get_property(path).ok()??;
     String::from_utf8(bytes).ok()
@@ -742,7 +750,8 @@ impl HttpContext for Filter {
                 .ok()
                 .flatten()
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
-        });
+        })
+        .with_headers(|| header_pairs(MapType::HttpRequestHeaders));
         let policies = &vm.runtime.config.policies;
         let (index, policy) = match policy_index(policies, &mut probe) {
             None => return Action::Continue,
@@ -773,10 +782,19 @@ impl HttpContext for Filter {
         } else {
             None
         };
-        let req = Request::from_headers(
+        let mut req = Request::from_headers(
             header_pairs(MapType::HttpRequestHeaders),
             address.as_deref(),
         );
+        // Claims Envoy verified (jwt_authn's payload in the request's metadata), read only for
+        // the roles configured to come from there.
+        let identity = &vm.runtime.config.identity;
+        if let IdSource::Metadata(path) = &identity.tenant {
+            req.tenant_claim = metadata_text(path);
+        }
+        if let IdSource::Metadata(path) = &identity.principal {
+            req.principal_claim = metadata_text(path);
+        }
         let step = self.stream.step(|f| {
             f.on_policy_request(
                 &vm.runtime,
