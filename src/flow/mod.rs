@@ -118,9 +118,8 @@ enum Phase {
     LeaseWaiting,
     /// The request went on to the upstream.
     Forwarded,
-    /// Buffering the response body to store it (sync completion).
-    BufferingResponse,
-    /// Copying the response body as it passes (async completion).
+    /// Copying the response body as it passes, to store it. Never buffered in Envoy: with
+    /// `complete: sync` only its end waits for the record (see `stream_response`).
     CopyingResponse,
     /// The response body is larger than `max_response_body`: it passes untouched and a
     /// reference record is stored once its end of stream is seen.
@@ -881,7 +880,7 @@ impl Flow {
             self.phase,
             Phase::Acquiring
                 | Phase::Completing
-                | Phase::BufferingResponse
+                | Phase::CopyingResponse
                 | Phase::StreamingResponse
         ) {
             return Step::Wait;
@@ -1579,7 +1578,7 @@ impl Flow {
     pub fn wants_response_trailers(&self) -> bool {
         matches!(
             self.phase,
-            Phase::BufferingResponse | Phase::CopyingResponse | Phase::StreamingResponse
+            Phase::CopyingResponse | Phase::StreamingResponse
         )
     }
 
@@ -1760,18 +1759,9 @@ impl Flow {
         // buffer its body.
         let owned = self.idem.as_ref().is_some_and(|i| i.owned);
         let async_idem = owned
-            && self.idem_config(rt).is_some_and(|c| {
-                c.complete == Completion::Async
-                    || (via_upstream && streams_body(c, headers, end_of_stream))
-            });
-        let release = if self.open_ended {
-            None
-        } else if async_idem {
-            self.release_lease(rt);
-            None
-        } else {
-            self.lease_release_now(now_ms)
-        };
+            && self
+                .idem_config(rt)
+                .is_some_and(|c| c.complete == Completion::Async);
         let head = ResponseHead {
             status,
             via_upstream,
@@ -1781,6 +1771,20 @@ impl Flow {
             shape,
         };
         let step = self.idem_response_headers(rt, &head, now_ms, m);
+        // A body that passes while the record waits for its end must not be paused at its
+        // headers: there the root releases the lease.
+        let body_passes = matches!(
+            self.phase,
+            Phase::CopyingResponse | Phase::StreamingResponse
+        );
+        let release = if self.open_ended {
+            None
+        } else if async_idem || body_passes {
+            self.release_lease(rt);
+            None
+        } else {
+            self.lease_release_now(now_ms)
+        };
         match (release, step) {
             (None, step) => step,
             (Some(out), Step::Continue) => {
@@ -1862,7 +1866,6 @@ impl Flow {
             Vec::new()
         };
         let needs_body = cfg.replay == Replay::Full && !end_of_stream;
-        let sync = cfg.complete == Completion::Sync;
         let too_large = streams_body(cfg, headers, end_of_stream);
         if let Some(i) = self.idem.as_mut() {
             i.status = status;
@@ -1896,12 +1899,10 @@ impl Flow {
             return Step::Continue;
         }
         if needs_body {
-            self.phase = if sync {
-                Phase::BufferingResponse
-            } else {
-                Phase::CopyingResponse
-            };
-            return if sync { Step::Wait } else { Step::Continue };
+            // Copied as it passes, never held in Envoy's buffer (whose limit would turn a
+            // large read into Envoy's own 500), with or without allow_on_headers_stop_iteration.
+            self.phase = Phase::CopyingResponse;
+            return Step::Continue;
         }
         let call = self.completion_call(rt);
         self.settle_record(rt, call, now_ms)
@@ -1921,38 +1922,22 @@ impl Flow {
     ) -> Step {
         let max = self.idem_config(rt).map_or(0, |c| c.max_response_body);
         match self.phase {
-            Phase::BufferingResponse => {
-                if body_size as u64 > max {
-                    // Too large to store: let what is buffered and the rest pass, and store a
-                    // reference once the body has ended.
-                    if let Some(i) = self.idem.as_mut() {
-                        i.too_large = true;
-                    }
-                    self.phase = Phase::StreamingResponse;
-                    return self.stream_response(rt, body_size, end_of_stream, now_ms);
-                } else if !end_of_stream {
-                    return Step::Wait;
-                } else if let Some(i) = self.idem.as_mut() {
-                    i.body = read();
-                }
-                let call = self.completion_call(rt);
-                self.settle_record(rt, call, now_ms)
-            }
             Phase::CopyingResponse => {
+                let fits = self
+                    .idem
+                    .as_ref()
+                    .is_some_and(|i| (i.body.len() + body_size) as u64 <= max);
                 if let Some(i) = self.idem.as_mut() {
-                    if (i.body.len() + body_size) as u64 > max {
+                    if fits {
+                        i.body.extend(read());
+                    } else {
+                        // Too large to store: stored by reference once the body has ended.
                         i.too_large = true;
                         i.body = Vec::new();
                         self.phase = Phase::StreamingResponse;
-                    } else {
-                        i.body.extend(read());
                     }
                 }
-                if end_of_stream {
-                    let call = self.completion_call(rt);
-                    return self.settle_record(rt, call, now_ms);
-                }
-                Step::Continue
+                self.stream_response(rt, body_size, end_of_stream, now_ms)
             }
             Phase::StreamingResponse => self.stream_response(rt, body_size, end_of_stream, now_ms),
             Phase::Completing => Step::Wait,
@@ -1993,12 +1978,11 @@ impl Flow {
         &mut self,
         rt: &Runtime,
         trailers: &[(String, String)],
-        read: impl FnOnce() -> Vec<u8>,
         now_ms: u64,
     ) -> Step {
         if !matches!(
             self.phase,
-            Phase::BufferingResponse | Phase::CopyingResponse | Phase::StreamingResponse
+            Phase::CopyingResponse | Phase::StreamingResponse
         ) {
             return match self.phase {
                 Phase::Completing => Step::Wait,
@@ -2021,20 +2005,8 @@ impl Flow {
             return self.settle_record(rt, call, now_ms);
         }
         let kept = kept_trailers(cfg, trailers);
-        let max = cfg.max_response_body;
-        let buffering = self.phase == Phase::BufferingResponse;
         if let Some(i) = self.idem.as_mut() {
             i.trailers = kept;
-        }
-        if buffering {
-            let body = read();
-            if let Some(i) = self.idem.as_mut() {
-                if body.len() as u64 > max {
-                    i.too_large = true;
-                } else {
-                    i.body = body;
-                }
-            }
         }
         let call = self.completion_call(rt);
         self.settle_record(rt, call, now_ms)
@@ -2091,7 +2063,7 @@ impl Flow {
             _ if !self.forwarded => self.release_in_background(rt),
             _ if !self.response_seen => self.outcome_unknown(rt, "", m),
             // Never stored as completed: the client did not get the whole response either.
-            Phase::BufferingResponse | Phase::CopyingResponse | Phase::StreamingResponse => {
+            Phase::CopyingResponse | Phase::StreamingResponse => {
                 self.outcome_unknown(rt, "the response ended before its end of stream", m)
             }
             _ => {}

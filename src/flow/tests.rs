@@ -364,7 +364,12 @@ fn acquire_then_complete_sync() {
         ("x-secret".to_string(), "not stored".to_string()),
     ];
     let step = flow.on_response_headers(&rt, 201, true, "via_upstream", &headers, false, 4, &rec);
-    assert_eq!(step, Step::Wait, "sync completion holds the response");
+    assert_eq!(
+        step,
+        Step::Continue,
+        "the headers go on; the body is copied as it passes"
+    );
+    // Sync completion holds only the response's end until the record is written.
     let out = dispatched(flow.on_response_body(&rt, 9, true, || b"{\"id\":7}".to_vec(), 5));
     let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
     assert!(body.starts_with("EVALSHA/"), "{body}");
@@ -1287,23 +1292,24 @@ fn sync_response_declared_too_large_streams_and_holds_only_its_last_piece() {
 }
 
 #[test]
-fn sync_response_stops_buffering_past_max_response_body() {
+fn sync_response_copies_its_body_and_streams_past_max_response_body() {
     let rec = Recorder::default();
     let rt = idem_runtime(&rec);
     let mut flow = forwarded(&rt, &rec);
     let chunked = vec![("content-type".to_string(), "text/plain".to_string())];
     assert_eq!(
         flow.on_response_headers(&rt, 201, true, "via_upstream", &chunked, false, 4, &rec),
-        Step::Wait
+        Step::Continue,
+        "never held in Envoy's buffer"
     );
-    // Buffered while it may fit (body_size is all that is buffered so far) ...
+    // Copied while it may fit (body_size is each piece) ...
     assert_eq!(
-        flow.on_response_body(&rt, 30_000, false, never_read, 5),
-        Step::Wait
+        flow.on_response_body(&rt, 30_000, false, || vec![b'a'; 30_000], 5),
+        Step::Continue
     );
-    // ... and let through, buffered part included, once it cannot.
+    // ... then only counted once it cannot.
     assert_eq!(
-        flow.on_response_body(&rt, 70_000, false, never_read, 6),
+        flow.on_response_body(&rt, 40_000, false, never_read, 6),
         Step::Continue
     );
     assert_eq!(
@@ -1331,16 +1337,16 @@ fn response_trailers_end_a_streaming_body() {
         flow.on_response_body(&rt, 70_000, false, never_read, 5),
         Step::Continue
     );
-    let out = dispatched(flow.on_response_trailers(&rt, &[], never_read, 6));
+    let out = dispatched(flow.on_response_trailers(&rt, &[], 6));
     assert_reference(&out);
     // Trailers of a body that fits: it is stored whole.
     let mut flow = forwarded(&rt, &rec);
     flow.on_response_headers(&rt, 201, true, "via_upstream", &chunked, false, 4, &rec);
     assert_eq!(
-        flow.on_response_body(&rt, 2, false, never_read, 5),
-        Step::Wait
+        flow.on_response_body(&rt, 2, false, || b"ok".to_vec(), 5),
+        Step::Continue
     );
-    let out = dispatched(flow.on_response_trailers(&rt, &[], || b"ok".to_vec(), 6));
+    let out = dispatched(flow.on_response_trailers(&rt, &[], 6));
     assert!(out[0].call.args[3].contains("\"body\":\"ok\""));
 }
 
@@ -1359,8 +1365,8 @@ fn a_response_that_never_ends_is_never_stored_completed() {
     let mut buffering = forwarded(&rt, &rec);
     buffering.on_response_headers(&rt, 201, true, "via_upstream", &[], false, 4, &rec);
     assert_eq!(
-        buffering.on_response_body(&rt, 10, false, never_read, 5),
-        Step::Wait
+        buffering.on_response_body(&rt, 10, false, || vec![b'a'; 10], 5),
+        Step::Continue
     );
     for mut flow in [streaming, buffering] {
         flow.on_done(&rt, &rec);
@@ -1976,15 +1982,15 @@ fn grpc_outcome_is_read_from_grpc_status() {
         let out = match &trailers {
             None => dispatched(at_headers),
             Some(t) => {
-                // Decided only at the trailers; the body is held meanwhile (sync).
-                assert_eq!(at_headers, Step::Wait, "{headers:?}");
+                // Decided only at the trailers; the message passes meanwhile (copied).
+                assert_eq!(at_headers, Step::Continue, "{headers:?}");
                 assert_eq!(
-                    flow.on_response_body(&rt, 9, false, Vec::new, 5),
-                    Step::Wait
+                    flow.on_response_body(&rt, 9, false, || b"\0\0\0\0\x04done".to_vec(), 5),
+                    Step::Continue
                 );
                 // The trailers wait for the record (sync): the client cannot see the end of
                 // the response before an immediate retry finds the record settled.
-                dispatched(flow.on_response_trailers(&rt, t, || b"\0\0\0\0\x04done".to_vec(), 6))
+                dispatched(flow.on_response_trailers(&rt, t, 6))
             }
         };
         assert_eq!(out.len(), 1);

@@ -897,12 +897,7 @@ impl HttpContext for Filter {
             Vec::new()
         };
         self.event(Dir::Response, |f, rt| {
-            f.on_response_trailers(
-                rt,
-                &trailers,
-                || buffer(BufferType::HttpResponseBody, usize::MAX >> 1),
-                now_ms(),
-            )
+            f.on_response_trailers(rt, &trailers, now_ms())
         })
     }
 }
