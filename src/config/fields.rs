@@ -2,7 +2,7 @@
 //! choices and method lists, each with its one error message.
 
 use super::reader::{index, kind, Obj, Result};
-use super::{units, ConfigError, FailureMode};
+use super::{units, ConfigError, FailureMode, Selector};
 use serde_json::Value;
 
 /// A list of lower-case header (or trailer) names; `default` when absent.
@@ -155,4 +155,56 @@ pub fn methods(o: &mut Obj<'_>, field: &'static str) -> Result<Option<Vec<String
         out.push(m.to_ascii_uppercase());
     }
     Ok(Some(out))
+}
+
+pub fn selectors(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<Selector>> {
+    let path = o.field_path(field);
+    let mut out = Vec::new();
+    for (i, s) in o
+        .opt_str_list(field)?
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
+        let sel_path = index(&path, i);
+        let sel = selector(s).ok_or_else(|| {
+            ConfigError::new(&sel_path, format!("{s:?} is not a selector ({SELECTORS})"))
+        })?;
+        if out.contains(&sel) {
+            return Err(ConfigError::new(sel_path, format!("{s:?} is listed twice")));
+        }
+        out.push(sel);
+    }
+    Ok(out)
+}
+
+const SELECTORS: &str =
+    "tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>";
+
+/// Parses a selector of `by` or of a lease's `resource`.
+pub fn selector(s: &str) -> Option<Selector> {
+    Some(match s {
+        "tenant" => Selector::Tenant,
+        "principal" => Selector::Principal,
+        "client_ip" => Selector::ClientIp,
+        "method" => Selector::Method,
+        "path" => Selector::Path,
+        _ => {
+            if let Some(n) = s.strip_prefix("path_segment:") {
+                let n: usize = n.parse().ok().filter(|n| (1..=64).contains(n))?;
+                return Some(Selector::PathSegment(n));
+            }
+            if let Some(q) = s.strip_prefix("query:") {
+                let ok = !q.is_empty()
+                    && q.bytes()
+                        .all(|b| b.is_ascii_graphic() && !b"&=#?%+".contains(&b));
+                return ok.then(|| Selector::Query(q.to_string()));
+            }
+            let h = s.strip_prefix("header:")?;
+            if !is_header_name(h) {
+                return None;
+            }
+            Selector::Header(h.to_ascii_lowercase())
+        }
+    })
 }

@@ -1,7 +1,7 @@
 //! `lease`: the resource a request holds alone, and how it waits for it.
 
+use super::fields::selectors;
 use super::fields::{duration, header_name, one_of};
-use super::policy::selectors;
 use super::reader::{Obj, Result};
 use super::{ConfigError, Lease, OnBusy, MAX_FENCE_TTL_MS};
 use serde_json::Value;

@@ -11,8 +11,8 @@ mod reader;
 mod redis;
 pub mod units;
 
+pub use fields::selector;
 pub use idempotency::{MAX_REQUEST_BODY, MAX_RESPONSE_BODY};
-pub use policy::selector;
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};
 

@@ -1,6 +1,6 @@
 //! A policy: its match, its rate limits and their selectors, and the caller's identity.
 
-use super::fields::{duration, failure_mode, header_name, is_header_name, methods, name, one_of};
+use super::fields::{duration, failure_mode, header_name, methods, name, one_of, selectors};
 use super::reader::{index, Obj, Result};
 use super::{
     idempotency::idempotency, lease::lease, Algorithm, ConfigError, FailureMode, Identity, Match,
@@ -96,27 +96,6 @@ fn rate_limits(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<RateLimit>> {
         }
     }
     Ok(rate_limits)
-}
-
-pub fn selectors(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<Selector>> {
-    let path = o.field_path(field);
-    let mut out = Vec::new();
-    for (i, s) in o
-        .opt_str_list(field)?
-        .unwrap_or_default()
-        .iter()
-        .enumerate()
-    {
-        let sel_path = index(&path, i);
-        let sel = selector(s).ok_or_else(|| {
-            ConfigError::new(&sel_path, format!("{s:?} is not a selector ({SELECTORS})"))
-        })?;
-        if out.contains(&sel) {
-            return Err(ConfigError::new(sel_path, format!("{s:?} is listed twice")));
-        }
-        out.push(sel);
-    }
-    Ok(out)
 }
 
 fn matcher(v: &Value, path: &str) -> Result<Match> {
@@ -226,12 +205,14 @@ fn algorithm(o: &mut Obj<'_>, field: &'static str) -> Result<Algorithm> {
         "sliding_window" => Algorithm::SlidingWindow,
         "sliding_log" => Algorithm::SlidingLog,
         "token_bucket" => Algorithm::TokenBucket,
-        other => return Err(ConfigError::new(
-            o.field_path(field),
-            format!(
+        other => {
+            return Err(ConfigError::new(
+                o.field_path(field),
+                format!(
                 "{other:?} is not one of fixed_window, sliding_window, sliding_log, token_bucket"
             ),
-        )),
+            ))
+        }
     })
 }
 
@@ -245,35 +226,4 @@ fn limit_value(o: &mut Obj<'_>, field: &'static str) -> Result<Option<u64>> {
         )),
         n => Ok(n),
     }
-}
-
-const SELECTORS: &str =
-    "tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>";
-
-/// Parses a selector of `by` or of a lease's `resource`.
-pub fn selector(s: &str) -> Option<Selector> {
-    Some(match s {
-        "tenant" => Selector::Tenant,
-        "principal" => Selector::Principal,
-        "client_ip" => Selector::ClientIp,
-        "method" => Selector::Method,
-        "path" => Selector::Path,
-        _ => {
-            if let Some(n) = s.strip_prefix("path_segment:") {
-                let n: usize = n.parse().ok().filter(|n| (1..=64).contains(n))?;
-                return Some(Selector::PathSegment(n));
-            }
-            if let Some(q) = s.strip_prefix("query:") {
-                let ok = !q.is_empty()
-                    && q.bytes()
-                        .all(|b| b.is_ascii_graphic() && !b"&=#?%+".contains(&b));
-                return ok.then(|| Selector::Query(q.to_string()));
-            }
-            let h = s.strip_prefix("header:")?;
-            if !is_header_name(h) {
-                return None;
-            }
-            Selector::Header(h.to_ascii_lowercase())
-        }
-    })
 }
