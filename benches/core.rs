@@ -12,7 +12,7 @@
 //! to what the filter's own code costs a request in Envoy, host calls apart.
 
 use coordination_guard::config::Config;
-use coordination_guard::flow::{Flow, Runtime, Step};
+use coordination_guard::flow::{Cx, Flow, Runtime, Step};
 use coordination_guard::idempotency::fingerprint::{canonical_body, Fingerprint};
 use coordination_guard::keys;
 use coordination_guard::metrics::{Metrics, NoMetrics};
@@ -256,16 +256,16 @@ fn whole_requests() {
     let run = |rt: &Runtime, tenant: &str, answer: Option<&[u8]>| -> Step {
         let mut flow = Flow::default();
         let req = Request::from_headers(headers(tenant), None);
-        let mut step = flow.on_request(rt, req, "-", "-", true, 1_000, &NoMetrics);
+        let mut step = flow.on_request(&Cx::new(rt, 1_000, &NoMetrics), req, "-", "-", true);
         if let (Step::Dispatch(out), Some(answer)) = (step.clone(), answer) {
             for o in out {
                 black_box(o.encode(&rt.scripts));
                 let reply = webdis::decode(Some(200), true, answer);
-                step = flow.on_reply(rt, o.slot, reply, 1_001, &NoMetrics);
+                step = flow.on_reply(&Cx::new(rt, 1_001, &NoMetrics), o.slot, reply);
             }
         }
         black_box(flow.response_headers().to_vec());
-        flow.on_done(rt, &NoMetrics);
+        flow.on_done(&Cx::new(rt, 1_002, &NoMetrics));
         step
     };
     let allowed: &[u8] = b"*5\r\n:1\r\n:1\r\n:999999\r\n:3600000\r\n:0\r\n";

@@ -5,14 +5,15 @@
 //! Releases are retried: a release that fails in a way that may not have reached Redis (a
 //! timeout, a lost or refused gateway connection) is sent again, with backoff
 //! ([`RETRY_FIRST_MS`], doubling up to [`RETRY_MAX_BACKOFF_MS`]), at most [`MAX_SENDS`] times
-//! and not after [`RETRY_WINDOW_MS`] from the first send. The core decides when
-//! ([`Background::due_ms`]); the root sends what is due on its tick ([`take_due`]).
+//! and not after [`RETRY_WINDOW_MS`] from the first send. The [`Outbox`] decides when; the
+//! root sends what is due on its tick ([`Outbox::take_due`]).
 
+use super::calls::{count_failure, Answer, Call, Calls, Outgoing};
 use super::{Purpose, Runtime};
 use crate::lograte::WarnKind;
 use crate::lua::record::{outcome, Outcome};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink};
-use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
+use crate::redis::{resp::Reply, CallError, ScriptCall};
 
 /// The first pause before a release is sent again; it doubles with every attempt.
 pub const RETRY_FIRST_MS: u64 = 100;
@@ -23,6 +24,7 @@ pub const MAX_SENDS: u32 = 6;
 /// No release is sent again later than this after its first send.
 pub const RETRY_WINDOW_MS: u64 = 10_000;
 
+/// A call a request hands to the root: what to send and how to read its answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Background {
     pub policy: usize,
@@ -30,8 +32,6 @@ pub struct Background {
     pub call: ScriptCall,
     /// Hash of the client's key, for logs.
     pub key_hash: String,
-    by_sha: bool,
-    pub sent_ms: u64,
     /// False when the request may not own what this call gives back (a release sent while
     /// its acquire was still in flight, or a call sent again after the stream ended): then
     /// "not ours" is the expected answer, not a stale owner or a lost lease.
@@ -40,23 +40,6 @@ pub struct Background {
     /// owner's cancellation marker): "released" then is a late acquire undone, not a release
     /// of something the request knew it held, and is not counted as one.
     pub compensation: bool,
-    /// Sends so far.
-    pub attempts: u32,
-    /// When it was first sent.
-    pub first_ms: Option<u64>,
-    /// Not to be sent before this time (a retry's backoff); 0 for at once.
-    pub due_ms: u64,
-}
-
-/// What the root does with a background call after its answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Next {
-    /// Settled (or given up): drop it.
-    Done,
-    /// Send it again now (by `EVAL`, after `NOSCRIPT`).
-    Resend,
-    /// Keep it and send it again at [`Background::due_ms`].
-    Retry,
 }
 
 impl Background {
@@ -66,13 +49,8 @@ impl Background {
             purpose,
             call,
             key_hash,
-            by_sha: true,
-            sent_ms: 0,
             certain: true,
             compensation: false,
-            attempts: 0,
-            first_ms: None,
-            due_ms: 0,
         }
     }
 
@@ -88,159 +66,239 @@ impl Background {
         self.compensation = true;
         self
     }
+}
 
-    /// The gateway request body; counts the send.
-    pub fn encode(&mut self, rt: &Runtime, now_ms: u64) -> Vec<u8> {
-        self.sent_ms = now_ms;
-        self.attempts = self.attempts.saturating_add(1);
-        self.first_ms.get_or_insert(now_ms);
-        self.call
-            .encode(rt.scripts.get(self.purpose.script()), self.by_sha)
+/// What the root keeps of a background call while it is queued or in flight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Tag {
+    policy: usize,
+    purpose: Purpose,
+    key_hash: String,
+    certain: bool,
+    compensation: bool,
+}
+
+/// What became of a background call's answer.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Settled {
+    /// Send this now (by `EVAL`, after `NOSCRIPT`).
+    pub resend: Option<Outgoing>,
+    /// The lease this call gave back: a request of this worker waiting for it may poll at once.
+    pub freed_lease: Option<String>,
+}
+
+/// The root's background calls: queued until due, in flight, retried.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    calls: Calls<Tag>,
+}
+
+/// `due_ms` of a call in flight: not due again until its answer says so.
+const IN_FLIGHT: u64 = u64::MAX;
+
+impl Outbox {
+    /// Queues a call, to be sent at once.
+    pub fn add(&mut self, bg: Background) {
+        let tag = Tag {
+            policy: bg.policy,
+            purpose: bg.purpose,
+            key_hash: bg.key_hash,
+            certain: bg.certain,
+            compensation: bg.compensation,
+        };
+        self.calls.push(tag, bg.purpose.script(), bg.call);
     }
 
-    /// After a failed send: when to send it again, if at all. Only releases are retried
-    /// (they are idempotent: compare-and-delete by owner, the marker set again), only after
-    /// failures that may not have reached Redis, bounded in count and time.
-    fn retry_at(&self, err: &CallError, now_ms: u64) -> Option<u64> {
-        if !matches!(self.purpose, Purpose::Release | Purpose::LeaseRelease)
-            || !err.retryable()
-            || self.attempts >= MAX_SENDS
-        {
-            return None;
+    /// The calls due at `now_ms`, in order, to send now; retries waiting for their backoff
+    /// stay.
+    pub fn take_due(&mut self, now_ms: u64) -> Vec<Outgoing> {
+        let mut out = Vec::new();
+        for slot in self.calls.due(now_ms) {
+            if let Some(c) = self.calls.get_mut(slot) {
+                c.due_ms = IN_FLIGHT;
+            }
+            out.extend(self.calls.send(slot, now_ms));
         }
-        let shift = self.attempts.saturating_sub(1).min(16);
-        let backoff = (RETRY_FIRST_MS << shift).min(RETRY_MAX_BACKOFF_MS);
-        let at = now_ms.saturating_add(backoff);
-        let first = self.first_ms.unwrap_or(now_ms);
-        (at <= first.saturating_add(RETRY_WINDOW_MS)).then_some(at)
+        out
     }
 
-    /// The lease this call gave back, if `answer` says it did: a request of this worker
-    /// waiting for it may poll at once.
-    pub fn freed_lease(&self, answer: &Result<Reply, CallError>) -> Option<&str> {
-        let freed = self.purpose == Purpose::LeaseRelease
-            && matches!(answer, Ok(r) if outcome(r) == Outcome::Done);
-        freed
-            .then(|| self.call.keys.first().map(String::as_str))
-            .flatten()
+    /// When the next queued call is due (a retry waiting for its backoff).
+    pub fn next_due_ms(&self) -> Option<u64> {
+        self.calls
+            .open()
+            .map(|c| c.due_ms)
+            .filter(|&d| d != IN_FLIGHT)
+            .min()
     }
 
-    /// Handles the answer (or a failure to send).
+    /// Calls queued or in flight.
+    pub fn len(&self) -> usize {
+        self.calls.iter().count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Handles the answer (or a failure to send) of the call in `slot`.
     pub fn on_answer(
         &mut self,
         rt: &Runtime,
+        slot: usize,
         answer: Result<Reply, CallError>,
         now_ms: u64,
         m: &dyn MetricSink,
-    ) -> Next {
-        m.record(
-            rt.metrics.redis.latency_ms,
-            now_ms.saturating_sub(self.sent_ms),
-        );
-        let Some(policy) = rt.config.policies.get(self.policy) else {
-            return Next::Done;
-        };
-        let Some(pm) = rt.metrics.policies.get(self.policy) else {
-            return Next::Done;
-        };
-        let lease = matches!(self.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
-        if resend_by_eval(&mut self.by_sha, &answer, &rt.metrics.redis, m) {
-            return Next::Resend;
-        }
-        match answer {
-            Ok(reply) if !self.certain && matches!(reply.as_int(), Some(0 | -1)) => {
-                log::debug!(
-                    "policy {}: nothing of this request's to settle ({:?})",
-                    policy.name,
-                    self.purpose
-                );
-                Next::Done
+    ) -> Settled {
+        let (tag, reply, attempts, first_ms) = match self.calls.answer(rt, slot, answer, now_ms, m)
+        {
+            Answer::Unknown => return Settled::default(),
+            Answer::Resend(out) => {
+                return Settled {
+                    resend: Some(out),
+                    freed_lease: None,
+                }
             }
-            Ok(reply) if self.compensation && reply.as_int() == Some(1) => {
-                log::debug!(
-                    "policy {}: a late acquire was undone ({:?})",
-                    policy.name,
-                    self.purpose
-                );
-                Next::Done
-            }
+            Answer::Reply(c, reply) => (c.tag.clone(), reply, c.attempts, c.first_ms),
+        };
+        let freed_lease = freed_lease(&tag, &reply, self.calls.get(slot));
+        let retry_at = match reply {
             Ok(reply) => {
-                if let (true, Some(lm)) = (lease, pm.lease.as_ref()) {
-                    count_lease(lm, self.purpose, &reply, &policy.name, m);
-                } else if let Some(im) = pm.idem.as_ref() {
-                    count_settlement(im, self.purpose, &reply, &policy.name, &self.key_hash, m);
-                }
-                Next::Done
+                settled(rt, &tag, &reply, m);
+                None
             }
-            Err(e) => {
-                m.increment(if e == CallError::Timeout {
-                    rt.metrics.redis.timeouts
-                } else {
-                    rt.metrics.redis.errors
-                });
-                if let Some(at) = self.retry_at(&e, now_ms) {
-                    m.increment(rt.metrics.redis.retries);
-                    self.due_ms = at;
-                    return Next::Retry;
-                }
-                let tries = if self.attempts > 1 {
-                    format!(", {} attempts", self.attempts)
-                } else {
-                    String::new()
-                };
-                match pm.idem.as_ref().filter(|_| !lease) {
-                    Some(im) => {
-                        // Only sent for a record that exists or may exist.
-                        m.increment(im.complete_failed);
-                        let compensation = self.compensation;
-                        rt.warnings.warn(WarnKind::RecordNotSettled, self.policy, now_ms, || {
-                            if compensation {
-                                // The acquire timed out: a record exists only if it ran late.
-                                format!(
-                                    "policy {} key {}: could not make sure that a late acquire left no record ({}{tries}); if it did, the record expires at its processing TTL",
-                                    policy.name,
-                                    self.key_hash,
-                                    e.describe()
-                                )
-                            } else {
-                                format!(
-                                    "idempotency record of policy {} key {} not settled ({}{tries}); it expires at its processing TTL",
-                                    policy.name,
-                                    self.key_hash,
-                                    e.describe()
-                                )
-                            }
-                        });
-                    }
-                    None => {
-                        rt.warnings
-                            .warn(WarnKind::LeaseNotSettled, self.policy, now_ms, || {
-                                format!(
-                                    "lease of policy {} not {} ({}{tries}); it expires at its TTL",
-                                    policy.name,
-                                    if self.purpose == Purpose::LeaseExtend {
-                                        "extended"
-                                    } else {
-                                        "released"
-                                    },
-                                    e.describe()
-                                )
-                            })
-                    }
-                }
-                Next::Done
+            Err(e) => failed(rt, &tag, &e, attempts, first_ms, now_ms, m),
+        };
+        match (retry_at, self.calls.get_mut(slot)) {
+            (Some(at), Some(c)) => c.due_ms = at,
+            _ => {
+                self.calls.remove(slot);
             }
+        }
+        Settled {
+            resend: None,
+            freed_lease,
         }
     }
 }
 
-/// Takes the calls of `outbox` that are due at `now_ms`, in order; the rest stay.
-pub fn take_due(outbox: &mut Vec<Background>, now_ms: u64) -> Vec<Background> {
-    let (due, later): (Vec<Background>, Vec<Background>) = std::mem::take(outbox)
-        .into_iter()
-        .partition(|b| b.due_ms <= now_ms);
-    *outbox = later;
-    due
+/// The lease a release gave back, if its answer says it did.
+fn freed_lease(
+    tag: &Tag,
+    answer: &Result<Reply, CallError>,
+    call: Option<&Call<Tag>>,
+) -> Option<String> {
+    let freed = tag.purpose == Purpose::LeaseRelease
+        && matches!(answer, Ok(r) if outcome(r) == Outcome::Done);
+    freed.then(|| call?.call.keys.first().cloned()).flatten()
+}
+
+/// Counts a background call's answer.
+fn settled(rt: &Runtime, tag: &Tag, reply: &Reply, m: &dyn MetricSink) {
+    let (Some(policy), Some(pm)) = (
+        rt.config.policies.get(tag.policy),
+        rt.metrics.policies.get(tag.policy),
+    ) else {
+        return;
+    };
+    let lease = matches!(tag.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
+    if !tag.certain && matches!(reply.as_int(), Some(0 | -1)) {
+        log::debug!(
+            "policy {}: nothing of this request's to settle ({:?})",
+            policy.name,
+            tag.purpose
+        );
+    } else if tag.compensation && reply.as_int() == Some(1) {
+        log::debug!(
+            "policy {}: a late acquire was undone ({:?})",
+            policy.name,
+            tag.purpose
+        );
+    } else if let (true, Some(lm)) = (lease, pm.lease.as_ref()) {
+        count_lease(lm, tag.purpose, reply, &policy.name, m);
+    } else if let Some(im) = pm.idem.as_ref() {
+        count_settlement(im, tag.purpose, reply, &policy.name, &tag.key_hash, m);
+    }
+}
+
+/// After a failed send: when to send it again, if at all (see the module's rustdoc); when
+/// given up, the warning that it is.
+fn failed(
+    rt: &Runtime,
+    tag: &Tag,
+    e: &CallError,
+    attempts: u32,
+    first_ms: Option<u64>,
+    now_ms: u64,
+    m: &dyn MetricSink,
+) -> Option<u64> {
+    count_failure(rt, e, m);
+    if let Some(at) = retry_at(tag.purpose, e, attempts, first_ms, now_ms) {
+        m.increment(rt.metrics.redis.retries);
+        return Some(at);
+    }
+    let (Some(policy), Some(pm)) = (
+        rt.config.policies.get(tag.policy),
+        rt.metrics.policies.get(tag.policy),
+    ) else {
+        return None;
+    };
+    let tries = if attempts > 1 {
+        format!(", {attempts} attempts")
+    } else {
+        String::new()
+    };
+    let lease = matches!(tag.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
+    match pm.idem.as_ref().filter(|_| !lease) {
+        Some(im) => {
+            // Only sent for a record that exists or may exist.
+            m.increment(im.complete_failed);
+            rt.warnings.warn(WarnKind::RecordNotSettled, tag.policy, now_ms, || {
+                format!(
+                    "idempotency record of policy {} key {} not settled ({}{tries}); it expires at its processing TTL",
+                    policy.name,
+                    tag.key_hash,
+                    e.describe()
+                )
+            });
+        }
+        None => rt
+            .warnings
+            .warn(WarnKind::LeaseNotSettled, tag.policy, now_ms, || {
+                format!(
+                    "lease of policy {} not {} ({}{tries}); it expires at its TTL",
+                    policy.name,
+                    if tag.purpose == Purpose::LeaseExtend {
+                        "extended"
+                    } else {
+                        "released"
+                    },
+                    e.describe()
+                )
+            }),
+    }
+    None
+}
+
+/// Only releases are retried (they are idempotent: compare-and-delete by owner, the marker
+/// set again), only after failures that may not have reached Redis, bounded in count and time.
+fn retry_at(
+    purpose: Purpose,
+    err: &CallError,
+    attempts: u32,
+    first_ms: Option<u64>,
+    now_ms: u64,
+) -> Option<u64> {
+    if !matches!(purpose, Purpose::Release | Purpose::LeaseRelease)
+        || !err.retryable()
+        || attempts >= MAX_SENDS
+    {
+        return None;
+    }
+    let shift = attempts.saturating_sub(1).min(16);
+    let backoff = (RETRY_FIRST_MS << shift).min(RETRY_MAX_BACKOFF_MS);
+    let at = now_ms.saturating_add(backoff);
+    let first = first_ms.unwrap_or(now_ms);
+    (at <= first.saturating_add(RETRY_WINDOW_MS)).then_some(at)
 }
 
 /// Counts what a lease release (`1` released) or extension (`1` extended) found; `0` (expired)

@@ -1,5 +1,56 @@
 use super::*;
+use crate::config::Config;
+use crate::config::Replay;
 use crate::metrics::testing::Recorder;
+use crate::metrics::NoMetrics;
+use crate::redis::{resp::Reply, CallError};
+use crate::request::Request;
+use response::{response_shape, Shape};
+
+/// What became of a background call's answer, as the tests read it.
+#[derive(Debug, PartialEq, Eq)]
+enum Next {
+    /// Settled or given up: the outbox let it go.
+    Done,
+    /// Kept, to be sent again at this time.
+    Retry(u64),
+    /// Sent again at once (by `EVAL`).
+    Resend,
+}
+
+/// Hands `answer` at `now` to the one call the outbox holds.
+fn settle(
+    outbox: &mut Outbox,
+    rt: &Runtime,
+    slot: usize,
+    answer: Result<Reply, CallError>,
+    now: u64,
+    rec: &Recorder,
+) -> Next {
+    let settled = outbox.on_answer(rt, slot, answer, now, rec);
+    if settled.resend.is_some() {
+        Next::Resend
+    } else if let Some(due) = outbox.next_due_ms() {
+        Next::Retry(due)
+    } else {
+        Next::Done
+    }
+}
+
+/// Sends `bg` alone at `now` and hands it `answer` then.
+fn answer_once(
+    rt: &Runtime,
+    bg: Background,
+    answer: Result<Reply, CallError>,
+    now: u64,
+    rec: &Recorder,
+) -> Next {
+    let mut outbox = Outbox::default();
+    outbox.add(bg);
+    let sent = outbox.take_due(now);
+    assert_eq!(sent.len(), 1);
+    settle(&mut outbox, rt, sent[0].slot, answer, now, rec)
+}
 
 const CONFIG: &str = r#"{
   "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},
@@ -52,7 +103,13 @@ fn unmatched_request_passes_untouched() {
     let rt = runtime(&rec);
     let mut flow = Flow::default();
     assert_eq!(
-        flow.on_request(&rt, req("DELETE", "/x", None), "n", "o", true, 0, &rec),
+        flow.on_request(
+            &Cx::new(&rt, 0, &rec),
+            req("DELETE", "/x", None),
+            "n",
+            "o",
+            true
+        ),
         Step::Continue
     );
     assert_eq!(flow.deadline_ms(), None);
@@ -64,7 +121,13 @@ fn policy_without_limits_forwards() {
     let rt = runtime(&rec);
     let mut flow = Flow::default();
     assert_eq!(
-        flow.on_request(&rt, req("PUT", "/x", Some("t")), "n", "o", true, 0, &rec),
+        flow.on_request(
+            &Cx::new(&rt, 0, &rec),
+            req("PUT", "/x", Some("t")),
+            "n",
+            "o",
+            true
+        ),
         Step::Continue
     );
 }
@@ -74,9 +137,13 @@ fn missing_tenant_is_401() {
     let rec = Recorder::default();
     let rt = runtime(&rec);
     let mut flow = Flow::default();
-    let Step::Respond(r) =
-        flow.on_request(&rt, req("POST", "/orders", None), "n", "o", true, 0, &rec)
-    else {
+    let Step::Respond(r) = flow.on_request(
+        &Cx::new(&rt, 0, &rec),
+        req("POST", "/orders", None),
+        "n",
+        "o",
+        true,
+    ) else {
         panic!("expected a local response");
     };
     assert_eq!(r.status, 401);
@@ -94,23 +161,29 @@ fn allowed_request_continues_with_headers() {
     let rt = runtime(&rec);
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 1_000, &rec),
         req("POST", "/orders", Some("acme")),
         "n",
         "o",
         true,
-        1_000,
-        &rec,
     ));
     assert_eq!(out.len(), 2, "tenant group and policy group");
     assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).starts_with("EVALSHA/"));
     assert_eq!(flow.deadline_ms(), Some(1_050));
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(ints(&[1, 1, 1, 59_000, 0])), 1_010, &rec),
+        flow.on_reply(
+            &Cx::new(&rt, 1_010, &rec),
+            0,
+            Ok(ints(&[1, 1, 1, 59_000, 0]))
+        ),
         Step::Wait
     );
     assert_eq!(
-        flow.on_reply(&rt, 1, Ok(ints(&[1, 0, 0, 1_000, 1_000])), 1_020, &rec),
+        flow.on_reply(
+            &Cx::new(&rt, 1_020, &rec),
+            1,
+            Ok(ints(&[1, 0, 0, 1_000, 1_000]))
+        ),
         Step::Continue
     );
     assert_eq!(
@@ -128,11 +201,11 @@ fn allowed_request_continues_with_headers() {
     assert_eq!(rec.samples.borrow().len(), 2, "latency recorded per answer");
     // A late duplicate answer changes nothing.
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(ints(&[0, 0, 0, 0, 1])), 1_030, &rec),
+        flow.on_reply(&Cx::new(&rt, 1_030, &rec), 0, Ok(ints(&[0, 0, 0, 0, 1]))),
         Step::Wait
     );
     assert_eq!(
-        flow.on_tick(&rt, 5_000, &rec),
+        flow.on_tick(&Cx::new(&rt, 5_000, &rec)),
         Step::Wait,
         "decided requests never time out"
     );
@@ -144,20 +217,21 @@ fn rejected_request_gets_429() {
     let rt = runtime(&rec);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders", Some("acme")),
         "n",
         "o",
         true,
-        0,
-        &rec,
     ));
     assert_eq!(
-        flow.on_reply(&rt, 1, Ok(ints(&[1, 1, 99, 1, 0])), 1, &rec),
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 1, Ok(ints(&[1, 1, 99, 1, 0]))),
         Step::Wait
     );
-    let Step::Respond(r) = flow.on_reply(&rt, 0, Ok(ints(&[0, 0, 0, 30_000, 30_000])), 2, &rec)
-    else {
+    let Step::Respond(r) = flow.on_reply(
+        &Cx::new(&rt, 2, &rec),
+        0,
+        Ok(ints(&[0, 0, 0, 30_000, 30_000])),
+    ) else {
         panic!("expected 429");
     };
     assert_eq!(r.status, 429);
@@ -176,15 +250,21 @@ fn noscript_retries_with_eval_once() {
     let rec = Recorder::default();
     let rt = runtime(&rec);
     let mut flow = Flow::default();
-    dispatched(flow.on_request(&rt, req("GET", "/r", Some("acme")), "n", "o", true, 0, &rec));
+    dispatched(flow.on_request(
+        &Cx::new(&rt, 0, &rec),
+        req("GET", "/r", Some("acme")),
+        "n",
+        "o",
+        true,
+    ));
     let noscript = Reply::Error("NOSCRIPT No matching script. Please use EVAL.".into());
-    let again = dispatched(flow.on_reply(&rt, 0, Ok(noscript.clone()), 1, &rec));
+    let again = dispatched(flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(noscript.clone())));
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].slot, 0);
     assert!(String::from_utf8_lossy(&again[0].encode(&rt.scripts)).starts_with("EVAL/"));
     assert_eq!(rec.count("cg.redis.noscript"), 1);
     // A second NOSCRIPT (EVAL cannot produce one) is an error, not a loop.
-    let step = flow.on_reply(&rt, 0, Ok(noscript), 2, &rec);
+    let step = flow.on_reply(&Cx::new(&rt, 2, &rec), 0, Ok(noscript));
     assert_eq!(step, Step::Continue, "reads policy fails open");
     assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
 }
@@ -202,28 +282,35 @@ fn errors_follow_the_failure_mode() {
         let rt = runtime(&rec);
         let mut closed = Flow::default();
         dispatched(closed.on_request(
-            &rt,
+            &Cx::new(&rt, 0, &rec),
             req("POST", "/orders", Some("a")),
             "n",
             "o",
             true,
-            0,
-            &rec,
         ));
-        let Step::Respond(r) = closed.on_reply(&rt, 0, answer.clone(), 1, &rec) else {
+        let Step::Respond(r) = closed.on_reply(&Cx::new(&rt, 1, &rec), 0, answer.clone()) else {
             panic!("fail_closed answers locally for {answer:?}");
         };
         assert_eq!(r.status, 503);
         assert_eq!(r.header("retry-after"), Some("1"));
         assert_eq!(rec.count("cg.policy.orders.failed_closed"), 1);
         assert_eq!(
-            closed.on_reply(&rt, 1, Ok(ints(&[1, 1, 1, 1, 0])), 2, &rec),
+            closed.on_reply(&Cx::new(&rt, 2, &rec), 1, Ok(ints(&[1, 1, 1, 1, 0]))),
             Step::Wait
         );
 
         let mut open = Flow::default();
-        dispatched(open.on_request(&rt, req("GET", "/r", Some("a")), "n", "o", true, 0, &rec));
-        assert_eq!(open.on_reply(&rt, 0, answer, 1, &rec), Step::Continue);
+        dispatched(open.on_request(
+            &Cx::new(&rt, 0, &rec),
+            req("GET", "/r", Some("a")),
+            "n",
+            "o",
+            true,
+        ));
+        assert_eq!(
+            open.on_reply(&Cx::new(&rt, 1, &rec), 0, answer),
+            Step::Continue
+        );
         assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
         assert_eq!(rec.count("cg.redis.errors"), 2);
     }
@@ -235,29 +322,33 @@ fn watchdog_times_out_per_failure_mode() {
     let rt = runtime(&rec);
     let mut closed = Flow::default();
     dispatched(closed.on_request(
-        &rt,
+        &Cx::new(&rt, 100, &rec),
         req("POST", "/orders", Some("a")),
         "n",
         "o",
         true,
-        100,
-        &rec,
     ));
-    assert_eq!(closed.on_tick(&rt, 149, &rec), Step::Wait);
-    let Step::Respond(r) = closed.on_tick(&rt, 150, &rec) else {
+    assert_eq!(closed.on_tick(&Cx::new(&rt, 149, &rec)), Step::Wait);
+    let Step::Respond(r) = closed.on_tick(&Cx::new(&rt, 150, &rec)) else {
         panic!("expected 503");
     };
     assert_eq!(r.status, 503);
     assert_eq!(rec.count("cg.redis.timeouts"), 1);
     // The late answer is ignored.
     assert_eq!(
-        closed.on_reply(&rt, 0, Ok(ints(&[1, 1, 1, 1, 0])), 200, &rec),
+        closed.on_reply(&Cx::new(&rt, 200, &rec), 0, Ok(ints(&[1, 1, 1, 1, 0]))),
         Step::Wait
     );
 
     let mut open = Flow::default();
-    dispatched(open.on_request(&rt, req("GET", "/r", Some("a")), "n", "o", true, 100, &rec));
-    assert_eq!(open.on_tick(&rt, 151, &rec), Step::Continue);
+    dispatched(open.on_request(
+        &Cx::new(&rt, 100, &rec),
+        req("GET", "/r", Some("a")),
+        "n",
+        "o",
+        true,
+    ));
+    assert_eq!(open.on_tick(&Cx::new(&rt, 151, &rec)), Step::Continue);
     assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
     assert_eq!(open.deadline_ms(), None);
 }
@@ -312,20 +403,18 @@ fn acquire_reply(code: i64, record: &str) -> Reply {
 /// Headers, then the body in two chunks: returns the acquire dispatch.
 fn start_with_body(flow: &mut Flow, rt: &Runtime, rec: &Recorder, body: &[u8]) -> Vec<Outgoing> {
     let step = flow.on_request(
-        rt,
+        &Cx::new(rt, 0, rec),
         idem_req("/orders", Some("\"k-1\""), &[]),
         "n",
         "owner-1",
         false,
-        0,
-        rec,
     );
     assert_eq!(step, Step::Wait, "headers are held while the body is read");
     assert_eq!(
-        flow.on_request_body(rt, 3, false, Vec::new, 1, rec),
+        flow.on_request_body(&Cx::new(rt, 1, rec), 3, false, Vec::new),
         Step::Wait
     );
-    dispatched(flow.on_request_body(rt, body.len(), true, || body.to_vec(), 2, rec))
+    dispatched(flow.on_request_body(&Cx::new(rt, 2, rec), body.len(), true, || body.to_vec()))
 }
 
 #[test]
@@ -342,7 +431,7 @@ fn acquire_then_complete_sync() {
     );
     assert!(!body.contains("k-1"), "the client's key never appears raw");
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(acquire_reply(1, "")), 3, &rec),
+        flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(1, ""))),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.acquired"), 1);
@@ -354,7 +443,7 @@ fn acquire_then_complete_sync() {
     // The same body with keys in another order has the same fingerprint.
     let mut again = Flow::default();
     start_with_body(&mut again, &rt, &rec, br#"{"a":1,"b":2}"#);
-    again.on_reply(&rt, 0, Ok(acquire_reply(1, "")), 3, &rec);
+    again.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(1, "")));
     assert_eq!(again.upstream_headers(), &fp[..]);
 
     let headers = vec![
@@ -363,14 +452,24 @@ fn acquire_then_complete_sync() {
         ("location".to_string(), "/orders/7".to_string()),
         ("x-secret".to_string(), "not stored".to_string()),
     ];
-    let step = flow.on_response_headers(&rt, 201, true, "via_upstream", &headers, false, 4, &rec);
+    let step = flow.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &headers,
+        false,
+    );
     assert_eq!(
         step,
         Step::Continue,
-        "the headers go on; the body is copied as it passes"
+        "the headers go on; the body is copied as it passes and only its end waits"
     );
-    // Sync completion holds only the response's end until the record is written.
-    let out = dispatched(flow.on_response_body(&rt, 9, true, || b"{\"id\":7}".to_vec(), 5));
+    let out = dispatched(
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 9, true, || {
+            b"{\"id\":7}".to_vec()
+        }),
+    );
     let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
     assert!(body.starts_with("EVALSHA/"), "{body}");
     assert!(
@@ -383,11 +482,11 @@ fn acquire_then_complete_sync() {
         "the completion is bounded by the timeout"
     );
     assert_eq!(
-        flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 6, &rec),
+        flow.on_reply(&Cx::new(&rt, 6, &rec), out[0].slot, Ok(Reply::Int(1))),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(flow.take_background().is_empty());
 }
 
@@ -407,7 +506,8 @@ fn answers_by_stored_state() {
         let rt = idem_runtime(&rec);
         let mut flow = Flow::default();
         start_with_body(&mut flow, &rt, &rec, b"{}");
-        let Step::Respond(r) = flow.on_reply(&rt, 0, Ok(acquire_reply(code, record)), 3, &rec)
+        let Step::Respond(r) =
+            flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(code, record)))
         else {
             panic!("code {code}: expected a local answer");
         };
@@ -427,7 +527,7 @@ fn answers_by_stored_state() {
             }
         }
         assert!(flow.upstream_headers().is_empty(), "nothing goes upstream");
-        flow.on_done(&rt, &rec);
+        flow.on_done(&Cx::new(&rt, 0, &rec));
         assert!(
             flow.take_background().is_empty(),
             "nothing to release: not ours"
@@ -464,7 +564,7 @@ fn bad_keys_and_bodies() {
     for (req, status, metric) in cases {
         let before = rec.count(metric);
         let mut flow = Flow::default();
-        let Step::Respond(r) = flow.on_request(&rt, req, "n", "o", false, 0, &rec) else {
+        let Step::Respond(r) = flow.on_request(&Cx::new(&rt, 0, &rec), req, "n", "o", false) else {
             panic!("expected {status}");
         };
         assert_eq!(r.status, status);
@@ -474,24 +574,29 @@ fn bad_keys_and_bodies() {
     let mut flow = Flow::default();
     assert_eq!(
         flow.on_request(
-            &rt,
+            &Cx::new(&rt, 0, &rec),
             idem_req("/orders", Some("k"), &[]),
             "n",
             "o",
-            false,
-            0,
-            &rec
+            false
         ),
         Step::Wait
     );
-    let Step::Respond(r) = flow.on_request_body(&rt, 1025, false, Vec::new, 1, &rec) else {
+    let Step::Respond(r) = flow.on_request_body(&Cx::new(&rt, 1, &rec), 1025, false, Vec::new)
+    else {
         panic!("expected 413");
     };
     assert_eq!(r.status, 413);
     // Not required: no key, no idempotency.
     let mut flow = Flow::default();
     assert_eq!(
-        flow.on_request(&rt, idem_req("/async", None, &[]), "n", "o", false, 0, &rec),
+        flow.on_request(
+            &Cx::new(&rt, 0, &rec),
+            idem_req("/async", None, &[]),
+            "n",
+            "o",
+            false
+        ),
         Step::Continue
     );
 }
@@ -503,22 +608,20 @@ fn body_that_never_comes_times_out() {
     let mut flow = Flow::default();
     assert_eq!(
         flow.on_request(
-            &rt,
+            &Cx::new(&rt, 0, &rec),
             idem_req("/orders", Some("k"), &[]),
             "n",
             "o",
-            false,
-            0,
-            &rec
+            false
         ),
         Step::Wait
     );
     assert_eq!(flow.deadline_ms(), Some(BODY_IDLE_TIMEOUT_MS));
     assert_eq!(
-        flow.on_tick(&rt, BODY_IDLE_TIMEOUT_MS - 1, &rec),
+        flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS - 1, &rec)),
         Step::Wait
     );
-    let Step::Respond(r) = flow.on_tick(&rt, BODY_IDLE_TIMEOUT_MS, &rec) else {
+    let Step::Respond(r) = flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS, &rec)) else {
         panic!("expected 408");
     };
     assert_eq!(r.status, 408);
@@ -528,7 +631,7 @@ fn forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
     let mut flow = Flow::default();
     start_with_body(&mut flow, rt, rec, b"{}");
     assert_eq!(
-        flow.on_reply(rt, 0, Ok(acquire_reply(1, "")), 3, rec),
+        flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, ""))),
         Step::Continue
     );
     flow
@@ -541,14 +644,12 @@ fn retryable_statuses_release() {
         let rt = idem_runtime(&rec);
         let mut flow = forwarded(&rt, &rec);
         let out = dispatched(flow.on_response_headers(
-            &rt,
+            &Cx::new(&rt, 4, &rec),
             status,
             true,
             "via_upstream",
             &[],
             false,
-            4,
-            &rec,
         ));
         let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
         assert!(
@@ -556,7 +657,7 @@ fn retryable_statuses_release() {
             "status {status} releases"
         );
         assert_eq!(
-            flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 5, &rec),
+            flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(1))),
             Step::Continue
         );
         assert_eq!(rec.count("cg.policy.orders.idem.released"), 1);
@@ -565,8 +666,14 @@ fn retryable_statuses_release() {
     let rec = Recorder::default();
     let rt = idem_runtime(&rec);
     let mut flow = forwarded(&rt, &rec);
-    let out =
-        dispatched(flow.on_response_headers(&rt, 400, true, "via_upstream", &[], true, 4, &rec));
+    let out = dispatched(flow.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        400,
+        true,
+        "via_upstream",
+        &[],
+        true,
+    ));
     assert!(
         String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains(&rt.scripts.complete.sha1)
     );
@@ -577,27 +684,50 @@ fn stale_owner_and_failed_completion_are_counted() {
     let rec = Recorder::default();
     let rt = idem_runtime(&rec);
     let mut flow = forwarded(&rt, &rec);
-    let out =
-        dispatched(flow.on_response_headers(&rt, 201, true, "via_upstream", &[], true, 4, &rec));
+    let out = dispatched(flow.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &[],
+        true,
+    ));
     assert_eq!(
-        flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(-1)), 5, &rec),
+        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(-1))),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
 
     let mut flow = forwarded(&rt, &rec);
-    let out =
-        dispatched(flow.on_response_headers(&rt, 201, true, "via_upstream", &[], true, 4, &rec));
+    let out = dispatched(flow.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &[],
+        true,
+    ));
     assert_eq!(
-        flow.on_reply(&rt, out[0].slot, Err(CallError::Gateway(503)), 5, &rec),
+        flow.on_reply(
+            &Cx::new(&rt, 5, &rec),
+            out[0].slot,
+            Err(CallError::Gateway(503))
+        ),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 1);
 
     let mut flow = forwarded(&rt, &rec);
-    dispatched(flow.on_response_headers(&rt, 201, true, "via_upstream", &[], true, 4, &rec));
+    dispatched(flow.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &[],
+        true,
+    ));
     assert_eq!(
-        flow.on_tick(&rt, 1_000, &rec),
+        flow.on_tick(&Cx::new(&rt, 1_000, &rec)),
         Step::Continue,
         "a slow completion lets the response go"
     );
@@ -611,31 +741,27 @@ fn envoy_local_replies() {
     let rt = idem_runtime(&rec);
     let mut flow = forwarded(&rt, &rec);
     let out = dispatched(flow.on_response_headers(
-        &rt,
+        &Cx::new(&rt, 4, &rec),
         503,
         false,
         "no_healthy_upstream",
         &[],
         true,
-        4,
-        &rec,
     ));
     assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains(&rt.scripts.release.sha1));
     // Timed out after it was sent: kept PROCESSING.
     let mut flow = forwarded(&rt, &rec);
     let step = flow.on_response_headers(
-        &rt,
+        &Cx::new(&rt, 4, &rec),
         504,
         false,
         "upstream_response_timeout",
         &[],
         true,
-        4,
-        &rec,
     );
     assert_eq!(step, Step::Continue);
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(flow.take_background().is_empty());
 }
 
@@ -646,7 +772,7 @@ fn stream_ends_early() {
     // Client gone while the acquire is in flight: release by owner, from the root.
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::Release);
@@ -662,7 +788,7 @@ fn stream_ends_early() {
     );
     // Forwarded, then the stream ended without a response: outcome unknown, kept.
     let mut flow = forwarded(&rt, &rec);
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(flow.take_background().is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
 }
@@ -673,13 +799,11 @@ fn async_completion_goes_to_the_root() {
     let rt = idem_runtime(&rec);
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         idem_req("/async", Some("k"), &[]),
         "n",
         "o",
         true,
-        0,
-        &rec,
     ));
     assert_eq!(out.len(), 1);
     let reply = Reply::Array(Some(vec![
@@ -688,17 +812,27 @@ fn async_completion_goes_to_the_root() {
         Reply::Int(-2),
         Reply::Bulk(Some(vec![])),
     ]));
-    assert_eq!(flow.on_reply(&rt, 0, Ok(reply), 1, &rec), Step::Continue);
     assert_eq!(
-        flow.on_response_headers(&rt, 200, true, "via_upstream", &[], false, 2, &rec),
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(reply)),
         Step::Continue
     );
     assert_eq!(
-        flow.on_response_body(&rt, 2, false, || b"ab".to_vec(), 3),
+        flow.on_response_headers(
+            &Cx::new(&rt, 2, &rec),
+            200,
+            true,
+            "via_upstream",
+            &[],
+            false
+        ),
         Step::Continue
     );
     assert_eq!(
-        flow.on_response_body(&rt, 1, true, || b"c".to_vec(), 4),
+        flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 2, false, || b"ab".to_vec()),
+        Step::Continue
+    );
+    assert_eq!(
+        flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 1, true, || b"c".to_vec()),
         Step::Continue
     );
     let bg = flow.take_background();
@@ -725,19 +859,20 @@ fn rate_limits_of_other_slots_go_before_the_record() {
     let rt = Runtime::new(config, metrics, None);
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         idem_req("/x", Some("k"), &[]),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
     // The rate limit of the other slot goes first; the record waits for its verdict.
     assert_eq!(out.len(), 1);
     assert!(!String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("idem"));
-    let Step::Respond(r) = flow.on_reply(&rt, out[0].slot, Ok(ints(&[0, 0, 0, 100, 100])), 2, &rec)
-    else {
+    let Step::Respond(r) = flow.on_reply(
+        &Cx::new(&rt, 2, &rec),
+        out[0].slot,
+        Ok(ints(&[0, 0, 0, 100, 100])),
+    ) else {
         panic!("expected 429");
     };
     assert_eq!(r.status, 429);
@@ -746,7 +881,7 @@ fn rate_limits_of_other_slots_go_before_the_record() {
         Some("\"ip\";r=0;t=1"),
         "only the limit that was asked"
     );
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(
         flow.take_background().is_empty(),
         "no record was taken, none to release"
@@ -755,15 +890,17 @@ fn rate_limits_of_other_slots_go_before_the_record() {
     // Admitted by the first round: then the record is acquired.
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         idem_req("/x", Some("k"), &[]),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
-    let second = dispatched(flow.on_reply(&rt, out[0].slot, Ok(ints(&[1, 1, 0, 100, 0])), 1, &rec));
+    let second = dispatched(flow.on_reply(
+        &Cx::new(&rt, 1, &rec),
+        out[0].slot,
+        Ok(ints(&[1, 1, 0, 100, 0])),
+    ));
     assert!(String::from_utf8_lossy(&second[0].encode(&rt.scripts)).contains("%3Aidem%3A"));
     let acquired = Reply::Array(Some(vec![
         Reply::Int(1),
@@ -772,7 +909,7 @@ fn rate_limits_of_other_slots_go_before_the_record() {
         Reply::Bulk(Some(vec![])),
     ]));
     assert_eq!(
-        flow.on_reply(&rt, second[0].slot, Ok(acquired), 2, &rec),
+        flow.on_reply(&Cx::new(&rt, 2, &rec), second[0].slot, Ok(acquired)),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.p.idem.acquired"), 1);
@@ -809,13 +946,11 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders/123/activate", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
     assert_eq!(out.len(), 1);
     let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
@@ -827,7 +962,11 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
         !body.contains("123"),
         "the resource never appears raw: {body}"
     );
-    let step = flow.on_reply(&rt, 0, Ok(lease_reply(1, b"1795988269215845")), 1, &rec);
+    let step = flow.on_reply(
+        &Cx::new(&rt, 1, &rec),
+        0,
+        Ok(lease_reply(1, b"1795988269215845")),
+    );
     assert_eq!(step, Step::Continue);
     assert_eq!(
         flow.upstream_headers(),
@@ -839,7 +978,7 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
     assert_eq!(rec.count("cg.policy.activate.lease.acquired"), 1);
     // Extension is due at half the TTL.
     assert_eq!(flow.deadline_ms(), Some(5_001));
-    assert_eq!(flow.on_tick(&rt, 5_001, &rec), Step::Wait);
+    assert_eq!(flow.on_tick(&Cx::new(&rt, 5_001, &rec)), Step::Wait);
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseExtend);
@@ -850,14 +989,12 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
     assert_eq!(flow.deadline_ms(), Some(10_001));
     // The response waits for the release, so the client's next request finds it free.
     let out = dispatched(flow.on_response_headers(
-        &rt,
+        &Cx::new(&rt, 6_000, &rec),
         200,
         true,
         "via_upstream",
         &[],
         true,
-        6_000,
-        &rec,
     ));
     assert_eq!(out.len(), 1);
     assert_eq!(out[0].script, ScriptId::LeaseRelease);
@@ -868,12 +1005,12 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
         "bounded by the Redis timeout"
     );
     assert_eq!(
-        flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 6_001, &rec),
+        flow.on_reply(&Cx::new(&rt, 6_001, &rec), out[0].slot, Ok(Reply::Int(1))),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.activate.lease.released"), 1);
     assert_eq!(flow.deadline_ms(), None, "no more extensions");
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(flow.take_background().is_empty(), "released once");
 }
 
@@ -883,22 +1020,21 @@ fn busy_lease_rejects_with_retry_after() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders/123/activate", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
-    let Step::Respond(r) = flow.on_reply(&rt, 0, Ok(lease_reply(2, b"4200")), 1, &rec) else {
+    let Step::Respond(r) = flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"4200")))
+    else {
         panic!("expected 409");
     };
     assert_eq!(r.status, 409);
     assert_eq!(r.header("retry-after"), Some("5"));
     assert!(String::from_utf8_lossy(&r.body).contains("resource_locked"));
     assert_eq!(rec.count("cg.policy.activate.lease.busy"), 1);
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(
         flow.take_background().is_empty(),
         "nothing held, nothing released"
@@ -911,16 +1047,14 @@ fn busy_lease_waits_then_runs() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/wait/9/x", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(lease_reply(2, b"900")), 1, &rec),
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"900"))),
         Step::Wait
     );
     let poll_at = flow.deadline_ms().expect("a poll is scheduled");
@@ -929,14 +1063,14 @@ fn busy_lease_waits_then_runs() {
         "first poll after half to all of the first backoff: {poll_at}"
     );
     assert!(flow.holds_request());
-    let out = dispatched(flow.on_tick(&rt, poll_at, &rec));
+    let out = dispatched(flow.on_tick(&Cx::new(&rt, poll_at, &rec)));
     let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
     assert!(
         body.starts_with("EVALSHA/") && body.contains("/3/") && body.contains("%3Acancel%3A"),
         "a lease-only acquire, with the owner's cancellation marker: {body}"
     );
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(lease_reply(1, b"77")), 30, &rec),
+        flow.on_reply(&Cx::new(&rt, 30, &rec), 0, Ok(lease_reply(1, b"77"))),
         Step::Continue
     );
     assert_eq!(
@@ -953,22 +1087,20 @@ fn busy_lease_gives_up_after_max_wait() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/wait/9/x", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
     let mut now = 1;
-    let mut step = flow.on_reply(&rt, 0, Ok(lease_reply(2, b"1500")), now, &rec);
+    let mut step = flow.on_reply(&Cx::new(&rt, now, &rec), 0, Ok(lease_reply(2, b"1500")));
     let mut polls = 0;
     while step == Step::Wait {
         now = flow.deadline_ms().expect("a poll is scheduled");
-        dispatched(flow.on_tick(&rt, now, &rec));
+        dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
         polls += 1;
-        step = flow.on_reply(&rt, 0, Ok(lease_reply(2, b"1500")), now + 1, &rec);
+        step = flow.on_reply(&Cx::new(&rt, now + 1, &rec), 0, Ok(lease_reply(2, b"1500")));
     }
     let Step::Respond(r) = step else {
         panic!("expected 409, got {step:?}");
@@ -988,13 +1120,11 @@ fn missing_resource_is_400() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     let Step::Respond(r) = flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders", Some("acme")),
         "n",
         "o",
         true,
-        0,
-        &rec,
     ) else {
         panic!("expected 400");
     };
@@ -1010,54 +1140,55 @@ fn stream_reset_releases_the_lease() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders/1/a", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(lease_reply(1, b"5")), 1, &rec),
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"5"))),
         Step::Continue
     );
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     // A release still in flight when the stream ends is sent again from the root.
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders/1/a", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(lease_reply(1, b"5")), 1, &rec),
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"5"))),
         Step::Continue
     );
-    dispatched(flow.on_response_headers(&rt, 200, true, "via_upstream", &[], true, 2, &rec));
-    flow.on_done(&rt, &rec);
+    dispatched(flow.on_response_headers(
+        &Cx::new(&rt, 2, &rec),
+        200,
+        true,
+        "via_upstream",
+        &[],
+        true,
+    ));
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     // Client gone while the acquire is in flight: released by owner too.
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders/1/a", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(flow.take_background().len(), 1);
 }
 
@@ -1067,21 +1198,21 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
     let rt = runtime(&rec);
     let mut first = Flow::default();
     dispatched(first.on_request(
-        &rt,
+        &Cx::new(&rt, 1_000, &rec),
         req("POST", "/orders", Some("acme")),
         "n",
         "o",
         true,
-        1_000,
-        &rec,
     ));
     assert_eq!(
-        first.on_reply(&rt, 1, Ok(ints(&[1, 1, 99, 1, 0])), 1_001, &rec),
+        first.on_reply(&Cx::new(&rt, 1_001, &rec), 1, Ok(ints(&[1, 1, 99, 1, 0]))),
         Step::Wait
     );
-    let Step::Respond(r) =
-        first.on_reply(&rt, 0, Ok(ints(&[0, 0, 0, 30_000, 30_000])), 1_002, &rec)
-    else {
+    let Step::Respond(r) = first.on_reply(
+        &Cx::new(&rt, 1_002, &rec),
+        0,
+        Ok(ints(&[0, 0, 0, 30_000, 30_000])),
+    ) else {
         panic!("expected 429");
     };
     assert_eq!(r.status, 429);
@@ -1089,13 +1220,11 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
     // Same tenant, 10 s later: answered locally, with the remaining wait.
     let mut second = Flow::default();
     let Step::Respond(r) = second.on_request(
-        &rt,
+        &Cx::new(&rt, 11_002, &rec),
         req("POST", "/orders", Some("acme")),
         "n",
         "o",
         true,
-        11_002,
-        &rec,
     ) else {
         panic!("expected a cached 429");
     };
@@ -1108,23 +1237,19 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
     // Another tenant is not affected; after the deadline the tenant goes to Redis again.
     let mut other = Flow::default();
     dispatched(other.on_request(
-        &rt,
+        &Cx::new(&rt, 11_002, &rec),
         req("POST", "/orders", Some("globex")),
         "n",
         "o",
         true,
-        11_002,
-        &rec,
     ));
     let mut later = Flow::default();
     dispatched(later.on_request(
-        &rt,
+        &Cx::new(&rt, 31_002, &rec),
         req("POST", "/orders", Some("acme")),
         "n",
         "o",
         true,
-        31_002,
-        &rec,
     ));
 }
 
@@ -1140,29 +1265,33 @@ fn leased_quota_admits_from_local_slices() {
     let rt = Runtime::new(config, metrics, None);
     // The first request asks Redis, which grants a slice of 12 (an eighth of 100).
     let mut first = Flow::default();
-    let out =
-        dispatched(first.on_request(&rt, req("GET", "/", Some("acme")), "n", "o", true, 0, &rec));
+    let out = dispatched(first.on_request(
+        &Cx::new(&rt, 0, &rec),
+        req("GET", "/", Some("acme")),
+        "n",
+        "o",
+        true,
+    ));
     assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("/lq/"));
     assert_eq!(
-        first.on_reply(&rt, 0, Ok(ints(&[1, 1, 12, 60_000, 0])), 1, &rec),
+        first.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(ints(&[1, 1, 12, 60_000, 0]))),
         Step::Continue
     );
     assert_eq!(first.response_headers()[1].1, "\"t\";r=11;t=60");
     // Another worker then learns that the counter rejects (the shared over-limit cache): the
     // units of this worker's slice were counted when it was taken, so they still admit.
-    rt.over_limit.mark(first.limit_keys[0].hash(), 50_000);
+    rt.over_limit
+        .mark(first.admission.slots()[0].key.hash(), 50_000);
     // The next 11 are admitted locally: no call.
     for i in 0..11 {
         let mut f = Flow::default();
         assert_eq!(
             f.on_request(
-                &rt,
+                &Cx::new(&rt, 2 + i, &rec),
                 req("GET", "/", Some("acme")),
                 "n",
                 "o",
-                true,
-                2 + i,
-                &rec
+                true
             ),
             Step::Continue,
             "{i}"
@@ -1170,7 +1299,13 @@ fn leased_quota_admits_from_local_slices() {
     }
     // The 13th has no slice left: the over-limit cache answers.
     let mut again = Flow::default();
-    match again.on_request(&rt, req("GET", "/", Some("acme")), "n", "o", true, 20, &rec) {
+    match again.on_request(
+        &Cx::new(&rt, 20, &rec),
+        req("GET", "/", Some("acme")),
+        "n",
+        "o",
+        true,
+    ) {
         Step::Respond(r) => assert_eq!(r.status, 429),
         other => panic!("expected a 429 from the over-limit cache, got {other:?}"),
     }
@@ -1178,29 +1313,25 @@ fn leased_quota_admits_from_local_slices() {
     // Another tenant has its own counter and slice.
     let mut other = Flow::default();
     dispatched(other.on_request(
-        &rt,
+        &Cx::new(&rt, 20, &rec),
         req("GET", "/", Some("globex")),
         "n",
         "o",
         true,
-        20,
-        &rec,
     ));
     // After the window the slice is gone.
     let mut late = Flow::default();
     assert_eq!(
-        late.on_reply(&rt, 0, Ok(ints(&[1, 1, 1, 1, 0])), 1, &rec),
+        late.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(ints(&[1, 1, 1, 1, 0]))),
         Step::Wait,
         "idle flow ignores answers"
     );
     dispatched(late.on_request(
-        &rt,
+        &Cx::new(&rt, 61_000, &rec),
         req("GET", "/", Some("acme")),
         "n",
         "o",
         true,
-        61_000,
-        &rec,
     ));
 }
 
@@ -1211,19 +1342,22 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     // Client gone while the acquire is in flight: the release may find nothing of ours.
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
-    flow.on_done(&rt, &rec);
-    let mut bg = flow.take_background();
+    flow.on_done(&Cx::new(&rt, 0, &rec));
+    let bg = flow.take_background();
     assert!(!bg[0].certain);
-    assert_eq!(bg[0].on_answer(&rt, Ok(Reply::Int(0)), 5, &rec), Next::Done);
+    assert_eq!(
+        answer_once(&rt, bg[0].clone(), Ok(Reply::Int(0)), 5, &rec),
+        Next::Done
+    );
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 0);
     // A release of a record we did own that finds it gone is a stale owner.
     let mut flow = forwarded(&rt, &rec);
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(
         flow.take_background().is_empty(),
         "kept PROCESSING: outcome unknown"
     );
-    let mut owned = Background::new(
+    let owned = Background::new(
         0,
         Purpose::Release,
         crate::redis::ScriptCall {
@@ -1233,7 +1367,7 @@ fn expected_not_ours_answers_are_not_stale_owners() {
         "h".into(),
     );
     assert!(owned.certain);
-    owned.on_answer(&rt, Ok(Reply::Int(-1)), 5, &rec);
+    answer_once(&rt, owned, Ok(Reply::Int(-1)), 5, &rec);
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
 }
 
@@ -1264,29 +1398,36 @@ fn sync_response_declared_too_large_streams_and_holds_only_its_last_piece() {
     let rt = idem_runtime(&rec);
     let mut flow = forwarded(&rt, &rec);
     // content-length over max_response_body (64 KiB): never buffered, headers go on at once.
-    let step =
-        flow.on_response_headers(&rt, 201, true, "via_upstream", &cl(100_000), false, 4, &rec);
+    let step = flow.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &cl(100_000),
+        false,
+    );
     assert_eq!(step, Step::Continue);
     assert_eq!(flow.deadline_ms(), None);
     assert_eq!(
-        flow.on_response_body(&rt, 60_000, false, never_read, 5),
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read),
         Step::Continue
     );
     // The piece that reaches the declared length waits for the record.
-    let out = dispatched(flow.on_response_body(&rt, 40_000, false, never_read, 6));
+    let out =
+        dispatched(flow.on_response_body(&Cx::new(&rt, 6, &NoMetrics), 40_000, false, never_read));
     assert_reference(&out);
     assert_eq!(flow.deadline_ms(), Some(6 + 50));
     // The host's empty end of stream comes later and waits too.
     assert_eq!(
-        flow.on_response_body(&rt, 0, true, never_read, 7),
+        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 0, true, never_read),
         Step::Wait
     );
     assert_eq!(
-        flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 8, &rec),
+        flow.on_reply(&Cx::new(&rt, 8, &rec), out[0].slot, Ok(Reply::Int(1))),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 0);
     assert!(flow.take_background().is_empty());
 }
@@ -1298,29 +1439,39 @@ fn sync_response_copies_its_body_and_streams_past_max_response_body() {
     let mut flow = forwarded(&rt, &rec);
     let chunked = vec![("content-type".to_string(), "text/plain".to_string())];
     assert_eq!(
-        flow.on_response_headers(&rt, 201, true, "via_upstream", &chunked, false, 4, &rec),
+        flow.on_response_headers(
+            &Cx::new(&rt, 4, &rec),
+            201,
+            true,
+            "via_upstream",
+            &chunked,
+            false
+        ),
         Step::Continue,
         "never held in Envoy's buffer"
     );
     // Copied while it may fit (body_size is each piece) ...
     assert_eq!(
-        flow.on_response_body(&rt, 30_000, false, || vec![b'a'; 30_000], 5),
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 30_000, false, || vec![
+            b'a';
+            30_000
+        ]),
         Step::Continue
     );
     // ... then only counted once it cannot.
     assert_eq!(
-        flow.on_response_body(&rt, 40_000, false, never_read, 6),
+        flow.on_response_body(&Cx::new(&rt, 6, &NoMetrics), 40_000, false, never_read),
         Step::Continue
     );
     assert_eq!(
-        flow.on_response_body(&rt, 16_384, false, never_read, 7),
+        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 16_384, false, never_read),
         Step::Continue
     );
     // Its end: the last piece waits for the reference record.
-    let out = dispatched(flow.on_response_body(&rt, 10, true, never_read, 8));
+    let out = dispatched(flow.on_response_body(&Cx::new(&rt, 8, &NoMetrics), 10, true, never_read));
     assert_reference(&out);
     assert_eq!(
-        flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 9, &rec),
+        flow.on_reply(&Cx::new(&rt, 9, &rec), out[0].slot, Ok(Reply::Int(1))),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
@@ -1332,21 +1483,35 @@ fn response_trailers_end_a_streaming_body() {
     let rt = idem_runtime(&rec);
     let mut flow = forwarded(&rt, &rec);
     let chunked = vec![("content-type".to_string(), "text/plain".to_string())];
-    flow.on_response_headers(&rt, 201, true, "via_upstream", &chunked, false, 4, &rec);
+    flow.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &chunked,
+        false,
+    );
     assert_eq!(
-        flow.on_response_body(&rt, 70_000, false, never_read, 5),
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 70_000, false, never_read),
         Step::Continue
     );
-    let out = dispatched(flow.on_response_trailers(&rt, &[], 6));
+    let out = dispatched(flow.on_response_trailers(&Cx::new(&rt, 6, &NoMetrics), &[]));
     assert_reference(&out);
     // Trailers of a body that fits: it is stored whole.
     let mut flow = forwarded(&rt, &rec);
-    flow.on_response_headers(&rt, 201, true, "via_upstream", &chunked, false, 4, &rec);
+    flow.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &chunked,
+        false,
+    );
     assert_eq!(
-        flow.on_response_body(&rt, 2, false, || b"ok".to_vec(), 5),
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 2, false, || b"ok".to_vec()),
         Step::Continue
     );
-    let out = dispatched(flow.on_response_trailers(&rt, &[], 6));
+    let out = dispatched(flow.on_response_trailers(&Cx::new(&rt, 6, &NoMetrics), &[]));
     assert!(out[0].call.args[3].contains("\"body\":\"ok\""));
 }
 
@@ -1357,19 +1522,33 @@ fn a_response_that_never_ends_is_never_stored_completed() {
     // Streaming (declared too large), still buffering, and async copying: the stream ends
     // (upstream reset) before the body's end of stream.
     let mut streaming = forwarded(&rt, &rec);
-    streaming.on_response_headers(&rt, 201, true, "via_upstream", &cl(100_000), false, 4, &rec);
+    streaming.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &cl(100_000),
+        false,
+    );
     assert_eq!(
-        streaming.on_response_body(&rt, 60_000, false, never_read, 5),
+        streaming.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read),
         Step::Continue
     );
     let mut buffering = forwarded(&rt, &rec);
-    buffering.on_response_headers(&rt, 201, true, "via_upstream", &[], false, 4, &rec);
+    buffering.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &[],
+        false,
+    );
     assert_eq!(
-        buffering.on_response_body(&rt, 10, false, || vec![b'a'; 10], 5),
+        buffering.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 10, false, || vec![b'a'; 10]),
         Step::Continue
     );
     for mut flow in [streaming, buffering] {
-        flow.on_done(&rt, &rec);
+        flow.on_done(&Cx::new(&rt, 0, &rec));
         assert!(flow.take_background().is_empty());
     }
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 2);
@@ -1377,13 +1556,11 @@ fn a_response_that_never_ends_is_never_stored_completed() {
 
     let mut copying = Flow::default();
     dispatched(copying.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         idem_req("/async", Some("k"), &[]),
         "n",
         "o",
         true,
-        0,
-        &rec,
     ));
     let acquired = Reply::Array(Some(vec![
         Reply::Int(1),
@@ -1392,15 +1569,22 @@ fn a_response_that_never_ends_is_never_stored_completed() {
         Reply::Bulk(Some(vec![])),
     ]));
     assert_eq!(
-        copying.on_reply(&rt, 0, Ok(acquired), 1, &rec),
+        copying.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
         Step::Continue
     );
-    copying.on_response_headers(&rt, 201, true, "via_upstream", &cl(100_000), false, 2, &rec);
+    copying.on_response_headers(
+        &Cx::new(&rt, 2, &rec),
+        201,
+        true,
+        "via_upstream",
+        &cl(100_000),
+        false,
+    );
     assert_eq!(
-        copying.on_response_body(&rt, 50_000, false, never_read, 3),
+        copying.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 50_000, false, never_read),
         Step::Continue
     );
-    copying.on_done(&rt, &rec);
+    copying.on_done(&Cx::new(&rt, 0, &rec));
     assert!(copying.take_background().is_empty(), "nothing completed");
     assert_eq!(rec.count("cg.policy.async.idem.outcome_unknown"), 1);
 }
@@ -1411,13 +1595,11 @@ fn async_response_over_max_is_stored_by_reference_at_its_end() {
     let rt = idem_runtime(&rec);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         idem_req("/async", Some("k"), &[]),
         "n",
         "o",
         true,
-        0,
-        &rec,
     ));
     let acquired = Reply::Array(Some(vec![
         Reply::Int(1),
@@ -1425,21 +1607,34 @@ fn async_response_over_max_is_stored_by_reference_at_its_end() {
         Reply::Int(-2),
         Reply::Bulk(Some(vec![])),
     ]));
-    assert_eq!(flow.on_reply(&rt, 0, Ok(acquired), 1, &rec), Step::Continue);
-    // No content-length: copied while it fits, then only counted.
-    flow.on_response_headers(&rt, 201, true, "via_upstream", &[], false, 2, &rec);
     assert_eq!(
-        flow.on_response_body(&rt, 40_000, false, || vec![b'a'; 40_000], 3),
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
+        Step::Continue
+    );
+    // No content-length: copied while it fits, then only counted.
+    flow.on_response_headers(
+        &Cx::new(&rt, 2, &rec),
+        201,
+        true,
+        "via_upstream",
+        &[],
+        false,
+    );
+    assert_eq!(
+        flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 40_000, false, || vec![
+            b'a';
+            40_000
+        ]),
         Step::Continue
     );
     assert_eq!(
-        flow.on_response_body(&rt, 40_000, false, never_read, 4),
+        flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 40_000, false, never_read),
         Step::Continue
     );
     // The declared length is not the end for async: the end of stream is.
     assert!(flow.take_background().is_empty());
     assert_eq!(
-        flow.on_response_body(&rt, 40_000, true, never_read, 5),
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 40_000, true, never_read),
         Step::Continue
     );
     let bg = flow.take_background();
@@ -1494,13 +1689,11 @@ fn ambiguous_inputs_are_400_before_any_call() {
         headers.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
         let mut flow = Flow::default();
         let step = flow.on_request(
-            &rt,
+            &Cx::new(&rt, 0, &rec),
             Request::from_headers(headers, None),
             "n",
             "o",
             true,
-            0,
-            &rec,
         );
         let Step::Respond(r) = step else {
             panic!("{path}: expected a local answer, got {step:?}");
@@ -1527,7 +1720,13 @@ fn ambiguous_inputs_are_400_before_any_call() {
         ("/x?id=1", 0),
     ] {
         let mut flow = Flow::default();
-        let step = flow.on_request(&rt, req("POST", path, Some("t")), "n", "o", true, 0, &rec);
+        let step = flow.on_request(
+            &Cx::new(&rt, 0, &rec),
+            req("POST", path, Some("t")),
+            "n",
+            "o",
+            true,
+        );
         match step {
             Step::Respond(r) => {
                 assert_eq!(r.status, status, "{path}");
@@ -1551,16 +1750,14 @@ fn fail_open_sends_no_fingerprint() {
     let rt = Runtime::new(config, metrics, None);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         idem_req("/o", Some("\"k\""), &[]),
         "n",
         "o",
         true,
-        0,
-        &rec,
     ));
     assert_eq!(
-        flow.on_reply(&rt, 0, Err(CallError::Timeout), 60, &rec),
+        flow.on_reply(&Cx::new(&rt, 60, &rec), 0, Err(CallError::Timeout)),
         Step::Continue
     );
     assert!(flow.upstream_headers().is_empty(), "nothing was acquired");
@@ -1574,7 +1771,7 @@ fn acquire_fails(answer: Result<Reply, CallError>) -> (Step, Vec<Background>, Re
     let rt = idem_runtime(&rec);
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
-    let step = flow.on_reply(&rt, 0, answer, 3, &rec);
+    let step = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, answer);
     let bg = flow.take_background();
     (step, bg, rec)
 }
@@ -1620,16 +1817,20 @@ fn a_timed_out_acquire_is_compensated_with_the_marker() {
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
     let deadline = flow.deadline_ms().expect("waiting on Redis");
-    let step = flow.on_tick(&rt, deadline, &rec);
+    let step = flow.on_tick(&Cx::new(&rt, deadline, &rec));
     assert!(matches!(step, Step::Respond(ref r) if r.status == 503));
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert!(bg[0].compensation && !bg[0].certain);
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(flow.take_background().is_empty(), "handed over once");
     // The late answer is ignored; nothing more is sent.
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(acquire_reply(1, "")), deadline + 900, &rec),
+        flow.on_reply(
+            &Cx::new(&rt, deadline + 900, &rec),
+            0,
+            Ok(acquire_reply(1, ""))
+        ),
         Step::Wait
     );
     assert!(flow.take_background().is_empty());
@@ -1642,31 +1843,29 @@ fn a_late_lease_is_compensated_and_never_counted_released() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders/123/activate", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
     let deadline = flow.deadline_ms().expect("waiting on Redis");
     assert!(matches!(
-        flow.on_tick(&rt, deadline, &rec),
+        flow.on_tick(&Cx::new(&rt, deadline, &rec)),
         Step::Respond(_)
     ));
-    let mut bg = flow.take_background();
+    let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     assert!(bg[0].compensation);
     // The stream's end does not send it a second time.
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(flow.take_background().is_empty());
     assert_eq!(bg[0].call.keys.len(), 2);
     assert!(bg[0].call.keys[1].contains(":cancel:{t."));
     // The late acquire took the lease and the compensation gave it back: not "released".
     assert_eq!(
-        bg[0].on_answer(&rt, Ok(Reply::Int(1)), deadline + 10, &rec),
+        answer_once(&rt, bg[0].clone(), Ok(Reply::Int(1)), deadline + 10, &rec),
         Next::Done
     );
     assert_eq!(rec.count("cg.policy.activate.lease.released"), 0);
@@ -1679,55 +1878,79 @@ fn releases_are_retried_with_backoff_bounded_in_count_and_time() {
     let rec = Recorder::default();
     let rt = idem_runtime(&rec);
     let (_, bg, _) = acquire_fails(Err(CallError::Timeout));
-    let mut bg = bg.into_iter().next().expect("a compensation");
+    let mut outbox = Outbox::default();
+    outbox.add(bg.into_iter().next().expect("a compensation"));
     let mut now = 1_000;
     let mut sends = Vec::new();
     loop {
-        bg.encode(&rt, now);
+        let sent = outbox.take_due(now);
+        assert_eq!(sent.len(), 1);
         sends.push(now);
         now += 500; // each send times out (the host's timeout)
-        match bg.on_answer(&rt, Err(CallError::Timeout), now, &rec) {
-            Next::Retry => {
-                assert!(bg.due_ms > now);
-                now = bg.due_ms;
+        match settle(
+            &mut outbox,
+            &rt,
+            sent[0].slot,
+            Err(CallError::Timeout),
+            now,
+            &rec,
+        ) {
+            Next::Retry(due) => {
+                assert!(due > now);
+                assert!(
+                    outbox.take_due(due - 1).is_empty(),
+                    "not before its backoff"
+                );
+                now = due;
             }
             Next::Done => break,
             Next::Resend => panic!("no NOSCRIPT here"),
         }
     }
-    assert_eq!(sends.len() as u32, background::MAX_SENDS);
+    assert!(outbox.is_empty());
+    assert_eq!(sends.len() as u32, MAX_SENDS);
     assert_eq!(sends, vec![1_000, 1_600, 2_300, 3_200, 4_500, 6_600]);
-    assert_eq!(
-        rec.count("cg.redis.retries"),
-        u64::from(background::MAX_SENDS) - 1
-    );
+    assert_eq!(rec.count("cg.redis.retries"), u64::from(MAX_SENDS) - 1);
     // Given up: the record may exist.
     assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 1);
 
     // A Redis answer is not retried (it would be the same again).
     let (_, bg, _) = acquire_fails(Err(CallError::Timeout));
-    let mut bg = bg.into_iter().next().expect("a compensation");
-    bg.encode(&rt, 0);
+    let bg = bg.into_iter().next().expect("a compensation");
     assert_eq!(
-        bg.on_answer(&rt, Err(CallError::Redis("ERR".into())), 5, &rec),
+        answer_once(&rt, bg, Err(CallError::Redis("ERR".into())), 5, &rec),
         Next::Done
     );
     // The time window bounds the retries too.
     let (_, bg, _) = acquire_fails(Err(CallError::Timeout));
-    let mut bg = bg.into_iter().next().expect("a compensation");
-    bg.encode(&rt, 0);
-    bg.encode(&rt, background::RETRY_WINDOW_MS - 50);
+    let mut outbox = Outbox::default();
+    outbox.add(bg.into_iter().next().expect("a compensation"));
+    let sent = outbox.take_due(0);
     assert_eq!(
-        bg.on_answer(
+        settle(
+            &mut outbox,
             &rt,
+            sent[0].slot,
             Err(CallError::Timeout),
-            background::RETRY_WINDOW_MS,
+            5,
+            &rec
+        ),
+        Next::Retry(105)
+    );
+    let sent = outbox.take_due(RETRY_WINDOW_MS - 50);
+    assert_eq!(
+        settle(
+            &mut outbox,
+            &rt,
+            sent[0].slot,
+            Err(CallError::Timeout),
+            RETRY_WINDOW_MS,
             &rec
         ),
         Next::Done
     );
     // Extensions and completions are not retried.
-    let mut ext = Background::new(
+    let ext = Background::new(
         0,
         Purpose::Complete,
         crate::redis::ScriptCall {
@@ -1736,24 +1959,33 @@ fn releases_are_retried_with_backoff_bounded_in_count_and_time() {
         },
         "h".into(),
     );
-    ext.encode(&rt, 0);
     assert_eq!(
-        ext.on_answer(&rt, Err(CallError::Timeout), 5, &rec),
+        answer_once(&rt, ext, Err(CallError::Timeout), 5, &rec),
         Next::Done
     );
 }
 
 #[test]
 fn the_root_sends_only_what_is_due() {
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
     let (_, bg, _) = acquire_fails(Err(CallError::Timeout));
-    let mut later = bg[0].clone();
-    later.due_ms = 500;
-    let mut outbox = vec![bg[0].clone(), later.clone()];
-    let due = take_due(&mut outbox, 100);
-    assert_eq!(due, vec![bg[0].clone()]);
-    assert_eq!(outbox, vec![later.clone()]);
-    assert_eq!(take_due(&mut outbox, 500), vec![later]);
-    assert!(outbox.is_empty());
+    let mut outbox = Outbox::default();
+    outbox.add(bg[0].clone());
+    let sent = outbox.take_due(100);
+    assert_eq!(sent.len(), 1);
+    assert!(outbox.take_due(100).is_empty(), "in flight: not sent twice");
+    let retry = settle(
+        &mut outbox,
+        &rt,
+        sent[0].slot,
+        Err(CallError::Timeout),
+        150,
+        &rec,
+    );
+    assert_eq!(retry, Next::Retry(250));
+    assert!(outbox.take_due(249).is_empty());
+    assert_eq!(outbox.take_due(250).len(), 1);
 }
 
 #[test]
@@ -1769,13 +2001,11 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
     let rt = Runtime::new(config, metrics, None);
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/wait/9/x", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
     let tail = |args: &[String]| args[args.len() - 3..].to_vec();
     assert_eq!(
@@ -1783,11 +2013,11 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
         vec!["own".to_string(), "2000".to_string(), "3600000".to_string()]
     );
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(lease_reply(2, b"1500")), 1, &rec),
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"1500"))),
         Step::Wait
     );
     let now = flow.deadline_ms().expect("a poll is scheduled");
-    let poll = dispatched(flow.on_tick(&rt, now, &rec));
+    let poll = dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
     assert_eq!(
         tail(&poll[0].call.args),
         vec!["own".to_string(), "2000".to_string(), "3600000".to_string()]
@@ -1807,16 +2037,14 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
     let waiter = |owner: &str| {
         let mut flow = Flow::default();
         dispatched(flow.on_request(
-            &rt,
+            &Cx::new(&rt, 0, &rec),
             req("POST", "/wait/9/x", Some("acme")),
             "n",
             owner,
             true,
-            0,
-            &rec,
         ));
         assert_eq!(
-            flow.on_reply(&rt, 0, Ok(lease_reply(2, b"5000")), 0, &rec),
+            flow.on_reply(&Cx::new(&rt, 0, &rec), 0, Ok(lease_reply(2, b"5000"))),
             Step::Wait
         );
         flow
@@ -1843,9 +2071,9 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
         let next = flow.deadline_ms().expect("polls");
         pauses.push(next - now);
         now = next;
-        dispatched(flow.on_tick(&rt, now, &rec));
+        dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
         assert_eq!(
-            flow.on_reply(&rt, 0, Ok(lease_reply(2, b"5000")), now, &rec),
+            flow.on_reply(&Cx::new(&rt, now, &rec), 0, Ok(lease_reply(2, b"5000"))),
             Step::Wait
         );
     }
@@ -1854,7 +2082,7 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
     // The holder on this worker gave the lease back: the waiter polls at the next tick.
     flow.wake(now + 3);
     assert_eq!(flow.deadline_ms(), Some(now + 3));
-    dispatched(flow.on_tick(&rt, now + 3, &rec));
+    dispatched(flow.on_tick(&Cx::new(&rt, now + 3, &rec)));
     assert_eq!(flow.waiting_for_lease(), None, "polling, not waiting");
 }
 
@@ -1864,22 +2092,26 @@ fn a_holder_reports_the_lease_it_freed() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders/5/act", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(lease_reply(1, b"9")), 1, &rec),
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"9"))),
         Step::Continue
     );
-    let out =
-        dispatched(flow.on_response_headers(&rt, 200, true, "via_upstream", &[], true, 2, &rec));
+    let out = dispatched(flow.on_response_headers(
+        &Cx::new(&rt, 2, &rec),
+        200,
+        true,
+        "via_upstream",
+        &[],
+        true,
+    ));
     assert_eq!(flow.take_freed_lease(), None, "not before Redis said so");
-    flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 3, &rec);
+    flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(Reply::Int(1)));
     let freed = flow.take_freed_lease().expect("freed");
     assert!(freed.contains(":lease:"), "{freed}");
     assert_eq!(flow.take_freed_lease(), None, "once");
@@ -1901,18 +2133,16 @@ fn grpc_req(content_type: &str) -> Request {
 fn grpc_forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
     let mut flow = Flow::default();
     let step = flow.on_request(
-        rt,
+        &Cx::new(rt, 0, rec),
         grpc_req("application/grpc"),
         "n",
         "owner-1",
         false,
-        0,
-        rec,
     );
     assert_eq!(step, Step::Wait);
-    dispatched(flow.on_request_body(rt, 7, true, || b"\0\0\0\0\x02hi".to_vec(), 2, rec));
+    dispatched(flow.on_request_body(&Cx::new(rt, 2, rec), 7, true, || b"\0\0\0\0\x02hi".to_vec()));
     assert_eq!(
-        flow.on_reply(rt, 0, Ok(acquire_reply(1, "")), 3, rec),
+        flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, ""))),
         Step::Continue
     );
     flow
@@ -1970,14 +2200,12 @@ fn grpc_outcome_is_read_from_grpc_status() {
         let rt = idem_runtime(&rec);
         let mut flow = grpc_forwarded(&rt, &rec);
         let at_headers = flow.on_response_headers(
-            &rt,
+            &Cx::new(&rt, 4, &rec),
             200,
             true,
             "via_upstream",
             &headers,
             trailers.is_none(),
-            4,
-            &rec,
         );
         let out = match &trailers {
             None => dispatched(at_headers),
@@ -1985,12 +2213,14 @@ fn grpc_outcome_is_read_from_grpc_status() {
                 // Decided only at the trailers; the message passes meanwhile (copied).
                 assert_eq!(at_headers, Step::Continue, "{headers:?}");
                 assert_eq!(
-                    flow.on_response_body(&rt, 9, false, || b"\0\0\0\0\x04done".to_vec(), 5),
+                    flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 9, false, || {
+                        b"\0\0\0\0\x04done".to_vec()
+                    }),
                     Step::Continue
                 );
                 // The trailers wait for the record (sync): the client cannot see the end of
                 // the response before an immediate retry finds the record settled.
-                dispatched(flow.on_response_trailers(&rt, t, 6))
+                dispatched(flow.on_response_trailers(&Cx::new(&rt, 6, &NoMetrics), t))
             }
         };
         assert_eq!(out.len(), 1);
@@ -2007,7 +2237,7 @@ fn grpc_outcome_is_read_from_grpc_status() {
             assert!(!json.contains("x-other"), "{json}");
         }
         assert_eq!(
-            flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 7, &rec),
+            flow.on_reply(&Cx::new(&rt, 7, &rec), out[0].slot, Ok(Reply::Int(1))),
             Step::Continue
         );
         let metric = if released { "released" } else { "completed" };
@@ -2050,16 +2280,15 @@ fn grpc_replays_and_local_replies() {
         let rt = idem_runtime(&rec);
         let mut flow = Flow::default();
         flow.on_request(
-            &rt,
+            &Cx::new(&rt, 0, &rec),
             grpc_req("application/grpc+proto"),
             "n",
             "owner-1",
             false,
-            0,
-            &rec,
         );
-        flow.on_request_body(&rt, 2, true, || b"hi".to_vec(), 1, &rec);
-        let Step::Respond(r) = flow.on_reply(&rt, 0, Ok(acquire_reply(code, record)), 3, &rec)
+        flow.on_request_body(&Cx::new(&rt, 1, &rec), 2, true, || b"hi".to_vec());
+        let Step::Respond(r) =
+            flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(code, record)))
         else {
             panic!("code {code}: expected a local answer");
         };
@@ -2144,23 +2373,28 @@ fn an_upgrade_holds_its_lease_until_the_stream_ends_and_keeps_extending_it() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         upgrade_req("GET", "/orders/7/live"),
         "n",
         "own",
         false,
-        0,
-        &rec,
     ));
     assert_eq!(out.len(), 1);
     assert_eq!(
-        flow.on_reply(&rt, 0, Ok(lease_reply(1, b"42")), 1, &rec),
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"42"))),
         Step::Continue
     );
     // The 101 goes on at once and the lease stays held.
     let h = headers(&[("upgrade", "websocket"), ("connection", "upgrade")]);
     assert_eq!(
-        flow.on_response_headers(&rt, 101, true, "via_upstream", &h, false, 100, &rec),
+        flow.on_response_headers(
+            &Cx::new(&rt, 100, &rec),
+            101,
+            true,
+            "via_upstream",
+            &h,
+            false
+        ),
         Step::Continue
     );
     assert!(flow.take_background().is_empty(), "not released at the 101");
@@ -2169,46 +2403,42 @@ fn an_upgrade_holds_its_lease_until_the_stream_ends_and_keeps_extending_it() {
     for due in [5_001, 10_001, 15_001] {
         assert_eq!(flow.deadline_ms(), Some(due));
         assert_eq!(
-            flow.on_response_body(&rt, 10, false, never_read, due - 1),
+            flow.on_response_body(&Cx::new(&rt, due - 1, &NoMetrics), 10, false, never_read),
             Step::Continue,
             "frames pass"
         );
-        assert_eq!(flow.on_tick(&rt, due, &rec), Step::Wait);
+        assert_eq!(flow.on_tick(&Cx::new(&rt, due, &rec)), Step::Wait);
         let bg = flow.take_background();
         assert_eq!(bg.len(), 1);
         assert_eq!(bg[0].purpose, Purpose::LeaseExtend);
     }
     // The session ends: released once, from the root.
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     assert!(bg[0].certain);
     assert_eq!(flow.deadline_ms(), None);
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(flow.take_background().is_empty(), "released once");
 
     // An upgrade the service declines is an ordinary response: released before it goes on.
     let mut declined = Flow::default();
     dispatched(declined.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         upgrade_req("GET", "/orders/7/live"),
         "n",
         "own",
         false,
-        0,
-        &rec,
     ));
-    declined.on_reply(&rt, 0, Ok(lease_reply(1, b"43")), 1, &rec);
+    declined.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"43")));
     let out = dispatched(declined.on_response_headers(
-        &rt,
+        &Cx::new(&rt, 2, &rec),
         426,
         true,
         "via_upstream",
         &[],
         true,
-        2,
-        &rec,
     ));
     assert_eq!(out[0].script, ScriptId::LeaseRelease);
 }
@@ -2219,22 +2449,27 @@ fn an_event_stream_holds_its_lease_until_it_ends() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
-        &rt,
+        &Cx::new(&rt, 0, &rec),
         req("POST", "/orders/9/feed", Some("acme")),
         "n",
         "own",
         true,
-        0,
-        &rec,
     ));
-    flow.on_reply(&rt, 0, Ok(lease_reply(1, b"9")), 1, &rec);
+    flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"9")));
     let sse = headers(&[("content-type", "text/event-stream")]);
     assert_eq!(
-        flow.on_response_headers(&rt, 200, true, "via_upstream", &sse, false, 2, &rec),
+        flow.on_response_headers(
+            &Cx::new(&rt, 2, &rec),
+            200,
+            true,
+            "via_upstream",
+            &sse,
+            false
+        ),
         Step::Continue
     );
     assert_eq!(flow.deadline_ms(), Some(5_001), "still extended");
-    flow.on_done(&rt, &rec);
+    flow.on_done(&Cx::new(&rt, 0, &rec));
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
@@ -2252,41 +2487,37 @@ fn an_upgrade_is_acquired_without_waiting_for_a_body_and_its_record_released_at_
         // The fingerprint covers the body, but an upgrade's body is the new protocol: the
         // acquire goes out with the headers.
         let out = dispatched(flow.on_request(
-            &rt,
+            &Cx::new(&rt, 0, &rec),
             upgrade_req(method, "/orders/live"),
             "n",
             "o",
             false,
-            0,
-            &rec,
         ));
         assert_eq!(out.len(), 1, "{method}");
         assert_eq!(
-            flow.on_reply(&rt, 0, Ok(acquire_reply(1, "")), 1, &rec),
+            flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquire_reply(1, ""))),
             Step::Continue
         );
         let status = if method == "CONNECT" { 200 } else { 101 };
         let out = dispatched(flow.on_response_headers(
-            &rt,
+            &Cx::new(&rt, 2, &rec),
             status,
             true,
             "via_upstream",
             &[],
             false,
-            2,
-            &rec,
         ));
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].script, ScriptId::Release, "{method}: never stored");
         assert_eq!(
-            flow.on_reply(&rt, out[0].slot, Ok(Reply::Int(1)), 3, &rec),
+            flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(Reply::Int(1))),
             Step::Continue
         );
         assert_eq!(
-            flow.on_response_body(&rt, 5, false, never_read, 4),
+            flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 5, false, never_read),
             Step::Continue
         );
-        flow.on_done(&rt, &rec);
+        flow.on_done(&Cx::new(&rt, 0, &rec));
         assert!(flow.take_background().is_empty());
         assert_eq!(rec.count("cg.policy.orders.idem.released"), 1);
         assert_eq!(rec.count("cg.policy.orders.idem.completed"), 0);
@@ -2301,24 +2532,41 @@ fn an_event_stream_is_never_buffered_and_stored_by_reference_once_it_ended() {
     let sse = headers(&[("content-type", "text/event-stream")]);
     let mut flow = forwarded(&rt, &rec);
     assert_eq!(
-        flow.on_response_headers(&rt, 201, true, "via_upstream", &sse, false, 4, &rec),
+        flow.on_response_headers(
+            &Cx::new(&rt, 4, &rec),
+            201,
+            true,
+            "via_upstream",
+            &sse,
+            false
+        ),
         Step::Continue
     );
     for t in 5..8 {
         assert_eq!(
-            flow.on_response_body(&rt, 100_000, false, never_read, t),
+            flow.on_response_body(&Cx::new(&rt, t, &NoMetrics), 100_000, false, never_read),
             Step::Continue,
             "events pass as they come"
         );
     }
-    assert_reference(&dispatched(
-        flow.on_response_body(&rt, 0, true, never_read, 9),
-    ));
+    assert_reference(&dispatched(flow.on_response_body(
+        &Cx::new(&rt, 9, &NoMetrics),
+        0,
+        true,
+        never_read,
+    )));
     // One that never ends (the client leaves): the outcome is unknown, nothing is stored.
     let mut endless = forwarded(&rt, &rec);
-    endless.on_response_headers(&rt, 201, true, "via_upstream", &sse, false, 4, &rec);
-    endless.on_response_body(&rt, 10, false, never_read, 5);
-    endless.on_done(&rt, &rec);
+    endless.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &sse,
+        false,
+    );
+    endless.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 10, false, never_read);
+    endless.on_done(&Cx::new(&rt, 0, &rec));
     assert!(endless.take_background().is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
 }
@@ -2333,33 +2581,48 @@ fn replay_reference_is_stored_only_once_the_body_ended() {
     // Sync: the body passes untouched; the piece that completes it waits for the record.
     let mut flow = forwarded(&rt, &rec);
     assert_eq!(
-        flow.on_response_headers(&rt, 201, true, "via_upstream", &cl(100), false, 4, &rec),
+        flow.on_response_headers(
+            &Cx::new(&rt, 4, &rec),
+            201,
+            true,
+            "via_upstream",
+            &cl(100),
+            false
+        ),
         Step::Continue
     );
     assert_eq!(
-        flow.on_response_body(&rt, 60, false, never_read, 5),
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60, false, never_read),
         Step::Continue
     );
-    assert_reference(&dispatched(
-        flow.on_response_body(&rt, 40, false, never_read, 6),
-    ));
+    assert_reference(&dispatched(flow.on_response_body(
+        &Cx::new(&rt, 6, &NoMetrics),
+        40,
+        false,
+        never_read,
+    )));
     // Reset before its end: never stored.
     let mut reset = forwarded(&rt, &rec);
-    reset.on_response_headers(&rt, 201, true, "via_upstream", &cl(100), false, 4, &rec);
-    reset.on_response_body(&rt, 60, false, never_read, 5);
-    reset.on_done(&rt, &rec);
+    reset.on_response_headers(
+        &Cx::new(&rt, 4, &rec),
+        201,
+        true,
+        "via_upstream",
+        &cl(100),
+        false,
+    );
+    reset.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60, false, never_read);
+    reset.on_done(&Cx::new(&rt, 0, &rec));
     assert!(reset.take_background().is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
     // A response without a body is complete at its headers.
     let mut empty = forwarded(&rt, &rec);
     assert_reference(&dispatched(empty.on_response_headers(
-        &rt,
+        &Cx::new(&rt, 4, &rec),
         201,
         true,
         "via_upstream",
         &[],
         true,
-        4,
-        &rec,
     )));
 }

@@ -7,7 +7,7 @@
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
 use crate::config::{Config, ConfigError, IdSource, RedisConfig};
-use crate::flow::{take_due, Background, Flow, Next, Runtime, Step};
+use crate::flow::{Cx, Flow, Outbox, Outgoing, Runtime, Step};
 use crate::ids::TokenSource;
 use crate::local::overlimit::SharedStore;
 use crate::lograte::WarnKind;
@@ -46,8 +46,8 @@ struct Vm {
     /// Streams with a deadline (paused on Redis or the body, or holding a lease to extend),
     /// for the root's tick.
     waiting: RefCell<HashMap<u32, Weak<Stream>>>,
-    /// Calls the root sends on its next tick.
-    outbox: RefCell<Vec<Background>>,
+    /// Calls the root sends on its next tick (and retries).
+    outbox: RefCell<Outbox>,
     /// Acquire calls waiting to be coalesced (`redis.batch`), sent by the root when this
     /// worker's event loop comes back to it (or on the tick at the latest), and the batches
     /// in flight.
@@ -188,7 +188,11 @@ fn apply(
                     Ok(token) => register(token, call.slot),
                     Err(e) => {
                         let step = stream.step(|f| {
-                            f.on_reply(&vm.runtime, call.slot, Err(e), now_ms(), &HostMetrics)
+                            f.on_reply(
+                                &Cx::new(&vm.runtime, now_ms(), &HostMetrics),
+                                call.slot,
+                                Err(e),
+                            )
                         });
                         action = apply(vm, stream, step, None, register);
                     }
@@ -217,7 +221,7 @@ fn settle_stream(vm: &Vm, stream: &Rc<Stream>) {
     }
     if !calls.is_empty() {
         if let Ok(mut outbox) = vm.outbox.try_borrow_mut() {
-            outbox.extend(calls);
+            calls.into_iter().for_each(|bg| outbox.add(bg));
         }
     }
     if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
@@ -346,8 +350,8 @@ fn call_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError>
 
 struct Root {
     vm: Option<Rc<Vm>>,
-    /// Outstanding background callouts.
-    calls: HashMap<u32, Background>,
+    /// Outstanding background callouts: token -> outbox slot.
+    calls: HashMap<u32, usize>,
     /// Callouts the root sent for a stream (lease polls): token -> stream, slot.
     stream_calls: HashMap<u32, (Weak<Stream>, usize)>,
 }
@@ -384,7 +388,7 @@ impl Root {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
             tokens: RefCell::new(TokenSource::from_entropy(now_ms())),
             waiting: RefCell::new(HashMap::new()),
-            outbox: RefCell::new(Vec::new()),
+            outbox: RefCell::new(Outbox::default()),
             batcher: RefCell::new(Batcher::new(batch)),
             wake_queue,
             tick_ms: tick,
@@ -393,28 +397,26 @@ impl Root {
         Ok(())
     }
 
-    fn send_background(&mut self, vm: &Vm, mut bg: Background) {
-        let body = bg.encode(&vm.runtime, now_ms());
-        match send(vm, &body) {
-            Ok(token) => {
-                self.calls.insert(token, bg);
-            }
-            Err(e) => {
-                let next = bg.on_answer(&vm.runtime, Err(e), now_ms(), &HostMetrics);
-                self.after_background(vm, bg, next, false);
-            }
+    /// Sends the background calls that are due.
+    fn send_due(&mut self, vm: &Vm, now: u64) {
+        let due = match vm.outbox.try_borrow_mut() {
+            Ok(mut o) => o.take_due(now),
+            Err(_) => return,
+        };
+        for out in due {
+            self.send_background(vm, out);
         }
     }
 
-    /// Carries out what the core decided about a background call after its answer.
-    /// `resend_now` is false where the call was just refused (no loop on a refusing host).
-    fn after_background(&mut self, vm: &Vm, bg: Background, next: Next, resend_now: bool) {
-        match next {
-            Next::Done => {}
-            Next::Resend if resend_now => self.send_background(vm, bg),
-            Next::Resend | Next::Retry => {
-                if let Ok(mut outbox) = vm.outbox.try_borrow_mut() {
-                    outbox.push(bg);
+    fn send_background(&mut self, vm: &Vm, out: Outgoing) {
+        match send(vm, &out.encode(&vm.runtime.scripts)) {
+            Ok(token) => {
+                self.calls.insert(token, out.slot);
+            }
+            // Refused: the outbox retries it later, or gives up (no loop on a refusing host).
+            Err(e) => {
+                if let Ok(mut o) = vm.outbox.try_borrow_mut() {
+                    o.on_answer(&vm.runtime, out.slot, Err(e), now_ms(), &HostMetrics);
                 }
             }
         }
@@ -461,7 +463,8 @@ impl Root {
             let Some(stream) = weak.upgrade() else {
                 continue;
             };
-            let step = stream.step(|f| f.on_reply(&vm.runtime, slot, part, now, &HostMetrics));
+            let step =
+                stream.step(|f| f.on_reply(&Cx::new(&vm.runtime, now, &HostMetrics), slot, part));
             self.apply_for(vm, &stream, step);
         }
     }
@@ -509,19 +512,23 @@ impl Context for Root {
                 return;
             };
             let answer = call_answer(body_size);
-            let step =
-                stream.step(|f| f.on_reply(&vm.runtime, slot, answer, now_ms(), &HostMetrics));
+            let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
+            let step = stream.step(|f| f.on_reply(&cx, slot, answer));
             self.apply_for(&vm, &stream, step);
             return;
         }
-        let Some(mut bg) = self.calls.remove(&token) else {
+        let Some(slot) = self.calls.remove(&token) else {
             return;
         };
         let answer = call_answer(body_size);
-        let freed = bg.freed_lease(&answer).map(str::to_string);
-        let next = bg.on_answer(&vm.runtime, answer, now_ms(), &HostMetrics);
-        self.after_background(&vm, bg, next, true);
-        if let Some(key) = freed {
+        let settled = match vm.outbox.try_borrow_mut() {
+            Ok(mut o) => o.on_answer(&vm.runtime, slot, answer, now_ms(), &HostMetrics),
+            Err(_) => return,
+        };
+        if let Some(out) = settled.resend {
+            self.send_background(&vm, out);
+        }
+        if let Some(key) = settled.freed_lease {
             vm.wake_waiters(&key);
         }
     }
@@ -579,7 +586,7 @@ impl RootContext for Root {
             });
         }
         for stream in due {
-            let step = stream.step(|f| f.on_tick(&vm.runtime, now, &HostMetrics));
+            let step = stream.step(|f| f.on_tick(&Cx::new(&vm.runtime, now, &HostMetrics)));
             self.apply_for(&vm, &stream, step);
         }
         if vm.fine_tick.get() {
@@ -595,14 +602,7 @@ impl RootContext for Root {
             }
         }
         // What is due now; retries waiting for their backoff stay.
-        let outbox: Vec<Background> = vm
-            .outbox
-            .try_borrow_mut()
-            .map(|mut o| take_due(&mut o, now))
-            .unwrap_or_default();
-        for bg in outbox {
-            self.send_background(&vm, bg);
-        }
+        self.send_due(&vm, now);
         self.flush_batches(&vm);
     }
 
@@ -662,16 +662,15 @@ impl Context for Filter {
             return;
         };
         let answer = call_answer(body_size);
-        let step = self
-            .stream
-            .step(|f| f.on_reply(&vm.runtime, slot, answer, now_ms(), &HostMetrics));
+        let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
+        let step = self.stream.step(|f| f.on_reply(&cx, slot, answer));
         self.apply(&vm, step, None);
     }
 
     fn on_done(&mut self) -> bool {
         if let Some(vm) = self.vm.clone() {
             if let Ok(mut f) = self.stream.flow.try_borrow_mut() {
-                f.on_done(&vm.runtime, &HostMetrics);
+                f.on_done(&Cx::new(&vm.runtime, now_ms(), &HostMetrics));
             }
             settle_stream(&vm, &self.stream);
             if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
@@ -692,11 +691,12 @@ impl Filter {
 
     /// Feeds the flow the event of a host callback in direction `dir` and carries out the
     /// step it returns (Continue when the filter is not configured).
-    fn event(&mut self, dir: Dir, event: impl FnOnce(&mut Flow, &Runtime) -> Step) -> Action {
+    fn event(&mut self, dir: Dir, event: impl FnOnce(&mut Flow, &Cx<'_>) -> Step) -> Action {
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
-        let step = self.stream.step(|f| event(f, &vm.runtime));
+        let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
+        let step = self.stream.step(|f| event(f, &cx));
         self.apply(&vm, step, Some(dir))
     }
 }
@@ -763,7 +763,7 @@ impl HttpContext for Filter {
                         .map(|v| String::from_utf8_lossy(&v).into_owned());
                 let step = self.stream.step(|f| {
                     f.set_grpc(content_type.as_deref());
-                    f.on_ambiguous_path(&vm.runtime, i, &HostMetrics)
+                    f.on_ambiguous_path(&Cx::new(&vm.runtime, now_ms(), &HostMetrics), i)
                 });
                 return self.apply(&vm, step, Some(Dir::Request));
             }
@@ -796,16 +796,8 @@ impl HttpContext for Filter {
             req.principal_claim = metadata_text(path);
         }
         let step = self.stream.step(|f| {
-            f.on_policy_request(
-                &vm.runtime,
-                index,
-                req,
-                &nonce,
-                &owner,
-                end_of_stream,
-                now_ms(),
-                &HostMetrics,
-            )
+            let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
+            f.on_policy_request(&cx, index, req, &nonce, &owner, end_of_stream)
         });
         self.apply(&vm, step, Some(Dir::Request))
     }
@@ -813,26 +805,16 @@ impl HttpContext for Filter {
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         // While the request is held for a decision its body is held too: returning Continue
         // here would let Envoy pass the headers on before the decision.
-        self.event(Dir::Request, |f, rt| {
-            f.on_request_body(
-                rt,
-                body_size,
-                end_of_stream,
-                || buffer(BufferType::HttpRequestBody, body_size),
-                now_ms(),
-                &HostMetrics,
-            )
+        self.event(Dir::Request, |f, cx| {
+            f.on_request_body(cx, body_size, end_of_stream, || {
+                buffer(BufferType::HttpRequestBody, body_size)
+            })
         })
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        self.event(Dir::Request, |f, rt| {
-            f.on_request_trailers(
-                rt,
-                || buffer(BufferType::HttpRequestBody, usize::MAX >> 1),
-                now_ms(),
-                &HostMetrics,
-            )
+        self.event(Dir::Request, |f, cx| {
+            f.on_request_trailers(cx, || buffer(BufferType::HttpRequestBody, usize::MAX >> 1))
         })
     }
 
@@ -859,29 +841,17 @@ impl HttpContext for Filter {
         let details = property(vec!["response", "code_details"]).unwrap_or_default();
         let via_upstream = details == "via_upstream";
         let step = self.stream.step(|f| {
-            f.on_response_headers(
-                &vm.runtime,
-                status,
-                via_upstream,
-                &details,
-                &headers,
-                end_of_stream,
-                now_ms(),
-                &HostMetrics,
-            )
+            let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
+            f.on_response_headers(&cx, status, via_upstream, &details, &headers, end_of_stream)
         });
         self.apply(&vm, step, Some(Dir::Response))
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.event(Dir::Response, |f, rt| {
-            f.on_response_body(
-                rt,
-                body_size,
-                end_of_stream,
-                || buffer(BufferType::HttpResponseBody, body_size),
-                now_ms(),
-            )
+        self.event(Dir::Response, |f, cx| {
+            f.on_response_body(cx, body_size, end_of_stream, || {
+                buffer(BufferType::HttpResponseBody, body_size)
+            })
         })
     }
 
@@ -896,9 +866,7 @@ impl HttpContext for Filter {
         } else {
             Vec::new()
         };
-        self.event(Dir::Response, |f, rt| {
-            f.on_response_trailers(rt, &trailers, now_ms())
-        })
+        self.event(Dir::Response, |f, cx| f.on_response_trailers(cx, &trailers))
     }
 }
 

@@ -1,0 +1,274 @@
+//! `idempotency`: the Idempotency-Key record of a policy, its fingerprint and its replay.
+
+use super::fields::{duration, header_list, header_name, is_header_name, methods, one_of, size};
+use super::reader::{index, Obj, Result};
+use super::{Completion, ConfigError, FingerprintPart, Idempotency, Replay, StatusMatch};
+use crate::grpc;
+use serde_json::Value;
+
+/// The largest request body the filter buffers to fingerprint.
+pub const MAX_REQUEST_BODY: u64 = 64 << 20;
+/// The largest response body stored for replay (it travels through the gateway as an argument).
+pub const MAX_RESPONSE_BODY: u64 = 4 << 20;
+
+/// What the filter buffers must stay below Envoy's buffer limit, else Envoy answers itself
+/// (`413` for a request body, `500` for a response body) before the filter can. Half of it by
+/// default, so that the piece of body that crosses the filter's limit cannot also cross Envoy's.
+fn below_envoy_limit(
+    o: &mut Obj<'_>,
+    field: &'static str,
+    max: u64,
+    default: u64,
+    envoy_buffer_limit: u64,
+) -> Result<u64> {
+    let path = o.field_path(field);
+    match size(o, field, max)? {
+        None => Ok(default.min(envoy_buffer_limit / 2).max(1)),
+        Some(n) if n < envoy_buffer_limit => Ok(n),
+        Some(n) => {
+            let (what, answer, setting) = if field == "max_request_body" {
+                ("request", "413", "the listener's")
+            } else {
+                ("response", "500", "the upstream cluster's")
+            };
+            Err(ConfigError::new(
+                path,
+                format!(
+                    "{n} bytes is not below envoy_buffer_limit ({envoy_buffer_limit} bytes): Envoy \
+                     answers {answer} itself once a filter buffers more of a {what} body than \
+                     {setting} per_connection_buffer_limit_bytes; lower it, or raise that Envoy \
+                     setting and envoy_buffer_limit together"
+                ),
+            ))
+        }
+    }
+}
+
+pub fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Idempotency> {
+    let mut o = Obj::new(v, path)?;
+    let header = header_name(&mut o, "header")?.unwrap_or("idempotency-key".into());
+    let required = o.opt_bool("required")?.unwrap_or(true);
+    let methods = idem_methods(&mut o, "methods")?;
+    let processing_ttl_ms = duration(&mut o, "processing_ttl")?.unwrap_or(120_000);
+    let completed_ttl_ms = duration(&mut o, "completed_ttl")?.unwrap_or(86_400_000);
+    let fingerprint = fingerprint(&mut o, "fingerprint")?;
+    let limit = envoy_buffer_limit;
+    let max_request_body =
+        below_envoy_limit(&mut o, "max_request_body", MAX_REQUEST_BODY, 1 << 20, limit)?;
+    let replay = one_of(&mut o, "replay", REPLAY)?.unwrap_or(Replay::Full);
+    let max_response_body = below_envoy_limit(
+        &mut o,
+        "max_response_body",
+        MAX_RESPONSE_BODY,
+        64 << 10,
+        limit,
+    )?;
+    let replay_headers = header_list(
+        &mut o,
+        "replay_headers",
+        &["content-type", "location", "etag"],
+    )?;
+    let replay_trailers = header_list(&mut o, "replay_trailers", &[])?;
+    let conflict_status = conflict_status(&mut o, "conflict_status")?;
+    let retryable_statuses = list(&mut o, "retryable_statuses", retryable_status)?
+        .unwrap_or_else(|| DEFAULT_RETRYABLE_STATUSES.to_vec());
+    let retryable_grpc_codes = retryable_grpc_codes(&mut o, "retryable_grpc_codes")?;
+    let complete = one_of(&mut o, "complete", COMPLETE)?.unwrap_or(Completion::Sync);
+    o.finish()?;
+    Ok(Idempotency {
+        header,
+        required,
+        methods,
+        processing_ttl_ms,
+        completed_ttl_ms,
+        fingerprint,
+        max_request_body,
+        replay,
+        max_response_body,
+        replay_headers,
+        replay_trailers,
+        conflict_status,
+        retryable_statuses,
+        retryable_grpc_codes,
+        complete,
+    })
+}
+
+const REPLAY: &[(&str, Replay)] = &[("full", Replay::Full), ("reference", Replay::Reference)];
+const COMPLETE: &[(&str, Completion)] = &[("sync", Completion::Sync), ("async", Completion::Async)];
+const DEFAULT_RETRYABLE_STATUSES: &[StatusMatch] = &[
+    StatusMatch::Class(5),
+    StatusMatch::Exact(408),
+    StatusMatch::Exact(425),
+    StatusMatch::Exact(429),
+];
+
+/// The methods a record guards: `POST` and `PATCH` unless listed, never none.
+fn idem_methods(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<String>> {
+    let path = o.field_path(field);
+    match methods(o, field)? {
+        None => Ok(vec!["POST".to_string(), "PATCH".to_string()]),
+        Some(list) if list.is_empty() => {
+            Err(ConfigError::new(path, "must list at least one method"))
+        }
+        Some(list) => Ok(list),
+    }
+}
+
+/// An optional array whose items `item` reads, each with its path; `None` when absent.
+fn list<T>(
+    o: &mut Obj<'_>,
+    field: &'static str,
+    item: impl Fn(&Value, &str) -> Result<T>,
+) -> Result<Option<Vec<T>>> {
+    let path = o.field_path(field);
+    let Some(items) = o.opt_array(field)? else {
+        return Ok(None);
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, v) in items.iter().enumerate() {
+        out.push(item(v, &index(&path, i))?);
+    }
+    Ok(Some(out))
+}
+
+/// The parts the fingerprint covers, in order, each once.
+fn fingerprint(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<FingerprintPart>> {
+    let path = o.field_path(field);
+    let Some(list) = o.opt_str_list(field)? else {
+        return Ok(vec![
+            FingerprintPart::Method,
+            FingerprintPart::Path,
+            FingerprintPart::Principal,
+            FingerprintPart::Body,
+        ]);
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for (i, part) in list.iter().enumerate() {
+        let p = fingerprint_part(part).ok_or_else(|| {
+            ConfigError::new(
+                index(&path, i),
+                format!(
+                    "{part:?} is not one of method, path, query, principal, body, header:<name>"
+                ),
+            )
+        })?;
+        if out.contains(&p) {
+            return Err(ConfigError::new(
+                index(&path, i),
+                format!("{part:?} is listed twice"),
+            ));
+        }
+        out.push(p);
+    }
+    Ok(out)
+}
+
+fn fingerprint_part(part: &str) -> Option<FingerprintPart> {
+    Some(match part {
+        "method" => FingerprintPart::Method,
+        "path" => FingerprintPart::Path,
+        "query" => FingerprintPart::Query,
+        "principal" => FingerprintPart::Principal,
+        "body" => FingerprintPart::Body,
+        other => {
+            let h = other
+                .strip_prefix("header:")
+                .filter(|h| is_header_name(h))?;
+            FingerprintPart::Header(h.to_ascii_lowercase())
+        }
+    })
+}
+
+fn conflict_status(o: &mut Obj<'_>, field: &'static str) -> Result<u32> {
+    let path = o.field_path(field);
+    match o.get(field) {
+        None => Ok(422),
+        Some(v) => match v.as_u64() {
+            Some(409) => Ok(409),
+            Some(422) => Ok(422),
+            _ => Err(ConfigError::new(path, format!("{v} is not 409 or 422"))),
+        },
+    }
+}
+
+/// A failure status (`4xx`/`5xx`) or status class (`"5xx"`) whose record is released.
+fn retryable_status(item: &Value, path: &str) -> Result<StatusMatch> {
+    let parsed = match item {
+        Value::Number(n) => n
+            .as_u64()
+            .filter(|s| (100..=599).contains(s))
+            .and_then(|s| u32::try_from(s).ok())
+            .map(StatusMatch::Exact),
+        Value::String(s) => match s.as_bytes() {
+            [d @ b'1'..=b'5', b'x', b'x'] => Some(StatusMatch::Class(u32::from(d - b'0'))),
+            _ => None,
+        },
+        _ => None,
+    };
+    let Some(m) = parsed else {
+        return Err(ConfigError::new(
+            path,
+            format!("{item} is not a status (100-599) or a class like \"5xx\""),
+        ));
+    };
+    let failure = match m {
+        StatusMatch::Exact(s) => s >= 400,
+        StatusMatch::Class(c) => c >= 4,
+    };
+    if !failure {
+        return Err(ConfigError::new(
+            path,
+            format!("{item} is not a 4xx or 5xx status; only failures can be retryable"),
+        ));
+    }
+    Ok(m)
+}
+
+/// The gRPC codes whose record is released, each a failure, each once.
+fn retryable_grpc_codes(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<u32>> {
+    let path = o.field_path(field);
+    let Some(items) = o.opt_array(field)? else {
+        return Ok(vec![
+            grpc::UNAVAILABLE,
+            grpc::DEADLINE_EXCEEDED,
+            grpc::RESOURCE_EXHAUSTED,
+            grpc::ABORTED,
+        ]);
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let code = grpc_code(item).ok_or_else(|| {
+            ConfigError::new(
+                index(&path, i),
+                format!(
+                    "{item} is not a gRPC status code (a name like \"UNAVAILABLE\" or a number 1-16)"
+                ),
+            )
+        })?;
+        let problem = if code == grpc::OK {
+            "is OK; only failures can be retryable"
+        } else if out.contains(&code) {
+            "is listed twice"
+        } else {
+            out.push(code);
+            continue;
+        };
+        return Err(ConfigError::new(
+            index(&path, i),
+            format!("{item} {problem}"),
+        ));
+    }
+    Ok(out)
+}
+
+fn grpc_code(item: &Value) -> Option<u32> {
+    match item {
+        Value::Number(n) => n
+            .as_u64()
+            .and_then(|c| u32::try_from(c).ok())
+            .filter(|&c| grpc::code_name(c).is_some()),
+        Value::String(s) => grpc::parse_code(s),
+        _ => None,
+    }
+}

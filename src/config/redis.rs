@@ -1,0 +1,155 @@
+//! `redis`: the gateway the filter reaches Redis through, and its credential.
+
+use super::fields::duration;
+use super::reader::{Obj, Result};
+use super::{Batch, ConfigError, Env, RedisConfig, DEFAULT_TIMEOUT_MS};
+use serde_json::Value;
+
+pub fn redis_config(v: &Value, path: &str, env: Env<'_>) -> Result<RedisConfig> {
+    let mut o = Obj::new(v, path)?;
+    let protocol = o.opt_str("protocol")?.unwrap_or("webdis");
+    if protocol != "webdis" {
+        return Err(ConfigError::new(
+            o.field_path("protocol"),
+            format!("{protocol:?} is not supported (supported: \"webdis\")"),
+        ));
+    }
+    let cluster = o.req_str("cluster")?;
+    if cluster.is_empty() {
+        return Err(ConfigError::new(
+            o.field_path("cluster"),
+            "must not be empty",
+        ));
+    }
+    let authority = match o.opt_str("authority")? {
+        Some("") => {
+            return Err(ConfigError::new(
+                o.field_path("authority"),
+                "must not be empty",
+            ))
+        }
+        Some(a) => a.to_string(),
+        None => cluster.to_string(),
+    };
+    let timeout_ms = duration(&mut o, "timeout")?.unwrap_or(DEFAULT_TIMEOUT_MS);
+    let authorization = authorization(&mut o, env)?;
+    let key_prefix = o.opt_str("key_prefix")?.unwrap_or("cg");
+    let prefix_ok = !key_prefix.is_empty()
+        && key_prefix.len() <= 64
+        && key_prefix
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}');
+    if !prefix_ok {
+        return Err(ConfigError::new(
+            o.field_path("key_prefix"),
+            format!("{key_prefix:?} must be 1-64 printable ASCII characters without spaces, '{{' or '}}'"),
+        ));
+    }
+    let batch = match o.get("batch") {
+        None => None,
+        Some(v) => Some(batch(v, &o.field_path("batch"))?),
+    };
+    o.finish()?;
+    Ok(RedisConfig {
+        cluster: cluster.to_string(),
+        authority,
+        timeout_ms,
+        authorization,
+        key_prefix: key_prefix.to_string(),
+        batch,
+    })
+}
+
+fn is_header_value(v: &str) -> bool {
+    !v.is_empty() && v.bytes().all(|b| (0x20..0x7f).contains(&b))
+}
+
+/// The `Authorization` value read from the VM's environment variable `name`. Errors name the
+/// variable, never its value.
+fn env_authorization(name: &str, path: &str, env: Env<'_>) -> Result<String> {
+    let name_ok = name.len() <= 128
+        && name
+            .bytes()
+            .enumerate()
+            .all(|(i, b)| b == b'_' || b.is_ascii_alphabetic() || (i > 0 && b.is_ascii_digit()));
+    if name.is_empty() || !name_ok {
+        return Err(ConfigError::new(
+            path,
+            format!("{name:?} is not an environment variable name (1-128 of [A-Za-z0-9_], not starting with a digit)"),
+        ));
+    }
+    match env(name) {
+        None => Err(ConfigError::new(
+            path,
+            format!(
+                "environment variable {name} is not set in the Wasm VM (Envoy: vm_config.environment_variables; Istio: vmConfig.env)"
+            ),
+        )),
+        Some(v) if v.is_empty() => Err(ConfigError::new(
+            path,
+            format!("environment variable {name} is empty"),
+        )),
+        Some(v) if !is_header_value(&v) => Err(ConfigError::new(
+            path,
+            format!("environment variable {name} is not a printable ASCII header value"),
+        )),
+        Some(v) => Ok(v),
+    }
+}
+
+/// `redis.batch`: how acquire calls of one worker are coalesced.
+fn batch(v: &Value, path: &str) -> Result<Batch> {
+    let mut b = Obj::new(v, path)?;
+    let max_delay_ms = duration(&mut b, "max_delay")?.unwrap_or(1);
+    if max_delay_ms > 100 {
+        return Err(ConfigError::new(
+            b.field_path("max_delay"),
+            "must be at most 100ms: every batched request waits for it",
+        ));
+    }
+    let max_requests = match b.opt_positive("max_requests")? {
+        None => 32,
+        Some(n) if n <= 1000 => n as usize,
+        Some(n) => {
+            return Err(ConfigError::new(
+                b.field_path("max_requests"),
+                format!("{n} is too large (at most 1000)"),
+            ))
+        }
+    };
+    let cross_slot = b.opt_bool("cross_slot")?.unwrap_or(false);
+    b.finish()?;
+    Ok(Batch {
+        max_delay_ms,
+        max_requests,
+        cross_slot,
+    })
+}
+
+/// `authorization` or `authorization_env` (one of them at most): the gateway's credential.
+fn authorization(o: &mut Obj<'_>, env: Env<'_>) -> Result<Option<String>> {
+    let authorization = match o.opt_str("authorization")? {
+        Some(a) if !is_header_value(a) => {
+            return Err(ConfigError::new(
+                o.field_path("authorization"),
+                "must be a non-empty printable ASCII header value",
+            ))
+        }
+        a => a.map(str::to_string),
+    };
+    let env_path = o.field_path("authorization_env");
+    let authorization = match o.opt_str("authorization_env")? {
+        None => authorization,
+        Some(_) if authorization.is_some() => {
+            return Err(ConfigError::new(
+                env_path,
+                format!(
+                    "cannot be combined with {}: give the credential one way",
+                    o.field_path("authorization")
+                ),
+            ))
+        }
+        Some(name) => Some(env_authorization(name, &env_path, env)?),
+    };
+    Ok(authorization)
+}

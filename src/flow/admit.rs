@@ -1,0 +1,253 @@
+//! Rate-limit admission of one request: each limit's key, the state Redis (or this worker's
+//! leased slice, or the over-limit cache) gave it, together in one [`LimitSlot`]; the verdict
+//! and what the verdict leaves behind (slices, over-limit marks, metrics).
+
+use super::Pcx;
+use crate::keys::LimitKey;
+use crate::ratelimit::{self, LimitState, Verdict};
+use crate::redis::CallError;
+use crate::request::{Caller, Request};
+use crate::respond::LocalResponse;
+
+/// One rate limit of the request, in policy order.
+#[derive(Debug)]
+pub struct LimitSlot {
+    /// The counter's Redis key (its hash indexes the over-limit cache and the slices).
+    pub key: LimitKey,
+    /// What the counter said; `None` while not asked (or never, after an early rejection).
+    pub state: Option<LimitState>,
+    /// Admitted from this worker's leased slice (no Redis call for it).
+    pub local: bool,
+    /// The slice Redis granted this leased limit in this request's acquire (0: none).
+    pub granted: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct Admission {
+    slots: Vec<LimitSlot>,
+}
+
+impl Admission {
+    /// The request's limits; leased limits admit from this worker's slice while it lasts.
+    pub fn start(at: &Pcx<'_>, caller: &Caller, req: &Request) -> Admission {
+        let rt = at.rt;
+        let slots = at
+            .policy
+            .rate_limits
+            .iter()
+            .enumerate()
+            .map(|(i, limit)| {
+                let key = rt.keys.key(
+                    &rt.config.redis.key_prefix,
+                    (at.index, at.policy),
+                    (i, limit),
+                    caller,
+                    req,
+                );
+                let taken = limit
+                    .leased
+                    .then(|| rt.quota.take(key.hash(), at.now_ms))
+                    .flatten();
+                LimitSlot {
+                    state: taken.map(|(left, expires)| LimitState {
+                        allowed: true,
+                        remaining: left,
+                        reset_ms: expires.saturating_sub(at.now_ms),
+                        retry_after_ms: 0,
+                    }),
+                    local: taken.is_some(),
+                    key,
+                    granted: 0,
+                }
+            })
+            .collect();
+        Admission { slots }
+    }
+
+    /// The request's limits, in policy order.
+    #[cfg(test)]
+    pub fn slots(&self) -> &[LimitSlot] {
+        &self.slots
+    }
+
+    /// The keys Redis must be asked about (`None` for a limit admitted locally).
+    pub fn keys_to_ask(&self) -> Vec<Option<&LimitKey>> {
+        self.slots
+            .iter()
+            .map(|s| (!s.local).then_some(&s.key))
+            .collect()
+    }
+
+    /// A 429 from the over-limit cache, when one of the request's enforced counters is known
+    /// to reject: no Redis call, nothing acquired, nothing consumed (local units go back).
+    pub fn cached_rejection(&mut self, at: &Pcx<'_>) -> Option<LocalResponse> {
+        let rt = at.rt;
+        if !rt.over_limit.enabled() {
+            return None;
+        }
+        let mut states: Vec<Option<LimitState>> = vec![None; self.slots.len()];
+        let mut hit = false;
+        for (i, (limit, slot)) in at.policy.rate_limits.iter().zip(&self.slots).enumerate() {
+            // A unit from this worker's slice was counted in Redis when the slice was taken:
+            // it admits whatever the counter says now.
+            if limit.shadow || slot.local {
+                continue;
+            }
+            if let Some(until) = rt.over_limit.rejecting_until(slot.key.hash(), at.now_ms) {
+                let wait = until - at.now_ms;
+                states[i] = Some(LimitState {
+                    allowed: false,
+                    remaining: 0,
+                    reset_ms: wait,
+                    retry_after_ms: wait,
+                });
+                if let Some(lm) = at.pm.limits.get(i) {
+                    at.m.increment(lm.rejected);
+                }
+                hit = true;
+            }
+        }
+        if !hit {
+            return None;
+        }
+        at.m.increment(rt.metrics.over_limit_cache_hits);
+        match ratelimit::decide(at.policy, &states) {
+            Verdict::Reject(response) => {
+                self.refund_local(at);
+                Some(response)
+            }
+            Verdict::Allow(_) => None,
+        }
+    }
+
+    /// An acquire call's states for the limits it carried (`limits`, policy indices).
+    /// `admitted` says whether that call admitted: a leased limit's "remaining" is then the
+    /// slice it granted.
+    pub fn answered(
+        &mut self,
+        at: &Pcx<'_>,
+        limits: &[usize],
+        states: Vec<LimitState>,
+        admitted: bool,
+    ) {
+        for (&i, state) in limits.iter().zip(states) {
+            let leased = at.policy.rate_limits.get(i).is_some_and(|l| l.leased);
+            let Some(slot) = self.slots.get_mut(i) else {
+                continue;
+            };
+            if leased && admitted && state.allowed {
+                slot.granted = state.remaining;
+            }
+            slot.state = Some(state);
+        }
+    }
+
+    /// An enforced limit already rejected (a later round need not be asked).
+    pub fn rejected(&self, at: &Pcx<'_>) -> bool {
+        at.policy
+            .rate_limits
+            .iter()
+            .zip(&self.slots)
+            .any(|(l, s)| !l.shadow && s.state.is_some_and(|s| !s.allowed))
+    }
+
+    /// Every limit answered: the verdict, with the slices, over-limit marks and metrics it
+    /// leaves. `Err` for a broken reply (a limit without a state that was not skipped).
+    pub fn decide(&mut self, at: &Pcx<'_>) -> Result<Verdict, CallError> {
+        // A limit without a state was not asked (its round was skipped after a rejection);
+        // any other gap is a broken reply.
+        let rejected_early = self
+            .slots
+            .iter()
+            .any(|s| s.state.is_some_and(|s| !s.allowed));
+        if !rejected_early && self.slots.iter().any(|s| s.state.is_none()) {
+            return Err(CallError::UnexpectedReply("missing limit state".into()));
+        }
+        let admitted = at
+            .policy
+            .rate_limits
+            .iter()
+            .zip(&self.slots)
+            .all(|(l, s)| l.shadow || s.state.is_some_and(|s| s.allowed));
+        self.keep_slices(at, admitted);
+        if !admitted {
+            self.refund_local(at);
+        }
+        self.mark_over_limit(at);
+        let states: Vec<Option<LimitState>> = self.slots.iter().map(|s| s.state).collect();
+        let verdict = ratelimit::decide(at.policy, &states);
+        self.count(at, matches!(verdict, Verdict::Allow(_)));
+        Ok(verdict)
+    }
+
+    /// Slices granted by Redis: this request uses one unit if it is admitted; the rest (or
+    /// all of it) is admitted locally later.
+    fn keep_slices(&mut self, at: &Pcx<'_>, admitted: bool) {
+        for slot in self.slots.iter_mut().filter(|s| s.granted > 0) {
+            let left = if admitted {
+                slot.granted - 1
+            } else {
+                slot.granted
+            };
+            let reset = slot.state.map_or(0, |s| s.reset_ms);
+            at.rt.quota.add(
+                slot.key.hash(),
+                left,
+                at.now_ms.saturating_add(reset),
+                at.now_ms,
+            );
+            if let Some(s) = slot.state.as_mut() {
+                s.remaining = left;
+            }
+        }
+    }
+
+    /// Remembers counters that reject, until the script says they could admit again.
+    fn mark_over_limit(&self, at: &Pcx<'_>) {
+        for (limit, slot) in at.policy.rate_limits.iter().zip(&self.slots) {
+            let Some(state) = slot.state else {
+                continue;
+            };
+            if !state.allowed && !limit.shadow && state.retry_after_ms > 0 {
+                at.rt.over_limit.mark(
+                    slot.key.hash(),
+                    at.now_ms.saturating_add(state.retry_after_ms),
+                );
+            }
+        }
+    }
+
+    /// A limit counts `allowed` only for admitted requests, `rejected` when it is one the
+    /// request violated, `shadow_rejected` when a shadow limit would have rejected.
+    fn count(&self, at: &Pcx<'_>, admitted: bool) {
+        let limits = at
+            .policy
+            .rate_limits
+            .iter()
+            .zip(&self.slots)
+            .zip(&at.pm.limits);
+        for ((limit, slot), lm) in limits {
+            let Some(state) = slot.state else {
+                continue;
+            };
+            let metric = match (state.allowed, limit.shadow) {
+                (true, _) if admitted => Some(lm.allowed),
+                (true, _) => None,
+                (false, true) => Some(lm.shadow_rejected),
+                (false, false) => Some(lm.rejected),
+            };
+            if let Some(id) = metric {
+                at.m.increment(id);
+            }
+        }
+    }
+
+    /// Gives back the units this request took from local slices (it was rejected).
+    fn refund_local(&mut self, at: &Pcx<'_>) {
+        for slot in self.slots.iter_mut() {
+            if std::mem::take(&mut slot.local) {
+                at.rt.quota.refund(slot.key.hash());
+            }
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! The idempotency guard of one request: its record (acquire, ownership), what the acquire
+//! answer means, and the calls that complete or release the record. The response it stores
+//! is assembled in [`super::response`].
+
+use super::background::{count_settlement, Background};
+use super::response::Assembly;
+use super::{Pcx, Purpose};
+use crate::config::{Completion, FingerprintPart, Idempotency, Replay};
+use crate::grpc;
+use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
+use crate::idempotency::header::{parse_key, KeyError};
+use crate::idempotency::record::{Record, StoredResponse};
+use crate::keys;
+use crate::lograte::WarnKind;
+use crate::lua::acquire::{IdemAcquire, IdemAnswer};
+use crate::lua::record;
+use crate::redis::{resp::Reply, CallError, ScriptCall};
+use crate::request::{Caller, Request};
+use crate::respond::{self, LocalResponse, Problem};
+
+/// Marks a replayed response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+#[derive(Debug)]
+pub struct IdemGuard {
+    pub acquire: IdemAcquire,
+    /// Hash of the client's key, for logs.
+    pub key_hash: String,
+    /// We hold the `PROCESSING` record.
+    pub owned: bool,
+    /// The acquire's answer, until the rate limits are decided.
+    pub answer: Option<IdemAnswer>,
+    /// The response being stored.
+    pub stored: Assembly,
+}
+
+/// What the acquire answer means for the request.
+#[derive(Debug)]
+pub enum IdemDecision {
+    /// The record is ours: go on, telling the service the fingerprint.
+    Acquired(String),
+    /// The acquire skipped the record: go on (without the lease).
+    Skipped,
+    /// No record answer (no key, or none asked): the lease decides.
+    NotAsked,
+    /// Answer locally (in progress, conflict, replay); rate-limit headers already added.
+    Answer(LocalResponse),
+}
+
+impl IdemGuard {
+    /// The request's key, if it carries one (`Ok(None)`: not required and absent); `Err` is
+    /// the problem to answer with.
+    pub fn prepare(
+        at: &Pcx<'_>,
+        cfg: &Idempotency,
+        caller: &Caller,
+        req: &Request,
+        owner: &str,
+    ) -> Result<Option<IdemGuard>, LocalResponse> {
+        let values: Vec<&str> = req
+            .headers
+            .iter()
+            .filter(|(n, _)| *n == cfg.header)
+            .map(|(_, v)| v.as_str())
+            .collect();
+        let client_key = match parse_key(&values) {
+            Ok(k) => k,
+            Err(KeyError::Missing) if !cfg.required => return Ok(None),
+            Err(e) => return Err(key_problem(at, cfg, &e)),
+        };
+        let declared = req
+            .header("content-length")
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if cfg.needs_body() && declared.is_some_and(|n| n > cfg.max_request_body) {
+            return Err(body_too_large(at, cfg));
+        }
+        let prefix = &at.rt.config.redis.key_prefix;
+        let key_hash = keys::client_key_hash(&client_key);
+        let tag = keys::tenant_tag(&caller.tenant);
+        let cancel_key = keys::cancel_key(prefix, &tag, &at.policy.name, owner);
+        Ok(Some(IdemGuard {
+            acquire: IdemAcquire {
+                key: keys::idempotency_key(prefix, &tag, &at.policy.name, &key_hash),
+                tag,
+                fingerprint: String::new(),
+                owner: owner.to_string(),
+                processing_ttl_ms: cfg.processing_ttl_ms,
+                cancel_key,
+            },
+            key_hash,
+            owned: false,
+            answer: None,
+            stored: Assembly::default(),
+        }))
+    }
+
+    /// Fingerprints the request (with its whole body, if the fingerprint covers it).
+    pub fn fingerprint(&mut self, cfg: &Idempotency, caller: &Caller, req: &Request, body: &[u8]) {
+        let mut f = Fingerprint::default();
+        for part in &cfg.fingerprint {
+            match part {
+                FingerprintPart::Method => f.part("method", req.method.as_bytes()),
+                FingerprintPart::Path => f.part("path", req.path.as_bytes()),
+                FingerprintPart::Query => f.part("query", req.query.as_bytes()),
+                FingerprintPart::Principal => f.part("principal", caller.principal.as_bytes()),
+                FingerprintPart::Body => {
+                    let json = is_json(req.header("content-type"));
+                    f.part("body", &canonical_body(body, json));
+                }
+                FingerprintPart::Header(h) => match req.header(h) {
+                    Some(v) => f.part(&format!("header:{h}"), v.as_bytes()),
+                    None => f.part(&format!("header:{h}!"), b""),
+                },
+            }
+        }
+        self.acquire.fingerprint = f.finish();
+    }
+
+    /// The acquire answered for the record.
+    pub fn answered(&mut self, answer: IdemAnswer) {
+        if answer == IdemAnswer::Acquired {
+            self.owned = true;
+        }
+        self.answer = Some(answer);
+    }
+
+    /// The acquire answer, once the rate limits admitted the request (`limit_headers` go on
+    /// any local answer).
+    pub fn decide(
+        &mut self,
+        at: &Pcx<'_>,
+        limit_headers: &[(String, String)],
+        grpc: bool,
+    ) -> IdemDecision {
+        let (Some(answer), Some(cfg), Some(im)) = (
+            self.answer.take(),
+            at.policy.idempotency.as_ref(),
+            at.pm.idem.as_ref(),
+        ) else {
+            return IdemDecision::NotAsked;
+        };
+        let conflict = |headers: &[(String, String)]| {
+            with_headers(
+                respond::problem(
+                    Problem::IdempotencyKeyConflict {
+                        status: cfg.conflict_status,
+                    },
+                    "this Idempotency-Key was already used for a different request",
+                    &[],
+                    Vec::new(),
+                ),
+                headers,
+            )
+        };
+        let response = match answer {
+            IdemAnswer::Acquired => {
+                at.m.increment(im.acquired);
+                // Only a request that holds its record tells the service its fingerprint.
+                return IdemDecision::Acquired(self.acquire.fingerprint.clone());
+            }
+            IdemAnswer::Skipped => return IdemDecision::Skipped,
+            IdemAnswer::InProgress { .. } => {
+                at.m.increment(im.in_progress);
+                let response = respond::problem(
+                    Problem::IdempotencyKeyInUse,
+                    "a request with this Idempotency-Key is still being processed; retry later",
+                    &[],
+                    vec![("retry-after".to_string(), "1".to_string())],
+                );
+                with_headers(response, limit_headers)
+            }
+            IdemAnswer::Conflict => {
+                at.m.increment(im.conflict);
+                conflict(limit_headers)
+            }
+            IdemAnswer::Unreadable => {
+                at.m.increment(im.unreadable);
+                at.m.increment(im.conflict);
+                log::warn!(
+                    "idempotency record of policy {} key {} is unreadable; answering as a conflict",
+                    at.policy.name,
+                    self.key_hash
+                );
+                conflict(limit_headers)
+            }
+            IdemAnswer::Completed(record) => match replay(&record, limit_headers.to_vec(), grpc) {
+                Some(response) => {
+                    at.m.increment(im.replayed);
+                    response
+                }
+                None => {
+                    at.m.increment(im.unreadable);
+                    at.m.increment(im.conflict);
+                    conflict(limit_headers)
+                }
+            },
+        };
+        IdemDecision::Answer(response)
+    }
+
+    /// Gives the record back from the root: ours, or (`in_flight`) one an acquire that may
+    /// still run (or may have run) may have created, released by owner anyway with the
+    /// cancellation marker (`marker_ttl_ms`) so a late acquire writes nothing.
+    pub fn release(
+        &mut self,
+        policy: usize,
+        in_flight: bool,
+        marker_ttl_ms: u64,
+    ) -> Option<Background> {
+        if !self.owned && !in_flight {
+            return None;
+        }
+        let certain = self.owned;
+        self.owned = false;
+        let call = record::release(&self.acquire, (!certain).then_some(marker_ttl_ms));
+        let call = Background::new(policy, Purpose::Release, call, self.key_hash.clone());
+        Some(if certain { call } else { call.compensation() })
+    }
+
+    /// The call that stores the assembled response as `COMPLETED`.
+    pub fn completion_call(&self, cfg: &Idempotency) -> (Purpose, ScriptCall) {
+        let s = &self.stored;
+        let body = match cfg.replay {
+            Replay::Full if !s.too_large => Some(s.body.as_slice()),
+            _ => None,
+        };
+        let stored = StoredResponse::new(
+            u16::try_from(s.status).unwrap_or(500),
+            s.headers.clone(),
+            body,
+        )
+        .with_trailers(s.trailers.clone());
+        let call = record::complete(&self.acquire, cfg.completed_ttl_ms, stored.to_json());
+        (Purpose::Complete, call)
+    }
+
+    /// The call that releases the record (a retry may run the operation again).
+    pub fn release_call(&self) -> (Purpose, ScriptCall) {
+        (Purpose::Release, record::release(&self.acquire, None))
+    }
+
+    /// Hands a complete/release to the root (async completion): the record is no longer
+    /// the request's to settle.
+    pub fn settle_later(
+        &mut self,
+        policy: usize,
+        (purpose, call): (Purpose, ScriptCall),
+    ) -> Background {
+        self.owned = false;
+        Background::new(policy, purpose, call, self.key_hash.clone())
+    }
+
+    /// Counts the answer of our complete or release call.
+    pub fn settled(&mut self, at: &Pcx<'_>, purpose: Purpose, reply: &Reply) {
+        if let Some(im) = at.pm.idem.as_ref() {
+            count_settlement(im, purpose, reply, &at.policy.name, &self.key_hash, at.m);
+        }
+        self.owned = false;
+    }
+
+    /// The record could not be completed or released: the response goes out anyway and the
+    /// record expires at its processing TTL.
+    pub fn settle_failed(&mut self, at: &Pcx<'_>, err: &CallError) {
+        if let Some(im) = at.pm.idem.as_ref() {
+            at.m.increment(im.complete_failed);
+        }
+        at.rt.warnings.warn(WarnKind::RecordNotSettled, at.index, at.now_ms, || {
+            format!(
+                "idempotency record of policy {} key {} not completed ({}); it expires at its processing TTL",
+                at.policy.name,
+                self.key_hash,
+                err.describe()
+            )
+        });
+        self.owned = false;
+    }
+
+    /// The upstream's outcome is unknown: the record stays `PROCESSING` until its TTL.
+    pub fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
+        if let Some(im) = at.pm.idem.as_ref() {
+            at.m.increment(im.outcome_unknown);
+        }
+        log::warn!(
+            "policy {} key {}: the upstream's outcome is unknown ({}); the record stays PROCESSING until its TTL",
+            at.policy.name,
+            self.key_hash,
+            if details.is_empty() { "stream ended" } else { details }
+        );
+        self.owned = false;
+    }
+
+    /// Whether completion waits for Redis before the response goes on.
+    pub fn sync(cfg: &Idempotency) -> bool {
+        cfg.complete == Completion::Sync
+    }
+}
+
+fn with_headers(mut response: LocalResponse, headers: &[(String, String)]) -> LocalResponse {
+    response.headers.extend(headers.iter().cloned());
+    response
+}
+
+/// The problem for a missing or invalid key, counted.
+fn key_problem(at: &Pcx<'_>, cfg: &Idempotency, e: &KeyError) -> LocalResponse {
+    let im = at.pm.idem.as_ref();
+    let (metric, problem) = match e {
+        KeyError::Missing => (im.map(|i| i.missing_key), Problem::IdempotencyKeyMissing),
+        _ => (im.map(|i| i.invalid_key), Problem::IdempotencyKeyInvalid),
+    };
+    if let Some(id) = metric {
+        at.m.increment(id);
+    }
+    respond::problem(problem, &e.detail(&cfg.header), &[], Vec::new())
+}
+
+/// The `413` for a body larger than the fingerprint may read, counted.
+pub fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
+    if let Some(im) = at.pm.idem.as_ref() {
+        at.m.increment(im.body_too_large);
+    }
+    let detail = format!(
+        "the request body is larger than the {} bytes this operation fingerprints",
+        cfg.max_request_body
+    );
+    respond::problem(Problem::RequestBodyTooLarge, &detail, &[], Vec::new())
+}
+
+/// The stored response as a local reply, with `Idempotent-Replayed: true`. For a gRPC
+/// request whose record holds a gRPC status, see [`grpc_replay`].
+fn replay(record: &Record, extra: Vec<(String, String)>, grpc: bool) -> Option<LocalResponse> {
+    let stored = record.response.as_ref()?;
+    let body = stored.body_bytes()?;
+    if grpc {
+        if let Some(code) = stored
+            .trailer(grpc::STATUS)
+            .and_then(|v| v.trim().parse().ok())
+        {
+            return Some(grpc_replay(stored, code, body.is_empty(), extra));
+        }
+    }
+    let mut headers = stored.headers.clone();
+    headers.push((REPLAYED_HEADER.into(), "true".into()));
+    headers.extend(extra);
+    Some(LocalResponse {
+        status: u32::from(stored.status),
+        headers,
+        body,
+        problem: None,
+        grpc_status: None,
+    })
+}
+
+/// A gRPC replay. The host answers every local reply to a gRPC request trailers-only (HTTP
+/// 200, the status in the headers, no body): the stored `grpc-status`, `grpc-message` and
+/// replay trailers go in its headers, which a gRPC client reads exactly as the original
+/// trailers-only answer, or the original trailers after an empty body. The response messages
+/// themselves cannot be carried: a call that ended `OK` after sending messages (every
+/// successful unary call), or whose body was not stored, is answered `ALREADY_EXISTS`, saying
+/// so, rather than an `OK` without its message (which clients fail as a protocol error). A
+/// failed call is replayed with its status and message (the messages sent before it are not).
+fn grpc_replay(
+    stored: &StoredResponse,
+    code: u32,
+    empty_body: bool,
+    extra: Vec<(String, String)>,
+) -> LocalResponse {
+    let mut headers: Vec<(String, String)> = stored
+        .headers
+        .iter()
+        .filter(|(n, _)| n != "content-length" && n != grpc::STATUS && n != grpc::MESSAGE)
+        .cloned()
+        .collect();
+    let replayable = code != grpc::OK || (empty_body && !stored.reference);
+    let code = if replayable {
+        headers.extend(stored.trailers.iter().cloned());
+        code
+    } else {
+        headers.push((grpc::STATUS.into(), grpc::ALREADY_EXISTS.to_string()));
+        headers.push((
+            grpc::MESSAGE.into(),
+            grpc::encode_message(
+                "the call with this idempotency key already completed with OK; its response \
+                 message cannot be replayed to a gRPC client",
+            ),
+        ));
+        grpc::ALREADY_EXISTS
+    };
+    headers.push((REPLAYED_HEADER.into(), "true".into()));
+    headers.extend(extra);
+    LocalResponse {
+        status: u32::from(stored.status),
+        headers,
+        body: Vec::new(),
+        problem: None,
+        grpc_status: Some(code),
+    }
+}

@@ -1,0 +1,87 @@
+//! The request's own problems, answered before any guard runs: a path that reads more than
+//! one way, a missing or repeated tenant, a repeated selector input, a missing lease resource.
+
+use super::Pcx;
+use crate::config::IdSource;
+use crate::request::{repeated_input, Request, TenantError};
+use crate::respond::{self, LocalResponse, Member, Problem};
+
+/// A request whose path reads more than one way: refused, since the service may read it the
+/// way the guard did not.
+pub fn ambiguous_path() -> LocalResponse {
+    respond::problem(
+        Problem::AmbiguousPath,
+        "the request path has more than one reading (an encoded '/', a '\\', a NUL, a \
+         broken or double escape, ';' parameters or '..' after '//'); send it in its \
+         plain form",
+        &[],
+        Vec::new(),
+    )
+}
+
+/// The tenant (or principal) could not be told, counted.
+pub fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
+    let identity = &at.rt.config.identity;
+    match err {
+        TenantError::Missing => {
+            at.m.increment(at.pm.missing_tenant);
+            let detail = format!("this operation requires {}", identity.tenant.describe());
+            // A 401 carries a challenge (RFC 9110): the scheme names what is missing.
+            let challenge = match &identity.tenant {
+                IdSource::Header(header) => format!("Tenant header=\"{header}\""),
+                IdSource::Metadata(_) => "Bearer".to_string(),
+            };
+            respond::problem(
+                Problem::MissingTenant,
+                &detail,
+                &[],
+                vec![("www-authenticate".into(), challenge)],
+            )
+        }
+        TenantError::Repeated => {
+            at.m.increment(at.pm.missing_tenant);
+            let detail = format!("{} must appear once", identity.tenant.describe());
+            respond::problem(Problem::AmbiguousTenant, &detail, &[], Vec::new())
+        }
+        TenantError::PrincipalRepeated => {
+            at.m.increment(at.pm.ambiguous_input);
+            let detail = format!("{} must appear once", identity.principal.describe());
+            respond::problem(Problem::AmbiguousPrincipal, &detail, &[], Vec::new())
+        }
+    }
+}
+
+/// An input a limit or the lease is keyed by appears more than once, counted.
+pub fn repeated_selector(at: &Pcx<'_>, req: &Request) -> Option<LocalResponse> {
+    let selectors = at
+        .policy
+        .rate_limits
+        .iter()
+        .flat_map(|l| &l.by)
+        .chain(at.policy.lease.iter().flat_map(|l| &l.resource));
+    let sel = repeated_input(selectors, req)?;
+    at.m.increment(at.pm.ambiguous_input);
+    let spelling = sel.spelling();
+    Some(respond::problem(
+        Problem::AmbiguousSelector,
+        &format!("{spelling} must appear at most once in the request"),
+        &[("selector", Member::Str(&spelling))],
+        Vec::new(),
+    ))
+}
+
+/// The request lacks the input that names the lease's resource, counted.
+pub fn lease_resource_missing(at: &Pcx<'_>, missing: &str) -> LocalResponse {
+    if let Some(lm) = at.pm.lease.as_ref() {
+        at.m.increment(lm.missing_resource);
+    }
+    let detail = format!(
+        "this operation needs the lease resource {missing}, which the request does not carry"
+    );
+    respond::problem(
+        Problem::LeaseResourceMissing,
+        &detail,
+        &[("missing-selector", Member::Str(missing))],
+        Vec::new(),
+    )
+}

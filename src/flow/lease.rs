@@ -1,0 +1,259 @@
+//! The lease guard of one request: the resource it names, whether it holds the lease, how it
+//! waits for a busy one (jittered, doubling polls up to `max_wait`), when it extends it, and
+//! how it gives it back. It decides; the flow sends.
+
+use super::background::Background;
+use super::{Pcx, Purpose};
+use crate::config::{Lease, OnBusy};
+use crate::keys;
+use crate::lua::acquire::{self, LeaseAcquire, LeaseAnswer};
+use crate::lua::lease;
+use crate::metrics::LeaseMetrics;
+use crate::redis::ScriptCall;
+use crate::request::{selector_value, Caller, Request};
+use crate::respond::{self, LocalResponse, Problem};
+
+/// First and largest pause between polls of a busy lease (`on_busy: wait`).
+pub const LEASE_POLL_FIRST_MS: u64 = 25;
+pub const LEASE_POLL_MAX_MS: u64 = 100;
+
+#[derive(Debug)]
+pub struct LeaseGuard {
+    pub acquire: LeaseAcquire,
+    /// We hold the lease (and must release it).
+    pub held: bool,
+    /// The answer of an acquire that rode with the rate limits, until they are decided.
+    pub answer: Option<LeaseAnswer>,
+    wait: Wait,
+    /// When to extend the lease next (`extend: true`).
+    next_extend_ms: Option<u64>,
+    /// A release Redis confirmed, until the waiters of this worker are woken.
+    freed: bool,
+}
+
+/// Waiting for a busy lease.
+#[derive(Debug)]
+struct Wait {
+    /// Give up at this time (set at the first busy answer).
+    until_ms: Option<u64>,
+    backoff_ms: u64,
+    /// The jitter's state, seeded from the owner token: waiters that met the same busy lease
+    /// poll at different times instead of in lockstep.
+    jitter: u64,
+}
+
+/// What the lease answer means for the request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum LeaseDecision {
+    /// Go on; with the fencing header to set on the request, if acquired.
+    Forward(Option<(String, String)>),
+    /// Busy, and waiting: poll again at this time.
+    PollAt(u64),
+    /// Busy: answer `423` (the rate-limit headers still to be added).
+    Busy(LocalResponse),
+}
+
+impl LeaseGuard {
+    /// Names the lease's resource for this request; `Err` names the missing selector.
+    pub fn prepare(
+        at: &Pcx<'_>,
+        caller: &Caller,
+        req: &Request,
+        owner: &str,
+    ) -> Result<Option<LeaseGuard>, String> {
+        let Some(lease) = at.policy.lease.as_ref() else {
+            return Ok(None);
+        };
+        let mut parts = Vec::with_capacity(lease.resource.len());
+        for sel in &lease.resource {
+            match selector_value(sel, caller, req) {
+                Some(v) => parts.push((sel, Some(v))),
+                None => return Err(sel.spelling()),
+            }
+        }
+        let prefix = &at.rt.config.redis.key_prefix;
+        let tag = keys::tenant_tag(&caller.tenant);
+        let cancel_key = keys::cancel_key(prefix, &tag, &at.policy.name, owner);
+        let (key, fence_key) =
+            keys::lease_keys(prefix, &tag, &at.policy.name, &keys::scope_hash(parts));
+        Ok(Some(LeaseGuard {
+            acquire: LeaseAcquire {
+                key,
+                fence_key,
+                tag,
+                owner: owner.to_string(),
+                ttl_ms: lease.ttl_ms,
+                fence_ttl_ms: lease.fence_ttl_ms,
+                cancel_key,
+            },
+            held: false,
+            answer: None,
+            wait: Wait {
+                until_ms: None,
+                backoff_ms: LEASE_POLL_FIRST_MS,
+                jitter: seed(owner),
+            },
+            next_extend_ms: None,
+            freed: false,
+        }))
+    }
+
+    /// The lease answer, once rate limits and idempotency let the request through.
+    pub fn decide(&mut self, at: &Pcx<'_>, answer: LeaseAnswer) -> LeaseDecision {
+        let (Some(cfg), Some(lm)) = (at.policy.lease.as_ref(), at.pm.lease.as_ref()) else {
+            return LeaseDecision::Forward(None);
+        };
+        match answer {
+            LeaseAnswer::Skipped => LeaseDecision::Forward(None),
+            LeaseAnswer::Acquired { token } => {
+                at.m.increment(lm.acquired);
+                if self.wait.until_ms.is_some() {
+                    at.m.increment(lm.waited);
+                }
+                self.held = true;
+                if cfg.extend {
+                    self.next_extend_ms = Some(at.now_ms.saturating_add(cfg.ttl_ms / 2));
+                }
+                LeaseDecision::Forward(Some((cfg.fencing_header.clone(), token.to_string())))
+            }
+            LeaseAnswer::Busy { pttl_ms } => match self.next_poll(cfg, at.now_ms) {
+                Some(at_ms) => LeaseDecision::PollAt(at_ms),
+                None => LeaseDecision::Busy(busy(lm, pttl_ms, at)),
+            },
+        }
+    }
+
+    /// With `on_busy: wait` and time left: when to poll again (the last poll lands exactly
+    /// at `max_wait`).
+    fn next_poll(&mut self, cfg: &Lease, now_ms: u64) -> Option<u64> {
+        if cfg.on_busy != OnBusy::Wait {
+            return None;
+        }
+        let w = &mut self.wait;
+        let until = *w
+            .until_ms
+            .get_or_insert(now_ms.saturating_add(cfg.max_wait_ms));
+        let next = now_ms
+            .saturating_add(jittered(w.backoff_ms, &mut w.jitter))
+            .min(until);
+        if now_ms >= until {
+            return None;
+        }
+        w.backoff_ms = (w.backoff_ms * 2).min(LEASE_POLL_MAX_MS);
+        Some(next)
+    }
+
+    /// The acquire answered for the lease (kept until the rate limits are decided).
+    pub fn answered(&mut self, answer: LeaseAnswer) {
+        if let LeaseAnswer::Acquired { .. } = answer {
+            self.held = true;
+        }
+        self.answer = Some(answer);
+    }
+
+    /// The lease-only acquire that polls a busy lease again.
+    pub fn poll_call(&self, nonce: &str) -> ScriptCall {
+        acquire::lease_poll(&self.acquire, nonce)
+    }
+
+    /// Gives a held lease back from the root (the call must outlive the stream). With
+    /// `in_flight` an acquire that may still run (or may have run) may hold it: released by
+    /// owner anyway, with the cancellation marker (`marker_ttl_ms`), so a late acquire takes
+    /// nothing.
+    pub fn release(
+        &mut self,
+        policy: usize,
+        in_flight: bool,
+        marker_ttl_ms: u64,
+    ) -> Option<Background> {
+        if !self.held && !in_flight {
+            return None;
+        }
+        let certain = self.held;
+        self.held = false;
+        self.next_extend_ms = None;
+        let call = lease::release(&self.acquire, (!certain).then_some(marker_ttl_ms));
+        let call = Background::new(policy, Purpose::LeaseRelease, call, String::new());
+        Some(if certain { call } else { call.compensation() })
+    }
+
+    /// The release the response waits for, so the client's next request finds the resource
+    /// free.
+    pub fn release_now(&mut self) -> Option<ScriptCall> {
+        if !self.held {
+            return None;
+        }
+        self.held = false;
+        self.next_extend_ms = None;
+        Some(lease::release(&self.acquire, None))
+    }
+
+    /// Redis answered our release: `1` gave the lease back (counted either way).
+    pub fn released(&mut self, at: &Pcx<'_>, reply: &crate::redis::resp::Reply) {
+        if let Some(lm) = at.pm.lease.as_ref() {
+            super::background::count_lease(lm, Purpose::LeaseRelease, reply, &at.policy.name, at.m);
+        }
+        if reply.as_int() == Some(1) {
+            self.freed = true;
+        }
+    }
+
+    /// The lease this request gave back, once (for the waiters of this worker).
+    pub fn take_freed(&mut self) -> Option<String> {
+        std::mem::take(&mut self.freed).then(|| self.acquire.key.clone())
+    }
+
+    /// Extends a held lease at half its TTL while the request is in flight, when due.
+    pub fn extend(&mut self, policy: usize, now_ms: u64) -> Option<Background> {
+        if !self.held {
+            return None;
+        }
+        let due = self.next_extend_ms.filter(|d| now_ms >= *d)?;
+        let half = (self.acquire.ttl_ms / 2).max(1);
+        self.next_extend_ms = Some(due.max(now_ms).saturating_add(half));
+        let call = lease::extend(&self.acquire);
+        Some(Background::new(
+            policy,
+            Purpose::LeaseExtend,
+            call,
+            String::new(),
+        ))
+    }
+
+    /// When the lease is to be extended next.
+    pub fn next_extend_ms(&self) -> Option<u64> {
+        self.next_extend_ms
+    }
+}
+
+/// The `423` for a busy lease, counted.
+fn busy(lm: &LeaseMetrics, pttl_ms: i64, at: &Pcx<'_>) -> LocalResponse {
+    at.m.increment(lm.busy);
+    let retry = respond::retry_after_secs(u64::try_from(pttl_ms).unwrap_or(1000));
+    respond::problem(
+        Problem::ResourceLocked,
+        &format!("another request holds this resource; retry after {retry} s"),
+        &[],
+        vec![("retry-after".to_string(), retry.to_string())],
+    )
+}
+
+/// The pause before the next poll of a busy lease: between half the backoff and all of it
+/// ("equal jitter"), from a xorshift step of `state`.
+fn jittered(backoff_ms: u64, state: &mut u64) -> u64 {
+    let mut x = *state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    let half = backoff_ms / 2;
+    half + x % (backoff_ms - half + 1)
+}
+
+/// A non-zero jitter seed from a token (FNV-1a).
+fn seed(token: &str) -> u64 {
+    let h = token.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    h.max(1)
+}

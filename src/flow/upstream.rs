@@ -1,0 +1,256 @@
+//! The upstream's response (headers, body, trailers) and the stream's end, for the guards
+//! that outlive the request's decision: the record to settle, the lease to give back.
+
+use super::background::Background;
+use super::response::{response_shape, Record, ResponseHead, Shape};
+use super::{Cx, Flow, Pcx, Pending, Phase, Purpose, Step};
+use crate::config::Completion;
+use crate::redis::ScriptCall;
+
+impl Flow {
+    /// The response's headers. `via_upstream` is false for Envoy's own local replies, with
+    /// `details` its `response.code_details`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_response_headers(
+        &mut self,
+        cx: &Cx<'_>,
+        status: u32,
+        via_upstream: bool,
+        details: &str,
+        headers: &[(String, String)],
+        end_of_stream: bool,
+    ) -> Step {
+        let Some(at) = self.at(cx) else {
+            return Step::Continue;
+        };
+        let shape = response_shape(
+            status,
+            via_upstream,
+            self.kind.connect,
+            headers,
+            end_of_stream,
+        );
+        // An accepted upgrade or tunnel, or an event stream: the operation goes on for as long
+        // as the stream is open, so a held lease stays held (the watchdog extends it) and is
+        // released when the stream ends (`on_done`).
+        self.kind.open_ended = shape != Shape::Plain;
+        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
+        let async_idem = owned
+            && at
+                .policy
+                .idempotency
+                .as_ref()
+                .is_some_and(|c| c.complete == Completion::Async);
+        let head = ResponseHead {
+            status,
+            via_upstream,
+            details,
+            headers,
+            end_of_stream,
+            shape,
+        };
+        let step = self.record_response_headers(&at, &head);
+        // Otherwise the upstream answered: the protected operation is over. The response waits
+        // for the release (one round trip), except when its body passes while the record
+        // takes it in (pausing the headers would hold the body) or the record settles off the
+        // response path (async): there the root releases it.
+        let body_passes = matches!(self.phase, Phase::Response(_));
+        let release = if self.kind.open_ended {
+            None
+        } else if async_idem || body_passes {
+            self.release_lease(&at);
+            None
+        } else {
+            self.lease_release_now(&at)
+        };
+        if matches!(self.phase, Phase::Forwarded) {
+            self.phase = Phase::Responded;
+        }
+        match (release, step) {
+            (None, step) => step,
+            (Some(out), Step::Continue) => {
+                self.phase = Phase::Completing {
+                    deadline_ms: at.call_deadline(),
+                };
+                Step::Dispatch(vec![out])
+            }
+            (Some(out), Step::Wait) => Step::Dispatch(vec![out]),
+            (Some(out), Step::Dispatch(mut calls)) => {
+                calls.push(out);
+                Step::Dispatch(calls)
+            }
+            (Some(_), step) => step,
+        }
+    }
+
+    /// The lease release the response waits for.
+    fn lease_release_now(&mut self, at: &Pcx<'_>) -> Option<super::Outgoing> {
+        let call = self.lease.as_mut()?.release_now()?;
+        let tag = Pending::of(Purpose::LeaseRelease);
+        self.calls
+            .push_and_send(tag, Purpose::LeaseRelease.script(), call, at.now_ms)
+    }
+
+    /// The record's side of the response headers: complete, release, or take the body first.
+    fn record_response_headers(&mut self, at: &Pcx<'_>, head: &ResponseHead<'_>) -> Step {
+        if !matches!(self.phase, Phase::Forwarded) {
+            return Step::Continue;
+        }
+        let (Some(idem), Some(cfg)) = (
+            self.idem.as_mut().filter(|i| i.owned),
+            at.policy.idempotency.as_ref(),
+        ) else {
+            return Step::Continue;
+        };
+        let record = idem.stored.on_response_headers(cfg, head, self.kind.grpc);
+        self.apply_record(at, record, head.details)
+    }
+
+    /// A piece of the response body (`body_size`: this chunk), copied as it passes; a body
+    /// over `max_response_body` is not copied any further: it streams, and a reference record
+    /// is stored when its end is seen. With sync completion the final chunk waits for it.
+    pub fn on_response_body(
+        &mut self,
+        cx: &Cx<'_>,
+        body_size: usize,
+        end_of_stream: bool,
+        read: impl FnOnce() -> Vec<u8>,
+    ) -> Step {
+        let intake = match self.phase {
+            Phase::Response(intake) => intake,
+            Phase::Completing { .. } => return Step::Wait,
+            _ => return Step::Continue,
+        };
+        let Some(at) = self.at(cx) else {
+            return Step::Continue;
+        };
+        let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) else {
+            return Step::Continue;
+        };
+        let record = idem
+            .stored
+            .on_response_body(cfg, intake, body_size, end_of_stream, read);
+        self.apply_record(&at, record, "")
+    }
+
+    /// The response's trailers (`trailers`): its body has ended (without a body callback that
+    /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
+    /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
+    pub fn on_response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Step {
+        match self.phase {
+            Phase::Response(_) => {}
+            Phase::Completing { .. } => return Step::Wait,
+            _ => return Step::Continue,
+        }
+        let Some(at) = self.at(cx) else {
+            return Step::Continue;
+        };
+        let grpc = self.kind.grpc;
+        let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) else {
+            return Step::Continue;
+        };
+        let record = idem.stored.on_response_trailers(cfg, trailers, grpc);
+        self.apply_record(&at, record, "")
+    }
+
+    /// Carries out what the record decided at a piece of the response.
+    fn apply_record(&mut self, at: &Pcx<'_>, record: Record, details: &str) -> Step {
+        match record {
+            Record::Pass => Step::Continue,
+            Record::Take(intake) => {
+                self.phase = Phase::Response(intake);
+                Step::Continue
+            }
+            Record::Complete | Record::Release => {
+                let (Some(idem), Some(cfg)) = (self.idem.as_ref(), at.policy.idempotency.as_ref())
+                else {
+                    return Step::Continue;
+                };
+                let (purpose, call) = match record {
+                    Record::Complete => idem.completion_call(cfg),
+                    _ => idem.release_call(),
+                };
+                self.settle_record(at, purpose, call)
+            }
+            Record::Unknown => {
+                self.outcome_unknown(at, details);
+                Step::Continue
+            }
+        }
+    }
+
+    /// Sends a complete/release now (sync: the response waits) or hands it to the root.
+    fn settle_record(&mut self, at: &Pcx<'_>, purpose: Purpose, call: ScriptCall) -> Step {
+        let Some(cfg) = at.policy.idempotency.as_ref() else {
+            return Step::Continue;
+        };
+        if !super::IdemGuard::sync(cfg) {
+            if let Some(i) = self.idem.as_mut() {
+                let bg = i.settle_later(at.index, (purpose, call));
+                self.background.push(bg);
+            }
+            self.phase = Phase::Done;
+            return Step::Continue;
+        }
+        let out = self
+            .calls
+            .push_and_send(Pending::of(purpose), purpose.script(), call, at.now_ms);
+        self.phase = Phase::Completing {
+            deadline_ms: at.call_deadline(),
+        };
+        Step::Dispatch(out.into_iter().collect())
+    }
+
+    fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
+        if let Some(i) = self.idem.as_mut() {
+            i.outcome_unknown(at, details);
+        }
+        self.phase = Phase::Done;
+    }
+
+    /// The stream is gone. A record we still own is released if the request never left
+    /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise.
+    pub fn on_done(&mut self, cx: &Cx<'_>) {
+        let Some(at) = self.at(cx) else {
+            self.phase = Phase::Done;
+            return;
+        };
+        self.release_lease(&at);
+        // Response-side calls still outstanding may be cancelled with the stream: the root
+        // sends them again (an answer that arrives twice is counted twice, nothing worse).
+        let key_hash = self
+            .idem
+            .as_ref()
+            .map_or(String::new(), |i| i.key_hash.clone());
+        let unfinished: Vec<Background> = self
+            .calls
+            .open()
+            .filter(|c| {
+                matches!(
+                    c.tag.purpose,
+                    Purpose::Complete | Purpose::Release | Purpose::LeaseRelease
+                )
+            })
+            .map(|c| {
+                // The first call may have done it already: "not ours" is then expected.
+                Background::new(at.index, c.tag.purpose, c.call.clone(), key_hash.clone())
+                    .uncertain()
+            })
+            .collect();
+        self.background.extend(unfinished);
+        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
+        match self.phase {
+            Phase::Acquiring { .. } => self.release_record(&at),
+            _ if !owned => {}
+            Phase::Completing { .. } => {}
+            _ if !self.forwarded() => self.release_record(&at),
+            Phase::Forwarded => self.outcome_unknown(&at, ""),
+            // Never stored as completed: the client did not get the whole response either.
+            Phase::Response(_) => {
+                self.outcome_unknown(&at, "the response ended before its end of stream")
+            }
+            _ => {}
+        }
+        self.phase = Phase::Done;
+    }
+}
