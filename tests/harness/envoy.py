@@ -109,7 +109,8 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
                   direct_response: bool = False, cluster_header: str | None = None,
                   path_normalization: bool = True, buffer_limit: int | None = None,
                   vm_env: dict | None = None, grpc_upstream_port: int | None = None,
-                  routes: dict[str, str] | None = None) -> dict:
+                  routes: dict[str, str] | None = None,
+                  extra_gateway_ports: list[int] | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
@@ -128,6 +129,8 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
 
     `routes` maps path prefixes to clusters (e.g. one of `extra_clusters`), tried before the
     default route to the upstream.
+
+    `extra_gateway_ports` adds endpoints (more webdis instances) to the `redis_gateway` cluster.
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -161,6 +164,12 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         route["direct_response"] = {"status": 200, "body": {"inline_string": "ok\n"}}
     for name, port in (extra_clusters or {}).items():
         cfg["static_resources"]["clusters"].append(_static_cluster(name, port))
+    if extra_gateway_ports:
+        gateway = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "redis_gateway")
+        endpoints = gateway["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        for port in extra_gateway_ports:
+            endpoints.append({"endpoint": {"address": {"socket_address": {
+                "address": "127.0.0.1", "port_value": port}}}})
     if grpc_upstream_port is not None:
         cluster = _static_cluster("grpc_upstream", grpc_upstream_port)
         cluster["typed_extension_protocol_options"] = {
@@ -221,7 +230,8 @@ class Envoy:
                  admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
                  path_normalization: bool = True, buffer_limit: int | None = None,
                  vm_env: dict | None = None, process_env: dict[str, str] | None = None,
-                 grpc_upstream_port: int | None = None, routes: dict[str, str] | None = None):
+                 grpc_upstream_port: int | None = None, routes: dict[str, str] | None = None,
+                 extra_gateway_ports: list[int] | None = None):
         self.workdir = Path(workdir)
         self.process_env = process_env
         self.plugin_config = plugin_config
@@ -245,7 +255,8 @@ class Envoy:
                                     cluster_header=cluster_header,
                                     path_normalization=path_normalization,
                                     buffer_limit=buffer_limit, vm_env=vm_env,
-                                    grpc_upstream_port=grpc_upstream_port, routes=routes)
+                                    grpc_upstream_port=grpc_upstream_port, routes=routes,
+                                    extra_gateway_ports=extra_gateway_ports)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None
