@@ -100,8 +100,11 @@ bench-scripts: deps ## acquire.lua's cost in a real redis-server (us per call), 
 ##@ Run
 
 .PHONY: run demo-config
-run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000 (admin :9901).
-	PYTHONPATH=tests $(PYTHON) -m harness.demo
+# CLUSTER=1: Redis Cluster (:7001-7006) behind Envoy's redis_proxy (:6379) behind webdis :7379, :7380.
+DEMO_FLAGS := $(if $(CLUSTER), --cluster)
 
-demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`).
-	PYTHONPATH=tests $(PYTHON) -m harness.demo --render-only
+run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000 (admin :9901). CLUSTER=1: on Redis Cluster.
+	PYTHONPATH=tests $(PYTHON) -m harness.demo$(DEMO_FLAGS)
+
+demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`); CLUSTER=1 adds build/redis-cluster-proxy.yaml.
+	PYTHONPATH=tests $(PYTHON) -m harness.demo --render-only$(DEMO_FLAGS)

@@ -232,6 +232,10 @@ class ClusterBackend:
         if errors:
             raise errors[0]
 
+    def alive(self) -> bool:
+        """Every process of it still runs (the demo watches this)."""
+        return all(part.alive() for part in [*self.nodes, self.proxy, *self.webdis])
+
     # --- state -------------------------------------------------------------------------------
 
     def live_nodes(self) -> list[ClusterNode]:
