@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -90,7 +91,6 @@ class RedisProxy(Service):
         self.client_password = client_password or secrets.token_hex(16)
         self.config_path = self.workdir / "redis-proxy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
-        self.starts = 0
 
     def env(self) -> dict[str, str]:
         return {"CG_PROXY_PASSWORD": self.client_password, "CG_REDIS_USERNAME": self.username,
@@ -108,21 +108,11 @@ class RedisProxy(Service):
     def validate(self) -> tuple[int, str]:
         """`envoy --mode validate` on the rendered config (with the variables set)."""
         self.render()
-        old = {k: os.environ.get(k) for k in self.env()}
-        os.environ.update(self.env())
-        try:
-            return validate_config(self.config_path)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        return validate_config(self.config_path, env=self.env())
 
     def start(self, timeout: float = 30.0) -> "RedisProxy":
         self.render()
         self.admin_address_path.unlink(missing_ok=True)
-        self.starts += 1
         self.proc = spawn_envoy(self.workdir, self.config_path, concurrency=1,
                                 admin_address_path=self.admin_address_path, env=self.env())
         self.proc.name = f"redis-proxy-{self.port}"
@@ -145,17 +135,6 @@ class RedisProxy(Service):
             self.proc.stop()
             raise RuntimeError(f"redis proxy did not start: {e}\n{tail}") from e
         return self
-
-    def stats(self, prefix: str = "") -> dict[str, int]:
-        import urllib.request
-
-        with urllib.request.urlopen(f"{self.admin_url}/stats?filter={prefix}", timeout=5) as r:
-            out = {}
-            for line in r.read().decode().splitlines():
-                name, _, value = line.partition(": ")
-                if value.strip().isdigit():
-                    out[name] = int(value)
-            return out
 
 
 class ClusterBackend:
@@ -419,7 +398,7 @@ class ClusterBackend:
     def kill(self, port: int) -> None:
         """SIGKILL one node by its pid (nothing else gets a signal)."""
         node = self.node_by_port(port)
-        os.kill(node.proc.pid, 9)
+        os.kill(node.proc.pid, signal.SIGKILL)
         node.proc.wait_exit(10)
         node.stop()
 

@@ -66,10 +66,13 @@ def spawn_envoy(workdir: Path, config_path: Path, concurrency: int = 2, log_leve
     return Proc("envoy", argv, Path(workdir), env=env)
 
 
-def validate_config(config_path: Path, timeout: float = 60.0) -> tuple[int, str]:
-    """`envoy --mode validate`: (exit code, output). Loads the wasm and runs its on_configure."""
+def validate_config(config_path: Path, timeout: float = 60.0,
+                    env: dict[str, str] | None = None) -> tuple[int, str]:
+    """`envoy --mode validate`: (exit code, output). Loads the wasm and runs its on_configure.
+    `env` is added to Envoy's environment (variables a config reads)."""
     result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config_path), "-l", "warn"],
-                            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})})
     return result.returncode, result.stdout + result.stderr
 
 
