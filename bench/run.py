@@ -117,6 +117,8 @@ class Scenario:
     admitted_exactly: int | None = None
     # Every response is a 429 (an anchor that rejects every request).
     all_rejected: bool = False
+    # The limit whose filter counters must agree with `admitted_exactly`.
+    counted_limit: str = "policy.api.limit.tenant"
     # Script arguments for one run; `nonce` is unique per run.
     args: Callable[["Scenario", str], list[str]] = lambda s, nonce: [nonce]
     prepare: Callable[["Scenario", Envoy], None] | None = None
@@ -384,10 +386,11 @@ def scenarios() -> list[Scenario]:
                  verify=verify_no_calls),
         Scenario("scale_first_rejected", f"{SCALE_POLICIES} policies, the first matches, "
                  "rejected", "one_tenant.lua", scale("scale_first_rejected", 0),
-                 admitted_exactly=REJECTED_LIMIT),
+                 admitted_exactly=REJECTED_LIMIT, counted_limit="policy.p0000.limit.l0"),
         Scenario("scale_last_rejected", f"{SCALE_POLICIES} policies, the last matches, "
                  "rejected", "one_tenant.lua", scale("scale_last_rejected", SCALE_POLICIES - 1),
-                 admitted_exactly=REJECTED_LIMIT),
+                 admitted_exactly=REJECTED_LIMIT,
+                 counted_limit=f"policy.p{SCALE_POLICIES - 1:04d}.limit.l0"),
     ]
     if leased_mode_exists():
         # One hot counter (like the local_ratelimit anchor): the case leased quota is for.
@@ -665,8 +668,8 @@ class Bench:
                 problems.append(f"{c4} responses 4xx at Envoy, {w['non_2xx_3xx']} non-2xx at wrk "
                                 f"(expected every response 2xx)")
         else:
-            allowed = cg(s, "policy.api.limit.tenant.allowed")
-            rejected = cg(s, "policy.api.limit.tenant.rejected")
+            allowed = cg(s, f"{scenario.counted_limit}.allowed")
+            rejected = cg(s, f"{scenario.counted_limit}.rejected")
             rec["correctness"] = {"limit": limit, "admitted_2xx": ok2, "rejected_4xx": c4,
                                   "filter_allowed": allowed, "filter_rejected": rejected,
                                   "ok": ok2 == limit and allowed == limit and rejected == c4}
@@ -831,6 +834,77 @@ def table(results: dict) -> str:
         goal = f" (goal >= {GOALS[name]:.2f})" if name in GOALS else ""
         lines.append(f"{name}: {why}{goal}")
     return "\n".join(lines)
+
+
+PERF_DOC = ROOT / "docs" / "performance.md"
+RESULTS_BEGIN = "<!-- results: written by make bench from bench/results.json -->"
+RESULTS_END = "<!-- end of results -->"
+
+
+def markdown_results(results: dict) -> str:
+    """The results section of docs/performance.md: what ran where, and the table."""
+    m = results["meta"]
+    titles = {s.name: s.title for s in scenarios()}
+    lines = [f"Measured by `{m['command']}` on {m['date'][:10]}: {m['cpus']} cores, "
+             f"Envoy {m['envoy_version_short']}, {m['rounds']} rounds of {m['seconds']} s, "
+             f"wrk -t{m['wrk']['threads']} -c{m['wrk']['connections']}, load average "
+             f"{' '.join(m['loadavg_at_start'])} at the start; `.wasm` {m['wasm_size_bytes']:,} "
+             "bytes. Ratios are medians of per-round ratios to plain Envoy in the same round; CPU "
+             "is µs per request from `/proc`.", "",
+             "| scenario | req/s | ratio to plain (rounds) | goal | p50 / p99 ms | Redis calls/req "
+             "| CPU µs/req: Envoy / webdis / Redis |", "|---|---|---|---|---|---|---|"]
+    plain = results["plain"]
+
+    def us(summary: dict, part: str) -> str:
+        v = summary["cpu_seconds_per_10k_requests"].get(part)
+        return "-" if v is None else f"{v * 100:.0f}"
+
+    lines.append(f"| plain Envoy | {fmt(plain['requests_per_second'], '.0f')} | 1.00 | | "
+                 f"{fmt(plain['latency_p50_ms'], '.2f')} / {fmt(plain['latency_p99_ms'], '.2f')} | 0 "
+                 f"| {us(plain, 'envoy')} / 0 / 0 |")
+    for name, sc in results["scenarios"].items():
+        rows = [(titles.get(name, name), sc["summary"])]
+        if "compare" in sc["summary"]:
+            rows.append((f"same, build {sc['summary']['compare']['revision']}",
+                         sc["summary"]["compare"]))
+        for title, s in rows:
+            goal = ""
+            if "goal" in s:
+                goal = f">= {s['goal']:.2f} {'met' if s['goal_met'] else 'missed'}"
+            rounds = " ".join(f"{x:.2f}" for x in s["ratio_per_round"])
+            lines.append(f"| {title} | {fmt(s['requests_per_second'], '.0f')} | "
+                         f"{fmt(s['ratio_to_plain'], '.2f')} ({rounds}) | {goal} | "
+                         f"{fmt(s['latency_p50_ms'], '.2f')} / {fmt(s['latency_p99_ms'], '.2f')} | "
+                         f"{fmt(s['redis_calls_per_request'], '.2f')} | {us(s, 'envoy')} / "
+                         f"{us(s, 'webdis')} / {us(s, 'redis')} |")
+    contended: dict[str, list[float]] = {}
+    for r in results.get("lease_contended", []):
+        contended.setdefault(r["label"], []).append(r["utilisation"])
+    for label, values in contended.items():
+        who = "this build" if label == "ours" else f"build {label}"
+        lines += ["", f"Contended lease ({who}): {CONTENDED_WAITERS} waiters on one resource, "
+                  f"{CONTENDED_OP_MS} ms each: the resource was busy "
+                  f"{fmt(_median(values), '.2f')} of the time (rounds "
+                  f"{', '.join(f'{v:.2f}' for v in values)})."]
+    checks = results.get("correctness", {})
+    if checks:
+        ok = all(c["ok"] for c in checks.values())
+        lines += ["", f"Correctness: every limited scenario admitted exactly its limit: "
+                  f"{'yes' if ok else 'NO'}."]
+    return "\n".join(lines)
+
+
+def write_perf_doc(results: dict) -> bool:
+    """Replaces the results section of docs/performance.md; False if its markers are missing."""
+    if not PERF_DOC.exists():
+        return False
+    text = PERF_DOC.read_text()
+    if RESULTS_BEGIN not in text or RESULTS_END not in text:
+        return False
+    head, rest = text.split(RESULTS_BEGIN, 1)
+    tail = rest.split(RESULTS_END, 1)[1]
+    PERF_DOC.write_text(f"{head}{RESULTS_BEGIN}\n{markdown_results(results)}\n{RESULTS_END}{tail}")
+    return True
 
 
 CPU_PARTS = (("envoy", "#1565c0"), ("webdis", "#ef6c00"), ("redis", "#6a1b9a"))
@@ -1133,6 +1207,9 @@ def main() -> int:
 
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     CHART.write_text(svg_chart(results))
+    # A partial run (BENCH_SCENARIOS) does not overwrite the documented full run.
+    if not wanted and write_perf_doc(results):
+        print(f"wrote the results section of {PERF_DOC.relative_to(ROOT)}")
 
     print()
     print(table(results))

@@ -19,23 +19,10 @@
 //! * Tenants, principals, client addresses and header values only appear hashed.
 
 use crate::config::{Algorithm, Policy, RateLimit, Selector};
-use crate::respond::push_u64;
+use crate::local::slots::text_hash;
+use crate::text::{hex, push_hex, push_u64};
 use sha2::{Digest, Sha256};
-
-/// Lower-case hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len() * 2);
-    push_hex(&mut out, bytes);
-    out
-}
-
-fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    for b in bytes {
-        out.push(DIGITS[usize::from(b >> 4)] as char);
-        out.push(DIGITS[usize::from(b & 0x0f)] as char);
-    }
-}
+use std::ops::Range;
 
 /// A 64-bit (16 hex digit) SHA-256 digest of `value`, separated by `domain` so that a tenant
 /// and a header with the same text do not hash alike.
@@ -85,11 +72,39 @@ pub fn push_policy_tag(out: &mut String, policy: &str) {
 }
 
 /// The hash tag of a key: what Redis Cluster hashes, the text between the first `{` and the
-/// next `}` (a key prefix has neither).
+/// next `}` when it is not empty, else the whole key (a key prefix has neither brace).
 pub fn hash_tag(key: &str) -> &str {
     key.split_once('{')
         .and_then(|(_, rest)| rest.split_once('}'))
+        .filter(|(tag, _)| !tag.is_empty())
         .map_or(key, |(tag, _)| tag)
+}
+
+/// A rate-limit counter's key, built once per limit per request: its text, where its hash tag
+/// stands in it (known while writing it, never parsed back), and its worker-independent hash
+/// (the over-limit cache's and the leased quota's slot).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitKey {
+    text: String,
+    tag: Range<usize>,
+    hash: u64,
+}
+
+impl LimitKey {
+    /// The Redis key.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The hash tag: keys with one tag share a slot, so one script call.
+    pub fn tag(&self) -> &str {
+        self.text.get(self.tag.clone()).unwrap_or(&self.text)
+    }
+
+    /// [`text_hash`] of the key, computed once.
+    pub fn hash(&self) -> u64 {
+        self.hash
+    }
 }
 
 /// Hash of the selected values of a counter's scope; `_` when nothing is selected.
@@ -146,7 +161,7 @@ pub fn rate_limit_key(
     policy: &Policy,
     limit: &RateLimit,
     scope: &str,
-) -> String {
+) -> LimitKey {
     write_rate_limit_key(
         prefix,
         policy,
@@ -164,11 +179,13 @@ pub fn write_rate_limit_key(
     limit: &RateLimit,
     tag: impl FnOnce(&mut String),
     scope: impl FnOnce(&mut String),
-) -> String {
+) -> LimitKey {
     let mut k = String::with_capacity(prefix.len() + policy.name.len() + limit.name.len() + 80);
     k.push_str(prefix);
     k.push_str(":rl:{");
+    let tag_start = k.len();
     tag(&mut k);
+    let tag_range = tag_start..k.len();
     k.push_str("}:");
     k.push_str(&policy.name);
     k.push(':');
@@ -189,7 +206,17 @@ pub fn write_rate_limit_key(
     }
     k.push(':');
     scope(&mut k);
-    k
+    // An empty tag is no tag to Redis Cluster: the whole key is hashed.
+    let tag = if tag_range.is_empty() {
+        0..k.len()
+    } else {
+        tag_range
+    };
+    LimitKey {
+        hash: text_hash(&k),
+        tag,
+        text: k,
+    }
 }
 
 /// The hash of a client's Idempotency-Key as it appears in the record's key and in logs.
@@ -300,7 +327,7 @@ mod tests {
         ];
         for (l, want) in cases {
             assert_eq!(
-                rate_limit_key("cg:demo", &tenant_tag("acme"), &p, &l, "abc"),
+                rate_limit_key("cg:demo", &tenant_tag("acme"), &p, &l, "abc").text(),
                 want
             );
         }
@@ -311,7 +338,8 @@ mod tests {
                 &p,
                 &limit(Algorithm::FixedWindow, 100),
                 "_"
-            ),
+            )
+            .text(),
             "cg:rl:{p.create-order}:create-order:tenant:fw:100/60000:_"
         );
     }
@@ -345,7 +373,26 @@ mod tests {
     }
 
     #[test]
-    fn hex_encoding() {
-        assert_eq!(hex(&[0x00, 0x0f, 0xab, 0xff]), "000fabff");
+    fn hash_tags() {
+        for (key, tag) in [
+            ("cg:rl:{t.abc}:p", "t.abc"),
+            ("cg:rl:{p.orders}:x:{y}", "p.orders"),
+            ("cg:plain", "cg:plain"),
+            ("cg:{}:x", "cg:{}:x"),
+        ] {
+            assert_eq!(hash_tag(key), tag, "{key}");
+        }
+    }
+
+    #[test]
+    fn a_limit_key_knows_its_tag_and_hash() {
+        let p = policy();
+        let l = limit(Algorithm::FixedWindow, 100);
+        let key = rate_limit_key("cg", &tenant_tag("acme"), &p, &l, "abc");
+        assert_eq!(key.tag(), "t.d2e79529ba2c46b2");
+        assert_eq!(key.tag(), hash_tag(key.text()));
+        assert_eq!(key.hash(), text_hash(key.text()));
+        let untagged = rate_limit_key("cg", "", &p, &l, "abc");
+        assert_eq!(untagged.tag(), untagged.text(), "an empty tag is no tag");
     }
 }

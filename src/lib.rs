@@ -9,23 +9,22 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-pub mod acquire;
-pub mod batch;
 pub mod config;
 pub mod flow;
 pub mod grpc;
 pub mod idempotency;
 pub mod ids;
 pub mod keys;
+pub mod local;
 pub mod lograte;
+pub mod lua;
 pub mod metrics;
 pub mod normalize;
-pub mod overlimit;
-pub mod quota;
 pub mod ratelimit;
 pub mod redis;
 pub mod request;
 pub mod respond;
+pub mod text;
 
 #[cfg(test)]
 mod robustness_tests;

@@ -1,13 +1,14 @@
 //! Rate limits of one request: which script calls to make, and what their replies mean.
 //!
 //! Keys, script arguments and the verdict. The calls themselves are planned by
-//! [`crate::acquire`], which groups limits by hash tag.
+//! [`crate::lua::acquire`], which groups limits by hash tag.
 
 use crate::config::{Policy, RateLimit};
-use crate::keys;
+use crate::keys::{self, LimitKey};
+use crate::local::slots::SlotTable;
 use crate::request::{selector_value, Caller, Request};
 use crate::respond::{self, LocalResponse, Member, Problem, QuotaView};
-use std::cell::RefCell;
+use crate::text::push_u64;
 
 /// The counter key of `limit` for this caller and request.
 pub fn key(
@@ -16,7 +17,7 @@ pub fn key(
     limit: &RateLimit,
     caller: &Caller,
     req: &Request,
-) -> String {
+) -> LimitKey {
     keys::write_rate_limit_key(
         prefix,
         policy,
@@ -44,18 +45,16 @@ pub fn key(
 /// Rate-limit keys this worker built, by what they were built from: a key costs two SHA-256
 /// digests, and the requests of one tenant build the same keys again and again.
 ///
-/// Bounded by construction, like the over-limit cache: a fixed table of slots indexed by a
-/// hash of the inputs; a slot stores the inputs in full, so a colliding request rebuilds its
-/// key (and takes the slot) instead of reading another's.
+/// A [`SlotTable`] indexed by a hash of the inputs; a slot stores the inputs in full, so a
+/// colliding request rebuilds its key (and takes the slot) instead of reading another's.
 pub struct KeyMemo {
-    slots: RefCell<Vec<Option<Memo>>>,
+    slots: SlotTable<Memo>,
 }
 
 /// A memo slot: the inputs a key was built from, and the key.
-#[derive(Clone)]
 struct Memo {
     input: Vec<u8>,
-    key: String,
+    key: LimitKey,
 }
 
 /// Slots of [`KeyMemo`] per worker.
@@ -68,7 +67,7 @@ const MAX_MEMO_INPUT: usize = 256;
 impl KeyMemo {
     pub fn new(slots: usize) -> KeyMemo {
         KeyMemo {
-            slots: RefCell::new(vec![None; slots]),
+            slots: SlotTable::new(slots),
         }
     }
 
@@ -81,11 +80,8 @@ impl KeyMemo {
         (limit_index, limit): (usize, &RateLimit),
         caller: &Caller,
         req: &Request,
-    ) -> String {
-        let Ok(mut slots) = self.slots.try_borrow_mut() else {
-            return key(prefix, policy, limit, caller, req);
-        };
-        if slots.is_empty() {
+    ) -> LimitKey {
+        if self.slots.capacity() == 0 {
             return key(prefix, policy, limit, caller, req);
         }
         // Everything the key depends on besides the config (the tag is the tenant, one of the
@@ -113,11 +109,7 @@ impl KeyMemo {
         let hash = input.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
             (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
         });
-        let n = slots.len();
-        let Some(slot) = slots.get_mut((hash % n as u64) as usize) else {
-            return key(prefix, policy, limit, caller, req);
-        };
-        match slot {
+        let found = self.slots.update(hash, |slot| match slot {
             Some(memo) if memo.input == input => memo.key.clone(),
             _ => {
                 let built = key(prefix, policy, limit, caller, req);
@@ -127,7 +119,8 @@ impl KeyMemo {
                 });
                 built
             }
-        }
+        });
+        found.unwrap_or_else(|| key(prefix, policy, limit, caller, req))
     }
 }
 
@@ -218,10 +211,10 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
     detail.push_str(" of operation \"");
     detail.push_str(&policy.name);
     detail.push_str("\" exceeded; retry after ");
-    respond::push_u64(&mut detail, retry_after);
+    push_u64(&mut detail, retry_after);
     detail.push_str(" s");
     let mut retry_after_value = String::with_capacity(8);
-    respond::push_u64(&mut retry_after_value, retry_after);
+    push_u64(&mut retry_after_value, retry_after);
     Verdict::Reject(respond::problem(
         Problem::RateLimited,
         &detail,
@@ -323,7 +316,11 @@ pub(crate) mod tests {
             .rate_limits
             .iter()
             .enumerate()
-            .map(|l| memo.key("cg", (0, policy), l, &caller, &req))
+            .map(|l| {
+                memo.key("cg", (0, policy), l, &caller, &req)
+                    .text()
+                    .to_string()
+            })
             .collect();
         let mut unique = keys.clone();
         unique.sort();

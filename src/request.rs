@@ -1,6 +1,6 @@
 //! The parts of an HTTP request the filter looks at, copied out of the host once.
 
-use crate::config::{Identity, Match, MissingTenant, Policy, Selector};
+use crate::config::{HeaderTest, IdSource, Identity, Match, MissingTenant, Policy, Selector};
 use crate::normalize::{normalize_path, query_pairs, trim_slash, PathForm};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -22,6 +22,10 @@ pub struct Request {
     pub client_ip: Option<String>,
     /// Lower-case header names with their values, in arrival order.
     pub headers: Vec<(String, String)>,
+    /// The tenant and principal read from the request's metadata (a verified token's claims),
+    /// for an identity whose source is `metadata`; `None` when absent or not usable.
+    pub tenant_claim: Option<String>,
+    pub principal_claim: Option<String>,
 }
 
 impl Request {
@@ -133,6 +137,8 @@ pub trait MatchInput {
     /// Whether a matcher has read the path.
     fn path_read(&self) -> bool;
     fn host(&mut self) -> &str;
+    /// The value of a request header a matcher tests (`Err` when it appears more than once).
+    fn header(&mut self, name: &str) -> Result<Option<&str>, Repeated>;
 }
 
 impl MatchInput for &Request {
@@ -153,6 +159,22 @@ impl MatchInput for &Request {
     }
     fn host(&mut self) -> &str {
         &self.host
+    }
+    fn header(&mut self, name: &str) -> Result<Option<&str>, Repeated> {
+        self.single_header(name)
+    }
+}
+
+impl HeaderTest {
+    /// Whether a header seen this way passes: a repeated header is present, and never
+    /// matches a value (which of its values would count is ambiguous).
+    fn holds(&self, seen: Result<Option<&str>, Repeated>) -> bool {
+        match (self, seen) {
+            (HeaderTest::Present(want), seen) => *want == !matches!(seen, Ok(None)),
+            (HeaderTest::Exact(v), Ok(Some(got))) => got == v,
+            (HeaderTest::Prefix(p), Ok(Some(got))) => got.starts_with(p.as_str()),
+            _ => false,
+        }
     }
 }
 
@@ -190,7 +212,12 @@ impl Match {
                 return false;
             }
         }
-        self.host.as_ref().is_none_or(|h| input.host() == h)
+        if self.host.as_ref().is_some_and(|h| input.host() != h) {
+            return false;
+        }
+        self.headers
+            .iter()
+            .all(|h| h.test.holds(input.header(&h.name)))
     }
 }
 
@@ -248,7 +275,13 @@ pub struct Probe<F: FnMut(&str) -> Option<String>> {
     method: Option<String>,
     path: Option<PathForm>,
     host: Option<String>,
+    /// Every header, read once when a matcher tests one (`match.headers`).
+    headers: Option<Vec<(String, String)>>,
+    read_all: Option<ReadAll>,
 }
+
+/// Reads every request header (lower-case names): see [`Probe::with_headers`].
+type ReadAll = Box<dyn FnMut() -> Vec<(String, String)>>;
 
 impl<F: FnMut(&str) -> Option<String>> Probe<F> {
     /// `read(name)` returns the raw value of `:method`, `:path` or `:authority`.
@@ -258,7 +291,18 @@ impl<F: FnMut(&str) -> Option<String>> Probe<F> {
             method: None,
             path: None,
             host: None,
+            headers: None,
+            read_all: None,
         }
+    }
+
+    /// `read_all()` returns every request header (lower-case names), for `match.headers`.
+    pub fn with_headers(
+        mut self,
+        read_all: impl FnMut() -> Vec<(String, String)> + 'static,
+    ) -> Self {
+        self.read_all = Some(Box::new(read_all));
+        self
     }
 
     fn form(&mut self) -> &PathForm {
@@ -294,6 +338,14 @@ impl<F: FnMut(&str) -> Option<String>> MatchInput for Probe<F> {
         self.host
             .get_or_insert_with(|| host_of(&read(":authority").unwrap_or_default()))
     }
+
+    fn header(&mut self, name: &str) -> Result<Option<&str>, Repeated> {
+        let read_all = &mut self.read_all;
+        let headers = self
+            .headers
+            .get_or_insert_with(|| read_all.as_mut().map(|r| r()).unwrap_or_default());
+        single(headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v))
+    }
 }
 
 /// Who is calling: the raw tenant and principal. These never leave the filter unhashed.
@@ -316,23 +368,46 @@ pub enum TenantError {
     PrincipalRepeated,
 }
 
-/// Resolves the caller from the identity headers.
+/// Resolves the caller from its identity sources: headers, or claims read from the request's
+/// metadata (then the header of that role is ignored entirely: a forged one changes nothing).
 pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, TenantError> {
-    let first = req
-        .single_header(&identity.tenant_header)
-        .map_err(|Repeated| TenantError::Repeated)?;
-    let tenant = match first.filter(|t| !t.is_empty()) {
+    let tenant = match &identity.tenant {
+        IdSource::Header(h) => req
+            .single_header(h)
+            .map_err(|Repeated| TenantError::Repeated)?,
+        IdSource::Metadata(_) => req.tenant_claim.as_deref(),
+    };
+    let tenant = match tenant.filter(|t| !t.is_empty()) {
         Some(t) => t.to_string(),
         None if identity.missing_tenant == MissingTenant::Anonymous => ANONYMOUS.to_string(),
         None => return Err(TenantError::Missing),
     };
-    let principal = req
-        .single_header(&identity.principal_header)
-        .map_err(|Repeated| TenantError::PrincipalRepeated)?
+    let principal = match &identity.principal {
+        IdSource::Header(h) => req
+            .single_header(h)
+            .map_err(|Repeated| TenantError::PrincipalRepeated)?,
+        IdSource::Metadata(_) => req.principal_claim.as_deref(),
+    };
+    let principal = principal
         .filter(|p| !p.is_empty())
         .unwrap_or(ANONYMOUS)
         .to_string();
     Ok(Caller { tenant, principal })
+}
+
+/// A metadata leaf as the host hands it over, as an identity: a string as it is, a number
+/// (8 bytes, a little-endian double) that is an integer as its decimal text; anything else
+/// (a map, a list, a fraction, an empty or unprintable value) is no identity.
+pub fn claim_text(bytes: &[u8]) -> Option<String> {
+    if let Ok(text) = std::str::from_utf8(bytes) {
+        if !text.is_empty() && !text.chars().any(char::is_control) {
+            return Some(text.to_string());
+        }
+    }
+    let n = f64::from_le_bytes(bytes.try_into().ok()?);
+    // Integers up to 2^53 are exact in a double.
+    (n.is_finite() && n.fract() == 0.0 && n.abs() <= 9_007_199_254_740_992.0)
+        .then(|| format!("{}", n as i64))
 }
 
 /// The value a selector takes for this request; `None` when the request does not carry it.
@@ -621,8 +696,8 @@ mod tests {
     #[test]
     fn identity() {
         let mut id = Identity {
-            tenant_header: "x-tenant-id".into(),
-            principal_header: "x-user-id".into(),
+            tenant: IdSource::Header("x-tenant-id".into()),
+            principal: IdSource::Header("x-user-id".into()),
             missing_tenant: MissingTenant::Reject,
         };
         let with = req("GET", "/", "h");
@@ -655,5 +730,77 @@ mod tests {
             identify(&id, &without).expect("anonymous").tenant,
             ANONYMOUS
         );
+    }
+
+    #[test]
+    fn claims_as_identities() {
+        assert_eq!(claim_text(b"tenant-a").as_deref(), Some("tenant-a"));
+        assert_eq!(claim_text(&42f64.to_le_bytes()).as_deref(), Some("42"));
+        assert_eq!(claim_text(&(-7f64).to_le_bytes()).as_deref(), Some("-7"));
+        assert_eq!(claim_text(&1.5f64.to_le_bytes()), None, "a fraction");
+        assert_eq!(claim_text(&f64::NAN.to_le_bytes()), None);
+        assert_eq!(claim_text(b""), None);
+        assert_eq!(claim_text(&[0, 0, 0, 2, 1, 0]), None, "a map or list");
+        // An 8-character string stays a string.
+        assert_eq!(claim_text(b"abcdefgh").as_deref(), Some("abcdefgh"));
+    }
+
+    #[test]
+    fn identity_from_claims_ignores_the_headers() {
+        let claims = Identity {
+            tenant: IdSource::Metadata(vec!["f".into(), "payload".into(), "tid".into()]),
+            principal: IdSource::Metadata(vec!["f".into(), "payload".into(), "sub".into()]),
+            missing_tenant: MissingTenant::Reject,
+        };
+        let mut r = req("GET", "/", "h");
+        r.headers.push(("x-user-id".into(), "mallory".into()));
+        r.headers.push(("x-user-id".into(), "again".into()));
+        assert_eq!(
+            identify(&claims, &r),
+            Err(TenantError::Missing),
+            "no claim, header ignored"
+        );
+        r.tenant_claim = Some("tenant-a".into());
+        let caller = identify(&claims, &r).expect("from the claim");
+        assert_eq!(
+            (caller.tenant.as_str(), caller.principal.as_str()),
+            ("tenant-a", ANONYMOUS)
+        );
+        r.principal_claim = Some("alice".into());
+        assert_eq!(identify(&claims, &r).expect("claims").principal, "alice");
+    }
+
+    #[test]
+    fn header_conditions() {
+        let config = Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [
+                {"name": "gold", "match": {"headers": [{"name": "x-plan", "exact": "gold"}]}},
+                {"name": "free", "match": {"headers": [{"name": "x-plan", "prefix": "fr"},
+                                                       {"name": "x-beta", "present": false}]}},
+                {"name": "beta", "match": {"headers": [{"name": "x-beta", "present": true}]}},
+                {"name": "rest"}]}"#,
+        )
+        .expect("valid");
+        let cases: [(&[(&str, &str)], &str); 6] = [
+            (&[("x-plan", "gold")], "gold"),
+            (&[("x-plan", "free")], "free"),
+            (&[("x-plan", "free"), ("x-beta", "1")], "beta"),
+            (&[("x-plan", "gold"), ("x-plan", "gold")], "rest"),
+            (&[("x-beta", "1"), ("x-beta", "2")], "beta"),
+            (&[("x-plan", "GOLD")], "rest"),
+        ];
+        for (headers, want) in cases {
+            let mut r = req("GET", "/", "h");
+            r.headers
+                .extend(headers.iter().map(|(n, v)| (n.to_string(), v.to_string())));
+            let got = select_policy(&config.policies, &r).map(|p| p.name.as_str());
+            assert_eq!(got, Some(want), "{headers:?}");
+            let all = r.headers.clone();
+            let mut probe = Probe::new(|name: &str| (name == ":path").then(|| "/".to_string()))
+                .with_headers(move || all.clone());
+            let lazy = policy_index(&config.policies, &mut probe)
+                .map(|s| config.policies[s.index()].name.as_str());
+            assert_eq!(lazy, Some(want), "lazy: {headers:?}");
+        }
     }
 }

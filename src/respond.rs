@@ -3,6 +3,7 @@
 //! (draft-ietf-httpapi-ratelimit-headers-10).
 
 use crate::grpc;
+use crate::text::push_u64;
 
 /// A response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -314,24 +315,6 @@ pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
     (policy, state)
 }
 
-/// Appends the decimal digits of `n` (what `write!` does, without the formatting machinery:
-/// this runs for every request that gets RateLimit headers).
-pub fn push_u64(out: &mut String, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    for &d in &digits[at..] {
-        out.push(char::from(d));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -414,15 +397,6 @@ mod tests {
             grpc_status: None,
         };
         assert_eq!(for_grpc(replay.clone()), replay);
-    }
-
-    #[test]
-    fn push_u64_writes_decimal() {
-        for n in [0, 1, 9, 10, 99, 100, 3_600_000, u64::MAX - 1, u64::MAX] {
-            let mut out = String::from("x");
-            push_u64(&mut out, n);
-            assert_eq!(out, format!("x{n}"));
-        }
     }
 
     #[test]

@@ -139,6 +139,26 @@ def stack_factory(tmp_path, topology):
         raise errors[0]
 
 
+@pytest.fixture
+def sidecars():
+    """`sidecars(stack, plugin_config, key_prefix, **variant) -> Envoy`: one more Envoy on a
+    (shared) stack for this test, with `envoy.key_prefix`; stopped and taken off the stack when
+    the test ends, also on failure. `variant` goes to the Envoy (routes, extra clusters, ...)."""
+    started = []
+
+    def add(stack: Stack, plugin_config: dict, key_prefix: str, **variant):
+        envoy = stack.add_envoy(plugin_config, **variant)
+        envoy.key_prefix = key_prefix
+        started.append((stack, envoy))
+        return envoy
+
+    yield add
+    for stack, envoy in reversed(started):
+        envoy.stop()
+        if envoy in stack.envoys:
+            stack.envoys.remove(envoy)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_process_outlives_the_run():
     """Safety net: whatever a test started and did not stop is stopped (by pid) at the end."""

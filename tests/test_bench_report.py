@@ -35,3 +35,28 @@ def test_compare_runs_get_their_own_ratio_and_row():
     assert rows["rl_rejected"][3] == "0.65"
     assert rows["rl_rejected@abc1234"][3] == "0.50"
     assert rows["rl_rejected@abc1234"][4:6] == ["0.50", "0.50"]
+
+
+def test_the_performance_doc_gets_the_run_between_its_markers(tmp_path, monkeypatch):
+    scenario = bench.Scenario("rl_rejected", "rejected", "get.lua", plugin=lambda s: {})
+    runs = [fake_run("plain", 1, 100), fake_run("scenario", 1, 60)]
+    results = {"plain": bench.summarize(None, runs, "plain"), "skipped": {},
+               "scenarios": {"rl_rejected": {"summary": bench.summarize(scenario, runs)}},
+               "lease_contended": [{"label": "ours", "utilisation": 0.8},
+                                   {"label": "ours", "utilisation": 0.9}],
+               "correctness": {"rl_rejected": {"ok": True}},
+               "meta": {"command": "make bench", "date": "2026-11-30T00:00:00", "cpus": 2,
+                        "envoy_version_short": "1.40.0", "rounds": 1, "seconds": 5,
+                        "wrk": {"threads": 2, "connections": 16},
+                        "loadavg_at_start": ["0.1", "0.2", "0.3"], "wasm_size_bytes": 1000}}
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"# Performance\nmethod\n{bench.RESULTS_BEGIN}\nold table\n{bench.RESULTS_END}\nbounds\n")
+    monkeypatch.setattr(bench, "PERF_DOC", doc)
+    assert bench.write_perf_doc(results)
+    text = doc.read_text()
+    assert text.startswith("# Performance\nmethod\n") and text.endswith("\nbounds\n")
+    assert "old table" not in text
+    assert "| rate limit rejected, 1 tenant, limit 10/1h | 60 | 0.60 (0.60) |" in text
+    assert "busy 0.85 of the time (rounds 0.80, 0.90)" in text
+    doc.write_text("no markers\n")
+    assert not bench.write_perf_doc(results) and doc.read_text() == "no markers\n"

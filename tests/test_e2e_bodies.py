@@ -18,7 +18,7 @@ import time
 import pytest
 
 from harness.concurrency import wait_for
-from harness.envoy import Envoy, Response
+from harness.envoy import Envoy
 from harness.stack import Stack
 from harness.upstream import big_body
 from test_e2e_idempotency import (TENANT_HEADER, assert_problem, idem_stat, new_key, new_tenant,
@@ -36,23 +36,17 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture
-def guard(shared):
+def guard(shared, sidecars):
     """`guard(*policies, timeout=..., buffer_limit=None, **top_level) -> Envoy` with a
     key_prefix of its own (`envoy.key_prefix`); stopped when the test ends."""
-    started: list[Envoy] = []
 
     def make(*policies: dict, timeout: str = "500ms", buffer_limit: int | None = None, **top):
         prefix = f"cg:e2e-body:{uid()}"
         config = plugin(shared, prefix, *policies, timeout=timeout)
         config.update(top)
-        envoy = shared.add_envoy(config, buffer_limit=buffer_limit)
-        envoy.key_prefix = prefix
-        started.append(envoy)
-        return envoy
+        return sidecars(shared, config, prefix, buffer_limit=buffer_limit)
 
-    yield make
-    for envoy in started:
-        envoy.stop()
+    return make
 
 
 def default_sizes(**idem) -> dict:

@@ -155,21 +155,15 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture
-def guard(shared):
+def guard(shared, sidecars):
     """`guard(*policies, cluster=None) -> Envoy` with a key_prefix of its own (`.key_prefix`)."""
-    started: list[Envoy] = []
 
     def make(*policies: dict, cluster: str | None = None) -> Envoy:
         prefix = f"cg:e2e-grpc:{uid()}"
-        envoy = shared.add_envoy(plugin(shared, prefix, *policies, cluster=cluster),
-                                 grpc_upstream_port=shared.grpc_service.port)
-        envoy.key_prefix = prefix
-        started.append(envoy)
-        return envoy
+        return sidecars(shared, plugin(shared, prefix, *policies, cluster=cluster), prefix,
+                        grpc_upstream_port=shared.grpc_service.port)
 
-    yield make
-    for envoy in started:
-        envoy.stop()
+    return make
 
 
 def executed(shared: Stack, method: str, body: bytes) -> int:
@@ -344,7 +338,7 @@ def test_d_fail_closed_is_unavailable_with_the_detail(shared, guard):
     envoy = guard(idem_policy(), cluster=DEAD_CLUSTER)
     out = call(envoy, CREATE, b"x", tenant=f"t-{uid()}", key=f"k-{uid()}")
     assert out.code == grpc.StatusCode.UNAVAILABLE, out
-    assert out.details == "the coordination store did not answer in time; retry shortly"
+    assert out.details == "the coordination store cannot decide: its gateway is unreachable; retry shortly"
     assert out.metadata("retry-after") == "1"
     assert executed(shared, "Create", b"x") == 0
     http = http_post(envoy, "/cg.test.Orders/http", f"t-{uid()}", f"k-{uid()}")

@@ -71,21 +71,15 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture
-def guard(shared):
+def guard(shared, sidecars):
     """`guard(normalise=False, **plugin kwargs) -> Envoy` with a key prefix of its own."""
-    started: list[Envoy] = []
 
     def make(normalise: bool = False, **kwargs) -> Envoy:
         prefix = f"cg:hostile:{uid()}"
-        envoy = shared.add_envoy(plugin(shared, prefix, **kwargs), path_normalization=normalise)
-        envoy.key_prefix = prefix
-        started.append(envoy)
-        return envoy
+        return sidecars(shared, plugin(shared, prefix, **kwargs), prefix,
+                        path_normalization=normalise)
 
-    yield make
-    for envoy in started:
-        envoy.stop()
-        shared.envoys.remove(envoy)
+    return make
 
 
 def raw(envoy: Envoy, method: str, path: str, headers: list[tuple[str, str]] = (),

@@ -54,10 +54,9 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture
-def guard(shared):
+def guard(shared, sidecars):
     """`guard(*policies, timeout=...) -> Envoy` with its own key_prefix (`envoy.key_prefix`),
     routing /ws/ and /live/ to the WebSocket service; stopped when the test ends."""
-    started: list[Envoy] = []
 
     def make(*policies: dict, timeout: str = "100ms") -> Envoy:
         prefix = f"cg:e2e-stream:{uid()}"
@@ -65,14 +64,10 @@ def guard(shared):
                   "identity": {"tenant_header": TENANT_HEADER, "principal_header": "x-user-id",
                                "missing_tenant": "reject"},
                   "policies": list(policies)}
-        envoy = shared.add_envoy(config, extra_clusters={"ws": shared.ws.port}, routes=WS_ROUTES)
-        envoy.key_prefix = prefix
-        started.append(envoy)
-        return envoy
+        return sidecars(shared, config, prefix, extra_clusters={"ws": shared.ws.port},
+                        routes=WS_ROUTES)
 
-    yield make
-    for envoy in started:
-        envoy.stop()
+    return make
 
 
 def session_policy(ttl: str = "10s", **lease) -> dict:

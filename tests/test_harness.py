@@ -216,9 +216,10 @@ def test_demo_cluster_config_renders_and_validates(tmp_path):
     import yaml
 
     from harness.cluster import RedisProxy
-    from harness.demo import CLUSTER_PORTS, node_ports, render_cluster_proxy
+    from harness.demo import cluster_ports, node_ports, render_cluster_proxy
 
-    ports = {**PORTS, **CLUSTER_PORTS}
+    ports = cluster_ports(PORTS)
+    assert (ports["webdis2"], ports["proxy_admin"], node_ports(ports)[0]) == (7380, 9902, 7001)
     config = render_demo(tmp_path / "demo.yaml", ports, cluster=True)
     assert validate_config(config) == (0, f"configuration '{config}' OK\n")
     clusters = yaml.safe_load(config.read_text())["static_resources"]["clusters"]

@@ -109,11 +109,59 @@ pub struct Batch {
     pub cross_slot: bool,
 }
 
+/// Where a role of the caller (tenant, principal) comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdSource {
+    /// A request header (lower case), which something the operator trusts sets.
+    Header(String),
+    /// A leaf of the request's dynamic metadata, e.g. a claim of the payload Envoy's
+    /// `jwt_authn` verified: `[filter, key, claim...]`. The header of the same role is then
+    /// ignored entirely.
+    Metadata(Vec<String>),
+}
+
+impl IdSource {
+    /// How a message to the client names it: "the x-tenant-id header", "the tid claim".
+    pub fn describe(&self) -> String {
+        match self {
+            IdSource::Header(h) => format!("the {h} header"),
+            IdSource::Metadata(path) => format!(
+                "the {} claim of a verified token",
+                path.last().map_or("", String::as_str)
+            ),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
-    pub tenant_header: String,
-    pub principal_header: String,
+    pub tenant: IdSource,
+    pub principal: IdSource,
     pub missing_tenant: MissingTenant,
+}
+
+impl Identity {
+    /// The metadata paths the request must be read at (the adapter reads them only then).
+    pub fn uses_metadata(&self) -> bool {
+        matches!(self.tenant, IdSource::Metadata(_))
+            || matches!(self.principal, IdSource::Metadata(_))
+    }
+}
+
+/// A condition on a request header of `match.headers`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderMatch {
+    /// Lower case.
+    pub name: String,
+    pub test: HeaderTest,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderTest {
+    Exact(String),
+    Prefix(String),
+    /// `true`: the header is there (once or more); `false`: it is not.
+    Present(bool),
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -124,6 +172,8 @@ pub struct Match {
     pub path_exact: Option<String>,
     /// Lower-case host without port.
     pub host: Option<String>,
+    /// Conditions on request headers, all of which must hold.
+    pub headers: Vec<HeaderMatch>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -349,8 +399,8 @@ impl Config {
         let identity = match root.get("identity") {
             Some(v) => identity(v, "identity")?,
             None => Identity {
-                tenant_header: "x-tenant-id".into(),
-                principal_header: "x-user-id".into(),
+                tenant: IdSource::Header("x-tenant-id".into()),
+                principal: IdSource::Header("x-user-id".into()),
                 missing_tenant: MissingTenant::Reject,
             },
         };
@@ -568,8 +618,8 @@ fn env_authorization(name: &str, path: &str, env: Env<'_>) -> Result<String> {
 
 fn identity(v: &Value, path: &str) -> Result<Identity> {
     let mut o = Obj::new(v, path)?;
-    let tenant_header = header_name(&mut o, "tenant_header")?.unwrap_or("x-tenant-id".into());
-    let principal_header = header_name(&mut o, "principal_header")?.unwrap_or("x-user-id".into());
+    let tenant = id_source(&mut o, "tenant", "tenant_header", "x-tenant-id")?;
+    let principal = id_source(&mut o, "principal", "principal_header", "x-user-id")?;
     let missing_tenant = match o.opt_str("missing_tenant")? {
         None | Some("reject") => MissingTenant::Reject,
         Some("anonymous") => MissingTenant::Anonymous,
@@ -582,10 +632,55 @@ fn identity(v: &Value, path: &str) -> Result<Identity> {
     };
     o.finish()?;
     Ok(Identity {
-        tenant_header,
-        principal_header,
+        tenant,
+        principal,
         missing_tenant,
     })
+}
+
+/// A role's source: `<role>: {"header": ...}` or `{"metadata": [...]}`, or the short form
+/// `<short>: "<header>"`; not both.
+fn id_source(
+    o: &mut Obj<'_>,
+    role: &'static str,
+    short: &'static str,
+    default: &str,
+) -> Result<IdSource> {
+    let header = header_name(o, short)?;
+    let Some(v) = o.get(role) else {
+        return Ok(IdSource::Header(header.unwrap_or_else(|| default.into())));
+    };
+    let path = o.field_path(role);
+    if header.is_some() {
+        return Err(ConfigError::new(
+            path,
+            format!("give either {role} or {short}, not both"),
+        ));
+    }
+    let mut src = Obj::new(v, &path)?;
+    let header = header_name(&mut src, "header")?;
+    let meta_path = src.field_path("metadata");
+    let metadata = src.opt_str_list("metadata")?;
+    src.finish()?;
+    match (header, metadata) {
+        (Some(h), None) => Ok(IdSource::Header(h)),
+        (None, Some(m)) => {
+            if m.len() < 2 || m.len() > 8 || m.iter().any(|p| p.is_empty()) {
+                return Err(ConfigError::new(
+                    meta_path,
+                    "must be 2 to 8 non-empty names: [filter, key, ...], e.g. \
+                     [\"envoy.filters.http.jwt_authn\", \"payload\", \"sub\"]",
+                ));
+            }
+            Ok(IdSource::Metadata(
+                m.iter().map(|p| p.to_string()).collect(),
+            ))
+        }
+        _ => Err(ConfigError::new(
+            path,
+            "must be {\"header\": \"<name>\"} or {\"metadata\": [path...]}",
+        )),
+    }
 }
 
 fn policy(
@@ -1075,13 +1170,44 @@ fn matcher(v: &Value, path: &str) -> Result<Match> {
         }
         h => h.map(str::to_ascii_lowercase),
     };
+    let mut headers = Vec::new();
+    let headers_path = o.field_path("headers");
+    if let Some(items) = o.opt_array("headers")? {
+        for (i, item) in items.iter().enumerate() {
+            headers.push(header_match(item, &index(&headers_path, i))?);
+        }
+    }
     o.finish()?;
     Ok(Match {
         methods,
         path_prefix,
         path_exact,
         host,
+        headers,
     })
+}
+
+/// `{"name": ..., "exact" | "prefix": "...", "present": true|false}`: one test per entry.
+fn header_match(v: &Value, path: &str) -> Result<HeaderMatch> {
+    let mut o = Obj::new(v, path)?;
+    let name = header_name(&mut o, "name")?
+        .ok_or_else(|| ConfigError::new(o.field_path("name"), "is required"))?;
+    let exact = o
+        .opt_str("exact")?
+        .map(|v| HeaderTest::Exact(v.to_string()));
+    let prefix = o
+        .opt_str("prefix")?
+        .map(|v| HeaderTest::Prefix(v.to_string()));
+    let present = o.opt_bool("present")?.map(HeaderTest::Present);
+    o.finish()?;
+    let mut tests = [exact, prefix, present].into_iter().flatten();
+    match (tests.next(), tests.next()) {
+        (Some(test), None) => Ok(HeaderMatch { name, test }),
+        _ => Err(ConfigError::new(
+            path,
+            "must have exactly one of exact, prefix, present",
+        )),
+    }
 }
 
 /// A path of a match: requests are matched in their canonical form, so the path must be

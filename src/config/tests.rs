@@ -93,7 +93,7 @@ fn defaults() {
     assert_eq!(c.redis.timeout_ms, DEFAULT_TIMEOUT_MS);
     assert_eq!(c.redis.key_prefix, "cg");
     assert_eq!(c.redis.authorization, None);
-    assert_eq!(c.identity.tenant_header, "x-tenant-id");
+    assert_eq!(c.identity.tenant, IdSource::Header("x-tenant-id".into()));
     assert_eq!(c.identity.missing_tenant, MissingTenant::Reject);
     assert_eq!(c.failure_mode, FailureMode::Closed);
     assert!(c.response_headers);
@@ -151,7 +151,7 @@ fn bad_configs_name_the_field() {
         ("query_selector_with_escape", "/policies/0/rate_limits/1/by/1", json!("query:i%64"),
          "policies[0].rate_limits[1].by[1]: \"query:i%64\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>)"),
         ("unknown_in_match", "/policies/0/match/path", json!("/x"),
-         "policies[0].match.path: unknown field (known here: host, methods, path_exact, path_prefix)"),
+         "policies[0].match.path: unknown field (known here: headers, host, methods, path_exact, path_prefix)"),
         ("bad_algorithm", "/policies/0/rate_limits/0/algorithm", json!("leaky"),
          "policies[0].rate_limits[0].algorithm: \"leaky\" is not one of fixed_window, sliding_window, sliding_log, token_bucket"),
         ("bad_selector", "/policies/0/rate_limits/1/by/1", json!("user"),
@@ -607,4 +607,98 @@ fn per_request_facts_are_derived_once_per_policy() {
             ("idem", false, true),
         ]
     );
+}
+
+#[test]
+fn identity_sources() {
+    let parse = |identity: Value| {
+        let mut v = base();
+        v["identity"] = identity;
+        Config::from_value(&v).map(|c| c.identity)
+    };
+    let jwt = |claim: &str| {
+        IdSource::Metadata(vec![
+            "envoy.filters.http.jwt_authn".into(),
+            "payload".into(),
+            claim.into(),
+        ])
+    };
+    let ok = parse(json!({
+        "tenant": {"metadata": ["envoy.filters.http.jwt_authn", "payload", "tid"]},
+        "principal": {"header": "X-Sub"}}))
+    .expect("valid");
+    assert_eq!(ok.tenant, jwt("tid"));
+    assert_eq!(ok.principal, IdSource::Header("x-sub".into()));
+    assert!(ok.uses_metadata());
+    let short = parse(json!({"tenant_header": "x-org"})).expect("valid");
+    assert_eq!(short.tenant, IdSource::Header("x-org".into()));
+    assert_eq!(short.principal, IdSource::Header("x-user-id".into()));
+    assert!(!short.uses_metadata());
+    for (identity, want) in [
+        (json!({"tenant_header": "x", "tenant": {"header": "y"}}),
+         "identity.tenant: give either tenant or tenant_header, not both"),
+        (json!({"principal": {"header": "x", "metadata": ["a", "b"]}}),
+         "identity.principal: must be {\"header\": \"<name>\"} or {\"metadata\": [path...]}"),
+        (json!({"tenant": {}}),
+         "identity.tenant: must be {\"header\": \"<name>\"} or {\"metadata\": [path...]}"),
+        (json!({"tenant": {"metadata": ["only-one"]}}),
+         "identity.tenant.metadata: must be 2 to 8 non-empty names: [filter, key, ...], e.g. [\"envoy.filters.http.jwt_authn\", \"payload\", \"sub\"]"),
+        (json!({"tenant": {"metadata": ["a", ""]}}),
+         "identity.tenant.metadata: must be 2 to 8 non-empty names: [filter, key, ...], e.g. [\"envoy.filters.http.jwt_authn\", \"payload\", \"sub\"]"),
+        (json!({"tenant": {"claim": "tid"}}),
+         "identity.tenant.claim: unknown field (known here: header, metadata)"),
+    ] {
+        assert_eq!(parse(identity).expect_err("bad").to_string(), want);
+    }
+}
+
+#[test]
+fn header_matches() {
+    let parse = |headers: Value| {
+        let mut v = base();
+        v["policies"][0]["match"]["headers"] = headers;
+        Config::from_value(&v).map(|c| c.policies[0].matcher.headers.clone())
+    };
+    let ok = parse(
+        json!([{"name": "X-Plan", "exact": "gold"}, {"name": "x-b", "prefix": "fr"},
+                          {"name": "x-c", "present": false}]),
+    )
+    .expect("valid");
+    assert_eq!(
+        ok,
+        vec![
+            HeaderMatch {
+                name: "x-plan".into(),
+                test: HeaderTest::Exact("gold".into())
+            },
+            HeaderMatch {
+                name: "x-b".into(),
+                test: HeaderTest::Prefix("fr".into())
+            },
+            HeaderMatch {
+                name: "x-c".into(),
+                test: HeaderTest::Present(false)
+            },
+        ]
+    );
+    for (headers, want) in [
+        (
+            json!([{"name": "x", "exact": "a", "prefix": "b"}]),
+            "policies[0].match.headers[0]: must have exactly one of exact, prefix, present",
+        ),
+        (
+            json!([{"name": "x"}]),
+            "policies[0].match.headers[0]: must have exactly one of exact, prefix, present",
+        ),
+        (
+            json!([{"exact": "a"}]),
+            "policies[0].match.headers[0].name: is required",
+        ),
+        (
+            json!([{"name": "a b", "exact": "a"}]),
+            "policies[0].match.headers[0].name: \"a b\" is not an HTTP header name",
+        ),
+    ] {
+        assert_eq!(parse(headers).expect_err("bad").to_string(), want);
+    }
 }

@@ -10,8 +10,9 @@
 
 use super::{Purpose, Runtime};
 use crate::lograte::WarnKind;
+use crate::lua::record::{outcome, Outcome};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink};
-use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId};
+use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
 
 /// The first pause before a release is sent again; it doubles with every attempt.
 pub const RETRY_FIRST_MS: u64 = 100;
@@ -88,22 +89,13 @@ impl Background {
         self
     }
 
-    fn script(&self) -> ScriptId {
-        match self.purpose {
-            Purpose::Release => ScriptId::Release,
-            Purpose::Complete => ScriptId::Complete,
-            Purpose::Acquire | Purpose::LeaseRetry => ScriptId::Acquire,
-            Purpose::LeaseRelease => ScriptId::LeaseRelease,
-            Purpose::LeaseExtend => ScriptId::LeaseExtend,
-        }
-    }
-
     /// The gateway request body; counts the send.
     pub fn encode(&mut self, rt: &Runtime, now_ms: u64) -> Vec<u8> {
         self.sent_ms = now_ms;
         self.attempts = self.attempts.saturating_add(1);
         self.first_ms.get_or_insert(now_ms);
-        self.call.encode(rt.scripts.get(self.script()), self.by_sha)
+        self.call
+            .encode(rt.scripts.get(self.purpose.script()), self.by_sha)
     }
 
     /// After a failed send: when to send it again, if at all. Only releases are retried
@@ -127,7 +119,7 @@ impl Background {
     /// waiting for it may poll at once.
     pub fn freed_lease(&self, answer: &Result<Reply, CallError>) -> Option<&str> {
         let freed = self.purpose == Purpose::LeaseRelease
-            && matches!(answer, Ok(r) if r.as_int() == Some(1));
+            && matches!(answer, Ok(r) if outcome(r) == Outcome::Done);
         freed
             .then(|| self.call.keys.first().map(String::as_str))
             .flatten()
@@ -152,12 +144,10 @@ impl Background {
             return Next::Done;
         };
         let lease = matches!(self.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
+        if resend_by_eval(&mut self.by_sha, &answer, &rt.metrics.redis, m) {
+            return Next::Resend;
+        }
         match answer {
-            Ok(reply) if is_noscript(&reply) && self.by_sha => {
-                m.increment(rt.metrics.redis.noscript);
-                self.by_sha = false;
-                Next::Resend
-            }
             Ok(reply) if !self.certain && matches!(reply.as_int(), Some(0 | -1)) => {
                 log::debug!(
                     "policy {}: nothing of this request's to settle ({:?})",
@@ -202,13 +192,24 @@ impl Background {
                     Some(im) => {
                         // Only sent for a record that exists or may exist.
                         m.increment(im.complete_failed);
+                        let compensation = self.compensation;
                         rt.warnings.warn(WarnKind::RecordNotSettled, self.policy, now_ms, || {
-                            format!(
-                                "idempotency record of policy {} key {} not settled ({}{tries}); it expires at its processing TTL",
-                                policy.name,
-                                self.key_hash,
-                                e.describe()
-                            )
+                            if compensation {
+                                // The acquire timed out: a record exists only if it ran late.
+                                format!(
+                                    "policy {} key {}: could not make sure that a late acquire left no record ({}{tries}); if it did, the record expires at its processing TTL",
+                                    policy.name,
+                                    self.key_hash,
+                                    e.describe()
+                                )
+                            } else {
+                                format!(
+                                    "idempotency record of policy {} key {} not settled ({}{tries}); it expires at its processing TTL",
+                                    policy.name,
+                                    self.key_hash,
+                                    e.describe()
+                                )
+                            }
                         });
                     }
                     None => {
@@ -251,10 +252,10 @@ pub fn count_lease(
     policy: &str,
     m: &dyn MetricSink,
 ) {
-    match (purpose, reply.as_int()) {
-        (Purpose::LeaseRelease, Some(1)) => m.increment(lm.released),
-        (Purpose::LeaseExtend, Some(1)) => m.increment(lm.extended),
-        (_, Some(0 | -1)) => {
+    match (purpose, outcome(reply)) {
+        (Purpose::LeaseRelease, Outcome::Done) => m.increment(lm.released),
+        (Purpose::LeaseExtend, Outcome::Done) => m.increment(lm.extended),
+        (_, Outcome::NotOurs) => {
             m.increment(lm.lost);
             log::warn!(
                 "policy {policy}: a lease was lost (it expired{}); the upstream's fencing check protects the data",
@@ -275,10 +276,10 @@ pub fn count_settlement(
     key_hash: &str,
     m: &dyn MetricSink,
 ) {
-    match (purpose, reply.as_int()) {
-        (Purpose::Complete, Some(1)) => m.increment(im.completed),
-        (Purpose::Release, Some(1)) => m.increment(im.released),
-        (_, Some(0 | -1)) => {
+    match (purpose, outcome(reply)) {
+        (Purpose::Complete, Outcome::Done) => m.increment(im.completed),
+        (Purpose::Release, Outcome::Done) => m.increment(im.released),
+        (_, Outcome::NotOurs) => {
             m.increment(im.stale_owner);
             log::warn!(
                 "policy {policy} key {key_hash}: the record is no longer ours (its processing TTL expired); not overwritten"

@@ -9,21 +9,24 @@ mod background;
 
 pub use background::{take_due, Background, Next};
 
-use crate::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire, LeaseAnswer};
 use crate::config::{
-    Completion, Config, FailureMode, FingerprintPart, Idempotency, Lease, OnBusy, Policy, Replay,
+    Completion, Config, FailureMode, FingerprintPart, IdSource, Idempotency, Lease, OnBusy, Policy,
+    Replay,
 };
 use crate::grpc;
 use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
 use crate::idempotency::header::{parse_key, KeyError};
 use crate::idempotency::record::{Record, StoredResponse};
 use crate::keys;
+use crate::keys::LimitKey;
+use crate::local::overlimit::{OverLimitCache, SharedStore};
+use crate::local::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::lograte::{WarnKind, Warnings};
+use crate::lua::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire, LeaseAnswer};
+use crate::lua::{lease, record, ScriptId, Scripts};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink, Metrics, PolicyMetrics};
-use crate::overlimit::{OverLimitCache, SharedStore};
-use crate::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::ratelimit::{self, KeyMemo, LimitState, Verdict, KEY_MEMO_SLOTS};
-use crate::redis::{is_noscript, resp::Reply, CallError, ScriptCall, ScriptId, Scripts};
+use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
 use crate::request::{
     identify, policy_index, repeated_input, selector_value, Caller, Request, Selected, TenantError,
 };
@@ -140,6 +143,19 @@ pub enum Purpose {
     LeaseExtend,
 }
 
+impl Purpose {
+    /// The script a call of this purpose runs.
+    pub fn script(self) -> ScriptId {
+        match self {
+            Purpose::Acquire | Purpose::LeaseRetry => ScriptId::Acquire,
+            Purpose::Complete => ScriptId::Complete,
+            Purpose::Release => ScriptId::Release,
+            Purpose::LeaseRelease => ScriptId::LeaseRelease,
+            Purpose::LeaseExtend => ScriptId::LeaseExtend,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Pending {
     purpose: Purpose,
@@ -220,7 +236,7 @@ pub struct Flow {
     held: Option<Held>,
     nonce: String,
     /// The Redis key of each rate limit (policy order), for the over-limit cache.
-    limit_keys: Vec<String>,
+    limit_keys: Vec<LimitKey>,
     /// Leased limits admitted from this worker's slice (no Redis call for them).
     local: Vec<bool>,
     /// Slices Redis granted to leased limits in this request's acquire (0: none).
@@ -476,10 +492,13 @@ impl Flow {
             Ok(c) => c,
             Err(TenantError::Missing) => {
                 m.increment(pm.missing_tenant);
-                let header = &rt.config.identity.tenant_header;
-                let detail = format!("this operation requires the {header} header");
+                let source = &rt.config.identity.tenant;
+                let detail = format!("this operation requires {}", source.describe());
                 // A 401 carries a challenge (RFC 9110): the scheme names what is missing.
-                let challenge = format!("Tenant header=\"{header}\"");
+                let challenge = match source {
+                    IdSource::Header(header) => format!("Tenant header=\"{header}\""),
+                    IdSource::Metadata(_) => "Bearer".to_string(),
+                };
                 return self.answer(respond::problem(
                     Problem::MissingTenant,
                     &detail,
@@ -489,10 +508,7 @@ impl Flow {
             }
             Err(TenantError::Repeated) => {
                 m.increment(pm.missing_tenant);
-                let detail = format!(
-                    "the {} header must appear once",
-                    rt.config.identity.tenant_header
-                );
+                let detail = format!("{} must appear once", rt.config.identity.tenant.describe());
                 return self.answer(respond::problem(
                     Problem::AmbiguousTenant,
                     &detail,
@@ -503,8 +519,8 @@ impl Flow {
             Err(TenantError::PrincipalRepeated) => {
                 m.increment(pm.ambiguous_input);
                 let detail = format!(
-                    "the {} header must appear once",
-                    rt.config.identity.principal_header
+                    "{} must appear once",
+                    rt.config.identity.principal.describe()
                 );
                 return self.answer(respond::problem(
                     Problem::AmbiguousPrincipal,
@@ -787,7 +803,7 @@ impl Flow {
             if !limit.leased {
                 continue;
             }
-            if let Some((left, expires)) = rt.quota.take(&self.limit_keys[i], now_ms) {
+            if let Some((left, expires)) = rt.quota.take(self.limit_keys[i].hash(), now_ms) {
                 self.states[i] = Some(LimitState {
                     allowed: true,
                     remaining: left,
@@ -801,11 +817,11 @@ impl Flow {
             self.refund_local(rt);
             return step;
         }
-        let keys: Vec<Option<&str>> = self
+        let keys: Vec<Option<&LimitKey>> = self
             .limit_keys
             .iter()
             .zip(&self.local)
-            .map(|(k, &local)| (!local).then_some(k.as_str()))
+            .map(|(k, &local)| (!local).then_some(k))
             .collect();
         let groups = acquire::plan(
             policy,
@@ -877,12 +893,10 @@ impl Flow {
             rt.metrics.redis.latency_ms,
             now_ms.saturating_sub(p.sent_ms),
         );
+        if resend_by_eval(&mut p.by_sha, &answer, &rt.metrics.redis, m) {
+            return Step::Dispatch(vec![self.outgoing(slot, now_ms)]);
+        }
         let reply = match answer {
-            Ok(reply) if is_noscript(&reply) && p.by_sha => {
-                m.increment(rt.metrics.redis.noscript);
-                p.by_sha = false;
-                return Step::Dispatch(vec![self.outgoing(slot, now_ms)]);
-            }
             Ok(reply) => reply,
             Err(e) => {
                 m.increment(if e == CallError::Timeout {
@@ -1038,7 +1052,7 @@ impl Flow {
             let reset = states.get(i).copied().flatten().map_or(0, |s| s.reset_ms);
             if let Some(key) = self.limit_keys.get(i) {
                 rt.quota
-                    .add(key, left, now_ms.saturating_add(reset), now_ms);
+                    .add(key.hash(), left, now_ms.saturating_add(reset), now_ms);
             }
             if let Some(Some(s)) = self.states.get_mut(i) {
                 s.remaining = left;
@@ -1054,7 +1068,7 @@ impl Flow {
             };
             if !state.allowed && !limit.shadow && state.retry_after_ms > 0 {
                 rt.over_limit
-                    .mark(key, now_ms.saturating_add(state.retry_after_ms));
+                    .mark(key.hash(), now_ms.saturating_add(state.retry_after_ms));
             }
         }
         let verdict = ratelimit::decide(policy, &self.states);
@@ -1150,7 +1164,7 @@ impl Flow {
         for (i, taken) in self.local.iter_mut().enumerate() {
             if std::mem::take(taken) {
                 if let Some(key) = self.limit_keys.get(i) {
-                    rt.quota.refund(key);
+                    rt.quota.refund(key.hash());
                 }
             }
         }
@@ -1171,7 +1185,7 @@ impl Flow {
             if limit.shadow || self.local.get(i).copied().unwrap_or(false) {
                 continue;
             }
-            if let Some(until) = rt.over_limit.rejecting_until(key, now_ms) {
+            if let Some(until) = rt.over_limit.rejecting_until(key.hash(), now_ms) {
                 let wait = until - now_ms;
                 states[i] = Some(LimitState {
                     allowed: false,
@@ -1264,23 +1278,10 @@ impl Flow {
         let Some(lease) = self.lease.as_ref() else {
             return Step::Continue;
         };
-        let a = &lease.acquire;
-        let call = ScriptCall {
-            keys: vec![a.key.clone(), a.fence_key.clone(), a.cancel_key.clone()],
-            args: vec![
-                "0".into(),
-                "1".into(),
-                self.nonce.clone(),
-                "0".into(),
-                "1".into(),
-                a.owner.clone(),
-                a.ttl_ms.to_string(),
-                a.fence_ttl_ms.to_string(),
-            ],
-        };
+        let call = acquire::lease_poll(&lease.acquire, &self.nonce);
         self.pending = vec![Pending {
             purpose: Purpose::LeaseRetry,
-            script: ScriptId::Acquire,
+            script: Purpose::LeaseRetry.script(),
             call,
             limits: Vec::new(),
             idem: false,
@@ -1313,17 +1314,7 @@ impl Flow {
         self.pending
             .iter_mut()
             .for_each(|p| p.lease_unsettled = false);
-        let call = if certain {
-            ScriptCall {
-                keys: vec![l.acquire.key.clone()],
-                args: vec![l.acquire.owner.clone()],
-            }
-        } else {
-            ScriptCall {
-                keys: vec![l.acquire.key.clone(), l.acquire.cancel_key.clone()],
-                args: vec![l.acquire.owner.clone(), marker_ttl.to_string()],
-            }
-        };
+        let call = lease::release(&l.acquire, (!certain).then_some(marker_ttl));
         let call = Background::new(policy, Purpose::LeaseRelease, call, String::new());
         self.background
             .push(if certain { call } else { call.compensation() });
@@ -1461,7 +1452,7 @@ impl Flow {
                 m.increment(pm.failed_closed);
                 self.answer(respond::problem(
                     Problem::GuardUnavailable,
-                    "the coordination store did not answer in time; retry shortly",
+                    &err.client_detail(rt.config.redis.timeout_ms),
                     &[],
                     vec![("retry-after".into(), "1".into())],
                 ))
@@ -1573,10 +1564,7 @@ impl Flow {
         self.background.push(Background::new(
             policy,
             Purpose::LeaseExtend,
-            ScriptCall {
-                keys: vec![l.acquire.key.clone()],
-                args: vec![l.acquire.owner.clone(), l.acquire.ttl_ms.to_string()],
-            },
+            lease::extend(&l.acquire),
             String::new(),
         ));
     }
@@ -1642,17 +1630,7 @@ impl Flow {
         self.pending
             .iter_mut()
             .for_each(|p| p.record_unsettled = false);
-        let call = if certain {
-            ScriptCall {
-                keys: vec![i.acquire.key.clone()],
-                args: vec![i.acquire.owner.clone()],
-            }
-        } else {
-            ScriptCall {
-                keys: vec![i.acquire.key.clone(), i.acquire.cancel_key.clone()],
-                args: vec![i.acquire.owner.clone(), marker_ttl.to_string()],
-            }
-        };
+        let call = record::release(&i.acquire, (!certain).then_some(marker_ttl));
         let call = Background::new(policy, Purpose::Release, call, i.key_hash.clone());
         self.background
             .push(if certain { call } else { call.compensation() });
@@ -1673,27 +1651,13 @@ impl Flow {
         .with_trailers(idem.trailers.clone());
         Some((
             Purpose::Complete,
-            ScriptCall {
-                keys: vec![idem.acquire.key.clone()],
-                args: vec![
-                    idem.acquire.owner.clone(),
-                    idem.acquire.fingerprint.clone(),
-                    cfg.completed_ttl_ms.to_string(),
-                    stored.to_json(),
-                ],
-            },
+            record::complete(&idem.acquire, cfg.completed_ttl_ms, stored.to_json()),
         ))
     }
 
     fn release_call(&self) -> Option<(Purpose, ScriptCall)> {
         let idem = self.idem.as_ref()?;
-        Some((
-            Purpose::Release,
-            ScriptCall {
-                keys: vec![idem.acquire.key.clone()],
-                args: vec![idem.acquire.owner.clone()],
-            },
-        ))
+        Some((Purpose::Release, record::release(&idem.acquire, None)))
     }
 
     /// Sends a complete/release now (sync: the response waits) or hands it to the root.
@@ -1722,27 +1686,17 @@ impl Flow {
             self.phase = Phase::Done;
             return Step::Continue;
         }
-        let script = match purpose {
-            Purpose::Release => ScriptId::Release,
-            _ => ScriptId::Complete,
-        };
-        let out = self.push_pending(purpose, script, call, now_ms);
+        let out = self.push_pending(purpose, call, now_ms);
         self.phase = Phase::Completing;
         self.deadline_ms = now_ms.saturating_add(rt.config.redis.timeout_ms);
         Step::Dispatch(vec![out])
     }
 
     /// Adds a call the response waits for and returns it to send.
-    fn push_pending(
-        &mut self,
-        purpose: Purpose,
-        script: ScriptId,
-        call: ScriptCall,
-        now_ms: u64,
-    ) -> Outgoing {
+    fn push_pending(&mut self, purpose: Purpose, call: ScriptCall, now_ms: u64) -> Outgoing {
         self.pending.push(Pending {
             purpose,
-            script,
+            script: purpose.script(),
             call,
             limits: Vec::new(),
             idem: false,
@@ -1762,11 +1716,8 @@ impl Flow {
         let l = self.lease.as_mut().filter(|l| l.held)?;
         l.held = false;
         l.next_extend_ms = None;
-        let call = ScriptCall {
-            keys: vec![l.acquire.key.clone()],
-            args: vec![l.acquire.owner.clone()],
-        };
-        Some(self.push_pending(Purpose::LeaseRelease, ScriptId::LeaseRelease, call, now_ms))
+        let call = lease::release(&l.acquire, None);
+        Some(self.push_pending(Purpose::LeaseRelease, call, now_ms))
     }
 
     /// After a response-side call answered: go on once none is outstanding.
@@ -2238,7 +2189,7 @@ fn content_length(headers: &[(String, String)]) -> Option<u64> {
 fn acquire_pending(g: acquire::Group, now_ms: u64) -> Pending {
     Pending {
         purpose: Purpose::Acquire,
-        script: ScriptId::Acquire,
+        script: Purpose::Acquire.script(),
         call: g.call,
         limits: g.limits,
         idem: g.idem,

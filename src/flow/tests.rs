@@ -1145,7 +1145,7 @@ fn leased_quota_admits_from_local_slices() {
     assert_eq!(first.response_headers()[1].1, "\"t\";r=11;t=60");
     // Another worker then learns that the counter rejects (the shared over-limit cache): the
     // units of this worker's slice were counted when it was taken, so they still admit.
-    rt.over_limit.mark(&first.limit_keys[0], 50_000);
+    rt.over_limit.mark(first.limit_keys[0].hash(), 50_000);
     // The next 11 are admitted locally: no call.
     for i in 0..11 {
         let mut f = Flow::default();

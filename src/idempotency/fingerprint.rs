@@ -4,7 +4,7 @@
 //! so `{"a":1,"b":2}` and `{ "b": 2, "a": 1 }` are the same request; any other body, and JSON
 //! that repeats a member name, counts byte for byte.
 
-use crate::keys::hex;
+use crate::text::hex;
 use sha2::{Digest, Sha256};
 
 /// True for `application/json` and `application/*+json` (parameters ignored).

@@ -1,9 +1,10 @@
-//! Redis access as data: which script to run with which keys and arguments, and what can go
-//! wrong. No I/O happens here; the adapter sends the encoded request and hands back the answer.
+//! Redis access as data: a script call's keys and arguments as the gateway's request, and
+//! what can go wrong. No I/O happens here; the adapter sends the encoded request and hands back the answer.
 
 pub mod resp;
 pub mod webdis;
 
+use crate::metrics::{MetricSink, RedisMetrics};
 use resp::Reply;
 use sha1::{Digest, Sha1};
 
@@ -23,66 +24,7 @@ impl Script {
         Script {
             name,
             source,
-            sha1: crate::keys::hex(&digest),
-        }
-    }
-}
-
-/// Which script a call runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScriptId {
-    /// Rate limits and the idempotency acquire of one hash slot.
-    Acquire,
-    /// `PROCESSING` -> `COMPLETED`, only by the owner.
-    Complete,
-    /// Deletes a `PROCESSING` record, only by the owner.
-    Release,
-    /// Deletes a lease, only by its owner.
-    LeaseRelease,
-    /// Extends a lease, only by its owner.
-    LeaseExtend,
-    /// Several acquires in one call (callout coalescing).
-    Batch,
-}
-
-/// The scripts the filter runs, loaded once per VM.
-#[derive(Debug)]
-pub struct Scripts {
-    pub acquire: Script,
-    pub complete: Script,
-    pub release: Script,
-    pub lease_release: Script,
-    pub lease_extend: Script,
-    pub batch: Script,
-}
-
-impl Scripts {
-    pub fn load() -> Scripts {
-        Scripts {
-            acquire: Script::new("acquire", include_str!("../lua/acquire.lua")),
-            complete: Script::new("complete", include_str!("../lua/complete.lua")),
-            release: Script::new("release", include_str!("../lua/release.lua")),
-            lease_release: Script::new("lease_release", include_str!("../lua/lease_release.lua")),
-            lease_extend: Script::new("lease_extend", include_str!("../lua/lease_extend.lua")),
-            batch: Script::new(
-                "batch",
-                concat!(
-                    include_str!("../lua/batch_head.lua"),
-                    include_str!("../lua/acquire.lua"),
-                    include_str!("../lua/batch_tail.lua")
-                ),
-            ),
-        }
-    }
-
-    pub fn get(&self, id: ScriptId) -> &Script {
-        match id {
-            ScriptId::Acquire => &self.acquire,
-            ScriptId::Complete => &self.complete,
-            ScriptId::Release => &self.release,
-            ScriptId::LeaseRelease => &self.lease_release,
-            ScriptId::LeaseExtend => &self.lease_extend,
-            ScriptId::Batch => &self.batch,
+            sha1: crate::text::hex(&digest),
         }
     }
 }
@@ -145,6 +87,8 @@ pub enum CallError {
     UnexpectedReply(String),
     /// No answer within the configured timeout (watchdog).
     Timeout,
+    /// The host refused to dispatch: `redis.cluster` names no cluster of this proxy.
+    NoSuchCluster,
 }
 
 impl CallError {
@@ -160,7 +104,37 @@ impl CallError {
             }
             CallError::UnexpectedReply(why) => format!("unexpected reply: {why}"),
             CallError::Timeout => "no answer within the timeout".into(),
+            CallError::NoSuchCluster => {
+                "redis.cluster is not a cluster of this proxy (check its spelling)".into()
+            }
         }
+    }
+
+    /// The cause as the client's `503` says it: which part failed, without configuration
+    /// values or Redis data.
+    pub fn client_detail(&self, timeout_ms: u64) -> String {
+        let cause = match self {
+            CallError::NoSuchCluster => "the proxy has no route to it (its gateway cluster is \
+                                         not configured)"
+                .to_string(),
+            CallError::NotSent | CallError::Transport => "its gateway is unreachable".into(),
+            CallError::Gateway(401 | 403) => "its gateway refused the proxy's credentials".into(),
+            CallError::Gateway(503) => "Redis is unavailable behind its gateway".into(),
+            CallError::Gateway(status) => format!("its gateway answered HTTP {status}"),
+            CallError::Redis(e) if e.starts_with("NOPERM") => {
+                "Redis refused the command (its ACL does not allow the proxy's keys)".into()
+            }
+            CallError::Redis(_) | CallError::Malformed(_) | CallError::UnexpectedReply(_) => {
+                "Redis answered with an error".into()
+            }
+            CallError::Timeout => {
+                let mut t = String::from("it did not answer within ");
+                crate::text::push_u64(&mut t, timeout_ms);
+                t.push_str(" ms");
+                t
+            }
+        };
+        format!("the coordination store cannot decide: {cause}; retry shortly")
     }
 }
 
@@ -171,7 +145,7 @@ impl CallError {
     /// may have run may have written something: only then is compensation worth a call.
     pub fn may_have_run(&self) -> bool {
         match self {
-            CallError::NotSent => false,
+            CallError::NotSent | CallError::NoSuchCluster => false,
             CallError::Gateway(status) => !((400..500).contains(status) || *status == 503),
             CallError::Transport
             | CallError::Malformed(_)
@@ -196,9 +170,53 @@ pub fn is_noscript(reply: &Reply) -> bool {
     matches!(reply, Reply::Error(e) if e.starts_with("NOSCRIPT"))
 }
 
+/// The one `NOSCRIPT` -> `EVAL` retry of every call: true (and counted) when `answer` says
+/// Redis does not know the script and the call went by `EVALSHA`; `by_sha` is then cleared,
+/// so the call is sent again once, with the script's source.
+pub fn resend_by_eval(
+    by_sha: &mut bool,
+    answer: &Result<Reply, CallError>,
+    metrics: &RedisMetrics,
+    m: &dyn MetricSink,
+) -> bool {
+    let retry = *by_sha && matches!(answer, Ok(reply) if is_noscript(reply));
+    if retry {
+        m.increment(metrics.noscript);
+        *by_sha = false;
+    }
+    retry
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_clients_503_names_the_cause() {
+        for (err, cause) in [
+            (CallError::NoSuchCluster, "the proxy has no route to it"),
+            (CallError::NotSent, "its gateway is unreachable"),
+            (
+                CallError::Gateway(403),
+                "its gateway refused the proxy's credentials",
+            ),
+            (
+                CallError::Gateway(503),
+                "Redis is unavailable behind its gateway",
+            ),
+            (
+                CallError::Redis("NOPERM this user has no permissions".into()),
+                "its ACL does not allow the proxy's keys",
+            ),
+            (CallError::Timeout, "it did not answer within 50 ms"),
+        ] {
+            let detail = err.client_detail(50);
+            assert!(detail.contains(cause), "{err:?}: {detail}");
+            assert!(detail.starts_with("the coordination store cannot decide: "));
+        }
+        assert!(!CallError::NoSuchCluster.may_have_run());
+        assert!(!CallError::NoSuchCluster.retryable());
+    }
 
     #[test]
     fn evalsha_then_eval() {

@@ -6,15 +6,15 @@
 //! Host calls go through `hostcalls` with their `Result`s handled: the SDK's trait helpers
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
-use crate::batch;
-use crate::config::{Config, ConfigError, RedisConfig};
+use crate::config::{Config, ConfigError, IdSource, RedisConfig};
 use crate::flow::{take_due, Background, Flow, Next, Runtime, Step};
 use crate::ids::TokenSource;
+use crate::local::overlimit::SharedStore;
 use crate::lograte::WarnKind;
+use crate::lua::batch::{BatchAnswer, Batcher, InFlight};
 use crate::metrics::{Kind, MetricSink, Metrics};
-use crate::overlimit::SharedStore;
-use crate::redis::{resp::Reply, webdis, CallError, ScriptCall, ScriptId};
-use crate::request::{policy_index, Probe, Request, Selected};
+use crate::redis::{resp::Reply, webdis, CallError};
+use crate::request::{claim_text, policy_index, Probe, Request, Selected};
 mod abi;
 
 use proxy_wasm::hostcalls;
@@ -35,7 +35,6 @@ proxy_wasm::main! {{
             vm: None,
             calls: HashMap::new(),
             stream_calls: HashMap::new(),
-            batches: HashMap::new(),
         })
     });
 }}
@@ -50,8 +49,9 @@ struct Vm {
     /// Calls the root sends on its next tick.
     outbox: RefCell<Vec<Background>>,
     /// Acquire calls waiting to be coalesced (`redis.batch`), sent by the root when this
-    /// worker's event loop comes back to it (or on the tick at the latest).
-    batch_queue: RefCell<Vec<Queued>>,
+    /// worker's event loop comes back to it (or on the tick at the latest), and the batches
+    /// in flight.
+    batcher: RefCell<Batcher<Weak<Stream>>>,
     /// This worker's shared queue: an HTTP context enqueues to wake the root, which the host
     /// does on the worker's next event-loop turn, so every acquire raised in this turn shares
     /// one batch without waiting for a timer.
@@ -95,20 +95,6 @@ impl Vm {
             }
         }
     }
-}
-
-/// An acquire call of a stream waiting for the next batch.
-struct Queued {
-    stream: Weak<Stream>,
-    slot: usize,
-    call: ScriptCall,
-}
-
-/// A batch in flight: whose answers it carries.
-struct InFlightBatch {
-    members: Vec<(Weak<Stream>, usize)>,
-    call: ScriptCall,
-    by_sha: bool,
 }
 
 impl Vm {
@@ -187,17 +173,11 @@ fn apply(
                 stream.paused.set(dir);
             }
             let mut action = Action::Pause;
-            let batching = vm.runtime.config.redis.batch.is_some();
             for call in calls {
-                if batching && call.script == ScriptId::Acquire && call.by_sha {
-                    if let Ok(mut queue) = vm.batch_queue.try_borrow_mut() {
-                        let first = queue.is_empty();
-                        queue.push(Queued {
-                            stream: Rc::downgrade(stream),
-                            slot: call.slot,
-                            call: call.call,
-                        });
-                        drop(queue);
+                if let Ok(mut batcher) = vm.batcher.try_borrow_mut() {
+                    if batcher.takes(call.script, call.by_sha) {
+                        let first = batcher.queue(Rc::downgrade(stream), call.slot, call.call);
+                        drop(batcher);
                         if let (true, Some(q)) = (first, vm.wake_queue) {
                             let _ = hostcalls::enqueue_shared_queue(q, Some(b"1"));
                         }
@@ -326,10 +306,20 @@ fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
         Duration::from_millis(redis.timeout_ms.saturating_mul(2).saturating_add(100)),
     )
     .map_err(|status| {
+        // Envoy refuses a callout to a cluster it does not know with BadArgument.
+        let err = if status == proxy_wasm::types::Status::BadArgument {
+            CallError::NoSuchCluster
+        } else {
+            CallError::NotSent
+        };
         rt.warnings.warn(WarnKind::Dispatch, 0, now_ms(), || {
-            format!("cannot dispatch to cluster {}: {status:?}", redis.cluster)
+            format!(
+                "cannot dispatch to cluster {} ({status:?}): {}",
+                redis.cluster,
+                err.describe()
+            )
         });
-        CallError::NotSent
+        err
     })
 }
 
@@ -360,8 +350,6 @@ struct Root {
     calls: HashMap<u32, Background>,
     /// Callouts the root sent for a stream (lease polls): token -> stream, slot.
     stream_calls: HashMap<u32, (Weak<Stream>, usize)>,
-    /// Batches in flight.
-    batches: HashMap<u32, InFlightBatch>,
 }
 
 impl Root {
@@ -391,12 +379,13 @@ impl Root {
         // The watchdog's resolution; batches ride on the tick only without a wake queue.
         let tick = config.tick_ms(config.redis.batch.is_some() && wake_queue.is_none());
         let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
+        let batch = config.redis.batch;
         self.vm = Some(Rc::new(Vm {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
             tokens: RefCell::new(TokenSource::from_entropy(now_ms())),
             waiting: RefCell::new(HashMap::new()),
             outbox: RefCell::new(Vec::new()),
-            batch_queue: RefCell::new(Vec::new()),
+            batcher: RefCell::new(Batcher::new(batch)),
             wake_queue,
             tick_ms: tick,
             fine_tick: Cell::new(false),
@@ -433,52 +422,23 @@ impl Root {
 }
 
 impl Root {
-    /// Sends the queued acquire calls as batches: per hash tag unless `cross_slot`, at most
-    /// `max_requests` each.
+    /// Sends the queued acquire calls as batches.
     fn flush_batches(&mut self, vm: &Rc<Vm>) {
-        let Some(cfg) = vm.runtime.config.redis.batch else {
-            return;
+        let batches = match vm.batcher.try_borrow_mut() {
+            Ok(mut b) => b.flush(),
+            Err(_) => return,
         };
-        let queued: Vec<Queued> = match vm.batch_queue.try_borrow_mut() {
-            Ok(mut q) if !q.is_empty() => std::mem::take(&mut *q),
-            _ => return,
-        };
-        let mut groups: Vec<(String, Vec<Queued>)> = Vec::new();
-        for q in queued {
-            let tag = if cfg.cross_slot {
-                String::new()
-            } else {
-                q.call
-                    .keys
-                    .first()
-                    .map(|k| batch::hash_tag(k).to_string())
-                    .unwrap_or_default()
-            };
-            match groups.iter_mut().find(|g| g.0 == tag) {
-                Some(g) => g.1.push(q),
-                None => groups.push((tag, vec![q])),
-            }
-        }
-        for (_, members) in groups {
-            let mut members = members.into_iter().peekable();
-            while members.peek().is_some() {
-                let chunk: Vec<Queued> = members.by_ref().take(cfg.max_requests).collect();
-                let call = batch::build(chunk.iter().map(|q| &q.call));
-                let batch = InFlightBatch {
-                    members: chunk.into_iter().map(|q| (q.stream, q.slot)).collect(),
-                    call,
-                    by_sha: true,
-                };
-                self.send_batch(vm, batch);
-            }
+        for batch in batches {
+            self.send_batch(vm, batch);
         }
     }
 
-    fn send_batch(&mut self, vm: &Rc<Vm>, batch: InFlightBatch) {
-        let body = batch.call.encode(&vm.runtime.scripts.batch, batch.by_sha);
-        match send(vm, &body) {
+    fn send_batch(&mut self, vm: &Rc<Vm>, batch: InFlight<Weak<Stream>>) {
+        match send(vm, &batch.encode(&vm.runtime.scripts)) {
             Ok(token) => {
-                self.batches.insert(token, batch);
+                if let Ok(mut b) = vm.batcher.try_borrow_mut() {
+                    b.sent(token, batch);
+                }
             }
             Err(e) => self.on_batch_answer(vm, batch, Err(e)),
         }
@@ -488,24 +448,16 @@ impl Root {
     fn on_batch_answer(
         &mut self,
         vm: &Rc<Vm>,
-        mut batch: InFlightBatch,
+        batch: InFlight<Weak<Stream>>,
         answer: Result<Reply, CallError>,
     ) {
-        if let Ok(reply) = &answer {
-            if crate::redis::is_noscript(reply) && batch.by_sha {
-                HostMetrics.increment(vm.runtime.metrics.redis.noscript);
-                batch.by_sha = false;
-                self.send_batch(vm, batch);
-                return;
-            }
-        }
-        let n = batch.members.len();
-        let parts: Vec<Result<Reply, CallError>> = match answer.and_then(|r| batch::split(&r, n)) {
-            Ok(parts) => parts,
-            Err(e) => vec![Err(e); n],
+        let members = match Batcher::answer(batch, answer, &vm.runtime.metrics.redis, &HostMetrics)
+        {
+            BatchAnswer::Resend(batch) => return self.send_batch(vm, batch),
+            BatchAnswer::Members(members) => members,
         };
         let now = now_ms();
-        for ((weak, slot), part) in batch.members.into_iter().zip(parts) {
+        for (weak, slot, part) in members {
             let Some(stream) = weak.upgrade() else {
                 continue;
             };
@@ -542,7 +494,12 @@ impl Context for Root {
         let Some(vm) = self.vm.clone() else {
             return;
         };
-        if let Some(batch) = self.batches.remove(&token) {
+        let batch = vm
+            .batcher
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut b| b.take(token));
+        if let Some(batch) = batch {
             let answer = call_answer(body_size);
             self.on_batch_answer(&vm, batch, answer);
             return;
@@ -757,6 +714,14 @@ fn header_pairs(map: MapType) -> Vec<(String, String)> {
         .collect()
 }
 
+/// A leaf of the request's dynamic metadata (`metadata.filter_metadata.<path...>`) as an
+/// identity (see [`claim_text`]).
+fn metadata_text(path: &[String]) -> Option<String> {
+    let mut full = vec!["metadata", "filter_metadata"];
+    full.extend(path.iter().map(String::as_str));
+    claim_text(&hostcalls::get_property(full).ok()??)
+}
+
 fn property(path: Vec<&str>) -> Option<String> {
     let bytes = hostcalls::get_property(path).ok()??;
     String::from_utf8(bytes).ok()
@@ -785,7 +750,8 @@ impl HttpContext for Filter {
                 .ok()
                 .flatten()
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
-        });
+        })
+        .with_headers(|| header_pairs(MapType::HttpRequestHeaders));
         let policies = &vm.runtime.config.policies;
         let (index, policy) = match policy_index(policies, &mut probe) {
             None => return Action::Continue,
@@ -816,10 +782,19 @@ impl HttpContext for Filter {
         } else {
             None
         };
-        let req = Request::from_headers(
+        let mut req = Request::from_headers(
             header_pairs(MapType::HttpRequestHeaders),
             address.as_deref(),
         );
+        // Claims Envoy verified (jwt_authn's payload in the request's metadata), read only for
+        // the roles configured to come from there.
+        let identity = &vm.runtime.config.identity;
+        if let IdSource::Metadata(path) = &identity.tenant {
+            req.tenant_claim = metadata_text(path);
+        }
+        if let IdSource::Metadata(path) = &identity.principal {
+            req.principal_claim = metadata_text(path);
+        }
         let step = self.stream.step(|f| {
             f.on_policy_request(
                 &vm.runtime,

@@ -2,22 +2,31 @@
 
     PYTHONPATH=tests .venv/bin/python -m harness.demo            # start, print curl lines, wait
     PYTHONPATH=tests .venv/bin/python -m harness.demo --render-only  # just write build/demo.yaml
-    PYTHONPATH=tests .venv/bin/python -m harness.demo --cluster  # on Redis Cluster (make run CLUSTER=1)
+    ... -m harness.demo --plugin my-plugin.json --redis-port 6380     # own config, other ports
+    ... -m harness.demo --cluster                                      # on Redis Cluster (make run CLUSTER=1)
 
 With --cluster, Redis is a Redis Cluster of six nodes (:7001-7006, 3 masters + 3 replicas) behind
-Envoy's redis_proxy on the Redis port (:6379, admin :9902; envoy/redis-cluster-proxy.yaml,
-written to build/redis-cluster-proxy.yaml), behind two webdis (:7379 and :7380), both endpoints
-of the filter's gateway cluster (tests/harness/cluster.py).
+Envoy's redis_proxy on the Redis port (admin on the admin port + 1; envoy/redis-cluster-proxy.yaml,
+written next to the Envoy config as redis-cluster-proxy.yaml), behind two webdis (the webdis port
+and the next one), both endpoints of the filter's gateway cluster (tests/harness/cluster.py).
+"Redis down" (SIGUSR1) then stops the proxy.
+
+The commands it prints are derived from the plugin configuration it runs: one example per
+kind of policy in it (rate limit, idempotency, lease) and fail-closed. While it runs, SIGUSR1
+stops its Redis and SIGUSR2 starts it again (`make demo-redis-down` / `make demo-redis-up`,
+through the pid in <logs>/demo.pid), so fail-closed answers can be watched.
 
 Ctrl-C or SIGTERM stops every process it started, by pid. A busy port is reported with the
 process holding it (Debian may start its own redis-server/webdis services on 6379/7379); the
-demo never stops processes it did not start.
+demo never stops processes it did not start. Its logs start fresh at every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,16 +45,49 @@ DEMO_PLUGIN = ROOT / "envoy" / "demo-plugin.json"
 BUILD = ROOT / "build"
 # The ports written in envoy/demo.yaml (and demo-plugin.json's world); --*-port overrides them.
 PORTS = {"envoy": 10000, "admin": 9901, "upstream": 8080, "webdis": 7379, "redis": 6379}
-# --cluster adds these: the second webdis, the redis proxy's admin, the six nodes from node_base.
-CLUSTER_PORTS = {"webdis2": 7380, "proxy_admin": 9902, "node_base": 7001}
+# --cluster adds these (defaults: the webdis port + 1, the admin port + 1, 7001).
+CLUSTER_PORTS = ("webdis2", "proxy_admin", "node_base")
+
+
+def cluster_ports(ports: dict[str, int], webdis2: int | None = None, proxy_admin: int | None = None,
+                  node_base: int = 7001) -> dict[str, int]:
+    return {**ports, "webdis2": webdis2 or ports["webdis"] + 1,
+            "proxy_admin": proxy_admin or ports["admin"] + 1, "node_base": node_base}
 
 
 def node_ports(ports: dict[str, int]) -> list[int]:
     return [ports["node_base"] + i for i in range(NODES)]
 
 
+class PluginError(ValueError):
+    """The plugin configuration cannot run in the demo; the message says why and what to do."""
+
+
+def load_plugin(path: Path) -> dict:
+    """The plugin JSON, checked for what the demo's stack needs (the filter checks the rest)."""
+    try:
+        plugin = json.loads(path.read_text())
+    except OSError as e:
+        raise PluginError(f"{path}: cannot read it ({e.strerror})") from e
+    except json.JSONDecodeError as e:
+        raise PluginError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from e
+    redis = plugin.get("redis") if isinstance(plugin, dict) else None
+    if not isinstance(redis, dict):
+        raise PluginError(f"{path}: redis: is required (copy the block of {DEMO_PLUGIN.name})")
+    demo = json.loads(DEMO_PLUGIN.read_text())["redis"]
+    prefix = redis.get("key_prefix", "cg")
+    if not (prefix == "cg" or str(prefix).startswith("cg:")):
+        raise PluginError(f"{path}: redis.key_prefix {prefix!r} is outside the demo gateway "
+                          "user's keys (~cg:*): use \"cg:<something>\"")
+    for field in ("cluster", "authorization"):
+        if redis.get(field) != demo[field]:
+            raise PluginError(f"{path}: redis.{field} must be {demo[field]!r} in the demo (the "
+                              f"demo's Envoy and webdis use it), not {redis.get(field)!r}")
+    return plugin
+
+
 def render_demo(out: Path, ports: dict[str, int] = PORTS, wasm_path: Path = DEFAULT_WASM,
-                cluster: bool = False) -> Path:
+                plugin_path: Path = DEMO_PLUGIN, cluster: bool = False) -> Path:
     """Write the runnable demo config: demo.yaml with the wasm path and plugin JSON filled in
     (with `cluster`, both webdis as endpoints of the gateway cluster)."""
     text = DEMO_TEMPLATE.read_text()
@@ -61,12 +103,9 @@ def render_demo(out: Path, ports: dict[str, int] = PORTS, wasm_path: Path = DEFA
         second = [line.replace(f"port_value: {ports['webdis']} }}", f"port_value: {ports['webdis2']} }}")
                   for line in endpoint]
         text = "".join(lines[:at + 1] + second + lines[at + 1:])
-    plugin = DEMO_PLUGIN.read_text()
-    prefix = json.loads(plugin)["redis"]["key_prefix"]  # fail here, not in Envoy, if not JSON
-    if not prefix.startswith("cg:"):
-        raise ValueError(f"{DEMO_PLUGIN}: key_prefix {prefix!r} is outside the gateway user's keys (~cg:*)")
+    plugin = load_plugin(plugin_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(substitute(text, {"WASM_PATH": str(wasm_path)}, plugin.strip()))
+    out.write_text(substitute(text, {"WASM_PATH": str(wasm_path)}, json.dumps(plugin)))
     return out
 
 
@@ -108,28 +147,105 @@ def check_ports(ports: dict[str, int]) -> None:
     busy = {name: v for name, v in busy.items() if v[1] is not None}
     if busy:
         lines = [f"  {name}: 127.0.0.1:{port} is in use by {holder}" for name, (port, holder) in busy.items()]
+        flags = " ".join(f"{name.upper()}_PORT={port + 1}" for name, (port, _) in busy.items())
         hint = ("Stop it yourself (e.g. `service redis-server stop`, `service webdis stop` for "
-                "Debian's services) or pass other ports (--redis-port, --webdis-port, ...); "
-                "the demo does not stop processes it did not start.")
+                f"Debian's services) or choose other ports: `make run {flags}` (ENVOY_PORT, "
+                "ADMIN_PORT, UPSTREAM_PORT, WEBDIS_PORT, REDIS_PORT); the demo does not stop "
+                "processes it did not start.")
         raise SystemExit("demo: ports busy:\n" + "\n".join(lines) + "\n" + hint)
 
 
+def _example_path(policy: dict, segment: str) -> tuple[str, str]:
+    """A method and path the policy's match fits, with `segment` where a lease resource reads a
+    path segment."""
+    match = policy.get("match", {})
+    method = (match.get("methods") or ["GET"])[0]
+    path = match.get("path_exact") or match.get("path_prefix") or "/demo"
+    if path.endswith("/"):
+        path += segment
+    segments = [p for p in path.split("/") if p]
+    for sel in (policy.get("lease") or {}).get("resource", []):
+        if sel.startswith("path_segment:"):
+            n = int(sel.split(":")[1])
+            while len(segments) < n:
+                segments.append(segment if len(segments) == n - 1 else "x")
+    path = "/" + "/".join(segments)
+    queries = [sel.split(":", 1)[1] for sel in (policy.get("lease") or {}).get("resource", [])
+               if sel.startswith("query:")]
+    if queries:
+        path += "?" + "&".join(f"{q}={segment}" for q in queries)
+    return method, path
+
+
+def examples(plugin: dict, envoy: str, upstream: str, logs: Path) -> list[str]:
+    """One example per kind of policy in `plugin`, as commands to paste."""
+    identity = plugin.get("identity", {})
+    tenant_h = identity.get("tenant_header", "x-tenant-id")
+    user_h = identity.get("principal_header", "x-user-id")
+    who = f"-H '{tenant_h}: acme' -H '{user_h}: alice'"
+    policies = plugin.get("policies", [])
+    out = []
+    limited = [(p, min(l["limit"] for l in p["rate_limits"] if not l.get("shadow")))
+               for p in policies
+               if any(not l.get("shadow") for l in p.get("rate_limits", []))
+               and not p.get("lease")]
+    if limited:
+        policy, smallest = min(limited, key=lambda pl: pl[1])
+        method, path = _example_path(policy, "1")
+        n = min(smallest + 3, 50)
+        out.append(f"Rate limit ({policy['name']}): {n} requests, the last ones get 429 with Retry-After:\n"
+                   f"  for i in $(seq 1 {n}); do curl -s -o /dev/null -w '%{{http_code}} ' -X {method} "
+                   f"{who} {envoy}{path}; done; echo")
+    idem = next((p for p in policies if p.get("idempotency")), None)
+    if idem:
+        cfg = idem["idempotency"]
+        method, path = _example_path(idem, "1")
+        method = (cfg.get("methods") or ["POST"])[0]
+        key = cfg.get("header", "idempotency-key")
+        base = (f"curl -s -i -X {method} {who} -H 'content-type: application/json' "
+                f"-H '{key}: \"order-0001\"' {envoy}{path}")
+        out.append(f"Idempotency ({idem['name']}): the second is replayed (Idempotent-Replayed: "
+                   f"true, the service runs once); another body with the key gets "
+                   f"{cfg.get('conflict_status', 422)}:\n"
+                   f"  {base} -d '{{\"item\": \"book\", \"qty\": 1}}'\n"
+                   f"  {base} -d '{{\"qty\": 1, \"item\": \"book\"}}'\n"
+                   f"  {base} -d '{{\"item\": \"pen\", \"qty\": 2}}'")
+    lease = next((p for p in policies if p.get("lease")), None)
+    if lease:
+        method, path = _example_path(lease, "1001")
+        header = lease["lease"].get("fencing_header", "x-fencing-token")
+        out.append(f"Lease ({lease['name']}): a slow request holds the resource, a second one on "
+                   f"it gets 409 resource_locked; the service got a fencing token in {header}:\n"
+                   f"  curl -s -o /dev/null -X {method} {who} -H 'x-upstream-delay-ms: 5000' {envoy}{path} &\n"
+                   f"  sleep 0.5; curl -s -i -X {method} {who} {envoy}{path}\n"
+                   f"  curl -s {upstream}/__upstream/stats | grep -o '\"{header}\": \"[0-9]*\"'")
+    guarded = next((p for p in policies if p.get("rate_limits") or p.get("lease")), None)
+    if guarded:
+        method, path = _example_path(guarded, "1002")
+        mode = guarded.get("failure_mode", plugin.get("failure_mode", "fail_closed"))
+        seen = "503 guard_unavailable" if mode == "fail_closed" else "the request forwarded"
+        out.append(f"Redis gone ({guarded['name']} is {mode}: {seen}), then back:\n"
+                   f"  make demo-redis-down LOGS={logs}\n"
+                   f"  curl -s -i -X {method} {who} {envoy}{path}\n"
+                   f"  make demo-redis-up LOGS={logs}")
+    return out
+
+
 def instructions(ports: dict[str, int], config: Path, logs: Path, redis_admin: str = "<password>",
-                 cluster: bool = False) -> str:
+                 plugin: dict | None = None, cluster: bool = False) -> str:
     envoy = f"http://127.0.0.1:{ports['envoy']}"
     admin = f"http://127.0.0.1:{ports['admin']}"
-    order = f"curl -i -X POST -H 'x-tenant-id: acme' -H 'x-user-id: alice' {envoy}/orders"
-    burst = ("for i in $(seq 1 8); do curl -s -o /dev/null -w '%{http_code}\\n' -X POST "
-             f"-H 'x-tenant-id: acme' -H 'x-user-id: alice' {envoy}/orders; done")
-    idem = (f"curl -i -X POST -H 'x-tenant-id: acme' -H 'x-user-id: bob' "
-            f"-H 'content-type: application/json' -H 'idempotency-key: \"order-0001\"' {envoy}/orders")
+    upstream = f"http://127.0.0.1:{ports['upstream']}"
+    plugin = plugin if plugin is not None else json.loads(DEMO_PLUGIN.read_text())
+    tour = "\n".join(examples(plugin, envoy, upstream, logs))
+    prefix = plugin["redis"].get("key_prefix", "cg")
     redis_cli = (f"redis-cli -p {ports['redis']} --user admin --pass {redis_admin} --no-auth-warning "
-                 "--scan --pattern 'cg:demo:*'")
+                 f"--scan --pattern '{prefix}:*'")
     backend = f"  webdis    http://127.0.0.1:{ports['webdis']} -> Redis 127.0.0.1:{ports['redis']}"
     if cluster:
         nodes = node_ports(ports)
         redis_cli = (f"redis-cli --user admin --pass {redis_admin} --no-auth-warning --cluster call "
-                     f"127.0.0.1:{nodes[0]} KEYS 'cg:demo:*'\n"
+                     f"127.0.0.1:{nodes[0]} KEYS '{prefix}:*'\n"
                      f"  redis-cli -p {nodes[0]} --user admin --pass {redis_admin} --no-auth-warning "
                      "cluster nodes")
         backend = (f"  webdis    http://127.0.0.1:{ports['webdis']} and :{ports['webdis2']}"
@@ -138,44 +254,56 @@ def instructions(ports: dict[str, int], config: Path, logs: Path, redis_admin: s
     return f"""
 coordination-guard demo is up
   Envoy     {envoy}  (admin {admin})
-  upstream  http://127.0.0.1:{ports['upstream']}
+  upstream  {upstream}
 {backend}
   config    {config}
   logs      {logs}/
 
-An allowed request:
-  {order}
-A burst that exceeds the user-burst limit (2/s, burst 3) and gets 429s:
-  {burst}
-An idempotent request, sent twice: the second is replayed (Idempotent-Replayed: true) and the
-service runs it once; the same key with another body gets 422:
-  {idem} -d '{{"item": "book", "qty": 1}}'
-  {idem} -d '{{"qty": 1, "item": "book"}}'
-  {idem} -d '{{"item": "pen", "qty": 2}}'
+{tour}
 Redis as the harness's admin user (webdis's own user may run only the scripts' commands on cg:* keys):
   {redis_cli}
 The filter's metrics:
   curl -s '{admin}/stats?filter=wasmcustom'
   curl -s {admin}/stats/prometheus | grep '^cg_'
 What the service actually executed:
-  curl -s http://127.0.0.1:{ports['upstream']}/__upstream/stats
+  curl -s {upstream}/__upstream/stats
 
 Ctrl-C stops everything.
 """.strip("\n")
 
 
-def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path, timeout: float = 20.0,
-        cluster: bool = False) -> int:
+def config_error(envoy_log: str) -> str | None:
+    """The filter's own line about an invalid configuration, from Envoy's start-up log."""
+    for line in envoy_log.splitlines():
+        if "invalid plugin configuration" in line:
+            return line.split("invalid plugin configuration: ", 1)[-1].strip()
+    return None
+
+
+def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
+        plugin_path: Path = DEMO_PLUGIN, timeout: float = 20.0, cluster: bool = False) -> int:
     if not wasm_path.exists():
         raise PrerequisiteMissing(f"{wasm_path} is missing; run `make build`")
+    try:
+        plugin = load_plugin(plugin_path)
+    except PluginError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 1
     check_ports(ports)
-    config = render_demo(out, ports, wasm_path, cluster)
+    config = render_demo(out, ports, wasm_path, plugin_path, cluster)
+    if logs.exists():
+        shutil.rmtree(logs)  # every run's logs start fresh
+    logs.mkdir(parents=True)
+    pid_file = logs / "demo.pid"
     started: dict[str, object] = {}  # label -> RedisServer | Webdis | Upstream | Proc
+    redis_wanted = {"up": True}  # SIGUSR1 takes Redis away, SIGUSR2 brings it back
 
     def stop(*_):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGUSR1, lambda *_: redis_wanted.update(up=False))
+    signal.signal(signal.SIGUSR2, lambda *_: redis_wanted.update(up=True))
     try:
         # The same restricted gateway user as the tests: keys `cg:*` (the demo's key_prefix
         # is cg:demo), only the scripts' commands.
@@ -185,21 +313,43 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path, timeout: 
                                      webdis_ports=[ports["webdis"], ports["webdis2"]])
             backend.proxy.config_path = out.parent / "redis-cluster-proxy.yaml"
             started["cluster"] = redis = backend.start(timeout=60)
+            redis_up = backend.proxy.alive
+            redis_down, redis_back = backend.stop_redis, lambda: backend.start_redis(timeout)
         else:
             started["redis"] = redis = RedisServer(logs / "redis", ports["redis"]).start(timeout)
             started["webdis"] = Webdis(logs / "webdis", ports["redis"], port=ports["webdis"],
                                        redis_password=redis.gateway_password).start(timeout)
+            redis_up = redis.alive
+            redis_down, redis_back = redis.stop, lambda: redis.start(timeout)
         started["upstream"] = Upstream(logs / "upstream", ports["upstream"]).start(timeout)
         started["envoy"] = envoy = spawn_envoy(logs / "envoy", config)
-        wait_http(f"http://127.0.0.1:{ports['admin']}/ready", timeout, envoy, expect=200)
+        try:
+            wait_http(f"http://127.0.0.1:{ports['admin']}/ready", timeout, envoy, expect=200)
+        except (RuntimeError, TimeoutError):
+            problem = config_error(envoy.log_text())
+            if problem is None:
+                raise
+            print(f"demo: {plugin_path}: {problem}", file=sys.stderr)
+            return 1
         wait_for_port(ports["envoy"], timeout, envoy.popen)
-        print(instructions(ports, config, logs, redis.admin_password, cluster), flush=True)
+        pid_file.write_text(f"{os.getpid()}\n")
+        print(instructions(ports, config, logs, redis.admin_password, plugin, cluster), flush=True)
         print("pids: " + " ".join(f"{label}={pid}" for label, pid in _pids(started)), flush=True)
-        while all(p.alive() for p in started.values()):
-            time.sleep(0.5)
-        dead = [label for label, p in started.items() if not p.alive()]
-        print(f"demo: {', '.join(dead)} exited unexpectedly; logs in {logs}/", file=sys.stderr)
-        return 1
+        while True:
+            if redis_wanted["up"] != redis_up():
+                if redis_wanted["up"]:
+                    redis_back()
+                    print("demo: Redis is back", flush=True)
+                else:
+                    redis_down()
+                    print("demo: Redis stopped (make demo-redis-up brings it back)", flush=True)
+            dead = [label for label, p in started.items()
+                    if not p.alive() and not (label in ("redis", "cluster") and not redis_wanted["up"])]
+            if dead:
+                print(f"demo: {', '.join(dead)} exited unexpectedly; logs in {logs}/",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.2)
     except KeyboardInterrupt:
         print("\nstopping demo", flush=True)
         return 0
@@ -207,10 +357,12 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path, timeout: 
         print(f"demo: start-up failed: {e}\nlogs in {logs}/", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the clean-up
         for part in reversed(list(started.values())):
             part.stop()
+        pid_file.unlink(missing_ok=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -237,23 +389,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wasm", type=Path, default=DEFAULT_WASM)
     parser.add_argument("--out", type=Path, default=BUILD / "demo.yaml", help="rendered Envoy config")
     parser.add_argument("--logs", type=Path, default=BUILD / "demo")
-    for name, port in CLUSTER_PORTS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}-port", type=int, default=port,
-                            help="with --cluster")
+    parser.add_argument("--render-only", action="store_true", help="write the config and exit")
+    parser.add_argument("--plugin", type=Path, default=DEMO_PLUGIN,
+                        help=f"the plugin configuration (default {DEMO_PLUGIN.relative_to(ROOT)})")
     parser.add_argument("--cluster", action="store_true",
                         help="Redis Cluster (6 nodes) behind redis_proxy behind two webdis")
-    parser.add_argument("--render-only", action="store_true", help="write the config and exit")
+    for name in CLUSTER_PORTS:
+        parser.add_argument(f"--{name.replace('_', '-')}-port", type=int, help="with --cluster")
     args = parser.parse_args(argv)
     ports = {name: getattr(args, f"{name}_port") for name in PORTS}
     if args.cluster:
-        ports.update({name: getattr(args, f"{name}_port") for name in CLUSTER_PORTS})
+        ports = cluster_ports(ports, args.webdis2_port, args.proxy_admin_port,
+                              args.node_base_port or 7001)
     if args.render_only:
-        print(render_demo(args.out, ports, args.wasm, args.cluster))
+        try:
+            print(render_demo(args.out, ports, args.wasm, args.plugin, args.cluster))
+        except PluginError as e:
+            print(f"demo: {e}", file=sys.stderr)
+            return 1
         if args.cluster:
             print(render_cluster_proxy(args.out.parent / "redis-cluster-proxy.yaml", ports))
         return 0
     try:
-        return run(ports, args.wasm, args.out, args.logs, cluster=args.cluster)
+        return run(ports, args.wasm, args.out, args.logs, args.plugin, cluster=args.cluster)
     except PrerequisiteMissing as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2

@@ -112,7 +112,7 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
                   direct_response: bool = False, cluster_header: str | None = None,
                   path_normalization: bool = True, buffer_limit: int | None = None,
                   vm_env: dict | None = None, grpc_upstream_port: int | None = None,
-                  routes: dict[str, str] | None = None,
+                  routes: dict[str, str] | None = None, pre_filters: list[dict] | None = None,
                   extra_gateway_ports: list[int] | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
@@ -133,6 +133,9 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
     `routes` maps path prefixes to clusters (e.g. one of `extra_clusters`), tried before the
     default route to the upstream.
 
+    `pre_filters` are HTTP filters placed before the Wasm filter (e.g. Envoy's `jwt_authn`,
+    whose verified payload the filter reads from the request's metadata).
+
     `extra_gateway_ports` adds endpoints (more webdis instances) to the `redis_gateway` cluster.
     """
     import yaml  # PyYAML, from tests/requirements.txt
@@ -145,6 +148,8 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
             hcm.pop(key, None)
     filters = hcm["http_filters"]
     wasm = next(f for f in filters if f["name"] == FILTER_NAME)
+    for f in pre_filters or []:
+        filters.insert(filters.index(wasm), f)
     if local_ratelimit is not None:
         filters[filters.index(wasm)] = _local_ratelimit_filter(**local_ratelimit)
     elif plugin_config is None:
@@ -228,13 +233,11 @@ class Envoy:
     def __init__(self, workdir: Path, plugin_config: dict | str | None, upstream_port: int,
                  gateway_port: int, *, wasm_path: Path | str | None = None,
                  blackhole_port: int | None = None, dead_port: int | None = None,
-                 extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
-                 direct_response: bool = False, concurrency: int = 2, listener_port: int = 0,
-                 admin_port: int = 0, log_level: str = "info", cluster_header: str | None = None,
-                 path_normalization: bool = True, buffer_limit: int | None = None,
-                 vm_env: dict | None = None, process_env: dict[str, str] | None = None,
-                 grpc_upstream_port: int | None = None, routes: dict[str, str] | None = None,
-                 extra_gateway_ports: list[int] | None = None):
+                 concurrency: int = 2, listener_port: int = 0, admin_port: int = 0,
+                 log_level: str = "info", process_env: dict[str, str] | None = None,
+                 **variant):
+        """`variant`: the keyword arguments of `render_config` (local_ratelimit,
+        direct_response, path_normalization, buffer_limit, vm_env, routes, pre_filters, ...)."""
         self.workdir = Path(workdir)
         self.process_env = process_env
         self.plugin_config = plugin_config
@@ -253,13 +256,7 @@ class Envoy:
             "DEAD_PORT": dead_port,
         }
         self.config = render_config(plugin_config=plugin_config, wasm_path=self.wasm_path,
-                                    ports=self.ports, extra_clusters=extra_clusters,
-                                    local_ratelimit=local_ratelimit, direct_response=direct_response,
-                                    cluster_header=cluster_header,
-                                    path_normalization=path_normalization,
-                                    buffer_limit=buffer_limit, vm_env=vm_env,
-                                    grpc_upstream_port=grpc_upstream_port, routes=routes,
-                                    extra_gateway_ports=extra_gateway_ports)
+                                    ports=self.ports, **variant)
         self.config_path = self.workdir / "envoy.yaml"
         self.admin_address_path = self.workdir / "admin.address"
         self.proc: Proc | None = None

@@ -123,24 +123,10 @@ class GrpcUpstream:
         self.proc = None
 
     def start(self, timeout: float = 20.0) -> "GrpcUpstream":
-        from .proc import Proc, wait_for_port
+        from .child import start_child
 
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = Proc("grpc-upstream", [sys.executable, "-u", __file__, "--port", "0"], self.workdir)
-        try:
-            deadline = time.monotonic() + timeout
-            while self.port is None:
-                for line in self.proc.log_text().splitlines():
-                    if line.startswith("grpc upstream listening on "):
-                        self.port = int(line.rsplit(":", 1)[1])
-                if self.port is None:
-                    if not self.proc.alive() or time.monotonic() > deadline:
-                        raise RuntimeError(f"grpc upstream did not start:\n{self.proc.log_tail()}")
-                    time.sleep(0.05)
-            wait_for_port(self.port, max(0.1, deadline - time.monotonic()), self.proc.popen)
-        except Exception:
-            self.proc.stop()
-            raise
+        self.proc, self.port = start_child("grpc-upstream", __file__, self.workdir,
+                                           "grpc upstream listening on ", 0, timeout)
         return self
 
     def stop(self) -> None:

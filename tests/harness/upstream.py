@@ -232,30 +232,10 @@ class Upstream:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> "Upstream":
-        from .proc import Proc, wait_for_port
+        from .child import start_child
 
-        name = f"upstream-{self.requested_port or 'any'}"
-        # The log is appended to: only what this start writes counts (a reused workdir holds
-        # an earlier run's "listening" line).
-        old_log = self.workdir / f"{name}.log"
-        skip = old_log.stat().st_size if old_log.exists() else 0
-        self.port = None
-        self.proc = Proc(name, [sys.executable, "-u", __file__, "--port", str(self.requested_port)],
-                         self.workdir)
-        try:
-            deadline = time.monotonic() + timeout
-            while self.port is None:
-                for line in self.proc.log_text()[skip:].splitlines():
-                    if line.startswith("upstream listening on "):
-                        self.port = int(line.rsplit(":", 1)[1])
-                if self.port is None:
-                    if not self.proc.alive() or time.monotonic() > deadline:
-                        raise RuntimeError(f"upstream did not start:\n{self.proc.log_tail()}")
-                    time.sleep(0.05)
-            wait_for_port(self.port, max(0.1, deadline - time.monotonic()), self.proc.popen)
-        except Exception:
-            self.proc.stop()
-            raise
+        self.proc, self.port = start_child(f"upstream-{self.requested_port or 'any'}", __file__, self.workdir,
+                                           "upstream listening on ", self.requested_port, timeout)
         return self
 
     def stop(self) -> None:

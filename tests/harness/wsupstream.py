@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import sys
 import time
 import urllib.request
 from http import HTTPStatus
@@ -78,24 +77,10 @@ class WsUpstream:
         self.proc = None
 
     def start(self, timeout: float = 10.0) -> "WsUpstream":
-        from .proc import Proc, wait_for_port
+        from .child import start_child
 
-        self.proc = Proc("wsupstream", [sys.executable, "-u", __file__, "--port", "0"],
-                         self.workdir)
-        try:
-            deadline = time.monotonic() + timeout
-            while self.port is None:
-                for line in self.proc.log_text().splitlines():
-                    if line.startswith("wsupstream listening on "):
-                        self.port = int(line.rsplit(":", 1)[1])
-                if self.port is None:
-                    if not self.proc.alive() or time.monotonic() > deadline:
-                        raise RuntimeError(f"wsupstream did not start:\n{self.proc.log_tail()}")
-                    time.sleep(0.05)
-            wait_for_port(self.port, max(0.1, deadline - time.monotonic()), self.proc.popen)
-        except Exception:
-            self.proc.stop()
-            raise
+        self.proc, self.port = start_child("wsupstream", __file__, self.workdir,
+                                           "wsupstream listening on ", 0, timeout)
         return self
 
     def stop(self) -> None:

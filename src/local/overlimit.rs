@@ -10,8 +10,7 @@
 //! mirrored in the host's shared data, so every worker of the proxy learns what one worker
 //! learnt.
 
-use std::cell::RefCell;
-use std::hash::{DefaultHasher, Hash, Hasher};
+use super::slots::SlotTable;
 
 /// The host's shared data (proxy-wasm `get_shared_data` / `set_shared_data`), or a fake.
 pub trait SharedStore {
@@ -25,91 +24,54 @@ struct Entry {
     until_ms: u64,
 }
 
+/// Keys are given by their hash ([`crate::keys::LimitKey::hash`]), computed once per request.
 pub struct OverLimitCache {
-    capacity: usize,
-    /// Allocated on the first `mark`: a VM that serves no requests (Envoy's main-thread VM)
-    /// never pays for the table.
-    slots: RefCell<Vec<Entry>>,
+    slots: SlotTable<Entry>,
     shared: Option<Box<dyn SharedStore>>,
-}
-
-/// Hash of a Redis key, the same in every worker (SipHash with fixed keys).
-pub fn key_hash(key: &str) -> u64 {
-    let mut h = DefaultHasher::new();
-    key.hash(&mut h);
-    // 0 marks an empty slot.
-    h.finish().max(1)
 }
 
 impl OverLimitCache {
     /// `capacity` slots (0 disables the cache).
     pub fn new(capacity: usize, shared: Option<Box<dyn SharedStore>>) -> OverLimitCache {
         OverLimitCache {
-            capacity,
-            slots: RefCell::new(Vec::new()),
+            slots: SlotTable::new(capacity),
             shared,
         }
     }
 
     pub fn enabled(&self) -> bool {
-        self.capacity > 0
-    }
-
-    fn slot_of(&self, hash: u64) -> Option<usize> {
-        (self.capacity > 0).then(|| (hash % self.capacity as u64) as usize)
+        self.slots.capacity() > 0
     }
 
     /// Whether this worker's table has been allocated (it is on the first `mark`).
     pub fn allocated(&self) -> bool {
-        self.slots.try_borrow().is_ok_and(|s| !s.is_empty())
+        self.slots.allocated()
     }
 
     fn shared_name(slot: usize) -> String {
         format!("cg.olc.{slot}")
     }
 
-    /// Until when `key` is known to reject, if it still does at `now_ms`.
-    pub fn rejecting_until(&self, key: &str, now_ms: u64) -> Option<u64> {
-        let hash = key_hash(key);
-        let slot = self.slot_of(hash)?;
-        let local = self
-            .slots
-            .try_borrow()
-            .ok()?
-            .get(slot)
-            .copied()
-            .unwrap_or_default();
-        if local.hash == hash && local.until_ms > now_ms {
-            return Some(local.until_ms);
+    /// Until when the key of `hash` is known to reject, if it still does at `now_ms`.
+    pub fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<u64> {
+        let live = |e: &Entry| (e.hash == hash && e.until_ms > now_ms).then_some(e.until_ms);
+        if let Some(until) = self.slots.read(hash, live) {
+            return Some(until);
         }
-        let shared = self.shared.as_ref()?.get(&Self::shared_name(slot))?;
-        let entry = decode(&shared)?;
-        if entry.hash == hash && entry.until_ms > now_ms {
-            self.store_local(slot, entry);
-            return Some(entry.until_ms);
-        }
-        None
+        let slot = self.slots.slot_of(hash)?;
+        let entry = decode(&self.shared.as_ref()?.get(&Self::shared_name(slot))?)?;
+        let until = live(&entry)?;
+        self.slots.update(hash, |s| *s = Some(entry));
+        Some(until)
     }
 
-    fn store_local(&self, slot: usize, entry: Entry) {
-        if let Ok(mut slots) = self.slots.try_borrow_mut() {
-            if slots.is_empty() {
-                slots.resize(self.capacity, Entry::default());
-            }
-            if let Some(s) = slots.get_mut(slot) {
-                *s = entry;
-            }
-        }
-    }
-
-    /// Records that `key` rejects until `until_ms`.
-    pub fn mark(&self, key: &str, until_ms: u64) {
-        let hash = key_hash(key);
-        let Some(slot) = self.slot_of(hash) else {
+    /// Records that the key of `hash` rejects until `until_ms`.
+    pub fn mark(&self, hash: u64, until_ms: u64) {
+        let Some(slot) = self.slots.slot_of(hash) else {
             return;
         };
         let entry = Entry { hash, until_ms };
-        self.store_local(slot, entry);
+        self.slots.update(hash, |s| *s = Some(entry));
         if let Some(shared) = &self.shared {
             shared.set(&Self::shared_name(slot), &encode(entry));
         }
@@ -132,6 +94,8 @@ fn decode(bytes: &[u8]) -> Option<Entry> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::local::slots::text_hash;
+    use std::cell::RefCell;
     use std::collections::HashMap;
     use std::rc::Rc;
 
@@ -150,24 +114,28 @@ mod tests {
     #[test]
     fn remembers_until_the_deadline() {
         let c = OverLimitCache::new(64, None);
-        assert_eq!(c.rejecting_until("k", 0), None);
-        c.mark("k", 1_000);
-        assert_eq!(c.rejecting_until("k", 999), Some(1_000));
+        assert_eq!(c.rejecting_until(text_hash("k"), 0), None);
+        c.mark(text_hash("k"), 1_000);
+        assert_eq!(c.rejecting_until(text_hash("k"), 999), Some(1_000));
         assert_eq!(
-            c.rejecting_until("k", 1_000),
+            c.rejecting_until(text_hash("k"), 1_000),
             None,
             "expired at the deadline"
         );
-        assert_eq!(c.rejecting_until("other", 10), None);
+        assert_eq!(c.rejecting_until(text_hash("other"), 10), None);
     }
 
     #[test]
     fn collisions_never_answer_for_another_key() {
         let c = OverLimitCache::new(1, None);
-        c.mark("a", 1_000);
-        c.mark("b", 2_000);
-        assert_eq!(c.rejecting_until("a", 10), None, "a was evicted by b");
-        assert_eq!(c.rejecting_until("b", 10), Some(2_000));
+        c.mark(text_hash("a"), 1_000);
+        c.mark(text_hash("b"), 2_000);
+        assert_eq!(
+            c.rejecting_until(text_hash("a"), 10),
+            None,
+            "a was evicted by b"
+        );
+        assert_eq!(c.rejecting_until(text_hash("b"), 10), Some(2_000));
     }
 
     #[test]
@@ -175,30 +143,32 @@ mod tests {
         let shared = FakeShared::default();
         let w1 = OverLimitCache::new(64, Some(Box::new(shared.clone())));
         let w2 = OverLimitCache::new(64, Some(Box::new(shared.clone())));
-        w1.mark("k", 5_000);
-        assert_eq!(w2.rejecting_until("k", 10), Some(5_000));
+        w1.mark(text_hash("k"), 5_000);
+        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some(5_000));
         assert_eq!(shared.0.borrow().len(), 1, "one slot, bounded");
     }
 
     #[test]
     fn the_table_is_allocated_on_first_use_only() {
+        // Large enough to matter, small enough for `make unit-wasm`: Node's V8 may crash on
+        // exit after a Wasm memory of tens of MiB.
         let shared = FakeShared::default();
-        let idle = OverLimitCache::new(1_000_000, Some(Box::new(shared.clone())));
-        let worker = OverLimitCache::new(1_000_000, Some(Box::new(shared.clone())));
+        let idle = OverLimitCache::new(10_000, Some(Box::new(shared.clone())));
+        let worker = OverLimitCache::new(10_000, Some(Box::new(shared.clone())));
         assert!(!idle.allocated() && !worker.allocated());
-        assert_eq!(worker.rejecting_until("k", 0), None);
+        assert_eq!(worker.rejecting_until(text_hash("k"), 0), None);
         assert!(
             !worker.allocated(),
             "a lookup that finds nothing allocates nothing"
         );
-        worker.mark("k", 5_000);
+        worker.mark(text_hash("k"), 5_000);
         assert!(worker.allocated());
         assert!(
             !idle.allocated(),
             "a VM that serves no requests never allocates"
         );
-        let reader = OverLimitCache::new(1_000_000, Some(Box::new(shared)));
-        assert_eq!(reader.rejecting_until("k", 10), Some(5_000));
+        let reader = OverLimitCache::new(10_000, Some(Box::new(shared)));
+        assert_eq!(reader.rejecting_until(text_hash("k"), 10), Some(5_000));
         assert!(
             reader.allocated(),
             "what another worker learnt is kept locally"
@@ -208,8 +178,8 @@ mod tests {
     #[test]
     fn disabled() {
         let c = OverLimitCache::new(0, None);
-        c.mark("k", 5_000);
+        c.mark(text_hash("k"), 5_000);
         assert!(!c.enabled());
-        assert_eq!(c.rejecting_until("k", 10), None);
+        assert_eq!(c.rejecting_until(text_hash("k"), 10), None);
     }
 }

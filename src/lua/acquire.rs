@@ -8,6 +8,7 @@
 
 use crate::config::Policy;
 use crate::idempotency::record::Record;
+use crate::keys::LimitKey;
 use crate::ratelimit::{self, LimitState};
 use crate::redis::{resp::Reply, CallError, ScriptCall};
 
@@ -50,26 +51,26 @@ pub struct Group {
 
 /// Plans the calls: tenant-tagged group first. `keys[i]` is the counter key of limit `i`, or
 /// `None` for a limit that needs no call (answered from a local slice).
-pub fn plan<S: AsRef<str>>(
+pub fn plan(
     policy: &Policy,
-    keys: &[Option<S>],
+    keys: &[Option<&LimitKey>],
     nonce: &str,
     idem: Option<&IdemAcquire>,
     lease: Option<&LeaseAcquire>,
 ) -> Vec<Group> {
     let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
     for (i, key) in keys.iter().enumerate().take(policy.rate_limits.len()) {
-        let Some(key) = key.as_ref().map(AsRef::as_ref) else {
+        let Some(key) = key else {
             continue;
         };
         // Keys with one hash tag share a slot, so one script call.
-        let tag = crate::keys::hash_tag(key);
+        let tag = key.tag();
         match groups.iter_mut().find(|g| g.0 == tag) {
             Some(g) => {
                 g.1.push(i);
-                g.2.push(key.to_string());
+                g.2.push(key.text().to_string());
             }
-            None => groups.push((tag.to_string(), vec![i], vec![key.to_string()])),
+            None => groups.push((tag.to_string(), vec![i], vec![key.text().to_string()])),
         }
     }
     for tag in idem
@@ -83,52 +84,70 @@ pub fn plan<S: AsRef<str>>(
     }
     let mut out: Vec<Group> = groups
         .into_iter()
-        .map(|(tag, limits, mut keys)| {
-            let mut args = vec![limits.len().to_string(), "1".into(), nonce.to_string()];
-            for &i in &limits {
-                args.extend(ratelimit::limit_args(&policy.rate_limits[i]));
-            }
+        .map(|(tag, limits, keys)| {
             let with_idem = idem.filter(|d| d.tag == tag);
-            match with_idem {
-                Some(d) => {
-                    keys.push(d.key.clone());
-                    args.push("1".into());
-                    args.push(d.fingerprint.clone());
-                    args.push(d.owner.clone());
-                    args.push(d.processing_ttl_ms.to_string());
-                }
-                None => args.push("0".into()),
-            }
             let with_lease = lease.filter(|l| l.tag == tag);
-            match with_lease {
-                Some(l) => {
-                    keys.push(l.key.clone());
-                    keys.push(l.fence_key.clone());
-                    args.push("1".into());
-                    args.push(l.owner.clone());
-                    args.push(l.ttl_ms.to_string());
-                    args.push(l.fence_ttl_ms.to_string());
-                }
-                None => args.push("0".into()),
-            }
-            // The cancellation marker, last: a late acquire of a cancelled owner writes nothing.
-            if let Some(marker) = with_idem
-                .map(|d| &d.cancel_key)
-                .or(with_lease.map(|l| &l.cancel_key))
-            {
-                keys.push(marker.clone());
-            }
+            let limit_args = limits
+                .iter()
+                .flat_map(|&i| ratelimit::limit_args(&policy.rate_limits[i]));
+            let call = group_call(keys, limits.len(), limit_args, nonce, with_idem, with_lease);
             Group {
                 tag,
                 limits,
                 idem: with_idem.is_some(),
                 lease: with_lease.is_some(),
-                call: ScriptCall { keys, args },
+                call,
             }
         })
         .collect();
     out.sort_by_key(|g| !g.tag.starts_with("t."));
     out
+}
+
+/// One `acquire.lua` call: the counters `keys` (`n` limits, their arguments `limit_args`), then
+/// the record's and the lease's sections when given, and the owner's cancellation marker last.
+fn group_call(
+    mut keys: Vec<String>,
+    n: usize,
+    limit_args: impl Iterator<Item = String>,
+    nonce: &str,
+    idem: Option<&IdemAcquire>,
+    lease: Option<&LeaseAcquire>,
+) -> ScriptCall {
+    let mut args = vec![n.to_string(), "1".into(), nonce.to_string()];
+    args.extend(limit_args);
+    match idem {
+        Some(d) => {
+            keys.push(d.key.clone());
+            args.push("1".into());
+            args.push(d.fingerprint.clone());
+            args.push(d.owner.clone());
+            args.push(d.processing_ttl_ms.to_string());
+        }
+        None => args.push("0".into()),
+    }
+    match lease {
+        Some(l) => {
+            keys.push(l.key.clone());
+            keys.push(l.fence_key.clone());
+            args.push("1".into());
+            args.push(l.owner.clone());
+            args.push(l.ttl_ms.to_string());
+            args.push(l.fence_ttl_ms.to_string());
+        }
+        None => args.push("0".into()),
+    }
+    // The cancellation marker, last: a late acquire of a cancelled owner writes nothing.
+    if let Some(marker) = idem.map(|d| &d.cancel_key).or(lease.map(|l| &l.cancel_key)) {
+        keys.push(marker.clone());
+    }
+    ScriptCall { keys, args }
+}
+
+/// A lease-only acquire: polls a busy lease again (`on_busy: wait`). Its reply is read by
+/// [`read_reply`] with no limits, no record and the lease.
+pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
+    group_call(Vec::new(), 0, std::iter::empty(), nonce, None, Some(lease))
 }
 
 /// What the idempotency section of an acquire found.
@@ -275,7 +294,7 @@ mod tests {
         caller: &Caller,
         req: &Request,
         skip: &[bool],
-    ) -> Vec<Option<String>> {
+    ) -> Vec<Option<LimitKey>> {
         policy
             .rate_limits
             .iter()
@@ -285,6 +304,10 @@ mod tests {
                     .then(|| ratelimit::key(prefix, policy, l, caller, req))
             })
             .collect()
+    }
+
+    fn refs(keys: &[Option<LimitKey>]) -> Vec<Option<&LimitKey>> {
+        keys.iter().map(Option::as_ref).collect()
     }
 
     fn idem() -> IdemAcquire {
@@ -304,7 +327,7 @@ mod tests {
         let (caller, req) = request();
         let groups = plan(
             &c.policies[0],
-            &keys("cg:demo", &c.policies[0], &caller, &req, &[]),
+            &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
             "n1",
             None,
             None,
@@ -350,7 +373,7 @@ mod tests {
         let (caller, req) = request();
         let groups = plan(
             &c.policies[0],
-            &keys("cg:demo", &c.policies[0], &caller, &req, &[]),
+            &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
             "n1",
             Some(&idem()),
             None,
@@ -377,7 +400,7 @@ mod tests {
         // No tenant-scoped limit: the record gets a group of its own.
         let alone = plan(
             &c.policies[1],
-            &keys("cg:demo", &c.policies[1], &caller, &req, &[]),
+            &refs(&keys("cg:demo", &c.policies[1], &caller, &req, &[])),
             "n1",
             Some(&idem()),
             None,
@@ -406,7 +429,7 @@ mod tests {
         };
         let groups = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &caller, &req, &[]),
+            &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
             "n1",
             Some(&idem()),
             Some(&lease),
@@ -474,12 +497,38 @@ mod tests {
     }
 
     #[test]
+    fn a_lease_poll_is_a_lease_only_acquire() {
+        let lease = LeaseAcquire {
+            key: "cg:lease:{t.x}:p:r".into(),
+            fence_key: "cg:fence:{t.x}:p:r".into(),
+            tag: "t.x".into(),
+            owner: "o2".into(),
+            ttl_ms: 10_000,
+            fence_ttl_ms: 604_800_000,
+            cancel_key: "cg:cancel:{t.x}:p:o2".into(),
+        };
+        let call = lease_poll(&lease, "n1");
+        assert_eq!(
+            call.keys,
+            vec![
+                lease.key.clone(),
+                lease.fence_key.clone(),
+                lease.cancel_key.clone()
+            ]
+        );
+        assert_eq!(
+            call.args,
+            vec!["0", "1", "n1", "0", "1", "o2", "10000", "604800000"]
+        );
+    }
+
+    #[test]
     fn skipped_limits_are_left_out() {
         let c = config();
         let (caller, req) = request();
         let groups = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &caller, &req, &[true, true]),
+            &refs(&keys("cg", &c.policies[0], &caller, &req, &[true, true])),
             "n",
             None,
             None,
@@ -488,7 +537,7 @@ mod tests {
         assert_eq!(groups[0].limits, vec![2, 3]);
         let none = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &caller, &req, &[true; 4]),
+            &refs(&keys("cg", &c.policies[0], &caller, &req, &[true; 4])),
             "n",
             None,
             None,
@@ -506,14 +555,14 @@ mod tests {
         };
         let a = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &caller, &req, &[]),
+            &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
             "n",
             None,
             None,
         );
         let b = plan(
             &c.policies[0],
-            &keys("cg", &c.policies[0], &other, &req, &[]),
+            &refs(&keys("cg", &c.policies[0], &other, &req, &[])),
             "n",
             None,
             None,

@@ -1,0 +1,304 @@
+//! `cg-check PLUGIN.json`: checks a plugin configuration with the filter's own validation,
+//! without Envoy. Exit 0 with a one-screen summary of what the configuration does, 1 with the
+//! error the filter would log (the field path and the problem), 2 when the file cannot be read.
+//!
+//! The checker cannot see the Wasm VM's environment: a `redis.authorization_env` variable is
+//! taken as set, and the summary says so.
+
+use coordination_guard::config::{
+    Algorithm, Completion, Config, FailureMode, FingerprintPart, MissingTenant, OnBusy, Policy,
+    RateLimit, Replay, Selector,
+};
+use std::cell::RefCell;
+use std::fmt::Write;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [path] = args.as_slice() else {
+        eprintln!("usage: cg-check PLUGIN.json   (the filter's plugin configuration, JSON)");
+        return ExitCode::from(2);
+    };
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("cg-check: cannot read {path}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match check(&bytes) {
+        Ok(summary) => {
+            print!("{path}: valid\n{summary}");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("{path}: invalid plugin configuration: {error}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The summary of a valid configuration, or the filter's error line.
+fn check(bytes: &[u8]) -> Result<String, String> {
+    let env_name = RefCell::new(None::<String>);
+    let env = |name: &str| {
+        *env_name.borrow_mut() = Some(name.to_string());
+        Some("(from the VM's environment)".to_string())
+    };
+    let config = Config::parse_with_env(bytes, &env).map_err(|e| e.to_string())?;
+    let credential = match (env_name.into_inner(), &config.redis.authorization) {
+        (Some(name), _) => format!("from ${name} in the VM's environment (not checked here)"),
+        (None, Some(_)) => "inline (shown in /config_dump: prefer authorization_env)".into(),
+        (None, None) => "none (webdis must allow anonymous EVAL: do not)".into(),
+    };
+    Ok(describe(&config, &credential))
+}
+
+fn mode(m: FailureMode) -> &'static str {
+    match m {
+        FailureMode::Open => "fail_open (forward when Redis cannot answer)",
+        FailureMode::Closed => "fail_closed (503 when Redis cannot answer)",
+    }
+}
+
+fn duration(ms: u64) -> String {
+    match ms {
+        ms if ms % 86_400_000 == 0 => format!("{}d", ms / 86_400_000),
+        ms if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
+        ms if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
+        ms if ms % 1000 == 0 => format!("{}s", ms / 1000),
+        ms => format!("{ms}ms"),
+    }
+}
+
+fn selectors(sels: &[Selector]) -> String {
+    if sels.is_empty() {
+        return "the whole policy".into();
+    }
+    sels.iter()
+        .map(Selector::spelling)
+        .collect::<Vec<_>>()
+        .join(" + ")
+}
+
+fn matcher(p: &Policy) -> String {
+    let m = &p.matcher;
+    let mut parts = Vec::new();
+    if !m.methods.is_empty() {
+        parts.push(m.methods.join("|"));
+    }
+    match (&m.path_exact, &m.path_prefix) {
+        (Some(e), _) => parts.push(format!("path = {e}")),
+        (None, Some(pre)) => parts.push(format!("path {pre}*")),
+        _ => {}
+    }
+    if let Some(h) = &m.host {
+        parts.push(format!("host {h}"));
+    }
+    if parts.is_empty() {
+        "every request".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
+    let algo = match l.algorithm {
+        Algorithm::FixedWindow => "fixed window",
+        Algorithm::SlidingWindow => "sliding window",
+        Algorithm::SlidingLog => "sliding log",
+        Algorithm::TokenBucket => "token bucket",
+    };
+    let mut line = format!(
+        "{} per {} by {} ({algo}",
+        l.limit,
+        duration(l.window_ms),
+        selectors(&l.by)
+    );
+    if l.algorithm == Algorithm::TokenBucket {
+        let _ = write!(line, ", burst {}", l.burst);
+    }
+    if l.leased {
+        line.push_str(", leased slices");
+    }
+    line.push(')');
+    if l.shadow {
+        line.push_str(", shadow: counted, never rejects");
+    }
+    let tag = if l.tenant_scoped() {
+        "{t.<tenant>}".to_string()
+    } else {
+        format!("{{p.{policy}}}")
+    };
+    let _ = write!(
+        line,
+        "\n        key {prefix}:rl:{tag}:{policy}:{}:{}:…",
+        l.name,
+        l.code()
+    );
+    line
+}
+
+/// What the configuration does, on one screen.
+fn describe(c: &Config, credential: &str) -> String {
+    let mut s = String::new();
+    let r = &c.redis;
+    let _ = writeln!(
+        s,
+        "redis: cluster {} (authority {}), timeout {}, key prefix {}, credential {}",
+        r.cluster,
+        r.authority,
+        duration(r.timeout_ms),
+        r.key_prefix,
+        credential
+    );
+    if let Some(b) = r.batch {
+        let _ = writeln!(
+            s,
+            "  batching: up to {} calls, {} delay, {}",
+            b.max_requests,
+            duration(b.max_delay_ms),
+            if b.cross_slot {
+                "across hash slots (single Redis only)"
+            } else {
+                "per hash slot"
+            }
+        );
+    }
+    let id = &c.identity;
+    let _ = writeln!(
+        s,
+        "identity: tenant from {}, principal from {}; no tenant: {}",
+        id.tenant.describe(),
+        id.principal.describe(),
+        match id.missing_tenant {
+            MissingTenant::Reject => "401",
+            MissingTenant::Anonymous => "tenant \"anonymous\"",
+        }
+    );
+    let _ = writeln!(
+        s,
+        "default: {}; over-limit cache {} slots; RateLimit headers on allowed responses: {}",
+        mode(c.failure_mode),
+        c.over_limit_cache_entries,
+        if c.response_headers { "yes" } else { "no" }
+    );
+    if c.policies.is_empty() {
+        s.push_str("no policies: every request passes untouched\n");
+    }
+    for (i, p) in c.policies.iter().enumerate() {
+        let _ = writeln!(s, "policy {} {}: {}", i + 1, p.name, matcher(p));
+        let _ = writeln!(s, "    {}", mode(p.failure_mode));
+        for l in &p.rate_limits {
+            let _ = writeln!(
+                s,
+                "    limit {}: {}",
+                l.name,
+                limit_line(&r.key_prefix, &p.name, l)
+            );
+        }
+        if let Some(idem) = &p.idempotency {
+            let parts: Vec<String> = idem
+                .fingerprint
+                .iter()
+                .map(|f| match f {
+                    FingerprintPart::Method => "method".into(),
+                    FingerprintPart::Path => "path".into(),
+                    FingerprintPart::Query => "query".into(),
+                    FingerprintPart::Principal => "principal".into(),
+                    FingerprintPart::Body => "body".into(),
+                    FingerprintPart::Header(h) => format!("header:{h}"),
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                "    idempotency: {} on {} ({}), fingerprint {}, processing {}, replayed for {} ({}, {})\n        key {}:idem:{{t.<tenant>}}:{}:<key hash>",
+                idem.header,
+                idem.methods.join("|"),
+                if idem.required { "required" } else { "optional" },
+                parts.join(" + "),
+                duration(idem.processing_ttl_ms),
+                duration(idem.completed_ttl_ms),
+                match idem.replay {
+                    Replay::Full => "full responses",
+                    Replay::Reference => "status and headers",
+                },
+                match idem.complete {
+                    Completion::Sync => "written before the response goes out",
+                    Completion::Async => "written after the response",
+                },
+                r.key_prefix,
+                p.name
+            );
+        }
+        if let Some(lease) = &p.lease {
+            let _ = writeln!(
+                s,
+                "    lease on {} (per tenant) for {}, {}, fencing token in {}{}\n        key {}:lease:{{t.<tenant>}}:{}:<resource hash>",
+                selectors(&lease.resource),
+                duration(lease.ttl_ms),
+                match lease.on_busy {
+                    OnBusy::Reject => "busy: 409".to_string(),
+                    OnBusy::Wait => format!("busy: wait up to {}", duration(lease.max_wait_ms)),
+                },
+                lease.fencing_header,
+                if lease.extend { ", extended while running" } else { "" },
+                r.key_prefix,
+                p.name
+            );
+        }
+        if p.rate_limits.is_empty() && p.idempotency.is_none() && p.lease.is_none() {
+            s.push_str("    nothing to enforce: matched requests pass untouched\n");
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_valid_config_is_summarised() {
+        let summary = check(
+            br#"{"redis": {"cluster": "gw", "authorization_env": "CG_AUTH", "key_prefix": "cg:x"},
+                 "policies": [
+                   {"name": "orders", "match": {"methods": ["POST"], "path_prefix": "/orders"},
+                    "rate_limits": [{"name": "t", "by": ["tenant"], "algorithm": "token_bucket",
+                                     "limit": 10, "window": "1s", "burst": 20}],
+                    "idempotency": {}},
+                   {"name": "act", "match": {"path_exact": "/act"}, "failure_mode": "fail_open",
+                    "lease": {"resource": ["path_segment:1"], "on_busy": "wait"}}]}"#,
+        )
+        .expect("valid");
+        for want in [
+            "credential from $CG_AUTH in the VM's environment",
+            "policy 1 orders: POST, path /orders*",
+            "limit t: 10 per 1s by tenant (token bucket, burst 20)",
+            "key cg:x:rl:{t.<tenant>}:orders:t:tb:",
+            "idempotency: idempotency-key on POST|PATCH (required)",
+            "policy 2 act: path = /act",
+            "fail_open",
+            "lease on path_segment:1 (per tenant) for 10s, busy: wait up to 2s",
+        ] {
+            assert!(summary.contains(want), "{want:?} in\n{summary}");
+        }
+        assert!(summary.lines().count() < 25, "one screen:\n{summary}");
+    }
+
+    #[test]
+    fn an_invalid_config_gives_the_filters_error() {
+        for (config, want) in [
+            (
+                r#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p", "rate_limits": [
+                    {"name": "t", "by": [], "algorithm": "fixed_window", "limit": 1, "window": "5x"}]}]}"#,
+                "policies[0].rate_limits[0].window: \"5x\" is not a duration",
+            ),
+            (r#"{"policies": []}"#, "redis: is required"),
+            ("{", "configuration is not valid JSON"),
+        ] {
+            let err = check(config.as_bytes()).expect_err("invalid");
+            assert!(err.contains(want), "{want:?} in {err}");
+        }
+    }
+}

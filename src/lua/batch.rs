@@ -1,0 +1,351 @@
+//! Callout coalescing: the acquire calls of several paused requests of one worker sent to
+//! Redis as one `batch.lua` call, each request resumed with its own answer. The script runs
+//! the sub-calls one after the other exactly as separate calls would, so every decision is the
+//! same as without batching.
+
+use crate::config::Batch;
+use crate::keys::hash_tag;
+use crate::lua::{ScriptId, Scripts};
+use crate::metrics::{MetricSink, RedisMetrics};
+use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
+use std::collections::HashMap;
+
+/// The acquire calls waiting for the next batch, and the batches in flight with whose answers
+/// they carry. `S` names a paused request (the adapter's stream handle; anything in tests),
+/// `slot` the call's slot in that request's [`crate::flow::Flow`].
+pub struct Batcher<S> {
+    cfg: Option<Batch>,
+    queue: Vec<Queued<S>>,
+    in_flight: HashMap<u32, InFlight<S>>,
+}
+
+/// A call waiting for the next batch.
+struct Queued<S> {
+    stream: S,
+    slot: usize,
+    call: ScriptCall,
+}
+
+/// One batch call: whose answers it carries, and how it is sent.
+pub struct InFlight<S> {
+    members: Vec<(S, usize)>,
+    call: ScriptCall,
+    by_sha: bool,
+}
+
+impl<S> InFlight<S> {
+    /// The gateway request body.
+    pub fn encode(&self, scripts: &Scripts) -> Vec<u8> {
+        self.call.encode(&scripts.batch, self.by_sha)
+    }
+}
+
+/// What a batch's answer means.
+pub enum BatchAnswer<S> {
+    /// Send it again (by `EVAL`, after `NOSCRIPT`).
+    Resend(InFlight<S>),
+    /// Each member's own answer, for its request's `on_reply`.
+    Members(Vec<(S, usize, Result<Reply, CallError>)>),
+}
+
+impl<S> Batcher<S> {
+    /// Batching per `cfg` (`redis.batch`); `None` never batches.
+    pub fn new(cfg: Option<Batch>) -> Batcher<S> {
+        Batcher {
+            cfg,
+            queue: Vec::new(),
+            in_flight: HashMap::new(),
+        }
+    }
+
+    /// Whether a call of `script` sent `by_sha` waits for the next batch: only acquires (what
+    /// `batch.lua` runs), and never a resend by `EVAL`.
+    pub fn takes(&self, script: ScriptId, by_sha: bool) -> bool {
+        self.cfg.is_some() && script == ScriptId::Acquire && by_sha
+    }
+
+    /// Queues a call; true when it is the first since the last flush (the adapter then wakes
+    /// the root on the event loop's next turn).
+    pub fn queue(&mut self, stream: S, slot: usize, call: ScriptCall) -> bool {
+        self.queue.push(Queued { stream, slot, call });
+        self.queue.len() == 1
+    }
+
+    /// The queued calls as batches to send: per hash tag unless `cross_slot`, at most
+    /// `max_requests` each, in queue order.
+    pub fn flush(&mut self) -> Vec<InFlight<S>> {
+        let Some(cfg) = self.cfg else {
+            return Vec::new();
+        };
+        let mut groups: Vec<(String, Vec<Queued<S>>)> = Vec::new();
+        for q in std::mem::take(&mut self.queue) {
+            let tag = match (cfg.cross_slot, q.call.keys.first()) {
+                (false, Some(key)) => hash_tag(key).to_string(),
+                _ => String::new(),
+            };
+            match groups.iter_mut().find(|g| g.0 == tag) {
+                Some(g) => g.1.push(q),
+                None => groups.push((tag, vec![q])),
+            }
+        }
+        let mut out = Vec::new();
+        for (_, members) in groups {
+            let mut members = members.into_iter().peekable();
+            while members.peek().is_some() {
+                let chunk: Vec<_> = members.by_ref().take(cfg.max_requests.max(1)).collect();
+                out.push(InFlight {
+                    call: build(chunk.iter().map(|q| &q.call)),
+                    members: chunk.into_iter().map(|q| (q.stream, q.slot)).collect(),
+                    by_sha: true,
+                });
+            }
+        }
+        out
+    }
+
+    /// A batch was sent: its answer comes back with `token`.
+    pub fn sent(&mut self, token: u32, batch: InFlight<S>) {
+        self.in_flight.insert(token, batch);
+    }
+
+    /// The batch sent with `token`, if it is one of ours.
+    pub fn take(&mut self, token: u32) -> Option<InFlight<S>> {
+        self.in_flight.remove(&token)
+    }
+
+    /// Routes a batch's answer (or a failure to send it) to its members.
+    pub fn answer(
+        mut batch: InFlight<S>,
+        answer: Result<Reply, CallError>,
+        metrics: &RedisMetrics,
+        m: &dyn MetricSink,
+    ) -> BatchAnswer<S> {
+        if resend_by_eval(&mut batch.by_sha, &answer, metrics, m) {
+            return BatchAnswer::Resend(batch);
+        }
+        let n = batch.members.len();
+        let parts = match answer.and_then(|r| split(&r, n)) {
+            Ok(parts) => parts,
+            Err(e) => vec![Err(e); n],
+        };
+        BatchAnswer::Members(
+            batch
+                .members
+                .into_iter()
+                .zip(parts)
+                .map(|((s, slot), part)| (s, slot, part))
+                .collect(),
+        )
+    }
+}
+
+/// The batch call for `calls`, in order.
+pub fn build<'a>(calls: impl IntoIterator<Item = &'a ScriptCall>) -> ScriptCall {
+    let mut keys = Vec::new();
+    let mut args = vec![String::new()];
+    let mut count = 0usize;
+    for call in calls {
+        count += 1;
+        keys.extend(call.keys.iter().cloned());
+        args.push(call.keys.len().to_string());
+        args.push(call.args.len().to_string());
+        args.extend(call.args.iter().cloned());
+    }
+    args[0] = count.to_string();
+    ScriptCall { keys, args }
+}
+
+/// Splits a batch reply into the `n` sub-replies (an error for a sub-call that failed).
+pub fn split(reply: &Reply, n: usize) -> Result<Vec<Result<Reply, CallError>>, CallError> {
+    let bad = |why: &str| CallError::UnexpectedReply(format!("batch reply: {why}"));
+    if let Reply::Error(e) = reply {
+        return Err(CallError::Redis(e.clone()));
+    }
+    let items = reply.as_array().ok_or_else(|| bad("not an array"))?;
+    let mut out = Vec::with_capacity(n);
+    let mut at = 0;
+    while out.len() < n {
+        let len = items
+            .get(at)
+            .and_then(Reply::as_int)
+            .ok_or_else(|| bad("missing length"))?;
+        at += 1;
+        if len < 0 {
+            let text = items
+                .get(at)
+                .and_then(Reply::as_bytes)
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .unwrap_or_default();
+            at += 1;
+            out.push(Err(CallError::Redis(text)));
+            continue;
+        }
+        let len = usize::try_from(len).map_err(|_| bad("bad length"))?;
+        let part = items
+            .get(at..at + len)
+            .ok_or_else(|| bad("shorter than its lengths"))?;
+        at += len;
+        out.push(Ok(Reply::Array(Some(part.to_vec()))));
+    }
+    if at != items.len() {
+        return Err(bad("longer than its lengths"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(keys: &[&str], args: &[&str]) -> ScriptCall {
+        ScriptCall {
+            keys: keys.iter().map(|s| s.to_string()).collect(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    fn batcher(max_requests: usize, cross_slot: bool) -> Batcher<&'static str> {
+        Batcher::new(Some(Batch {
+            max_delay_ms: 5,
+            max_requests,
+            cross_slot,
+        }))
+    }
+
+    fn members(b: &InFlight<&'static str>) -> Vec<(&'static str, usize)> {
+        b.members.clone()
+    }
+
+    #[test]
+    fn batches_per_hash_tag_in_order_and_bounded() {
+        let mut b = batcher(2, false);
+        assert!(b.takes(ScriptId::Acquire, true));
+        assert!(
+            !b.takes(ScriptId::Acquire, false),
+            "an EVAL resend goes alone"
+        );
+        assert!(!b.takes(ScriptId::Complete, true));
+        assert!(b.queue("r1", 0, call(&["cg:rl:{t.a}:x"], &["1"])));
+        assert!(!b.queue("r2", 1, call(&["cg:rl:{p.o}:y"], &["2"])));
+        assert!(!b.queue("r3", 0, call(&["cg:rl:{t.a}:z"], &["3"])));
+        assert!(!b.queue("r4", 0, call(&["cg:rl:{t.a}:w"], &["4"])));
+        let sent = b.flush();
+        assert_eq!(sent.len(), 3);
+        assert_eq!(members(&sent[0]), vec![("r1", 0), ("r3", 0)]);
+        assert_eq!(members(&sent[1]), vec![("r4", 0)], "at most max_requests");
+        assert_eq!(members(&sent[2]), vec![("r2", 1)]);
+        assert_eq!(sent[0].call.keys, vec!["cg:rl:{t.a}:x", "cg:rl:{t.a}:z"]);
+        assert!(String::from_utf8_lossy(&sent[0].encode(&Scripts::load())).starts_with("EVALSHA/"));
+        assert!(b.flush().is_empty(), "flushed once");
+        assert!(
+            b.queue("r5", 0, call(&["k"], &[])),
+            "first again after a flush"
+        );
+        let mut cross = batcher(10, true);
+        cross.queue("r1", 0, call(&["cg:rl:{t.a}:x"], &[]));
+        cross.queue("r2", 0, call(&["cg:rl:{p.o}:y"], &[]));
+        assert_eq!(cross.flush().len(), 1, "cross_slot: one batch");
+        let mut off: Batcher<&str> = Batcher::new(None);
+        assert!(!off.takes(ScriptId::Acquire, true));
+        off.queue("r", 0, call(&["k"], &[]));
+        assert!(off.flush().is_empty());
+    }
+
+    #[test]
+    fn routes_each_member_its_answer() {
+        use crate::metrics::testing::Recorder;
+        let rec = Recorder::default();
+        let metrics = RedisMetrics {
+            calls: 1,
+            errors: 2,
+            timeouts: 3,
+            noscript: 4,
+            retries: 5,
+            latency_ms: 6,
+        };
+        let mut b = batcher(10, false);
+        b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
+        b.queue("r2", 3, call(&["cg:{t}:b"], &[]));
+        let batch = b.flush().pop().expect("one batch");
+        b.sent(7, batch);
+        assert!(b.take(8).is_none(), "not a batch of ours");
+        let batch = b.take(7).expect("in flight");
+        // NOSCRIPT: once by EVAL, then the answer is the answer.
+        let noscript = || Ok(Reply::Error("NOSCRIPT x".into()));
+        let BatchAnswer::Resend(batch) = Batcher::answer(batch, noscript(), &metrics, &rec) else {
+            panic!("expected a resend");
+        };
+        assert!(String::from_utf8_lossy(&batch.encode(&Scripts::load())).starts_with("EVAL/"));
+        let BatchAnswer::Members(parts) = Batcher::answer(batch, noscript(), &metrics, &rec) else {
+            panic!("NOSCRIPT is retried once");
+        };
+        assert_eq!(parts.len(), 2);
+        assert!(parts
+            .iter()
+            .all(|p| p.2 == Err(CallError::Redis("NOSCRIPT x".into()))));
+        b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
+        b.queue("r2", 3, call(&["cg:{t}:b"], &[]));
+        let batch = b.flush().pop().expect("one batch");
+        let reply = Reply::Array(Some(vec![
+            Reply::Int(1),
+            Reply::Int(9),
+            Reply::Int(-1),
+            Reply::Bulk(Some(b"ERR boom".to_vec())),
+        ]));
+        let BatchAnswer::Members(parts) = Batcher::answer(batch, Ok(reply), &metrics, &rec) else {
+            panic!("expected answers");
+        };
+        assert_eq!(
+            parts,
+            vec![
+                ("r1", 0, Ok(Reply::Array(Some(vec![Reply::Int(9)])))),
+                ("r2", 3, Err(CallError::Redis("ERR boom".into()))),
+            ]
+        );
+        // A batch that failed as a whole fails every member.
+        b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
+        let batch = b.flush().pop().expect("one batch");
+        let BatchAnswer::Members(parts) =
+            Batcher::answer(batch, Err(CallError::Timeout), &metrics, &rec)
+        else {
+            panic!("expected answers");
+        };
+        assert_eq!(parts, vec![("r1", 0, Err(CallError::Timeout))]);
+    }
+
+    #[test]
+    fn builds_the_batch() {
+        let a = call(&["k1", "k2"], &["x"]);
+        let b = call(&["k3"], &["y", "z"]);
+        let batch = build([&a, &b]);
+        assert_eq!(batch.keys, vec!["k1", "k2", "k3"]);
+        assert_eq!(batch.args, vec!["2", "2", "1", "x", "1", "2", "y", "z"]);
+    }
+
+    #[test]
+    fn splits_replies() {
+        let r = |v: i64| Reply::Int(v);
+        let reply = Reply::Array(Some(vec![
+            r(2),
+            r(1),
+            r(0),
+            r(-1),
+            Reply::Bulk(Some(b"ERR boom".to_vec())),
+            r(1),
+            Reply::Bulk(Some(b"77".to_vec())),
+        ]));
+        let parts = split(&reply, 3).expect("valid");
+        assert_eq!(parts[0], Ok(Reply::Array(Some(vec![r(1), r(0)]))));
+        assert_eq!(parts[1], Err(CallError::Redis("ERR boom".into())));
+        assert_eq!(
+            parts[2],
+            Ok(Reply::Array(Some(vec![Reply::Bulk(Some(b"77".to_vec()))])))
+        );
+        assert!(split(&reply, 4).is_err(), "too short");
+        assert!(split(&reply, 2).is_err(), "too long");
+        assert_eq!(
+            split(&Reply::Error("NOSCRIPT x".into()), 1),
+            Err(CallError::Redis("NOSCRIPT x".into()))
+        );
+    }
+}

@@ -1,0 +1,79 @@
+"""The five most common set-up mistakes, each answered with a message that names its cause:
+real Envoy running the filter, real webdis and Redis (with the gateway's ACL user).
+
+A mistake in the plugin configuration itself is the filter's own field-path message at start
+(`tests/test_check.py`, `tests/test_demo.py`); these are the ones that only show once requests
+flow: the client's `503` problem detail names the failing part, and the Envoy log says more.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from harness.stack import BLACKHOLE_CLUSTER, Stack
+
+TENANT = {"x-tenant-id": "acme"}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    stack = Stack(tmp_path_factory.mktemp("mistakes"), None, envoys=0).start()
+    yield stack
+    stack.stop()
+
+
+def plugin(redis: dict) -> dict:
+    return {"redis": redis, "failure_mode": "fail_closed",
+            "policies": [{"name": "api", "match": {"path_prefix": "/api"}, "rate_limits": [
+                {"name": "t", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100,
+                 "window": "1m"}]}]}
+
+
+def answer(envoy) -> tuple[int, str]:
+    r = envoy.request("GET", "/api/x", headers=TENANT)
+    return r.status, (r.json().get("detail", "") if r.status == 503 else "")
+
+
+def redis_block(stack: Stack, **overrides) -> dict:
+    block = stack.redis_section(key_prefix=f"cg:mistakes:{uuid.uuid4().hex[:8]}")
+    block.update(overrides)
+    return block
+
+
+@pytest.mark.parametrize("case", ["misspelt_cluster", "wrong_credential", "prefix_outside_acl",
+                                  "gateway_never_answers", "redis_down"])
+def test_each_mistake_names_its_cause(shared, sidecars, case):
+    if case == "misspelt_cluster":
+        redis = redis_block(shared, cluster="redis_gatway")
+        cause = "the proxy has no route to it (its gateway cluster is not configured)"
+        logged = "cannot dispatch to cluster redis_gatway (BadArgument): redis.cluster is not a cluster of this proxy"
+    elif case == "wrong_credential":
+        redis = redis_block(shared, authorization="Basic d3Jvbmc6d3Jvbmc=")
+        cause = "its gateway refused the proxy's credentials"
+        logged = "gateway answered HTTP 403"
+    elif case == "prefix_outside_acl":
+        redis = redis_block(shared)
+        redis["key_prefix"] = "app"  # the gateway user may touch only cg:* keys
+        cause = "Redis refused the command (its ACL does not allow the proxy's keys)"
+        logged = "NOPERM"
+    elif case == "gateway_never_answers":
+        redis = redis_block(shared, cluster=BLACKHOLE_CLUSTER, timeout="80ms")
+        cause = "it did not answer within 80 ms"
+        logged = "no answer within the timeout"
+    else:
+        redis = redis_block(shared)
+        cause = "Redis is unavailable behind its gateway"
+        logged = "gateway answered HTTP 503"
+    envoy = sidecars(shared, plugin(redis), redis["key_prefix"])
+    if case == "redis_down":
+        shared.stop_redis()
+    try:
+        status, detail = answer(envoy)
+    finally:
+        if case == "redis_down":
+            shared.start_redis()
+    assert status == 503, (status, detail)
+    assert detail == f"the coordination store cannot decide: {cause}; retry shortly"
+    assert logged in envoy.log_text(), envoy.log_text()[-3000:]
