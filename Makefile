@@ -136,15 +136,18 @@ check: deps-rust ## Check a plugin configuration without Envoy: make check PLUGI
 	@cargo run --quiet --bin cg-check -- $(PLUGIN)
 
 # make run PLUGIN=my.json REDIS_PORT=6380 ...: the demo with another plugin config or ports.
+# CLUSTER=1: Redis Cluster (:7001-7006) behind Envoy's redis_proxy (on REDIS_PORT) behind two
+# webdis (WEBDIS_PORT and the next port).
 LOGS ?= build/demo
 DEMO_ARGS = --logs $(LOGS) $(if $(PLUGIN),--plugin $(PLUGIN)) \
-  $(foreach p,ENVOY ADMIN UPSTREAM WEBDIS REDIS,$(if $($(p)_PORT),--$(shell echo $(p) | tr A-Z a-z)-port $($(p)_PORT)))
+  $(foreach p,ENVOY ADMIN UPSTREAM WEBDIS REDIS,$(if $($(p)_PORT),--$(shell echo $(p) | tr A-Z a-z)-port $($(p)_PORT))) \
+  $(if $(CLUSTER),--cluster)
 
 .PHONY: run demo-config demo-redis-down demo-redis-up
-run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000 (admin :9901). PLUGIN=file.json, <NAME>_PORT=n.
+run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000 (admin :9901). PLUGIN=file.json, <NAME>_PORT=n, CLUSTER=1.
 	PYTHONPATH=tests $(PYTHON) -m harness.demo $(DEMO_ARGS)
 
-demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`). PLUGIN=, <NAME>_PORT=.
+demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`). PLUGIN=, <NAME>_PORT=, CLUSTER=1.
 	PYTHONPATH=tests $(PYTHON) -m harness.demo --render-only $(DEMO_ARGS)
 
 demo-redis-down: ## Take the running demo's Redis away (watch fail-closed); demo-redis-up brings it back.

@@ -31,6 +31,10 @@ from harness.envoy import Envoy, Response
 from harness.stack import Stack
 from harness.upstream import Upstream
 
+# Every test that builds its stack through `topology` (stack_factory, the module's shared stack)
+# runs on a single Redis and on Redis Cluster behind redis_proxy (conftest.py, harness/cluster.py).
+pytestmark = pytest.mark.topologies("single", "cluster")
+
 TENANT_HEADER = "x-tenant-id"
 FINGERPRINT_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 PROBLEM_TYPE = "urn:coordination-guard:problem:"
@@ -187,9 +191,10 @@ def own_envoy(stack: Stack, key_prefix: str, *policies: dict) -> Envoy:
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """Redis, webdis and the upstream for the whole module; Envoys are added per test."""
-    stack = Stack(tmp_path_factory.mktemp("idem-e2e"), None, envoys=0).start()
+def shared(tmp_path_factory, topology):
+    """Redis, webdis and the upstream for the whole module (on its topology); Envoys are
+    added per test."""
+    stack = Stack(tmp_path_factory.mktemp("idem-e2e"), None, envoys=0, **topology.stack_kwargs).start()
     yield stack
     stack.stop()
 

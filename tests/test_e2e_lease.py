@@ -38,6 +38,10 @@ from harness.concurrency import in_thread, wait_for
 from harness.envoy import Envoy, Response
 from harness.stack import Stack
 
+# Every test that builds its stack through `topology` (stack_factory, the module's shared stack)
+# runs on a single Redis and on Redis Cluster behind redis_proxy (conftest.py, harness/cluster.py).
+pytestmark = pytest.mark.topologies("single", "cluster")
+
 TENANT_HEADER = "x-tenant-id"
 # The harness upstream records x-user-id: it labels each request so the ledger can tell them apart.
 LABEL_HEADER = "x-user-id"
@@ -291,9 +295,10 @@ class EchoUpstream:
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """Redis, webdis and the upstream for the whole module; Envoys are added per test."""
-    stack = Stack(tmp_path_factory.mktemp("lease-e2e"), None, envoys=0).start()
+def shared(tmp_path_factory, topology):
+    """Redis, webdis and the upstream for the whole module (on its topology); Envoys are
+    added per test."""
+    stack = Stack(tmp_path_factory.mktemp("lease-e2e"), None, envoys=0, **topology.stack_kwargs).start()
     yield stack
     stack.stop()
 

@@ -22,6 +22,10 @@ import pytest
 
 from harness.stack import BLACKHOLE_CLUSTER, DEAD_CLUSTER, Stack
 
+# Every test that builds its stack through `topology` (stack_factory, the module's shared stack)
+# runs on a single Redis and on Redis Cluster behind redis_proxy (conftest.py, harness/cluster.py).
+pytestmark = pytest.mark.topologies("single", "cluster")
+
 TENANT = "x-tenant-id"
 USER = "x-user-id"
 PROBLEM_JSON = "application/problem+json"
@@ -650,6 +654,8 @@ def test_changing_a_limit_starts_a_fresh_counter(stack_factory):
 # --- 13. the gateway only runs the filter's scripts -------------------------------------------
 
 
+@pytest.mark.topologies("single", reason="`EVAL ... 0` (no key) cannot be routed by redis_proxy; "
+                        "tests/test_e2e_cluster.py checks the cluster's gateway with a keyed EVAL")
 def test_gateway_is_locked_down(stack_factory):
     stack = stack_factory(None, envoys=0)
     webdis = stack.webdis
@@ -698,7 +704,11 @@ def test_over_limit_cache_answers_locally_until_the_counter_admits(stack_factory
 # --- callout coalescing --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cross_slot", [False, True], ids=["per-slot", "cross-slot"])
+@pytest.mark.parametrize("cross_slot", [
+    False,
+    pytest.param(True, marks=pytest.mark.topologies(
+        "single", reason="cross_slot batches are documented as single-Redis only")),
+], ids=["per-slot", "cross-slot"])
 def test_batching_coalesces_calls_and_keeps_decisions_exact(stack_factory, cross_slot):
     """With `redis.batch`, concurrent requests of one worker share script calls; every request
     still gets exactly the decision it would get alone (limit admitted, the rest 429)."""

@@ -210,6 +210,40 @@ def test_demo_config_validates(tmp_path):
     assert validate_config(config) == (0, f"configuration '{config}' OK\n")
 
 
+def test_demo_cluster_config_renders_and_validates(tmp_path):
+    """`make run CLUSTER=1`: the filter's Envoy has both webdis as gateway endpoints, and the
+    redis proxy's config (envoy/redis-cluster-proxy.yaml) has the demo's ports and no secret."""
+    import yaml
+
+    from harness.cluster import RedisProxy
+    from harness.demo import cluster_ports, node_ports, render_cluster_proxy
+
+    ports = cluster_ports(PORTS)
+    assert (ports["webdis2"], ports["proxy_admin"], node_ports(ports)[0]) == (7380, 9902, 7001)
+    config = render_demo(tmp_path / "demo.yaml", ports, cluster=True)
+    assert validate_config(config) == (0, f"configuration '{config}' OK\n")
+    clusters = yaml.safe_load(config.read_text())["static_resources"]["clusters"]
+    gateway = next(c for c in clusters if c["name"] == "redis_gateway")
+    endpoints = [e["endpoint"]["address"]["socket_address"]["port_value"]
+                 for e in gateway["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert endpoints == [ports["webdis"], ports["webdis2"]]
+
+    proxy_config = render_cluster_proxy(tmp_path / "redis-cluster-proxy.yaml", ports)
+    proxy = yaml.safe_load(proxy_config.read_text())["static_resources"]
+    listener = proxy["listeners"][0]["address"]["socket_address"]
+    assert (listener["address"], listener["port_value"]) == ("127.0.0.1", ports["redis"])
+    seeds = [e["endpoint"]["address"]["socket_address"]["port_value"]
+             for e in proxy["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert set(seeds) <= set(node_ports(ports)) and len(seeds) == 3
+    checked = RedisProxy(tmp_path, seeds, "default", "secret-x", port=ports["redis"],
+                         admin_port=ports["proxy_admin"])
+    checked.config_path = proxy_config
+    code, log = checked.validate()
+    # Envoy warns that MOVED/ASK targets are not resolved by DNS: the nodes announce IPs.
+    assert code == 0 and log.startswith(f"configuration '{proxy_config}' OK\n"), log
+    assert "secret-x" not in proxy_config.read_text()
+
+
 def test_demo_runs_and_stops_on_sigint(tmp_path):
     ports = {name: free_port() for name in PORTS}
     argv = [sys.executable, "-m", "harness.demo", "--out", str(tmp_path / "demo.yaml"),

@@ -3,6 +3,13 @@
     PYTHONPATH=tests .venv/bin/python -m harness.demo            # start, print curl lines, wait
     PYTHONPATH=tests .venv/bin/python -m harness.demo --render-only  # just write build/demo.yaml
     ... -m harness.demo --plugin my-plugin.json --redis-port 6380     # own config, other ports
+    ... -m harness.demo --cluster                                      # on Redis Cluster (make run CLUSTER=1)
+
+With --cluster, Redis is a Redis Cluster of six nodes (:7001-7006, 3 masters + 3 replicas) behind
+Envoy's redis_proxy on the Redis port (admin on the admin port + 1; envoy/redis-cluster-proxy.yaml,
+written next to the Envoy config as redis-cluster-proxy.yaml), behind two webdis (the webdis port
+and the next one), both endpoints of the filter's gateway cluster (tests/harness/cluster.py).
+"Redis down" (SIGUSR1) then stops the proxy.
 
 The commands it prints are derived from the plugin configuration it runs: one example per
 kind of policy in it (rate limit, idempotency, lease) and fail-closed. While it runs, SIGUSR1
@@ -27,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from .cluster import NODES, ClusterBackend, RedisProxy
 from .envoy import DEFAULT_WASM, spawn_envoy, substitute
 from .proc import ROOT, PrerequisiteMissing, RedisServer, wait_for_port, wait_http
 from .upstream import Upstream
@@ -37,6 +45,18 @@ DEMO_PLUGIN = ROOT / "envoy" / "demo-plugin.json"
 BUILD = ROOT / "build"
 # The ports written in envoy/demo.yaml (and demo-plugin.json's world); --*-port overrides them.
 PORTS = {"envoy": 10000, "admin": 9901, "upstream": 8080, "webdis": 7379, "redis": 6379}
+# --cluster adds these (defaults: the webdis port + 1, the admin port + 1, 7001).
+CLUSTER_PORTS = ("webdis2", "proxy_admin", "node_base")
+
+
+def cluster_ports(ports: dict[str, int], webdis2: int | None = None, proxy_admin: int | None = None,
+                  node_base: int = 7001) -> dict[str, int]:
+    return {**ports, "webdis2": webdis2 or ports["webdis"] + 1,
+            "proxy_admin": proxy_admin or ports["admin"] + 1, "node_base": node_base}
+
+
+def node_ports(ports: dict[str, int]) -> list[int]:
+    return [ports["node_base"] + i for i in range(NODES)]
 
 
 class PluginError(ValueError):
@@ -67,12 +87,22 @@ def load_plugin(path: Path) -> dict:
 
 
 def render_demo(out: Path, ports: dict[str, int] = PORTS, wasm_path: Path = DEFAULT_WASM,
-                plugin_path: Path = DEMO_PLUGIN) -> Path:
-    """Write the runnable demo config: demo.yaml with the wasm path and plugin JSON filled in."""
+                plugin_path: Path = DEMO_PLUGIN, cluster: bool = False) -> Path:
+    """Write the runnable demo config: demo.yaml with the wasm path and plugin JSON filled in
+    (with `cluster`, both webdis as endpoints of the gateway cluster)."""
     text = DEMO_TEMPLATE.read_text()
     for name in ("envoy", "admin", "upstream", "webdis"):
         if ports[name] != PORTS[name]:
             text = text.replace(f"port_value: {PORTS[name]} }}", f"port_value: {ports[name]} }}")
+    if cluster:
+        # The gateway endpoint's three lines again, for the second webdis.
+        lines = text.splitlines(keepends=True)
+        at = next(i for i, line in enumerate(lines) if f"port_value: {ports['webdis']} }}" in line)
+        endpoint = lines[at - 2:at + 1]
+        assert endpoint[0].strip() == "- endpoint:", endpoint
+        second = [line.replace(f"port_value: {ports['webdis']} }}", f"port_value: {ports['webdis2']} }}")
+                  for line in endpoint]
+        text = "".join(lines[:at + 1] + second + lines[at + 1:])
     plugin = load_plugin(plugin_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(substitute(text, {"WASM_PATH": str(wasm_path)}, json.dumps(plugin)))
@@ -101,7 +131,18 @@ def port_holder(port: int) -> str | None:
     return "another process"
 
 
+def render_cluster_proxy(out: Path, ports: dict[str, int]) -> Path:
+    """Write the demo's redis proxy config (envoy/redis-cluster-proxy.yaml, ports filled in)."""
+    nodes = node_ports(ports)
+    proxy = RedisProxy(out.parent, nodes[0::2], "default", "", port=ports["redis"],
+                       admin_port=ports["proxy_admin"])
+    return proxy.render(out)
+
+
 def check_ports(ports: dict[str, int]) -> None:
+    if "node_base" in ports:
+        ports = {**{k: v for k, v in ports.items() if k != "node_base"},
+                 **{f"node-{i + 1}": p for i, p in enumerate(node_ports(ports))}}
     busy = {name: (port, port_holder(port)) for name, port in ports.items()}
     busy = {name: v for name, v in busy.items() if v[1] is not None}
     if busy:
@@ -191,24 +232,36 @@ def examples(plugin: dict, envoy: str, upstream: str, logs: Path) -> list[str]:
 
 
 def instructions(ports: dict[str, int], config: Path, logs: Path, redis_admin: str = "<password>",
-                 plugin: dict | None = None) -> str:
+                 plugin: dict | None = None, cluster: bool = False) -> str:
     envoy = f"http://127.0.0.1:{ports['envoy']}"
     admin = f"http://127.0.0.1:{ports['admin']}"
     upstream = f"http://127.0.0.1:{ports['upstream']}"
     plugin = plugin if plugin is not None else json.loads(DEMO_PLUGIN.read_text())
     tour = "\n".join(examples(plugin, envoy, upstream, logs))
     prefix = plugin["redis"].get("key_prefix", "cg")
+    redis_cli = (f"redis-cli -p {ports['redis']} --user admin --pass {redis_admin} --no-auth-warning "
+                 f"--scan --pattern '{prefix}:*'")
+    backend = f"  webdis    http://127.0.0.1:{ports['webdis']} -> Redis 127.0.0.1:{ports['redis']}"
+    if cluster:
+        nodes = node_ports(ports)
+        redis_cli = (f"redis-cli --user admin --pass {redis_admin} --no-auth-warning --cluster call "
+                     f"127.0.0.1:{nodes[0]} KEYS '{prefix}:*'\n"
+                     f"  redis-cli -p {nodes[0]} --user admin --pass {redis_admin} --no-auth-warning "
+                     "cluster nodes")
+        backend = (f"  webdis    http://127.0.0.1:{ports['webdis']} and :{ports['webdis2']}"
+                   f" -> redis_proxy 127.0.0.1:{ports['redis']} (admin :{ports['proxy_admin']})"
+                   f" -> Redis Cluster 127.0.0.1:{nodes[0]}-{nodes[-1]} (3 masters, 3 replicas)")
     return f"""
 coordination-guard demo is up
   Envoy     {envoy}  (admin {admin})
   upstream  {upstream}
-  webdis    http://127.0.0.1:{ports['webdis']} -> Redis 127.0.0.1:{ports['redis']}
+{backend}
   config    {config}
   logs      {logs}/
 
 {tour}
 Redis as the harness's admin user (webdis's own user may run only the scripts' commands on cg:* keys):
-  redis-cli -p {ports['redis']} --user admin --pass {redis_admin} --no-auth-warning --scan --pattern '{prefix}:*'
+  {redis_cli}
 The filter's metrics:
   curl -s '{admin}/stats?filter=wasmcustom'
   curl -s {admin}/stats/prometheus | grep '^cg_'
@@ -228,7 +281,7 @@ def config_error(envoy_log: str) -> str | None:
 
 
 def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
-        plugin_path: Path = DEMO_PLUGIN, timeout: float = 20.0) -> int:
+        plugin_path: Path = DEMO_PLUGIN, timeout: float = 20.0, cluster: bool = False) -> int:
     if not wasm_path.exists():
         raise PrerequisiteMissing(f"{wasm_path} is missing; run `make build`")
     try:
@@ -237,7 +290,7 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
         print(f"demo: {e}", file=sys.stderr)
         return 1
     check_ports(ports)
-    config = render_demo(out, ports, wasm_path, plugin_path)
+    config = render_demo(out, ports, wasm_path, plugin_path, cluster)
     if logs.exists():
         shutil.rmtree(logs)  # every run's logs start fresh
     logs.mkdir(parents=True)
@@ -254,9 +307,20 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
     try:
         # The same restricted gateway user as the tests: keys `cg:*` (the demo's key_prefix
         # is cg:demo), only the scripts' commands.
-        started["redis"] = redis = RedisServer(logs / "redis", ports["redis"]).start(timeout)
-        started["webdis"] = Webdis(logs / "webdis", ports["redis"], port=ports["webdis"],
-                                   redis_password=redis.gateway_password).start(timeout)
+        if cluster:
+            backend = ClusterBackend(logs / "cluster", node_ports=node_ports(ports),
+                                     proxy_port=ports["redis"], proxy_admin_port=ports["proxy_admin"],
+                                     webdis_ports=[ports["webdis"], ports["webdis2"]])
+            backend.proxy.config_path = out.parent / "redis-cluster-proxy.yaml"
+            started["cluster"] = redis = backend.start(timeout=60)
+            redis_up = backend.proxy.alive
+            redis_down, redis_back = backend.stop_redis, lambda: backend.start_redis(timeout)
+        else:
+            started["redis"] = redis = RedisServer(logs / "redis", ports["redis"]).start(timeout)
+            started["webdis"] = Webdis(logs / "webdis", ports["redis"], port=ports["webdis"],
+                                       redis_password=redis.gateway_password).start(timeout)
+            redis_up = redis.alive
+            redis_down, redis_back = redis.stop, lambda: redis.start(timeout)
         started["upstream"] = Upstream(logs / "upstream", ports["upstream"]).start(timeout)
         started["envoy"] = envoy = spawn_envoy(logs / "envoy", config)
         try:
@@ -269,18 +333,18 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
             return 1
         wait_for_port(ports["envoy"], timeout, envoy.popen)
         pid_file.write_text(f"{os.getpid()}\n")
-        print(instructions(ports, config, logs, redis.admin_password, plugin), flush=True)
-        print("pids: " + " ".join(f"{label}={_pid(p)}" for label, p in started.items()), flush=True)
+        print(instructions(ports, config, logs, redis.admin_password, plugin, cluster), flush=True)
+        print("pids: " + " ".join(f"{label}={pid}" for label, pid in _pids(started)), flush=True)
         while True:
-            if redis_wanted["up"] != redis.alive():
+            if redis_wanted["up"] != redis_up():
                 if redis_wanted["up"]:
-                    redis.start(timeout)
+                    redis_back()
                     print("demo: Redis is back", flush=True)
                 else:
-                    redis.stop()
+                    redis_down()
                     print("demo: Redis stopped (make demo-redis-up brings it back)", flush=True)
             dead = [label for label, p in started.items()
-                    if not p.alive() and not (label == "redis" and not redis_wanted["up"])]
+                    if not p.alive() and not (label in ("redis", "cluster") and not redis_wanted["up"])]
             if dead:
                 print(f"demo: {', '.join(dead)} exited unexpectedly; logs in {logs}/",
                       file=sys.stderr)
@@ -306,6 +370,18 @@ def _pid(part) -> int:
     return part.pid if hasattr(part, "pid") else part.proc.pid
 
 
+def _pids(started: dict[str, object]) -> list[tuple[str, int]]:
+    out = []
+    for label, part in started.items():
+        if isinstance(part, ClusterBackend):
+            out += [(f"redis-{n.port}", n.proc.pid) for n in part.nodes]
+            out += [("redis-proxy", part.proxy.proc.pid)]
+            out += [(f"webdis-{w.port}", w.proc.pid) for w in part.webdis]
+        else:
+            out.append((label, _pid(part)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the coordination-guard demo on fixed ports.")
     for name, port in PORTS.items():
@@ -316,17 +392,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render-only", action="store_true", help="write the config and exit")
     parser.add_argument("--plugin", type=Path, default=DEMO_PLUGIN,
                         help=f"the plugin configuration (default {DEMO_PLUGIN.relative_to(ROOT)})")
+    parser.add_argument("--cluster", action="store_true",
+                        help="Redis Cluster (6 nodes) behind redis_proxy behind two webdis")
+    for name in CLUSTER_PORTS:
+        parser.add_argument(f"--{name.replace('_', '-')}-port", type=int, help="with --cluster")
     args = parser.parse_args(argv)
     ports = {name: getattr(args, f"{name}_port") for name in PORTS}
+    if args.cluster:
+        ports = cluster_ports(ports, args.webdis2_port, args.proxy_admin_port,
+                              args.node_base_port or 7001)
     if args.render_only:
         try:
-            print(render_demo(args.out, ports, args.wasm, args.plugin))
+            print(render_demo(args.out, ports, args.wasm, args.plugin, args.cluster))
         except PluginError as e:
             print(f"demo: {e}", file=sys.stderr)
             return 1
+        if args.cluster:
+            print(render_cluster_proxy(args.out.parent / "redis-cluster-proxy.yaml", ports))
         return 0
     try:
-        return run(ports, args.wasm, args.out, args.logs, args.plugin)
+        return run(ports, args.wasm, args.out, args.logs, args.plugin, cluster=args.cluster)
     except PrerequisiteMissing as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2

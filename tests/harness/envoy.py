@@ -66,10 +66,13 @@ def spawn_envoy(workdir: Path, config_path: Path, concurrency: int = 2, log_leve
     return Proc("envoy", argv, Path(workdir), env=env)
 
 
-def validate_config(config_path: Path, timeout: float = 60.0) -> tuple[int, str]:
-    """`envoy --mode validate`: (exit code, output). Loads the wasm and runs its on_configure."""
+def validate_config(config_path: Path, timeout: float = 60.0,
+                    env: dict[str, str] | None = None) -> tuple[int, str]:
+    """`envoy --mode validate`: (exit code, output). Loads the wasm and runs its on_configure.
+    `env` is added to Envoy's environment (variables a config reads)."""
     result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config_path), "-l", "warn"],
-                            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})})
     return result.returncode, result.stdout + result.stderr
 
 
@@ -109,7 +112,8 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
                   direct_response: bool = False, cluster_header: str | None = None,
                   path_normalization: bool = True, buffer_limit: int | None = None,
                   vm_env: dict | None = None, grpc_upstream_port: int | None = None,
-                  routes: dict[str, str] | None = None, pre_filters: list[dict] | None = None) -> dict:
+                  routes: dict[str, str] | None = None, pre_filters: list[dict] | None = None,
+                  extra_gateway_ports: list[int] | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
@@ -131,6 +135,8 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
 
     `pre_filters` are HTTP filters placed before the Wasm filter (e.g. Envoy's `jwt_authn`,
     whose verified payload the filter reads from the request's metadata).
+
+    `extra_gateway_ports` adds endpoints (more webdis instances) to the `redis_gateway` cluster.
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -166,6 +172,12 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         route["direct_response"] = {"status": 200, "body": {"inline_string": "ok\n"}}
     for name, port in (extra_clusters or {}).items():
         cfg["static_resources"]["clusters"].append(_static_cluster(name, port))
+    if extra_gateway_ports:
+        gateway = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "redis_gateway")
+        endpoints = gateway["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        for port in extra_gateway_ports:
+            endpoints.append({"endpoint": {"address": {"socket_address": {
+                "address": "127.0.0.1", "port_value": port}}}})
     if grpc_upstream_port is not None:
         cluster = _static_cluster("grpc_upstream", grpc_upstream_port)
         cluster["typed_extension_protocol_options"] = {

@@ -236,14 +236,19 @@ class RedisServer(Service):
         self.gateway_password = secrets.token_hex(16)
         self.admin_password = secrets.token_hex(16)
         self.acl_path = self.workdir / "users.acl"
+        # More for a subclass (a Redis Cluster node): rules added to the gateway user's, and
+        # config lines written to a file of their own (0600: it may hold a password).
+        self.gateway_extra_rules = ""
+        self.config_lines: list[str] = []
 
     def acl_file(self) -> str:
         """The `--aclfile` contents (passwords stored as SHA-256, never in clear)."""
         def sha(p: str) -> str:
             return "#" + hashlib.sha256(p.encode()).hexdigest()
 
+        extra = f" {self.gateway_extra_rules}" if self.gateway_extra_rules else ""
         return (f"user {GATEWAY_USER} reset on {sha(self.gateway_password)} "
-                f"{gateway_acl_rules(self.gateway_key_prefix)}\n"
+                f"{gateway_acl_rules(self.gateway_key_prefix)}{extra}\n"
                 f"user {ADMIN_USER} reset on {sha(self.admin_password)} ~* &* +@all\n")
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
@@ -252,8 +257,14 @@ class RedisServer(Service):
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.acl_path.write_text(self.acl_file())
         self.acl_path.chmod(0o600)
+        conf: list[str] = []
+        if self.config_lines:
+            conf_path = self.workdir / "redis.conf"
+            conf_path.write_text("\n".join(self.config_lines) + "\n")
+            conf_path.chmod(0o600)
+            conf = [str(conf_path.resolve())]  # redis-server wants the file first
         self.launch(f"redis-{self.port}",
-                    [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                    [binary, *conf, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                      "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir.resolve()),
                      "--aclfile", str(self.acl_path.resolve())],
                     self.workdir, self.port, timeout)

@@ -9,6 +9,12 @@
 Every Envoy renders the same template with three gateway clusters, so a plugin config can point
 `redis.cluster` at `redis_gateway` (webdis), `redis_gateway_blackhole` (never answers) or
 `redis_gateway_dead` (connection refused).
+
+Two topologies: by default a stack starts its own Redis and webdis; `Stack(..., cluster=backend)`
+uses a running harness.cluster.ClusterBackend instead (Redis Cluster behind Envoy's redis_proxy
+behind two webdis, both endpoints of `redis_gateway`), emptied at `start()` and left running at
+`stop()`. `stack.redis` is then a RedisCluster client (harness.cluster.ClusterClient) with the
+same calls, `stack.webdis` the first webdis.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from .cluster import ClusterBackend
 from .envoy import DEFAULT_WASM, Envoy
 from .proc import RedisServer, reserve_dead_port
 from .upstream import Upstream
@@ -101,7 +108,8 @@ class Stack:
     def __init__(self, workdir: Path, plugin_config: dict | str | None = None, envoys: int = 1, *,
                  wasm_path: Path | str | None = None, concurrency: int = 2,
                  local_ratelimit: dict | None = None, direct_response: bool = False,
-                 extra_clusters: dict[str, int] | None = None, gateway_key_prefix: str = "cg"):
+                 extra_clusters: dict[str, int] | None = None, gateway_key_prefix: str = "cg",
+                 cluster: ClusterBackend | None = None):
         self.workdir = Path(workdir)
         self.plugin_config = plugin_config
         self.envoy_count = envoys
@@ -113,7 +121,12 @@ class Stack:
         # The gateway's Redis user may touch only `<gateway_key_prefix>:*`: every plugin
         # key_prefix on this stack must be it or start with it and `:`.
         self.gateway_key_prefix = gateway_key_prefix
-        self.redis_server: RedisServer | None = None
+        self.cluster = cluster
+        if cluster is not None and cluster.gateway_key_prefix != gateway_key_prefix:
+            raise ValueError(f"the cluster's gateway user has ~{cluster.gateway_key_prefix}:*, "
+                             f"this stack wants ~{gateway_key_prefix}:*")
+        self.redis_server: RedisServer | None = None  # single topology only
+        self.key_prefixes: set[str] = set()  # every key_prefix of redis_section()
         self.redis = None  # redis-py client on the same Redis the filter uses
         self.webdis: Webdis | None = None
         self.upstream: Upstream | None = None
@@ -130,11 +143,16 @@ class Stack:
     def start(self, timeout: float = 20.0) -> "Stack":
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
-            self.redis_server = RedisServer(self.workdir / "redis",
-                                            gateway_key_prefix=self.gateway_key_prefix).start()
-            self.redis = self.redis_server.client()
-            self.webdis = Webdis(self.workdir / "webdis", self.redis_server.port,
-                                 redis_password=self.redis_server.gateway_password).start()
+            if self.cluster is not None:
+                self.cluster.attach(self)
+                self.redis = self.cluster.client()
+                self.webdis = self.cluster.webdis[0]
+            else:
+                self.redis_server = RedisServer(self.workdir / "redis",
+                                                gateway_key_prefix=self.gateway_key_prefix).start()
+                self.redis = self.redis_server.client()
+                self.webdis = Webdis(self.workdir / "webdis", self.redis_server.port,
+                                     redis_password=self.redis_server.gateway_password).start()
             self.upstream = Upstream(self.workdir / "upstream").start()
             self.blackhole = Blackhole().start()
             self._dead_socket, self.dead_port = reserve_dead_port()
@@ -152,6 +170,8 @@ class Stack:
                       dead_port=self.dead_port, extra_clusters=self.extra_clusters,
                       local_ratelimit=self.local_ratelimit, direct_response=self.direct_response,
                       concurrency=self.concurrency)
+        if self.cluster is not None:
+            kwargs["extra_gateway_ports"] = [w.port for w in self.cluster.webdis[1:]]
         kwargs.update(overrides)
         config = self.plugin_config if plugin_config is ... else plugin_config
         return Envoy(workdir, config, self.upstream.port, self.webdis.port, **kwargs)
@@ -176,10 +196,15 @@ class Stack:
         if prefix != acl and not prefix.startswith(acl + ":"):
             raise ValueError(f"key_prefix {prefix!r} is outside the gateway user's keys "
                              f"(~{acl}:*): use {acl!r} or {acl + ':...'!r}")
+        self.key_prefixes.add(prefix)
         return section
 
     def stop_redis(self) -> None:
-        """Redis goes away; webdis stays and answers 503 until `start_redis()`."""
+        """Redis goes away; webdis stays and answers 503 until `start_redis()`. (Cluster: the
+        redis proxy, webdis's one Redis endpoint, goes away; see harness.cluster.)"""
+        if self.cluster is not None:
+            self.cluster.stop_redis()
+            return
         self.redis_server.stop()
 
     def start_redis(self, timeout: float = 10.0, wait_gateway: bool = True) -> None:
@@ -191,6 +216,9 @@ class Stack:
         webdis answered twice as many EVALs in a row as it has threads, each on a new
         connection (handed to the threads in turn), so every thread is back.
         """
+        if self.cluster is not None:
+            self.cluster.start_redis(timeout, wait_gateway, self.key_prefixes)
+            return
         self.redis_server.start(timeout)
         deadline = time.monotonic() + timeout
         in_a_row = 0
@@ -210,11 +238,13 @@ class Stack:
         if self._dead_socket is not None:
             self._dead_socket.close()
             self._dead_socket = None
-        for part in (self.upstream, self.webdis):
+        for part in (self.upstream, None if self.cluster else self.webdis):
             if part is not None:
                 _try(part.stop, errors)
         if self.redis is not None:
             _try(self.redis.close, errors)
+        if self.cluster is not None:
+            _try(lambda: self.cluster.detach(self, self.key_prefixes), errors)
         if self.redis_server is not None:
             _try(self.redis_server.stop, errors)
         if errors:
