@@ -157,12 +157,11 @@ def test_an_http_url_without_sha256_is_rejected():
 
 def test_the_wasmplugin_runs_the_demo_policies_without_holding_headers():
     """The demo's policies, except what needs allow_on_headers_stop_iteration (which
-    WasmPlugin cannot set): no body in the fingerprint, records completed async."""
+    WasmPlugin cannot set): no body in the fingerprint; sync completion as in the demo."""
     config = wasmplugin()["spec"]["pluginConfig"]
     expected = copy.deepcopy(DEMO["policies"])
     idem = next(p for p in expected if "idempotency" in p)["idempotency"]
     idem["fingerprint"].remove("body")
-    idem["complete"] = "async"
     assert config["policies"] == expected
     assert {k: v for k, v in config.items() if k not in ("redis", "policies")} == \
         {k: v for k, v in DEMO.items() if k not in ("redis", "policies")}
