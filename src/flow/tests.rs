@@ -2626,3 +2626,75 @@ fn replay_reference_is_stored_only_once_the_body_ended() {
         true,
     )));
 }
+
+#[test]
+fn a_lease_is_released_with_the_record_when_the_body_passes() {
+    let rec = Recorder::default();
+    let config = Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "both",
+            "idempotency": {"fingerprint": ["method", "path"]},
+            "lease": {"resource": ["tenant"], "ttl": "10s", "extend": false}}]}"#,
+    )
+    .expect("valid");
+    let metrics = rec.metrics(&config);
+    let rt = Runtime::new(config, metrics, None);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &Cx::new(&rt, 0, &rec),
+        idem_req("/x", Some("\"k\""), &[]),
+        "n",
+        "own",
+        true,
+    ));
+    let acquired = Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(1),
+        Reply::Int(100_000),
+        Reply::Bulk(Some(vec![])),
+        Reply::Int(1),
+        Reply::Bulk(Some(b"77".to_vec())),
+    ]));
+    assert_eq!(
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
+        Step::Continue
+    );
+    // The headers go on at once: nothing is released yet, so nothing is paused on Redis.
+    assert_eq!(
+        flow.on_response_headers(
+            &Cx::new(&rt, 2, &rec),
+            201,
+            true,
+            "via_upstream",
+            &[],
+            false
+        ),
+        Step::Continue
+    );
+    assert!(
+        flow.take_background().is_empty(),
+        "no release from the root"
+    );
+    assert_eq!(
+        flow.on_response_body(&Cx::new(&rt, 3, &rec), 5, false, || b"hello".to_vec()),
+        Step::Continue
+    );
+    // The body's end waits for both: the record written and the lease given back.
+    let out = dispatched(flow.on_response_body(&Cx::new(&rt, 4, &rec), 1, true, || b"!".to_vec()));
+    let scripts: Vec<ScriptId> = out.iter().map(|o| o.script).collect();
+    assert_eq!(scripts, vec![ScriptId::Complete, ScriptId::LeaseRelease]);
+    assert!(
+        out[0].call.args[3].contains("hello!"),
+        "{}",
+        out[0].call.args[3]
+    );
+    assert_eq!(
+        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(1))),
+        Step::Wait
+    );
+    assert_eq!(
+        flow.on_reply(&Cx::new(&rt, 6, &rec), out[1].slot, Ok(Reply::Int(1))),
+        Step::Continue
+    );
+    assert_eq!(rec.count("cg.policy.both.lease.released"), 1);
+    assert_eq!(rec.count("cg.policy.both.idem.completed"), 1);
+}

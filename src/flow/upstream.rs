@@ -51,13 +51,14 @@ impl Flow {
         };
         let step = self.record_response_headers(&at, &head);
         // Otherwise the upstream answered: the protected operation is over. The response waits
-        // for the release (one round trip), except when its body passes while the record
-        // takes it in (pausing the headers would hold the body) or the record settles off the
-        // response path (async): there the root releases it.
+        // for the release (one round trip). When the record settles off the response path
+        // (async) the root releases it; when the body passes while the record takes it in
+        // (pausing the headers would hold the body), it is released with the record at the
+        // body's end (see `settle_record`), so the client's next request finds it free.
         let body_passes = matches!(self.phase, Phase::Response(_));
-        let release = if self.kind.open_ended {
+        let release = if self.kind.open_ended || (body_passes && !async_idem) {
             None
-        } else if async_idem || body_passes {
+        } else if async_idem {
             self.release_lease(&at);
             None
         } else {
@@ -192,13 +193,19 @@ impl Flow {
             self.phase = Phase::Done;
             return Step::Continue;
         }
-        let out = self
+        let mut out: Vec<_> = self
             .calls
-            .push_and_send(Pending::of(purpose), purpose.script(), call, at.now_ms);
+            .push_and_send(Pending::of(purpose), purpose.script(), call, at.now_ms)
+            .into_iter()
+            .collect();
+        // A lease still held (its response's body passed) is released with the record.
+        if !self.kind.open_ended {
+            out.extend(self.lease_release_now(at));
+        }
         self.phase = Phase::Completing {
             deadline_ms: at.call_deadline(),
         };
-        Step::Dispatch(out.into_iter().collect())
+        Step::Dispatch(out)
     }
 
     fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
