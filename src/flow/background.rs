@@ -8,8 +8,8 @@
 //! and not after [`RETRY_WINDOW_MS`] from the first send. The [`Outbox`] decides when; the
 //! root sends what is due on its tick ([`Outbox::take_due`]).
 
-use super::calls::{count_failure, Answer, Call, Calls, Outgoing};
-use super::{Purpose, Runtime};
+use super::calls::{count_failure, Answer, Call, Calls};
+use super::context::{Outgoing, Purpose, Runtime};
 use crate::lograte::WarnKind;
 use crate::lua::record::{outcome, Outcome};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink};

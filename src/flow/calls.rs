@@ -3,27 +3,10 @@
 //! every call has: its slot (which comes back with the answer), when it was sent (latency),
 //! how often, and whether it goes by `EVALSHA` or, after one `NOSCRIPT`, by `EVAL`.
 
-use super::Runtime;
-use crate::lua::{ScriptId, Scripts};
+use super::context::{Outgoing, Runtime};
+use crate::lua::ScriptId;
 use crate::metrics::MetricSink;
 use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
-
-/// One gateway request to send: `slot` comes back with the answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outgoing {
-    pub slot: usize,
-    pub script: ScriptId,
-    pub call: ScriptCall,
-    /// `EVALSHA` (else `EVAL` with the source, after `NOSCRIPT`).
-    pub by_sha: bool,
-}
-
-impl Outgoing {
-    /// The gateway request body.
-    pub fn encode(&self, scripts: &Scripts) -> Vec<u8> {
-        self.call.encode(scripts.get(self.script), self.by_sha)
-    }
-}
 
 /// A call and what its owner keeps with it (`tag`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,8 +3,8 @@
 //! is assembled in [`super::response`].
 
 use super::background::{count_settlement, Background};
+use super::context::{Pcx, Purpose};
 use super::response::Assembly;
-use super::{Pcx, Purpose};
 use crate::config::{Completion, FingerprintPart, Idempotency, Replay};
 use crate::grpc;
 use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};

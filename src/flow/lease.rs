@@ -3,7 +3,7 @@
 //! how it gives it back. It decides; the flow sends.
 
 use super::background::Background;
-use super::{Pcx, Purpose};
+use super::context::{Pcx, Purpose};
 use crate::config::{Lease, OnBusy};
 use crate::keys;
 use crate::lua::acquire::{self, LeaseAcquire, LeaseAnswer};

@@ -11,6 +11,7 @@
 mod admit;
 mod background;
 mod calls;
+mod context;
 mod idem;
 mod intake;
 mod lease;
@@ -19,19 +20,19 @@ mod response;
 mod upstream;
 
 pub use background::{Background, Outbox, Settled, MAX_SENDS, RETRY_WINDOW_MS};
-pub use calls::Outgoing;
+pub use context::{
+    Cx, Outgoing, Pcx, Purpose, Runtime, Step, BODY_IDLE_TIMEOUT_MS, FINGERPRINT_HEADER,
+    MARKER_MIN_TTL_MS,
+};
 pub use idem::REPLAYED_HEADER;
 pub use lease::{LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS};
 
-use crate::config::{Config, FailureMode, Policy};
+use crate::config::FailureMode;
 use crate::grpc;
-use crate::local::overlimit::{OverLimitCache, SharedStore};
-use crate::local::quota::{LeasedQuota, QUOTA_SLOTS};
-use crate::lograte::{WarnKind, Warnings};
+use crate::lograte::WarnKind;
 use crate::lua::acquire::{self, LeaseAnswer};
-use crate::lua::{ScriptId, Scripts};
-use crate::metrics::{MetricSink, Metrics, PolicyMetrics};
-use crate::ratelimit::{KeyMemo, Verdict, KEY_MEMO_SLOTS};
+use crate::lua::ScriptId;
+use crate::ratelimit::Verdict;
 use crate::redis::CallError;
 use crate::request::{identify, policy_index, Caller, Request, Selected};
 use crate::respond::{self, LocalResponse, Problem};
@@ -40,125 +41,6 @@ use calls::Calls;
 use idem::{IdemDecision, IdemGuard};
 use lease::{LeaseDecision, LeaseGuard};
 use response::Intake;
-
-/// Everything a VM keeps after `on_configure`.
-pub struct Runtime {
-    pub config: Config,
-    pub scripts: Scripts,
-    pub metrics: Metrics,
-    pub over_limit: OverLimitCache,
-    pub quota: LeasedQuota,
-    pub keys: KeyMemo,
-    /// Request headers only the filter may set (the fingerprint, every lease's fencing
-    /// header): removed from every request the filter sees, guarded or not, so a client can
-    /// never hand the service a value of its own.
-    pub reserved_headers: Vec<String>,
-    /// This worker's rate limiter of repeated warnings.
-    pub warnings: Warnings,
-}
-
-impl Runtime {
-    /// `shared` mirrors the over-limit cache across the proxy's workers.
-    pub fn new(config: Config, metrics: Metrics, shared: Option<Box<dyn SharedStore>>) -> Runtime {
-        let over_limit = OverLimitCache::new(config.over_limit_cache_entries, shared);
-        let mut reserved_headers = vec![FINGERPRINT_HEADER.to_string()];
-        for lease in config.policies.iter().filter_map(|p| p.lease.as_ref()) {
-            if !reserved_headers.contains(&lease.fencing_header) {
-                reserved_headers.push(lease.fencing_header.clone());
-            }
-        }
-        Runtime {
-            reserved_headers,
-            config,
-            scripts: Scripts::load(),
-            metrics,
-            over_limit,
-            quota: LeasedQuota::new(QUOTA_SLOTS),
-            keys: KeyMemo::new(KEY_MEMO_SLOTS),
-            warnings: Warnings::default(),
-        }
-    }
-}
-
-/// The header that carries the request fingerprint to the upstream.
-pub const FINGERPRINT_HEADER: &str = "x-idempotency-fingerprint";
-
-/// How long the filter waits for the next piece of a request body it must fingerprint.
-pub const BODY_IDLE_TIMEOUT_MS: u64 = 10_000;
-
-/// The least TTL of a cancellation marker (see [`Flow::marker_ttl_ms`]): longer than the
-/// whole retry window of a release, so every retry finds the marker of the ones before.
-pub const MARKER_MIN_TTL_MS: u64 = 60_000;
-
-/// What every event brings: the VM's runtime, the time, where metrics go.
-#[derive(Clone, Copy)]
-pub struct Cx<'a> {
-    pub rt: &'a Runtime,
-    pub now_ms: u64,
-    pub m: &'a dyn MetricSink,
-}
-
-impl<'a> Cx<'a> {
-    pub fn new(rt: &'a Runtime, now_ms: u64, m: &'a dyn MetricSink) -> Cx<'a> {
-        Cx { rt, now_ms, m }
-    }
-}
-
-/// An event's context for the request's policy: what the guards read.
-#[derive(Clone, Copy)]
-pub struct Pcx<'a> {
-    pub rt: &'a Runtime,
-    pub now_ms: u64,
-    pub m: &'a dyn MetricSink,
-    pub index: usize,
-    pub policy: &'a Policy,
-    pub pm: &'a PolicyMetrics,
-}
-
-impl Pcx<'_> {
-    /// When a call sent now has timed out.
-    fn call_deadline(&self) -> u64 {
-        self.now_ms.saturating_add(self.rt.config.redis.timeout_ms)
-    }
-}
-
-/// What the adapter does next.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
-    /// Let the stream go on (resume it if it is paused).
-    Continue,
-    /// Send these calls and keep the stream paused.
-    Dispatch(Vec<Outgoing>),
-    /// Keep the stream paused.
-    Wait,
-    /// Answer the client locally.
-    Respond(LocalResponse),
-}
-
-/// Why a call was made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Purpose {
-    Acquire,
-    /// A lease-only acquire while waiting for a busy lease.
-    LeaseRetry,
-    Complete,
-    Release,
-    LeaseRelease,
-    LeaseExtend,
-}
-
-impl Purpose {
-    /// The script a call of this purpose runs.
-    pub fn script(self) -> ScriptId {
-        match self {
-            Purpose::Acquire | Purpose::LeaseRetry => ScriptId::Acquire,
-            Purpose::Complete => ScriptId::Complete,
-            Purpose::Release => ScriptId::Release,
-            Purpose::LeaseRelease => ScriptId::LeaseRelease,
-            Purpose::LeaseExtend => ScriptId::LeaseExtend,
-        }
-    }
-}
 
 #[derive(Debug, Default)]
 enum Phase {
