@@ -18,6 +18,7 @@ mod lease;
 mod replies;
 mod response;
 mod upstream;
+pub mod worker;
 
 pub use background::{Background, Outbox, Settled, MAX_SENDS, RETRY_WINDOW_MS};
 pub use context::{
