@@ -1,6 +1,7 @@
 use super::*;
 use crate::config::Config;
 use crate::config::Replay;
+use crate::lua::ScriptId;
 use crate::metrics::testing::Recorder;
 use crate::metrics::NoMetrics;
 use crate::redis::{resp::Reply, CallError};
