@@ -87,7 +87,12 @@ pub struct Pcx<'a> {
     pub pm: &'a PolicyMetrics,
 }
 
-impl Pcx<'_> {
+impl<'a> Pcx<'a> {
+    /// The event's context, without the policy.
+    pub fn cx(&self) -> Cx<'a> {
+        Cx::new(self.rt, self.now_ms, self.m)
+    }
+
     /// When a call sent now has timed out.
     pub fn call_deadline(&self) -> u64 {
         self.now_ms.saturating_add(self.rt.config.redis.timeout_ms)

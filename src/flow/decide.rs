@@ -160,7 +160,7 @@ impl Flow {
         self.hand_back(
             at,
             |t| &mut t.record_unsettled,
-            |f, in_flight, ttl| f.idem.as_mut()?.release(at.index, in_flight, ttl),
+            |f, in_flight, ttl| Background::give_back(at.index, f.idem.as_mut()?, in_flight, ttl),
         );
     }
 
@@ -169,7 +169,7 @@ impl Flow {
         self.hand_back(
             at,
             |t| &mut t.lease_unsettled,
-            |f, in_flight, ttl| f.lease.as_mut()?.release(at.index, in_flight, ttl),
+            |f, in_flight, ttl| Background::give_back(at.index, f.lease.as_mut()?, in_flight, ttl),
         );
     }
 

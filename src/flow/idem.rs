@@ -2,7 +2,7 @@
 //! answer means, and the calls that complete or release the record. The response it stores
 //! is assembled in [`super::response`].
 
-use super::background::{count_settlement, Background};
+use super::background::{count_settlement, Background, Holder};
 use super::context::{Pcx, Purpose};
 use super::response::Assembly;
 use crate::config::{Completion, FingerprintPart, Idempotency, Replay};
@@ -198,25 +198,6 @@ impl IdemGuard {
         IdemDecision::Answer(response)
     }
 
-    /// Gives the record back from the root: ours, or (`in_flight`) one an acquire that may
-    /// still run (or may have run) may have created, released by owner anyway with the
-    /// cancellation marker (`marker_ttl_ms`) so a late acquire writes nothing.
-    pub fn release(
-        &mut self,
-        policy: usize,
-        in_flight: bool,
-        marker_ttl_ms: u64,
-    ) -> Option<Background> {
-        if !self.owned && !in_flight {
-            return None;
-        }
-        let certain = self.owned;
-        self.owned = false;
-        let call = record::release(&self.acquire, (!certain).then_some(marker_ttl_ms));
-        let call = Background::new(policy, Purpose::Release, call, self.key_hash.clone());
-        Some(if certain { call } else { call.compensation() })
-    }
-
     /// The call that stores the assembled response as `COMPLETED`.
     pub fn completion_call(&self, cfg: &Idempotency) -> (Purpose, ScriptCall) {
         let s = &self.stored;
@@ -292,6 +273,19 @@ impl IdemGuard {
     /// Whether completion waits for Redis before the response goes on.
     pub fn sync(cfg: &Idempotency) -> bool {
         cfg.complete == Completion::Sync
+    }
+}
+
+/// The record, given back from the root: ours, or one an acquire that may still run (or may
+/// have run) may have created.
+impl Holder for IdemGuard {
+    fn held(&mut self) -> &mut bool {
+        &mut self.owned
+    }
+
+    fn release(&mut self, marker_ttl_ms: Option<u64>) -> (Purpose, ScriptCall, String) {
+        let call = record::release(&self.acquire, marker_ttl_ms);
+        (Purpose::Release, call, self.key_hash.clone())
     }
 }
 

@@ -2,9 +2,9 @@
 //! that outlive the request's decision: the record to settle, the lease to give back.
 
 use super::background::Background;
-use super::response::{response_shape, Record, ResponseHead, Shape};
+use super::response::{response_shape, Assembly, Intake, Record, ResponseHead, Shape};
 use super::{Cx, Flow, Pcx, Pending, Phase, Purpose, Step};
-use crate::config::Completion;
+use crate::config::{Completion, Idempotency};
 use crate::redis::ScriptCall;
 
 impl Flow {
@@ -116,6 +116,28 @@ impl Flow {
         end_of_stream: bool,
         read: impl FnOnce() -> Vec<u8>,
     ) -> Step {
+        self.record_piece(cx, |stored, cfg, intake, _| {
+            stored.on_response_body(cfg, intake, body_size, end_of_stream, read)
+        })
+    }
+
+    /// The response's trailers (`trailers`): its body has ended (without a body callback that
+    /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
+    /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
+    pub fn on_response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Step {
+        self.record_piece(cx, |stored, cfg, _, grpc| {
+            stored.on_response_trailers(cfg, trailers, grpc)
+        })
+    }
+
+    /// A piece of the response the record takes in (`piece` reads it into the assembly):
+    /// while a sync completion is outstanding the stream waits; with no record taking the
+    /// response in it goes on.
+    fn record_piece(
+        &mut self,
+        cx: &Cx<'_>,
+        piece: impl FnOnce(&mut Assembly, &Idempotency, Intake, bool) -> Record,
+    ) -> Step {
         let intake = match self.phase {
             Phase::Response(intake) => intake,
             Phase::Completing { .. } => return Step::Wait,
@@ -124,32 +146,11 @@ impl Flow {
         let Some(at) = self.at(cx) else {
             return Step::Continue;
         };
-        let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) else {
-            return Step::Continue;
-        };
-        let record = idem
-            .stored
-            .on_response_body(cfg, intake, body_size, end_of_stream, read);
-        self.apply_record(&at, record, "")
-    }
-
-    /// The response's trailers (`trailers`): its body has ended (without a body callback that
-    /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
-    /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
-    pub fn on_response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Step {
-        match self.phase {
-            Phase::Response(_) => {}
-            Phase::Completing { .. } => return Step::Wait,
-            _ => return Step::Continue,
-        }
-        let Some(at) = self.at(cx) else {
-            return Step::Continue;
-        };
         let grpc = self.kind.grpc;
         let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) else {
             return Step::Continue;
         };
-        let record = idem.stored.on_response_trailers(cfg, trailers, grpc);
+        let record = piece(&mut idem.stored, cfg, intake, grpc);
         self.apply_record(&at, record, "")
     }
 

@@ -360,6 +360,21 @@ impl Filter {
     }
 }
 
+impl Filter {
+    /// A piece of the body in direction `dir`, read from the host only if the flow asks.
+    fn body(&self, dir: Dir, body_size: usize, end_of_stream: bool) -> types::Action {
+        let kind = match dir {
+            Dir::Request => BufferType::HttpRequestBody,
+            Dir::Response => BufferType::HttpResponseBody,
+        };
+        self.event(|w, cx, s| {
+            w.on_body(cx, s, dir, body_size, end_of_stream, || {
+                buffer(kind, body_size)
+            })
+        })
+    }
+}
+
 impl Context for Filter {
     fn on_http_call_response(
         &mut self,
@@ -473,11 +488,7 @@ impl HttpContext for Filter {
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> types::Action {
         // While the request is held for a decision its body is held too: returning Continue
         // here would let Envoy pass the headers on before the decision.
-        self.event(|w, cx, s| {
-            w.on_request_body(cx, s, body_size, end_of_stream, || {
-                buffer(BufferType::HttpRequestBody, body_size)
-            })
-        })
+        self.body(Dir::Request, body_size, end_of_stream)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> types::Action {
@@ -502,11 +513,7 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> types::Action {
-        self.event(|w, cx, s| {
-            w.on_response_body(cx, s, body_size, end_of_stream, || {
-                buffer(BufferType::HttpResponseBody, body_size)
-            })
-        })
+        self.body(Dir::Response, body_size, end_of_stream)
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> types::Action {

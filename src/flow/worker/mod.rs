@@ -109,17 +109,20 @@ impl<S: Copy + Ord> Worker<S> {
         self.event(cx, s, Some(Dir::Request), step)
     }
 
-    /// A piece of the request body; `read` gives what the host buffered.
-    pub fn on_request_body(
+    /// A piece of the body in direction `dir`: `read` gives what the host holds of it (the
+    /// request's whole body buffered so far; the response's piece).
+    pub fn on_body(
         &mut self,
         cx: &Cx<'_>,
         s: S,
+        dir: Dir,
         body_size: usize,
         end_of_stream: bool,
         read: impl FnOnce() -> Vec<u8>,
     ) -> Effects<S> {
-        self.flow_event(cx, s, Dir::Request, |f| {
-            f.on_request_body(cx, body_size, end_of_stream, read)
+        self.flow_event(cx, s, dir, |f| match dir {
+            Dir::Request => f.on_request_body(cx, body_size, end_of_stream, read),
+            Dir::Response => f.on_response_body(cx, body_size, end_of_stream, read),
         })
     }
 
@@ -181,20 +184,6 @@ impl<S: Copy + Ord> Worker<S> {
             }
         }
         fx
-    }
-
-    /// A piece of the response body; `read` gives this piece.
-    pub fn on_response_body(
-        &mut self,
-        cx: &Cx<'_>,
-        s: S,
-        body_size: usize,
-        end_of_stream: bool,
-        read: impl FnOnce() -> Vec<u8>,
-    ) -> Effects<S> {
-        self.flow_event(cx, s, Dir::Response, |f| {
-            f.on_response_body(cx, body_size, end_of_stream, read)
-        })
     }
 
     /// The response's trailers; `read` is asked only when the record settles on them.
@@ -351,7 +340,7 @@ impl<S: Copy + Ord> Worker<S> {
                 }
             }
             Dest::Outbox(slot) => {
-                let settled = self.outbox.on_answer(cx.rt, slot, answer, cx.now_ms, cx.m);
+                let settled = self.outbox.on_answer(cx, slot, answer);
                 if let Some(out) = settled.resend {
                     fx.calls.push(callout(cx, &out, Dest::Outbox(out.slot)));
                 }

@@ -158,6 +158,22 @@ fn the_tick_decides_only_streams_past_their_deadline() {
     assert_eq!(fx.streams[0].stream, 2);
 }
 
+/// Stream 1 acquires the lease of /wait/9, then stream 2 finds it busy and waits: the
+/// effects of both answers.
+fn holder_and_waiter(
+    w: &mut Worker<u32>,
+    cx: &Cx<'_>,
+    next: &mut u32,
+) -> (Effects<u32>, Effects<u32>) {
+    let fx = request(w, cx, 1, "POST", "/wait/9/a");
+    let t1 = send_all(w, cx, fx, next);
+    let held = w.on_answer(cx, t1[0], || Ok(lease_reply(1, b"77")));
+    let fx = request(w, cx, 2, "POST", "/wait/9/b");
+    let t2 = send_all(w, cx, fx, next);
+    let waits = w.on_answer(cx, t2[0], || Ok(lease_reply(2, b"1500")));
+    (held, waits)
+}
+
 #[test]
 fn a_lease_given_back_wakes_its_waiters_and_the_fine_tick_follows_them() {
     let rec = Recorder::default();
@@ -165,21 +181,16 @@ fn a_lease_given_back_wakes_its_waiters_and_the_fine_tick_follows_them() {
     let cx = Cx::new(&rt, 0, &rec);
     let mut w = worker(&rt);
     let mut next = 0;
-    // Stream 1 holds the lease of /wait/9.
-    let fx = request(&mut w, &cx, 1, "POST", "/wait/9/a");
-    let t1 = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&cx, t1[0], || Ok(lease_reply(1, b"77")));
+    // Stream 1 holds the lease of /wait/9, stream 2 finds it busy and waits: the root ticks
+    // finely.
+    let (held, waits) = holder_and_waiter(&mut w, &cx, &mut next);
     assert_eq!(
-        fx.streams[0].set_request_headers,
+        held.streams[0].set_request_headers,
         vec![("x-lease-token".to_string(), "77".to_string())]
     );
-    assert_eq!(fx.tick_ms, None);
-    // Stream 2 finds it busy and waits: the root ticks finely.
-    let fx = request(&mut w, &cx, 2, "POST", "/wait/9/b");
-    let t2 = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&cx, t2[0], || Ok(lease_reply(2, b"1500")));
-    assert!(fx.streams.is_empty(), "still held");
-    assert_eq!(fx.tick_ms, Some(LEASE_WAIT_TICK_MS));
+    assert_eq!(held.tick_ms, None);
+    assert!(waits.streams.is_empty(), "still held");
+    assert_eq!(waits.tick_ms, Some(LEASE_WAIT_TICK_MS));
     // Nothing is due before its poll.
     assert!(w.on_tick(&Cx::new(&rt, 1, &rec)).streams.is_empty());
     // Stream 1's response waits for the release; Redis confirms it.
@@ -215,13 +226,7 @@ fn what_a_stream_owes_at_its_end_goes_out_from_the_root() {
     let cx = Cx::new(&rt, 0, &rec);
     let mut w = worker(&rt);
     let mut next = 0;
-    let fx = request(&mut w, &cx, 1, "POST", "/wait/9/a");
-    let t1 = send_all(&mut w, &cx, fx, &mut next);
-    w.on_answer(&cx, t1[0], || Ok(lease_reply(1, b"77")));
-    // A waiter, to be woken by the root's release.
-    let fx = request(&mut w, &cx, 2, "POST", "/wait/9/b");
-    let t2 = send_all(&mut w, &cx, fx, &mut next);
-    w.on_answer(&cx, t2[0], || Ok(lease_reply(2, b"1500")));
+    holder_and_waiter(&mut w, &cx, &mut next);
     // The stream ends without a response: the release goes to the root's outbox.
     let fx = w.on_done(&cx, 1);
     assert!(fx.streams.is_empty() && fx.calls.is_empty());
@@ -248,7 +253,7 @@ fn a_closed_stream_forgets_its_calls() {
     assert!(w.on_answer(&cx, tokens[0], unread).streams.is_empty());
     assert!(w.on_tick(&Cx::new(&rt, 1_000, &rec)).streams.is_empty());
     // Events of an unguarded stream: it goes on.
-    let fx = w.on_request_body(&cx, 3, 10, true, || panic!("not read"));
+    let fx = w.on_body(&cx, 3, Dir::Request, 10, true, || panic!("not read"));
     assert_eq!(fx.action, Action::Continue);
     assert!(fx.streams.is_empty());
 }
