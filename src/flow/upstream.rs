@@ -3,7 +3,7 @@
 
 use super::background::Background;
 use super::response::{response_shape, Assembly, Intake, Record, ResponseHead, Shape};
-use super::{Cx, Flow, Pcx, Pending, Phase, Purpose, Step};
+use super::{Cx, Flow, Outgoing, Pcx, Pending, Phase, Purpose, Step};
 use crate::config::{Completion, Idempotency};
 use crate::redis::ScriptCall;
 
@@ -34,8 +34,7 @@ impl Flow {
         // as the stream is open, so a held lease stays held (the watchdog extends it) and is
         // released when the stream ends (`on_done`).
         self.kind.open_ended = shape != Shape::Plain;
-        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
-        let async_idem = owned
+        let async_idem = self.idem.as_ref().is_some_and(|i| i.owned)
             && at
                 .policy
                 .idempotency
@@ -50,22 +49,33 @@ impl Flow {
             shape,
         };
         let step = self.record_response_headers(&at, &head);
-        // Otherwise the upstream answered: the protected operation is over. The response waits
-        // for the release (one round trip), except when its body passes while the record
-        // takes it in (pausing the headers would hold the body) or the record settles off the
-        // response path (async): there the root releases it.
-        let body_passes = matches!(self.phase, Phase::Response(_));
-        let release = if self.kind.open_ended {
-            None
-        } else if async_idem || body_passes {
-            self.release_lease(&at);
-            None
-        } else {
-            self.lease_release_now(&at)
-        };
+        let release = self.lease_at_response(&at, async_idem);
         if matches!(self.phase, Phase::Forwarded) {
             self.phase = Phase::Responded;
         }
+        self.with_release(&at, release, step)
+    }
+
+    /// The lease once the response's headers are in. An open-ended response keeps it.
+    /// Otherwise the upstream answered: the protected operation is over. The response waits
+    /// for the release (one round trip; the call is returned), except when its body passes
+    /// while the record takes it in (pausing the headers would hold the body) or the record
+    /// settles off the response path (async): there the root releases it.
+    fn lease_at_response(&mut self, at: &Pcx<'_>, async_idem: bool) -> Option<Outgoing> {
+        let body_passes = matches!(self.phase, Phase::Response(_));
+        if self.kind.open_ended {
+            None
+        } else if async_idem || body_passes {
+            self.release_lease(at);
+            None
+        } else {
+            self.lease_release_now(at)
+        }
+    }
+
+    /// The record's step at the response headers, with the lease release the response
+    /// waits for, if any.
+    fn with_release(&mut self, at: &Pcx<'_>, release: Option<Outgoing>, step: Step) -> Step {
         match (release, step) {
             (None, step) => step,
             (Some(out), Step::Continue) => {
@@ -84,7 +94,7 @@ impl Flow {
     }
 
     /// The lease release the response waits for.
-    fn lease_release_now(&mut self, at: &Pcx<'_>) -> Option<super::Outgoing> {
+    fn lease_release_now(&mut self, at: &Pcx<'_>) -> Option<Outgoing> {
         let call = self.lease.as_mut()?.release_now()?;
         let tag = Pending::of(Purpose::LeaseRelease);
         self.calls
