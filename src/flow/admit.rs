@@ -2,7 +2,7 @@
 //! leased slice, or the over-limit cache) gave it, together in one [`LimitSlot`]; the verdict
 //! and what the verdict leaves behind (slices, over-limit marks, metrics).
 
-use super::Pcx;
+use super::context::Pcx;
 use crate::keys::LimitKey;
 use crate::ratelimit::{self, LimitState, Verdict};
 use crate::redis::CallError;

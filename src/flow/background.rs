@@ -8,8 +8,8 @@
 //! and not after [`RETRY_WINDOW_MS`] from the first send. The [`Outbox`] decides when; the
 //! root sends what is due on its tick ([`Outbox::take_due`]).
 
-use super::calls::{count_failure, Answer, Call, Calls, Outgoing};
-use super::{Purpose, Runtime};
+use super::calls::{count_failure, Answer, Call, Calls};
+use super::context::{Cx, Outgoing, Purpose, Runtime};
 use crate::lograte::WarnKind;
 use crate::lua::record::{outcome, Outcome};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink};
@@ -54,6 +54,25 @@ impl Background {
         }
     }
 
+    /// Gives back what `holder` holds (then no longer) or, with `in_flight`, what an acquire
+    /// the request gave up on may have taken: then the release carries the owner's
+    /// cancellation marker (`marker_ttl_ms`), so a late acquire takes nothing, and the call is
+    /// a compensation (see [`Background::compensation`]).
+    pub fn give_back(
+        policy: usize,
+        holder: &mut impl Holder,
+        in_flight: bool,
+        marker_ttl_ms: u64,
+    ) -> Option<Background> {
+        let certain = std::mem::take(holder.held());
+        if !certain && !in_flight {
+            return None;
+        }
+        let (purpose, call, key_hash) = holder.release((!certain).then_some(marker_ttl_ms));
+        let call = Background::new(policy, purpose, call, key_hash);
+        Some(if certain { call } else { call.compensation() })
+    }
+
     /// A call whose "not ours" answer is expected (see [`Background::certain`]).
     pub fn uncertain(mut self) -> Background {
         self.certain = false;
@@ -66,6 +85,16 @@ impl Background {
         self.compensation = true;
         self
     }
+}
+
+/// A guard that holds something in Redis (the record, the lease) and gives it back from the
+/// root (see [`Background::give_back`]).
+pub trait Holder {
+    /// Whether the request holds it.
+    fn held(&mut self) -> &mut bool;
+    /// The call that gives it back by owner (with the cancellation marker's TTL when the
+    /// request may not hold it): its purpose, the call, the key hash for logs.
+    fn release(&mut self, marker_ttl_ms: Option<u64>) -> (Purpose, ScriptCall, String);
 }
 
 /// What the root keeps of a background call while it is queued or in flight.
@@ -143,14 +172,11 @@ impl Outbox {
     /// Handles the answer (or a failure to send) of the call in `slot`.
     pub fn on_answer(
         &mut self,
-        rt: &Runtime,
+        cx: &Cx<'_>,
         slot: usize,
         answer: Result<Reply, CallError>,
-        now_ms: u64,
-        m: &dyn MetricSink,
     ) -> Settled {
-        let (tag, reply, attempts, first_ms) = match self.calls.answer(rt, slot, answer, now_ms, m)
-        {
+        let (tag, reply, attempts, first_ms) = match self.calls.answer(cx, slot, answer) {
             Answer::Unknown => return Settled::default(),
             Answer::Resend(out) => {
                 return Settled {
@@ -163,10 +189,10 @@ impl Outbox {
         let freed_lease = freed_lease(&tag, &reply, self.calls.get(slot));
         let retry_at = match reply {
             Ok(reply) => {
-                settled(rt, &tag, &reply, m);
+                settled(cx.rt, &tag, &reply, cx.m);
                 None
             }
-            Err(e) => failed(rt, &tag, &e, attempts, first_ms, now_ms, m),
+            Err(e) => failed(cx, &tag, &e, attempts, first_ms),
         };
         match (retry_at, self.calls.get_mut(slot)) {
             (Some(at), Some(c)) => c.due_ms = at,
@@ -223,14 +249,13 @@ fn settled(rt: &Runtime, tag: &Tag, reply: &Reply, m: &dyn MetricSink) {
 /// After a failed send: when to send it again, if at all (see the module's rustdoc); when
 /// given up, the warning that it is.
 fn failed(
-    rt: &Runtime,
+    cx: &Cx<'_>,
     tag: &Tag,
     e: &CallError,
     attempts: u32,
     first_ms: Option<u64>,
-    now_ms: u64,
-    m: &dyn MetricSink,
 ) -> Option<u64> {
+    let (rt, now_ms, m) = (cx.rt, cx.now_ms, cx.m);
     count_failure(rt, e, m);
     if let Some(at) = retry_at(tag.purpose, e, attempts, first_ms, now_ms) {
         m.increment(rt.metrics.redis.retries);

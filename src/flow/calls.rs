@@ -3,27 +3,10 @@
 //! every call has: its slot (which comes back with the answer), when it was sent (latency),
 //! how often, and whether it goes by `EVALSHA` or, after one `NOSCRIPT`, by `EVAL`.
 
-use super::Runtime;
-use crate::lua::{ScriptId, Scripts};
+use super::context::{Cx, Outgoing, Runtime};
+use crate::lua::ScriptId;
 use crate::metrics::MetricSink;
 use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
-
-/// One gateway request to send: `slot` comes back with the answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outgoing {
-    pub slot: usize,
-    pub script: ScriptId,
-    pub call: ScriptCall,
-    /// `EVALSHA` (else `EVAL` with the source, after `NOSCRIPT`).
-    pub by_sha: bool,
-}
-
-impl Outgoing {
-    /// The gateway request body.
-    pub fn encode(&self, scripts: &Scripts) -> Vec<u8> {
-        self.call.encode(scripts.get(self.script), self.by_sha)
-    }
-}
 
 /// A call and what its owner keeps with it (`tag`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -173,21 +156,17 @@ impl<T> Calls<T> {
     /// sends the call again by `EVAL` (once: a call already by `EVAL` is answered as it is).
     pub fn answer(
         &mut self,
-        rt: &Runtime,
+        cx: &Cx<'_>,
         slot: usize,
         answer: Result<Reply, CallError>,
-        now_ms: u64,
-        m: &dyn MetricSink,
     ) -> Answer<'_, T> {
         let Some(c) = self.get_mut(slot).filter(|c| c.open) else {
             return Answer::Unknown;
         };
-        m.record(
-            rt.metrics.redis.latency_ms,
-            now_ms.saturating_sub(c.sent_ms),
-        );
-        if resend_by_eval(&mut c.by_sha, &answer, &rt.metrics.redis, m) {
-            return match self.send(slot, now_ms) {
+        let redis = &cx.rt.metrics.redis;
+        cx.m.record(redis.latency_ms, cx.now_ms.saturating_sub(c.sent_ms));
+        if resend_by_eval(&mut c.by_sha, &answer, redis, cx.m) {
+            return match self.send(slot, cx.now_ms) {
                 Some(out) => Answer::Resend(out),
                 None => Answer::Unknown,
             };

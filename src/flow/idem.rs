@@ -2,9 +2,9 @@
 //! answer means, and the calls that complete or release the record. The response it stores
 //! is assembled in [`super::response`].
 
-use super::background::{count_settlement, Background};
+use super::background::{count_settlement, Background, Holder};
+use super::context::{Pcx, Purpose};
 use super::response::Assembly;
-use super::{Pcx, Purpose};
 use crate::config::{Completion, FingerprintPart, Idempotency, Replay};
 use crate::grpc;
 use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
@@ -14,6 +14,7 @@ use crate::keys;
 use crate::lograte::WarnKind;
 use crate::lua::acquire::{IdemAcquire, IdemAnswer};
 use crate::lua::record;
+use crate::metrics::IdemMetrics;
 use crate::redis::{resp::Reply, CallError, ScriptCall};
 use crate::request::{Caller, Request};
 use crate::respond::{self, LocalResponse, Problem};
@@ -139,40 +140,61 @@ impl IdemGuard {
         ) else {
             return IdemDecision::NotAsked;
         };
-        let conflict = |headers: &[(String, String)]| {
-            with_headers(
-                respond::problem(
-                    Problem::IdempotencyKeyConflict {
-                        status: cfg.conflict_status,
-                    },
-                    "this Idempotency-Key was already used for a different request",
-                    &[],
-                    Vec::new(),
-                ),
-                headers,
-            )
-        };
-        let response = match answer {
+        match answer {
             IdemAnswer::Acquired => {
                 at.m.increment(im.acquired);
                 // Only a request that holds its record tells the service its fingerprint.
-                return IdemDecision::Acquired(self.acquire.fingerprint.clone());
+                IdemDecision::Acquired(self.acquire.fingerprint.clone())
             }
-            IdemAnswer::Skipped => return IdemDecision::Skipped,
+            IdemAnswer::Skipped => IdemDecision::Skipped,
+            answer => {
+                let response = self.local_answer(at, cfg, im, answer, grpc);
+                IdemDecision::Answer(with_headers(response, limit_headers))
+            }
+        }
+    }
+
+    /// The local answer for a record this request cannot take: in progress, a conflict, an
+    /// unreadable record (answered as a conflict), or a replay of the stored response.
+    fn local_answer(
+        &self,
+        at: &Pcx<'_>,
+        cfg: &Idempotency,
+        im: &IdemMetrics,
+        answer: IdemAnswer,
+        grpc: bool,
+    ) -> LocalResponse {
+        let conflict = || {
+            respond::problem(
+                Problem::IdempotencyKeyConflict {
+                    status: cfg.conflict_status,
+                },
+                "this Idempotency-Key was already used for a different request",
+                &[],
+                Vec::new(),
+            )
+        };
+        match answer {
             IdemAnswer::InProgress { .. } => {
                 at.m.increment(im.in_progress);
-                let response = respond::problem(
+                respond::problem(
                     Problem::IdempotencyKeyInUse,
                     "a request with this Idempotency-Key is still being processed; retry later",
                     &[],
                     vec![("retry-after".to_string(), "1".to_string())],
-                );
-                with_headers(response, limit_headers)
+                )
             }
-            IdemAnswer::Conflict => {
-                at.m.increment(im.conflict);
-                conflict(limit_headers)
-            }
+            IdemAnswer::Completed(record) => match replay(&record, grpc) {
+                Some(response) => {
+                    at.m.increment(im.replayed);
+                    response
+                }
+                None => {
+                    at.m.increment(im.unreadable);
+                    at.m.increment(im.conflict);
+                    conflict()
+                }
+            },
             IdemAnswer::Unreadable => {
                 at.m.increment(im.unreadable);
                 at.m.increment(im.conflict);
@@ -181,40 +203,14 @@ impl IdemGuard {
                     at.policy.name,
                     self.key_hash
                 );
-                conflict(limit_headers)
+                conflict()
             }
-            IdemAnswer::Completed(record) => match replay(&record, limit_headers.to_vec(), grpc) {
-                Some(response) => {
-                    at.m.increment(im.replayed);
-                    response
-                }
-                None => {
-                    at.m.increment(im.unreadable);
-                    at.m.increment(im.conflict);
-                    conflict(limit_headers)
-                }
-            },
-        };
-        IdemDecision::Answer(response)
-    }
-
-    /// Gives the record back from the root: ours, or (`in_flight`) one an acquire that may
-    /// still run (or may have run) may have created, released by owner anyway with the
-    /// cancellation marker (`marker_ttl_ms`) so a late acquire writes nothing.
-    pub fn release(
-        &mut self,
-        policy: usize,
-        in_flight: bool,
-        marker_ttl_ms: u64,
-    ) -> Option<Background> {
-        if !self.owned && !in_flight {
-            return None;
+            // (Acquired and Skipped never come here: they are not local answers.)
+            IdemAnswer::Conflict | IdemAnswer::Acquired | IdemAnswer::Skipped => {
+                at.m.increment(im.conflict);
+                conflict()
+            }
         }
-        let certain = self.owned;
-        self.owned = false;
-        let call = record::release(&self.acquire, (!certain).then_some(marker_ttl_ms));
-        let call = Background::new(policy, Purpose::Release, call, self.key_hash.clone());
-        Some(if certain { call } else { call.compensation() })
     }
 
     /// The call that stores the assembled response as `COMPLETED`.
@@ -295,6 +291,19 @@ impl IdemGuard {
     }
 }
 
+/// The record, given back from the root: ours, or one an acquire that may still run (or may
+/// have run) may have created.
+impl Holder for IdemGuard {
+    fn held(&mut self) -> &mut bool {
+        &mut self.owned
+    }
+
+    fn release(&mut self, marker_ttl_ms: Option<u64>) -> (Purpose, ScriptCall, String) {
+        let call = record::release(&self.acquire, marker_ttl_ms);
+        (Purpose::Release, call, self.key_hash.clone())
+    }
+}
+
 fn with_headers(mut response: LocalResponse, headers: &[(String, String)]) -> LocalResponse {
     response.headers.extend(headers.iter().cloned());
     response
@@ -327,7 +336,7 @@ pub fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
 
 /// The stored response as a local reply, with `Idempotent-Replayed: true`. For a gRPC
 /// request whose record holds a gRPC status, see [`grpc_replay`].
-fn replay(record: &Record, extra: Vec<(String, String)>, grpc: bool) -> Option<LocalResponse> {
+fn replay(record: &Record, grpc: bool) -> Option<LocalResponse> {
     let stored = record.response.as_ref()?;
     let body = stored.body_bytes()?;
     if grpc {
@@ -335,12 +344,11 @@ fn replay(record: &Record, extra: Vec<(String, String)>, grpc: bool) -> Option<L
             .trailer(grpc::STATUS)
             .and_then(|v| v.trim().parse().ok())
         {
-            return Some(grpc_replay(stored, code, body.is_empty(), extra));
+            return Some(grpc_replay(stored, code, body.is_empty()));
         }
     }
     let mut headers = stored.headers.clone();
     headers.push((REPLAYED_HEADER.into(), "true".into()));
-    headers.extend(extra);
     Some(LocalResponse {
         status: u32::from(stored.status),
         headers,
@@ -358,12 +366,7 @@ fn replay(record: &Record, extra: Vec<(String, String)>, grpc: bool) -> Option<L
 /// successful unary call), or whose body was not stored, is answered `ALREADY_EXISTS`, saying
 /// so, rather than an `OK` without its message (which clients fail as a protocol error). A
 /// failed call is replayed with its status and message (the messages sent before it are not).
-fn grpc_replay(
-    stored: &StoredResponse,
-    code: u32,
-    empty_body: bool,
-    extra: Vec<(String, String)>,
-) -> LocalResponse {
+fn grpc_replay(stored: &StoredResponse, code: u32, empty_body: bool) -> LocalResponse {
     let mut headers: Vec<(String, String)> = stored
         .headers
         .iter()
@@ -386,7 +389,6 @@ fn grpc_replay(
         grpc::ALREADY_EXISTS
     };
     headers.push((REPLAYED_HEADER.into(), "true".into()));
-    headers.extend(extra);
     LocalResponse {
         status: u32::from(stored.status),
         headers,

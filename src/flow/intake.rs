@@ -1,7 +1,7 @@
 //! The request's own problems, answered before any guard runs: a path that reads more than
 //! one way, a missing or repeated tenant, a repeated selector input, a missing lease resource.
 
-use super::Pcx;
+use super::context::Pcx;
 use crate::config::IdSource;
 use crate::request::{repeated_input, Request, TenantError};
 use crate::respond::{self, LocalResponse, Member, Problem};

@@ -2,8 +2,8 @@
 //! waits for a busy one (jittered, doubling polls up to `max_wait`), when it extends it, and
 //! how it gives it back. It decides; the flow sends.
 
-use super::background::Background;
-use super::{Pcx, Purpose};
+use super::background::{Background, Holder};
+use super::context::{Pcx, Purpose};
 use crate::config::{Lease, OnBusy};
 use crate::keys;
 use crate::lua::acquire::{self, LeaseAcquire, LeaseAnswer};
@@ -156,27 +156,6 @@ impl LeaseGuard {
         acquire::lease_poll(&self.acquire, nonce)
     }
 
-    /// Gives a held lease back from the root (the call must outlive the stream). With
-    /// `in_flight` an acquire that may still run (or may have run) may hold it: released by
-    /// owner anyway, with the cancellation marker (`marker_ttl_ms`), so a late acquire takes
-    /// nothing.
-    pub fn release(
-        &mut self,
-        policy: usize,
-        in_flight: bool,
-        marker_ttl_ms: u64,
-    ) -> Option<Background> {
-        if !self.held && !in_flight {
-            return None;
-        }
-        let certain = self.held;
-        self.held = false;
-        self.next_extend_ms = None;
-        let call = lease::release(&self.acquire, (!certain).then_some(marker_ttl_ms));
-        let call = Background::new(policy, Purpose::LeaseRelease, call, String::new());
-        Some(if certain { call } else { call.compensation() })
-    }
-
     /// The release the response waits for, so the client's next request finds the resource
     /// free.
     pub fn release_now(&mut self) -> Option<ScriptCall> {
@@ -223,6 +202,20 @@ impl LeaseGuard {
     /// When the lease is to be extended next.
     pub fn next_extend_ms(&self) -> Option<u64> {
         self.next_extend_ms
+    }
+}
+
+/// A held lease, given back from the root (the call must outlive the stream); or one an
+/// acquire that may still run (or may have run) may hold. It is no longer extended.
+impl Holder for LeaseGuard {
+    fn held(&mut self) -> &mut bool {
+        &mut self.held
+    }
+
+    fn release(&mut self, marker_ttl_ms: Option<u64>) -> (Purpose, ScriptCall, String) {
+        self.next_extend_ms = None;
+        let call = lease::release(&self.acquire, marker_ttl_ms);
+        (Purpose::LeaseRelease, call, String::new())
     }
 }
 

@@ -11,154 +11,33 @@
 mod admit;
 mod background;
 mod calls;
+mod context;
+mod decide;
 mod idem;
 mod intake;
 mod lease;
 mod replies;
 mod response;
 mod upstream;
+pub mod worker;
 
 pub use background::{Background, Outbox, Settled, MAX_SENDS, RETRY_WINDOW_MS};
-pub use calls::Outgoing;
+pub use context::{
+    Cx, Outgoing, Pcx, Purpose, Runtime, Step, BODY_IDLE_TIMEOUT_MS, FINGERPRINT_HEADER,
+    MARKER_MIN_TTL_MS,
+};
 pub use idem::REPLAYED_HEADER;
 pub use lease::{LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS};
 
-use crate::config::{Config, FailureMode, Policy};
 use crate::grpc;
-use crate::local::overlimit::{OverLimitCache, SharedStore};
-use crate::local::quota::{LeasedQuota, QUOTA_SLOTS};
-use crate::lograte::{WarnKind, Warnings};
-use crate::lua::acquire::{self, LeaseAnswer};
-use crate::lua::{ScriptId, Scripts};
-use crate::metrics::{MetricSink, Metrics, PolicyMetrics};
-use crate::ratelimit::{KeyMemo, Verdict, KEY_MEMO_SLOTS};
-use crate::redis::CallError;
+use crate::lua::acquire;
 use crate::request::{identify, policy_index, Caller, Request, Selected};
-use crate::respond::{self, LocalResponse, Problem};
+use crate::respond::{self, LocalResponse};
 use admit::Admission;
 use calls::Calls;
-use idem::{IdemDecision, IdemGuard};
-use lease::{LeaseDecision, LeaseGuard};
+use idem::IdemGuard;
+use lease::LeaseGuard;
 use response::Intake;
-
-/// Everything a VM keeps after `on_configure`.
-pub struct Runtime {
-    pub config: Config,
-    pub scripts: Scripts,
-    pub metrics: Metrics,
-    pub over_limit: OverLimitCache,
-    pub quota: LeasedQuota,
-    pub keys: KeyMemo,
-    /// Request headers only the filter may set (the fingerprint, every lease's fencing
-    /// header): removed from every request the filter sees, guarded or not, so a client can
-    /// never hand the service a value of its own.
-    pub reserved_headers: Vec<String>,
-    /// This worker's rate limiter of repeated warnings.
-    pub warnings: Warnings,
-}
-
-impl Runtime {
-    /// `shared` mirrors the over-limit cache across the proxy's workers.
-    pub fn new(config: Config, metrics: Metrics, shared: Option<Box<dyn SharedStore>>) -> Runtime {
-        let over_limit = OverLimitCache::new(config.over_limit_cache_entries, shared);
-        let mut reserved_headers = vec![FINGERPRINT_HEADER.to_string()];
-        for lease in config.policies.iter().filter_map(|p| p.lease.as_ref()) {
-            if !reserved_headers.contains(&lease.fencing_header) {
-                reserved_headers.push(lease.fencing_header.clone());
-            }
-        }
-        Runtime {
-            reserved_headers,
-            config,
-            scripts: Scripts::load(),
-            metrics,
-            over_limit,
-            quota: LeasedQuota::new(QUOTA_SLOTS),
-            keys: KeyMemo::new(KEY_MEMO_SLOTS),
-            warnings: Warnings::default(),
-        }
-    }
-}
-
-/// The header that carries the request fingerprint to the upstream.
-pub const FINGERPRINT_HEADER: &str = "x-idempotency-fingerprint";
-
-/// How long the filter waits for the next piece of a request body it must fingerprint.
-pub const BODY_IDLE_TIMEOUT_MS: u64 = 10_000;
-
-/// The least TTL of a cancellation marker (see [`Flow::marker_ttl_ms`]): longer than the
-/// whole retry window of a release, so every retry finds the marker of the ones before.
-pub const MARKER_MIN_TTL_MS: u64 = 60_000;
-
-/// What every event brings: the VM's runtime, the time, where metrics go.
-#[derive(Clone, Copy)]
-pub struct Cx<'a> {
-    pub rt: &'a Runtime,
-    pub now_ms: u64,
-    pub m: &'a dyn MetricSink,
-}
-
-impl<'a> Cx<'a> {
-    pub fn new(rt: &'a Runtime, now_ms: u64, m: &'a dyn MetricSink) -> Cx<'a> {
-        Cx { rt, now_ms, m }
-    }
-}
-
-/// An event's context for the request's policy: what the guards read.
-#[derive(Clone, Copy)]
-pub struct Pcx<'a> {
-    pub rt: &'a Runtime,
-    pub now_ms: u64,
-    pub m: &'a dyn MetricSink,
-    pub index: usize,
-    pub policy: &'a Policy,
-    pub pm: &'a PolicyMetrics,
-}
-
-impl Pcx<'_> {
-    /// When a call sent now has timed out.
-    fn call_deadline(&self) -> u64 {
-        self.now_ms.saturating_add(self.rt.config.redis.timeout_ms)
-    }
-}
-
-/// What the adapter does next.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
-    /// Let the stream go on (resume it if it is paused).
-    Continue,
-    /// Send these calls and keep the stream paused.
-    Dispatch(Vec<Outgoing>),
-    /// Keep the stream paused.
-    Wait,
-    /// Answer the client locally.
-    Respond(LocalResponse),
-}
-
-/// Why a call was made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Purpose {
-    Acquire,
-    /// A lease-only acquire while waiting for a busy lease.
-    LeaseRetry,
-    Complete,
-    Release,
-    LeaseRelease,
-    LeaseExtend,
-}
-
-impl Purpose {
-    /// The script a call of this purpose runs.
-    pub fn script(self) -> ScriptId {
-        match self {
-            Purpose::Acquire | Purpose::LeaseRetry => ScriptId::Acquire,
-            Purpose::Complete => ScriptId::Complete,
-            Purpose::Release => ScriptId::Release,
-            Purpose::LeaseRelease => ScriptId::LeaseRelease,
-            Purpose::LeaseExtend => ScriptId::LeaseExtend,
-        }
-    }
-}
 
 #[derive(Debug, Default)]
 enum Phase {
@@ -439,193 +318,6 @@ impl Flow {
         }
     }
 
-    fn start_acquire(&mut self, at: &Pcx<'_>, held: Held, body: &[u8]) -> Step {
-        if let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) {
-            idem.fingerprint(cfg, &held.caller, &held.req, body);
-        }
-        self.nonce = held.nonce;
-        self.admission = Admission::start(at, &held.caller, &held.req);
-        if let Some(rejection) = self.admission.cached_rejection(at) {
-            return self.answer(rejection);
-        }
-        let groups = acquire::plan(
-            at.policy,
-            &self.admission.keys_to_ask(),
-            &self.nonce,
-            self.idem.as_ref().map(|i| &i.acquire),
-            self.lease.as_ref().map(|l| &l.acquire),
-        );
-        if groups.is_empty() {
-            // Every limit answered locally, nothing else to acquire: no Redis call.
-            return self.decide(at);
-        }
-        // Rate limits first: when the record or the lease rides in one slot and other slots
-        // hold rate limits, those go first and the record/lease call only once they admit,
-        // so a rate-limited request never takes a lease or a record (a second round trip).
-        let (mut sections, plain): (Vec<acquire::Group>, Vec<acquire::Group>) =
-            groups.into_iter().partition(|g| g.idem || g.lease);
-        let (first, deferred) = if plain.is_empty() {
-            (sections, None)
-        } else {
-            let deferred = sections.pop();
-            (plain, deferred)
-        };
-        self.calls.clear();
-        let out = first
-            .into_iter()
-            .filter_map(|g| self.send_acquire(at, g))
-            .collect();
-        self.phase = Phase::Acquiring {
-            deadline_ms: at.call_deadline(),
-            deferred,
-        };
-        Step::Dispatch(out)
-    }
-
-    fn send_acquire(&mut self, at: &Pcx<'_>, g: acquire::Group) -> Option<Outgoing> {
-        let tag = Pending::acquire(g.limits, g.idem, g.lease);
-        self.calls
-            .push_and_send(tag, ScriptId::Acquire, g.call, at.now_ms)
-    }
-
-    /// All acquire calls answered: rate-limit verdict first, then the record, then the lease.
-    fn decide(&mut self, at: &Pcx<'_>) -> Step {
-        let verdict = match self.admission.decide(at) {
-            Ok(v) => v,
-            Err(e) => return self.fail(at, &e),
-        };
-        let limit_headers = match verdict {
-            Verdict::Reject(response) => {
-                // Another slot may have acquired the record or the lease: give them back.
-                self.release_record(at);
-                self.release_lease(at);
-                return self.answer(response);
-            }
-            Verdict::Allow(headers) if at.rt.config.response_headers => headers,
-            Verdict::Allow(_) => Vec::new(),
-        };
-        let grpc = self.kind.grpc;
-        let decision = match self.idem.as_mut() {
-            Some(idem) => idem.decide(at, &limit_headers, grpc),
-            None => IdemDecision::NotAsked,
-        };
-        match decision {
-            IdemDecision::Answer(response) => self.answer(response),
-            IdemDecision::Skipped => self.forward(limit_headers),
-            IdemDecision::Acquired(fingerprint) => {
-                self.upstream_headers
-                    .push((FINGERPRINT_HEADER.into(), fingerprint));
-                self.lease_decide(at, limit_headers)
-            }
-            IdemDecision::NotAsked => self.lease_decide(at, limit_headers),
-        }
-    }
-
-    /// The lease answer of the acquire, once rate limits and the record let the request go.
-    fn lease_decide(&mut self, at: &Pcx<'_>, headers: Vec<(String, String)>) -> Step {
-        let answer = self.lease.as_mut().and_then(|l| l.answer.take());
-        self.on_lease_answer(at, answer.unwrap_or(LeaseAnswer::Skipped), headers)
-    }
-
-    fn on_lease_answer(
-        &mut self,
-        at: &Pcx<'_>,
-        answer: LeaseAnswer,
-        headers: Vec<(String, String)>,
-    ) -> Step {
-        let Some(lease) = self.lease.as_mut() else {
-            return self.forward(headers);
-        };
-        match lease.decide(at, answer) {
-            LeaseDecision::Forward(fencing) => {
-                self.upstream_headers.extend(fencing);
-                self.forward(headers)
-            }
-            LeaseDecision::PollAt(poll_at_ms) => {
-                self.phase = Phase::LeaseWaiting { poll_at_ms };
-                self.response_headers = headers;
-                Step::Wait
-            }
-            LeaseDecision::Busy(mut response) => {
-                // The idempotency record this request acquired is not going to be used.
-                self.release_record(at);
-                response.headers.extend(headers);
-                self.answer(response)
-            }
-        }
-    }
-
-    /// Polls a busy lease again (`on_busy: wait`).
-    fn poll_lease(&mut self, at: &Pcx<'_>) -> Step {
-        let Some(lease) = self.lease.as_ref() else {
-            return Step::Continue;
-        };
-        let call = lease.poll_call(&self.nonce);
-        let mut tag = Pending::of(Purpose::LeaseRetry);
-        tag.lease = true;
-        tag.lease_unsettled = true;
-        self.calls.clear();
-        let out = self
-            .calls
-            .push_and_send(tag, ScriptId::Acquire, call, at.now_ms);
-        self.phase = Phase::Acquiring {
-            deadline_ms: at.call_deadline(),
-            deferred: None,
-        };
-        Step::Dispatch(out.into_iter().collect())
-    }
-
-    /// Gives the record back from the root, if this request holds it or an acquire that may
-    /// still run may have created it (handed over once: the stream's end does not send it
-    /// again).
-    fn release_record(&mut self, at: &Pcx<'_>) {
-        self.hand_back(
-            at,
-            |t| &mut t.record_unsettled,
-            |f, in_flight, ttl| f.idem.as_mut()?.release(at.index, in_flight, ttl),
-        );
-    }
-
-    /// Gives the lease back from the root, the same way.
-    fn release_lease(&mut self, at: &Pcx<'_>) {
-        self.hand_back(
-            at,
-            |t| &mut t.lease_unsettled,
-            |f, in_flight, ttl| f.lease.as_mut()?.release(at.index, in_flight, ttl),
-        );
-    }
-
-    /// Hands the release `release` makes to the root; `unsettled` names the calls' flag that
-    /// says an acquire may have taken what it gives back (cleared once it is handed over).
-    fn hand_back(
-        &mut self,
-        at: &Pcx<'_>,
-        unsettled: fn(&mut Pending) -> &mut bool,
-        release: impl FnOnce(&mut Flow, bool, u64) -> Option<Background>,
-    ) {
-        let in_flight = self.calls.iter_mut().any(|c| *unsettled(&mut c.tag));
-        let marker_ttl = self.marker_ttl_ms(at);
-        let Some(bg) = release(self, in_flight, marker_ttl) else {
-            return;
-        };
-        self.calls
-            .iter_mut()
-            .for_each(|c| *unsettled(&mut c.tag) = false);
-        self.background.push(bg);
-    }
-
-    /// The TTL of this request's cancellation marker: it must outlive any acquire of this
-    /// request that can still run after the filter gave up on it (see README, "Redis keys").
-    fn marker_ttl_ms(&self, at: &Pcx<'_>) -> u64 {
-        let processing = at
-            .policy
-            .idempotency
-            .as_ref()
-            .map_or(0, |i| i.processing_ttl_ms);
-        let lease = at.policy.lease.as_ref().map_or(0, |l| l.ttl_ms);
-        processing.max(lease).max(MARKER_MIN_TTL_MS)
-    }
-
     fn forward(&mut self, response_headers: Vec<(String, String)>) -> Step {
         self.response_headers = response_headers;
         self.phase = Phase::Forwarded;
@@ -642,42 +334,6 @@ impl Flow {
         } else {
             response
         })
-    }
-
-    /// The one place a failed acquire becomes the policy's answer.
-    fn fail(&mut self, at: &Pcx<'_>, err: &CallError) -> Step {
-        let policy = at.policy;
-        at.rt
-            .warnings
-            .warn(WarnKind::AcquireFailed, at.index, at.now_ms, || {
-                format!(
-                    "redis call for policy {} failed ({}); {}",
-                    policy.name,
-                    err.describe(),
-                    match policy.failure_mode {
-                        FailureMode::Open => "failing open",
-                        FailureMode::Closed => "failing closed",
-                    }
-                )
-            });
-        // A record or lease acquired by a call that did answer is given back either way.
-        self.release_record(at);
-        self.release_lease(at);
-        match policy.failure_mode {
-            FailureMode::Open => {
-                at.m.increment(at.pm.failed_open);
-                self.forward(Vec::new())
-            }
-            FailureMode::Closed => {
-                at.m.increment(at.pm.failed_closed);
-                self.answer(respond::problem(
-                    Problem::GuardUnavailable,
-                    &err.client_detail(at.rt.config.redis.timeout_ms),
-                    &[],
-                    vec![("retry-after".into(), "1".into())],
-                ))
-            }
-        }
     }
 
     /// Whether the request went on to the upstream.

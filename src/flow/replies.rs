@@ -18,7 +18,7 @@ impl Flow {
         let Some(at) = self.at(cx).filter(|_| accepts) else {
             return Step::Wait;
         };
-        let (tag, answer) = match self.calls.answer(at.rt, slot, answer, at.now_ms, at.m) {
+        let (tag, answer) = match self.calls.answer(&at.cx(), slot, answer) {
             Answer::Unknown => return Step::Wait,
             Answer::Resend(out) => return Step::Dispatch(vec![out]),
             Answer::Reply(call, answer) => (call.tag.clone(), answer),

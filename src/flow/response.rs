@@ -118,38 +118,51 @@ impl Assembly {
         if retry || head.shape == Shape::Tunnel {
             return Record::Release;
         }
-        let too_large = streams_body(cfg, headers, head.end_of_stream);
-        let s = self;
-        s.status = head.status;
-        s.headers = headers
-            .iter()
-            .filter(|(n, _)| cfg.replay_headers.iter().any(|h| h == n))
-            .cloned()
-            .collect();
-        s.trailers = match trailers_only {
-            Some(_) => kept_trailers(cfg, headers),
-            None => Vec::new(),
-        };
-        s.too_large = too_large;
-        // A gRPC response is decided at its trailers, never at its last declared byte.
-        s.declared = if awaits_trailers {
-            None
-        } else {
-            content_length(headers)
-        };
+        self.keep_head(cfg, head, trailers_only.is_some(), awaits_trailers);
         let needs_body = cfg.replay == Replay::Full && !head.end_of_stream;
         // No body to store (`replay: reference`) while the status waits in the trailers; or
         // never buffered: the body streams and the reference is stored at its end, never
         // before (a response that does not end is never stored as completed). An event
         // stream's events are not stored: they pass as they are produced.
-        if (awaits_trailers && !needs_body) || too_large || head.shape == Shape::EventStream {
-            s.too_large = true;
+        if (awaits_trailers && !needs_body) || self.too_large || head.shape == Shape::EventStream {
+            self.too_large = true;
             return Record::Take(Intake::Stream);
         }
         if needs_body {
             return Record::Take(Intake::Copy);
         }
         Record::Complete
+    }
+
+    /// Keeps what the record stores of the response's head: status, replay headers, a
+    /// trailers-only answer's trailers, whether the body is too large to store, and the
+    /// length it declares (unless the decision waits for the trailers, as a gRPC one does).
+    fn keep_head(
+        &mut self,
+        cfg: &Idempotency,
+        head: &ResponseHead<'_>,
+        trailers_only: bool,
+        awaits_trailers: bool,
+    ) {
+        let headers = head.headers;
+        self.status = head.status;
+        self.headers = headers
+            .iter()
+            .filter(|(n, _)| cfg.replay_headers.iter().any(|h| h == n))
+            .cloned()
+            .collect();
+        self.trailers = if trailers_only {
+            kept_trailers(cfg, headers)
+        } else {
+            Vec::new()
+        };
+        self.too_large = streams_body(cfg, headers, head.end_of_stream);
+        // A gRPC response is decided at its trailers, never at its last declared byte.
+        self.declared = if awaits_trailers {
+            None
+        } else {
+            content_length(headers)
+        };
     }
 
     /// A piece of the response body (`body_size`: this chunk; `read` returns it). A body over

@@ -1,6 +1,7 @@
 use super::*;
 use crate::config::Config;
 use crate::config::Replay;
+use crate::lua::ScriptId;
 use crate::metrics::testing::Recorder;
 use crate::metrics::NoMetrics;
 use crate::redis::{resp::Reply, CallError};
@@ -27,7 +28,7 @@ fn settle(
     now: u64,
     rec: &Recorder,
 ) -> Next {
-    let settled = outbox.on_answer(rt, slot, answer, now, rec);
+    let settled = outbox.on_answer(&Cx::new(rt, now, rec), slot, answer);
     if settled.resend.is_some() {
         Next::Resend
     } else if let Some(due) = outbox.next_due_ms() {

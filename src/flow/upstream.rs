@@ -2,9 +2,9 @@
 //! that outlive the request's decision: the record to settle, the lease to give back.
 
 use super::background::Background;
-use super::response::{response_shape, Record, ResponseHead, Shape};
-use super::{Cx, Flow, Pcx, Pending, Phase, Purpose, Step};
-use crate::config::Completion;
+use super::response::{response_shape, Assembly, Intake, Record, ResponseHead, Shape};
+use super::{Cx, Flow, Outgoing, Pcx, Pending, Phase, Purpose, Step};
+use crate::config::{Completion, Idempotency};
 use crate::redis::ScriptCall;
 
 impl Flow {
@@ -34,8 +34,7 @@ impl Flow {
         // as the stream is open, so a held lease stays held (the watchdog extends it) and is
         // released when the stream ends (`on_done`).
         self.kind.open_ended = shape != Shape::Plain;
-        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
-        let async_idem = owned
+        let async_idem = self.idem.as_ref().is_some_and(|i| i.owned)
             && at
                 .policy
                 .idempotency
@@ -50,23 +49,34 @@ impl Flow {
             shape,
         };
         let step = self.record_response_headers(&at, &head);
-        // Otherwise the upstream answered: the protected operation is over. The response waits
-        // for the release (one round trip). When the record settles off the response path
-        // (async) the root releases it; when the body passes while the record takes it in
-        // (pausing the headers would hold the body), it is released with the record at the
-        // body's end (see `settle_record`), so the client's next request finds it free.
-        let body_passes = matches!(self.phase, Phase::Response(_));
-        let release = if self.kind.open_ended || (body_passes && !async_idem) {
-            None
-        } else if async_idem {
-            self.release_lease(&at);
-            None
-        } else {
-            self.lease_release_now(&at)
-        };
+        let release = self.lease_at_response(&at, async_idem);
         if matches!(self.phase, Phase::Forwarded) {
             self.phase = Phase::Responded;
         }
+        self.with_release(&at, release, step)
+    }
+
+    /// The lease once the response's headers are in. An open-ended response keeps it.
+    /// Otherwise the upstream answered: the protected operation is over. The response waits
+    /// for the release (one round trip; the call is returned). When the record settles off
+    /// the response path (async) the root releases it; when the body passes while the record
+    /// takes it in (pausing the headers would hold the body), it is released with the record
+    /// at the body's end (see `settle_record`), so the client's next request finds it free.
+    fn lease_at_response(&mut self, at: &Pcx<'_>, async_idem: bool) -> Option<Outgoing> {
+        let body_passes = matches!(self.phase, Phase::Response(_));
+        if self.kind.open_ended || (body_passes && !async_idem) {
+            None
+        } else if async_idem {
+            self.release_lease(at);
+            None
+        } else {
+            self.lease_release_now(at)
+        }
+    }
+
+    /// The record's step at the response headers, with the lease release the response
+    /// waits for, if any.
+    fn with_release(&mut self, at: &Pcx<'_>, release: Option<Outgoing>, step: Step) -> Step {
         match (release, step) {
             (None, step) => step,
             (Some(out), Step::Continue) => {
@@ -85,7 +95,7 @@ impl Flow {
     }
 
     /// The lease release the response waits for.
-    fn lease_release_now(&mut self, at: &Pcx<'_>) -> Option<super::Outgoing> {
+    fn lease_release_now(&mut self, at: &Pcx<'_>) -> Option<Outgoing> {
         let call = self.lease.as_mut()?.release_now()?;
         let tag = Pending::of(Purpose::LeaseRelease);
         self.calls
@@ -117,6 +127,28 @@ impl Flow {
         end_of_stream: bool,
         read: impl FnOnce() -> Vec<u8>,
     ) -> Step {
+        self.record_piece(cx, |stored, cfg, intake, _| {
+            stored.on_response_body(cfg, intake, body_size, end_of_stream, read)
+        })
+    }
+
+    /// The response's trailers (`trailers`): its body has ended (without a body callback that
+    /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
+    /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
+    pub fn on_response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Step {
+        self.record_piece(cx, |stored, cfg, _, grpc| {
+            stored.on_response_trailers(cfg, trailers, grpc)
+        })
+    }
+
+    /// A piece of the response the record takes in (`piece` reads it into the assembly):
+    /// while a sync completion is outstanding the stream waits; with no record taking the
+    /// response in it goes on.
+    fn record_piece(
+        &mut self,
+        cx: &Cx<'_>,
+        piece: impl FnOnce(&mut Assembly, &Idempotency, Intake, bool) -> Record,
+    ) -> Step {
         let intake = match self.phase {
             Phase::Response(intake) => intake,
             Phase::Completing { .. } => return Step::Wait,
@@ -125,32 +157,11 @@ impl Flow {
         let Some(at) = self.at(cx) else {
             return Step::Continue;
         };
-        let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) else {
-            return Step::Continue;
-        };
-        let record = idem
-            .stored
-            .on_response_body(cfg, intake, body_size, end_of_stream, read);
-        self.apply_record(&at, record, "")
-    }
-
-    /// The response's trailers (`trailers`): its body has ended (without a body callback that
-    /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
-    /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
-    pub fn on_response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Step {
-        match self.phase {
-            Phase::Response(_) => {}
-            Phase::Completing { .. } => return Step::Wait,
-            _ => return Step::Continue,
-        }
-        let Some(at) = self.at(cx) else {
-            return Step::Continue;
-        };
         let grpc = self.kind.grpc;
         let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) else {
             return Step::Continue;
         };
-        let record = idem.stored.on_response_trailers(cfg, trailers, grpc);
+        let record = piece(&mut idem.stored, cfg, intake, grpc);
         self.apply_record(&at, record, "")
     }
 

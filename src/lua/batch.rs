@@ -27,6 +27,7 @@ struct Queued<S> {
 }
 
 /// One batch call: whose answers it carries, and how it is sent.
+#[derive(Debug)]
 pub struct InFlight<S> {
     members: Vec<(S, usize)>,
     call: ScriptCall,

@@ -1,28 +1,29 @@
 //! The proxy-wasm adapter: the only module that talks to the host. It copies what the core
-//! needs out of the host, feeds events to the per-request [`Flow`], and carries out the
-//! [`Step`] it returns. It never holds a `RefCell` borrow across a host call, because the host
-//! may call back into the filter (a local reply runs the response path synchronously).
+//! needs out of the host, hands each event to this worker's [`Worker`], and carries out the
+//! [`Effects`] it returns: host calls and nothing else. It never holds a `RefCell` borrow
+//! across a host call that can call back into the filter (a local reply runs the response
+//! path at once); the worker is borrowed only to take an event, with reads of the host's
+//! buffers, which cannot.
 //!
 //! Host calls go through `hostcalls` with their `Result`s handled: the SDK's trait helpers
 //! unwrap internally, and a panic would abort the VM for every request on the worker.
 
 use crate::config::{Config, ConfigError, IdSource, RedisConfig};
-use crate::flow::{Cx, Flow, Outbox, Outgoing, Runtime, Step};
+use crate::flow::worker::{Action, Callout, Dir, Effects, ResponseHead, StreamEffects, Worker};
+use crate::flow::{Cx, Runtime};
 use crate::ids::TokenSource;
 use crate::local::overlimit::SharedStore;
 use crate::lograte::WarnKind;
-use crate::lua::batch::{BatchAnswer, Batcher, InFlight};
 use crate::metrics::{Kind, MetricSink, Metrics};
-use crate::redis::{resp::Reply, webdis, CallError};
+use crate::redis::{webdis, CallError};
 use crate::request::{claim_text, policy_index, Probe, Request, Selected};
 mod abi;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
-use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
-use std::rc::{Rc, Weak};
+use proxy_wasm::types::{self, BufferType, ContextType, LogLevel, MapType, MetricType};
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
 proxy_wasm::main! {{
@@ -30,221 +31,86 @@ proxy_wasm::main! {{
     std::panic::set_hook(Box::new(|info| {
         let _ = hostcalls::log(LogLevel::Critical, &format!("panicked: {info}"));
     }));
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(Root {
-            vm: None,
-            calls: HashMap::new(),
-            stream_calls: HashMap::new(),
-        })
-    });
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { vm: None }) });
 }}
 
 /// Per-VM (per worker) state shared by the root context and every HTTP context.
 struct Vm {
     runtime: Runtime,
-    tokens: RefCell<TokenSource>,
-    /// Streams with a deadline (paused on Redis or the body, or holding a lease to extend),
-    /// for the root's tick.
-    waiting: RefCell<HashMap<u32, Weak<Stream>>>,
-    /// Calls the root sends on its next tick (and retries).
-    outbox: RefCell<Outbox>,
-    /// Acquire calls waiting to be coalesced (`redis.batch`), sent by the root when this
-    /// worker's event loop comes back to it (or on the tick at the latest), and the batches
-    /// in flight.
-    batcher: RefCell<Batcher<Weak<Stream>>>,
+    /// This worker's streams and calls (keyed by context id).
+    worker: RefCell<Worker<u32>>,
     /// This worker's shared queue: an HTTP context enqueues to wake the root, which the host
     /// does on the worker's next event-loop turn, so every acquire raised in this turn shares
     /// one batch without waiting for a timer.
     wake_queue: Option<u32>,
-    /// The root's tick, and whether it is the fine one (a request waits for a lease).
-    tick_ms: u64,
-    fine_tick: Cell<bool>,
 }
 
-/// The root's tick while a request of this worker waits for a busy lease: its polls are due
-/// at jittered times, which the watchdog's coarser tick would bunch together again.
-const LEASE_WAIT_TICK_MS: u64 = 5;
-
 impl Vm {
-    /// Switches the root's tick to the fine one (`true`) or back.
-    fn fine_tick(&self, fine: bool) {
-        if self.fine_tick.get() != fine {
-            self.fine_tick.set(fine);
-            let ms = if fine {
-                LEASE_WAIT_TICK_MS
-            } else {
-                self.tick_ms
-            };
+    /// Hands an event to the worker, at the host's time; `None` while the worker is taking
+    /// another one.
+    fn event(
+        &self,
+        f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> Effects<u32>,
+    ) -> Option<Effects<u32>> {
+        let cx = Cx::new(&self.runtime, now_ms(), &HostMetrics);
+        let mut worker = self.worker.try_borrow_mut().ok()?;
+        Some(f(&mut worker, &cx))
+    }
+
+    /// Carries out `fx`. `current` is the stream whose callback raised the event (the host's
+    /// effective context already); any other stream is switched to first.
+    fn carry_out(&self, fx: Effects<u32>, current: Option<u32>) -> Action {
+        let mut action = fx.action;
+        for ops in fx.streams {
+            if Some(ops.stream) != current && hostcalls::set_effective_context(ops.stream).is_err()
+            {
+                continue;
+            }
+            if let Some(a) = self.on_stream(ops, current) {
+                action = a;
+            }
+        }
+        for call in fx.calls {
+            self.send(call, current);
+        }
+        if let Some(ms) = fx.tick_ms {
             let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
         }
+        if let (true, Some(q)) = (fx.wake, self.wake_queue) {
+            let _ = hostcalls::enqueue_shared_queue(q, Some(b"1"));
+        }
+        action
     }
 
-    /// The lease `key` was given back: this worker's requests waiting for it poll at the next
-    /// tick instead of at the end of their backoff.
-    fn wake_waiters(&self, key: &str) {
-        let streams: Vec<Rc<Stream>> = match self.waiting.try_borrow() {
-            Ok(w) => w.values().filter_map(Weak::upgrade).collect(),
-            Err(_) => return,
-        };
-        let now = now_ms();
-        for stream in streams {
-            if let Ok(mut f) = stream.flow.try_borrow_mut() {
-                if f.waiting_for_lease() == Some(key) {
-                    f.wake(now);
-                }
-            }
+    /// What to do on the effective context's stream; the answer of a refused call, if any.
+    fn on_stream(&self, ops: StreamEffects<u32>, current: Option<u32>) -> Option<Action> {
+        for (name, value) in &ops.add_response_headers {
+            let _ = abi::add_header(MapType::HttpResponseHeaders, name, value);
         }
+        for (name, value) in &ops.set_request_headers {
+            let _ = abi::set_header(MapType::HttpRequestHeaders, name, value);
+        }
+        let mut action = None;
+        for call in ops.calls {
+            action = self.send(call, current).or(action);
+        }
+        if let Some(r) = &ops.reply {
+            send_local(r);
+        }
+        if let Some(dir) = ops.resume {
+            let _ = abi::resume(dir == Dir::Response);
+        }
+        action
     }
-}
 
-impl Vm {
-    fn token(&self) -> String {
-        match self.tokens.try_borrow_mut() {
-            Ok(mut t) => t.token(),
-            Err(_) => format!("{:032x}", now_ms()),
-        }
-    }
-}
-
-/// One HTTP stream: its state machine and which direction is stopped in the filter.
-struct Stream {
-    ctx: u32,
-    flow: RefCell<Flow>,
-    paused: Cell<Option<Dir>>,
-}
-
-impl Stream {
-    fn step(&self, f: impl FnOnce(&mut Flow) -> Step) -> Step {
-        match self.flow.try_borrow_mut() {
-            Ok(mut flow) => f(&mut flow),
-            Err(_) => Step::Wait,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dir {
-    Request,
-    Response,
-}
-
-/// Carries out `step` for `stream`. `dir` is the direction of the host callback that raised
-/// it, or `None` for asynchronous events (callout answers, ticks), where the stream is
-/// resumed instead of continued. Calls are registered through `register(token, slot)`.
-fn apply(
-    vm: &Vm,
-    stream: &Rc<Stream>,
-    step: Step,
-    dir: Option<Dir>,
-    register: &mut dyn FnMut(u32, usize),
-) -> Action {
-    let action = match step {
-        Step::Continue => {
-            let paused = stream.paused.take();
-            if dir == Some(Dir::Request) || paused == Some(Dir::Request) {
-                set_upstream_headers(stream);
-            }
-            if dir.is_none() {
-                match paused {
-                    Some(Dir::Request) => {
-                        let _ = abi::resume(false);
-                    }
-                    Some(Dir::Response) => {
-                        let _ = abi::resume(true);
-                    }
-                    None => {}
-                }
-            }
-            Action::Continue
-        }
-        Step::Wait => {
-            if dir.is_some() {
-                stream.paused.set(dir);
-            }
-            Action::Pause
-        }
-        Step::Respond(r) => {
-            stream.paused.set(None);
-            send_local(&r);
-            Action::Pause
-        }
-        Step::Dispatch(calls) => {
-            if dir.is_some() {
-                stream.paused.set(dir);
-            }
-            let mut action = Action::Pause;
-            for call in calls {
-                if let Ok(mut batcher) = vm.batcher.try_borrow_mut() {
-                    if batcher.takes(call.script, call.by_sha) {
-                        let first = batcher.queue(Rc::downgrade(stream), call.slot, call.call);
-                        drop(batcher);
-                        if let (true, Some(q)) = (first, vm.wake_queue) {
-                            let _ = hostcalls::enqueue_shared_queue(q, Some(b"1"));
-                        }
-                        continue;
-                    }
-                }
-                match send(vm, &call.encode(&vm.runtime.scripts)) {
-                    Ok(token) => register(token, call.slot),
-                    Err(e) => {
-                        let step = stream.step(|f| {
-                            f.on_reply(
-                                &Cx::new(&vm.runtime, now_ms(), &HostMetrics),
-                                call.slot,
-                                Err(e),
-                            )
-                        });
-                        action = apply(vm, stream, step, None, register);
-                    }
-                }
-            }
-            action
-        }
-    };
-    settle_stream(vm, stream);
-    action
-}
-
-/// Hands the stream's background calls to the root and keeps the watchdog registry current.
-fn settle_stream(vm: &Vm, stream: &Rc<Stream>) {
-    let (calls, deadline, freed, waits) = match stream.flow.try_borrow_mut() {
-        Ok(mut f) => (
-            f.take_background(),
-            f.deadline_ms(),
-            f.take_freed_lease(),
-            f.waiting_for_lease().is_some(),
-        ),
-        Err(_) => return,
-    };
-    if waits {
-        vm.fine_tick(true);
-    }
-    if !calls.is_empty() {
-        if let Ok(mut outbox) = vm.outbox.try_borrow_mut() {
-            calls.into_iter().for_each(|bg| outbox.add(bg));
-        }
-    }
-    if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
-        if deadline.is_some() {
-            waiting.insert(stream.ctx, Rc::downgrade(stream));
-        } else {
-            waiting.remove(&stream.ctx);
-        }
-    }
-    if let Some(key) = freed {
-        vm.wake_waiters(&key);
-    }
-}
-
-/// Applies the flow's request-header changes, once, while the headers are still held (the
-/// host refuses changes to headers already sent).
-fn set_upstream_headers(stream: &Stream) {
-    let set = match stream.flow.try_borrow_mut() {
-        Ok(mut f) => f.take_upstream_headers(),
-        Err(_) => return,
-    };
-    for (name, value) in &set {
-        let _ = abi::set_header(MapType::HttpRequestHeaders, name, value);
+    /// Sends a call and tells the worker its token; a refusal is the call's answer at once,
+    /// whose action is returned.
+    fn send(&self, call: Callout<u32>, current: Option<u32>) -> Option<Action> {
+        let token = dispatch(&self.runtime, &call.body);
+        let refused = token.is_err();
+        let fx = self.event(|w, cx| w.sent(cx, call.route, token))?;
+        let action = self.carry_out(fx, current);
+        refused.then_some(action)
     }
 }
 
@@ -283,12 +149,6 @@ fn now_ms() -> u64 {
 }
 
 /// Sends one gateway request; the token comes back with the answer.
-/// Sends one gateway request and counts it.
-fn send(vm: &Vm, body: &[u8]) -> Result<u32, CallError> {
-    HostMetrics.increment(vm.runtime.metrics.redis.calls);
-    dispatch(&vm.runtime, body)
-}
-
 fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
     let redis: &RedisConfig = &rt.config.redis;
     let mut headers: Vec<(&str, &str)> = vec![
@@ -350,10 +210,6 @@ fn call_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError>
 
 struct Root {
     vm: Option<Rc<Vm>>,
-    /// Outstanding background callouts: token -> outbox slot.
-    calls: HashMap<u32, usize>,
-    /// Callouts the root sent for a stream (lease polls): token -> stream, slot.
-    stream_calls: HashMap<u32, (Weak<Stream>, usize)>,
 }
 
 impl Root {
@@ -384,105 +240,22 @@ impl Root {
         let tick = config.tick_ms(config.redis.batch.is_some() && wake_queue.is_none());
         let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
         let batch = config.redis.batch;
+        let worker = Worker::new(TokenSource::from_entropy(now_ms()), batch, tick);
         self.vm = Some(Rc::new(Vm {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
-            tokens: RefCell::new(TokenSource::from_entropy(now_ms())),
-            waiting: RefCell::new(HashMap::new()),
-            outbox: RefCell::new(Outbox::default()),
-            batcher: RefCell::new(Batcher::new(batch)),
+            worker: RefCell::new(worker),
             wake_queue,
-            tick_ms: tick,
-            fine_tick: Cell::new(false),
         }));
         Ok(())
     }
 
-    /// Sends the background calls that are due.
-    fn send_due(&mut self, vm: &Vm, now: u64) {
-        let due = match vm.outbox.try_borrow_mut() {
-            Ok(mut o) => o.take_due(now),
-            Err(_) => return,
-        };
-        for out in due {
-            self.send_background(vm, out);
-        }
-    }
-
-    fn send_background(&mut self, vm: &Vm, out: Outgoing) {
-        match send(vm, &out.encode(&vm.runtime.scripts)) {
-            Ok(token) => {
-                self.calls.insert(token, out.slot);
-            }
-            // Refused: the outbox retries it later, or gives up (no loop on a refusing host).
-            Err(e) => {
-                if let Ok(mut o) = vm.outbox.try_borrow_mut() {
-                    o.on_answer(&vm.runtime, out.slot, Err(e), now_ms(), &HostMetrics);
-                }
+    /// Hands a root event to the worker and carries out its effects.
+    fn event(&self, f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> Effects<u32>) {
+        if let Some(vm) = &self.vm {
+            if let Some(fx) = vm.event(f) {
+                vm.carry_out(fx, None);
             }
         }
-    }
-}
-
-impl Root {
-    /// Sends the queued acquire calls as batches.
-    fn flush_batches(&mut self, vm: &Rc<Vm>) {
-        let batches = match vm.batcher.try_borrow_mut() {
-            Ok(mut b) => b.flush(),
-            Err(_) => return,
-        };
-        for batch in batches {
-            self.send_batch(vm, batch);
-        }
-    }
-
-    fn send_batch(&mut self, vm: &Rc<Vm>, batch: InFlight<Weak<Stream>>) {
-        match send(vm, &batch.encode(&vm.runtime.scripts)) {
-            Ok(token) => {
-                if let Ok(mut b) = vm.batcher.try_borrow_mut() {
-                    b.sent(token, batch);
-                }
-            }
-            Err(e) => self.on_batch_answer(vm, batch, Err(e)),
-        }
-    }
-
-    /// Hands every member of a batch its own answer.
-    fn on_batch_answer(
-        &mut self,
-        vm: &Rc<Vm>,
-        batch: InFlight<Weak<Stream>>,
-        answer: Result<Reply, CallError>,
-    ) {
-        let members = match Batcher::answer(batch, answer, &vm.runtime.metrics.redis, &HostMetrics)
-        {
-            BatchAnswer::Resend(batch) => return self.send_batch(vm, batch),
-            BatchAnswer::Members(members) => members,
-        };
-        let now = now_ms();
-        for (weak, slot, part) in members {
-            let Some(stream) = weak.upgrade() else {
-                continue;
-            };
-            let step =
-                stream.step(|f| f.on_reply(&Cx::new(&vm.runtime, now, &HostMetrics), slot, part));
-            self.apply_for(vm, &stream, step);
-        }
-    }
-
-    /// Carries out a step for a stream from the root (tick or a call the root sent).
-    fn apply_for(&mut self, vm: &Rc<Vm>, stream: &Rc<Stream>, step: Step) {
-        if step == Step::Wait {
-            settle_stream(vm, stream);
-            return;
-        }
-        if hostcalls::set_effective_context(stream.ctx).is_err() {
-            return;
-        }
-        let weak = Rc::downgrade(stream);
-        let calls = &mut self.stream_calls;
-        apply(vm, stream, step, None, &mut |token, slot| {
-            calls.insert(token, (weak.clone(), slot));
-        });
     }
 }
 
@@ -494,43 +267,7 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
-        let Some(vm) = self.vm.clone() else {
-            return;
-        };
-        let batch = vm
-            .batcher
-            .try_borrow_mut()
-            .ok()
-            .and_then(|mut b| b.take(token));
-        if let Some(batch) = batch {
-            let answer = call_answer(body_size);
-            self.on_batch_answer(&vm, batch, answer);
-            return;
-        }
-        if let Some((weak, slot)) = self.stream_calls.remove(&token) {
-            let Some(stream) = weak.upgrade() else {
-                return;
-            };
-            let answer = call_answer(body_size);
-            let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
-            let step = stream.step(|f| f.on_reply(&cx, slot, answer));
-            self.apply_for(&vm, &stream, step);
-            return;
-        }
-        let Some(slot) = self.calls.remove(&token) else {
-            return;
-        };
-        let answer = call_answer(body_size);
-        let settled = match vm.outbox.try_borrow_mut() {
-            Ok(mut o) => o.on_answer(&vm.runtime, slot, answer, now_ms(), &HostMetrics),
-            Err(_) => return,
-        };
-        if let Some(out) = settled.resend {
-            self.send_background(&vm, out);
-        }
-        if let Some(key) = settled.freed_lease {
-            vm.wake_waiters(&key);
-        }
+        self.event(|w, cx| w.on_answer(cx, token, || call_answer(body_size)));
     }
 }
 
@@ -557,64 +294,21 @@ impl RootContext for Root {
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        let Some(vm) = self.vm.clone() else {
+        if self.vm.is_none() {
             return;
-        };
+        }
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
-        self.flush_batches(&vm);
+        self.event(|w, cx| w.on_queue_ready(cx));
     }
 
     fn on_tick(&mut self) {
-        let Some(vm) = self.vm.clone() else {
-            return;
-        };
-        let now = now_ms();
-        // Streams first, so what they hand over (extensions, releases, polls) goes out in
-        // this same tick. Collect first: no borrow of `waiting` may be held while the host
-        // is called.
-        let mut due = Vec::new();
-        if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
-            waiting.retain(|_, weak| match weak.upgrade() {
-                None => false,
-                Some(stream) => {
-                    let deadline = stream.flow.try_borrow().ok().and_then(|f| f.deadline_ms());
-                    if deadline.is_some_and(|d| now >= d) {
-                        due.push(stream);
-                    }
-                    true
-                }
-            });
-        }
-        for stream in due {
-            let step = stream.step(|f| f.on_tick(&Cx::new(&vm.runtime, now, &HostMetrics)));
-            self.apply_for(&vm, &stream, step);
-        }
-        if vm.fine_tick.get() {
-            let still = vm.waiting.try_borrow().is_ok_and(|w| {
-                w.values().filter_map(Weak::upgrade).any(|s| {
-                    s.flow
-                        .try_borrow()
-                        .is_ok_and(|f| f.waiting_for_lease().is_some())
-                })
-            });
-            if !still {
-                vm.fine_tick(false);
-            }
-        }
-        // What is due now; retries waiting for their backoff stay.
-        self.send_due(&vm, now);
-        self.flush_batches(&vm);
+        self.event(|w, cx| w.on_tick(cx));
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Filter {
             vm: self.vm.clone(),
-            stream: Rc::new(Stream {
-                ctx: context_id,
-                flow: RefCell::new(Flow::default()),
-                paused: Cell::new(None),
-            }),
-            calls: HashMap::new(),
+            ctx: context_id,
         }))
     }
 
@@ -640,11 +334,45 @@ fn send_local(r: &crate::respond::LocalResponse) {
     }
 }
 
+/// One HTTP stream, known to the worker by its context id.
 struct Filter {
     vm: Option<Rc<Vm>>,
-    stream: Rc<Stream>,
-    /// Outstanding callout token -> flow slot.
-    calls: HashMap<u32, usize>,
+    ctx: u32,
+}
+
+impl Filter {
+    /// Hands this stream's event to the worker and carries out its effects (Continue when
+    /// the filter is not configured).
+    fn event(
+        &self,
+        f: impl FnOnce(&mut Worker<u32>, &Cx<'_>, u32) -> Effects<u32>,
+    ) -> types::Action {
+        let Some(vm) = &self.vm else {
+            return types::Action::Continue;
+        };
+        match vm.event(|w, cx| f(w, cx, self.ctx)) {
+            Some(fx) => match vm.carry_out(fx, Some(self.ctx)) {
+                Action::Continue => types::Action::Continue,
+                Action::Pause => types::Action::Pause,
+            },
+            None => types::Action::Pause,
+        }
+    }
+}
+
+impl Filter {
+    /// A piece of the body in direction `dir`, read from the host only if the flow asks.
+    fn body(&self, dir: Dir, body_size: usize, end_of_stream: bool) -> types::Action {
+        let kind = match dir {
+            Dir::Request => BufferType::HttpRequestBody,
+            Dir::Response => BufferType::HttpResponseBody,
+        };
+        self.event(|w, cx, s| {
+            w.on_body(cx, s, dir, body_size, end_of_stream, || {
+                buffer(kind, body_size)
+            })
+        })
+    }
 }
 
 impl Context for Filter {
@@ -655,49 +383,12 @@ impl Context for Filter {
         body_size: usize,
         _trailers: usize,
     ) {
-        let Some(slot) = self.calls.remove(&token) else {
-            return;
-        };
-        let Some(vm) = self.vm.clone() else {
-            return;
-        };
-        let answer = call_answer(body_size);
-        let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
-        let step = self.stream.step(|f| f.on_reply(&cx, slot, answer));
-        self.apply(&vm, step, None);
+        self.event(|w, cx, _| w.on_answer(cx, token, || call_answer(body_size)));
     }
 
     fn on_done(&mut self) -> bool {
-        if let Some(vm) = self.vm.clone() {
-            if let Ok(mut f) = self.stream.flow.try_borrow_mut() {
-                f.on_done(&Cx::new(&vm.runtime, now_ms(), &HostMetrics));
-            }
-            settle_stream(&vm, &self.stream);
-            if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
-                waiting.remove(&self.stream.ctx);
-            }
-        }
+        self.event(|w, cx, s| w.on_done(cx, s));
         true
-    }
-}
-
-impl Filter {
-    fn apply(&mut self, vm: &Rc<Vm>, step: Step, dir: Option<Dir>) -> Action {
-        let calls = &mut self.calls;
-        apply(vm, &self.stream, step, dir, &mut |token, slot| {
-            calls.insert(token, slot);
-        })
-    }
-
-    /// Feeds the flow the event of a host callback in direction `dir` and carries out the
-    /// step it returns (Continue when the filter is not configured).
-    fn event(&mut self, dir: Dir, event: impl FnOnce(&mut Flow, &Cx<'_>) -> Step) -> Action {
-        let Some(vm) = self.vm.clone() else {
-            return Action::Continue;
-        };
-        let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
-        let step = self.stream.step(|f| event(f, &cx));
-        self.apply(&vm, step, Some(dir))
     }
 }
 
@@ -735,9 +426,13 @@ fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
 }
 
 impl HttpContext for Filter {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    fn on_http_request_headers(
+        &mut self,
+        _num_headers: usize,
+        end_of_stream: bool,
+    ) -> types::Action {
         let Some(vm) = self.vm.clone() else {
-            return Action::Continue;
+            return types::Action::Continue;
         };
         // Headers only the filter may set never come from the client, whatever the request.
         for name in &vm.runtime.reserved_headers {
@@ -754,28 +449,20 @@ impl HttpContext for Filter {
         .with_headers(|| header_pairs(MapType::HttpRequestHeaders));
         let policies = &vm.runtime.config.policies;
         let (index, policy) = match policy_index(policies, &mut probe) {
-            None => return Action::Continue,
+            None => return types::Action::Continue,
             Some(Selected::AmbiguousPath(i)) => {
                 let content_type =
                     hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "content-type")
                         .ok()
                         .flatten()
                         .map(|v| String::from_utf8_lossy(&v).into_owned());
-                let step = self.stream.step(|f| {
-                    f.set_grpc(content_type.as_deref());
-                    f.on_ambiguous_path(&Cx::new(&vm.runtime, now_ms(), &HostMetrics), i)
-                });
-                return self.apply(&vm, step, Some(Dir::Request));
+                return self
+                    .event(|w, cx, s| w.on_ambiguous_path(cx, s, i, content_type.as_deref()));
             }
             Some(Selected::Policy(i)) => match policies.get(i) {
                 Some(p) => (i, p),
-                None => return Action::Continue,
+                None => return types::Action::Continue,
             },
-        };
-        let (nonce, owner) = if policy.needs_tokens {
-            (vm.token(), vm.token())
-        } else {
-            ("-".to_string(), "-".to_string())
         };
         let address = if policy.uses_client_ip {
             property(vec!["source", "address"])
@@ -795,86 +482,52 @@ impl HttpContext for Filter {
         if let IdSource::Metadata(path) = &identity.principal {
             req.principal_claim = metadata_text(path);
         }
-        let step = self.stream.step(|f| {
-            let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
-            f.on_policy_request(&cx, index, req, &nonce, &owner, end_of_stream)
-        });
-        self.apply(&vm, step, Some(Dir::Request))
+        self.event(|w, cx, s| w.on_request_headers(cx, s, index, req, end_of_stream))
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> types::Action {
         // While the request is held for a decision its body is held too: returning Continue
         // here would let Envoy pass the headers on before the decision.
-        self.event(Dir::Request, |f, cx| {
-            f.on_request_body(cx, body_size, end_of_stream, || {
-                buffer(BufferType::HttpRequestBody, body_size)
+        self.body(Dir::Request, body_size, end_of_stream)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> types::Action {
+        self.event(|w, cx, s| {
+            w.on_request_trailers(cx, s, || {
+                buffer(BufferType::HttpRequestBody, usize::MAX >> 1)
             })
         })
     }
 
-    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        self.event(Dir::Request, |f, cx| {
-            f.on_request_trailers(cx, || buffer(BufferType::HttpRequestBody, usize::MAX >> 1))
-        })
-    }
-
-    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let Some(vm) = self.vm.clone() else {
-            return Action::Continue;
-        };
-        let (extra, interested) = match self.stream.flow.try_borrow() {
-            Ok(f) => (f.response_headers().to_vec(), f.wants_response()),
-            Err(_) => (Vec::new(), false),
-        };
-        for (name, value) in &extra {
-            let _ = abi::add_header(MapType::HttpResponseHeaders, name, value);
-        }
-        if !interested {
-            return Action::Continue;
-        }
-        let headers = header_pairs(MapType::HttpResponseHeaders);
-        let status = headers
-            .iter()
-            .find(|(n, _)| n == ":status")
-            .and_then(|(_, v)| v.parse::<u32>().ok())
-            .unwrap_or(0);
-        let details = property(vec!["response", "code_details"]).unwrap_or_default();
-        let via_upstream = details == "via_upstream";
-        let step = self.stream.step(|f| {
-            let cx = Cx::new(&vm.runtime, now_ms(), &HostMetrics);
-            f.on_response_headers(&cx, status, via_upstream, &details, &headers, end_of_stream)
-        });
-        self.apply(&vm, step, Some(Dir::Response))
-    }
-
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.event(Dir::Response, |f, cx| {
-            f.on_response_body(cx, body_size, end_of_stream, || {
-                buffer(BufferType::HttpResponseBody, body_size)
+    fn on_http_response_headers(
+        &mut self,
+        _num_headers: usize,
+        end_of_stream: bool,
+    ) -> types::Action {
+        self.event(|w, cx, s| {
+            w.on_response_headers(cx, s, end_of_stream, || ResponseHead {
+                headers: header_pairs(MapType::HttpResponseHeaders),
+                details: property(vec!["response", "code_details"]).unwrap_or_default(),
             })
         })
     }
 
-    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
-        let interested = self
-            .stream
-            .flow
-            .try_borrow()
-            .is_ok_and(|f| f.wants_response_trailers());
-        let trailers = if interested {
-            header_pairs(MapType::HttpResponseTrailers)
-        } else {
-            Vec::new()
-        };
-        self.event(Dir::Response, |f, cx| f.on_response_trailers(cx, &trailers))
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> types::Action {
+        self.body(Dir::Response, body_size, end_of_stream)
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> types::Action {
+        self.event(|w, cx, s| {
+            w.on_response_trailers(cx, s, || header_pairs(MapType::HttpResponseTrailers))
+        })
     }
 }
 
 impl Drop for Filter {
     fn drop(&mut self) {
         if let Some(vm) = &self.vm {
-            if let Ok(mut waiting) = vm.waiting.try_borrow_mut() {
-                waiting.remove(&self.stream.ctx);
+            if let Ok(mut worker) = vm.worker.try_borrow_mut() {
+                worker.close(self.ctx);
             }
         }
     }

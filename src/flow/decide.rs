@@ -1,0 +1,242 @@
+//! The acquire round and what it decides: rate limits first (the record or lease call
+//! deferred while other slots hold limits), then the record, then the lease (polled again
+//! while it is busy and the policy waits); the failure mode when Redis does not answer; and
+//! giving back what the request will not use.
+
+use super::background::Background;
+use super::context::{Outgoing, Pcx, Purpose, Step};
+use super::idem::IdemDecision;
+use super::lease::LeaseDecision;
+use super::{admit::Admission, Flow, Held, Pending, Phase, FINGERPRINT_HEADER, MARKER_MIN_TTL_MS};
+use crate::config::FailureMode;
+use crate::lograte::WarnKind;
+use crate::lua::acquire::{self, LeaseAnswer};
+use crate::lua::ScriptId;
+use crate::ratelimit::Verdict;
+use crate::redis::CallError;
+use crate::respond::{self, Problem};
+
+impl Flow {
+    pub(super) fn start_acquire(&mut self, at: &Pcx<'_>, held: Held, body: &[u8]) -> Step {
+        if let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) {
+            idem.fingerprint(cfg, &held.caller, &held.req, body);
+        }
+        self.nonce = held.nonce;
+        self.admission = Admission::start(at, &held.caller, &held.req);
+        if let Some(rejection) = self.admission.cached_rejection(at) {
+            return self.answer(rejection);
+        }
+        let groups = acquire::plan(
+            at.policy,
+            &self.admission.keys_to_ask(),
+            &self.nonce,
+            self.idem.as_ref().map(|i| &i.acquire),
+            self.lease.as_ref().map(|l| &l.acquire),
+        );
+        if groups.is_empty() {
+            // Every limit answered locally, nothing else to acquire: no Redis call.
+            return self.decide(at);
+        }
+        // Rate limits first: when the record or the lease rides in one slot and other slots
+        // hold rate limits, those go first and the record/lease call only once they admit,
+        // so a rate-limited request never takes a lease or a record (a second round trip).
+        let (mut sections, plain): (Vec<acquire::Group>, Vec<acquire::Group>) =
+            groups.into_iter().partition(|g| g.idem || g.lease);
+        let (first, deferred) = if plain.is_empty() {
+            (sections, None)
+        } else {
+            let deferred = sections.pop();
+            (plain, deferred)
+        };
+        self.calls.clear();
+        let out = first
+            .into_iter()
+            .filter_map(|g| self.send_acquire(at, g))
+            .collect();
+        self.phase = Phase::Acquiring {
+            deadline_ms: at.call_deadline(),
+            deferred,
+        };
+        Step::Dispatch(out)
+    }
+
+    pub(super) fn send_acquire(&mut self, at: &Pcx<'_>, g: acquire::Group) -> Option<Outgoing> {
+        let tag = Pending::acquire(g.limits, g.idem, g.lease);
+        self.calls
+            .push_and_send(tag, ScriptId::Acquire, g.call, at.now_ms)
+    }
+
+    /// All acquire calls answered: rate-limit verdict first, then the record, then the lease.
+    pub(super) fn decide(&mut self, at: &Pcx<'_>) -> Step {
+        let verdict = match self.admission.decide(at) {
+            Ok(v) => v,
+            Err(e) => return self.fail(at, &e),
+        };
+        let limit_headers = match verdict {
+            Verdict::Reject(response) => {
+                // Another slot may have acquired the record or the lease: give them back.
+                self.release_record(at);
+                self.release_lease(at);
+                return self.answer(response);
+            }
+            Verdict::Allow(headers) if at.rt.config.response_headers => headers,
+            Verdict::Allow(_) => Vec::new(),
+        };
+        let grpc = self.kind.grpc;
+        let decision = match self.idem.as_mut() {
+            Some(idem) => idem.decide(at, &limit_headers, grpc),
+            None => IdemDecision::NotAsked,
+        };
+        match decision {
+            IdemDecision::Answer(response) => self.answer(response),
+            IdemDecision::Skipped => self.forward(limit_headers),
+            IdemDecision::Acquired(fingerprint) => {
+                self.upstream_headers
+                    .push((FINGERPRINT_HEADER.into(), fingerprint));
+                self.lease_decide(at, limit_headers)
+            }
+            IdemDecision::NotAsked => self.lease_decide(at, limit_headers),
+        }
+    }
+
+    /// The lease answer of the acquire, once rate limits and the record let the request go.
+    pub(super) fn lease_decide(&mut self, at: &Pcx<'_>, headers: Vec<(String, String)>) -> Step {
+        let answer = self.lease.as_mut().and_then(|l| l.answer.take());
+        self.on_lease_answer(at, answer.unwrap_or(LeaseAnswer::Skipped), headers)
+    }
+
+    pub(super) fn on_lease_answer(
+        &mut self,
+        at: &Pcx<'_>,
+        answer: LeaseAnswer,
+        headers: Vec<(String, String)>,
+    ) -> Step {
+        let Some(lease) = self.lease.as_mut() else {
+            return self.forward(headers);
+        };
+        match lease.decide(at, answer) {
+            LeaseDecision::Forward(fencing) => {
+                self.upstream_headers.extend(fencing);
+                self.forward(headers)
+            }
+            LeaseDecision::PollAt(poll_at_ms) => {
+                self.phase = Phase::LeaseWaiting { poll_at_ms };
+                self.response_headers = headers;
+                Step::Wait
+            }
+            LeaseDecision::Busy(mut response) => {
+                // The idempotency record this request acquired is not going to be used.
+                self.release_record(at);
+                response.headers.extend(headers);
+                self.answer(response)
+            }
+        }
+    }
+
+    /// Polls a busy lease again (`on_busy: wait`).
+    pub(super) fn poll_lease(&mut self, at: &Pcx<'_>) -> Step {
+        let Some(lease) = self.lease.as_ref() else {
+            return Step::Continue;
+        };
+        let call = lease.poll_call(&self.nonce);
+        let mut tag = Pending::of(Purpose::LeaseRetry);
+        tag.lease = true;
+        tag.lease_unsettled = true;
+        self.calls.clear();
+        let out = self
+            .calls
+            .push_and_send(tag, ScriptId::Acquire, call, at.now_ms);
+        self.phase = Phase::Acquiring {
+            deadline_ms: at.call_deadline(),
+            deferred: None,
+        };
+        Step::Dispatch(out.into_iter().collect())
+    }
+
+    /// Gives the record back from the root, if this request holds it or an acquire that may
+    /// still run may have created it (handed over once: the stream's end does not send it
+    /// again).
+    pub(super) fn release_record(&mut self, at: &Pcx<'_>) {
+        self.hand_back(
+            at,
+            |t| &mut t.record_unsettled,
+            |f, in_flight, ttl| Background::give_back(at.index, f.idem.as_mut()?, in_flight, ttl),
+        );
+    }
+
+    /// Gives the lease back from the root, the same way.
+    pub(super) fn release_lease(&mut self, at: &Pcx<'_>) {
+        self.hand_back(
+            at,
+            |t| &mut t.lease_unsettled,
+            |f, in_flight, ttl| Background::give_back(at.index, f.lease.as_mut()?, in_flight, ttl),
+        );
+    }
+
+    /// Hands the release `release` makes to the root; `unsettled` names the calls' flag that
+    /// says an acquire may have taken what it gives back (cleared once it is handed over).
+    pub(super) fn hand_back(
+        &mut self,
+        at: &Pcx<'_>,
+        unsettled: fn(&mut Pending) -> &mut bool,
+        release: impl FnOnce(&mut Flow, bool, u64) -> Option<Background>,
+    ) {
+        let in_flight = self.calls.iter_mut().any(|c| *unsettled(&mut c.tag));
+        let marker_ttl = self.marker_ttl_ms(at);
+        let Some(bg) = release(self, in_flight, marker_ttl) else {
+            return;
+        };
+        self.calls
+            .iter_mut()
+            .for_each(|c| *unsettled(&mut c.tag) = false);
+        self.background.push(bg);
+    }
+
+    /// The TTL of this request's cancellation marker: it must outlive any acquire of this
+    /// request that can still run after the filter gave up on it (see README, "Redis keys").
+    pub(super) fn marker_ttl_ms(&self, at: &Pcx<'_>) -> u64 {
+        let processing = at
+            .policy
+            .idempotency
+            .as_ref()
+            .map_or(0, |i| i.processing_ttl_ms);
+        let lease = at.policy.lease.as_ref().map_or(0, |l| l.ttl_ms);
+        processing.max(lease).max(MARKER_MIN_TTL_MS)
+    }
+
+    /// The one place a failed acquire becomes the policy's answer.
+    pub(super) fn fail(&mut self, at: &Pcx<'_>, err: &CallError) -> Step {
+        let policy = at.policy;
+        at.rt
+            .warnings
+            .warn(WarnKind::AcquireFailed, at.index, at.now_ms, || {
+                format!(
+                    "redis call for policy {} failed ({}); {}",
+                    policy.name,
+                    err.describe(),
+                    match policy.failure_mode {
+                        FailureMode::Open => "failing open",
+                        FailureMode::Closed => "failing closed",
+                    }
+                )
+            });
+        // A record or lease acquired by a call that did answer is given back either way.
+        self.release_record(at);
+        self.release_lease(at);
+        match policy.failure_mode {
+            FailureMode::Open => {
+                at.m.increment(at.pm.failed_open);
+                self.forward(Vec::new())
+            }
+            FailureMode::Closed => {
+                at.m.increment(at.pm.failed_closed);
+                self.answer(respond::problem(
+                    Problem::GuardUnavailable,
+                    &err.client_detail(at.rt.config.redis.timeout_ms),
+                    &[],
+                    vec![("retry-after".into(), "1".into())],
+                ))
+            }
+        }
+    }
+}

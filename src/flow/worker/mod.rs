@@ -1,0 +1,489 @@
+//! One worker's guarded streams and the root's calls: which answer goes where, which paused
+//! direction an answer resumes, which streams the tick visits, who is woken when a lease is
+//! given back, and how fast the root ticks. Every event returns [`Effects`] for the adapter
+//! to carry out; the worker never calls the host, so the adapter holds no borrow of it while
+//! the host runs (a local reply calls back into the filter at once).
+//!
+//! `S` is the adapter's handle of a stream (its context id); anything in tests.
+
+mod effects;
+
+pub use effects::{Action, Callout, Dir, Effects, Route, StreamEffects};
+
+use super::{Cx, Flow, Outbox, Outgoing, Step};
+use crate::config::Batch;
+use crate::ids::TokenSource;
+use crate::lua::batch::{BatchAnswer, Batcher, InFlight};
+use crate::redis::{resp::Reply, CallError};
+use crate::request::Request;
+use effects::Dest;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// The root's tick while a request of this worker waits for a busy lease: its polls are due
+/// at jittered times, which the watchdog's coarser tick would bunch together again.
+pub const LEASE_WAIT_TICK_MS: u64 = 5;
+
+/// The upstream's response head, read only when the flow wants it.
+#[derive(Debug, Default)]
+pub struct ResponseHead {
+    pub headers: Vec<(String, String)>,
+    /// `response.code_details` (`via_upstream` for the upstream's own answer).
+    pub details: String,
+}
+
+/// A guarded stream: its flow and which direction the filter holds.
+#[derive(Debug, Default)]
+struct Entry {
+    flow: Flow,
+    paused: Option<Dir>,
+}
+
+pub struct Worker<S> {
+    streams: BTreeMap<S, Entry>,
+    /// Streams with a deadline (paused on Redis or the body, waiting for a lease, or holding
+    /// a lease to extend): the ones the tick visits.
+    waiting: BTreeSet<S>,
+    /// Calls in flight: the host's token -> where the answer goes (batches: in the batcher).
+    routes: HashMap<u32, Dest<S>>,
+    /// Calls the root sends on its tick (and retries).
+    outbox: Outbox,
+    /// Acquires waiting to be coalesced (`redis.batch`), and the batches in flight.
+    batcher: Batcher<S>,
+    tokens: TokenSource,
+    /// The root's tick, and whether the fine one runs (a request waits for a lease).
+    tick_ms: u64,
+    fine_tick: bool,
+}
+
+impl<S: Copy + Ord> Worker<S> {
+    /// `tick_ms` is the period the adapter set at configuration.
+    pub fn new(tokens: TokenSource, batch: Option<Batch>, tick_ms: u64) -> Worker<S> {
+        Worker {
+            streams: BTreeMap::new(),
+            waiting: BTreeSet::new(),
+            routes: HashMap::new(),
+            outbox: Outbox::default(),
+            batcher: Batcher::new(batch),
+            tokens,
+            tick_ms,
+            fine_tick: false,
+        }
+    }
+
+    /// A request whose path reads more than one way, one of them guarded by policy `index`.
+    pub fn on_ambiguous_path(
+        &mut self,
+        cx: &Cx<'_>,
+        s: S,
+        index: usize,
+        content_type: Option<&str>,
+    ) -> Effects<S> {
+        let flow = &mut self.streams.entry(s).or_default().flow;
+        flow.set_grpc(content_type);
+        let step = flow.on_ambiguous_path(cx, index);
+        self.event(cx, s, Some(Dir::Request), step)
+    }
+
+    /// Request headers of a request policy `index` guards (the adapter matched it).
+    pub fn on_request_headers(
+        &mut self,
+        cx: &Cx<'_>,
+        s: S,
+        index: usize,
+        req: Request,
+        end_of_stream: bool,
+    ) -> Effects<S> {
+        let needs_tokens = cx
+            .rt
+            .config
+            .policies
+            .get(index)
+            .is_some_and(|p| p.needs_tokens);
+        let (nonce, owner) = if needs_tokens {
+            (self.tokens.token(), self.tokens.token())
+        } else {
+            ("-".to_string(), "-".to_string())
+        };
+        let flow = &mut self.streams.entry(s).or_default().flow;
+        let step = flow.on_policy_request(cx, index, req, &nonce, &owner, end_of_stream);
+        self.event(cx, s, Some(Dir::Request), step)
+    }
+
+    /// A piece of the body in direction `dir`: `read` gives what the host holds of it (the
+    /// request's whole body buffered so far; the response's piece).
+    pub fn on_body(
+        &mut self,
+        cx: &Cx<'_>,
+        s: S,
+        dir: Dir,
+        body_size: usize,
+        end_of_stream: bool,
+        read: impl FnOnce() -> Vec<u8>,
+    ) -> Effects<S> {
+        self.flow_event(cx, s, dir, |f| match dir {
+            Dir::Request => f.on_request_body(cx, body_size, end_of_stream, read),
+            Dir::Response => f.on_response_body(cx, body_size, end_of_stream, read),
+        })
+    }
+
+    /// The request's trailers; `read` gives the body the host buffered.
+    pub fn on_request_trailers(
+        &mut self,
+        cx: &Cx<'_>,
+        s: S,
+        read: impl FnOnce() -> Vec<u8>,
+    ) -> Effects<S> {
+        self.flow_event(cx, s, Dir::Request, |f| f.on_request_trailers(cx, read))
+    }
+
+    /// The response's headers: the rate-limit headers are added, and `read` is asked for the
+    /// head only when the response matters (a record to complete, a lease to release). The
+    /// head read is the upstream's, with the added headers after it, as the host lists them.
+    pub fn on_response_headers(
+        &mut self,
+        cx: &Cx<'_>,
+        s: S,
+        end_of_stream: bool,
+        read: impl FnOnce() -> ResponseHead,
+    ) -> Effects<S> {
+        let Some(entry) = self.streams.get_mut(&s) else {
+            return Effects::new(Action::Continue);
+        };
+        let extra = entry.flow.response_headers().to_vec();
+        if !entry.flow.wants_response() {
+            let mut fx = Effects::new(Action::Continue);
+            let mut ops = StreamEffects::new(s);
+            ops.add_response_headers = extra;
+            fx.streams.push(ops);
+            return fx;
+        }
+        let mut head = read();
+        head.headers.extend(extra.iter().cloned());
+        let status = head
+            .headers
+            .iter()
+            .find(|(n, _)| n == ":status")
+            .and_then(|(_, v)| v.parse::<u32>().ok())
+            .unwrap_or(0);
+        let via_upstream = head.details == "via_upstream";
+        let step = entry.flow.on_response_headers(
+            cx,
+            status,
+            via_upstream,
+            &head.details,
+            &head.headers,
+            end_of_stream,
+        );
+        let mut fx = self.event(cx, s, Some(Dir::Response), step);
+        match fx.streams.first_mut() {
+            Some(ops) => ops.add_response_headers = extra,
+            None => {
+                let mut ops = StreamEffects::new(s);
+                ops.add_response_headers = extra;
+                fx.streams.insert(0, ops);
+            }
+        }
+        fx
+    }
+
+    /// The response's trailers; `read` is asked only when the record settles on them.
+    pub fn on_response_trailers(
+        &mut self,
+        cx: &Cx<'_>,
+        s: S,
+        read: impl FnOnce() -> Vec<(String, String)>,
+    ) -> Effects<S> {
+        self.flow_event(cx, s, Dir::Response, |f| {
+            let trailers = if f.wants_response_trailers() {
+                read()
+            } else {
+                Vec::new()
+            };
+            f.on_response_trailers(cx, &trailers)
+        })
+    }
+
+    /// The stream ended: what it still owes goes to the root; the worker forgets it.
+    pub fn on_done(&mut self, cx: &Cx<'_>, s: S) -> Effects<S> {
+        let mut fx = Effects::new(Action::Continue);
+        if let Some(entry) = self.streams.get_mut(&s) {
+            entry.flow.on_done(cx);
+            self.settle(cx, s, &mut fx);
+        }
+        self.close(s);
+        fx
+    }
+
+    /// Forgets a stream (and where its calls' answers would have gone).
+    pub fn close(&mut self, s: S) {
+        self.streams.remove(&s);
+        self.waiting.remove(&s);
+        self.routes
+            .retain(|_, d| !matches!(d, Dest::Stream(t, _) if *t == s));
+    }
+
+    /// A call was handed to the host: its answer comes back with `token`, or it was refused
+    /// (then that is its answer, at once).
+    pub fn sent(
+        &mut self,
+        cx: &Cx<'_>,
+        route: Route<S>,
+        token: Result<u32, CallError>,
+    ) -> Effects<S> {
+        let mut fx = Effects::new(Action::Pause);
+        match (route.0, token) {
+            (Dest::Batch(batch), Ok(token)) => self.batcher.sent(token, batch),
+            (dest, Ok(token)) => {
+                self.routes.insert(token, dest);
+            }
+            (dest, Err(e)) => self.answer(cx, dest, Err(e), &mut fx),
+        }
+        fx
+    }
+
+    /// The answer of the call sent with `token`; `read` decodes it, asked only for a call
+    /// the worker knows of.
+    pub fn on_answer(
+        &mut self,
+        cx: &Cx<'_>,
+        token: u32,
+        read: impl FnOnce() -> Result<Reply, CallError>,
+    ) -> Effects<S> {
+        let mut fx = Effects::new(Action::Pause);
+        let dest = match self.batcher.take(token) {
+            Some(batch) => Some(Dest::Batch(batch)),
+            None => self.routes.remove(&token),
+        };
+        match dest {
+            Some(Dest::Stream(s, _)) if !self.streams.contains_key(&s) => {}
+            Some(dest) => self.answer(cx, dest, read(), &mut fx),
+            None => {}
+        }
+        fx
+    }
+
+    /// The root's tick: the streams whose deadline passed first (what they hand over goes
+    /// out in this same tick), the tick period, then the root's due calls and the batches.
+    pub fn on_tick(&mut self, cx: &Cx<'_>) -> Effects<S> {
+        let mut fx = Effects::new(Action::Continue);
+        let due: Vec<S> = self
+            .waiting
+            .iter()
+            .filter(|s| {
+                self.streams
+                    .get(s)
+                    .and_then(|e| e.flow.deadline_ms())
+                    .is_some_and(|d| cx.now_ms >= d)
+            })
+            .copied()
+            .collect();
+        for s in due {
+            if let Some(entry) = self.streams.get_mut(&s) {
+                let step = entry.flow.on_tick(cx);
+                self.carry(cx, s, None, step, &mut fx);
+            }
+        }
+        if self.fine_tick && !self.any_lease_waiter() {
+            self.set_fine_tick(false, &mut fx);
+        }
+        for out in self.outbox.take_due(cx.now_ms) {
+            let slot = out.slot;
+            fx.calls.push(callout(cx, &out, Dest::Outbox(slot)));
+        }
+        self.flush(cx, &mut fx);
+        fx
+    }
+
+    /// The root was woken (acquires are queued): they go out as batches.
+    pub fn on_queue_ready(&mut self, cx: &Cx<'_>) -> Effects<S> {
+        let mut fx = Effects::new(Action::Continue);
+        self.flush(cx, &mut fx);
+        fx
+    }
+
+    /// A guarded stream's own event in direction `dir`; an unguarded stream goes on.
+    fn flow_event(
+        &mut self,
+        cx: &Cx<'_>,
+        s: S,
+        dir: Dir,
+        event: impl FnOnce(&mut Flow) -> Step,
+    ) -> Effects<S> {
+        match self.streams.get_mut(&s) {
+            Some(entry) => {
+                let step = event(&mut entry.flow);
+                self.event(cx, s, Some(dir), step)
+            }
+            None => Effects::new(Action::Continue),
+        }
+    }
+
+    fn event(&mut self, cx: &Cx<'_>, s: S, dir: Option<Dir>, step: Step) -> Effects<S> {
+        let mut fx = Effects::new(Action::Pause);
+        self.carry(cx, s, dir, step, &mut fx);
+        fx
+    }
+
+    /// Routes an answer (or a refusal to send) to where its call came from.
+    fn answer(
+        &mut self,
+        cx: &Cx<'_>,
+        dest: Dest<S>,
+        answer: Result<Reply, CallError>,
+        fx: &mut Effects<S>,
+    ) {
+        match dest {
+            Dest::Stream(s, slot) => {
+                if let Some(entry) = self.streams.get_mut(&s) {
+                    let step = entry.flow.on_reply(cx, slot, answer);
+                    self.carry(cx, s, None, step, fx);
+                }
+            }
+            Dest::Outbox(slot) => {
+                let settled = self.outbox.on_answer(cx, slot, answer);
+                if let Some(out) = settled.resend {
+                    fx.calls.push(callout(cx, &out, Dest::Outbox(out.slot)));
+                }
+                if let Some(key) = settled.freed_lease {
+                    self.wake_waiters(&key, cx.now_ms);
+                }
+            }
+            Dest::Batch(batch) => {
+                match Batcher::answer(batch, answer, &cx.rt.metrics.redis, cx.m) {
+                    BatchAnswer::Resend(batch) => fx.calls.push(batch_callout(cx, batch)),
+                    BatchAnswer::Members(members) => {
+                        for (s, slot, part) in members {
+                            self.answer(cx, Dest::Stream(s, slot), part, fx);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Carries out a stream's step: `dir` is the direction of the host callback that raised
+    /// it, or `None` for an answer or a tick, where a paused direction is resumed instead.
+    fn carry(&mut self, cx: &Cx<'_>, s: S, dir: Option<Dir>, step: Step, fx: &mut Effects<S>) {
+        let Some(entry) = self.streams.get_mut(&s) else {
+            return;
+        };
+        let mut ops = StreamEffects::new(s);
+        fx.action = Action::Pause;
+        match step {
+            Step::Continue => {
+                let paused = entry.paused.take();
+                if dir == Some(Dir::Request) || paused == Some(Dir::Request) {
+                    ops.set_request_headers = entry.flow.take_upstream_headers();
+                }
+                if dir.is_none() {
+                    ops.resume = paused;
+                }
+                fx.action = Action::Continue;
+            }
+            Step::Wait => entry.paused = dir.or(entry.paused),
+            Step::Respond(r) => {
+                entry.paused = None;
+                ops.reply = Some(r);
+            }
+            Step::Dispatch(calls) => {
+                entry.paused = dir.or(entry.paused);
+                for call in calls {
+                    if self.batcher.takes(call.script, call.by_sha) {
+                        fx.wake |= self.batcher.queue(s, call.slot, call.call);
+                    } else {
+                        ops.calls
+                            .push(callout(cx, &call, Dest::Stream(s, call.slot)));
+                    }
+                }
+            }
+        }
+        if !ops.is_empty() {
+            fx.streams.push(ops);
+        }
+        self.settle(cx, s, fx);
+    }
+
+    /// After a stream's step: its background calls go to the outbox, the tick registry and
+    /// period follow its deadline and lease wait, and a lease it gave back wakes its waiters.
+    fn settle(&mut self, cx: &Cx<'_>, s: S, fx: &mut Effects<S>) {
+        let Some(entry) = self.streams.get_mut(&s) else {
+            return;
+        };
+        let flow = &mut entry.flow;
+        let background = flow.take_background();
+        let deadline = flow.deadline_ms();
+        let freed = flow.take_freed_lease();
+        let waits = flow.waiting_for_lease().is_some();
+        if waits {
+            self.set_fine_tick(true, fx);
+        }
+        background.into_iter().for_each(|bg| self.outbox.add(bg));
+        if deadline.is_some() {
+            self.waiting.insert(s);
+        } else {
+            self.waiting.remove(&s);
+        }
+        if let Some(key) = freed {
+            self.wake_waiters(&key, cx.now_ms);
+        }
+    }
+
+    /// The lease `key` was given back: this worker's requests waiting for it poll at the next
+    /// tick instead of at the end of their backoff.
+    fn wake_waiters(&mut self, key: &str, now_ms: u64) {
+        for s in &self.waiting {
+            if let Some(entry) = self.streams.get_mut(s) {
+                if entry.flow.waiting_for_lease() == Some(key) {
+                    entry.flow.wake(now_ms);
+                }
+            }
+        }
+    }
+
+    fn any_lease_waiter(&self) -> bool {
+        self.waiting.iter().any(|s| {
+            self.streams
+                .get(s)
+                .is_some_and(|e| e.flow.waiting_for_lease().is_some())
+        })
+    }
+
+    /// Switches the root's tick to the fine one (`true`) or back.
+    fn set_fine_tick(&mut self, fine: bool, fx: &mut Effects<S>) {
+        if self.fine_tick != fine {
+            self.fine_tick = fine;
+            fx.tick_ms = Some(if fine {
+                LEASE_WAIT_TICK_MS
+            } else {
+                self.tick_ms
+            });
+        }
+    }
+
+    /// The queued acquires as batches to send.
+    fn flush(&mut self, cx: &Cx<'_>, fx: &mut Effects<S>) {
+        for batch in self.batcher.flush() {
+            fx.calls.push(batch_callout(cx, batch));
+        }
+    }
+}
+
+/// A call to send, counted as a Redis call.
+fn callout<S>(cx: &Cx<'_>, out: &Outgoing, dest: Dest<S>) -> Callout<S> {
+    cx.m.increment(cx.rt.metrics.redis.calls);
+    Callout {
+        body: out.encode(&cx.rt.scripts),
+        route: Route(dest),
+    }
+}
+
+fn batch_callout<S>(cx: &Cx<'_>, batch: InFlight<S>) -> Callout<S> {
+    cx.m.increment(cx.rt.metrics.redis.calls);
+    Callout {
+        body: batch.encode(&cx.rt.scripts),
+        route: Route(Dest::Batch(batch)),
+    }
+}
+
+#[cfg(test)]
+mod tests;

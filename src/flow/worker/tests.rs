@@ -1,0 +1,296 @@
+use super::*;
+use crate::config::Config;
+use crate::flow::Runtime;
+use crate::metrics::testing::Recorder;
+
+const CONFIG: &str = r#"{
+  "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},
+  "failure_mode": "fail_closed",
+  "policies": [
+    {"name": "reads", "match": {"methods": ["GET"]}, "failure_mode": "fail_open", "rate_limits": [
+      {"name": "global", "by": [], "algorithm": "token_bucket", "limit": 5, "window": "1s"}
+    ]},
+    {"name": "writes", "match": {"methods": ["PUT"]}, "rate_limits": [
+      {"name": "global", "by": [], "algorithm": "fixed_window", "limit": 5, "window": "1s"}
+    ]},
+    {"name": "wait", "match": {"path_prefix": "/wait"},
+     "lease": {"resource": ["path_segment:2"], "ttl": "2s", "on_busy": "wait", "max_wait": "200ms",
+               "fencing_header": "x-lease-token", "extend": false}}
+  ]
+}"#;
+
+/// The root's usual tick in these tests.
+const TICK_MS: u64 = 25;
+
+fn runtime(rec: &Recorder, config: &str) -> Runtime {
+    let config = Config::parse(config.as_bytes()).expect("valid");
+    let metrics = rec.metrics(&config);
+    Runtime::new(config, metrics, None)
+}
+
+fn worker(rt: &Runtime) -> Worker<u32> {
+    Worker::new(TokenSource::with_seed(1, 2), rt.config.redis.batch, TICK_MS)
+}
+
+fn req(method: &str, path: &str) -> Request {
+    let headers = vec![
+        (":method".to_string(), method.to_string()),
+        (":path".to_string(), path.to_string()),
+        (":authority".to_string(), "api".to_string()),
+        ("x-tenant-id".to_string(), "acme".to_string()),
+    ];
+    Request::from_headers(headers, Some("127.0.0.1:4000"))
+}
+
+/// The policy index a request of `method` to `path` matches.
+fn request(w: &mut Worker<u32>, cx: &Cx<'_>, s: u32, method: &str, path: &str) -> Effects<u32> {
+    let req = req(method, path);
+    let Some(crate::request::Selected::Policy(index)) =
+        crate::request::policy_index(&cx.rt.config.policies, &mut &req)
+    else {
+        panic!("no policy for {method} {path}");
+    };
+    w.on_request_headers(cx, s, index, req, true)
+}
+
+/// Hands every call of `fx` to the "host", which gives them tokens from `next`.
+fn send_all(w: &mut Worker<u32>, cx: &Cx<'_>, fx: Effects<u32>, next: &mut u32) -> Vec<u32> {
+    let mut calls: Vec<Callout<u32>> = fx.calls;
+    for ops in fx.streams {
+        calls.extend(ops.calls);
+    }
+    let mut tokens = Vec::new();
+    for call in calls {
+        *next += 1;
+        tokens.push(*next);
+        let more = w.sent(cx, call.route, Ok(*next));
+        assert!(more.streams.is_empty() && more.calls.is_empty());
+    }
+    tokens
+}
+
+fn ints(v: &[i64]) -> Reply {
+    Reply::Array(Some(v.iter().map(|n| Reply::Int(*n)).collect()))
+}
+
+fn lease_reply(code: i64, value: &[u8]) -> Reply {
+    Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(code),
+        Reply::Bulk(Some(value.to_vec())),
+    ]))
+}
+
+fn unread() -> Result<Reply, CallError> {
+    panic!("an answer nobody waits for is not read")
+}
+
+#[test]
+fn an_answer_goes_back_to_its_stream_and_resumes_it() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let cx = Cx::new(&rt, 1_000, &rec);
+    let mut w = worker(&rt);
+    let fx = request(&mut w, &cx, 7, "GET", "/x");
+    assert_eq!(fx.action, Action::Pause);
+    assert_eq!(fx.streams.len(), 1);
+    assert_eq!(fx.streams[0].stream, 7);
+    assert_eq!(fx.streams[0].calls.len(), 1);
+    assert_eq!(rec.count("cg.redis.calls"), 1, "counted as it goes out");
+    let mut next = 100;
+    let tokens = send_all(&mut w, &cx, fx, &mut next);
+    assert!(w.on_answer(&cx, 999, unread).streams.is_empty());
+    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    assert_eq!(fx.streams.len(), 1);
+    assert_eq!(
+        fx.streams[0].resume,
+        Some(Dir::Request),
+        "paused by the headers"
+    );
+    assert_eq!(rec.count("cg.policy.reads.limit.global.allowed"), 1);
+    assert!(
+        w.on_answer(&cx, tokens[0], unread).streams.is_empty(),
+        "once"
+    );
+    // The response of a stream that wants nothing of it passes, with the rate-limit headers.
+    let fx = w.on_response_headers(&cx, 7, false, || panic!("not read"));
+    assert_eq!(fx.action, Action::Continue);
+    assert_eq!(fx.streams[0].add_response_headers.len(), 2);
+}
+
+#[test]
+fn a_refused_send_is_its_answer_at_once() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    // Fail open: the request goes on, resumed in the same callback.
+    let mut fx = request(&mut w, &cx, 1, "GET", "/x");
+    let call = fx.streams.remove(0).calls.remove(0);
+    let fx = w.sent(&cx, call.route, Err(CallError::NotSent));
+    assert_eq!(fx.action, Action::Continue);
+    assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    // Fail closed: answered locally, and the stream stays held.
+    let mut fx = request(&mut w, &cx, 2, "PUT", "/x");
+    let call = fx.streams.remove(0).calls.remove(0);
+    let fx = w.sent(&cx, call.route, Err(CallError::NotSent));
+    assert_eq!(fx.action, Action::Pause);
+    assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(503));
+    assert_eq!(fx.streams[0].resume, None);
+}
+
+#[test]
+fn the_tick_decides_only_streams_past_their_deadline() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let mut w = worker(&rt);
+    let fx = request(&mut w, &Cx::new(&rt, 0, &rec), 1, "PUT", "/x");
+    send_all(&mut w, &Cx::new(&rt, 0, &rec), fx, &mut 0);
+    let fx = request(&mut w, &Cx::new(&rt, 30, &rec), 2, "PUT", "/x");
+    send_all(&mut w, &Cx::new(&rt, 30, &rec), fx, &mut 10);
+    let fx = w.on_tick(&Cx::new(&rt, 50, &rec));
+    assert_eq!(fx.streams.len(), 1, "stream 2 still has time");
+    assert_eq!(fx.streams[0].stream, 1);
+    assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(503));
+    assert_eq!(rec.count("cg.redis.timeouts"), 1);
+    assert!(w.on_tick(&Cx::new(&rt, 60, &rec)).streams.is_empty());
+    let fx = w.on_tick(&Cx::new(&rt, 80, &rec));
+    assert_eq!(fx.streams[0].stream, 2);
+}
+
+/// Stream 1 acquires the lease of /wait/9, then stream 2 finds it busy and waits: the
+/// effects of both answers.
+fn holder_and_waiter(
+    w: &mut Worker<u32>,
+    cx: &Cx<'_>,
+    next: &mut u32,
+) -> (Effects<u32>, Effects<u32>) {
+    let fx = request(w, cx, 1, "POST", "/wait/9/a");
+    let t1 = send_all(w, cx, fx, next);
+    let held = w.on_answer(cx, t1[0], || Ok(lease_reply(1, b"77")));
+    let fx = request(w, cx, 2, "POST", "/wait/9/b");
+    let t2 = send_all(w, cx, fx, next);
+    let waits = w.on_answer(cx, t2[0], || Ok(lease_reply(2, b"1500")));
+    (held, waits)
+}
+
+#[test]
+fn a_lease_given_back_wakes_its_waiters_and_the_fine_tick_follows_them() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    // Stream 1 holds the lease of /wait/9, stream 2 finds it busy and waits: the root ticks
+    // finely.
+    let (held, waits) = holder_and_waiter(&mut w, &cx, &mut next);
+    assert_eq!(
+        held.streams[0].set_request_headers,
+        vec![("x-lease-token".to_string(), "77".to_string())]
+    );
+    assert_eq!(held.tick_ms, None);
+    assert!(waits.streams.is_empty(), "still held");
+    assert_eq!(waits.tick_ms, Some(LEASE_WAIT_TICK_MS));
+    // Nothing is due before its poll.
+    assert!(w.on_tick(&Cx::new(&rt, 1, &rec)).streams.is_empty());
+    // Stream 1's response waits for the release; Redis confirms it.
+    let head = || ResponseHead {
+        headers: vec![(":status".to_string(), "200".to_string())],
+        details: "via_upstream".to_string(),
+    };
+    let fx = w.on_response_headers(&Cx::new(&rt, 2, &rec), 1, true, head);
+    assert_eq!(fx.action, Action::Pause);
+    let t3 = send_all(&mut w, &cx, fx, &mut next);
+    let fx = w.on_answer(&Cx::new(&rt, 3, &rec), t3[0], || Ok(Reply::Int(1)));
+    assert_eq!(fx.streams[0].resume, Some(Dir::Response));
+    // Stream 2 polls at the next tick, not at the end of its backoff.
+    let fx = w.on_tick(&Cx::new(&rt, 3, &rec));
+    assert_eq!(fx.streams.len(), 1);
+    assert_eq!(fx.streams[0].stream, 2);
+    assert_eq!(fx.streams[0].calls.len(), 1, "the lease-only acquire");
+    assert_eq!(fx.tick_ms, Some(TICK_MS), "nobody waits any more");
+    let t4 = send_all(&mut w, &cx, fx, &mut next);
+    let fx = w.on_answer(&Cx::new(&rt, 4, &rec), t4[0], || Ok(lease_reply(1, b"78")));
+    assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    assert_eq!(
+        w.on_tick(&Cx::new(&rt, 5, &rec)).tick_ms,
+        None,
+        "switched once"
+    );
+}
+
+#[test]
+fn what_a_stream_owes_at_its_end_goes_out_from_the_root() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    holder_and_waiter(&mut w, &cx, &mut next);
+    // The stream ends without a response: the release goes to the root's outbox.
+    let fx = w.on_done(&cx, 1);
+    assert!(fx.streams.is_empty() && fx.calls.is_empty());
+    let fx = w.on_tick(&Cx::new(&rt, 1, &rec));
+    assert!(fx.streams.is_empty());
+    assert_eq!(fx.calls.len(), 1, "the release, from the root");
+    let t3 = send_all(&mut w, &cx, fx, &mut next);
+    let fx = w.on_answer(&Cx::new(&rt, 2, &rec), t3[0], || Ok(Reply::Int(1)));
+    assert!(fx.streams.is_empty());
+    assert_eq!(rec.count("cg.policy.wait.lease.released"), 1);
+    let fx = w.on_tick(&Cx::new(&rt, 2, &rec));
+    assert_eq!(fx.streams[0].stream, 2, "woken by the root's release");
+}
+
+#[test]
+fn a_closed_stream_forgets_its_calls() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let fx = request(&mut w, &cx, 1, "PUT", "/x");
+    let tokens = send_all(&mut w, &cx, fx, &mut 0);
+    w.close(1);
+    assert!(w.on_answer(&cx, tokens[0], unread).streams.is_empty());
+    assert!(w.on_tick(&Cx::new(&rt, 1_000, &rec)).streams.is_empty());
+    // Events of an unguarded stream: it goes on.
+    let fx = w.on_body(&cx, 3, Dir::Request, 10, true, || panic!("not read"));
+    assert_eq!(fx.action, Action::Continue);
+    assert!(fx.streams.is_empty());
+}
+
+#[test]
+fn acquires_wait_for_a_batch_and_each_gets_its_answer() {
+    let config = CONFIG.replace(
+        r#""key_prefix": "cg"}"#,
+        r#""key_prefix": "cg", "batch": {"max_delay": "2ms"}}"#,
+    );
+    let rec = Recorder::default();
+    let rt = runtime(&rec, &config);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let fx = request(&mut w, &cx, 1, "GET", "/x");
+    assert!(fx.wake, "the first queued acquire wakes the root");
+    assert!(fx.streams.is_empty(), "nothing to send yet");
+    assert_eq!(fx.action, Action::Pause);
+    let fx = request(&mut w, &cx, 2, "GET", "/y");
+    assert!(!fx.wake, "once per batch");
+    let fx = w.on_queue_ready(&cx);
+    assert_eq!(fx.calls.len(), 1, "one batch");
+    let tokens = send_all(&mut w, &cx, fx, &mut 0);
+    let part = Reply::Array(Some(vec![
+        ints(&[1, 1, 4, 1_000, 0]),
+        ints(&[1, 1, 3, 1_000, 0]),
+    ]));
+    let fx = w.on_answer(&cx, tokens[0], || Ok(part));
+    let resumed: Vec<(u32, Option<Dir>)> =
+        fx.streams.iter().map(|o| (o.stream, o.resume)).collect();
+    assert_eq!(
+        resumed,
+        vec![(1, Some(Dir::Request)), (2, Some(Dir::Request))]
+    );
+    // A batch the host refuses: every member gets the refusal.
+    request(&mut w, &cx, 3, "PUT", "/x");
+    let mut fx = w.on_tick(&cx);
+    let fx = w.sent(&cx, fx.calls.remove(0).route, Err(CallError::NotSent));
+    assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(503));
+}
