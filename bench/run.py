@@ -337,12 +337,6 @@ def verify_lease(stats: dict, rec: dict) -> list[str]:
     return []
 
 
-def leased_mode_exists() -> bool:
-    """True once src/config/mod.rs accepts `"mode": "leased"` on a rate limit (issue #5)."""
-    source = (ROOT / "src" / "config" / "mod.rs").read_text()
-    return '"leased"' in source
-
-
 def scenarios() -> list[Scenario]:
     found = [
         Scenario("local_ratelimit", "Envoy local_ratelimit (native anchor)", "get.lua",
@@ -392,13 +386,12 @@ def scenarios() -> list[Scenario]:
                  admitted_exactly=REJECTED_LIMIT,
                  counted_limit=f"policy.p{SCALE_POLICIES - 1:04d}.limit.l0"),
     ]
-    if leased_mode_exists():
-        # One hot counter (like the local_ratelimit anchor): the case leased quota is for.
-        after = next(i for i, s in enumerate(found) if s.name == "rl_allowed") + 1
-        found.insert(after, Scenario(
-            "rl_allowed_leased", "rate limit allowed, leased quota, 1 tenant", "get.lua",
-            rate_limited("rl_allowed_leased", HUGE_LIMIT, mode="leased"), goal=0.60,
-            verify=verify_allowed))
+    # One hot counter (like the local_ratelimit anchor): the case leased quota is for.
+    after = next(i for i, s in enumerate(found) if s.name == "rl_allowed") + 1
+    found.insert(after, Scenario(
+        "rl_allowed_leased", "rate limit allowed, leased quota, 1 tenant", "get.lua",
+        rate_limited("rl_allowed_leased", HUGE_LIMIT, mode="leased"), goal=0.60,
+        verify=verify_allowed))
     return found
 
 
@@ -1117,10 +1110,7 @@ def main() -> int:
         compare = build_compare(os.environ["BENCH_COMPARE"].strip())
         if compare is None:
             return 2
-    skipped = {}
-    if not leased_mode_exists():
-        skipped["rl_allowed_leased"] = ('not built yet (no "mode": "leased" rate limits in '
-                                        'src/config/mod.rs)')
+    skipped: dict[str, str] = {}
 
     envoy_version = tool_version([envoy_bin, "--version"])
     short = re.search(r"/(\d+\.\d+\.\d+)/", envoy_version)
