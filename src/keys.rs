@@ -277,6 +277,8 @@ mod tests {
             burst,
             shadow: false,
             leased: false,
+            cost: None,
+            charge: None,
         }
     }
 

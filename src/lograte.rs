@@ -17,6 +17,8 @@ pub enum WarnKind {
     RecordNotSettled,
     /// A lease could not be released or extended.
     LeaseNotSettled,
+    /// A concurrency slot could not be released or extended, or a charge not applied.
+    QuotaNotSettled,
     /// The host refused to dispatch a callout.
     Dispatch,
 }

@@ -3,7 +3,8 @@
 //!
 //! Names (Envoy shows them as `wasmcustom.<name>`):
 //!
-//! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`
+//! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`, and `.charged`
+//!   (units charged after responses) for a limit with `charge`
 //! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant|ambiguous_input`
 //! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
 //!   body_too_large|unreadable|released|completed|complete_failed|stale_owner|outcome_unknown`
@@ -23,6 +24,8 @@ pub enum Kind {
 /// Where metric updates go: the host's counters in the VM, a recorder in tests.
 pub trait MetricSink {
     fn increment(&self, id: u32);
+    /// Adds `n` to a counter.
+    fn add(&self, id: u32, n: u64);
     fn record(&self, id: u32, value: u64);
 }
 
@@ -31,6 +34,7 @@ pub struct NoMetrics;
 
 impl MetricSink for NoMetrics {
     fn increment(&self, _id: u32) {}
+    fn add(&self, _id: u32, _n: u64) {}
     fn record(&self, _id: u32, _value: u64) {}
 }
 
@@ -39,6 +43,8 @@ pub struct LimitMetrics {
     pub allowed: u32,
     pub rejected: u32,
     pub shadow_rejected: u32,
+    /// Units charged after responses (limits with `charge`).
+    pub charged: u32,
 }
 
 /// `cg.policy.<policy>.idem.<name>`, defined for policies with `idempotency`.
@@ -128,6 +134,11 @@ impl Metrics {
                                 allowed: counter(format!("{lb}.allowed")),
                                 rejected: counter(format!("{lb}.rejected")),
                                 shadow_rejected: counter(format!("{lb}.shadow_rejected")),
+                                charged: if l.charge.is_some() {
+                                    counter(format!("{lb}.charged"))
+                                } else {
+                                    u32::MAX
+                                },
                             }
                         })
                         .collect(),
@@ -217,6 +228,9 @@ pub mod testing {
     impl MetricSink for Recorder {
         fn increment(&self, id: u32) {
             *self.counts.borrow_mut().entry(id).or_default() += 1;
+        }
+        fn add(&self, id: u32, n: u64) {
+            *self.counts.borrow_mut().entry(id).or_default() += n;
         }
         fn record(&self, id: u32, value: u64) {
             self.samples.borrow_mut().push((id, value));

@@ -124,14 +124,15 @@ impl KeyMemo {
     }
 }
 
-/// The five per-limit arguments of `ratelimit.lua`.
-pub fn limit_args(limit: &RateLimit) -> [String; 5] {
+/// The six per-limit arguments of `acquire.lua`; `cost`: this request's units.
+pub fn limit_args(limit: &RateLimit, cost: u64) -> [String; 6] {
     [
         limit.code().to_string(),
         limit.limit.to_string(),
         limit.window_ms.to_string(),
         limit.burst.to_string(),
         if limit.shadow { "1" } else { "0" }.to_string(),
+        cost.to_string(),
     ]
 }
 
@@ -165,7 +166,8 @@ pub enum Verdict {
 /// Decides from every limit's state (`states[i]` for `policy.rate_limits[i]`).
 /// Rejected when any non-shadow limit rejected.
 /// `None` is a limit whose state is unknown (the over-limit cache answered for another one):
-/// it is left out of the headers.
+/// it is left out of the headers. Concurrency limits are never in the `RateLimit` headers (the
+/// draft defines no in-flight quota); a request only they reject gets `concurrency_limited`.
 pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
     let enforced: Vec<(&RateLimit, &LimitState)> = policy
         .rate_limits
@@ -176,38 +178,39 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
         .collect();
     let violated: Vec<&(&RateLimit, &LimitState)> =
         enforced.iter().filter(|(_, s)| !s.allowed).collect();
+    let counted = || enforced.iter().filter(|(l, _)| !l.concurrency());
     if violated.is_empty() {
-        let mut views: Vec<QuotaView<'_>> = enforced.iter().map(view).collect();
-        views.sort_by_key(|v| v.remaining);
-        let (p, r) = respond::ratelimit_headers(&views);
+        let mut views: Vec<QuotaView<'_>> = counted().map(view).collect();
         if views.is_empty() {
             return Verdict::Allow(Vec::new());
         }
+        views.sort_by_key(|v| v.remaining);
+        let (p, r) = respond::ratelimit_headers(&views);
         return Verdict::Allow(vec![
             ("ratelimit-policy".into(), p),
             ("ratelimit".into(), r),
         ]);
+    }
+    let names: Vec<&str> = violated.iter().map(|(l, _)| l.name.as_str()).collect();
+    if violated.iter().all(|(l, _)| l.concurrency()) {
+        return Verdict::Reject(concurrency_limited(policy, &names));
     }
     let retry_ms = violated
         .iter()
         .map(|(_, s)| s.retry_after_ms)
         .max()
         .unwrap_or(1000);
-    let mut views: Vec<QuotaView<'_>> = violated.iter().map(|e| view(e)).collect();
-    views.extend(enforced.iter().filter(|(_, s)| s.allowed).map(view));
+    let mut views: Vec<QuotaView<'_>> = violated
+        .iter()
+        .filter(|(l, _)| !l.concurrency())
+        .map(|e| view(e))
+        .collect();
+    views.extend(counted().filter(|(_, s)| s.allowed).map(view));
     let (p, r) = respond::ratelimit_headers(&views);
-    let names: Vec<&str> = violated.iter().map(|(l, _)| l.name.as_str()).collect();
     let retry_after = respond::retry_after_secs(retry_ms);
     let mut detail = String::with_capacity(96);
     detail.push_str("rate limit ");
-    for (i, n) in names.iter().enumerate() {
-        if i > 0 {
-            detail.push_str(", ");
-        }
-        detail.push('"');
-        detail.push_str(n);
-        detail.push('"');
-    }
+    push_names(&mut detail, &names);
     detail.push_str(" of operation \"");
     detail.push_str(&policy.name);
     detail.push_str("\" exceeded; retry after ");
@@ -225,6 +228,34 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
             ("ratelimit".into(), r),
         ],
     ))
+}
+
+/// The `429` of a full concurrency limit: a slot frees when a request ends, so retry soon.
+fn concurrency_limited(policy: &Policy, names: &[&str]) -> LocalResponse {
+    let mut detail = String::with_capacity(96);
+    detail.push_str("concurrency limit ");
+    push_names(&mut detail, names);
+    detail.push_str(" of operation \"");
+    detail.push_str(&policy.name);
+    detail.push_str("\" is full (too many requests in flight); retry after 1 s");
+    respond::problem(
+        Problem::ConcurrencyLimited,
+        &detail,
+        &[("violated-policies", Member::Strs(names))],
+        vec![("retry-after".into(), "1".into())],
+    )
+}
+
+/// `"a", "b"`
+fn push_names(out: &mut String, names: &[&str]) {
+    for (i, n) in names.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        out.push('"');
+        out.push_str(n);
+        out.push('"');
+    }
 }
 
 #[cfg(test)]

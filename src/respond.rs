@@ -31,6 +31,10 @@ impl LocalResponse {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Problem {
     RateLimited,
+    /// A limit on requests in flight is full (429).
+    ConcurrencyLimited,
+    /// A rate limit's cost header is not a non-negative integer, or is above its max (400).
+    InvalidCost,
     GuardUnavailable,
     MissingTenant,
     AmbiguousTenant,
@@ -59,7 +63,8 @@ pub enum Problem {
 impl Problem {
     pub fn status(self) -> u32 {
         match self {
-            Problem::RateLimited => 429,
+            Problem::RateLimited | Problem::ConcurrencyLimited => 429,
+            Problem::InvalidCost => 400,
             Problem::GuardUnavailable => 503,
             Problem::MissingTenant => 401,
             Problem::AmbiguousTenant
@@ -79,6 +84,8 @@ impl Problem {
     pub fn slug(self) -> &'static str {
         match self {
             Problem::RateLimited => "rate_limited",
+            Problem::ConcurrencyLimited => "concurrency_limited",
+            Problem::InvalidCost => "invalid_cost",
             Problem::GuardUnavailable => "guard_unavailable",
             Problem::MissingTenant => "missing_tenant",
             Problem::AmbiguousTenant => "ambiguous_tenant",
@@ -98,7 +105,8 @@ impl Problem {
 
     pub fn title(self) -> &'static str {
         match self {
-            Problem::RateLimited => "Too Many Requests",
+            Problem::RateLimited | Problem::ConcurrencyLimited => "Too Many Requests",
+            Problem::InvalidCost => "Invalid Cost",
             Problem::GuardUnavailable => "Service Unavailable",
             Problem::MissingTenant => "Unauthorized",
             Problem::AmbiguousTenant => "Ambiguous Tenant",
@@ -123,7 +131,9 @@ impl Problem {
     /// reused for another request is `FAILED_PRECONDITION` (not retryable as it is).
     pub fn grpc_code(self) -> u32 {
         match self {
-            Problem::RateLimited | Problem::RequestBodyTooLarge => grpc::RESOURCE_EXHAUSTED,
+            Problem::RateLimited | Problem::ConcurrencyLimited | Problem::RequestBodyTooLarge => {
+                grpc::RESOURCE_EXHAUSTED
+            }
             Problem::GuardUnavailable => grpc::UNAVAILABLE,
             Problem::MissingTenant => grpc::UNAUTHENTICATED,
             Problem::AmbiguousTenant
@@ -132,6 +142,7 @@ impl Problem {
             | Problem::AmbiguousSelector
             | Problem::IdempotencyKeyMissing
             | Problem::IdempotencyKeyInvalid
+            | Problem::InvalidCost
             | Problem::LeaseResourceMissing => grpc::INVALID_ARGUMENT,
             Problem::RequestBodyTimeout => grpc::DEADLINE_EXCEEDED,
             Problem::IdempotencyKeyInUse | Problem::ResourceLocked => grpc::ABORTED,

@@ -6,8 +6,8 @@
 //! taken as set, and the summary says so.
 
 use coordination_guard::config::{
-    Algorithm, Completion, Config, FailureMode, FingerprintPart, MissingTenant, OnBusy, Policy,
-    RateLimit, Replay, Selector,
+    Algorithm, Charge, Completion, Config, FailureMode, FingerprintPart, MissingTenant, OnBusy,
+    Policy, RateLimit, Replay, Selector,
 };
 use std::cell::RefCell;
 use std::fmt::Write;
@@ -108,13 +108,42 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
         Algorithm::SlidingWindow => "sliding window",
         Algorithm::SlidingLog => "sliding log",
         Algorithm::TokenBucket => "token bucket",
+        Algorithm::Concurrency => "in flight",
     };
-    let mut line = format!(
-        "{} per {} by {} ({algo}",
-        l.limit,
-        duration(l.window_ms),
-        selectors(&l.by)
-    );
+    let mut line = if l.concurrency() {
+        format!(
+            "{} at once by {} ({algo}, a slot lives {} unless extended",
+            l.limit,
+            selectors(&l.by),
+            duration(l.window_ms)
+        )
+    } else {
+        format!(
+            "{} per {} by {} ({algo}",
+            l.limit,
+            duration(l.window_ms),
+            selectors(&l.by)
+        )
+    };
+    if let Some(c) = &l.cost {
+        let _ = write!(
+            line,
+            ", cost from header {} (default {}, max {})",
+            c.header, c.default, c.max
+        );
+    }
+    match &l.charge {
+        Some(Charge::Header(h)) => {
+            let _ = write!(line, ", charged from response header {h}");
+        }
+        Some(Charge::Trailer(t)) => {
+            let _ = write!(line, ", charged from trailer {t}");
+        }
+        Some(Charge::Json { pointer, .. }) => {
+            let _ = write!(line, ", charged from the JSON body at {pointer}");
+        }
+        None => {}
+    }
     if l.algorithm == Algorithm::TokenBucket {
         let _ = write!(line, ", burst {}", l.burst);
     }

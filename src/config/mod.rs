@@ -3,6 +3,7 @@
 //! complete `Config` comes out, or the first problem comes back as a [`ConfigError`] naming the
 //! field path.
 
+mod cost;
 mod fields;
 mod idempotency;
 mod lease;
@@ -11,6 +12,7 @@ mod reader;
 mod redis;
 pub mod units;
 
+pub use cost::CHARGE_MAX_BODY;
 pub use fields::selector;
 pub use idempotency::{MAX_REQUEST_BODY, MAX_RESPONSE_BODY};
 pub use reader::ConfigError;
@@ -81,6 +83,8 @@ pub enum Algorithm {
     SlidingWindow,
     SlidingLog,
     TokenBucket,
+    /// At most `limit` requests in flight; `window` is a holder's lifetime unless extended.
+    Concurrency,
 }
 
 impl Algorithm {
@@ -91,6 +95,7 @@ impl Algorithm {
             Algorithm::SlidingWindow => "sw",
             Algorithm::SlidingLog => "sl",
             Algorithm::TokenBucket => "tb",
+            Algorithm::Concurrency => "cc",
         }
     }
 }
@@ -195,6 +200,33 @@ pub struct RateLimit {
     /// `mode: leased`: a worker takes slices of the window's quota and admits from them
     /// locally (fixed windows only).
     pub leased: bool,
+    /// Units a request consumes at admission, read from a request header (1 when absent).
+    pub cost: Option<Cost>,
+    /// The real amount, read from the response once it is known.
+    pub charge: Option<Charge>,
+}
+
+/// `cost`: the units a request consumes at admission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cost {
+    /// The request header holding a non-negative integer.
+    pub header: String,
+    /// Units of a request without the header.
+    pub default: u64,
+    /// The largest cost accepted (a larger one is refused with `400`).
+    pub max: u64,
+}
+
+/// `charge`: where the response says what the request really cost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Charge {
+    /// A response header.
+    Header(String),
+    /// A response trailer.
+    Trailer(String),
+    /// A JSON pointer (RFC 6901) into an `application/json` response body of at most
+    /// `max_body` bytes.
+    Json { pointer: String, max_body: u64 },
 }
 
 impl RateLimit {
@@ -206,6 +238,11 @@ impl RateLimit {
         } else {
             self.algorithm.code()
         }
+    }
+
+    /// True for a limit on requests in flight (a slot held until the response ends).
+    pub fn concurrency(&self) -> bool {
+        self.algorithm == Algorithm::Concurrency
     }
 
     /// True when the counter is scoped by tenant, so its key is hash-tagged by the tenant.

@@ -3,8 +3,9 @@
 use super::fields::{duration, failure_mode, header_name, methods, name, one_of, selectors};
 use super::reader::{index, Obj, Result};
 use super::{
-    idempotency::idempotency, lease::lease, Algorithm, ConfigError, FailureMode, HeaderMatch,
-    HeaderTest, IdSource, Identity, Match, MissingTenant, Policy, RateLimit, Selector,
+    cost, idempotency::idempotency, lease::lease, Algorithm, Charge, ConfigError, Cost,
+    FailureMode, HeaderMatch, HeaderTest, IdSource, Identity, Match, MissingTenant, Policy,
+    RateLimit, Selector,
 };
 use serde_json::Value;
 
@@ -110,7 +111,7 @@ pub fn policy(
         || lease.is_some()
         || rate_limits
             .iter()
-            .any(|l| l.algorithm == Algorithm::SlidingLog);
+            .any(|l| matches!(l.algorithm, Algorithm::SlidingLog | Algorithm::Concurrency));
     Ok(Policy {
         uses_client_ip,
         needs_tokens,
@@ -262,6 +263,7 @@ fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
             "\"leased\" needs algorithm fixed_window and no shadow",
         ));
     }
+    let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased)?;
     o.finish()?;
     Ok(RateLimit {
         name,
@@ -272,7 +274,47 @@ fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
         burst,
         shadow,
         leased,
+        cost,
+        charge,
     })
+}
+
+/// `cost` and `charge`, on the counting algorithms that can take any amount: not on
+/// sliding_log (one entry per unit), concurrency (a slot per request) or a leased limit.
+fn cost_and_charge(
+    o: &mut Obj<'_>,
+    algorithm: Algorithm,
+    capacity: u64,
+    leased: bool,
+) -> Result<(Option<Cost>, Option<Charge>)> {
+    let cost = match o.get("cost") {
+        Some(v) => Some(cost::cost(v, &o.field_path("cost"), capacity)?),
+        None => None,
+    };
+    let charge = match o.get("charge") {
+        Some(v) => Some(cost::charge(v, &o.field_path("charge"))?),
+        None => None,
+    };
+    let refused = match algorithm {
+        _ if leased => Some("mode \"leased\""),
+        Algorithm::SlidingLog => Some("algorithm sliding_log"),
+        Algorithm::Concurrency => Some("algorithm concurrency"),
+        _ => None,
+    };
+    if let Some(what) = refused {
+        for (field, given) in [("cost", cost.is_some()), ("charge", charge.is_some())] {
+            if given {
+                return Err(ConfigError::new(
+                    o.field_path(field),
+                    format!(
+                        "is not supported with {what}: use fixed_window, sliding_window or \
+                         token_bucket"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok((cost, charge))
 }
 
 fn algorithm(o: &mut Obj<'_>, field: &'static str) -> Result<Algorithm> {
@@ -281,12 +323,14 @@ fn algorithm(o: &mut Obj<'_>, field: &'static str) -> Result<Algorithm> {
         "sliding_window" => Algorithm::SlidingWindow,
         "sliding_log" => Algorithm::SlidingLog,
         "token_bucket" => Algorithm::TokenBucket,
+        "concurrency" => Algorithm::Concurrency,
         other => {
             return Err(ConfigError::new(
                 o.field_path(field),
                 format!(
-                "{other:?} is not one of fixed_window, sliding_window, sliding_log, token_bucket"
-            ),
+                    "{other:?} is not one of fixed_window, sliding_window, sliding_log, \
+                     token_bucket, concurrency"
+                ),
             ))
         }
     })

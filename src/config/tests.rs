@@ -141,7 +141,7 @@ fn bad_configs_name_the_field() {
         ("unknown_top", "/rate_limit", json!(1),
          "rate_limit: unknown field (known here: envoy_buffer_limit, failure_mode, identity, over_limit_cache, policies, redis, response_headers)"),
         ("unknown_in_limit", "/policies/0/rate_limits/0/windw", json!("1s"),
-         "policies[0].rate_limits[0].windw: unknown field (known here: algorithm, burst, by, limit, mode, name, shadow, window)"),
+         "policies[0].rate_limits[0].windw: unknown field (known here: algorithm, burst, by, charge, cost, limit, mode, name, shadow, window)"),
         ("path_with_double_slash", "/policies/0/match/path_prefix", json!("/orders//x"),
          "policies[0].match.path_prefix: \"/orders//x\" is not a normalised path (requests are matched decoded, with slashes merged and dot segments removed): write \"/orders/x\""),
         ("path_with_escape", "/policies/0/match/path_exact", json!("/%6Frders"),
@@ -153,7 +153,7 @@ fn bad_configs_name_the_field() {
         ("unknown_in_match", "/policies/0/match/path", json!("/x"),
          "policies[0].match.path: unknown field (known here: headers, host, methods, path_exact, path_prefix)"),
         ("bad_algorithm", "/policies/0/rate_limits/0/algorithm", json!("leaky"),
-         "policies[0].rate_limits[0].algorithm: \"leaky\" is not one of fixed_window, sliding_window, sliding_log, token_bucket"),
+         "policies[0].rate_limits[0].algorithm: \"leaky\" is not one of fixed_window, sliding_window, sliding_log, token_bucket, concurrency"),
         ("bad_selector", "/policies/0/rate_limits/1/by/1", json!("user"),
          "policies[0].rate_limits[1].by[1]: \"user\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>)"),
         ("bad_header_selector", "/policies/0/rate_limits/1/by/1", json!("header:"),
@@ -700,5 +700,91 @@ fn header_matches() {
         ),
     ] {
         assert_eq!(parse(headers).expect_err("bad").to_string(), want);
+    }
+}
+
+#[test]
+fn concurrency_cost_and_charge() {
+    let mut v = base();
+    v["policies"][1]["rate_limits"] = json!([
+        { "name": "inflight", "by": ["tenant"], "algorithm": "concurrency", "limit": 20, "window": "30s" },
+        { "name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000, "window": "1m",
+          "cost": { "header": "X-Request-Cost", "default": 0, "max": 10000 },
+          "charge": { "response_json": "/usage/total_tokens" } },
+        { "name": "calls", "by": ["tenant"], "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 50,
+          "cost": { "header": "x-cost" }, "charge": { "trailer": "x-used" } }
+    ]);
+    let c = Config::from_value(&v).expect("valid");
+    let l = &c.policies[1].rate_limits;
+    assert!(l[0].concurrency() && l[0].cost.is_none());
+    assert_eq!(l[0].code(), "cc");
+    assert!(
+        c.policies[1].needs_tokens,
+        "a slot's member is the request's nonce"
+    );
+    assert_eq!(
+        l[1].cost,
+        Some(Cost {
+            header: "x-request-cost".into(),
+            default: 0,
+            max: 10_000
+        })
+    );
+    assert_eq!(
+        l[1].charge,
+        Some(Charge::Json {
+            pointer: "/usage/total_tokens".into(),
+            max_body: CHARGE_MAX_BODY
+        })
+    );
+    assert_eq!(
+        l[2].cost.as_ref().map(|c| (c.default, c.max)),
+        Some((1, 50)),
+        "max: the burst"
+    );
+    assert_eq!(l[2].charge, Some(Charge::Trailer("x-used".into())));
+}
+
+#[test]
+fn cost_and_charge_errors_name_the_field() {
+    let limit = |extra: Value| {
+        let mut l = json!({ "name": "l", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100, "window": "1m" });
+        for (k, val) in extra.as_object().expect("object") {
+            l[k] = val.clone();
+        }
+        let mut v = base();
+        v["policies"][1]["rate_limits"] = json!([l]);
+        Config::from_value(&v).expect_err("refused").to_string()
+    };
+    let at = "policies[1].rate_limits[0]";
+    let cases = [
+        (json!({"algorithm": "sliding_log", "cost": {"header": "x-c"}}),
+         format!("{at}.cost: is not supported with algorithm sliding_log: use fixed_window, sliding_window or token_bucket")),
+        (json!({"algorithm": "concurrency", "charge": {"response_header": "x-c"}}),
+         format!("{at}.charge: is not supported with algorithm concurrency: use fixed_window, sliding_window or token_bucket")),
+        (json!({"mode": "leased", "cost": {"header": "x-c"}}),
+         format!("{at}.cost: is not supported with mode \"leased\": use fixed_window, sliding_window or token_bucket")),
+        (json!({"algorithm": "concurrency", "mode": "leased"}),
+         format!("{at}.mode: \"leased\" needs algorithm fixed_window and no shadow")),
+        (json!({"cost": {}}), format!("{at}.cost.header: is required")),
+        (json!({"cost": {"header": "x-c", "max": 101}}),
+         format!("{at}.cost.max: 101 is more than the limit can ever admit (100)")),
+        (json!({"cost": {"header": "x-c", "default": 5, "max": 4}}),
+         format!("{at}.cost.default: 5 is more than max (4)")),
+        (json!({"cost": {"header": "x-c", "default": -1}}),
+         format!("{at}.cost.default: -1 is not an integer between 0 and 1000000000")),
+        (json!({"charge": {}}),
+         format!("{at}.charge: must have exactly one of response_header, trailer, response_json")),
+        (json!({"charge": {"response_header": "x-a", "trailer": "x-b"}}),
+         format!("{at}.charge: must have exactly one of response_header, trailer, response_json")),
+        (json!({"charge": {"response_json": "usage"}}),
+         format!("{at}.charge.response_json: \"usage\" is not a JSON pointer (RFC 6901), e.g. \"/usage/total_tokens\"")),
+        (json!({"charge": {"response_header": "x-a", "max_body": "1KiB"}}),
+         format!("{at}.charge.max_body: only applies to response_json")),
+        (json!({"algorithm": "concurrent"}),
+         format!("{at}.algorithm: \"concurrent\" is not one of fixed_window, sliding_window, sliding_log, token_bucket, concurrency")),
+    ];
+    for (extra, want) in cases {
+        assert_eq!(limit(extra.clone()), want, "{extra}");
     }
 }

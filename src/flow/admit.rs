@@ -4,6 +4,7 @@
 
 use super::context::Pcx;
 use crate::keys::LimitKey;
+use crate::lua::acquire::Ask;
 use crate::ratelimit::{self, LimitState, Verdict};
 use crate::redis::CallError;
 use crate::request::{Caller, Request};
@@ -20,6 +21,11 @@ pub struct LimitSlot {
     pub local: bool,
     /// The slice Redis granted this leased limit in this request's acquire (0: none).
     pub granted: u64,
+    /// Units this request consumes from the limit (its `cost`, else 1).
+    pub cost: u64,
+    /// Consumed in Redis: the limit's call admitted the request and this limit allowed it
+    /// (a concurrency limit: the slot is held until given back).
+    pub consumed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -28,8 +34,9 @@ pub struct Admission {
 }
 
 impl Admission {
-    /// The request's limits; leased limits admit from this worker's slice while it lasts.
-    pub fn start(at: &Pcx<'_>, caller: &Caller, req: &Request) -> Admission {
+    /// The request's limits, with its cost to each (`costs[i]`, else 1); leased limits admit
+    /// from this worker's slice while it lasts.
+    pub fn start(at: &Pcx<'_>, caller: &Caller, req: &Request, costs: &[u64]) -> Admission {
         let rt = at.rt;
         let slots = at
             .policy
@@ -58,24 +65,35 @@ impl Admission {
                     local: taken.is_some(),
                     key,
                     granted: 0,
+                    cost: costs.get(i).copied().unwrap_or(1),
+                    consumed: false,
                 }
             })
             .collect();
         Admission { slots }
     }
 
+    /// The limits Redis must be asked about (`None` for a limit admitted locally).
+    pub fn asks(&self) -> Vec<Option<Ask<'_>>> {
+        self.slots
+            .iter()
+            .map(|s| {
+                (!s.local).then_some(Ask {
+                    key: &s.key,
+                    cost: s.cost,
+                })
+            })
+            .collect()
+    }
+
     /// The request's limits, in policy order.
-    #[cfg(test)]
-    pub fn slots(&self) -> &[LimitSlot] {
+    pub fn all(&self) -> &[LimitSlot] {
         &self.slots
     }
 
-    /// The keys Redis must be asked about (`None` for a limit admitted locally).
-    pub fn keys_to_ask(&self) -> Vec<Option<&LimitKey>> {
-        self.slots
-            .iter()
-            .map(|s| (!s.local).then_some(&s.key))
-            .collect()
+    /// The request's limits, to mark what was given back.
+    pub fn all_mut(&mut self) -> &mut [LimitSlot] {
+        &mut self.slots
     }
 
     /// A 429 from the over-limit cache, when one of the request's enforced counters is known
@@ -138,6 +156,7 @@ impl Admission {
             if leased && admitted && state.allowed {
                 slot.granted = state.remaining;
             }
+            slot.consumed = admitted && state.allowed;
             slot.state = Some(state);
         }
     }
@@ -208,7 +227,8 @@ impl Admission {
             let Some(state) = slot.state else {
                 continue;
             };
-            if !state.allowed && !limit.shadow && state.retry_after_ms > 0 {
+            // A concurrency slot frees when a request ends, which no clock says.
+            if !state.allowed && !limit.shadow && !limit.concurrency() && state.retry_after_ms > 0 {
                 at.rt.over_limit.mark(
                     slot.key.hash(),
                     at.now_ms.saturating_add(state.retry_after_ms),

@@ -227,7 +227,13 @@ fn settled(rt: &Runtime, tag: &Tag, reply: &Reply, m: &dyn MetricSink) {
         return;
     };
     let lease = matches!(tag.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
-    if !tag.certain && matches!(reply.as_int(), Some(0 | -1)) {
+    if let Some(what) = quota_call(tag.purpose) {
+        // A slot already gone (expired, or never taken by a late acquire) is not an error:
+        // the slot's window bounds it; a charge's reply is what it moved.
+        if matches!(reply, Reply::Error(_)) {
+            log::warn!("policy {}: {what} failed: {reply:?}", policy.name);
+        }
+    } else if !tag.certain && matches!(reply.as_int(), Some(0 | -1)) {
         log::debug!(
             "policy {}: nothing of this request's to settle ({:?})",
             policy.name,
@@ -243,6 +249,16 @@ fn settled(rt: &Runtime, tag: &Tag, reply: &Reply, m: &dyn MetricSink) {
         count_lease(lm, tag.purpose, reply, &policy.name, m);
     } else if let Some(im) = pm.idem.as_ref() {
         count_settlement(im, tag.purpose, reply, &policy.name, &tag.key_hash, m);
+    }
+}
+
+/// What a concurrency-slot or charge call does, for logs; `None` for the other calls.
+fn quota_call(purpose: Purpose) -> Option<&'static str> {
+    match purpose {
+        Purpose::SlotRelease => Some("giving back a concurrency slot"),
+        Purpose::SlotExtend => Some("extending a concurrency slot"),
+        Purpose::Charge => Some("charging a response's cost"),
+        _ => None,
     }
 }
 
@@ -273,6 +289,18 @@ fn failed(
         String::new()
     };
     let lease = matches!(tag.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
+    if let Some(what) = quota_call(tag.purpose) {
+        rt.warnings
+            .warn(WarnKind::QuotaNotSettled, tag.policy, now_ms, || {
+                format!(
+                    "policy {}: {what} failed ({}{tries}); a slot expires at its window, a \
+                     charge is lost",
+                    policy.name,
+                    e.describe()
+                )
+            });
+        return None;
+    }
     match pm.idem.as_ref().filter(|_| !lease) {
         Some(im) => {
             // Only sent for a record that exists or may exist.
@@ -313,8 +341,10 @@ fn retry_at(
     first_ms: Option<u64>,
     now_ms: u64,
 ) -> Option<u64> {
-    if !matches!(purpose, Purpose::Release | Purpose::LeaseRelease)
-        || !err.retryable()
+    if !matches!(
+        purpose,
+        Purpose::Release | Purpose::LeaseRelease | Purpose::SlotRelease
+    ) || !err.retryable()
         || attempts >= MAX_SENDS
     {
         return None;

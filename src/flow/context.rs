@@ -122,6 +122,11 @@ pub enum Purpose {
     Release,
     LeaseRelease,
     LeaseExtend,
+    /// A concurrency slot given back, or kept alive.
+    SlotRelease,
+    SlotExtend,
+    /// Counters corrected by the response's charge.
+    Charge,
 }
 
 impl Purpose {
@@ -133,6 +138,9 @@ impl Purpose {
             Purpose::Release => ScriptId::Release,
             Purpose::LeaseRelease => ScriptId::LeaseRelease,
             Purpose::LeaseExtend => ScriptId::LeaseExtend,
+            Purpose::SlotRelease => ScriptId::SlotRelease,
+            Purpose::SlotExtend => ScriptId::SlotExtend,
+            Purpose::Charge => ScriptId::Charge,
         }
     }
 }

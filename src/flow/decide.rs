@@ -22,14 +22,19 @@ impl Flow {
             idem.fingerprint(cfg, &held.caller, &held.req, body);
         }
         self.nonce = held.nonce;
-        self.admission = Admission::start(at, &held.caller, &held.req);
+        self.admission = Admission::start(at, &held.caller, &held.req, &held.costs);
         if let Some(rejection) = self.admission.cached_rejection(at) {
             return self.answer(rejection);
         }
+        let asker = acquire::Asker {
+            nonce: &self.nonce,
+            prefix: &at.rt.config.redis.key_prefix,
+            owner: &self.owner,
+        };
         let groups = acquire::plan(
             at.policy,
-            &self.admission.keys_to_ask(),
-            &self.nonce,
+            &self.admission.asks(),
+            &asker,
             self.idem.as_ref().map(|i| &i.acquire),
             self.lease.as_ref().map(|l| &l.acquire),
         );
@@ -61,7 +66,7 @@ impl Flow {
     }
 
     pub(super) fn send_acquire(&mut self, at: &Pcx<'_>, g: acquire::Group) -> Option<Outgoing> {
-        let tag = Pending::acquire(g.limits, g.idem, g.lease);
+        let tag = Pending::acquire(&g);
         self.calls
             .push_and_send(tag, ScriptId::Acquire, g.call, at.now_ms)
     }
@@ -74,14 +79,17 @@ impl Flow {
         };
         let limit_headers = match verdict {
             Verdict::Reject(response) => {
-                // Another slot may have acquired the record or the lease: give them back.
+                // Another slot may have acquired the record, the lease or a concurrency slot:
+                // give them back.
                 self.release_record(at);
                 self.release_lease(at);
+                self.release_slots(at);
                 return self.answer(response);
             }
             Verdict::Allow(headers) if at.rt.config.response_headers => headers,
             Verdict::Allow(_) => Vec::new(),
         };
+        self.slots_taken(at);
         let grpc = self.kind.grpc;
         let decision = match self.idem.as_mut() {
             Some(idem) => idem.decide(at, &limit_headers, grpc),
@@ -220,9 +228,10 @@ impl Flow {
                     }
                 )
             });
-        // A record or lease acquired by a call that did answer is given back either way.
+        // A record, lease or slot acquired by a call that did answer is given back either way.
         self.release_record(at);
         self.release_lease(at);
+        self.release_slots(at);
         match policy.failure_mode {
             FailureMode::Open => {
                 at.m.increment(at.pm.failed_open);

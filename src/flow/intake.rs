@@ -85,3 +85,53 @@ pub fn lease_resource_missing(at: &Pcx<'_>, missing: &str) -> LocalResponse {
         Vec::new(),
     )
 }
+
+/// The request's cost to each rate limit: its `cost` header (once, a non-negative integer of
+/// at most `max`), `default` without it, 1 for a limit without `cost`. `Err`: the answer.
+pub fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
+    let mut costs = Vec::with_capacity(at.policy.rate_limits.len());
+    for limit in &at.policy.rate_limits {
+        let Some(cost) = limit.cost.as_ref() else {
+            costs.push(1);
+            continue;
+        };
+        let value = match req.single_header(&cost.header) {
+            Ok(v) => v,
+            Err(_) => {
+                at.m.increment(at.pm.ambiguous_input);
+                let spelling = format!("header:{}", cost.header);
+                return Err(respond::problem(
+                    Problem::AmbiguousSelector,
+                    &format!("{spelling} must appear at most once in the request"),
+                    &[("selector", Member::Str(&spelling))],
+                    Vec::new(),
+                ));
+            }
+        };
+        match value.map(|v| parse_units(v.trim())) {
+            None => costs.push(cost.default),
+            Some(Some(n)) if n <= cost.max => costs.push(n),
+            Some(_) => {
+                let detail = format!(
+                    "{} must be a whole number of units from 0 to {} (rate limit \"{}\")",
+                    cost.header, cost.max, limit.name
+                );
+                return Err(respond::problem(
+                    Problem::InvalidCost,
+                    &detail,
+                    &[("header", Member::Str(&cost.header))],
+                    Vec::new(),
+                ));
+            }
+        }
+    }
+    Ok(costs)
+}
+
+/// Plain decimal digits only (no sign, no spaces inside, no exponent), at most 10 of them.
+pub fn parse_units(v: &str) -> Option<u64> {
+    if v.is_empty() || v.len() > 10 || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    v.parse().ok()
+}

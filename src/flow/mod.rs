@@ -11,9 +11,11 @@
 mod admit;
 mod background;
 mod calls;
+mod charge;
 mod context;
 mod decide;
 mod idem;
+mod inflight;
 mod intake;
 mod lease;
 mod replies;
@@ -35,6 +37,7 @@ use crate::request::{identify, policy_index, Caller, Request, Selected};
 use crate::respond::{self, LocalResponse};
 use admit::Admission;
 use calls::Calls;
+use charge::Meter;
 use idem::IdemGuard;
 use lease::LeaseGuard;
 use response::Intake;
@@ -82,6 +85,8 @@ struct Pending {
     /// marker; once that release is handed to the root, the flag is cleared.
     record_unsettled: bool,
     lease_unsettled: bool,
+    /// The same for a call that carries a concurrency limit (it may have taken a slot).
+    slots_unsettled: bool,
 }
 
 impl Pending {
@@ -93,18 +98,21 @@ impl Pending {
             lease: false,
             record_unsettled: false,
             lease_unsettled: false,
+            slots_unsettled: false,
         }
     }
 
-    /// Only a call that carries the record or the lease can leave one behind.
-    fn acquire(limits: Vec<usize>, idem: bool, lease: bool) -> Pending {
+    /// Only a call that carries the record, the lease or a concurrency limit can leave one
+    /// behind.
+    fn acquire(g: &acquire::Group) -> Pending {
         Pending {
             purpose: Purpose::Acquire,
-            limits,
-            idem,
-            lease,
-            record_unsettled: idem,
-            lease_unsettled: lease,
+            limits: g.limits.clone(),
+            idem: g.idem,
+            lease: g.lease,
+            record_unsettled: g.idem,
+            lease_unsettled: g.lease,
+            slots_unsettled: g.slots,
         }
     }
 }
@@ -115,6 +123,8 @@ struct Held {
     caller: Caller,
     req: Request,
     nonce: String,
+    /// The request's cost to each rate limit.
+    costs: Vec<u64>,
 }
 
 /// What kind of request and response stream this is.
@@ -139,6 +149,12 @@ pub struct Flow {
     idem: Option<IdemGuard>,
     lease: Option<LeaseGuard>,
     nonce: String,
+    /// The owner token (names the cancellation marker).
+    owner: String,
+    /// When the concurrency slots held are to be extended next.
+    slots_extend_ms: Option<u64>,
+    /// What the response says the request cost (limits with `charge`).
+    meter: Meter,
     kind: StreamKind,
     /// Headers to add to the upstream's response (`RateLimit-Policy`, `RateLimit`).
     response_headers: Vec<(String, String)>,
@@ -220,6 +236,11 @@ impl Flow {
         if let Some(problem) = intake::repeated_selector(&at, &req) {
             return self.answer(problem);
         }
+        let costs = match intake::costs(&at, &req) {
+            Ok(costs) => costs,
+            Err(problem) => return self.answer(problem),
+        };
+        self.owner = owner.to_string();
         self.kind.connect = req.method == "CONNECT";
         self.kind.upgrade = self.kind.connect || req.header("upgrade").is_some();
         match LeaseGuard::prepare(&at, &caller, &req, owner) {
@@ -230,6 +251,7 @@ impl Flow {
             caller,
             req,
             nonce: nonce.to_string(),
+            costs,
         };
         if let Some(cfg) = at.policy.idempotency.as_ref() {
             if cfg.applies_to(&held.req.method) {
@@ -360,10 +382,10 @@ impl Flow {
             _ => None,
         };
         let extend = self.lease.as_ref().and_then(LeaseGuard::next_extend_ms);
-        match (stream, extend) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [stream, extend, self.slots_extend_ms]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// The request body is being held (buffering or deciding).
@@ -396,14 +418,20 @@ impl Flow {
     }
 
     /// Whether the response matters to this request (a record to complete, a lease to
-    /// release); if not, the adapter skips reading the response.
-    pub fn wants_response(&self) -> bool {
-        self.idem.as_ref().is_some_and(|i| i.owned) || self.lease.as_ref().is_some_and(|l| l.held)
+    /// release, a charge to read); if not, the adapter skips reading the response.
+    pub fn wants_response(&self, cx: &Cx<'_>) -> bool {
+        self.idem.as_ref().is_some_and(|i| i.owned)
+            || self.lease.as_ref().is_some_and(|l| l.held)
+            || (self.forwarded() && self.at(cx).is_some_and(|at| Meter::wanted(at.policy)))
     }
 
-    /// Whether the response's trailers matter (a record that settles on them).
-    pub fn wants_response_trailers(&self) -> bool {
+    /// Whether the response's trailers matter (a record that settles on them, a charge).
+    pub fn wants_response_trailers(&self, cx: &Cx<'_>) -> bool {
         matches!(self.phase, Phase::Response(_))
+            || (self.forwarded()
+                && self
+                    .at(cx)
+                    .is_some_and(|at| Meter::wants_trailers(at.policy)))
     }
 
     /// Headers to add to the upstream's response (`RateLimit-Policy`, `RateLimit`).

@@ -46,6 +46,7 @@ impl Flow {
         if let Some(c) = self.calls.get_mut(slot) {
             c.tag.record_unsettled = false;
             c.tag.lease_unsettled = false;
+            c.tag.slots_unsettled = false;
         }
     }
 
@@ -83,7 +84,9 @@ impl Flow {
                 }
                 self.response_calls_done()
             }
-            Purpose::LeaseExtend => Step::Wait,
+            Purpose::LeaseExtend | Purpose::SlotExtend | Purpose::SlotRelease | Purpose::Charge => {
+                Step::Wait
+            }
             Purpose::Complete | Purpose::Release => {
                 if let Some(i) = self.idem.as_mut() {
                     i.settled(at, tag.purpose, reply);
@@ -178,6 +181,7 @@ impl Flow {
         {
             self.background.push(bg);
         }
+        self.extend_slots(&at);
         let now = at.now_ms;
         match self.phase {
             Phase::LeaseWaiting { poll_at_ms } if now >= poll_at_ms => self.poll_lease(&at),

@@ -1282,7 +1282,7 @@ fn leased_quota_admits_from_local_slices() {
     // Another worker then learns that the counter rejects (the shared over-limit cache): the
     // units of this worker's slice were counted when it was taken, so they still admit.
     rt.over_limit
-        .mark(first.admission.slots()[0].key.hash(), 50_000);
+        .mark(first.admission.all()[0].key.hash(), 50_000);
     // The next 11 are admitted locally: no call.
     for i in 0..11 {
         let mut f = Flow::default();
@@ -2399,7 +2399,7 @@ fn an_upgrade_holds_its_lease_until_the_stream_ends_and_keeps_extending_it() {
         Step::Continue
     );
     assert!(flow.take_background().is_empty(), "not released at the 101");
-    assert!(flow.wants_response());
+    assert!(flow.wants_response(&Cx::new(&rt, 100, &rec)));
     // Still registered for the watchdog: extended at every half TTL while open.
     for due in [5_001, 10_001, 15_001] {
         assert_eq!(flow.deadline_ms(), Some(due));

@@ -3,7 +3,7 @@
 
 use super::background::Background;
 use super::response::{response_shape, Assembly, Intake, Record, ResponseHead, Shape};
-use super::{Cx, Flow, Outgoing, Pcx, Pending, Phase, Purpose, Step};
+use super::{Cx, Flow, Meter, Outgoing, Pcx, Pending, Phase, Purpose, Step};
 use crate::config::{Completion, Idempotency};
 use crate::redis::ScriptCall;
 
@@ -48,6 +48,9 @@ impl Flow {
             end_of_stream,
             shape,
         };
+        if self.forwarded() && Meter::wanted(at.policy) {
+            self.meter.on_headers(at.policy, headers, end_of_stream);
+        }
         let step = self.record_response_headers(&at, &head);
         let release = self.lease_at_response(&at, async_idem);
         if matches!(self.phase, Phase::Forwarded) {
@@ -127,8 +130,17 @@ impl Flow {
         end_of_stream: bool,
         read: impl FnOnce() -> Vec<u8>,
     ) -> Step {
+        if !self.meter.copying() {
+            return self.record_piece(cx, |stored, cfg, intake, _| {
+                stored.on_response_body(cfg, intake, body_size, end_of_stream, read)
+            });
+        }
+        let piece = read();
+        if let Some(at) = self.at(cx) {
+            self.meter.on_body(at.policy, &piece, end_of_stream);
+        }
         self.record_piece(cx, |stored, cfg, intake, _| {
-            stored.on_response_body(cfg, intake, body_size, end_of_stream, read)
+            stored.on_response_body(cfg, intake, body_size, end_of_stream, || piece)
         })
     }
 
@@ -136,6 +148,9 @@ impl Flow {
     /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
     /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
     pub fn on_response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Step {
+        if let Some(at) = self.at(cx).filter(|_| self.forwarded()) {
+            self.meter.on_trailers(at.policy, trailers);
+        }
         self.record_piece(cx, |stored, cfg, _, grpc| {
             stored.on_response_trailers(cfg, trailers, grpc)
         })
@@ -234,6 +249,11 @@ impl Flow {
             return;
         };
         self.release_lease(&at);
+        self.release_slots(&at);
+        if self.forwarded() {
+            let corrections = self.meter.corrections(&at, &self.admission);
+            self.background.extend(corrections);
+        }
         // Response-side calls still outstanding may be cancelled with the stream: the root
         // sends them again (an answer that arrives twice is counted twice, nothing worse).
         let key_hash = self

@@ -1,7 +1,8 @@
 -- acquire.lua: one atomic "acquire" for one hash slot: check n rate limits and consume from
 -- them, then, if they admitted the request, acquire its idempotency record, then its lease.
 --
--- KEYS[1..n]   rate-limit counters, KEYS[i] for limit i (n = ARGV[1]; may be 0)
+-- KEYS[1..n]   rate-limit counters, KEYS[i] for limit i (n = ARGV[1]; may be 0); a
+--              concurrency limit's key is a sorted set of the requests holding a slot
 -- KEYS[n+1]    idempotency record, present iff the idempotency section is on
 -- then, iff the lease section is on, two more keys after the record (if any):
 --   lease key   the lease, a string holding the owner token
@@ -10,26 +11,29 @@
 --              more than the keys above (the filter always passes it when the idempotency or
 --              the lease section is on). The filter writes it (release.lua,
 --              lease_release.lua) when it gave up on this very call (timeout, client gone):
---              a call that finds it writes no record and takes no lease (codes 6 / 3 below),
---              so a late acquire cannot leave anything behind.
+--              a call that finds it writes no record, takes no lease (codes 6 / 3 below)
+--              and takes no concurrency slot, so a late acquire cannot leave anything
+--              behind. Passed too when a concurrency limit is among the limits.
 --              All keys share one hash tag and the script touches no other key, so it is
 --              Redis Cluster safe.
 -- ARGV[1]      n: number of rate limits (integer >= 0)
--- ARGV[2]      cost: integer >= 1, units this request consumes from every limit
--- ARGV[3]      nonce: string unique per request (makes sliding_log members unique)
--- ARGV[4 .. 3+5n]  five values per limit i, starting at ARGV[4 + (i-1)*5]:
+-- ARGV[2]      nonce: string unique per request (makes sliding_log members unique; the member
+--              of a concurrency slot)
+-- ARGV[3 .. 2+6n]  six values per limit i, starting at ARGV[3 + (i-1)*6]:
 --   algo       "fw" fixed_window | "sw" sliding_window | "sl" sliding_log | "tb" token_bucket
 --              | "lq" leased quota: a fixed window that hands out slices (see below)
+--              | "cc" concurrency: at most `limit` slots held at once (see below)
 --   limit      integer > 0
---   window_ms  integer > 0
---   burst      integer > 0, token bucket capacity (ignored by fw/sw/sl)
+--   window_ms  integer > 0 (cc: the lifetime of a slot unless extended)
+--   burst      integer > 0, token bucket capacity (ignored by the others)
 --   shadow     "1": reported but never rejects | "0"
--- ARGV[4+5n]   "1": idempotency section on | "0": off (then ARGV[5+5n..7+5n] may be omitted)
--- ARGV[5+5n]   fingerprint ("sha256:<64 hex>")
--- ARGV[6+5n]   owner token (32 hex)
--- ARGV[7+5n]   processing_ttl_ms: integer > 0, lease of the PROCESSING record
+--   cost       integer >= 0, units this request consumes from this limit (cc: must be 1)
+-- ARGV[3+6n]   "1": idempotency section on | "0": off (then ARGV[4+6n..6+6n] may be omitted)
+-- ARGV[4+6n]   fingerprint ("sha256:<64 hex>")
+-- ARGV[5+6n]   owner token (32 hex)
+-- ARGV[6+6n]   processing_ttl_ms: integer > 0, lease of the PROCESSING record
 -- ARGV[L]      "1": lease section on | "0" or absent: off (then nothing follows);
---              L = 5+5n when the idempotency section is off, 8+5n when it is on
+--              L = 4+6n when the idempotency section is off, 7+6n when it is on
 -- ARGV[L+1]    lease owner token (32 hex; must not be empty)
 -- ARGV[L+2]    lease_ttl_ms: integer > 0
 -- ARGV[L+3]    fence_ttl_ms: integer > 0, TTL of the fence key, set again at every ACQUIRED
@@ -39,14 +43,16 @@
 --   then 4 integers per limit i, at 2 + (i-1)*4:
 --     allowed         1/0, this limit's own verdict
 --     remaining       units left, after consumption if admitted, else as of now; >= 0
---                     ("lq" when admitted: the size of the slice granted, >= cost)
+--                     ("lq" when admitted: the size of the slice granted, >= cost;
+--                     "cc": free slots)
 --     reset_ms        ms until this limit's quota is fully restored if nothing else arrives
---                     (fw: until the window ends, window_ms if no window is open); >= 0
+--                     (fw: until the window ends, window_ms if no window is open; cc: until
+--                     the last slot held expires unless extended); >= 0
 --     retry_after_ms  if allowed == 0: ms until a request of this cost would be allowed, >= 1;
 --                     else 0
 --   then, iff the idempotency section is on, 3 more values at 2 + 4n:
 --     code     integer: 0 SKIPPED (rate limits did not admit; nothing written)
---                       1 ACQUIRED (PROCESSING record created, owned by ARGV[6+5n])
+--                       1 ACQUIRED (PROCESSING record created, owned by ARGV[5+6n])
 --                       2 IN_PROGRESS (same fingerprint, state PROCESSING)
 --                       3 COMPLETED (same fingerprint)
 --                       4 CONFLICT (different fingerprint, any state)
@@ -69,8 +75,10 @@
 --   the ~16-digit fencing token travels as a string.
 --
 -- Order: rate limits first, then idempotency. Phase 1 checks every limit without writing;
--- only if admitted, phase 2 consumes `cost` from every limit whose own verdict is allow, and
--- then the idempotency record is acquired. So a rejected request consumes nothing anywhere
+-- only if admitted, phase 2 consumes each limit's `cost` from every limit whose own verdict
+-- is allow (a concurrency limit: takes a slot), and then the idempotency record is acquired.
+-- A limit admits while its count plus the cost fits; a cost of 0 (the real amount is charged
+-- after the response, charge.lua) admits while the count is below the limit. So a rejected request consumes nothing anywhere
 -- and writes no record, and a duplicate (codes 2-5) has still consumed its rate limits.
 -- The one write outside that rule: a fw counter found without a TTL gets one, because it
 -- would otherwise reject forever. An existing record is never written. The lease is taken
@@ -111,22 +119,21 @@ local function count_arg(i, min)
 end
 
 local n = count_arg(1, 0)
-local cost = count_arg(2, 1)
-local nonce = ARGV[3] or bad('ARGV[3] (nonce) is missing')
-local idem_flag = ARGV[4 + 5 * n]
+local nonce = ARGV[2] or bad('ARGV[2] (nonce) is missing')
+local idem_flag = ARGV[3 + 6 * n]
 if idem_flag ~= '0' and idem_flag ~= '1' then
-  bad('ARGV[' .. (4 + 5 * n) .. '] (idempotency flag) must be "0" or "1", got '
+  bad('ARGV[' .. (3 + 6 * n) .. '] (idempotency flag) must be "0" or "1", got '
       .. tostring(idem_flag))
 end
 local idem = idem_flag == '1'
 local idem_key, fingerprint, owner, processing_ttl_ms
 if idem then
   idem_key = KEYS[n + 1]
-  fingerprint = ARGV[5 + 5 * n] or bad('fingerprint is missing')
-  owner = ARGV[6 + 5 * n] or bad('owner token is missing')
-  processing_ttl_ms = count_arg(7 + 5 * n, 1)
+  fingerprint = ARGV[4 + 6 * n] or bad('fingerprint is missing')
+  owner = ARGV[5 + 6 * n] or bad('owner token is missing')
+  processing_ttl_ms = count_arg(6 + 6 * n, 1)
 end
-local L = (idem and 8 or 5) + 5 * n
+local L = (idem and 7 or 4) + 6 * n
 local lease_flag = ARGV[L]
 if lease_flag ~= nil and lease_flag ~= '0' and lease_flag ~= '1' then
   bad('ARGV[' .. L .. '] (lease flag) must be "0" or "1", got ' .. tostring(lease_flag))
@@ -144,9 +151,33 @@ if lease then
   fence_ttl_ms = count_arg(L + 3, 1)
 end
 
+-- Every limit's arguments, validated before anything is read or written.
+local need_time = idem or lease
+local has_cc = false
+for i = 1, n do
+  local a = 3 + (i - 1) * 6
+  local algo = ARGV[a]
+  if algo ~= 'fw' and algo ~= 'lq' and algo ~= 'sw' and algo ~= 'sl' and algo ~= 'tb'
+      and algo ~= 'cc' then
+    bad('unknown algo ' .. tostring(algo))
+  end
+  count_arg(a + 1, 1) -- limit
+  count_arg(a + 2, 1) -- window_ms
+  count_arg(a + 3, 1) -- burst
+  if ARGV[a + 4] ~= '0' and ARGV[a + 4] ~= '1' then
+    bad('ARGV[' .. (a + 4) .. '] (shadow) must be "0" or "1", got ' .. tostring(ARGV[a + 4]))
+  end
+  local c = count_arg(a + 5, 0) -- cost
+  if algo == 'cc' then
+    if c ~= 1 then bad('ARGV[' .. (a + 5) .. '] (cost) of a concurrency limit must be 1') end
+    has_cc = true
+  end
+  if algo ~= 'fw' and algo ~= 'lq' then need_time = true end
+end
+
 local nkeys = n + (idem and 1 or 0) + (lease and 2 or 0)
 local cancel_key
-if #KEYS == nkeys + 1 and (idem or lease) then
+if #KEYS == nkeys + 1 and (idem or lease or has_cc) then
   cancel_key = KEYS[nkeys + 1]
 elseif #KEYS ~= nkeys then
   bad(#KEYS .. ' keys for ' .. n .. ' limits, idempotency ' .. (idem and 'on' or 'off')
@@ -162,23 +193,6 @@ if cancel_key then
   for i = 1, nkeys do
     if KEYS[i] == cancel_key then bad('the cancellation marker is KEYS[' .. i .. '] too') end
   end
-end
-
--- Every limit's arguments, validated before anything is read or written.
-local need_time = idem or lease
-for i = 1, n do
-  local a = 4 + (i - 1) * 5
-  local algo = ARGV[a]
-  if algo ~= 'fw' and algo ~= 'lq' and algo ~= 'sw' and algo ~= 'sl' and algo ~= 'tb' then
-    bad('unknown algo ' .. tostring(algo))
-  end
-  count_arg(a + 1, 1) -- limit
-  count_arg(a + 2, 1) -- window_ms
-  count_arg(a + 3, 1) -- burst
-  if ARGV[a + 4] ~= '0' and ARGV[a + 4] ~= '1' then
-    bad('ARGV[' .. (a + 4) .. '] (shadow) must be "0" or "1", got ' .. tostring(ARGV[a + 4]))
-  end
-  if algo ~= 'fw' and algo ~= 'lq' then need_time = true end
 end
 
 -- Redis TIME in µs, and the helpers of the sections that use it; all nil when none is on.
@@ -204,8 +218,11 @@ end
 local reply, saved = n == 1 and { 1, 0, 0, 0, 0 } or { 1 }, {}
 local admitted = true
 for i = 1, n do
-  local a, r, key = 4 + (i - 1) * 5, 2 + (i - 1) * 4, KEYS[i]
+  local a, r, key = 3 + (i - 1) * 6, 2 + (i - 1) * 4, KEYS[i]
   local algo, limit, window_ms = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  -- need: what must fit for this request to be admitted (a cost of 0 needs one unit left)
+  local cost = tonumber(ARGV[a + 5])
+  local need = math.max(cost, 1)
   local ok, remaining, reset, retry
 
   if algo == 'fw' or algo == 'lq' then
@@ -213,7 +230,7 @@ for i = 1, n do
     -- ("lq") is the same counter, consumed by slices (phase 2).
     local raw = redis.call('GET', key)
     local count = tonumber(raw) or 0
-    ok = count + cost <= limit
+    ok = count + need <= limit
     remaining = math.max(0, limit - count)
     reset = window_ms -- no window open: GET found no counter, so no PTTL call (it says -2)
     if raw then
@@ -245,7 +262,7 @@ for i = 1, n do
     local elapsed = now - idx * w
     local left = w - elapsed
     local est = prev * (1 - elapsed / w) + cur
-    ok = est + cost <= limit
+    ok = est + need <= limit
     remaining = math.max(0, math.floor(limit - est))
     if cur > 0 then
       reset = ms(left + w)
@@ -255,16 +272,16 @@ for i = 1, n do
       reset = 0
     end
     if not ok then
-      local room = limit - cost - cur
+      local room = limit - need - cur
       local wait
       if room >= 0 then
         -- cur fits: wait until prev's weighted share decays to room (before this window ends)
         wait = w * (1 - room / prev) - elapsed
-      elseif limit >= cost then
+      elseif limit >= need then
         -- cur alone is too high: in the next window cur becomes prev and decays from there
-        wait = left + w * (1 - (limit - cost) / cur)
+        wait = left + w * (1 - (limit - need) / cur)
       else
-        wait = left + w -- cost > limit never fits; the caller validates this away
+        wait = left + w -- need > limit never fits; the caller validates this away
       end
       retry = retry_ms(wait)
     end
@@ -278,15 +295,15 @@ for i = 1, n do
     local w = window_ms * 1000
     local since = '(' .. int(now - w)
     local count = redis.call('ZCOUNT', key, since, '+inf')
-    ok = count + cost <= limit
+    ok = count + need <= limit
     remaining = math.max(0, limit - count)
     reset = 0
     local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
     if newest[2] then reset = ms(tonumber(newest[2]) + w - now) end
     if not ok then
       -- the k oldest entries in the window have to leave; the k-th leaves at score + window
-      local k = count + cost - limit
-      local wait = w -- cost > limit never fits; the caller validates this away
+      local k = count + need - limit
+      local wait = w -- need > limit never fits; the caller validates this away
       if k <= count then
         local e = redis.call('ZRANGEBYSCORE', key, since, '+inf', 'WITHSCORES', 'LIMIT', k - 1, 1)
         wait = tonumber(e[2]) + w - now
@@ -294,6 +311,18 @@ for i = 1, n do
       retry = retry_ms(wait)
     end
     saved[2 * i - 1] = count
+
+  elseif algo == 'cc' then
+    -- Concurrency: a sorted set of the requests holding a slot (member: the nonce), each
+    -- scored by the time its slot expires unless extended (µs); a slot counts while its score
+    -- is ahead of now, so a crashed holder's slot frees itself. reset_ms: window_ms while a
+    -- slot is held (an upper bound), else 0. retry_after: 1 s, since a slot frees when a
+    -- request ends, which no clock says.
+    local count = redis.call('ZCOUNT', key, '(' .. int(now), '+inf')
+    ok = count + 1 <= limit
+    remaining = math.max(0, limit - count)
+    reset = count > 0 and window_ms or 0
+    retry = 1000
 
   else -- 'tb'
     -- Token bucket as GCRA: the key holds the theoretical arrival time (TAT, µs). A request is
@@ -304,12 +333,12 @@ for i = 1, n do
     local burst = tonumber(ARGV[a + 3])
     local tau = T * burst
     local tat = math.max(tonumber(redis.call('GET', key)) or now, now)
-    local new_tat = tat + T * cost
-    ok = new_tat - tau <= now + 1
+    local probe = tat + T * need
+    ok = probe - tau <= now + 1
     remaining = math.min(burst, math.max(0, math.floor((tau - (tat - now) + 1) / T)))
     reset = ms(tat - now)
-    if not ok then retry = retry_ms(new_tat - tau - now) end
-    saved[2 * i - 1] = new_tat
+    if not ok then retry = retry_ms(probe - tau - now) end
+    saved[2 * i - 1] = tat + T * cost
   end
 
   if not ok and ARGV[a + 4] == '0' then admitted = false end -- shadow limits never reject
@@ -320,22 +349,38 @@ for i = 1, n do
 end
 if not admitted then reply[1] = 0 end
 
--- INCRBY's cost: the string "1" as it came (the usual cost) spares redis.call formatting a
--- number; any other cost goes as the number, which redis.call formats.
-local cost_arg = ARGV[2] == '1' and '1' or cost
+-- Cancelled by the filter (it gave up on this call before it ran): no concurrency slot is
+-- taken and nothing is written for the record or the lease. The other rate limits are
+-- counted as for any request that Redis saw. EXISTS only when the marker key was passed.
+local cancelled = admitted and cancel_key ~= nil and redis.call('EXISTS', cancel_key) == 1
 
 -- Phase 2: consume only if admitted, and only where this limit's own verdict is allow; the
 -- reply's remaining and reset_ms then become the values after consumption.
 if admitted then
   for i = 1, n do
-    local a, r, key = 4 + (i - 1) * 5, 2 + (i - 1) * 4, KEYS[i]
+    local a, r, key = 3 + (i - 1) * 6, 2 + (i - 1) * 4, KEYS[i]
     local algo, limit, window_ms = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    local cost = tonumber(ARGV[a + 5])
 
     if reply[r] == 0 then
       -- a shadow limit that rejects: phase 1's values stand
 
+    elseif algo == 'cc' then
+      if not cancelled then
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now)) -- expired holders
+        redis.call('ZADD', key, int(now + window_ms * 1000), nonce)
+        redis.call('PEXPIRE', key, window_ms) -- every slot expires within window_ms
+        reply[r + 1] = math.max(0, reply[r + 1] - 1)
+        reply[r + 2] = window_ms
+      end
+
+    elseif cost == 0 then
+      -- nothing to consume now: the response's charge counts (charge.lua)
+
     elseif algo == 'fw' or algo == 'lq' then
-      local amount, arg = cost, cost_arg -- arg: amount as INCRBY's argument
+      -- INCRBY's argument: the string "1" as it came (the usual cost) spares redis.call
+      -- formatting a number; any other cost goes as the number, which redis.call formats.
+      local amount, arg = cost, ARGV[a + 5] == '1' and '1' or cost
       if algo == 'lq' then
         -- Leased quota: instead of one unit the caller takes a slice of what is left, admits
         -- this request from it and the rest locally. A slice never exceeds what is left, so
@@ -388,10 +433,6 @@ if admitted then
   end
 end
 
--- Cancelled by the filter (it gave up on this call before it ran): nothing is written for
--- the record or the lease. The rate limits above are counted as for any request that Redis
--- saw. EXISTS only when a section is on and the marker key was passed.
-local cancelled = admitted and cancel_key ~= nil and redis.call('EXISTS', cancel_key) == 1
 
 -- Idempotency: create the PROCESSING record if absent, else report what is there.
 local idem_code = 0

@@ -8,7 +8,7 @@
 
 use crate::config::Policy;
 use crate::idempotency::record::Record;
-use crate::keys::LimitKey;
+use crate::keys::{self, LimitKey};
 use crate::ratelimit::{self, LimitState};
 use crate::redis::{resp::Reply, CallError, ScriptCall};
 
@@ -39,38 +39,64 @@ pub struct LeaseAcquire {
 }
 
 /// One script call: the limits (indices into `policy.rate_limits`) whose keys share `tag`,
-/// and whether it carries the idempotency acquire.
+/// and whether it carries the idempotency acquire, the lease, a concurrency limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Group {
     pub tag: String,
     pub limits: Vec<usize>,
     pub idem: bool,
     pub lease: bool,
+    /// A concurrency limit is among `limits`: the call may take a slot.
+    pub slots: bool,
     pub call: ScriptCall,
 }
 
-/// Plans the calls: tenant-tagged group first. `keys[i]` is the counter key of limit `i`, or
+/// One limit Redis is asked about: its counter's key and this request's cost to it.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    pub key: &'a LimitKey,
+    pub cost: u64,
+}
+
+/// Who is asking: the request's nonce (a concurrency slot's member) and what names the owner's
+/// cancellation marker in any hash tag (`prefix`, the owner token).
+#[derive(Debug, Clone, Copy)]
+pub struct Asker<'a> {
+    pub nonce: &'a str,
+    pub prefix: &'a str,
+    pub owner: &'a str,
+}
+
+impl Asker<'_> {
+    /// The owner's cancellation marker in hash tag `tag`.
+    pub fn marker(&self, policy: &Policy, tag: &str) -> String {
+        keys::cancel_key(self.prefix, tag, &policy.name, self.owner)
+    }
+}
+
+/// Plans the calls: tenant-tagged group first. `asks[i]` is limit `i`'s key and cost, or
 /// `None` for a limit that needs no call (answered from a local slice).
 pub fn plan(
     policy: &Policy,
-    keys: &[Option<&LimitKey>],
-    nonce: &str,
+    asks: &[Option<Ask<'_>>],
+    asker: &Asker<'_>,
     idem: Option<&IdemAcquire>,
     lease: Option<&LeaseAcquire>,
 ) -> Vec<Group> {
     let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
-    for (i, key) in keys.iter().enumerate().take(policy.rate_limits.len()) {
-        let Some(key) = key else {
+    for (i, ask) in asks.iter().enumerate().take(policy.rate_limits.len()) {
+        let Some(ask) = ask else {
             continue;
         };
         // Keys with one hash tag share a slot, so one script call.
-        let tag = key.tag();
+        let tag = ask.key.tag();
+        let text = ask.key.text().to_string();
         match groups.iter_mut().find(|g| g.0 == tag) {
             Some(g) => {
                 g.1.push(i);
-                g.2.push(key.text().to_string());
+                g.2.push(text);
             }
-            None => groups.push((tag.to_string(), vec![i], vec![key.text().to_string()])),
+            None => groups.push((tag.to_string(), vec![i], vec![text])),
         }
     }
     for tag in idem
@@ -87,21 +113,40 @@ pub fn plan(
         .map(|(tag, limits, keys)| {
             let with_idem = idem.filter(|d| d.tag == tag);
             let with_lease = lease.filter(|l| l.tag == tag);
-            let limit_args = limits
-                .iter()
-                .flat_map(|&i| ratelimit::limit_args(&policy.rate_limits[i]));
-            let call = group_call(keys, limits.len(), limit_args, nonce, with_idem, with_lease);
+            let slots = limits.iter().any(|&i| policy.rate_limits[i].concurrency());
+            let limit_args = limits.iter().flat_map(|&i| {
+                let cost = asks[i].map_or(1, |a| a.cost);
+                ratelimit::limit_args(&policy.rate_limits[i], cost)
+            });
+            // The owner's cancellation marker, last: a late acquire of a cancelled owner
+            // writes nothing (the record's and the lease's marker is the one of their tag).
+            let marker = (with_idem.is_some() || with_lease.is_some() || slots)
+                .then(|| asker.marker(policy, &tag));
+            let sections = Sections {
+                idem: with_idem,
+                lease: with_lease,
+                marker,
+            };
+            let call = group_call(keys, limits.len(), limit_args, asker.nonce, sections);
             Group {
                 tag,
                 limits,
                 idem: with_idem.is_some(),
                 lease: with_lease.is_some(),
+                slots,
                 call,
             }
         })
         .collect();
     out.sort_by_key(|g| !g.tag.starts_with("t."));
     out
+}
+
+/// What rides in a call beside the limits.
+struct Sections<'a> {
+    idem: Option<&'a IdemAcquire>,
+    lease: Option<&'a LeaseAcquire>,
+    marker: Option<String>,
 }
 
 /// One `acquire.lua` call: the counters `keys` (`n` limits, their arguments `limit_args`), then
@@ -111,12 +156,11 @@ fn group_call(
     n: usize,
     limit_args: impl Iterator<Item = String>,
     nonce: &str,
-    idem: Option<&IdemAcquire>,
-    lease: Option<&LeaseAcquire>,
+    sections: Sections<'_>,
 ) -> ScriptCall {
-    let mut args = vec![n.to_string(), "1".into(), nonce.to_string()];
+    let mut args = vec![n.to_string(), nonce.to_string()];
     args.extend(limit_args);
-    match idem {
+    match sections.idem {
         Some(d) => {
             keys.push(d.key.clone());
             args.push("1".into());
@@ -126,7 +170,7 @@ fn group_call(
         }
         None => args.push("0".into()),
     }
-    match lease {
+    match sections.lease {
         Some(l) => {
             keys.push(l.key.clone());
             keys.push(l.fence_key.clone());
@@ -137,17 +181,19 @@ fn group_call(
         }
         None => args.push("0".into()),
     }
-    // The cancellation marker, last: a late acquire of a cancelled owner writes nothing.
-    if let Some(marker) = idem.map(|d| &d.cancel_key).or(lease.map(|l| &l.cancel_key)) {
-        keys.push(marker.clone());
-    }
+    keys.extend(sections.marker);
     ScriptCall { keys, args }
 }
 
 /// A lease-only acquire: polls a busy lease again (`on_busy: wait`). Its reply is read by
 /// [`read_reply`] with no limits, no record and the lease.
 pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
-    group_call(Vec::new(), 0, std::iter::empty(), nonce, None, Some(lease))
+    let sections = Sections {
+        idem: None,
+        lease: Some(lease),
+        marker: Some(lease.cancel_key.clone()),
+    };
+    group_call(Vec::new(), 0, std::iter::empty(), nonce, sections)
 }
 
 /// What the idempotency section of an acquire found.
@@ -306,8 +352,18 @@ mod tests {
             .collect()
     }
 
-    fn refs(keys: &[Option<LimitKey>]) -> Vec<Option<&LimitKey>> {
-        keys.iter().map(Option::as_ref).collect()
+    fn refs(keys: &[Option<LimitKey>]) -> Vec<Option<Ask<'_>>> {
+        keys.iter()
+            .map(|k| k.as_ref().map(|key| Ask { key, cost: 1 }))
+            .collect()
+    }
+
+    fn asker(nonce: &str) -> Asker<'_> {
+        Asker {
+            nonce,
+            prefix: "cg:demo",
+            owner: "o1",
+        }
     }
 
     fn idem() -> IdemAcquire {
@@ -328,7 +384,7 @@ mod tests {
         let groups = plan(
             &c.policies[0],
             &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
-            "n1",
+            &asker("n1"),
             None,
             None,
         );
@@ -345,8 +401,8 @@ mod tests {
         assert_eq!(
             g.args,
             vec![
-                "2", "1", "n1", "sw", "100", "60000", "100", "0", "tb", "10", "1000", "20", "0",
-                "0", "0"
+                "2", "n1", "sw", "100", "60000", "100", "0", "1", "tb", "10", "1000", "20", "0",
+                "1", "0", "0"
             ]
         );
         assert_eq!(
@@ -354,8 +410,8 @@ mod tests {
             "cg:demo:rl:{p.create-order}:create-order:global:sl:5/250:_"
         );
         assert_eq!(
-            &groups[1].call.args[3..8],
-            &["fw", "1000", "3600000", "1000", "1"]
+            &groups[1].call.args[2..8],
+            &["fw", "1000", "3600000", "1000", "1", "1"]
         );
         for g in &groups {
             for k in &g.call.keys {
@@ -374,7 +430,7 @@ mod tests {
         let groups = plan(
             &c.policies[0],
             &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
-            "n1",
+            &asker("n1"),
             Some(&idem()),
             None,
         );
@@ -401,7 +457,7 @@ mod tests {
         let alone = plan(
             &c.policies[1],
             &refs(&keys("cg:demo", &c.policies[1], &caller, &req, &[])),
-            "n1",
+            &asker("n1"),
             Some(&idem()),
             None,
         );
@@ -410,7 +466,7 @@ mod tests {
         assert_eq!(alone[0].limits, Vec::<usize>::new());
         assert_eq!(
             alone[0].call.args,
-            vec!["0", "1", "n1", "1", "sha256:ff", "o1", "120000", "0"]
+            vec!["0", "n1", "1", "sha256:ff", "o1", "120000", "0"]
         );
     }
 
@@ -430,7 +486,7 @@ mod tests {
         let groups = plan(
             &c.policies[0],
             &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
-            "n1",
+            &asker("n1"),
             Some(&idem()),
             Some(&lease),
         );
@@ -518,7 +574,7 @@ mod tests {
         );
         assert_eq!(
             call.args,
-            vec!["0", "1", "n1", "0", "1", "o2", "10000", "604800000"]
+            vec!["0", "n1", "0", "1", "o2", "10000", "604800000"]
         );
     }
 
@@ -529,7 +585,7 @@ mod tests {
         let groups = plan(
             &c.policies[0],
             &refs(&keys("cg", &c.policies[0], &caller, &req, &[true, true])),
-            "n",
+            &asker("n"),
             None,
             None,
         );
@@ -538,7 +594,7 @@ mod tests {
         let none = plan(
             &c.policies[0],
             &refs(&keys("cg", &c.policies[0], &caller, &req, &[true; 4])),
-            "n",
+            &asker("n"),
             None,
             None,
         );
@@ -556,14 +612,14 @@ mod tests {
         let a = plan(
             &c.policies[0],
             &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
-            "n",
+            &asker("n"),
             None,
             None,
         );
         let b = plan(
             &c.policies[0],
             &refs(&keys("cg", &c.policies[0], &other, &req, &[])),
-            "n",
+            &asker("n"),
             None,
             None,
         );

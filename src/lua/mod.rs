@@ -4,13 +4,17 @@
 //! * [`acquire`]: `acquire.lua` (rate limits, the idempotency record, the lease of one slot);
 //! * [`record`]: `complete.lua` and `release.lua` (a request's record settled);
 //! * [`lease`]: `lease_release.lua` and `lease_extend.lua`;
+//! * [`slot`]: `slot_release.lua` and `slot_extend.lua` (concurrency slots);
+//! * [`charge`]: `charge.lua` (a response's real cost);
 //! * [`batch`]: `batch.lua` (`batch_head.lua` + `acquire.lua` + `batch_tail.lua`), several
 //!   acquires in one call.
 
 pub mod acquire;
 pub mod batch;
+pub mod charge;
 pub mod lease;
 pub mod record;
+pub mod slot;
 
 use crate::redis::Script;
 
@@ -29,6 +33,12 @@ pub enum ScriptId {
     LeaseExtend,
     /// Several acquires in one call (callout coalescing).
     Batch,
+    /// Gives a concurrency slot back.
+    SlotRelease,
+    /// Extends a concurrency slot.
+    SlotExtend,
+    /// Corrects counters by a response's charge.
+    Charge,
 }
 
 /// The scripts the filter runs, loaded once per VM.
@@ -40,6 +50,9 @@ pub struct Scripts {
     pub lease_release: Script,
     pub lease_extend: Script,
     pub batch: Script,
+    pub slot_release: Script,
+    pub slot_extend: Script,
+    pub charge: Script,
 }
 
 impl Scripts {
@@ -50,6 +63,9 @@ impl Scripts {
             release: Script::new("release", include_str!("release.lua")),
             lease_release: Script::new("lease_release", include_str!("lease_release.lua")),
             lease_extend: Script::new("lease_extend", include_str!("lease_extend.lua")),
+            slot_release: Script::new("slot_release", include_str!("slot_release.lua")),
+            slot_extend: Script::new("slot_extend", include_str!("slot_extend.lua")),
+            charge: Script::new("charge", include_str!("charge.lua")),
             batch: Script::new(
                 "batch",
                 concat!(
@@ -69,6 +85,9 @@ impl Scripts {
             ScriptId::LeaseRelease => &self.lease_release,
             ScriptId::LeaseExtend => &self.lease_extend,
             ScriptId::Batch => &self.batch,
+            ScriptId::SlotRelease => &self.slot_release,
+            ScriptId::SlotExtend => &self.slot_extend,
+            ScriptId::Charge => &self.charge,
         }
     }
 }

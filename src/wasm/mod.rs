@@ -134,6 +134,11 @@ impl MetricSink for HostMetrics {
             let _ = hostcalls::increment_metric(id, 1);
         }
     }
+    fn add(&self, id: u32, n: u64) {
+        if id != u32::MAX {
+            let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
     fn record(&self, id: u32, value: u64) {
         if id != u32::MAX {
             let _ = hostcalls::record_metric(id, value);

@@ -199,7 +199,8 @@ class Service:
 GATEWAY_COMMANDS = (
     "eval", "evalsha",
     "time", "get", "set", "del", "exists", "type", "pttl", "pexpire", "incrby",
-    "hmget", "hset", "zadd", "zcount", "zrange", "zrangebyscore", "zremrangebyscore",
+    "hmget", "hset", "zadd", "zcount", "zrange", "zrangebyscore", "zremrangebyscore", "zrem",
+    "zscore",
 )
 # The user webdis authenticates as: Debian's webdis 0.1.9 sends `AUTH <password>` (its
 # `redis_auth` takes no user name), which is Redis's `default` user.

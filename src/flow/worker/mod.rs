@@ -150,7 +150,7 @@ impl<S: Copy + Ord> Worker<S> {
             return Effects::new(Action::Continue);
         };
         let extra = entry.flow.response_headers().to_vec();
-        if !entry.flow.wants_response() {
+        if !entry.flow.wants_response(cx) {
             let mut fx = Effects::new(Action::Continue);
             let mut ops = StreamEffects::new(s);
             ops.add_response_headers = extra;
@@ -194,7 +194,7 @@ impl<S: Copy + Ord> Worker<S> {
         read: impl FnOnce() -> Vec<(String, String)>,
     ) -> Effects<S> {
         self.flow_event(cx, s, Dir::Response, |f| {
-            let trailers = if f.wants_response_trailers() {
+            let trailers = if f.wants_response_trailers(cx) {
                 read()
             } else {
                 Vec::new()

@@ -1,0 +1,84 @@
+//! Concurrency slots of one request: taken by the acquire (the slot's member is the request's
+//! nonce), kept alive at half their window while the request runs, and given back from the
+//! root when the stream ends or the request is refused. A slot an acquire may have taken
+//! after the filter gave up on it is given back with the owner's cancellation marker, so a
+//! late acquire takes none.
+
+use super::background::Background;
+use super::context::{Pcx, Purpose};
+use super::Flow;
+use crate::lua::acquire::Asker;
+use crate::lua::slot;
+
+impl Flow {
+    /// The acquire answered: when the slots it took are to be extended first.
+    pub(super) fn slots_taken(&mut self, at: &Pcx<'_>) {
+        let window = at
+            .policy
+            .rate_limits
+            .iter()
+            .zip(self.admission.all())
+            .filter(|(l, s)| l.concurrency() && s.consumed)
+            .map(|(l, _)| l.window_ms)
+            .min();
+        self.slots_extend_ms = window.map(|w| at.now_ms.saturating_add((w / 2).max(1)));
+    }
+
+    /// Extends the slots this request holds, when due (from the root: the stream may end).
+    pub(super) fn extend_slots(&mut self, at: &Pcx<'_>) {
+        let Some(due) = self.slots_extend_ms.filter(|d| at.now_ms >= *d) else {
+            return;
+        };
+        let mut next = u64::MAX;
+        for (limit, s) in at.policy.rate_limits.iter().zip(self.admission.all()) {
+            if limit.concurrency() && s.consumed {
+                let call = slot::extend(s.key.text(), &self.nonce, limit.window_ms);
+                self.background.push(Background::new(
+                    at.index,
+                    Purpose::SlotExtend,
+                    call,
+                    String::new(),
+                ));
+                next = next.min(
+                    due.max(at.now_ms)
+                        .saturating_add((limit.window_ms / 2).max(1)),
+                );
+            }
+        }
+        self.slots_extend_ms = (next != u64::MAX).then_some(next);
+    }
+
+    /// Gives back, from the root, the slots this request holds and those an acquire it gave
+    /// up on may have taken (with the owner's cancellation marker); once.
+    pub(super) fn release_slots(&mut self, at: &Pcx<'_>) {
+        let marker_ttl = self.marker_ttl_ms(at);
+        let asker = Asker {
+            nonce: &self.nonce,
+            prefix: &at.rt.config.redis.key_prefix,
+            owner: &self.owner,
+        };
+        let limits = at.policy.rate_limits.iter();
+        for (i, (limit, s)) in limits.zip(self.admission.all_mut()).enumerate() {
+            if !limit.concurrency() {
+                continue;
+            }
+            let in_flight = self
+                .calls
+                .iter_mut()
+                .any(|c| c.tag.slots_unsettled && c.tag.limits.contains(&i));
+            let certain = std::mem::take(&mut s.consumed);
+            if !certain && !in_flight {
+                continue;
+            }
+            let marker = (!certain).then(|| (asker.marker(at.policy, s.key.tag()), marker_ttl));
+            let call = slot::release(s.key.text(), asker.nonce, marker);
+            let bg = Background::new(at.index, Purpose::SlotRelease, call, String::new());
+            self.background
+                .push(if certain { bg } else { bg.compensation() });
+        }
+        self.calls
+            .iter_mut()
+            .for_each(|c| c.tag.slots_unsettled = false);
+        self.slots_extend_ms = None;
+    }
+}

@@ -1,0 +1,54 @@
+//! The contract of `charge.lua`: after the response, each counter of one hash slot moves by
+//! the difference between what the response says the request cost and what it consumed at
+//! admission (never below zero).
+
+use crate::config::RateLimit;
+use crate::redis::ScriptCall;
+
+/// One counter to correct: its key, its limit, and `charge - cost` (may be negative).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Correction<'a> {
+    pub key: &'a str,
+    pub limit: &'a RateLimit,
+    pub delta: i64,
+}
+
+/// The call for the corrections of one hash slot (at least one).
+pub fn call(corrections: &[Correction<'_>]) -> ScriptCall {
+    let mut args = Vec::with_capacity(1 + 4 * corrections.len());
+    args.push(corrections.len().to_string());
+    for c in corrections {
+        args.push(c.limit.code().to_string());
+        args.push(c.limit.limit.to_string());
+        args.push(c.limit.window_ms.to_string());
+        args.push(c.delta.to_string());
+    }
+    ScriptCall {
+        keys: corrections.iter().map(|c| c.key.to_string()).collect(),
+        args,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    #[test]
+    fn arguments() {
+        let c = Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p", "rate_limits": [
+              {"name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000,
+               "window": "1m", "charge": {"response_header": "x-tokens-used"}}]}]}"#,
+        )
+        .expect("valid");
+        let limit = &c.policies[0].rate_limits[0];
+        let call = call(&[Correction {
+            key: "k",
+            limit,
+            delta: -5,
+        }]);
+        assert_eq!(call.keys, vec!["k"]);
+        assert_eq!(call.args, vec!["1", "fw", "1000", "60000", "-5"]);
+    }
+}

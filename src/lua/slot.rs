@@ -1,0 +1,48 @@
+//! The contracts of `slot_release.lua` and `slot_extend.lua`: a concurrency slot (taken by
+//! `acquire.lua`, its member the request's nonce) given back or kept alive. Both reply `1`
+//! (done) or `0` (no such slot).
+
+use crate::redis::ScriptCall;
+
+/// `slot_release.lua`: removes the request's slot from `key`. With `marker` (the owner's
+/// cancellation marker and its TTL) the marker is set first, so that an acquire still in
+/// flight takes no slot.
+pub fn release(key: &str, nonce: &str, marker: Option<(String, u64)>) -> ScriptCall {
+    match marker {
+        None => ScriptCall {
+            keys: vec![key.to_string()],
+            args: vec![nonce.to_string()],
+        },
+        Some((marker, ttl)) => ScriptCall {
+            keys: vec![key.to_string(), marker],
+            args: vec![nonce.to_string(), ttl.to_string()],
+        },
+    }
+}
+
+/// `slot_extend.lua`: the request's slot lives `window_ms` more.
+pub fn extend(key: &str, nonce: &str, window_ms: u64) -> ScriptCall {
+    ScriptCall {
+        keys: vec![key.to_string()],
+        args: vec![nonce.to_string(), window_ms.to_string()],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments() {
+        let r = release("cg:rl:{t.x}:p:l:cc:2/1000:_", "n1", None);
+        assert_eq!((r.keys.len(), r.args), (1, vec!["n1".to_string()]));
+        let m = release("k", "n1", Some(("cg:cancel:{t.x}:p:o".into(), 60_000)));
+        assert_eq!(m.keys, vec!["k", "cg:cancel:{t.x}:p:o"]);
+        assert_eq!(m.args, vec!["n1", "60000"]);
+        let e = extend("k", "n1", 30_000);
+        assert_eq!(
+            (e.keys, e.args),
+            (vec!["k".into()], vec!["n1".into(), "30000".into()])
+        );
+    }
+}
