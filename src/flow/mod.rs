@@ -464,4 +464,6 @@ impl Flow {
 }
 
 #[cfg(test)]
+mod quota_tests;
+#[cfg(test)]
 mod tests;
