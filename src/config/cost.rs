@@ -11,13 +11,14 @@ pub const CHARGE_MAX_BODY: u64 = 1024 * 1024;
 /// The largest `max_body` of a `response_json` charge (it is copied as it passes).
 const CHARGE_MAX_BODY_LIMIT: u64 = 16 * 1024 * 1024;
 
-/// `{"header": "<name>", "default": n, "max": n}`; `capacity` is the most the limit can ever
+/// `{"header": "<name>", "default": n, "min": n, "max": n}`; `capacity` is the most the limit can ever
 /// admit at once (a larger cost could never be admitted).
 pub fn cost(v: &Value, path: &str, capacity: u64) -> Result<Cost> {
     let mut o = Obj::new(v, path)?;
     let header = header_name(&mut o, "header")?
         .ok_or_else(|| ConfigError::new(o.field_path("header"), "is required"))?;
     let default = units(&mut o, "default")?.unwrap_or(1);
+    let min = units(&mut o, "min")?.unwrap_or(0);
     let max_path = o.field_path("max");
     let max = units(&mut o, "max")?.unwrap_or(capacity);
     o.finish()?;
@@ -27,15 +28,16 @@ pub fn cost(v: &Value, path: &str, capacity: u64) -> Result<Cost> {
             format!("{max} is more than the limit can ever admit ({capacity})"),
         ));
     }
-    if default > max {
+    if default > max || default < min {
         return Err(ConfigError::new(
             format!("{path}.default"),
-            format!("{default} is more than max ({max})"),
+            format!("{default} is not between min ({min}) and max ({max})"),
         ));
     }
     Ok(Cost {
         header,
         default,
+        min,
         max,
     })
 }

@@ -213,6 +213,8 @@ pub struct Cost {
     pub header: String,
     /// Units of a request without the header.
     pub default: u64,
+    /// The smallest cost accepted (a client must not make its requests free).
+    pub min: u64,
     /// The largest cost accepted (a larger one is refused with `400`).
     pub max: u64,
 }

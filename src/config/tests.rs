@@ -727,6 +727,7 @@ fn concurrency_cost_and_charge() {
         Some(Cost {
             header: "x-request-cost".into(),
             default: 0,
+            min: 0,
             max: 10_000
         })
     );
@@ -770,7 +771,9 @@ fn cost_and_charge_errors_name_the_field() {
         (json!({"cost": {"header": "x-c", "max": 101}}),
          format!("{at}.cost.max: 101 is more than the limit can ever admit (100)")),
         (json!({"cost": {"header": "x-c", "default": 5, "max": 4}}),
-         format!("{at}.cost.default: 5 is more than max (4)")),
+         format!("{at}.cost.default: 5 is not between min (0) and max (4)")),
+        (json!({"cost": {"header": "x-c", "min": 2}}),
+         format!("{at}.cost.default: 1 is not between min (2) and max (100)")),
         (json!({"cost": {"header": "x-c", "default": -1}}),
          format!("{at}.cost.default: -1 is not an integer between 0 and 1000000000")),
         (json!({"charge": {}}),

@@ -86,8 +86,8 @@ pub fn lease_resource_missing(at: &Pcx<'_>, missing: &str) -> LocalResponse {
     )
 }
 
-/// The request's cost to each rate limit: its `cost` header (once, a non-negative integer of
-/// at most `max`), `default` without it, 1 for a limit without `cost`. `Err`: the answer.
+/// The request's cost to each rate limit: its `cost` header (once, a whole number from `min`
+/// to `max`), `default` without it, 1 for a limit without `cost`. `Err`: the answer.
 pub fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
     let mut costs = Vec::with_capacity(at.policy.rate_limits.len());
     for limit in &at.policy.rate_limits {
@@ -110,11 +110,11 @@ pub fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
         };
         match value.map(|v| parse_units(v.trim())) {
             None => costs.push(cost.default),
-            Some(Some(n)) if n <= cost.max => costs.push(n),
+            Some(Some(n)) if (cost.min..=cost.max).contains(&n) => costs.push(n),
             Some(_) => {
                 let detail = format!(
-                    "{} must be a whole number of units from 0 to {} (rate limit \"{}\")",
-                    cost.header, cost.max, limit.name
+                    "{} must be a whole number of units from {} to {} (rate limit \"{}\")",
+                    cost.header, cost.min, cost.max, limit.name
                 );
                 return Err(respond::problem(
                     Problem::InvalidCost,

@@ -19,7 +19,7 @@ const CONFIG: &str = r#"{
     ]},
     {"name": "llm", "match": {"path_prefix": "/llm"}, "rate_limits": [
       {"name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000, "window": "1m",
-       "cost": {"header": "x-cost", "default": 1, "max": 500},
+       "cost": {"header": "x-cost", "default": 1, "min": 1, "max": 500},
        "charge": {"response_header": "x-tokens-used"}}
     ]}
   ]
@@ -224,7 +224,7 @@ fn the_cost_header_is_read_strictly() {
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(&cx, req("/llm", &[]), "n", "o", true));
     assert_eq!(out[0].call.args[7], "1", "the default");
-    for bad in ["501", "-1", "1e3", "abc", "4 2", "+3", ""] {
+    for bad in ["501", "0", "-1", "1e3", "abc", "4 2", "+3", ""] {
         let mut flow = Flow::default();
         let r = respond_with(flow.on_request(&cx, req("/llm", &[("x-cost", bad)]), "n", "o", true));
         assert_eq!(r.status, 400, "{bad:?}");
