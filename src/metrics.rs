@@ -7,7 +7,8 @@
 //!   (units charged after responses) for a limit with `charge`
 //! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant|ambiguous_input`
 //! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
-//!   body_too_large|unreadable|released|completed|complete_failed|stale_owner|outcome_unknown`
+//!   body_too_large|unreadable|released|completed|complete_failed|stale_owner|outcome_unknown|
+//!   waited`
 //! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource`
 //! * `cg.redis.calls|errors|timeouts|noscript|retries`, histogram `cg.redis.latency_ms`
 //! * `cg.over_limit_cache.hits`
@@ -63,6 +64,9 @@ pub struct IdemMetrics {
     pub complete_failed: u32,
     pub stale_owner: u32,
     pub outcome_unknown: u32,
+    /// Duplicates that waited for the first request (`in_progress: wait`) and were answered
+    /// by its record (replayed, or ran after it was released).
+    pub waited: u32,
 }
 
 /// `cg.policy.<policy>.lease.<name>`, defined for policies with `lease`.
@@ -158,6 +162,7 @@ impl Metrics {
                             complete_failed: c("complete_failed"),
                             stale_owner: c("stale_owner"),
                             outcome_unknown: c("outcome_unknown"),
+                            waited: c("waited"),
                         }
                     }),
                     lease: p.lease.as_ref().map(|_| {

@@ -48,8 +48,10 @@ pub enum Problem {
     IdempotencyKeyInvalid,
     RequestBodyTooLarge,
     RequestBodyTimeout,
-    /// The same request is still being processed (409).
-    IdempotencyKeyInUse,
+    /// The same request is still being processed (409, or 425 by configuration).
+    IdempotencyKeyInUse {
+        status: u32,
+    },
     /// The key was used for a different request (422, or 409 by configuration).
     IdempotencyKeyConflict {
         status: u32,
@@ -74,7 +76,7 @@ impl Problem {
             Problem::IdempotencyKeyMissing | Problem::IdempotencyKeyInvalid => 400,
             Problem::RequestBodyTooLarge => 413,
             Problem::RequestBodyTimeout => 408,
-            Problem::IdempotencyKeyInUse => 409,
+            Problem::IdempotencyKeyInUse { status } => status,
             Problem::IdempotencyKeyConflict { status } => status,
             Problem::ResourceLocked => 409,
             Problem::LeaseResourceMissing => 400,
@@ -96,7 +98,7 @@ impl Problem {
             Problem::IdempotencyKeyInvalid => "idempotency_key_invalid",
             Problem::RequestBodyTooLarge => "request_body_too_large",
             Problem::RequestBodyTimeout => "request_body_timeout",
-            Problem::IdempotencyKeyInUse => "idempotency_key_in_use",
+            Problem::IdempotencyKeyInUse { .. } => "idempotency_key_in_use",
             Problem::IdempotencyKeyConflict { .. } => "idempotency_key_conflict",
             Problem::ResourceLocked => "resource_locked",
             Problem::LeaseResourceMissing => "lease_resource_missing",
@@ -117,7 +119,7 @@ impl Problem {
             Problem::IdempotencyKeyInvalid => "Idempotency-Key Invalid",
             Problem::RequestBodyTooLarge => "Content Too Large",
             Problem::RequestBodyTimeout => "Request Timeout",
-            Problem::IdempotencyKeyInUse => "Request In Progress",
+            Problem::IdempotencyKeyInUse { .. } => "Request In Progress",
             Problem::IdempotencyKeyConflict { .. } => "Idempotency-Key Reused",
             Problem::ResourceLocked => "Resource Locked",
             Problem::LeaseResourceMissing => "Lease Resource Missing",
@@ -145,7 +147,7 @@ impl Problem {
             | Problem::InvalidCost
             | Problem::LeaseResourceMissing => grpc::INVALID_ARGUMENT,
             Problem::RequestBodyTimeout => grpc::DEADLINE_EXCEEDED,
-            Problem::IdempotencyKeyInUse | Problem::ResourceLocked => grpc::ABORTED,
+            Problem::IdempotencyKeyInUse { .. } | Problem::ResourceLocked => grpc::ABORTED,
             Problem::IdempotencyKeyConflict { .. } => grpc::FAILED_PRECONDITION,
         }
     }
@@ -347,7 +349,11 @@ mod tests {
             (Problem::IdempotencyKeyInvalid, 400, grpc::INVALID_ARGUMENT),
             (Problem::RequestBodyTooLarge, 413, grpc::RESOURCE_EXHAUSTED),
             (Problem::RequestBodyTimeout, 408, grpc::DEADLINE_EXCEEDED),
-            (Problem::IdempotencyKeyInUse, 409, grpc::ABORTED),
+            (
+                Problem::IdempotencyKeyInUse { status: 409 },
+                409,
+                grpc::ABORTED,
+            ),
             (
                 Problem::IdempotencyKeyConflict { status: 422 },
                 422,

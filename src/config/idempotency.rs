@@ -2,7 +2,9 @@
 
 use super::fields::{duration, header_list, header_name, is_header_name, methods, one_of, size};
 use super::reader::{index, Obj, Result};
-use super::{Completion, ConfigError, FingerprintPart, Idempotency, Replay, StatusMatch};
+use super::{
+    Completion, ConfigError, FingerprintPart, Idempotency, InProgress, Replay, StatusMatch,
+};
 use crate::grpc;
 use serde_json::Value;
 
@@ -69,7 +71,9 @@ pub fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Ide
         &["content-type", "location", "etag"],
     )?;
     let replay_trailers = header_list(&mut o, "replay_trailers", &[])?;
-    let conflict_status = conflict_status(&mut o, "conflict_status")?;
+    let conflict_status = status_of(&mut o, "conflict_status", [422, 409])?;
+    let (in_progress, max_wait_ms) = in_progress(&mut o)?;
+    let in_progress_status = status_of(&mut o, "in_progress_status", [409, 425])?;
     let retryable_statuses = list(&mut o, "retryable_statuses", retryable_status)?
         .unwrap_or_else(|| DEFAULT_RETRYABLE_STATUSES.to_vec());
     let retryable_grpc_codes = retryable_grpc_codes(&mut o, "retryable_grpc_codes")?;
@@ -88,6 +92,9 @@ pub fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Ide
         replay_headers,
         replay_trailers,
         conflict_status,
+        in_progress,
+        max_wait_ms,
+        in_progress_status,
         retryable_statuses,
         retryable_grpc_codes,
         complete,
@@ -180,15 +187,37 @@ fn fingerprint_part(part: &str) -> Option<FingerprintPart> {
     })
 }
 
-fn conflict_status(o: &mut Obj<'_>, field: &'static str) -> Result<u32> {
+/// One of two statuses, the first by default.
+fn status_of(o: &mut Obj<'_>, field: &'static str, [first, second]: [u64; 2]) -> Result<u32> {
     let path = o.field_path(field);
+    let (low, high) = (first.min(second), first.max(second));
     match o.get(field) {
-        None => Ok(422),
+        None => Ok(u32::try_from(first).unwrap_or(409)),
         Some(v) => match v.as_u64() {
-            Some(409) => Ok(409),
-            Some(422) => Ok(422),
-            _ => Err(ConfigError::new(path, format!("{v} is not 409 or 422"))),
+            Some(s) if s == first || s == second => Ok(u32::try_from(s).unwrap_or(409)),
+            _ => Err(ConfigError::new(
+                path,
+                format!("{v} is not {low} or {high}"),
+            )),
         },
+    }
+}
+
+/// `in_progress` (`reject` / `wait`) and, with `wait`, `max_wait` (default 5 s).
+fn in_progress(o: &mut Obj<'_>) -> Result<(InProgress, u64)> {
+    let mode = one_of(
+        o,
+        "in_progress",
+        &[("reject", InProgress::Reject), ("wait", InProgress::Wait)],
+    )?
+    .unwrap_or(InProgress::Reject);
+    let path = o.field_path("max_wait");
+    match (mode, duration(o, "max_wait")?) {
+        (InProgress::Reject, Some(_)) => Err(ConfigError::new(
+            path,
+            "only applies to in_progress: \"wait\"",
+        )),
+        (_, max_wait) => Ok((mode, max_wait.unwrap_or(5_000))),
     }
 }
 

@@ -77,6 +77,14 @@ impl Selector {
     }
 }
 
+/// `idempotency.in_progress`: a duplicate of a request still running is answered at once, or
+/// waits for the first one's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InProgress {
+    Reject,
+    Wait,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
     FixedWindow,
@@ -315,6 +323,12 @@ pub struct Idempotency {
     /// and `grpc-message`, which a gRPC response always stores.
     pub replay_trailers: Vec<String>,
     pub conflict_status: u32,
+    /// What a duplicate of a request still in progress gets.
+    pub in_progress: InProgress,
+    /// How long a duplicate waits (`in_progress: wait`) before the reject answer.
+    pub max_wait_ms: u64,
+    /// The status of that answer: 409 or 425.
+    pub in_progress_status: u32,
     pub retryable_statuses: Vec<StatusMatch>,
     /// gRPC status codes after which the record of a gRPC call is released.
     pub retryable_grpc_codes: Vec<u32>,

@@ -353,7 +353,7 @@ fn bad_idempotency_names_the_field() {
         ("complete", json!({"complete": "later"}),
          "policies[0].idempotency.complete: \"later\" is not one of \"sync\", \"async\""),
         ("unknown", json!({"ttl": "1m"}),
-         "policies[0].idempotency.ttl: unknown field (known here: complete, completed_ttl, conflict_status, fingerprint, header, max_request_body, max_response_body, methods, processing_ttl, replay, replay_headers, replay_trailers, required, retryable_grpc_codes, retryable_statuses)"),
+         "policies[0].idempotency.ttl: unknown field (known here: complete, completed_ttl, conflict_status, fingerprint, header, in_progress, in_progress_status, max_request_body, max_response_body, max_wait, methods, processing_ttl, replay, replay_headers, replay_trailers, required, retryable_grpc_codes, retryable_statuses)"),
         ("header", json!({"header": ""}),
          "policies[0].idempotency.header: \"\" is not an HTTP header name"),
     ];

@@ -112,8 +112,9 @@ struct Tag {
 pub struct Settled {
     /// Send this now (by `EVAL`, after `NOSCRIPT`).
     pub resend: Option<Outgoing>,
-    /// The lease this call gave back: a request of this worker waiting for it may poll at once.
-    pub freed_lease: Option<String>,
+    /// The lease this call gave back, or the record it settled: a request of this worker
+    /// waiting for it may poll at once.
+    pub freed: Option<String>,
 }
 
 /// The root's background calls: queued until due, in flight, retried.
@@ -181,12 +182,12 @@ impl Outbox {
             Answer::Resend(out) => {
                 return Settled {
                     resend: Some(out),
-                    freed_lease: None,
+                    freed: None,
                 }
             }
             Answer::Reply(c, reply) => (c.tag.clone(), reply, c.attempts, c.first_ms),
         };
-        let freed_lease = freed_lease(&tag, &reply, self.calls.get(slot));
+        let freed = freed(&tag, &reply, self.calls.get(slot));
         let retry_at = match reply {
             Ok(reply) => {
                 settled(cx.rt, &tag, &reply, cx.m);
@@ -202,19 +203,19 @@ impl Outbox {
         }
         Settled {
             resend: None,
-            freed_lease,
+            freed,
         }
     }
 }
 
-/// The lease a release gave back, if its answer says it did.
-fn freed_lease(
-    tag: &Tag,
-    answer: &Result<Reply, CallError>,
-    call: Option<&Call<Tag>>,
-) -> Option<String> {
-    let freed = tag.purpose == Purpose::LeaseRelease
-        && matches!(answer, Ok(r) if outcome(r) == Outcome::Done);
+/// The lease a release gave back, or the record a completion or release settled, if its
+/// answer says it did.
+fn freed(tag: &Tag, answer: &Result<Reply, CallError>, call: Option<&Call<Tag>>) -> Option<String> {
+    let settles = matches!(
+        tag.purpose,
+        Purpose::LeaseRelease | Purpose::Complete | Purpose::Release
+    );
+    let freed = settles && matches!(answer, Ok(r) if outcome(r) == Outcome::Done);
     freed.then(|| call?.call.keys.first().cloned()).flatten()
 }
 

@@ -118,6 +118,8 @@ pub enum Purpose {
     Acquire,
     /// A lease-only acquire while waiting for a busy lease.
     LeaseRetry,
+    /// A record-only acquire while waiting for a duplicate still in progress.
+    RecordRetry,
     Complete,
     Release,
     LeaseRelease,
@@ -133,7 +135,7 @@ impl Purpose {
     /// The script a call of this purpose runs.
     pub fn script(self) -> ScriptId {
         match self {
-            Purpose::Acquire | Purpose::LeaseRetry => ScriptId::Acquire,
+            Purpose::Acquire | Purpose::LeaseRetry | Purpose::RecordRetry => ScriptId::Acquire,
             Purpose::Complete => ScriptId::Complete,
             Purpose::Release => ScriptId::Release,
             Purpose::LeaseRelease => ScriptId::LeaseRelease,

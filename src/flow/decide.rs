@@ -90,6 +90,15 @@ impl Flow {
             Verdict::Allow(_) => Vec::new(),
         };
         self.slots_taken(at);
+        self.guards_decide(at, limit_headers)
+    }
+
+    /// Once the rate limits admitted the request: the record's answer, then the lease's.
+    pub(super) fn guards_decide(
+        &mut self,
+        at: &Pcx<'_>,
+        limit_headers: Vec<(String, String)>,
+    ) -> Step {
         let grpc = self.kind.grpc;
         let decision = match self.idem.as_mut() {
             Some(idem) => idem.decide(at, &limit_headers, grpc),
@@ -97,6 +106,11 @@ impl Flow {
         };
         match decision {
             IdemDecision::Answer(response) => self.answer(response),
+            IdemDecision::PollAt(poll_at_ms) => {
+                self.phase = Phase::RecordWaiting { poll_at_ms };
+                self.response_headers = limit_headers;
+                Step::Wait
+            }
             IdemDecision::Skipped => self.forward(limit_headers),
             IdemDecision::Acquired(fingerprint) => {
                 self.upstream_headers
@@ -150,6 +164,30 @@ impl Flow {
         let mut tag = Pending::of(Purpose::LeaseRetry);
         tag.lease = true;
         tag.lease_unsettled = true;
+        self.calls.clear();
+        let out = self
+            .calls
+            .push_and_send(tag, ScriptId::Acquire, call, at.now_ms);
+        self.phase = Phase::Acquiring {
+            deadline_ms: at.call_deadline(),
+            deferred: None,
+        };
+        Step::Dispatch(out.into_iter().collect())
+    }
+
+    /// Polls a record still in progress again (`in_progress: wait`); with the lease, which
+    /// a request that gets the record then needs.
+    pub(super) fn poll_record(&mut self, at: &Pcx<'_>) -> Step {
+        let Some(idem) = self.idem.as_ref() else {
+            return Step::Continue;
+        };
+        let lease = self.lease.as_ref().map(|l| &l.acquire);
+        let call = idem.poll_call(lease, &self.nonce);
+        let mut tag = Pending::of(Purpose::RecordRetry);
+        tag.idem = true;
+        tag.record_unsettled = true;
+        tag.lease = lease.is_some_and(|l| l.tag == idem.acquire.tag);
+        tag.lease_unsettled = tag.lease;
         self.calls.clear();
         let out = self
             .calls

@@ -5,14 +5,15 @@
 use super::background::{count_settlement, Background, Holder};
 use super::context::{Pcx, Purpose};
 use super::response::Assembly;
-use crate::config::{Completion, FingerprintPart, Idempotency, Replay};
+use super::wait::Backoff;
+use crate::config::{Completion, FingerprintPart, Idempotency, InProgress, Replay};
 use crate::grpc;
 use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
 use crate::idempotency::header::{parse_key, KeyError};
 use crate::idempotency::record::{Record, StoredResponse};
 use crate::keys;
 use crate::lograte::WarnKind;
-use crate::lua::acquire::{IdemAcquire, IdemAnswer};
+use crate::lua::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire};
 use crate::lua::record;
 use crate::metrics::IdemMetrics;
 use crate::redis::{resp::Reply, CallError, ScriptCall};
@@ -33,7 +34,15 @@ pub struct IdemGuard {
     pub answer: Option<IdemAnswer>,
     /// The response being stored.
     pub stored: Assembly,
+    /// Waiting for a duplicate still in progress (`in_progress: wait`).
+    wait: Backoff,
+    /// A settlement Redis confirmed, until this worker's waiters for the record are woken.
+    freed: bool,
 }
+
+/// First and largest pause between polls of a record still in progress (`in_progress: wait`).
+pub const RECORD_POLL_FIRST_MS: u64 = 50;
+pub const RECORD_POLL_MAX_MS: u64 = 200;
 
 /// What the acquire answer means for the request.
 #[derive(Debug)]
@@ -46,6 +55,8 @@ pub enum IdemDecision {
     NotAsked,
     /// Answer locally (in progress, conflict, replay); rate-limit headers already added.
     Answer(LocalResponse),
+    /// The same request is still in progress and this one waits for it: poll at this time.
+    PollAt(u64),
 }
 
 impl IdemGuard {
@@ -92,6 +103,8 @@ impl IdemGuard {
             owned: false,
             answer: None,
             stored: Assembly::default(),
+            wait: Backoff::new(RECORD_POLL_FIRST_MS, RECORD_POLL_MAX_MS, owner),
+            freed: false,
         }))
     }
 
@@ -140,6 +153,10 @@ impl IdemGuard {
         ) else {
             return IdemDecision::NotAsked;
         };
+        let waited = self.wait.waited();
+        if waited && !matches!(answer, IdemAnswer::InProgress { .. }) {
+            at.m.increment(im.waited);
+        }
         match answer {
             IdemAnswer::Acquired => {
                 at.m.increment(im.acquired);
@@ -147,6 +164,15 @@ impl IdemGuard {
                 IdemDecision::Acquired(self.acquire.fingerprint.clone())
             }
             IdemAnswer::Skipped => IdemDecision::Skipped,
+            IdemAnswer::InProgress { .. } if cfg.in_progress == InProgress::Wait => {
+                match self.wait.next_poll(at.now_ms, cfg.max_wait_ms) {
+                    Some(poll_at) => IdemDecision::PollAt(poll_at),
+                    None => {
+                        let response = self.local_answer(at, cfg, im, answer, grpc);
+                        IdemDecision::Answer(with_headers(response, limit_headers))
+                    }
+                }
+            }
             answer => {
                 let response = self.local_answer(at, cfg, im, answer, grpc);
                 IdemDecision::Answer(with_headers(response, limit_headers))
@@ -178,7 +204,9 @@ impl IdemGuard {
             IdemAnswer::InProgress { .. } => {
                 at.m.increment(im.in_progress);
                 respond::problem(
-                    Problem::IdempotencyKeyInUse,
+                    Problem::IdempotencyKeyInUse {
+                        status: cfg.in_progress_status,
+                    },
                     "a request with this Idempotency-Key is still being processed; retry later",
                     &[],
                     vec![("retry-after".to_string(), "1".to_string())],
@@ -252,6 +280,18 @@ impl IdemGuard {
             count_settlement(im, purpose, reply, &at.policy.name, &self.key_hash, at.m);
         }
         self.owned = false;
+        self.freed = reply.as_int() == Some(1);
+    }
+
+    /// The record this request settled, once (for the waiters of this worker).
+    pub fn take_freed(&mut self) -> Option<String> {
+        std::mem::take(&mut self.freed).then(|| self.acquire.key.clone())
+    }
+
+    /// The record-only acquire that polls a record still in progress (with the lease, when
+    /// the policy has one, so a request that gets the record also tries the lease).
+    pub fn poll_call(&self, lease: Option<&LeaseAcquire>, nonce: &str) -> ScriptCall {
+        acquire::record_poll(&self.acquire, lease, nonce)
     }
 
     /// The record could not be completed or released: the response goes out anyway and the

@@ -4,6 +4,7 @@
 
 use super::background::{Background, Holder};
 use super::context::{Pcx, Purpose};
+use super::wait::Backoff;
 use crate::config::{Lease, OnBusy};
 use crate::keys;
 use crate::lua::acquire::{self, LeaseAcquire, LeaseAnswer};
@@ -24,22 +25,11 @@ pub struct LeaseGuard {
     pub held: bool,
     /// The answer of an acquire that rode with the rate limits, until they are decided.
     pub answer: Option<LeaseAnswer>,
-    wait: Wait,
+    wait: Backoff,
     /// When to extend the lease next (`extend: true`).
     next_extend_ms: Option<u64>,
     /// A release Redis confirmed, until the waiters of this worker are woken.
     freed: bool,
-}
-
-/// Waiting for a busy lease.
-#[derive(Debug)]
-struct Wait {
-    /// Give up at this time (set at the first busy answer).
-    until_ms: Option<u64>,
-    backoff_ms: u64,
-    /// The jitter's state, seeded from the owner token: waiters that met the same busy lease
-    /// poll at different times instead of in lockstep.
-    jitter: u64,
 }
 
 /// What the lease answer means for the request.
@@ -88,11 +78,7 @@ impl LeaseGuard {
             },
             held: false,
             answer: None,
-            wait: Wait {
-                until_ms: None,
-                backoff_ms: LEASE_POLL_FIRST_MS,
-                jitter: seed(owner),
-            },
+            wait: Backoff::new(LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS, owner),
             next_extend_ms: None,
             freed: false,
         }))
@@ -107,7 +93,7 @@ impl LeaseGuard {
             LeaseAnswer::Skipped => LeaseDecision::Forward(None),
             LeaseAnswer::Acquired { token } => {
                 at.m.increment(lm.acquired);
-                if self.wait.until_ms.is_some() {
+                if self.wait.waited() {
                     at.m.increment(lm.waited);
                 }
                 self.held = true;
@@ -129,18 +115,7 @@ impl LeaseGuard {
         if cfg.on_busy != OnBusy::Wait {
             return None;
         }
-        let w = &mut self.wait;
-        let until = *w
-            .until_ms
-            .get_or_insert(now_ms.saturating_add(cfg.max_wait_ms));
-        let next = now_ms
-            .saturating_add(jittered(w.backoff_ms, &mut w.jitter))
-            .min(until);
-        if now_ms >= until {
-            return None;
-        }
-        w.backoff_ms = (w.backoff_ms * 2).min(LEASE_POLL_MAX_MS);
-        Some(next)
+        self.wait.next_poll(now_ms, cfg.max_wait_ms)
     }
 
     /// The acquire answered for the lease (kept until the rate limits are decided).
@@ -229,24 +204,4 @@ fn busy(lm: &LeaseMetrics, pttl_ms: i64, at: &Pcx<'_>) -> LocalResponse {
         &[],
         vec![("retry-after".to_string(), retry.to_string())],
     )
-}
-
-/// The pause before the next poll of a busy lease: between half the backoff and all of it
-/// ("equal jitter"), from a xorshift step of `state`.
-fn jittered(backoff_ms: u64, state: &mut u64) -> u64 {
-    let mut x = *state;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    *state = x;
-    let half = backoff_ms / 2;
-    half + x % (backoff_ms - half + 1)
-}
-
-/// A non-zero jitter seed from a token (FNV-1a).
-fn seed(token: &str) -> u64 {
-    let h = token.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    h.max(1)
 }

@@ -21,6 +21,7 @@ mod lease;
 mod replies;
 mod response;
 mod upstream;
+mod wait;
 pub mod worker;
 
 pub use background::{Background, Outbox, Settled, MAX_SENDS, RETRY_WINDOW_MS};
@@ -57,6 +58,9 @@ enum Phase {
     },
     /// The lease is busy and `on_busy: wait`: polling again at `poll_at_ms`.
     LeaseWaiting { poll_at_ms: u64 },
+    /// The same request is in progress and `in_progress: wait`: polling its record again at
+    /// `poll_at_ms`.
+    RecordWaiting { poll_at_ms: u64 },
     /// Answered locally; later answers are ignored.
     Answered,
     /// The request went on to the upstream; no response yet.
@@ -335,7 +339,9 @@ impl Flow {
     fn request_part(&self) -> Step {
         match self.phase {
             // Still deciding (or waiting for a lease): the body stays held with the headers.
-            Phase::Acquiring { .. } | Phase::LeaseWaiting { .. } => Step::Wait,
+            Phase::Acquiring { .. } | Phase::LeaseWaiting { .. } | Phase::RecordWaiting { .. } => {
+                Step::Wait
+            }
             _ => Step::Continue,
         }
     }
@@ -378,7 +384,9 @@ impl Flow {
             Phase::Acquiring { deadline_ms, .. } | Phase::Completing { deadline_ms } => {
                 Some(deadline_ms)
             }
-            Phase::LeaseWaiting { poll_at_ms } => Some(poll_at_ms),
+            Phase::LeaseWaiting { poll_at_ms } | Phase::RecordWaiting { poll_at_ms } => {
+                Some(poll_at_ms)
+            }
             _ => None,
         };
         let extend = self.lease.as_ref().and_then(LeaseGuard::next_extend_ms);
@@ -392,29 +400,40 @@ impl Flow {
     pub fn holds_request(&self) -> bool {
         matches!(
             self.phase,
-            Phase::Buffering { .. } | Phase::Acquiring { .. } | Phase::LeaseWaiting { .. }
+            Phase::Buffering { .. }
+                | Phase::Acquiring { .. }
+                | Phase::LeaseWaiting { .. }
+                | Phase::RecordWaiting { .. }
         )
     }
 
-    /// The lease this request waits for (`on_busy: wait`), while it waits.
-    pub fn waiting_for_lease(&self) -> Option<&str> {
+    /// The lease (`on_busy: wait`) or record (`in_progress: wait`) this request waits for,
+    /// while it waits.
+    pub fn waiting_for(&self) -> Option<&str> {
         match self.phase {
             Phase::LeaseWaiting { .. } => self.lease.as_ref().map(|l| l.acquire.key.as_str()),
+            Phase::RecordWaiting { .. } => self.idem.as_ref().map(|i| i.acquire.key.as_str()),
             _ => None,
         }
     }
 
-    /// The lease this request waits for was just given back on this worker: poll it at the
-    /// next tick instead of at the end of the backoff.
+    /// What this request waits for was just given back (or settled) on this worker: poll it
+    /// at the next tick instead of at the end of the backoff.
     pub fn wake(&mut self, now_ms: u64) {
-        if let Phase::LeaseWaiting { poll_at_ms } = &mut self.phase {
+        if let Phase::LeaseWaiting { poll_at_ms } | Phase::RecordWaiting { poll_at_ms } =
+            &mut self.phase
+        {
             *poll_at_ms = (*poll_at_ms).min(now_ms);
         }
     }
 
-    /// The lease this request gave back, once Redis said so (for [`Flow::wake`] of waiters).
-    pub fn take_freed_lease(&mut self) -> Option<String> {
-        self.lease.as_mut().and_then(LeaseGuard::take_freed)
+    /// The lease this request gave back or the record it settled, once Redis said so (for
+    /// [`Flow::wake`] of waiters).
+    pub fn take_freed(&mut self) -> Option<String> {
+        self.lease
+            .as_mut()
+            .and_then(LeaseGuard::take_freed)
+            .or_else(|| self.idem.as_mut().and_then(IdemGuard::take_freed))
     }
 
     /// Whether the response matters to this request (a record to complete, a lease to
@@ -467,3 +486,5 @@ impl Flow {
 mod quota_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod wait_tests;

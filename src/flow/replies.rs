@@ -62,6 +62,21 @@ impl Flow {
                 let headers = std::mem::take(&mut self.response_headers);
                 self.on_lease_answer(at, answer, headers)
             }
+            Purpose::RecordRetry => {
+                let read = match acquire::read_reply(reply, 0, true, tag.lease) {
+                    Ok(r) => r,
+                    Err(e) => return self.unreadable(at, slot, &e),
+                };
+                self.settled_call(slot);
+                if let (Some(answer), Some(i)) = (read.idem, self.idem.as_mut()) {
+                    i.answered(answer);
+                }
+                if let (Some(answer), Some(l)) = (read.lease, self.lease.as_mut()) {
+                    l.answered(answer);
+                }
+                let headers = std::mem::take(&mut self.response_headers);
+                self.guards_decide(at, headers)
+            }
             Purpose::Acquire => {
                 let read = match acquire::read_reply(reply, tag.limits.len(), tag.idem, tag.lease) {
                     Ok(r) => r,
@@ -185,6 +200,7 @@ impl Flow {
         let now = at.now_ms;
         match self.phase {
             Phase::LeaseWaiting { poll_at_ms } if now >= poll_at_ms => self.poll_lease(&at),
+            Phase::RecordWaiting { poll_at_ms } if now >= poll_at_ms => self.poll_record(&at),
             Phase::Buffering { until_ms, .. } if now >= until_ms => {
                 log::warn!(
                     "policy {}: no request body data for {} s; if no body ever arrives, the host \

@@ -2063,7 +2063,7 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
     // Backoff doubles up to the cap, each pause jittered within it.
     let mut flow = waiter("owner-a");
     assert_eq!(
-        flow.waiting_for_lease().map(|k| k.contains(":lease:")),
+        flow.waiting_for().map(|k| k.contains(":lease:")),
         Some(true)
     );
     let mut now = 0;
@@ -2084,7 +2084,7 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
     flow.wake(now + 3);
     assert_eq!(flow.deadline_ms(), Some(now + 3));
     dispatched(flow.on_tick(&Cx::new(&rt, now + 3, &rec)));
-    assert_eq!(flow.waiting_for_lease(), None, "polling, not waiting");
+    assert_eq!(flow.waiting_for(), None, "polling, not waiting");
 }
 
 #[test]
@@ -2111,11 +2111,11 @@ fn a_holder_reports_the_lease_it_freed() {
         &[],
         true,
     ));
-    assert_eq!(flow.take_freed_lease(), None, "not before Redis said so");
+    assert_eq!(flow.take_freed(), None, "not before Redis said so");
     flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(Reply::Int(1)));
-    let freed = flow.take_freed_lease().expect("freed");
+    let freed = flow.take_freed().expect("freed");
     assert!(freed.contains(":lease:"), "{freed}");
-    assert_eq!(flow.take_freed_lease(), None, "once");
+    assert_eq!(flow.take_freed(), None, "once");
 }
 
 /// A gRPC request with an Idempotency-Key.

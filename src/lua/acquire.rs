@@ -196,6 +196,18 @@ pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
     group_call(Vec::new(), 0, std::iter::empty(), nonce, sections)
 }
 
+/// A record-only acquire (with the lease, if given and in the record's hash tag): polls a
+/// record still in progress (`in_progress: wait`). Its reply is read by [`read_reply`] with no
+/// limits, the record, and the lease when it rides along.
+pub fn record_poll(idem: &IdemAcquire, lease: Option<&LeaseAcquire>, nonce: &str) -> ScriptCall {
+    let sections = Sections {
+        idem: Some(idem),
+        lease: lease.filter(|l| l.tag == idem.tag),
+        marker: Some(idem.cancel_key.clone()),
+    };
+    group_call(Vec::new(), 0, std::iter::empty(), nonce, sections)
+}
+
 /// What the idempotency section of an acquire found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IdemAnswer {

@@ -344,7 +344,7 @@ impl<S: Copy + Ord> Worker<S> {
                 if let Some(out) = settled.resend {
                     fx.calls.push(callout(cx, &out, Dest::Outbox(out.slot)));
                 }
-                if let Some(key) = settled.freed_lease {
+                if let Some(key) = settled.freed {
                     self.wake_waiters(&key, cx.now_ms);
                 }
             }
@@ -412,8 +412,8 @@ impl<S: Copy + Ord> Worker<S> {
         let flow = &mut entry.flow;
         let background = flow.take_background();
         let deadline = flow.deadline_ms();
-        let freed = flow.take_freed_lease();
-        let waits = flow.waiting_for_lease().is_some();
+        let freed = flow.take_freed();
+        let waits = flow.waiting_for().is_some();
         if waits {
             self.set_fine_tick(true, fx);
         }
@@ -433,7 +433,7 @@ impl<S: Copy + Ord> Worker<S> {
     fn wake_waiters(&mut self, key: &str, now_ms: u64) {
         for s in &self.waiting {
             if let Some(entry) = self.streams.get_mut(s) {
-                if entry.flow.waiting_for_lease() == Some(key) {
+                if entry.flow.waiting_for() == Some(key) {
                     entry.flow.wake(now_ms);
                 }
             }
@@ -444,7 +444,7 @@ impl<S: Copy + Ord> Worker<S> {
         self.waiting.iter().any(|s| {
             self.streams
                 .get(s)
-                .is_some_and(|e| e.flow.waiting_for_lease().is_some())
+                .is_some_and(|e| e.flow.waiting_for().is_some())
         })
     }
 
