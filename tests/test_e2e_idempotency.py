@@ -316,6 +316,92 @@ def test_concurrent_duplicates_across_two_sidecars_execute_once(shared, guard):
     assert sum(idem_stat(e, "create-order", "in_progress") for e in (left, right)) == 19
 
 
+# --- waiting duplicates (in_progress: wait) -------------------------------------------------------
+
+
+def processing(stack: Stack, envoy: Envoy, tenant: str, key: str) -> bool:
+    """The record of `key` is PROCESSING: the first request is running."""
+    record = stored(stack, record_key(envoy.key_prefix, tenant, "create-order", key))
+    return record is not None and record["state"] == "PROCESSING"
+
+
+def test_waiting_duplicates_get_the_first_answer_across_two_sidecars(shared, guard):
+    left, right = guard(policy(in_progress="wait", max_wait="5s"), sidecars=2)
+    tenant, key, path = new_tenant(), new_key(), f"/orders/{uid()}"
+    barrier = threading.Barrier(20)
+
+    def one(i):
+        barrier.wait(timeout=10)
+        return post((left, right)[i % 2], path, key, b'{"qty":2}', tenant=tenant, delay_ms=1000,
+                    status=201, header_location="/orders/o-20")
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        responses = list(pool.map(one, range(20)))
+    assert Counter(r.status for r in responses) == {201: 20}, (
+        [r for r in responses if r.status != 201], wasm_warnings(left), wasm_warnings(right))
+    originals = [r for r in responses if "idempotent-replayed" not in r.headers]
+    assert len(originals) == 1, originals
+    for r in responses:
+        if r is not originals[0]:
+            assert_replay_of(r, originals[0])
+    assert shared.upstream.count("POST", path) == 1
+    envoys = (left, right)
+    stats = {n: sum(idem_stat(e, "create-order", n) for e in envoys)
+             for n in ("acquired", "waited", "replayed", "in_progress")}
+    assert stats == {"acquired": 1, "waited": 19, "replayed": 19, "in_progress": 0}, stats
+
+
+def test_a_failed_first_request_is_run_again_by_exactly_one_waiter(shared, guard):
+    envoy = guard(policy(in_progress="wait", max_wait="5s"))
+    tenant, key, path = new_tenant(), new_key(), f"/orders/{uid()}"
+    # The first runs for 1 s and fails with a retryable 503: its record is released.
+    first = in_thread(lambda: post(envoy, path, key, b'{"qty":4}', tenant=tenant, delay_ms=1000,
+                                   status=503))
+    assert wait_for(lambda: processing(shared, envoy, tenant, key), timeout=5)
+
+    def duplicate(_):
+        return post(envoy, path, key, b'{"qty":4}', tenant=tenant, delay_ms=500, status=201,
+                    header_location="/orders/o-21")
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        waiters = list(pool.map(duplicate, range(8)))
+    assert first(timeout=10).status == 503
+    assert Counter(r.status for r in waiters) == {201: 8}, (waiters, wasm_warnings(envoy))
+    ran = [r for r in waiters if "idempotent-replayed" not in r.headers]
+    assert len(ran) == 1, ran
+    for r in waiters:
+        if r is not ran[0]:
+            assert_replay_of(r, ran[0])
+    assert shared.upstream.count("POST", path) == 2
+    assert idem_stat(envoy, "create-order", "released") == 1
+
+
+@pytest.mark.parametrize("status", [409, 425])
+def test_a_duplicate_waits_at_most_max_wait(shared, guard, status):
+    envoy = guard(policy(in_progress="wait", max_wait="300ms", in_progress_status=status))
+    tenant, key, path = new_tenant(), new_key(), f"/orders/{uid()}"
+    first = in_thread(lambda: post(envoy, path, key, tenant=tenant, delay_ms=2000, status=201))
+    assert wait_for(lambda: processing(shared, envoy, tenant, key), timeout=5)
+    late = post(envoy, path, key, tenant=tenant, status=201)
+    assert_problem(late, status, "idempotency_key_in_use")
+    assert late.headers.get("retry-after") == "1", late
+    assert 0.25 <= late.elapsed < 1.5, late.elapsed  # after max_wait, not after the upstream
+    assert first(timeout=10).status == 201
+    assert shared.upstream.count("POST", path) == 1
+    assert idem_stat(envoy, "create-order", "in_progress") == 1
+
+
+def test_a_waiting_duplicate_with_another_body_is_a_conflict_at_once(shared, guard):
+    envoy = guard(policy(in_progress="wait", max_wait="5s"))
+    tenant, key, path = new_tenant(), new_key(), f"/orders/{uid()}"
+    first = in_thread(lambda: post(envoy, path, key, b'{"a":1}', tenant=tenant, delay_ms=1500))
+    assert wait_for(lambda: processing(shared, envoy, tenant, key), timeout=5)
+    other = post(envoy, path, key, b'{"a":2}', tenant=tenant)
+    assert_problem(other, 422, "idempotency_key_conflict")
+    assert other.elapsed < 1.0, other.elapsed
+    assert first(timeout=10).status == 200
+
+
 # --- same key, different request -----------------------------------------------------------------
 
 
