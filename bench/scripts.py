@@ -51,16 +51,17 @@ class Case:
 
 
 def limit(algo: str, lim: int = BIG, window_ms: int = HOUR_MS) -> list:
-    """One limit's five ARGV values; burst only matters to tb, which gets burst = limit."""
-    return [algo, lim, window_ms, lim if algo == "tb" else 1, "0"]
+    """One limit's six ARGV values at cost 1; burst only matters to tb, which gets
+    burst = limit."""
+    return [algo, lim, window_ms, lim if algo == "tb" else 1, "0", 1]
 
 
 def one(algo: str) -> Callable[[int], tuple[list, list]]:
-    return lambda i: (["{b}:" + algo], [1, 1, f"n{i}", *limit(algo), "0"])
+    return lambda i: (["{b}:" + algo], [1, f"n{i}", *limit(algo), "0"])
 
 
 def fw_two(i: int) -> tuple[list, list]:
-    return ["{b}:fw1", "{b}:fw2"], [2, 1, "-", *limit("fw"), *limit("fw", window_ms=60_000), "0"]
+    return ["{b}:fw1", "{b}:fw2"], [2, "-", *limit("fw"), *limit("fw", window_ms=60_000), "0"]
 
 
 FINGERPRINT = "sha256:" + "ab" * 32
@@ -69,16 +70,16 @@ OWNER = uuid.uuid4().hex
 
 def idem(i: int) -> tuple[list, list]:
     return (["{b}:fw", f"{{b}}:idem:{i}"],
-            [1, 1, "-", *limit("fw"), "1", FINGERPRINT, OWNER, 60_000])
+            [1, "-", *limit("fw"), "1", FINGERPRINT, OWNER, 60_000])
 
 
 def lease(i: int) -> tuple[list, list]:
     return (["{b}:fw", f"{{b}}:lease:{i}", f"{{b}}:fence:{i}"],
-            [1, 1, "-", *limit("fw"), "0", "1", OWNER, 30_000, 86_400_000])
+            [1, "-", *limit("fw"), "0", "1", OWNER, 30_000, 86_400_000])
 
 
 def rejected(i: int) -> tuple[list, list]:
-    return ["{b}:full"], [1, 1, "-", *limit("fw", lim=1), "0"]
+    return ["{b}:full"], [1, "-", *limit("fw", lim=1), "0"]
 
 
 def fill(client, sha: str) -> None:
@@ -92,6 +93,7 @@ CASES = [
     Case("sw", "sliding_window, 1 limit, admitted", one("sw")),
     Case("sl", "sliding_log, 1 limit, admitted", one("sl")),
     Case("tb", "token_bucket, 1 limit, admitted", one("tb")),
+    Case("cc", "concurrency, 1 limit, admitted", one("cc")),
     Case("fw2", "fixed_window, 2 limits, admitted", fw_two),
     Case("idem", "fw + idempotency on, fresh record key", idem, acquired=(-3,)),
     Case("lease", "fw + lease on, fresh lease/fence keys", lease, acquired=(-2,)),

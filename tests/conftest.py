@@ -114,6 +114,15 @@ def redis_client(redis_server):
 
 
 @pytest.fixture
+def gateway(redis_server, redis_client):
+    """redis-py as the gateway user (keys `cg:*`, only GATEWAY_COMMANDS), on an empty Redis:
+    a script it runs has exactly the permissions the filter's scripts have through webdis."""
+    client = redis_server.gateway_client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
 def stack_factory(tmp_path, topology):
     """`stack_factory(plugin_config=None, envoys=1, **Stack kwargs)` -> a started Stack.
 

@@ -8,17 +8,15 @@ every path that reaches a different command.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import uuid
-from pathlib import Path
 
 import pytest
 import redis
 
 from harness.proc import GATEWAY_COMMANDS, gateway_acl_rules
+from harness.scripts import LUA, Script
 
-LUA = Path(__file__).resolve().parents[1] / "src" / "lua"
 TAG = "{t.acl}"
 FP = "sha256:" + "a" * 64
 RESPONSE = '{"status":201,"headers":[],"body":"ok"}'
@@ -42,41 +40,19 @@ def test_gateway_commands_are_exactly_the_scripts_commands():
     assert gateway_acl_rules("cg:demo") == (
         "~cg:demo:* resetchannels -@all +eval +evalsha +time +get +set +del +exists +type +pttl "
         "+pexpire "
-        "+incrby +hmget +hset +zadd +zcount +zrange +zrangebyscore +zremrangebyscore")
-
-
-@pytest.fixture
-def gateway(redis_server, redis_client):
-    client = redis_server.gateway_client()
-    yield client
-    client.close()
-
-
-class Script:
-    """A script called the way the filter calls it: EVAL, then EVALSHA once Redis has it
-    (the gateway user may not run SCRIPT LOAD, which redis-py's register_script would)."""
-
-    def __init__(self, client, *names: str):
-        self.client = client
-        self.source = "".join((LUA / n).read_text() for n in names)
-        self.sha = None
-
-    def __call__(self, keys: list, args: list):
-        if self.sha is None:
-            reply = self.client.eval(self.source, len(keys), *keys, *args)
-            self.sha = hashlib.sha1(self.source.encode()).hexdigest()
-            return reply
-        return self.client.evalsha(self.sha, len(keys), *keys, *args)
+        "+incrby +hmget +hset +zadd +zcount +zrange +zrangebyscore +zremrangebyscore +zrem "
+        "+zscore")
 
 
 def acquire_args(prefix: str, own: str, fence_ttl_ms: int = 600_000):
-    """acquire.lua with one limit of every algorithm, an idempotency record and a lease."""
+    """acquire.lua with one limit of every algorithm, an idempotency record and a lease; the
+    owner token is the nonce too (the concurrency slot's member)."""
     limits = [("fw", 1, 60_000, 1), ("sw", 1, 60_000, 1), ("sl", 1, 60_000, 1),
-              ("tb", 1, 60_000, 1), ("lq", 2, 60_000, 2)]
+              ("tb", 1, 60_000, 1), ("lq", 2, 60_000, 2), ("cc", 1, 60_000, 1)]
     keys = [f"{prefix}:rl:{TAG}:{algo}" for algo, *_ in limits]
-    args: list = [len(limits), 1, uuid.uuid4().hex]
+    args: list = [len(limits), own]
     for algo, limit, window, burst in limits:
-        args += [algo, limit, window, burst, "0"]
+        args += [algo, limit, window, burst, "0", 1]
     keys.append(f"{prefix}:idem:{TAG}:op:k")
     args += ["1", FP, own, 30_000]
     keys += [f"{prefix}:lease:{TAG}:op:r", f"{prefix}:fence:{TAG}:op:r"]
@@ -96,18 +72,27 @@ def test_every_script_runs_as_the_gateway_user(gateway, redis_client):
     # Again, by EVALSHA: every limit now rejects (the over-limit paths), nothing is written.
     second = acquire(keys, acquire_args(prefix, uuid.uuid4().hex)[1])
     complete = Script(gateway, "complete.lua")
-    completed = complete([keys[5]], [own, FP, 60_000, RESPONSE])
+    completed = complete([keys[6]], [own, FP, 60_000, RESPONSE])
     # A completed record is read back (and decoded) by the next acquire of the same key.
-    replay = acquire([keys[5]], [0, 1, "n", "1", FP, uuid.uuid4().hex, 30_000])
+    replay = acquire([keys[6]], [0, "n", "1", FP, uuid.uuid4().hex, 30_000])
     release = Script(gateway, "release.lua")
     idem2, own2 = f"{prefix}:idem:{TAG}:op:k2", uuid.uuid4().hex
     # With the owner's cancellation marker (EXISTS): not cancelled, so it takes the record.
-    taken2 = acquire([idem2, f"{prefix}:cancel:{TAG}:op:{own2}"], [0, 1, "n", "1", FP, own2, 30_000])
+    taken2 = acquire([idem2, f"{prefix}:cancel:{TAG}:op:{own2}"], [0, "n", "1", FP, own2, 30_000])
     released = release([idem2], [own2])
-    extended = Script(gateway, "lease_extend.lua")([keys[6]], [own, 45_000])
-    lease_released = Script(gateway, "lease_release.lua")([keys[6]], [own])
+    extended = Script(gateway, "lease_extend.lua")([keys[7]], [own, 45_000])
+    lease_released = Script(gateway, "lease_release.lua")([keys[7]], [own])
+    # The concurrency slot the first acquire took (member: its nonce, the owner token):
+    # extended, then released with the owner's cancellation marker.
+    cc_key, cancel = keys[5], f"{prefix}:cancel:{TAG}:op:{own}"
+    slot_extended = Script(gateway, "slot_extend.lua")([cc_key], [own, 60_000])
+    slot_released = Script(gateway, "slot_release.lua")([cc_key, cancel], [own, 120_000])
+    # charge.lua on every algorithm it takes: up on fw and tb, down (to zero) on sw.
+    charge = Script(gateway, "charge.lua")
+    charged = charge(keys[:2] + [keys[3]], [3, "fw", 1, 60_000, 2, "sw", 1, 60_000, -5,
+                                            "tb", 1, 60_000, 1])
     batch = Script(gateway, "batch_head.lua", "acquire.lua", "batch_tail.lua")
-    sub = ["1", "1", "n", "fw", "5", "60000", "5", "0", "0", "0"]
+    sub = ["1", "n", "fw", "5", "60000", "5", "0", "1", "0"]
     batch_key = f"{prefix}:rl:{TAG}:batch"
     batched = batch([batch_key, batch_key], ["2", "1", str(len(sub)), *sub, "1", str(len(sub)), *sub])
 
@@ -126,7 +111,10 @@ def test_every_script_runs_as_the_gateway_user(gateway, redis_client):
     assert completed == 1
     assert replay[1] == 3 and b"COMPLETED" in replay[3], replay
     assert (taken2[1], released) == (1, 1) and not redis_client.exists(idem2)
-    assert (extended, lease_released) == (1, 1) and not redis_client.exists(keys[6])
+    assert (extended, lease_released) == (1, 1) and not redis_client.exists(keys[7])
+    assert (slot_extended, slot_released) == (1, 1) and not redis_client.exists(cc_key)
+    assert redis_client.get(cancel) == b"1"
+    assert charged == [2, -1, 1] and redis_client.get(keys[0]) == b"3"
     n = int(batched[0])
     assert [int(v) for v in batched[1:4]] == [1, 1, 4] and int(batched[2 + n]) > 0, batched
     assert redis_client.get(batch_key) == b"2"

@@ -20,7 +20,7 @@ def scripts(redis_client):
 
 def fw_call(key, limit, nonce):
     """One fixed-window limit, no idempotency, no lease."""
-    return [key], ["1", "1", nonce, "fw", str(limit), "60000", str(limit), "0", "0", "0"]
+    return [key], ["1", nonce, "fw", str(limit), "60000", str(limit), "0", "1", "0"]
 
 
 def batch_args(calls):
@@ -61,7 +61,7 @@ def test_sub_calls_answer_like_separate_calls(scripts, redis_client):
 
 def test_a_failing_sub_call_does_not_take_the_others_down(scripts, redis_client):
     _, batched = scripts
-    bad = (["cg:{a}:bad"], ["1", "1", "n", "xx", "5", "1000", "5", "0", "0", "0"])  # unknown algo
+    bad = (["cg:{a}:bad"], ["1", "n", "xx", "5", "1000", "5", "0", "1", "0"])  # unknown algo
     keys, args = batch_args([fw_call("cg:{a}:k", 5, "n1"), bad, fw_call("cg:{a}:k", 5, "n2")])
     got = split(batched(keys=keys, args=args))
     assert got[0][:3] == [1, 1, 4]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.scripts import Limit, owner
+from harness.scripts import Limit, limits_argv, owner
 
 LUA = Path(__file__).resolve().parents[1] / "src" / "lua"
 
@@ -52,9 +52,7 @@ class S:
     def acquire_call(own: str, idem: bool = True, lease: bool = True, with_marker: bool = True,
                      limits: list = ()):
         keys = [k for k, _ in limits]
-        args: list = [str(len(limits)), "1", owner()]
-        for _, lim in limits:
-            args += [str(a) for a in lim.argv()]
+        args = [str(a) for a in limits_argv([lim for _, lim in limits])]
         if idem:
             keys.append(IDEM)
             args += ["1", FP, own, "60000"]

@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness.scripts import Limit, owner
+from harness.scripts import Limit, limits_argv, owner
 import redis
 
 LUA = Path(__file__).parents[1] / "src/lua"
@@ -56,10 +55,7 @@ class Scripts:
     def acquire(self, key: str = KEY, fp: str = FP, own: str | None = None,
                 ttl_ms: int = PROCESSING_TTL, limits: list[tuple[str, Limit]] = (),
                 cost: int = 1) -> Acquired:
-        argv: list = [len(limits), cost, uuid.uuid4().hex]
-        for _, lim in limits:
-            argv += lim.argv()
-        argv += ["1", fp, own or owner(), ttl_ms]
+        argv = limits_argv([lim for _, lim in limits], cost) + ["1", fp, own or owner(), ttl_ms]
         reply = self._acquire(keys=[k for k, _ in limits] + [key], args=argv)
         n = len(limits)
         assert len(reply) == 1 + 4 * n + 3, reply
@@ -401,14 +397,14 @@ def test_conflict_consumes_rate_limits(s, redis_client):
 
 
 def test_no_limits_idempotency_only(s, redis_client):
-    reply = s._acquire(keys=[KEY], args=[0, 1, "nonce", "1", FP, owner(), PROCESSING_TTL])
+    reply = s._acquire(keys=[KEY], args=[0, "nonce", "1", FP, owner(), PROCESSING_TTL])
     assert reply[:2] == [1, ACQUIRED] and 0 < reply[2] <= PROCESSING_TTL and reply[3] == b""
     assert redis_client.keys("*") == [KEY.encode()]
 
 
 def test_idempotency_off_replies_rate_limits_only(s, redis_client):
     fw = LIMITS[0]
-    reply = s._acquire(keys=[fw[0]], args=[1, 1, "nonce", *fw[1].argv(), "0"])
+    reply = s._acquire(keys=[fw[0]], args=[1, "nonce", *fw[1].argv(), "0"])
     assert len(reply) == 5 and reply[0] == 1
     assert redis_client.keys("*") == [fw[0].encode()]
 
@@ -438,16 +434,17 @@ def test_every_key_has_a_ttl_after_every_script(s, redis_client):
 
 
 ACQUIRE_BAD_ARGS = {
-    "ttl-zero": ([0, 1, "n", "1", FP, "o", 0], [KEY]),
-    "ttl-not-a-number": ([0, 1, "n", "1", FP, "o", "soon"], [KEY]),
-    "ttl-missing": ([0, 1, "n", "1", FP, "o"], [KEY]),
-    "flag-missing": ([0, 1, "n"], []),
-    "flag-bad": ([0, 1, "n", "yes", FP, "o", 1000], [KEY]),
-    "record-key-missing": ([0, 1, "n", "1", FP, "o", 1000], []),
-    "extra-key": ([0, 1, "n", "0"], [KEY]),
-    "cost-zero": ([0, 0, "n", "1", FP, "o", 1000], [KEY]),
-    "limit-bad": ([1, 1, "n", "fw", "x", 1000, 1, "0", "1", FP, "o", 1000], ["{t1}:c", KEY]),
-    "algo-bad": ([1, 1, "n", "zz", 1, 1000, 1, "0", "1", FP, "o", 1000], ["{t1}:c", KEY]),
+    "ttl-zero": ([0, "n", "1", FP, "o", 0], [KEY]),
+    "ttl-not-a-number": ([0, "n", "1", FP, "o", "soon"], [KEY]),
+    "ttl-missing": ([0, "n", "1", FP, "o"], [KEY]),
+    "flag-missing": ([0, "n"], []),
+    "flag-bad": ([0, "n", "yes", FP, "o", 1000], [KEY]),
+    "record-key-missing": ([0, "n", "1", FP, "o", 1000], []),
+    "extra-key": ([0, "n", "0"], [KEY]),
+    "cost-negative": ([1, "n", "fw", 1, 1000, 1, "0", -1, "1", FP, "o", 1000], ["{t1}:c", KEY]),
+    "cost-fraction": ([1, "n", "fw", 1, 1000, 1, "0", 0.5, "1", FP, "o", 1000], ["{t1}:c", KEY]),
+    "limit-bad": ([1, "n", "fw", "x", 1000, 1, "0", 1, "1", FP, "o", 1000], ["{t1}:c", KEY]),
+    "algo-bad": ([1, "n", "zz", 1, 1000, 1, "0", 1, "1", FP, "o", 1000], ["{t1}:c", KEY]),
 }
 
 
@@ -455,7 +452,7 @@ ACQUIRE_BAD_ARGS = {
 def test_acquire_bad_arguments_fail_before_any_write(s, redis_client, args, keys):
     # with a valid counter in front, so a late failure would leave it consumed
     keys = ["{t1}:rl:fw"] + keys
-    args = [args[0] + 1, *args[1:3], *LIMITS[0][1].argv(), *args[3:]]
+    args = [args[0] + 1, args[1], *LIMITS[0][1].argv(), *args[2:]]
     with pytest.raises(redis.ResponseError, match="acquire.lua: "):
         s._acquire(keys=keys, args=args)
     assert redis_client.keys("*") == []

@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness.scripts import Limit, owner
+from harness.scripts import Limit, limits_argv, owner
 import redis
 
 LUA = Path(__file__).parents[1] / "src/lua"
@@ -79,9 +78,7 @@ class Scripts:
                 limits: list = (), idem: Idem | None = None, cost: int = 1) -> Got:
         n = len(limits)
         keys = [k for k, _ in limits]
-        argv: list = [n, cost, uuid.uuid4().hex]
-        for _, lim in limits:
-            argv += lim.argv()
+        argv = limits_argv([lim for _, lim in limits], cost)
         if idem:
             keys.append(idem.key)
             argv += ["1", idem.fp, idem.own, idem.ttl_ms]
@@ -467,7 +464,7 @@ def test_lease_with_limits_without_idempotency(s, redis_client):
 
 def test_lease_only(s, redis_client):
     a = owner()
-    reply = s._acquire(keys=[LEASE, FENCE], args=[0, 1, "nonce", "0", *lease_argv(a)])
+    reply = s._acquire(keys=[LEASE, FENCE], args=[0, "nonce", "0", *lease_argv(a)])
     assert len(reply) == 3 and reply[:2] == [1, ACQUIRED] and int(reply[2]) > 0
     assert redis_client.get(LEASE) == a.encode()
 
@@ -475,10 +472,10 @@ def test_lease_only(s, redis_client):
 @pytest.mark.parametrize("flag", [["0"], []], ids=["flag-0", "flag-absent"])
 def test_lease_off_keeps_the_reply_shape(s, redis_client, flag):
     fw = LIMITS[0]
-    reply = s._acquire(keys=[fw[0]], args=[1, 1, "nonce", *fw[1].argv(), "0", *flag])
+    reply = s._acquire(keys=[fw[0]], args=[1, "nonce", *fw[1].argv(), "0", *flag])
     assert len(reply) == 5 and reply[0] == 1
     reply = s._acquire(keys=[fw[0], IDEM],
-                       args=[1, 1, "nonce", *fw[1].argv(), "1", FP, owner(), 1_000, *flag])
+                       args=[1, "nonce", *fw[1].argv(), "1", FP, owner(), 1_000, *flag])
     assert len(reply) == 8 and reply[5] == IDEM_ACQUIRED
     assert sorted(redis_client.keys("*")) == sorted([fw[0].encode(), IDEM.encode()])
 
@@ -536,7 +533,7 @@ def test_acquire_bad_lease_arguments_fail_before_any_write(s, redis_client, args
     # with a valid counter in front, so a late failure would leave it consumed
     fw_key, fw = LIMITS[0]
     with pytest.raises(redis.ResponseError, match="acquire.lua: "):
-        s._acquire(keys=[fw_key, *keys], args=[1, 1, "nonce", *fw.argv(), *args])
+        s._acquire(keys=[fw_key, *keys], args=[1, "nonce", *fw.argv(), *args])
     assert redis_client.keys("*") == []
 
 

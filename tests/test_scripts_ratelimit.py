@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from harness.scripts import Verdict, limits_argv, raw_state, redis_now_us
 
 SCRIPT = Path(__file__).parents[1] / "src/lua/acquire.lua"
 MARGIN_S = 0.03  # added to every sleep the script told us to take
@@ -44,25 +45,9 @@ class Limit:
             "tb": self.capacity * self.t_ms + 1,
         }[self.algo]
 
-    def argv(self) -> list:
+    def argv(self, cost: int = 1) -> list:
         return [self.algo, self.limit, self.window_ms, self.burst or self.limit,
-                "1" if self.shadow else "0"]
-
-
-def rate_limit_argv(limits: list[Limit], cost: int = 1, nonce: str | None = None) -> list:
-    """acquire.lua's ARGV up to the limits: n, cost, nonce, then five values per limit."""
-    argv: list = [len(limits), cost, nonce or uuid.uuid4().hex]
-    for lim in limits:
-        argv += lim.argv()
-    return argv
-
-
-@dataclass(frozen=True)
-class Verdict:
-    allowed: bool
-    remaining: int
-    reset_ms: int
-    retry_after_ms: int
+                "1" if self.shadow else "0", cost]
 
 
 class RateLimitScript:
@@ -72,7 +57,7 @@ class RateLimitScript:
         self.script = client.register_script(SCRIPT.read_text())
 
     def call(self, limits: list[tuple[str, Limit]], cost: int = 1) -> tuple[bool, list[Verdict]]:
-        argv = rate_limit_argv([lim for _, lim in limits], cost) + ["0"]  # idempotency off
+        argv = limits_argv([lim for _, lim in limits], cost) + ["0"]  # idempotency off
         reply = self.script(keys=[k for k, _ in limits], args=argv)
         assert len(reply) == 1 + 4 * len(limits)
         assert all(isinstance(v, int) for v in reply), reply
@@ -94,25 +79,6 @@ class RateLimitScript:
 @pytest.fixture
 def rl(redis_client) -> RateLimitScript:
     return RateLimitScript(redis_client)
-
-
-def raw_state(r, key: str):
-    """Everything the script stores under `key`, without the TTL."""
-    kind = r.type(key).decode()
-    if kind == "none":
-        return None
-    if kind == "string":
-        return r.get(key)
-    if kind == "hash":
-        return r.hgetall(key)
-    if kind == "zset":
-        return r.zrange(key, 0, -1, withscores=True)
-    raise AssertionError(f"unexpected type {kind} at {key}")
-
-
-def redis_now_us(r) -> int:
-    sec, usec = r.time()
-    return sec * 1_000_000 + usec
 
 
 def sleep_ms(ms: float) -> None:
@@ -475,7 +441,7 @@ def test_leased_quota_slices_never_exceed_the_limit(redis_client):
     slices = []
     for i in range(40):
         reply = [int(v) for v in script(keys=[key], args=[
-            "1", "1", f"n{i}", "lq", "50", "60000", "50", "0", "0", "0"])]
+            "1", f"n{i}", "lq", "50", "60000", "50", "0", "1", "0"])]
         if reply[0] == 0:
             assert reply[1] == 0 and reply[4] >= 1, reply  # rejected: retry after the window
             break

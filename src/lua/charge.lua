@@ -18,7 +18,8 @@
 -- Where the difference lands:
 --   fw  the counter's current window; a positive delta opens a window (PX window_ms) if none
 --       is open, so a request admitted at cost 0 still counts.
---   sw  the current aligned window's count (rolled over as acquire.lua does).
+--   sw  the current aligned window's count (rolled over as acquire.lua does); the key is
+--       written only when that count moves, so a negative delta never creates one.
 --   tb  the theoretical arrival time moves by delta * (window / limit): never before now (a
 --       full bucket); the key lives until the bucket is full again.
 -- So a charge that arrives after the request's window ended counts in the window it arrives
@@ -87,7 +88,7 @@ for i = 1, n do
       prev, cur = 0, 0
     end
     moved = math.max(delta, -cur)
-    if moved ~= 0 or stored ~= idx then
+    if moved ~= 0 then -- else nothing to write: acquire.lua rolls the windows over itself
       redis.call('HSET', key, 'w', int(idx), 'c', int(cur + moved), 'p', int(prev))
       redis.call('PEXPIRE', key, 2 * window_ms)
     end

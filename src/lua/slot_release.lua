@@ -11,8 +11,9 @@
 -- ARGV[2]  marker_ttl_ms: integer > 0, required iff KEYS[2] is given
 --
 -- Reply: integer
---    1 RELEASED  the slot was held: removed
---    0 MISSING   no such slot (it expired, or was never taken); nothing written but the marker
+--    1 RELEASED  the member was there: removed (also one whose slot had expired, not yet swept)
+--    0 MISSING   no such member (swept or gone with its key after it expired, released, or
+--                never taken); nothing written but the marker
 
 local function bad(what) error('slot_release.lua: ' .. what, 0) end
 
