@@ -468,3 +468,39 @@ def test_complete_bad_arguments_fail_and_leave_record(s, redis_client, ttl, resp
     with pytest.raises(redis.ResponseError, match="complete.lua: "):
         s.complete(a, ttl_ms=ttl, response=response)
     assert snapshot(redis_client) == before
+
+
+def test_waiting_duplicates_poll_the_record_alone_and_one_takes_it_after_a_release(s, redis_client):
+    """`in_progress: wait`: a duplicate asks again for the record only (no limits, so its
+    quota is not consumed twice). While the first runs it is IN_PROGRESS; once the first
+    releases it, exactly one of the concurrent pollers ACQUIRES it; once that one completes,
+    the others read it COMPLETED."""
+    limit_key = "rl:{t1}:op:l"
+    first = owner()
+    got = s.acquire(own=first, limits=[(limit_key, Limit("fw", 100, 60_000))])
+    assert (got.admitted, got.code) == (True, ACQUIRED)
+    assert redis_client.get(limit_key) == b"1"
+    polled = s.acquire(own=owner())
+    assert polled.code == IN_PROGRESS and polled.pttl_ms > 0
+    assert redis_client.get(limit_key) == b"1", "a poll consumes no quota"
+
+    assert s.release(first) == DONE
+    pollers = [owner() for _ in range(12)]
+    codes: dict[str, int] = {}
+    barrier = threading.Barrier(len(pollers))
+
+    def poll(own: str) -> None:
+        client = redis.Redis(connection_pool=redis_client.connection_pool)
+        barrier.wait(timeout=5)
+        codes[own] = Scripts(client).acquire(own=own).code
+
+    threads = [threading.Thread(target=poll, args=(o,)) for o in pollers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(codes.values()) == [ACQUIRED] + [IN_PROGRESS] * 11, codes
+    winner = next(o for o, c in codes.items() if c == ACQUIRED)
+    assert s.complete(winner) == DONE
+    after = s.acquire(own=owner())
+    assert after.code == COMPLETED and json.loads(after.record)["response"]["status"] == 201
