@@ -11,7 +11,9 @@ Timestamps are checked against Redis TIME read around the call, never the local 
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import threading
 import time
 import uuid
@@ -276,6 +278,24 @@ def test_large_response_round_trips(s, redis_client, ensure_ascii):
     assert replay.code == COMPLETED
     assert replay.record.endswith(b',"response":' + response.encode() + b"}")
     assert json.loads(replay.record)["response"]["body"] == body
+
+
+def test_a_sealed_response_is_stored_and_handed_out_verbatim(s, redis_client):
+    """`idempotency.encryption` hands complete.lua a sealed response object: the scripts store
+    it, keep the state machine around it, and give it back as COMPLETED, never looking in."""
+    ct = base64.b64encode(os.urandom(96 * 1024)).decode()  # a 64 KiB response, sealed
+    sealed = json.dumps({"sealed": {"alg": "A256GCM", "kid": "0123456789abcdef",
+                                    "nonce": base64.b64encode(os.urandom(12)).decode(), "ct": ct}},
+                        separators=(",", ":"))
+    a = owner()
+    s.acquire(own=a)
+    assert s.complete(a, response=sealed) == DONE
+    replay = s.acquire()
+    assert replay.code == COMPLETED
+    assert replay.record.endswith(b',"response":' + sealed.encode() + b"}")
+    rec = json.loads(replay.record)
+    assert (rec["state"], rec["fingerprint"]) == ("COMPLETED", FP)
+    assert s.acquire(fp=FP2).code == CONFLICT, "the fingerprint is still compared in the clear"
 
 
 # --- release -----------------------------------------------------------------------------
