@@ -117,9 +117,9 @@ bench: deps build ## Filter cost vs plain Envoy (wrk, real stack): table, bench/
 bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match, keys, fingerprints, whole requests).
 	cargo bench --bench core
 
-# The core benchmark's .wasm, as cargo reports it.
+# The core benchmark's .wasm, as cargo reports it (not cg-check's, which cargo builds with it).
 CORE_WASM = cargo bench --bench core --target $(WASM_TARGET) --no-run --message-format=json 2>/dev/null \
-  | python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])'
+  | python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["kind"] == ["bench"]][-1])'
 
 bench-core-v8: deps-rust deps-node ## The same micro-benchmarks built for wasm32-wasip1 and run in V8 (Node's), the engine Envoy embeds. Env CORE_FILTER=<text>.
 	cargo bench --bench core --target $(WASM_TARGET) --no-run

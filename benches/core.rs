@@ -1,7 +1,8 @@
-//! Micro-benchmarks of the per-request core: policy match, key building, body fingerprint, and
-//! the whole per-request work of the filter's core on three paths (exact allowed, rejected by
-//! the over-limit cache, admitted from a leased slice): what the filter itself adds to a
-//! request, apart from the host (Envoy, V8) and the callout.
+//! Micro-benchmarks of the per-request core: policy match, key building, body fingerprint,
+//! sealing and opening a stored response (`idempotency.encryption`), and the whole per-request
+//! work of the filter's core on three paths (exact allowed, rejected by the over-limit cache,
+//! admitted from a leased slice): what the filter itself adds to a request, apart from the
+//! host (Envoy, V8) and the callout.
 //!
 //! `cargo bench --bench core` (or `make bench-core`). Plain `Instant` loops with `black_box`,
 //! no benchmark framework: each case is calibrated to about 50 ms per sample, sampled
@@ -14,6 +15,8 @@
 use coordination_guard::config::Config;
 use coordination_guard::flow::{Cx, Flow, Runtime, Step};
 use coordination_guard::idempotency::fingerprint::{canonical_body, Fingerprint};
+use coordination_guard::idempotency::record::{Record, RecordResponse, StoredResponse};
+use coordination_guard::idempotency::seal::{fresh_nonce, record_aad, Keyring, RecordKey};
 use coordination_guard::keys;
 use coordination_guard::metrics::{Metrics, NoMetrics};
 use coordination_guard::ratelimit;
@@ -226,7 +229,63 @@ fn main() {
         body_1k.len(),
         body_64k.len()
     );
+    sealed_records(&body_1k, &body_64k);
     whole_requests();
+}
+
+/// A completed record's response stored and read back, in the clear and sealed: what
+/// `idempotency.encryption` adds to a completion (JSON, a nonce from the host, AES-256-GCM,
+/// base64) and to a replay (parse, base64, AES-256-GCM, parse).
+fn sealed_records(body_1k: &[u8], body_64k: &[u8]) {
+    let keys = Keyring::new(
+        RecordKey::from_bytes(&[0x5a; 32]).expect("a 32-byte key"),
+        None,
+    );
+    let aad = record_aad(
+        "cg:demo:idem:{t.5b0c3e1f9a2d4c6b}:create-order:0123456789abcdef0123456789abcdef",
+        "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+    );
+    let record = |response: &str| {
+        format!(
+            r#"{{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08","created_ms":1,"updated_ms":2,"response":{response}}}"#
+        )
+        .into_bytes()
+    };
+    let open = |bytes: &[u8]| -> StoredResponse {
+        let response = Record::parse(bytes).and_then(|r| r.response);
+        let opened = response.map(|r| r.open(Some(&keys), &aad));
+        opened.and_then(Result::ok).expect("opens")
+    };
+    let seal = |stored: &StoredResponse| -> String {
+        let nonce = fresh_nonce().expect("random bytes");
+        stored.seal(&keys, &aad, nonce).expect("sealed").to_json()
+    };
+    for (name, body) in [("1 KiB", body_1k), ("64 KiB", body_64k)] {
+        let headers = vec![
+            ("content-type".to_string(), "application/json".to_string()),
+            ("location".to_string(), "/orders/o-4711".to_string()),
+        ];
+        let stored = StoredResponse::new(201, headers, Some(body));
+        let plain = record(&stored.to_json());
+        let sealed = record(&seal(&stored));
+        assert_eq!(open(&sealed), stored);
+        assert!(matches!(
+            Record::parse(&plain).and_then(|r| r.response),
+            Some(RecordResponse::Plain(_))
+        ));
+        report(&format!("store in the clear: {name} response"), || {
+            black_box(black_box(&stored).to_json());
+        });
+        report(&format!("seal: {name} response (+ nonce, AES-GCM)"), || {
+            black_box(seal(black_box(&stored)));
+        });
+        report(&format!("read in the clear: {name} record"), || {
+            black_box(Record::parse(black_box(&plain)));
+        });
+        report(&format!("open: {name} record (AES-GCM, parse)"), || {
+            black_box(open(black_box(&sealed)));
+        });
+    }
 }
 
 /// One rate-limited request through the core as the adapter drives it: headers in, the

@@ -21,6 +21,8 @@ pub enum WarnKind {
     QuotaNotSettled,
     /// The host refused to dispatch a callout.
     Dispatch,
+    /// A stored response could not be opened (e.g. its key is gone: every replay fails).
+    RecordUnopened,
 }
 
 /// What to do with one warning.

@@ -7,8 +7,8 @@
 //!   (units charged after responses) for a limit with `charge`
 //! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant|ambiguous_input`
 //! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
-//!   body_too_large|unreadable|released|completed|complete_failed|stale_owner|outcome_unknown|
-//!   waited`
+//!   body_too_large|unreadable|sealed_unreadable|released|completed|complete_failed|stale_owner|
+//!   outcome_unknown|waited`
 //! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource`
 //! * `cg.redis.calls|errors|timeouts|noscript|retries`, histogram `cg.redis.latency_ms`
 //! * `cg.over_limit_cache.hits`
@@ -59,6 +59,9 @@ pub struct IdemMetrics {
     pub invalid_key: u32,
     pub body_too_large: u32,
     pub unreadable: u32,
+    /// Sealed responses that did not open (also counted in `unreadable`): an unknown key id,
+    /// a tag that does not verify, or no `encryption` to open them with.
+    pub sealed_unreadable: u32,
     pub released: u32,
     pub completed: u32,
     pub complete_failed: u32,
@@ -157,6 +160,7 @@ impl Metrics {
                             invalid_key: c("invalid_key"),
                             body_too_large: c("body_too_large"),
                             unreadable: c("unreadable"),
+                            sealed_unreadable: c("sealed_unreadable"),
                             released: c("released"),
                             completed: c("completed"),
                             complete_failed: c("complete_failed"),

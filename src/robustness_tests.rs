@@ -4,7 +4,8 @@
 use crate::config::Config;
 use crate::idempotency::canonical::canonicalize;
 use crate::idempotency::header::parse_key;
-use crate::idempotency::record::{base64_decode, Record};
+use crate::idempotency::record::{base64_decode, Record, StoredResponse};
+use crate::idempotency::seal::{record_aad, Keyring, RecordKey};
 use crate::ids::TokenSource;
 use crate::redis::resp;
 
@@ -104,9 +105,40 @@ fn key_header_and_records_never_panic() {
         let _ = parse_key(&[&text]);
         let _ = base64_decode(&text);
         if let Some(rec) = Record::parse(&r.mutate(record)) {
-            let _ = rec.response.map(|s| s.body_bytes());
+            let _ = rec.response.and_then(|s| s.plain()?.body_bytes());
         }
     }
+}
+
+#[test]
+fn mutated_sealed_records_never_panic_and_never_open() {
+    let mut r = Bytes::new(4);
+    let keys = Keyring::new(
+        RecordKey::from_bytes(&[9; 32]).expect("key"),
+        Some(RecordKey::from_bytes(&[8; 32]).expect("key")),
+    );
+    let aad = record_aad("cg:idem:{t.ab}:p:cd", "sha256:ab");
+    let response = StoredResponse::new(201, vec![("etag".into(), "\"v1\"".into())], Some(b"ok"));
+    let sealed = response.seal(&keys, &aad, [3; 12]).expect("sealed");
+    let record = format!(
+        r#"{{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab","response":{}}}"#,
+        sealed.to_json()
+    );
+    let original = Record::parse(record.as_bytes()).and_then(|rec| rec.response);
+    assert_eq!(
+        original.clone().map(|s| s.open(Some(&keys), &aad)),
+        Some(Ok(response))
+    );
+    let mut opened = 0;
+    for _ in 0..20_000 {
+        let mutated = r.mutate(record.as_bytes());
+        if let Some(rec) = Record::parse(&mutated) {
+            if let Some(s) = rec.response.filter(|s| Some(s) != original.as_ref()) {
+                opened += usize::from(s.open(Some(&keys), &aad).is_ok());
+            }
+        }
+    }
+    assert_eq!(opened, 0, "a mutated seal opened");
 }
 
 #[test]

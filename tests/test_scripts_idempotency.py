@@ -11,7 +11,9 @@ Timestamps are checked against Redis TIME read around the call, never the local 
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -258,20 +260,38 @@ def test_complete_without_created_ms_uses_completion_time(s, redis_client):
     assert before <= rec["created_ms"] == rec["updated_ms"] <= after
 
 
+def completed_with(s: Scripts, response: str) -> Acquired:
+    """Acquires, completes with `response`, and acquires again: the replay, which must hold
+    the response verbatim."""
+    a = owner()
+    s.acquire(own=a)
+    assert s.complete(a, response=response) == DONE
+    replay = s.acquire()
+    assert replay.code == COMPLETED
+    assert replay.record.endswith(b',"response":' + response.encode() + b"}")
+    return replay
+
+
 @pytest.mark.parametrize("ensure_ascii", [True, False], ids=["escaped", "utf8"])
 def test_large_response_round_trips(s, redis_client, ensure_ascii):
     unit = 'q"uote\\back\\\\slash/ é€😀 \n\t\u0001 </script> '
     body = (unit * (64 * 1024 // len(unit) + 1))[: 64 * 1024]  # 64 Ki characters, more bytes
     response = json.dumps({"status": 200, "headers": [["content-type", "text/plain"]],
                            "body": body}, ensure_ascii=ensure_ascii, separators=(",", ":"))
-    a = owner()
-    s.acquire(own=a)
-    assert s.complete(a, response=response) == DONE
-
-    replay = s.acquire()
-    assert replay.code == COMPLETED
-    assert replay.record.endswith(b',"response":' + response.encode() + b"}")
+    replay = completed_with(s, response)
     assert json.loads(replay.record)["response"]["body"] == body
+
+
+def test_a_sealed_response_is_stored_and_handed_out_verbatim(s, redis_client):
+    """`idempotency.encryption` hands complete.lua a sealed response object: the scripts store
+    it, keep the state machine around it, and give it back as COMPLETED, never looking in."""
+    ct = base64.b64encode(os.urandom(96 * 1024)).decode()  # a 64 KiB response, sealed
+    sealed = json.dumps({"sealed": {"alg": "A256GCM", "kid": "0123456789abcdef",
+                                    "nonce": base64.b64encode(os.urandom(12)).decode(), "ct": ct}},
+                        separators=(",", ":"))
+    rec = json.loads(completed_with(s, sealed).record)
+    assert (rec["state"], rec["fingerprint"]) == ("COMPLETED", FP)
+    assert s.acquire(fp=FP2).code == CONFLICT, "the fingerprint is still compared in the clear"
 
 
 # --- release -----------------------------------------------------------------------------

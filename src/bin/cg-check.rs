@@ -2,14 +2,15 @@
 //! without Envoy. Exit 0 with a one-screen summary of what the configuration does, 1 with the
 //! error the filter would log (the field path and the problem), 2 when the file cannot be read.
 //!
-//! The checker cannot see the Wasm VM's environment: a `redis.authorization_env` variable is
-//! taken as set, and the summary says so.
+//! The checker cannot see the Wasm VM's environment: a `redis.authorization_env` variable and
+//! the record keys of `idempotency.encryption` are taken as set (and well formed), and the
+//! summary says so.
 
 use coordination_guard::config::{
     Algorithm, Charge, Completion, Config, FailureMode, FingerprintPart, MissingTenant, OnBusy,
     Policy, RateLimit, Replay, Selector,
 };
-use std::cell::RefCell;
+use serde_json::Value;
 use std::fmt::Write;
 use std::process::ExitCode;
 
@@ -38,20 +39,38 @@ fn main() -> ExitCode {
     }
 }
 
+/// What every variable of the VM's environment is taken to hold: valid as a credential and as
+/// a record key (base64 of 32 bytes).
+const STAND_IN: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+
 /// The summary of a valid configuration, or the filter's error line.
 fn check(bytes: &[u8]) -> Result<String, String> {
-    let env_name = RefCell::new(None::<String>);
-    let env = |name: &str| {
-        *env_name.borrow_mut() = Some(name.to_string());
-        Some("(from the VM's environment)".to_string())
-    };
-    let config = Config::parse_with_env(bytes, &env).map_err(|e| e.to_string())?;
-    let credential = match (env_name.into_inner(), &config.redis.authorization) {
+    let config = Config::parse_with_env(bytes, &|_| Some(STAND_IN.to_string()))
+        .map_err(|e| e.to_string())?;
+    // Valid JSON, or the filter would have refused it: the variables' names are read there.
+    let raw: Value = serde_json::from_slice(bytes).unwrap_or_default();
+    let env_name = |pointer: &str| raw.pointer(pointer).and_then(Value::as_str);
+    let credential = match (
+        env_name("/redis/authorization_env"),
+        &config.redis.authorization,
+    ) {
         (Some(name), _) => format!("from ${name} in the VM's environment (not checked here)"),
         (None, Some(_)) => "inline (shown in /config_dump: prefer authorization_env)".into(),
         (None, None) => "none (webdis must allow anonymous EVAL: do not)".into(),
     };
-    Ok(describe(&config, &credential))
+    let sealing: Vec<Option<String>> = (0..config.policies.len())
+        .map(|i| {
+            let at = format!("/policies/{i}/idempotency/encryption");
+            let current = env_name(&format!("{at}/key_env"))?;
+            let previous = env_name(&format!("{at}/previous_key_env"))
+                .map(|p| format!(", opened also with ${p}"))
+                .unwrap_or_default();
+            Some(format!(
+                "responses sealed (AES-256-GCM) with the key in ${current}{previous} (not checked here)"
+            ))
+        })
+        .collect();
+    Ok(describe(&config, &credential, &sealing))
 }
 
 fn mode(m: FailureMode) -> &'static str {
@@ -168,8 +187,9 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
     line
 }
 
-/// What the configuration does, on one screen.
-fn describe(c: &Config, credential: &str) -> String {
+/// What the configuration does, on one screen; `sealing` says, per policy, how its stored
+/// responses are sealed.
+fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String {
     let mut s = String::new();
     let r = &c.redis;
     let _ = writeln!(
@@ -259,6 +279,9 @@ fn describe(c: &Config, credential: &str) -> String {
                 r.key_prefix,
                 p.name
             );
+            if let Some(Some(line)) = sealing.get(i) {
+                let _ = writeln!(s, "        {line}");
+            }
         }
         if let Some(lease) = &p.lease {
             let _ = writeln!(
@@ -295,7 +318,7 @@ mod tests {
                    {"name": "orders", "match": {"methods": ["POST"], "path_prefix": "/orders"},
                     "rate_limits": [{"name": "t", "by": ["tenant"], "algorithm": "token_bucket",
                                      "limit": 10, "window": "1s", "burst": 20}],
-                    "idempotency": {}},
+                    "idempotency": {"encryption": {"key_env": "CG_KEY", "previous_key_env": "CG_OLD"}}},
                    {"name": "act", "match": {"path_exact": "/act"}, "failure_mode": "fail_open",
                     "lease": {"resource": ["path_segment:1"], "on_busy": "wait"}}]}"#,
         )
@@ -306,6 +329,7 @@ mod tests {
             "limit t: 10 per 1s by tenant (token bucket, burst 20)",
             "key cg:x:rl:{t.<tenant>}:orders:t:tb:",
             "idempotency: idempotency-key on POST|PATCH (required)",
+            "responses sealed (AES-256-GCM) with the key in $CG_KEY, opened also with $CG_OLD (not checked here)",
             "policy 2 act: path = /act",
             "fail_open",
             "lease on path_segment:1 (per tenant) for 10s, busy: wait up to 2s",

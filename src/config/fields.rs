@@ -1,9 +1,38 @@
 //! Field readers shared by the sections: names, header names, durations, sizes, one-of
-//! choices and method lists, each with its one error message.
+//! choices, method lists and values from the VM's environment, each with its one error message.
 
 use super::reader::{index, kind, Obj, Result};
-use super::{units, ConfigError, FailureMode, Selector};
+use super::{units, ConfigError, Env, FailureMode, Selector};
 use serde_json::Value;
+
+/// The value of the Wasm VM's environment variable `name` (set and not empty), for the field
+/// at `path` that names it. Errors name the variable, never its value.
+pub fn env_value(name: &str, path: &str, env: Env<'_>) -> Result<String> {
+    let name_ok = name.len() <= 128
+        && name
+            .bytes()
+            .enumerate()
+            .all(|(i, b)| b == b'_' || b.is_ascii_alphabetic() || (i > 0 && b.is_ascii_digit()));
+    if name.is_empty() || !name_ok {
+        return Err(ConfigError::new(
+            path,
+            format!("{name:?} is not an environment variable name (1-128 of [A-Za-z0-9_], not starting with a digit)"),
+        ));
+    }
+    match env(name) {
+        None => Err(ConfigError::new(
+            path,
+            format!(
+                "environment variable {name} is not set in the Wasm VM (Envoy: vm_config.environment_variables; Istio: vmConfig.env)"
+            ),
+        )),
+        Some(v) if v.is_empty() => Err(ConfigError::new(
+            path,
+            format!("environment variable {name} is empty"),
+        )),
+        Some(v) => Ok(v),
+    }
+}
 
 /// A list of lower-case header (or trailer) names; `default` when absent.
 pub fn header_list(o: &mut Obj<'_>, field: &'static str, default: &[&str]) -> Result<Vec<String>> {

@@ -1,11 +1,14 @@
 //! `idempotency`: the Idempotency-Key record of a policy, its fingerprint and its replay.
 
-use super::fields::{duration, header_list, header_name, is_header_name, methods, one_of, size};
+use super::fields::{
+    duration, env_value, header_list, header_name, is_header_name, methods, one_of, size,
+};
 use super::reader::{index, Obj, Result};
 use super::{
-    Completion, ConfigError, FingerprintPart, Idempotency, InProgress, Replay, StatusMatch,
+    Completion, ConfigError, Env, FingerprintPart, Idempotency, InProgress, Replay, StatusMatch,
 };
 use crate::grpc;
+use crate::idempotency::seal::{Keyring, RecordKey};
 use serde_json::Value;
 
 /// The largest request body the filter buffers to fingerprint.
@@ -46,7 +49,12 @@ fn below_envoy_limit(
     }
 }
 
-pub fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Idempotency> {
+pub fn idempotency(
+    v: &Value,
+    path: &str,
+    envoy_buffer_limit: u64,
+    env: Env<'_>,
+) -> Result<Idempotency> {
     let mut o = Obj::new(v, path)?;
     let header = header_name(&mut o, "header")?.unwrap_or("idempotency-key".into());
     let required = o.opt_bool("required")?.unwrap_or(true);
@@ -78,6 +86,10 @@ pub fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Ide
         .unwrap_or_else(|| DEFAULT_RETRYABLE_STATUSES.to_vec());
     let retryable_grpc_codes = retryable_grpc_codes(&mut o, "retryable_grpc_codes")?;
     let complete = one_of(&mut o, "complete", COMPLETE)?.unwrap_or(Completion::Sync);
+    let encryption = match o.get("encryption") {
+        Some(v) => Some(encryption(v, &o.field_path("encryption"), env)?),
+        None => None,
+    };
     o.finish()?;
     Ok(Idempotency {
         header,
@@ -98,6 +110,34 @@ pub fn idempotency(v: &Value, path: &str, envoy_buffer_limit: u64) -> Result<Ide
         retryable_statuses,
         retryable_grpc_codes,
         complete,
+        encryption,
+    })
+}
+
+/// `encryption`: the keys that seal stored responses, read from the VM's environment.
+fn encryption(v: &Value, path: &str, env: Env<'_>) -> Result<Keyring> {
+    let mut o = Obj::new(v, path)?;
+    let current_path = o.field_path("key_env");
+    let current = record_key(o.req_str("key_env")?, &current_path, env)?;
+    let previous_path = o.field_path("previous_key_env");
+    let previous = match o.opt_str("previous_key_env")? {
+        Some(name) => Some(record_key(name, &previous_path, env)?),
+        None => None,
+    };
+    o.finish()?;
+    Ok(Keyring::new(current, previous))
+}
+
+/// The key in the VM's environment variable `name`, which the field at `path` names.
+fn record_key(name: &str, path: &str, env: Env<'_>) -> Result<RecordKey> {
+    let text = env_value(name, path, env)?;
+    RecordKey::from_base64(&text).map_err(|problem| {
+        ConfigError::new(
+            path,
+            format!(
+                "environment variable {name} {problem}: it must hold a base64 32-byte AES-256 key (e.g. `openssl rand -base64 32`)"
+            ),
+        )
     })
 }
 

@@ -18,6 +18,7 @@ pub use idempotency::{MAX_REQUEST_BODY, MAX_RESPONSE_BODY};
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};
 
+use crate::idempotency::seal::Keyring;
 use serde_json::Value;
 
 /// What a policy does when Redis cannot answer (unreachable, error, or too slow).
@@ -333,6 +334,8 @@ pub struct Idempotency {
     /// gRPC status codes after which the record of a gRPC call is released.
     pub retryable_grpc_codes: Vec<u32>,
     pub complete: Completion,
+    /// `encryption`: completed records' responses are sealed with these keys.
+    pub encryption: Option<Keyring>,
 }
 
 impl Idempotency {
@@ -440,8 +443,8 @@ impl Config {
     }
 
     /// Parses and validates the plugin configuration bytes; `env` looks up the Wasm VM's
-    /// environment variables (for `redis.authorization_env`). The adapter passes the VM's
-    /// real environment, tests a table.
+    /// environment variables (for `redis.authorization_env` and the record keys of
+    /// `idempotency.encryption`). The adapter passes the VM's real environment, tests a table.
     pub fn parse_with_env(bytes: &[u8], env: Env<'_>) -> std::result::Result<Config, ConfigError> {
         let value: Value = serde_json::from_slice(bytes)
             .map_err(|e| ConfigError::new("", format!("configuration is not valid JSON: {e}")))?;
@@ -469,7 +472,7 @@ impl Config {
         let envoy_buffer_limit =
             fields::size(&mut root, "envoy_buffer_limit", MAX_ENVOY_BUFFER_LIMIT)?
                 .unwrap_or(DEFAULT_ENVOY_BUFFER_LIMIT);
-        let policies = policies(&mut root, failure_mode, envoy_buffer_limit)?;
+        let policies = policies(&mut root, failure_mode, envoy_buffer_limit, env)?;
         let over_limit_cache_entries = match root.get("over_limit_cache") {
             None => DEFAULT_OVER_LIMIT_CACHE_ENTRIES,
             Some(v) => over_limit_cache(v, "over_limit_cache")?,
@@ -510,6 +513,7 @@ fn policies(
     root: &mut Obj<'_>,
     failure_mode: FailureMode,
     envoy_buffer_limit: u64,
+    env: Env<'_>,
 ) -> Result<Vec<Policy>> {
     let mut policies: Vec<Policy> = Vec::new();
     let policies_path = root.field_path("policies");
@@ -518,7 +522,7 @@ fn policies(
     };
     for (i, item) in items.iter().enumerate() {
         let path = index(&policies_path, i);
-        let p = policy::policy(item, &path, failure_mode, envoy_buffer_limit)?;
+        let p = policy::policy(item, &path, failure_mode, envoy_buffer_limit, env)?;
         if policies.iter().any(|q| q.name == p.name) {
             return Err(ConfigError::new(
                 format!("{path}.name"),

@@ -3,7 +3,7 @@
 use super::fields::{duration, failure_mode, header_name, methods, name, one_of, selectors};
 use super::reader::{index, Obj, Result};
 use super::{
-    cost, idempotency::idempotency, lease::lease, Algorithm, Charge, ConfigError, Cost,
+    cost, idempotency::idempotency, lease::lease, Algorithm, Charge, ConfigError, Cost, Env,
     FailureMode, HeaderMatch, HeaderTest, IdSource, Identity, Match, MissingTenant, Policy,
     RateLimit, Selector,
 };
@@ -80,6 +80,7 @@ pub fn policy(
     path: &str,
     default_failure: FailureMode,
     envoy_buffer_limit: u64,
+    env: Env<'_>,
 ) -> Result<Policy> {
     let mut o = Obj::new(v, path)?;
     let name = name(&mut o, "name")?;
@@ -94,6 +95,7 @@ pub fn policy(
             v,
             &o.field_path("idempotency"),
             envoy_buffer_limit,
+            env,
         )?),
         None => None,
     };

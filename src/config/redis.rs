@@ -1,6 +1,6 @@
 //! `redis`: the gateway the filter reaches Redis through, and its credential.
 
-use super::fields::duration;
+use super::fields::{duration, env_value};
 use super::reader::{Obj, Result};
 use super::{Batch, ConfigError, Env, RedisConfig, DEFAULT_TIMEOUT_MS};
 use serde_json::Value;
@@ -67,34 +67,14 @@ fn is_header_value(v: &str) -> bool {
 /// The `Authorization` value read from the VM's environment variable `name`. Errors name the
 /// variable, never its value.
 fn env_authorization(name: &str, path: &str, env: Env<'_>) -> Result<String> {
-    let name_ok = name.len() <= 128
-        && name
-            .bytes()
-            .enumerate()
-            .all(|(i, b)| b == b'_' || b.is_ascii_alphabetic() || (i > 0 && b.is_ascii_digit()));
-    if name.is_empty() || !name_ok {
+    let value = env_value(name, path, env)?;
+    if !is_header_value(&value) {
         return Err(ConfigError::new(
             path,
-            format!("{name:?} is not an environment variable name (1-128 of [A-Za-z0-9_], not starting with a digit)"),
+            format!("environment variable {name} is not a printable ASCII header value"),
         ));
     }
-    match env(name) {
-        None => Err(ConfigError::new(
-            path,
-            format!(
-                "environment variable {name} is not set in the Wasm VM (Envoy: vm_config.environment_variables; Istio: vmConfig.env)"
-            ),
-        )),
-        Some(v) if v.is_empty() => Err(ConfigError::new(
-            path,
-            format!("environment variable {name} is empty"),
-        )),
-        Some(v) if !is_header_value(&v) => Err(ConfigError::new(
-            path,
-            format!("environment variable {name} is not a printable ASCII header value"),
-        )),
-        Some(v) => Ok(v),
-    }
+    Ok(value)
 }
 
 /// `redis.batch`: how acquire calls of one worker are coalesced.

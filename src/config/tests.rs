@@ -353,7 +353,7 @@ fn bad_idempotency_names_the_field() {
         ("complete", json!({"complete": "later"}),
          "policies[0].idempotency.complete: \"later\" is not one of \"sync\", \"async\""),
         ("unknown", json!({"ttl": "1m"}),
-         "policies[0].idempotency.ttl: unknown field (known here: complete, completed_ttl, conflict_status, fingerprint, header, in_progress, in_progress_status, max_request_body, max_response_body, max_wait, methods, processing_ttl, replay, replay_headers, replay_trailers, required, retryable_grpc_codes, retryable_statuses)"),
+         "policies[0].idempotency.ttl: unknown field (known here: complete, completed_ttl, conflict_status, encryption, fingerprint, header, in_progress, in_progress_status, max_request_body, max_response_body, max_wait, methods, processing_ttl, replay, replay_headers, replay_trailers, required, retryable_grpc_codes, retryable_statuses)"),
         ("header", json!({"header": ""}),
          "policies[0].idempotency.header: \"\" is not an HTTP header name"),
     ];
@@ -578,6 +578,86 @@ fn authorization_env_reads_the_vm_environment() {
     );
     let ok = Config::parse_with_env(v.to_string().as_bytes(), &env).expect("valid");
     assert_eq!(ok.redis.authorization.as_deref(), Some(SECRET));
+}
+
+#[test]
+fn encryption_reads_its_keys_from_the_vm_environment() {
+    use crate::idempotency::record::base64_encode;
+    use crate::idempotency::seal::RecordKey;
+    let key_a = base64_encode(&[0xa1; 32]);
+    let key_b = base64_encode(&[0xb2; 32]);
+    let kid = |text: &str| RecordKey::from_base64(text).map(|k| k.kid().to_string());
+    let (kid_a, kid_b) = (kid(&key_a).expect("key"), kid(&key_b).expect("key"));
+    let env = |name: &str| {
+        Some(match name {
+            "CG_RECORD_KEY" => key_a.clone(),
+            "CG_RECORD_KEY_OLD" => key_b.clone(),
+            "CG_KEY_NEWLINE" => format!("{key_a}\n"),
+            "CG_EMPTY" => String::new(),
+            "CG_SHORT" => base64_encode(&[1; 16]),
+            "CG_LONG" => base64_encode(&[1; 48]),
+            "CG_NOT_BASE64" => "correct horse battery staple".into(),
+            _ => return None,
+        })
+    };
+    let parse = |encryption: Value| {
+        let mut v = base();
+        v["policies"][0]["idempotency"] = json!({ "encryption": encryption });
+        Config::from_value_with_env(&v, &env).map(|c| {
+            c.policies[0]
+                .idempotency
+                .as_ref()
+                .and_then(|i| i.encryption.as_ref())
+                .map(|k| {
+                    (
+                        k.current_kid().to_string(),
+                        k.previous_kid().map(str::to_string),
+                    )
+                })
+        })
+    };
+    let at = "policies[0].idempotency.encryption";
+    let hint = "it must hold a base64 32-byte AES-256 key (e.g. `openssl rand -base64 32`)";
+    type Want = std::result::Result<(String, Option<String>), String>;
+    let cases: Vec<(&str, Value, Want)> = vec![
+        ("current_only", json!({"key_env": "CG_RECORD_KEY"}), Ok((kid_a.clone(), None))),
+        ("with_previous", json!({"key_env": "CG_RECORD_KEY", "previous_key_env": "CG_RECORD_KEY_OLD"}),
+         Ok((kid_a.clone(), Some(kid_b.clone())))),
+        ("trailing_newline", json!({"key_env": "CG_KEY_NEWLINE"}), Ok((kid_a.clone(), None))),
+        ("missing_key_env", json!({"previous_key_env": "CG_RECORD_KEY_OLD"}),
+         Err(format!("{at}.key_env: is required"))),
+        ("unset", json!({"key_env": "CG_UNSET"}),
+         Err(format!("{at}.key_env: environment variable CG_UNSET is not set in the Wasm VM (Envoy: vm_config.environment_variables; Istio: vmConfig.env)"))),
+        ("empty", json!({"key_env": "CG_EMPTY"}),
+         Err(format!("{at}.key_env: environment variable CG_EMPTY is empty"))),
+        ("short", json!({"key_env": "CG_SHORT"}),
+         Err(format!("{at}.key_env: environment variable CG_SHORT holds 16 bytes, not 32: {hint}"))),
+        ("long", json!({"key_env": "CG_LONG"}),
+         Err(format!("{at}.key_env: environment variable CG_LONG holds 48 bytes, not 32: {hint}"))),
+        ("not_base64", json!({"key_env": "CG_NOT_BASE64"}),
+         Err(format!("{at}.key_env: environment variable CG_NOT_BASE64 is not base64 (standard alphabet, with padding): {hint}"))),
+        ("previous_unset", json!({"key_env": "CG_RECORD_KEY", "previous_key_env": "CG_GONE"}),
+         Err(format!("{at}.previous_key_env: environment variable CG_GONE is not set in the Wasm VM (Envoy: vm_config.environment_variables; Istio: vmConfig.env)"))),
+        ("previous_short", json!({"key_env": "CG_RECORD_KEY", "previous_key_env": "CG_SHORT"}),
+         Err(format!("{at}.previous_key_env: environment variable CG_SHORT holds 16 bytes, not 32: {hint}"))),
+        ("bad_name", json!({"key_env": "CG-KEY"}),
+         Err(format!("{at}.key_env: \"CG-KEY\" is not an environment variable name (1-128 of [A-Za-z0-9_], not starting with a digit)"))),
+        ("inline_key", json!({"key_env": "CG_RECORD_KEY", "key": key_a.clone()}),
+         Err(format!("{at}.key: unknown field (known here: key_env, previous_key_env)"))),
+        ("not_an_object", json!("CG_RECORD_KEY"),
+         Err(format!("{at}: expected an object, found a string"))),
+    ];
+    for (name, encryption, want) in cases {
+        let got = parse(encryption).map_err(|e| e.to_string());
+        assert_eq!(got, want.map(Some), "case {name}");
+        if let Err(e) = &got {
+            for secret in [&key_a, &key_b] {
+                assert!(!e.contains(secret.as_str()), "case {name} shows a key");
+            }
+        }
+    }
+    // No `encryption`: responses are stored in the clear, as before.
+    assert_eq!(parse(Value::Null), Ok(None));
 }
 
 #[test]

@@ -11,6 +11,7 @@ use crate::grpc;
 use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
 use crate::idempotency::header::{parse_key, KeyError};
 use crate::idempotency::record::{Record, StoredResponse};
+use crate::idempotency::seal::{fresh_nonce, record_aad, OpenError};
 use crate::keys;
 use crate::lograte::WarnKind;
 use crate::lua::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire};
@@ -212,14 +213,28 @@ impl IdemGuard {
                     vec![("retry-after".to_string(), "1".to_string())],
                 )
             }
-            IdemAnswer::Completed(record) => match replay(&record, grpc) {
-                Some(response) => {
-                    at.m.increment(im.replayed);
-                    response
-                }
-                None => {
+            IdemAnswer::Completed(record) => match self.open(cfg, *record) {
+                Ok(stored) => match replay(&stored, grpc) {
+                    Some(response) => {
+                        at.m.increment(im.replayed);
+                        response
+                    }
+                    None => {
+                        at.m.increment(im.unreadable);
+                        at.m.increment(im.conflict);
+                        conflict()
+                    }
+                },
+                Err(e) => {
                     at.m.increment(im.unreadable);
+                    at.m.increment(im.sealed_unreadable);
                     at.m.increment(im.conflict);
+                    at.rt.warnings.warn(WarnKind::RecordUnopened, at.index, at.now_ms, || {
+                        format!(
+                            "idempotency record of policy {} key {} cannot be opened: {e}; answering as a conflict",
+                            at.policy.name, self.key_hash
+                        )
+                    });
                     conflict()
                 }
             },
@@ -254,8 +269,39 @@ impl IdemGuard {
             body,
         )
         .with_trailers(s.trailers.clone());
-        let call = record::complete(&self.acquire, cfg.completed_ttl_ms, stored.to_json());
+        let response = match &cfg.encryption {
+            None => stored.to_json(),
+            Some(keys) => {
+                let sealed = fresh_nonce().and_then(|nonce| stored.seal(keys, &self.aad(), nonce));
+                match sealed {
+                    Some(sealed) => sealed.to_json(),
+                    None => {
+                        // Never stored in the clear: the record is given up instead.
+                        log::error!(
+                            "idempotency record key {}: the host gave no random bytes to seal the response with; releasing the record instead of storing it in the clear",
+                            self.key_hash
+                        );
+                        return self.release_call();
+                    }
+                }
+            }
+        };
+        let call = record::complete(&self.acquire, cfg.completed_ttl_ms, response);
         (Purpose::Complete, call)
+    }
+
+    /// The additional data that binds a sealed response to this record and this request.
+    fn aad(&self) -> Vec<u8> {
+        record_aad(&self.acquire.key, &self.acquire.fingerprint)
+    }
+
+    /// The response a completed record holds, opened with the policy's keys when sealed. A
+    /// plain one opens whatever the keys: records written before encryption was turned on
+    /// still replay.
+    fn open(&self, cfg: &Idempotency, record: Record) -> Result<StoredResponse, OpenError> {
+        // (A completed record always has a response: `Record::parse` sees to it.)
+        let response = record.response.ok_or(OpenError::Malformed)?;
+        response.open(cfg.encryption.as_ref(), &self.aad())
     }
 
     /// The call that releases the record (a retry may run the operation again).
@@ -376,8 +422,7 @@ pub fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
 
 /// The stored response as a local reply, with `Idempotent-Replayed: true`. For a gRPC
 /// request whose record holds a gRPC status, see [`grpc_replay`].
-fn replay(record: &Record, grpc: bool) -> Option<LocalResponse> {
-    let stored = record.response.as_ref()?;
+fn replay(stored: &StoredResponse, grpc: bool) -> Option<LocalResponse> {
     let body = stored.body_bytes()?;
     if grpc {
         if let Some(code) = stored

@@ -536,6 +536,204 @@ fn answers_by_stored_state() {
     }
 }
 
+/// `IDEM_CONFIG` with `encryption` on the `orders` policy: `current` (and `previous`) are
+/// the record keys' bytes, handed in through the environment as the VM would.
+fn sealed_runtime(rec: &Recorder, current: u8, previous: Option<u8>) -> Runtime {
+    use crate::idempotency::record::base64_encode;
+    let mut v: serde_json::Value = serde_json::from_str(IDEM_CONFIG).expect("json");
+    let mut encryption = serde_json::json!({"key_env": "CG_RECORD_KEY"});
+    if previous.is_some() {
+        encryption["previous_key_env"] = "CG_RECORD_KEY_OLD".into();
+    }
+    v["policies"][0]["idempotency"]["encryption"] = encryption;
+    let env = |name: &str| match name {
+        "CG_RECORD_KEY" => Some(base64_encode(&[current; 32])),
+        "CG_RECORD_KEY_OLD" => previous.map(|p| base64_encode(&[p; 32])),
+        _ => None,
+    };
+    let config = Config::from_value_with_env(&v, &env).expect("valid");
+    let metrics = rec.metrics(&config);
+    Runtime::new(config, metrics, None)
+}
+
+/// A request with client key `key` and body `{}`, acquired; returns the flow and the
+/// fingerprint the acquire sent.
+fn acquired(rt: &Runtime, rec: &Recorder, key: &str) -> (Flow, String) {
+    let mut flow = Flow::default();
+    let req = idem_req("/orders", Some(key), &[("content-length", "2")]);
+    let held = flow.on_request(&Cx::new(rt, 0, rec), req, "n", "owner-1", false);
+    assert_eq!(held, Step::Wait, "the body is fingerprinted");
+    let out = dispatched(flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec()));
+    let fingerprint = out[0].call.args.iter().find(|a| a.starts_with("sha256:"));
+    let fingerprint = fingerprint
+        .expect("the acquire carries the fingerprint")
+        .clone();
+    (flow, fingerprint)
+}
+
+/// What a request with client key `key` is answered when the acquire finds `record`.
+fn answer_to(rt: &Runtime, rec: &Recorder, key: &str, record: &str) -> LocalResponse {
+    let mut flow = Flow::default();
+    let req = idem_req("/orders", Some(key), &[("content-length", "2")]);
+    flow.on_request(&Cx::new(rt, 0, rec), req, "n", "owner-2", false);
+    flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec());
+    match flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(3, record))) {
+        Step::Respond(r) => r,
+        other => panic!("expected a local answer, got {other:?}"),
+    }
+}
+
+/// Runs a response through an acquired flow: the `response` argument of its complete call.
+fn completed_response(rt: &Runtime, rec: &Recorder, mut flow: Flow) -> String {
+    flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, "")));
+    let headers = pairs(&[
+        (":status", "201"),
+        ("content-type", "application/json"),
+        ("location", "/orders/MARKER-location"),
+    ]);
+    flow.on_response_headers(
+        &Cx::new(rt, 4, rec),
+        201,
+        true,
+        "via_upstream",
+        &headers,
+        false,
+    );
+    let out = dispatched(flow.on_response_body(&Cx::new(rt, 5, rec), 24, true, || {
+        br#"{"id":"MARKER-in-body"}"#.to_vec()
+    }));
+    assert_eq!(out[0].script, ScriptId::Complete);
+    out[0].call.args[3].clone()
+}
+
+fn completed_record(fingerprint: &str, response: &str) -> String {
+    format!(
+        r#"{{"schema_version":1,"state":"COMPLETED","fingerprint":"{fingerprint}","created_ms":1,"updated_ms":2,"response":{response}}}"#
+    )
+}
+
+#[test]
+fn sealed_responses_replay_only_where_they_open() {
+    use crate::idempotency::seal::RecordKey;
+    let kid = |b: u8| {
+        RecordKey::from_bytes(&[b; 32])
+            .expect("key")
+            .kid()
+            .to_string()
+    };
+    let rec = Recorder::default();
+    let rt = sealed_runtime(&rec, 0xa1, None);
+    let (flow, fingerprint) = acquired(&rt, &rec, "\"k-1\"");
+    let response = completed_response(&rt, &rec, flow);
+    let prefix = format!(
+        r#"{{"sealed":{{"alg":"A256GCM","kid":"{}","nonce":""#,
+        kid(0xa1)
+    );
+    assert!(response.starts_with(&prefix), "{response}");
+    for clear in ["MARKER", "location", "201", "content-type"] {
+        assert!(
+            !response.contains(clear),
+            "{clear} is in the clear: {response}"
+        );
+    }
+    // Every seal has a nonce of its own.
+    let (again, _) = acquired(&rt, &rec, "\"k-1\"");
+    let other = completed_response(&rt, &rec, again);
+    let nonce = |r: &str| r.split("\"nonce\":\"").nth(1).map(|n| n[..16].to_string());
+    assert_ne!(nonce(&response), nonce(&other));
+    let record = completed_record(&fingerprint, &response);
+
+    let replayed = |r: &LocalResponse, case: &str| {
+        assert_eq!(r.status, 201, "{case}");
+        assert_eq!(r.header(REPLAYED_HEADER), Some("true"), "{case}");
+        assert_eq!(
+            r.header("location"),
+            Some("/orders/MARKER-location"),
+            "{case}"
+        );
+        assert_eq!(r.body, br#"{"id":"MARKER-in-body"}"#.to_vec(), "{case}");
+    };
+    let refused = |r: &LocalResponse, rec: &Recorder, case: &str| {
+        assert_eq!(r.status, 422, "{case}");
+        assert_eq!(r.header(REPLAYED_HEADER), None, "{case}");
+        assert!(
+            !String::from_utf8_lossy(&r.body).contains("MARKER"),
+            "{case}"
+        );
+        let counts = ["unreadable", "sealed_unreadable", "conflict", "replayed"]
+            .map(|m| rec.count(&format!("cg.policy.orders.idem.{m}")));
+        assert_eq!(counts, [1, 1, 1, 0], "{case}");
+    };
+    let rec = Recorder::default();
+    replayed(
+        &answer_to(&sealed_runtime(&rec, 0xa1, None), &rec, "\"k-1\"", &record),
+        "same key",
+    );
+    assert_eq!(rec.count("cg.policy.orders.idem.replayed"), 1);
+    let rec = Recorder::default();
+    let rotated = sealed_runtime(&rec, 0xb2, Some(0xa1));
+    replayed(
+        &answer_to(&rotated, &rec, "\"k-1\"", &record),
+        "rotated: A is the previous key",
+    );
+    let (flow, _) = acquired(&rotated, &rec, "\"k-3\"");
+    assert!(
+        completed_response(&rotated, &rec, flow).contains(&kid(0xb2)),
+        "new records: B"
+    );
+
+    // The same record where it must not open.
+    let tampered = {
+        let ct_at = record.find("\"ct\":\"").expect("ct") + 6;
+        let mut bytes = record.clone().into_bytes();
+        bytes[ct_at] = if bytes[ct_at] == b'A' { b'B' } else { b'A' };
+        String::from_utf8(bytes).expect("ascii")
+    };
+    let plain_rt = |rec: &Recorder| idem_runtime(rec);
+    type Case<'a> = (&'a str, Box<dyn Fn(&Recorder) -> Runtime>, &'a str, String);
+    let cases: Vec<Case> = vec![
+        (
+            "key_dropped",
+            Box::new(|r| sealed_runtime(r, 0xb2, None)),
+            "\"k-1\"",
+            record.clone(),
+        ),
+        (
+            "no_encryption",
+            Box::new(plain_rt),
+            "\"k-1\"",
+            record.clone(),
+        ),
+        (
+            "moved_to_another_key",
+            Box::new(|r| sealed_runtime(r, 0xa1, None)),
+            "\"k-2\"",
+            record.clone(),
+        ),
+        (
+            "tampered",
+            Box::new(|r| sealed_runtime(r, 0xa1, None)),
+            "\"k-1\"",
+            tampered,
+        ),
+    ];
+    for (case, runtime, key, record) in cases {
+        let rec = Recorder::default();
+        refused(&answer_to(&runtime(&rec), &rec, key, &record), &rec, case);
+    }
+
+    // A record written in the clear before encryption was turned on still replays.
+    let rec = Recorder::default();
+    let plain = completed_record(
+        &fingerprint,
+        r#"{"status":201,"headers":[["location","/orders/MARKER-location"]],"body":"{\"id\":\"MARKER-in-body\"}"}"#,
+    );
+    replayed(
+        &answer_to(&sealed_runtime(&rec, 0xa1, None), &rec, "\"k-1\"", &plain),
+        "plain",
+    );
+}
+
 #[test]
 fn bad_keys_and_bodies() {
     let rec = Recorder::default();

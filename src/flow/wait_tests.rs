@@ -155,7 +155,10 @@ fn a_duplicate_waits_at_most_max_wait_then_gets_the_reject_answer() {
             Step::Respond(r) => break r,
             other => panic!("{other:?}"),
         }
-        assert!(now <= 1_005, "never past max_wait after the first answer: {now}");
+        assert!(
+            now <= 1_005,
+            "never past max_wait after the first answer: {now}"
+        );
     };
     assert_eq!(answer.status, 425, "in_progress_status");
     assert!(answer

@@ -17,7 +17,19 @@
 //! `replay_trailers`) is optional and left out when empty: a record without it (written before
 //! it existed, or of a response without trailers) reads as no trailers, and an older reader
 //! ignores it.
+//!
+//! With `idempotency.encryption` the `response` object is sealed (see [`super::seal`]): the
+//! JSON above, encrypted, in its place; everything else stays as it is.
+//!
+//! ```json
+//! {"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:…","created_ms":1,"updated_ms":2,
+//!  "response":{"sealed":{"alg":"A256GCM","kid":"3f…","nonce":"…","ct":"…"}}}
+//! ```
+//!
+//! A reader without the keys (or an older version) finds no `status` in it: the record is
+//! unreadable to it, never replayed as something else.
 
+use super::seal::{Keyring, OpenError, Sealed, NONCE_LEN};
 use serde::{Deserialize, Serialize};
 
 pub const SCHEMA_VERSION: u32 = 1;
@@ -43,7 +55,48 @@ pub struct Record {
     #[serde(default)]
     pub updated_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub response: Option<StoredResponse>,
+    pub response: Option<RecordResponse>,
+}
+
+/// A completed record's `response`: in the clear, or sealed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RecordResponse {
+    /// `{"sealed": {...}}`: tried first, so that a sealed response never reads as a plain one.
+    Sealed {
+        sealed: Sealed,
+    },
+    Plain(StoredResponse),
+}
+
+impl RecordResponse {
+    /// The stored response: a plain one as it is (whatever the keys, so that turning
+    /// encryption on replays the records written before), a sealed one opened with `keys`
+    /// under the record's additional data `aad`.
+    pub fn open(self, keys: Option<&Keyring>, aad: &[u8]) -> Result<StoredResponse, OpenError> {
+        let sealed = match self {
+            RecordResponse::Plain(stored) => return Ok(stored),
+            RecordResponse::Sealed { sealed } => sealed,
+        };
+        let plaintext = keys.ok_or(OpenError::NoKeys)?.open(aad, &sealed)?;
+        serde_json::from_slice(&plaintext).map_err(|_| OpenError::Malformed)
+    }
+
+    /// The response when it is stored in the clear.
+    pub fn plain(&self) -> Option<&StoredResponse> {
+        match self {
+            RecordResponse::Plain(stored) => Some(stored),
+            RecordResponse::Sealed { .. } => None,
+        }
+    }
+
+    /// The JSON that goes into the record.
+    pub fn to_json(&self) -> String {
+        match self {
+            RecordResponse::Plain(stored) => stored.to_json(),
+            RecordResponse::Sealed { .. } => serde_json::to_string(self).unwrap_or_default(),
+        }
+    }
 }
 
 fn v1() -> u32 {
@@ -114,6 +167,18 @@ impl StoredResponse {
         serde_json::to_string(self).unwrap_or_else(|_| format!("{{\"status\":{}}}", self.status))
     }
 
+    /// This response sealed with `keys`' current key under `nonce` (fresh: never used before
+    /// with that key), for the record whose additional data is `aad`.
+    pub fn seal(
+        &self,
+        keys: &Keyring,
+        aad: &[u8],
+        nonce: [u8; NONCE_LEN],
+    ) -> Option<RecordResponse> {
+        let sealed = keys.seal(aad, self.to_json().as_bytes(), nonce)?;
+        Some(RecordResponse::Sealed { sealed })
+    }
+
     /// The body to replay (empty for a reference record); `None` if the stored base64 is bad.
     pub fn body_bytes(&self) -> Option<Vec<u8>> {
         match (&self.body, &self.body_base64) {
@@ -141,56 +206,78 @@ impl Record {
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
 pub fn base64_encode(data: &[u8]) -> String {
-    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
-    for chunk in data.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(B64[((n >> (18 - 6 * i)) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
+    let mut out = Vec::with_capacity(data.len().div_ceil(3) * 4);
+    let mut chunks = data.chunks_exact(3);
+    for c in &mut chunks {
+        out.extend_from_slice(&characters([c[0], c[1], c[2]]));
     }
-    out
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        let mut last = [0u8; 3];
+        last[..rest.len()].copy_from_slice(rest);
+        let keep = rest.len() + 1;
+        out.extend_from_slice(&characters(last)[..keep]);
+        out.extend_from_slice(&b"=="[..4 - keep]);
+    }
+    // Only alphabet bytes and '=' were written: always UTF-8.
+    String::from_utf8(out).unwrap_or_default()
 }
 
+/// Three bytes as four base64 characters.
+fn characters(bytes: [u8; 3]) -> [u8; 4] {
+    let n = (u32::from(bytes[0]) << 16) | (u32::from(bytes[1]) << 8) | u32::from(bytes[2]);
+    [18, 12, 6, 0].map(|shift| B64[(n >> shift) as usize & 63])
+}
+
+/// Each byte's sextet, or `INVALID` for a byte outside the alphabet.
+const B64_DECODE: [u8; 256] = {
+    let mut table = [INVALID; 256];
+    let mut i = 0;
+    while i < 64 {
+        table[B64[i] as usize] = i as u8;
+        i += 1;
+    }
+    table
+};
+const INVALID: u8 = 0xff;
+
+/// Standard base64 with padding (`=` only at the end); `None` for anything else.
 pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
     let bytes = text.as_bytes();
     if !bytes.len().is_multiple_of(4) {
         return None;
     }
+    let Some(split) = bytes.len().checked_sub(4) else {
+        return Some(Vec::new());
+    };
+    let (body, last) = bytes.split_at(split);
     let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
-    for chunk in bytes.chunks(4) {
-        let mut n = 0u32;
-        let mut pad = 0;
-        for (i, &c) in chunk.iter().enumerate() {
-            let v = match c {
-                b'A'..=b'Z' => c - b'A',
-                b'a'..=b'z' => c - b'a' + 26,
-                b'0'..=b'9' => c - b'0' + 52,
-                b'+' => 62,
-                b'/' => 63,
-                b'=' if i >= 2 => {
-                    pad += 1;
-                    0
-                }
-                _ => return None,
-            };
-            if pad > 0 && c != b'=' {
-                return None;
-            }
-            n = (n << 6) | u32::from(v);
-        }
-        let decoded = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
-        out.extend_from_slice(&decoded[..3 - pad]);
+    for quad in body.chunks_exact(4) {
+        let n = sextets([quad[0], quad[1], quad[2], quad[3]])?;
+        out.extend_from_slice(&[(n >> 16) as u8, (n >> 8) as u8, n as u8]);
     }
+    let (quad, pad) = match *last {
+        [a, b, b'=', b'='] => ([a, b, b'A', b'A'], 2),
+        [a, b, c, b'='] => ([a, b, c, b'A'], 1),
+        [a, b, c, d] => ([a, b, c, d], 0),
+        _ => return None,
+    };
+    let n = sextets(quad)?;
+    out.extend_from_slice(&[(n >> 16) as u8, (n >> 8) as u8, n as u8][..3 - pad]);
     Some(out)
+}
+
+/// Four base64 characters as 24 bits.
+fn sextets(quad: [u8; 4]) -> Option<u32> {
+    let mut n = 0u32;
+    for c in quad {
+        let v = B64_DECODE[usize::from(c)];
+        if v == INVALID {
+            return None;
+        }
+        n = (n << 6) | u32::from(v);
+    }
+    Some(n)
 }
 
 #[cfg(test)]
@@ -209,7 +296,14 @@ mod tests {
             assert_eq!(base64_encode(raw), enc);
             assert_eq!(base64_decode(enc).as_deref(), Some(raw));
         }
-        for bad in ["Zg=", "Z===", "Zm9v!", "=Zg="] {
+        let all: Vec<u8> = (0..=255).collect();
+        for len in 0..=all.len() {
+            let data = &all[all.len() - len..];
+            let text = base64_encode(data);
+            assert_eq!(text.len(), len.div_ceil(3) * 4);
+            assert_eq!(base64_decode(&text).as_deref(), Some(data), "{len} bytes");
+        }
+        for bad in ["Zg=", "Z===", "Zm9v!", "=Zg=", "Zg==Zm9v", "Zm9v\n", "Zm=v"] {
             assert_eq!(base64_decode(bad), None, "{bad}");
         }
     }
@@ -227,7 +321,11 @@ mod tests {
                  "response":{"status":201,"headers":[["content-type","application/json"]],"body":"{\"id\":1}"}}"#,
         )
         .expect("readable");
-        let r = c.response.expect("response");
+        let r = c
+            .response
+            .as_ref()
+            .and_then(RecordResponse::plain)
+            .expect("response");
         assert_eq!(r.status, 201);
         assert_eq!(r.body_bytes().as_deref(), Some(&b"{\"id\":1}"[..]));
     }
@@ -240,7 +338,13 @@ mod tests {
         )
         .expect("old record readable");
         assert_eq!(old.schema_version, 1);
-        assert_eq!(old.response.and_then(|r| r.body_bytes()), Some(vec![]));
+        assert_eq!(
+            old.response
+                .as_ref()
+                .and_then(RecordResponse::plain)
+                .and_then(StoredResponse::body_bytes),
+            Some(vec![])
+        );
         let newer = Record::parse(
             br#"{"schema_version":2,"state":"PROCESSING","fingerprint":"sha256:ab","owner":"x","lease":{"n":1},"trace":"t"}"#,
         )
@@ -306,7 +410,7 @@ mod tests {
             r#"{{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab","response":{json}}}"#
         );
         let back = Record::parse(record.as_bytes())
-            .and_then(|r| r.response)
+            .and_then(|r| r.response?.plain().cloned())
             .expect("readable");
         assert_eq!(back, r);
         assert_eq!(back.trailer("grpc-status"), Some("5"));
@@ -317,7 +421,7 @@ mod tests {
         let old = Record::parse(
             br#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab","response":{"status":201,"headers":[],"body":"ok"}}"#,
         )
-        .and_then(|r| r.response)
+        .and_then(|r| r.response?.plain().cloned())
         .expect("readable");
         assert!(old.trailers.is_empty());
         assert_eq!(old.trailer("grpc-status"), None);

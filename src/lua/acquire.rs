@@ -716,7 +716,13 @@ mod tests {
         let Some(IdemAnswer::Completed(r)) = got.idem else {
             panic!("expected a completed record");
         };
-        assert_eq!(r.response.map(|r| r.status), Some(201));
+        assert_eq!(
+            r.response
+                .as_ref()
+                .and_then(|r| r.plain())
+                .map(|r| r.status),
+            Some(201)
+        );
         assert!(matches!(
             read_reply(&idem_reply(9, b""), 0, true, false),
             Err(CallError::UnexpectedReply(_))
