@@ -128,6 +128,9 @@ class Scenario:
     # response) instead of answering itself; `plain_routed`: its paired plain Envoy too.
     routed: bool = False
     plain_routed: bool = False
+    # Headers the scenario's Envoy adds to every response before the filter reads it (the
+    # service's answer, e.g. what a request really cost).
+    response_headers: dict | None = None
     state: dict = field(default_factory=dict)
 
 
@@ -166,6 +169,11 @@ def no_policy(stack: Stack) -> dict:
         "rate_limits": [{"name": "tenant", "by": ["tenant"], "algorithm": "fixed_window",
                          "limit": 100, "window": "1m"}]}])
 
+
+# concurrency: a cap no run reaches; cost_charge: what a request declares (x-request-cost)
+# and what its response reports.
+CONCURRENCY_CAP = 100_000
+COST, CHARGED = 3, 5
 
 # lease_contended: waiters on one resource, and the time each holds it at the upstream.
 CONTENDED_WAITERS = 32
@@ -295,6 +303,28 @@ def aborted(stats: dict) -> int:
     return stats.get("http.ingress.downstream_rq_rx_reset", 0)
 
 
+def verify_in_flight(stats: dict, rec: dict) -> list[str]:
+    """Every request took a slot and gave it back: one acquire and one release each."""
+    problems = verify_allowed(stats, rec)
+    ok2 = stats.get("http.ingress.downstream_rq_2xx", 0)
+    calls = cg(stats, "redis.calls")
+    if not near(calls, 2 * ok2):
+        problems.append(f"{calls} Redis calls for {ok2} 2xx responses (expected an acquire and "
+                        f"a release each)")
+    return problems
+
+
+def verify_charged(stats: dict, rec: dict) -> list[str]:
+    """Every request was charged what its response said: CHARGED units, one charge call each."""
+    problems = verify_in_flight(stats, rec)
+    allowed = cg(stats, "policy.api.limit.tenant.allowed")
+    charged = cg(stats, "policy.api.limit.tenant.charged")
+    if abs(charged - CHARGED * allowed) > CHARGED * CONNECTIONS:
+        problems.append(f"charged {charged} units for {allowed} allowed requests (expected "
+                        f"{CHARGED} each)")
+    return problems
+
+
 def verify_fresh(stats: dict, rec: dict) -> list[str]:
     ok2 = stats.get("http.ingress.downstream_rq_2xx", 0)
     idem = {n: cg(stats, f"policy.create-order.idem.{n}")
@@ -374,6 +404,21 @@ def scenarios() -> list[Scenario]:
                  args=lambda s, nonce: [s.state["key"]], prepare=prepare_replay),
         Scenario("lease", "lease per request (acquire + release)", "lease.lua", leased,
                  verify=verify_lease),
+        # Quotas: a slot taken and given back per request, and a cost consumed at admission
+        # then corrected by the response's charge (10k tenants). The cap is far above wrk's 16
+        # connections because a finished request's slot counts until the root's next tick
+        # sends its release: about req/s x tick (~1000 at 8k req/s and the 125 ms tick here).
+        Scenario("concurrency", f"concurrency limit {CONCURRENCY_CAP} in flight, 1 tenant "
+                 "(take + release)", "get.lua",
+                 rate_limited("concurrency", CONCURRENCY_CAP, algorithm="concurrency",
+                              window="30s"), verify=verify_in_flight),
+        Scenario("cost_charge", f"rate limit allowed, cost {COST} then charge {CHARGED} from a "
+                 "response header, 10k tenants", "tenants.lua",
+                 rate_limited("cost_charge", HUGE_LIMIT,
+                              cost={"header": "x-request-cost", "default": 1},
+                              charge={"response_header": "x-tokens-used"}),
+                 args=lambda s, nonce: [nonce, f"x-request-cost: {COST}"],
+                 response_headers={"x-tokens-used": str(CHARGED)}, verify=verify_charged),
         # A large configuration: compare with no_policy and rl_rejected of the same run.
         Scenario("scale_no_policy", f"{SCALE_POLICIES} policies x {SCALE_LIMITS} limits, "
                  "none matches", "get.lua", scale("scale_no_policy", None),
@@ -448,10 +493,11 @@ class Bench:
         self._plain_proxy: Envoy | None = None
 
     def start_envoy(self, name: str, plugin: dict | None, *, routed: bool = False,
-                    local_ratelimit: dict | None = None, wasm_path: Path | None = None) -> Envoy:
+                    local_ratelimit: dict | None = None, wasm_path: Path | None = None,
+                    response_headers: dict | None = None) -> Envoy:
         """An Envoy on this stack; `routed`: it proxies to the upstream Envoy instead of
-        answering itself; `wasm_path`: another .wasm than the stack's. Registered with the
-        stack, so `stack.stop()` stops it too."""
+        answering itself; `wasm_path`: another .wasm than the stack's; `response_headers`:
+        added to every response. Registered with the stack, so `stack.stop()` stops it too."""
         workdir = WORK / "stack" / f"envoy-{name}"
         wasm_path = wasm_path or self.stack.wasm_path
         if routed:
@@ -459,10 +505,11 @@ class Bench:
             envoy = Envoy(workdir, plugin, self.upstream().port, s.webdis.port,
                           wasm_path=wasm_path, blackhole_port=s.blackhole.port,
                           dead_port=s.dead_port, local_ratelimit=local_ratelimit,
-                          direct_response=False, concurrency=s.concurrency)
+                          direct_response=False, concurrency=s.concurrency,
+                          response_headers=response_headers)
         else:
             envoy = self.stack.new_envoy(workdir, plugin, local_ratelimit=local_ratelimit,
-                                         wasm_path=wasm_path)
+                                         wasm_path=wasm_path, response_headers=response_headers)
         self.stack.envoys.append(envoy)
         envoy.start()
         return envoy
@@ -682,13 +729,15 @@ class Bench:
         plain = self.plain_proxy() if scenario.plain_routed else self.plain
         envoy = self.start_envoy(scenario.name, plugin, routed=scenario.routed,
                                  local_ratelimit=scenario.local_ratelimit,
-                                 wasm_path=scenario.wasm_path)
+                                 wasm_path=scenario.wasm_path,
+                                 response_headers=scenario.response_headers)
         targets = [(plain, "plain"), (envoy, "scenario")]
         compare = None
         try:
             if self.compare and plugin is not None and scenario.wasm_path is None:
                 compare = self.start_envoy(f"{scenario.name}@{self.compare[0]}", plugin,
-                                           routed=scenario.routed, wasm_path=self.compare[1])
+                                           routed=scenario.routed, wasm_path=self.compare[1],
+                                           response_headers=scenario.response_headers)
                 targets.append((compare, "compare"))
             if scenario.prepare:
                 scenario.prepare(scenario, envoy)

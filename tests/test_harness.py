@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.concurrency import in_thread, wait_for
 from harness.demo import PORTS, render_demo
 from harness.envoy import envoy_binary, validate_config
 from harness.proc import ROOT, PrerequisiteMissing, free_port
 from harness.stack import BLACKHOLE_CLUSTER, DEAD_CLUSTER, GATEWAY_CLUSTER
+from harness.upstream import max_overlap
 
 DEMO_PLUGIN = json.loads((ROOT / "envoy" / "demo-plugin.json").read_text())
 
@@ -57,7 +59,20 @@ def test_plain_envoy_proxies_to_the_counting_upstream(stack_factory):
     assert stack.envoy.stat("cluster.upstream.upstream_rq_completed") == 3
 
     stack.upstream.reset()
-    assert stack.upstream.stats() == {"total": 0, "by_path": {}, "requests": []}
+    assert stack.upstream.stats() == {"total": 0, "by_path": {}, "requests": [], "in_flight": []}
+
+    # When the service was busy with each request, what it is busy with now, and a JSON answer
+    # of the caller's choosing.
+    slow = [in_thread(stack.envoy.request, "GET", "/slow", headers={"x-upstream-delay-ms": "400"})
+            for _ in range(2)]
+    assert wait_for(lambda: len(stack.upstream.in_flight()) == 2, 2.0)
+    assert [r().status for r in slow] == [200, 200]
+    ran = stack.upstream.requests()
+    assert max_overlap(ran) == 2 and all(r["time"] - r["started"] >= 0.4 for r in ran), ran
+    assert max_overlap(ran[:1]) == 1 and stack.upstream.in_flight() == []
+    usage = stack.envoy.request("GET", "/usage", headers={"x-upstream-json": '{"usage": {"n": 3}}'})
+    assert usage.json() == {"usage": {"n": 3}}, usage
+    assert usage.headers["content-type"] == "application/json"
 
 
 def test_upstream_delays_and_reads_chunked_bodies(stack_factory):

@@ -113,7 +113,8 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
                   path_normalization: bool = True, buffer_limit: int | None = None,
                   vm_env: dict | None = None, grpc_upstream_port: int | None = None,
                   routes: dict[str, str] | None = None, pre_filters: list[dict] | None = None,
-                  extra_gateway_ports: list[int] | None = None) -> dict:
+                  extra_gateway_ports: list[int] | None = None,
+                  response_headers: dict[str, str] | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
@@ -137,6 +138,9 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
     whose verified payload the filter reads from the request's metadata).
 
     `extra_gateway_ports` adds endpoints (more webdis instances) to the `redis_gateway` cluster.
+
+    `response_headers` are added to every response of the default route (the upstream's or the
+    direct response), before the filters see it (e.g. a charge header for benchmarks).
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -170,6 +174,9 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         route = routes[-1]
         route.pop("route")
         route["direct_response"] = {"status": 200, "body": {"inline_string": "ok\n"}}
+    if response_headers:
+        routes[-1]["response_headers_to_add"] = [{"header": {"key": k, "value": v}}
+                                                 for k, v in response_headers.items()]
     for name, port in (extra_clusters or {}).items():
         cfg["static_resources"]["clusters"].append(_static_cluster(name, port))
     if extra_gateway_ports:

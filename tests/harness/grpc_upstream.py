@@ -7,6 +7,7 @@ Every unary method under the service `cg.test.Orders` answers by the request's m
 - `x-upstream-delay-ms: N`        sleep N ms first
 - `x-upstream-no-message: 1`      send no response message (with a non-OK code grpcio sends a
                                   trailers-only answer: the status in the headers)
+- `x-upstream-trailer-<name>: v`  add the trailer `<name>: v` (beside grpc-status)
 With code 0 it answers the message `b"done:" + request`; with another code and no
 `x-upstream-no-message`, it sends that message first and then the status in the trailers
 (a server-streaming method, `Stream`, is used for that: a unary method cannot send a
@@ -31,6 +32,7 @@ import grpc
 
 SERVICE = "cg.test.Orders"
 ADMIN = "cg.test.Admin"
+TRAILER_PREFIX = "x-upstream-trailer-"
 
 
 def _ident(b: bytes) -> bytes:
@@ -64,6 +66,10 @@ def _handlers(ledger: Ledger):
         if delay:
             time.sleep(delay / 1000)
         ledger.record(method, md, request)
+        trailers = [(name[len(TRAILER_PREFIX):], value) for name, value in md.items()
+                    if name.startswith(TRAILER_PREFIX)]
+        if trailers:
+            context.set_trailing_metadata(trailers)
         code = int(md.get("x-upstream-grpc-code") or 0)
         message = md.get("x-upstream-grpc-message", "")
         return md, code, message

@@ -18,12 +18,20 @@ Request headers that steer the answer:
 - `x-upstream-sse-events: N`  answer `text/event-stream` (chunked): N events (`data: <i>`),
   one every `x-upstream-sse-interval-ms` (default 300), then end; N < 0: until the client
   leaves. The ledger entry counts `events_sent` and the time of the last (`last_event`).
+- `x-upstream-json: <JSON text>`  answer this JSON document (`application/json`) instead of
+  the usual one
+
+Every ledger entry has `started` (when the request reached the service, after its body) and
+`time` (when it was recorded, after the delay, just before the answer goes out): the interval
+the service was busy with it. `max_overlap(entries)` is the most that ran at once; requests
+being served right now are in the stats' `in_flight`.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import socket
 import struct
@@ -45,6 +53,17 @@ def big_body(n: int) -> bytes:
     return (BODY_PATTERN * (n // len(BODY_PATTERN) + 1))[:n]
 
 
+def max_overlap(entries: list[dict]) -> int:
+    """The most requests of `entries` (ledger entries) the service was busy with at once."""
+    # At equal times an end comes before a start: back to back is not at once.
+    events = sorted([(e["started"], 1) for e in entries] + [(e["time"], -1) for e in entries])
+    most = running = 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    return most
+
+
 class Ledger:
     """Everything served, guarded by one lock (the server is threaded)."""
 
@@ -52,10 +71,21 @@ class Ledger:
         self.lock = threading.Lock()
         self.by_path: dict[str, int] = {}
         self.requests: list[dict] = []
+        self.in_flight: dict[int, dict] = {}  # by ticket: requests being served now
+        self._tickets = itertools.count(1)
 
-    def record(self, entry: dict) -> int:
+    def begin(self, method: str, path: str) -> tuple[int, float]:
+        """A request reached the service: (its ticket for `record`, its start time)."""
+        started = time.time()
+        with self.lock:
+            ticket = next(self._tickets)
+            self.in_flight[ticket] = {"method": method, "path": path, "started": started}
+        return ticket, started
+
+    def record(self, entry: dict, ticket: int | None = None) -> int:
         key = f"{entry['method']} {entry['path']}"
         with self.lock:
+            self.in_flight.pop(ticket, None)
             self.by_path[key] = self.by_path.get(key, 0) + 1
             entry["served"] = self.by_path[key]
             self.requests.append(entry)
@@ -64,7 +94,8 @@ class Ledger:
     def snapshot(self) -> dict:
         with self.lock:
             return {"total": len(self.requests), "by_path": dict(self.by_path),
-                    "requests": [dict(r) for r in self.requests]}
+                    "requests": [dict(r) for r in self.requests],
+                    "in_flight": [dict(r) for r in self.in_flight.values()]}
 
     def reset(self) -> None:
         with self.lock:
@@ -111,6 +142,7 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path.startswith(ADMIN_PREFIX):
             return self._admin(path)
+        ticket, started = self.ledger.begin(self.command, path)
         delay_ms = int(self.headers.get("x-upstream-delay-ms") or 0)
         if delay_ms > 0:
             time.sleep(delay_ms / 1000)
@@ -120,9 +152,10 @@ class Handler(BaseHTTPRequestHandler):
             "headers": {h: self.headers.get(h) for h in RECORDED_HEADERS if h in self.headers},
             "body_sha256": hashlib.sha256(body).hexdigest(),
             "body_len": len(body),
+            "started": started,
             "time": time.time(),
         }
-        served = self.ledger.record(entry)
+        served = self.ledger.record(entry, ticket)
         status = int(self.headers.get("x-upstream-status") or 200)
         extra = {name[len("x-upstream-header-"):]: value for name, value in self.headers.items()
                  if name.lower().startswith("x-upstream-header-")}
@@ -133,6 +166,9 @@ class Handler(BaseHTTPRequestHandler):
         size = self.headers.get("x-upstream-body-bytes")
         if size is not None:
             return self._send_big(status, int(size), extra)
+        payload = self.headers.get("x-upstream-json")
+        if payload is not None:
+            return self._send(status, json.loads(payload), extra)
         self._send(status, {"served": served, "method": self.command, "path": path}, extra)
 
     def _send_big(self, status: int, size: int, extra: dict) -> None:
@@ -260,6 +296,10 @@ class Upstream:
 
     def requests(self) -> list[dict]:
         return self.stats()["requests"]
+
+    def in_flight(self) -> list[dict]:
+        """The requests the service is busy with now: `{"method", "path", "started"}`."""
+        return self.stats()["in_flight"]
 
     def reset(self) -> None:
         self._admin("POST", "reset")
