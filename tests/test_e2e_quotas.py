@@ -307,15 +307,10 @@ def test_a_concurrency_limit_beside_a_rate_limit_reports_only_the_rate_limit(sha
 
 
 def test_back_to_back_requests_of_one_client_each_find_a_free_slot(shared, guard):
-    """BUG (release at the root's next tick, as for leases: see test_e2e_lease.py,
-    test_the_next_request_after_a_response_finds_the_resource_free): with limit 1, a client
-    that sends its next request as soon as it has the previous answer gets 429
-    concurrency_limited from its own finished request. The slot's release is handed to the
-    root at the stream's end and goes out on the root's next tick (up to redis.timeout / 2
-    later, then a gateway round trip), after the client already has its answer. Spaced by a
-    tick, the same requests are all admitted. Fix: wake the root at once when a stream hands
-    it a release (the batching's shared queue does exactly that for acquires) instead of
-    waiting for the tick, or hold the response's end until the release answered."""
+    """With limit 1, a client that sends its next request as soon as it has the previous
+    answer must never meet its own finished request's slot: the response waits for the slot's
+    release (one round trip), as it does for a lease. (It once went out on the root's next tick,
+    after the client had its answer: back-to-back requests got 429.)"""
     (envoy,) = guard(policy(inflight(1)))
     run = Run()
     spaced = []
@@ -330,11 +325,10 @@ def test_back_to_back_requests_of_one_client_each_find_a_free_slot(shared, guard
 
 
 def test_a_cap_above_the_real_concurrency_never_rejects(shared, guard):
-    """BUG (the same cause as the test above, under load): eight clients sending quick
-    requests one after the other are never more than eight in flight, yet a cap of 16
-    rejects. Every finished request's slot keeps counting until the root's next tick sends
-    its release, so the limit also counts about req/s x tick requests that have ended (`make
-    bench`: a cap of 1000 rejected at 7.5k req/s with 16 connections). The same fix as above."""
+    """Eight clients sending quick requests one after the other are never more than eight in
+    flight, so a cap of 16 never rejects: a finished request's slot no longer counts once its
+    response has gone out. (When releases rode the root's tick, the cap also counted about
+    req/s x tick finished requests.)"""
     (envoy,) = guard(policy(inflight(16)))
     run = Run()
     deadline = time.monotonic() + 1.5
@@ -464,14 +458,9 @@ def test_a_request_longer_than_the_window_keeps_its_slot(shared, guard):
 
 @SINGLE_ONLY
 def test_extension_keeps_up_when_the_redis_timeout_makes_the_tick_coarse(shared, guard):
-    """BUG (tick vs window): extensions ride the root's tick, whose period is redis.timeout / 2
-    (at most 1 s; Config::tick_ms). For leases it is also capped at ttl / 4, for concurrency
-    windows not: with redis.timeout 2s (tick 1 s) and a window of 600 ms, the slot expires
-    between two ticks (an extension sets now + 600 ms, the next goes out a tick = 1 s later),
-    the extension finds it gone (slot_extend.lua removes it, reply 0) and a second request is
-    admitted while the first still runs: two in flight under limit 1. The config is accepted
-    without a word. Fix (src/config/mod.rs, Config::tick_ms): cap the tick at window / 4 for
-    every concurrency limit, as for leases with `extend`."""
+    """A slot is extended at half its window, so the root's tick must come well before that
+    even when the Redis timeout (which sets the usual tick) is long: the tick is capped at a
+    quarter of every concurrency window, as for leases with `extend`."""
     (envoy,) = guard(policy(inflight(1, window="600ms")), timeout="2s")
     run = Run()
     holder = in_thread(run.send, envoy, delay_ms=3000)
@@ -619,14 +608,9 @@ def test_two_sidecars_share_one_budget_exactly(shared, guard):
 
 
 def test_a_rejected_expensive_request_does_not_turn_away_cheaper_ones(shared, guard):
-    """BUG (over-limit cache vs cost): a request rejected because its cost does not fit marks
-    the counter as rejecting until the script's retry_after (the window's end for a fixed
-    window), and from then on the filter answers 429 itself for every request of that
-    counter, also one whose cost fits. README: the cache "never rejects a request Redis would
-    admit: until retry_after a counter can only get fuller"; with costs, what fits depends on
-    the request. Cause: Admission::mark_over_limit (src/flow/admit.rs) marks every rejecting
-    limit. Fix: mark a limit with `cost` only when the rejected request needed one unit
-    (cost <= 1: nothing smaller exists), and never a limit with `charge` (see the next test)."""
+    """The over-limit cache must not remember a rejection that only the rejected request's
+    own cost caused: a cheaper request may still fit. Only a rejection at cost <= 1, or with
+    nothing left, is cached."""
     (envoy,) = guard(policy(tokens()))
     run = Run()
     assert run.send(envoy, cost="900").status == 200
@@ -642,12 +626,8 @@ def test_a_rejected_expensive_request_does_not_turn_away_cheaper_ones(shared, gu
 
 
 def test_a_charge_that_gives_units_back_lets_requests_in_again(shared, guard):
-    """BUG (over-limit cache vs charge): a request admitted at cost 1000 holds the whole
-    budget while it runs; one arriving meanwhile is rejected and marks the counter until the
-    window's end. The first then reports 100 used: the counter goes down to 100, Redis would
-    admit, but the filter keeps answering 429 from its cache for the rest of the hour. A
-    charge can lower a counter, so the cache's premise (a counter only gets fuller until
-    retry_after) does not hold for a limit with `charge`. Fix: never mark such a limit."""
+    """A charge can lower a counter, so the over-limit cache's premise (a counter only gets
+    fuller until retry_after) does not hold for a limit with `charge`: it is never cached."""
     (envoy,) = guard(policy(tokens(charge=CHARGED_BY_HEADER)))
     run = Run()
     holder = in_thread(run.send, envoy, cost="1000", used=100, delay_ms=600)

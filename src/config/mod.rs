@@ -501,6 +501,12 @@ impl Config {
                 tick = tick.min((lease.ttl_ms / 4).max(5));
             }
         }
+        // A concurrency slot is extended at half its window: the tick must come well before.
+        for limit in self.policies.iter().flat_map(|p| &p.rate_limits) {
+            if limit.concurrency() {
+                tick = tick.min((limit.window_ms / 4).max(5));
+            }
+        }
         if let (Some(batch), true) = (self.redis.batch, batch_by_tick) {
             tick = tick.min(batch.max_delay_ms.max(1));
         }

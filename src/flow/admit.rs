@@ -227,8 +227,14 @@ impl Admission {
             let Some(state) = slot.state else {
                 continue;
             };
-            // A concurrency slot frees when a request ends, which no clock says.
-            if !state.allowed && !limit.shadow && !limit.concurrency() && state.retry_after_ms > 0 {
+            // Only a counter that can only get fuller until `retry_after` is cached: not a
+            // concurrency slot (it frees when a request ends, which no clock says), not a
+            // charged limit (a charge can lower the counter), not a costly request's rejection
+            // while units are left (a cheaper request may fit).
+            let cacheable = !limit.concurrency()
+                && limit.charge.is_none()
+                && (slot.cost <= 1 || state.remaining == 0);
+            if !state.allowed && !limit.shadow && cacheable && state.retry_after_ms > 0 {
                 at.rt.over_limit.mark(
                     slot.key.hash(),
                     at.now_ms.saturating_add(state.retry_after_ms),

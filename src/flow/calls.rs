@@ -126,6 +126,15 @@ impl<T> Calls<T> {
         self.iter().filter(|c| c.open)
     }
 
+    /// The calls still waiting for their answers, with their slots.
+    pub fn open_slots(&self) -> impl Iterator<Item = (usize, &Call<T>)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| Some((i, c.as_ref()?)))
+            .filter(|(_, c)| c.open)
+    }
+
     pub fn any_open(&self) -> bool {
         self.open().next().is_some()
     }

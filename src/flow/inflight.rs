@@ -6,7 +6,7 @@
 
 use super::background::Background;
 use super::context::{Pcx, Purpose};
-use super::Flow;
+use super::{Flow, Outgoing, Pending};
 use crate::lua::acquire::Asker;
 use crate::lua::slot;
 
@@ -46,6 +46,52 @@ impl Flow {
             }
         }
         self.slots_extend_ms = (next != u64::MAX).then_some(next);
+    }
+
+    /// Whether the request holds a concurrency slot.
+    pub(super) fn holds_slots(&self, at: &Pcx<'_>) -> bool {
+        at.policy
+            .rate_limits
+            .iter()
+            .zip(self.admission.all())
+            .any(|(l, s)| l.concurrency() && s.consumed)
+    }
+
+    /// The releases of the slots this request holds, sent now: the response waits for them.
+    pub(super) fn slots_release_now(&mut self, at: &Pcx<'_>) -> Vec<Outgoing> {
+        let mut out = Vec::new();
+        let limits = at.policy.rate_limits.iter();
+        for (limit, s) in limits.zip(self.admission.all_mut()) {
+            if limit.concurrency() && std::mem::take(&mut s.consumed) {
+                let call = slot::release(s.key.text(), &self.nonce, None);
+                let tag = Pending::of(Purpose::SlotRelease);
+                out.extend(self.calls.push_and_send(
+                    tag,
+                    Purpose::SlotRelease.script(),
+                    call,
+                    at.now_ms,
+                ));
+            }
+        }
+        if !out.is_empty() {
+            self.slots_extend_ms = None;
+        }
+        out
+    }
+
+    /// A release the response waited for did not answer (failed, or timed out): the root
+    /// sends it again.
+    pub(super) fn slot_release_to_root(&mut self, at: &Pcx<'_>, slot: usize) {
+        if let Some(c) = self.calls.get(slot) {
+            let bg = Background::new(
+                at.index,
+                Purpose::SlotRelease,
+                c.call.clone(),
+                String::new(),
+            );
+            self.background.push(bg.uncertain());
+        }
+        self.calls.close(slot);
     }
 
     /// Gives back, from the root, the slots this request holds and those an acquire it gave

@@ -441,7 +441,9 @@ impl Flow {
     pub fn wants_response(&self, cx: &Cx<'_>) -> bool {
         self.idem.as_ref().is_some_and(|i| i.owned)
             || self.lease.as_ref().is_some_and(|l| l.held)
-            || (self.forwarded() && self.at(cx).is_some_and(|at| Meter::wanted(at.policy)))
+            || self.at(cx).is_some_and(|at| {
+                (self.forwarded() && Meter::wanted(at.policy)) || self.holds_slots(&at)
+            })
     }
 
     /// Whether the response's trailers matter (a record that settles on them, a charge).

@@ -318,3 +318,101 @@ fn a_rejected_request_is_never_charged() {
     flow.on_done(&Cx::new(&rt, 7, &rec));
     assert!(flow.take_background().is_empty());
 }
+
+/// A `/run` request admitted with its slot.
+fn admitted(flow: &mut Flow, rt: &Runtime, rec: &Recorder) {
+    let out = start(flow, rt, rec, "/run");
+    let step = flow.on_reply(
+        &Cx::new(rt, 5, rec),
+        out[0].slot,
+        Ok(ints(&[1, 1, 1, 30_000, 0])),
+    );
+    assert_eq!(step, Step::Continue);
+}
+
+fn response(flow: &mut Flow, rt: &Runtime, rec: &Recorder, headers: &[(&str, &str)]) -> Step {
+    assert!(
+        flow.wants_response(&Cx::new(rt, 10, rec)),
+        "a slot to give back"
+    );
+    let h: Vec<(String, String)> = headers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+    flow.on_response_headers(&Cx::new(rt, 10, rec), 200, true, "via_upstream", &h, false)
+}
+
+#[test]
+fn the_response_waits_for_the_slot_release_so_the_next_request_finds_it_free() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec);
+    let mut flow = Flow::default();
+    admitted(&mut flow, &rt, &rec);
+    let out = dispatched(response(&mut flow, &rt, &rec, &[(":status", "200")]));
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].script, crate::lua::ScriptId::SlotRelease);
+    assert_eq!(out[0].call.args, vec!["n1"]);
+    assert_eq!(
+        flow.deadline_ms(),
+        Some(10 + 50),
+        "no longer extended; the call's deadline"
+    );
+    let step = flow.on_reply(&Cx::new(&rt, 12, &rec), out[0].slot, Ok(Reply::Int(1)));
+    assert_eq!(step, Step::Continue);
+    flow.on_done(&Cx::new(&rt, 13, &rec));
+    assert!(flow.take_background().is_empty(), "given back once");
+}
+
+#[test]
+fn a_slot_release_that_fails_or_times_out_goes_to_the_root() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec);
+    let mut flow = Flow::default();
+    admitted(&mut flow, &rt, &rec);
+    let out = dispatched(response(&mut flow, &rt, &rec, &[(":status", "200")]));
+    let step = flow.on_reply(
+        &Cx::new(&rt, 12, &rec),
+        out[0].slot,
+        Err(CallError::Timeout),
+    );
+    assert_eq!(step, Step::Continue, "the response goes on");
+    let bg = flow.take_background();
+    assert_eq!(
+        bg.iter().map(|b| b.purpose).collect::<Vec<_>>(),
+        vec![Purpose::SlotRelease]
+    );
+    assert!(!bg[0].certain, "it may have run: not ours is expected");
+
+    let mut flow = Flow::default();
+    admitted(&mut flow, &rt, &rec);
+    let _ = dispatched(response(&mut flow, &rt, &rec, &[(":status", "200")]));
+    let deadline = flow.deadline_ms().expect("the call's deadline");
+    assert_eq!(flow.on_tick(&Cx::new(&rt, deadline, &rec)), Step::Continue);
+    let bg = flow.take_background();
+    assert_eq!(
+        bg.iter().map(|b| b.purpose).collect::<Vec<_>>(),
+        vec![Purpose::SlotRelease]
+    );
+}
+
+#[test]
+fn an_open_ended_response_keeps_its_slot_until_the_stream_ends() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec);
+    let mut flow = Flow::default();
+    admitted(&mut flow, &rt, &rec);
+    let step = response(
+        &mut flow,
+        &rt,
+        &rec,
+        &[(":status", "200"), ("content-type", "text/event-stream")],
+    );
+    assert_eq!(step, Step::Continue);
+    assert_eq!(flow.deadline_ms(), Some(15_005), "still extended");
+    flow.on_done(&Cx::new(&rt, 20_000, &rec));
+    let bg = flow.take_background();
+    assert_eq!(
+        bg.iter().map(|b| b.purpose).collect::<Vec<_>>(),
+        vec![Purpose::SlotRelease]
+    );
+}

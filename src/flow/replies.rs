@@ -99,9 +99,8 @@ impl Flow {
                 }
                 self.response_calls_done()
             }
-            Purpose::LeaseExtend | Purpose::SlotExtend | Purpose::SlotRelease | Purpose::Charge => {
-                Step::Wait
-            }
+            Purpose::SlotRelease => self.response_calls_done(),
+            Purpose::LeaseExtend | Purpose::SlotExtend | Purpose::Charge => Step::Wait,
             Purpose::Complete | Purpose::Release => {
                 if let Some(i) = self.idem.as_mut() {
                     i.settled(at, tag.purpose, reply);
@@ -152,6 +151,10 @@ impl Flow {
                 if let Some(i) = self.idem.as_mut() {
                     i.settle_failed(at, err);
                 }
+                self.response_calls_done()
+            }
+            Purpose::SlotRelease => {
+                self.slot_release_to_root(at, slot);
                 self.response_calls_done()
             }
             Purpose::LeaseRelease => {
@@ -229,6 +232,15 @@ impl Flow {
 
     /// The response goes out; late answers are ignored.
     fn completion_timed_out(&mut self, at: &Pcx<'_>) -> Step {
+        let slots: Vec<usize> = self
+            .calls
+            .open_slots()
+            .filter(|(_, c)| c.tag.purpose == Purpose::SlotRelease)
+            .map(|(slot, _)| slot)
+            .collect();
+        for slot in slots {
+            self.slot_release_to_root(at, slot);
+        }
         let record_pending = self
             .calls
             .open()

@@ -52,48 +52,55 @@ impl Flow {
             self.meter.on_headers(at.policy, headers, end_of_stream);
         }
         let step = self.record_response_headers(&at, &head);
-        let release = self.lease_at_response(&at, async_idem);
+        let release = self.held_at_response(&at, async_idem);
         if matches!(self.phase, Phase::Forwarded) {
             self.phase = Phase::Responded;
         }
         self.with_release(&at, release, step)
     }
 
-    /// The lease once the response's headers are in. An open-ended response keeps it.
-    /// Otherwise the upstream answered: the protected operation is over. The response waits
-    /// for the release (one round trip; the call is returned). When the record settles off
-    /// the response path (async) the root releases it; when the body passes while the record
-    /// takes it in (pausing the headers would hold the body), it is released with the record
-    /// at the body's end (see `settle_record`), so the client's next request finds it free.
-    fn lease_at_response(&mut self, at: &Pcx<'_>, async_idem: bool) -> Option<Outgoing> {
+    /// The lease and the concurrency slots once the response's headers are in. An
+    /// open-ended response keeps them. Otherwise the upstream answered: the protected
+    /// operation is over and the request no longer in flight there. The response waits for
+    /// the releases (one round trip; the calls are returned), so the client's next request
+    /// finds them free. When the record settles off the response path (async) the root
+    /// releases them; when the body passes while the record takes it in (pausing the headers
+    /// would hold the body), they are released with the record at the body's end (see
+    /// `settle_record`).
+    fn held_at_response(&mut self, at: &Pcx<'_>, async_idem: bool) -> Vec<Outgoing> {
         let body_passes = matches!(self.phase, Phase::Response(_));
         if self.kind.open_ended || (body_passes && !async_idem) {
-            None
+            Vec::new()
         } else if async_idem {
             self.release_lease(at);
-            None
+            self.release_slots(at);
+            Vec::new()
         } else {
-            self.lease_release_now(at)
+            let mut out: Vec<Outgoing> = self.lease_release_now(at).into_iter().collect();
+            out.extend(self.slots_release_now(at));
+            out
         }
     }
 
-    /// The record's step at the response headers, with the lease release the response
-    /// waits for, if any.
-    fn with_release(&mut self, at: &Pcx<'_>, release: Option<Outgoing>, step: Step) -> Step {
-        match (release, step) {
-            (None, step) => step,
-            (Some(out), Step::Continue) => {
+    /// The record's step at the response headers, with the releases the response waits
+    /// for, if any.
+    fn with_release(&mut self, at: &Pcx<'_>, release: Vec<Outgoing>, step: Step) -> Step {
+        if release.is_empty() {
+            return step;
+        }
+        match step {
+            Step::Continue => {
                 self.phase = Phase::Completing {
                     deadline_ms: at.call_deadline(),
                 };
-                Step::Dispatch(vec![out])
+                Step::Dispatch(release)
             }
-            (Some(out), Step::Wait) => Step::Dispatch(vec![out]),
-            (Some(out), Step::Dispatch(mut calls)) => {
-                calls.push(out);
+            Step::Wait => Step::Dispatch(release),
+            Step::Dispatch(mut calls) => {
+                calls.extend(release);
                 Step::Dispatch(calls)
             }
-            (Some(_), step) => step,
+            step => step,
         }
     }
 
@@ -224,9 +231,11 @@ impl Flow {
             .push_and_send(Pending::of(purpose), purpose.script(), call, at.now_ms)
             .into_iter()
             .collect();
-        // A lease still held (its response's body passed) is released with the record.
+        // A lease or slot still held (its response's body passed) is released with the
+        // record.
         if !self.kind.open_ended {
             out.extend(self.lease_release_now(at));
+            out.extend(self.slots_release_now(at));
         }
         self.phase = Phase::Completing {
             deadline_ms: at.call_deadline(),
@@ -266,7 +275,10 @@ impl Flow {
             .filter(|c| {
                 matches!(
                     c.tag.purpose,
-                    Purpose::Complete | Purpose::Release | Purpose::LeaseRelease
+                    Purpose::Complete
+                        | Purpose::Release
+                        | Purpose::LeaseRelease
+                        | Purpose::SlotRelease
                 )
             })
             .map(|c| {

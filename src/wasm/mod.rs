@@ -233,14 +233,10 @@ impl Root {
             hostcalls::define_metric(t, name).unwrap_or(u32::MAX)
         });
         // A queue of this worker's own (a random name: the host keys queues by VM and name,
-        // and every worker runs the same VM).
-        let wake_queue = match config.redis.batch {
-            Some(_) => {
-                let name = format!("cg.batch.{}", TokenSource::from_entropy(now_ms()).token());
-                hostcalls::register_shared_queue(&name).ok()
-            }
-            None => None,
-        };
+        // and every worker runs the same VM): a stream enqueues to wake the root, which sends
+        // the releases it handed over (and the batches) at once instead of at the next tick.
+        let name = format!("cg.wake.{}", TokenSource::from_entropy(now_ms()).token());
+        let wake_queue = hostcalls::register_shared_queue(&name).ok();
         // The watchdog's resolution; batches ride on the tick only without a wake queue.
         let tick = config.tick_ms(config.redis.batch.is_some() && wake_queue.is_none());
         let _ = hostcalls::set_tick_period(Duration::from_millis(tick));

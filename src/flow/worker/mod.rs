@@ -53,6 +53,9 @@ pub struct Worker<S> {
     /// The root's tick, and whether the fine one runs (a request waits for a lease).
     tick_ms: u64,
     fine_tick: bool,
+    /// The root was asked to wake (a release or other root call is queued): not again until
+    /// it did, or the tick came first.
+    woken: bool,
 }
 
 impl<S: Copy + Ord> Worker<S> {
@@ -67,6 +70,7 @@ impl<S: Copy + Ord> Worker<S> {
             tokens,
             tick_ms,
             fine_tick: false,
+            woken: false,
         }
     }
 
@@ -286,19 +290,27 @@ impl<S: Copy + Ord> Worker<S> {
         if self.fine_tick && !self.any_lease_waiter() {
             self.set_fine_tick(false, &mut fx);
         }
-        for out in self.outbox.take_due(cx.now_ms) {
-            let slot = out.slot;
-            fx.calls.push(callout(cx, &out, Dest::Outbox(slot)));
-        }
+        self.send_due(cx, &mut fx);
         self.flush(cx, &mut fx);
         fx
     }
 
-    /// The root was woken (acquires are queued): they go out as batches.
+    /// The root was woken: the calls it holds for streams (releases, completions) go out,
+    /// and queued acquires as batches.
     pub fn on_queue_ready(&mut self, cx: &Cx<'_>) -> Effects<S> {
         let mut fx = Effects::new(Action::Continue);
+        self.send_due(cx, &mut fx);
         self.flush(cx, &mut fx);
         fx
+    }
+
+    /// The root's calls that are due, sent now.
+    fn send_due(&mut self, cx: &Cx<'_>, fx: &mut Effects<S>) {
+        self.woken = false;
+        for out in self.outbox.take_due(cx.now_ms) {
+            let slot = out.slot;
+            fx.calls.push(callout(cx, &out, Dest::Outbox(slot)));
+        }
     }
 
     /// A guarded stream's own event in direction `dir`; an unguarded stream goes on.
@@ -416,6 +428,12 @@ impl<S: Copy + Ord> Worker<S> {
         let waits = flow.waiting_for().is_some();
         if waits {
             self.set_fine_tick(true, fx);
+        }
+        if !background.is_empty() && !self.woken {
+            // A release must not wait for the tick: the stream's next request (or another
+            // sidecar's) would find the slot, lease or record still held.
+            fx.wake = true;
+            self.woken = true;
         }
         background.into_iter().for_each(|bg| self.outbox.add(bg));
         if deadline.is_some() {

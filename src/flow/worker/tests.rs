@@ -294,3 +294,38 @@ fn acquires_wait_for_a_batch_and_each_gets_its_answer() {
     let fx = w.sent(&cx, fx.calls.remove(0).route, Err(CallError::NotSent));
     assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(503));
 }
+
+#[test]
+fn a_release_handed_to_the_root_wakes_it_once_instead_of_waiting_for_the_tick() {
+    let rec = Recorder::default();
+    let config = r#"{"redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},
+      "policies": [{"name": "run", "rate_limits": [
+        {"name": "inflight", "by": ["tenant"], "algorithm": "concurrency", "limit": 2, "window": "1s"}]}]}"#;
+    let rt = runtime(&rec, config);
+    assert_eq!(
+        rt.config.tick_ms(false),
+        25,
+        "a quarter of the window, before its half"
+    );
+    let mut w = worker(&rt);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut next = 0;
+    for s in [1, 2] {
+        let fx = request(&mut w, &cx, s, "POST", "/run");
+        let tokens = send_all(&mut w, &cx, fx, &mut next);
+        let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 1, 1_000, 0])));
+        assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    }
+    let done = w.on_done(&cx, 1);
+    assert!(done.wake, "the slot's release must not wait for the tick");
+    assert!(
+        done.calls.is_empty(),
+        "sent by the root, not the ending stream"
+    );
+    assert!(!w.on_done(&cx, 2).wake, "one wake-up until the root ran");
+    let fx = w.on_queue_ready(&cx);
+    assert_eq!(fx.calls.len(), 2, "both releases go out at once");
+    let fx = request(&mut w, &cx, 3, "POST", "/run");
+    let _ = send_all(&mut w, &cx, fx, &mut next);
+    assert!(w.on_done(&cx, 3).wake, "woken again once the root ran");
+}
