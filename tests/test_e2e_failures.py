@@ -303,3 +303,73 @@ def test_a_gateway_that_never_answers_still_gets_bounded_compensation(stack_fact
     assert policy_stat(envoy, LEASE_POLICY, "lease.released") == 0
     assert stack.blackhole.accepted > 0
 
+
+
+# --- a late acquire takes no concurrency slot -----------------------------------------------------
+
+SLOTS_POLICY = "inflight"
+
+
+def slot_plugin(stack: Stack, prefix: str, timeout: str) -> dict:
+    """Two concurrency limits of one policy in two hash slots: the tenant's and the policy's."""
+    limits = [{"name": "per-tenant", "by": ["tenant"], "algorithm": "concurrency", "limit": 4,
+               "window": "60s"},
+              {"name": "global", "by": [], "algorithm": "concurrency", "limit": 4,
+               "window": "60s"}]
+    redis = stack.redis_section(key_prefix=prefix, timeout=timeout)
+    return {"redis": redis,
+            "identity": {"tenant_header": TENANT_HEADER, "missing_tenant": "reject"},
+            "policies": [{"name": SLOTS_POLICY, "match": {"path_prefix": "/jobs"},
+                          "failure_mode": "fail_closed", "rate_limits": limits}]}
+
+
+def live_slots(stack: Stack, prefix: str) -> int:
+    """Every slot held in any of the policy's concurrency keys."""
+    keys = list(stack.redis.scan_iter(match=f"{prefix}:rl:*:{SLOTS_POLICY}:*", count=1000))
+    return sum(stack.redis.zcard(k) for k in keys)
+
+
+def test_acquires_given_up_on_take_no_concurrency_slot(stack_factory):
+    """Requests that failed closed while Redis was paused, and requests whose clients left
+    meanwhile, hold no slot once Redis recovers, in either hash slot, whichever lands first:
+    the release removes a slot the late acquire took, or writes the owner's marker (checked
+    here in both slots) that the late acquire then finds (that order is pinned by
+    test_scripts_quota.py). Then the full cap is free."""
+    stack = stack_factory(None, envoys=0)
+    prefix = f"cg:e2e-fail:{uid()}"
+    envoy = stack.add_envoy(slot_plugin(stack, prefix, PAUSE_TIMEOUT))
+    tenant = f"tenant-{uid()}"
+
+    def job(timeout: float = 10.0) -> Response:
+        return envoy.request("POST", f"/jobs/{uid()}", headers={TENANT_HEADER: tenant},
+                             timeout=timeout)
+
+    assert job().status == 200  # scripts loaded, connections open
+    assert live_slots(stack, prefix) == 0
+
+    stack.redis.client_pause(PAUSE_MS)
+    paused = time.monotonic()
+    leave = (f"POST /jobs/{uid()} HTTP/1.1\r\nhost: x\r\n{TENANT_HEADER}: {tenant}\r\n"
+             f"content-length: 0\r\n\r\n").encode()
+    with ThreadPoolExecutor(8) as pool:
+        failed = [pool.submit(job) for _ in range(4)]
+        left = [pool.submit(_send_and_leave, envoy.port, leave) for _ in range(4)]
+        for f in left:
+            f.result(timeout=10)
+        answers = [f.result(timeout=10) for f in failed]
+    for r in answers:
+        assert_503(r)
+    time.sleep(max(0.0, paused + PAUSE_MS / 1000 + 0.2 - time.monotonic()))
+    assert wait_for(lambda: live_slots(stack, prefix) == 0, 6.0, 0.05), live_slots(stack, prefix)
+    time.sleep(1.0)  # nothing lands later either
+    assert live_slots(stack, prefix) == 0
+    markers = list(stack.redis.scan_iter(match=f"{prefix}:cancel:*", count=1000))
+    tags = {m.decode().split(":cancel:")[1].split("}")[0] + "}" for m in markers}
+    assert tags == {"{" + tenant_tag(tenant) + "}", "{p." + SLOTS_POLICY + "}"}, tags
+
+    # The whole cap is free: four slow requests at once are all admitted.
+    with ThreadPoolExecutor(4) as pool:
+        slow = [pool.submit(lambda: envoy.request(
+            "POST", f"/jobs/{uid()}", headers={TENANT_HEADER: tenant, "x-upstream-delay-ms": "300"}))
+            for _ in range(4)]
+        assert [f.result(timeout=10).status for f in slow] == [200] * 4
