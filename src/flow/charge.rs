@@ -7,6 +7,7 @@ use super::background::Background;
 use super::context::{Pcx, Purpose};
 use crate::config::{Charge, Policy};
 use crate::flow::intake::parse_units;
+use crate::idempotency::fingerprint::is_json;
 use crate::lua::charge::{self, Correction};
 
 /// Charges are capped here (the scripts count in Lua doubles).
@@ -49,7 +50,7 @@ impl Meter {
                 _ => None, // absent, or repeated: ambiguous, so not read
             }
         };
-        let json = header("content-type").is_some_and(is_json);
+        let json = is_json(header("content-type"));
         let length = header("content-length").and_then(|v| v.trim().parse::<u64>().ok());
         let mut copy = false;
         for (limit, charge) in policy.rate_limits.iter().zip(self.charges.iter_mut()) {
@@ -149,18 +150,6 @@ impl Meter {
             })
             .collect()
     }
-}
-
-/// `application/json`, or a `+json` type.
-fn is_json(content_type: &str) -> bool {
-    let essence = content_type
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    essence == "application/json"
-        || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
 /// A charge spelled as a header or trailer value: plain decimal digits, capped.

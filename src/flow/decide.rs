@@ -13,7 +13,7 @@ use crate::lograte::WarnKind;
 use crate::lua::acquire::{self, LeaseAnswer};
 use crate::lua::ScriptId;
 use crate::ratelimit::Verdict;
-use crate::redis::CallError;
+use crate::redis::{CallError, ScriptCall};
 use crate::respond::{self, Problem};
 
 impl Flow {
@@ -164,6 +164,11 @@ impl Flow {
         let mut tag = Pending::of(Purpose::LeaseRetry);
         tag.lease = true;
         tag.lease_unsettled = true;
+        self.poll(at, tag, call)
+    }
+
+    /// Sends a poll (a lease or record-only acquire) alone; the stream waits for it.
+    fn poll(&mut self, at: &Pcx<'_>, tag: Pending, call: ScriptCall) -> Step {
         self.calls.clear();
         let out = self
             .calls
@@ -188,15 +193,7 @@ impl Flow {
         tag.record_unsettled = true;
         tag.lease = lease.is_some_and(|l| l.tag == idem.acquire.tag);
         tag.lease_unsettled = tag.lease;
-        self.calls.clear();
-        let out = self
-            .calls
-            .push_and_send(tag, ScriptId::Acquire, call, at.now_ms);
-        self.phase = Phase::Acquiring {
-            deadline_ms: at.call_deadline(),
-            deferred: None,
-        };
-        Step::Dispatch(out.into_iter().collect())
+        self.poll(at, tag, call)
     }
 
     /// Gives the record back from the root, if this request holds it or an acquire that may

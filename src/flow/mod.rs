@@ -487,6 +487,8 @@ impl Flow {
 #[cfg(test)]
 mod quota_tests;
 #[cfg(test)]
+mod test_support;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod wait_tests;

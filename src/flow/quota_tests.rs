@@ -1,5 +1,6 @@
 //! Concurrency slots, costs and charges through the flow.
 
+use super::test_support::*;
 use super::*;
 use crate::config::Config;
 use crate::metrics::testing::Recorder;
@@ -40,31 +41,6 @@ fn req(path: &str, extra: &[(&str, &str)]) -> Request {
     ];
     headers.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
     Request::from_headers(headers, Some("127.0.0.1:4000"))
-}
-
-fn ints(v: &[i64]) -> Reply {
-    Reply::Array(Some(v.iter().map(|n| Reply::Int(*n)).collect()))
-}
-
-fn dispatched(step: Step) -> Vec<Outgoing> {
-    match step {
-        Step::Dispatch(out) => out,
-        other => panic!("expected Dispatch, got {other:?}"),
-    }
-}
-
-fn respond_with(step: Step) -> LocalResponse {
-    match step {
-        Step::Respond(r) => r,
-        other => panic!("expected Respond, got {other:?}"),
-    }
-}
-
-fn header<'a>(r: &'a LocalResponse, name: &str) -> Option<&'a str> {
-    r.headers
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| v.as_str())
 }
 
 /// A request of `path` sent; its acquire calls.

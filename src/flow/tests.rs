@@ -1,3 +1,4 @@
+use super::test_support::*;
 use super::*;
 use crate::config::Config;
 use crate::config::Replay;
@@ -85,17 +86,6 @@ fn req(method: &str, path: &str, tenant: Option<&str>) -> Request {
         headers.push(("x-tenant-id".into(), t.into()));
     }
     Request::from_headers(headers, Some("127.0.0.1:4000"))
-}
-
-fn ints(v: &[i64]) -> Reply {
-    Reply::Array(Some(v.iter().map(|n| Reply::Int(*n)).collect()))
-}
-
-fn dispatched(step: Step) -> Vec<Outgoing> {
-    match step {
-        Step::Dispatch(out) => out,
-        other => panic!("expected Dispatch, got {other:?}"),
-    }
 }
 
 #[test]
@@ -2510,13 +2500,6 @@ fn grpc_replays_and_local_replies() {
 }
 
 // --- upgrades and streams ----------------------------------------------------------------------
-
-fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-    pairs
-        .iter()
-        .map(|(n, v)| (n.to_string(), v.to_string()))
-        .collect()
-}
 
 fn upgrade_req(method: &str, path: &str) -> Request {
     let mut h = headers(&[

@@ -1,5 +1,6 @@
 //! Duplicates that wait for the first request's answer (`in_progress: wait`).
 
+use super::test_support::*;
 use super::*;
 use crate::config::Config;
 use crate::metrics::testing::Recorder;
@@ -49,13 +50,6 @@ fn record_reply(code: i64, record: &str) -> Reply {
         Reply::Int(100_000),
         Reply::Bulk(Some(record.as_bytes().to_vec())),
     ]))
-}
-
-fn dispatched(step: Step) -> Vec<Outgoing> {
-    match step {
-        Step::Dispatch(out) => out,
-        other => panic!("expected Dispatch, got {other:?}"),
-    }
 }
 
 /// A duplicate that met the record in progress: it waits, returning when it polls first.

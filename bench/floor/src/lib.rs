@@ -13,11 +13,20 @@
 //!   the filter with the given local reply (status, headers, body): the least a filter that
 //!   rejects locally pays, the anchor of the over-limit cache's rejected path.
 //!
+//! - `wasm_pause` (`{"pause": true}`): the same as `wasm_floor`, but every request is paused
+//!   and resumed from the root context on its next turn (a shared-queue wake-up, no callout):
+//!   what pausing a request and resuming it from the root costs, apart from any callout.
+//! - `wasm_naive_batched` (`{"callout": {...}, "batch": true}`): the naive callout, but sent
+//!   by the root once per turn for every request that arrived since (woken through a shared
+//!   queue, as coordination-guard's `redis.batch` is), and its answer resumes them all: the
+//!   anchor of the batched path, the least one callout per N requests costs.
+//!
 //! It ignores every host error and never panics.
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType, MetricType};
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -47,6 +56,21 @@ struct LocalReply {
 struct Settings {
     callout: Option<Callout>,
     local_reply: Option<LocalReply>,
+    #[serde(default)]
+    pause: bool,
+    #[serde(default)]
+    batch: bool,
+}
+
+/// The requests waiting for the root (pause and batch modes), and the batches in flight.
+#[derive(Default)]
+struct Waiting {
+    /// Paused streams not yet handed to the root's turn.
+    queued: Vec<u32>,
+    /// The wake-up is enqueued and the root has not run yet.
+    woken: bool,
+    /// A batch callout's token -> the streams it answers.
+    batches: Vec<(u32, Vec<u32>)>,
 }
 
 /// The counters' metric ids (None if the host refused one) and the callout, shared by the root
@@ -55,19 +79,88 @@ struct Settings {
 struct Floor {
     requests: Option<u32>,
     callouts: Option<u32>,
+    /// Callouts sent (one per request, or one per batch).
+    calls: Option<u32>,
     callout: Option<Rc<Callout>>,
     local_reply: Option<Rc<LocalReply>>,
+    pause: bool,
+    batch: bool,
+    /// This worker's wake-up queue (pause and batch modes).
+    queue: Option<u32>,
+    waiting: Rc<RefCell<Waiting>>,
+    /// The stream's own context id (HTTP contexts only).
+    id: u32,
+}
+
+impl Floor {
+    /// Hands this stream to the root's next turn (waking it once per turn).
+    fn queue_for_root(&self) -> Action {
+        let Some(q) = self.queue else {
+            return Action::Continue;
+        };
+        let mut w = self.waiting.borrow_mut();
+        w.queued.push(self.id);
+        if !w.woken {
+            w.woken = true;
+            let _ = hostcalls::enqueue_shared_queue(q, Some(b"1"));
+        }
+        Action::Pause
+    }
+
+    /// Sends the naive callout (counted); its token.
+    fn send_callout(&self, c: &Callout) -> Option<u32> {
+        if let Some(id) = self.calls {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
+        let headers = vec![
+            (":method", "POST"),
+            (":path", "/"),
+            (":authority", c.authority.as_str()),
+            ("authorization", c.authorization.as_str()),
+            ("content-type", "text/plain"),
+        ];
+        hostcalls::dispatch_http_call(
+            &c.cluster,
+            headers,
+            Some(c.body.as_bytes()),
+            vec![],
+            Duration::from_secs(1),
+        )
+        .ok()
+    }
+
+    fn resume(streams: &[u32]) {
+        for &s in streams {
+            if hostcalls::set_effective_context(s).is_ok() {
+                let _ = hostcalls::resume_http_request();
+            }
+        }
+    }
 }
 
 impl Context for Floor {
-    fn on_http_call_response(&mut self, _token: u32, _headers: usize, _body: usize, _tr: usize) {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, _body: usize, _tr: usize) {
         let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status");
-        if let (Ok(Some(s)), Some(id)) = (status, self.callouts) {
-            if s == "200" {
-                let _ = hostcalls::increment_metric(id, 1);
+        let ok = matches!(status, Ok(Some(s)) if s == "200");
+        let batch = {
+            let mut w = self.waiting.borrow_mut();
+            let at = w.batches.iter().position(|(t, _)| *t == token);
+            at.map(|i| w.batches.swap_remove(i).1)
+        };
+        match batch {
+            Some(streams) => {
+                if let (true, Some(id)) = (ok, self.callouts) {
+                    let _ = hostcalls::increment_metric(id, streams.len() as i64);
+                }
+                Floor::resume(&streams);
+            }
+            None => {
+                if let (true, Some(id)) = (ok, self.callouts) {
+                    let _ = hostcalls::increment_metric(id, 1);
+                }
+                let _ = hostcalls::resume_http_request();
             }
         }
-        let _ = hostcalls::resume_http_request();
     }
 }
 
@@ -76,6 +169,7 @@ impl RootContext for Floor {
         if self.requests.is_none() {
             self.requests = hostcalls::define_metric(MetricType::Counter, "floor.requests").ok();
             self.callouts = hostcalls::define_metric(MetricType::Counter, "floor.callouts").ok();
+            self.calls = hostcalls::define_metric(MetricType::Counter, "floor.calls").ok();
         }
         let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size);
         let settings: Settings = match bytes {
@@ -84,11 +178,42 @@ impl RootContext for Floor {
         };
         self.callout = settings.callout.map(Rc::new);
         self.local_reply = settings.local_reply.map(Rc::new);
+        self.pause = settings.pause;
+        self.batch = settings.batch;
+        if (self.pause || self.batch) && self.queue.is_none() {
+            // A queue of this worker's own: the host keys queues by VM and name, and every
+            // worker runs the same VM, so the name must differ per worker.
+            let mut seed = [0u8; 8];
+            let _ = getrandom(&mut seed);
+            let name = format!("floor.wake.{:016x}", u64::from_le_bytes(seed));
+            self.queue = hostcalls::register_shared_queue(&name).ok();
+        }
         true
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(self.clone()))
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
+        let streams = {
+            let mut w = self.waiting.borrow_mut();
+            w.woken = false;
+            std::mem::take(&mut w.queued)
+        };
+        if streams.is_empty() {
+            return;
+        }
+        match (&self.callout, self.batch) {
+            (Some(c), true) => match self.send_callout(c) {
+                Some(token) => self.waiting.borrow_mut().batches.push((token, streams)),
+                None => Floor::resume(&streams),
+            },
+            _ => Floor::resume(&streams),
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let mut f = self.clone();
+        f.id = context_id;
+        Some(Box::new(f))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -112,26 +237,25 @@ impl HttpContext for Floor {
             let _ = hostcalls::send_http_response(r.status, headers, Some(r.body.as_bytes()));
             return Action::Pause;
         }
+        if self.pause || self.batch {
+            return self.queue_for_root();
+        }
         let Some(c) = &self.callout else {
             return Action::Continue;
         };
-        let headers = vec![
-            (":method", "POST"),
-            (":path", "/"),
-            (":authority", c.authority.as_str()),
-            ("authorization", c.authorization.as_str()),
-            ("content-type", "text/plain"),
-        ];
-        let sent = hostcalls::dispatch_http_call(
-            &c.cluster,
-            headers,
-            Some(c.body.as_bytes()),
-            vec![],
-            Duration::from_secs(1),
-        );
-        match sent {
-            Ok(_) => Action::Pause,
-            Err(_) => Action::Continue,
+        match self.send_callout(c) {
+            Some(_) => Action::Pause,
+            None => Action::Continue,
         }
     }
+}
+
+/// WASI `random_get` (a per-worker queue name).
+fn getrandom(buf: &mut [u8]) -> bool {
+    #[link(wasm_import_module = "wasi_snapshot_preview1")]
+    extern "C" {
+        fn random_get(buf: *mut u8, len: usize) -> u16;
+    }
+    // SAFETY: the host writes exactly `len` bytes into `buf`, which is valid for them.
+    unsafe { random_get(buf.as_mut_ptr(), buf.len()) == 0 }
 }
