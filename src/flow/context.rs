@@ -24,7 +24,7 @@ pub struct Runtime {
     /// Request headers only the filter may set (the fingerprint, every lease's fencing
     /// header): removed from every request the filter sees, guarded or not, so a client can
     /// never hand the service a value of its own.
-    pub reserved_headers: Vec<String>,
+    pub reserved_headers: std::rc::Rc<[String]>,
     /// This worker's rate limiter of repeated warnings.
     pub warnings: Warnings,
 }
@@ -40,7 +40,7 @@ impl Runtime {
             }
         }
         Runtime {
-            reserved_headers,
+            reserved_headers: reserved_headers.into(),
             config,
             scripts: Scripts::load(),
             metrics,

@@ -1841,10 +1841,10 @@ fn async_response_over_max_is_stored_by_reference_at_its_end() {
 fn reserved_headers_are_every_filter_owned_header() {
     let rec = Recorder::default();
     assert_eq!(
-        lease_runtime(&rec).reserved_headers,
-        vec![FINGERPRINT_HEADER, "x-fencing-token", "x-lease-token"]
+        *lease_runtime(&rec).reserved_headers,
+        [FINGERPRINT_HEADER, "x-fencing-token", "x-lease-token"]
     );
-    assert_eq!(runtime(&rec).reserved_headers, vec![FINGERPRINT_HEADER]);
+    assert_eq!(*runtime(&rec).reserved_headers, [FINGERPRINT_HEADER]);
 }
 
 #[test]

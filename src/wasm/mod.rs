@@ -43,6 +43,9 @@ struct Vm {
     /// does on the worker's next event-loop turn, so every acquire raised in this turn shares
     /// one batch without waiting for a timer.
     wake_queue: Option<u32>,
+    /// The host's time at the last event: the calls an event's effects send in the same
+    /// callback are handed back to the worker at that time, without asking the host again.
+    now_ms: std::cell::Cell<u64>,
 }
 
 impl Vm {
@@ -52,7 +55,18 @@ impl Vm {
         &self,
         f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> Effects<u32>,
     ) -> Option<Effects<u32>> {
-        let cx = Cx::new(&self.runtime, now_ms(), &HostMetrics);
+        let now = now_ms();
+        self.now_ms.set(now);
+        self.event_at(now, f)
+    }
+
+    /// [`Vm::event`] at a time already read in this callback.
+    fn event_at(
+        &self,
+        now: u64,
+        f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> Effects<u32>,
+    ) -> Option<Effects<u32>> {
+        let cx = Cx::new(&self.runtime, now, &HostMetrics);
         let mut worker = self.worker.try_borrow_mut().ok()?;
         Some(f(&mut worker, &cx))
     }
@@ -108,7 +122,7 @@ impl Vm {
     fn send(&self, call: Callout<u32>, current: Option<u32>) -> Option<Action> {
         let token = dispatch(&self.runtime, &call.body);
         let refused = token.is_err();
-        let fx = self.event(|w, cx| w.sent(cx, call.route, token))?;
+        let fx = self.event_at(self.now_ms.get(), |w, cx| w.sent(cx, call.route, token))?;
         let action = self.carry_out(fx, current);
         refused.then_some(action)
     }
@@ -199,13 +213,14 @@ fn call_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError>
         .flatten()
         .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
     // The gateway's own answer (not Envoy's on its behalf): it names itself, or Envoy's router
-    // timed it.
-    let from_gateway = ["server", "x-envoy-upstream-service-time"].iter().any(|h| {
-        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, h)
-            .ok()
-            .flatten()
-            .is_some()
-    });
+    // timed it. Only a failure needs telling apart (a 200 is always the gateway's).
+    let from_gateway = status == Some(200)
+        || ["server", "x-envoy-upstream-service-time"].iter().any(|h| {
+            hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, h)
+                .ok()
+                .flatten()
+                .is_some()
+        });
     let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
         .ok()
         .flatten()
@@ -246,6 +261,7 @@ impl Root {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
             worker: RefCell::new(worker),
             wake_queue,
+            now_ms: std::cell::Cell::new(now_ms()),
         }));
         Ok(())
     }
@@ -393,6 +409,24 @@ impl Context for Filter {
     }
 }
 
+/// Removes every reserved header from the request.
+fn strip(reserved: &[String]) {
+    for name in reserved {
+        let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
+    }
+}
+
+/// The request's headers without the reserved ones, which are removed from the request if
+/// the client sent any (one host call for the usual request, which carries none).
+fn client_headers(reserved: &[String]) -> Vec<(String, String)> {
+    let mut pairs = header_pairs(MapType::HttpRequestHeaders);
+    if pairs.iter().any(|(n, _)| reserved.contains(n)) {
+        strip(reserved);
+        pairs.retain(|(n, _)| !reserved.contains(n));
+    }
+    pairs
+}
+
 fn header_pairs(map: MapType) -> Vec<(String, String)> {
     hostcalls::get_map_bytes(map)
         .unwrap_or_default()
@@ -435,21 +469,31 @@ impl HttpContext for Filter {
         let Some(vm) = self.vm.clone() else {
             return types::Action::Continue;
         };
-        // Headers only the filter may set never come from the client, whatever the request.
-        for name in &vm.runtime.reserved_headers {
-            let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
-        }
+        // Headers only the filter may set never come from the client, whatever the request:
+        // they are invisible to the matchers and removed from the request (below).
+        let reserved = &vm.runtime.reserved_headers;
+        let is_reserved = |name: &str| reserved.iter().any(|r| r == name);
         // The hot path of a request no policy matches: the pseudo-headers the matchers need
         // (often only `:path`), nothing else.
         let mut probe = Probe::new(|name: &str| {
+            if is_reserved(name) {
+                return None;
+            }
             hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
                 .ok()
                 .flatten()
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
         })
-        .with_headers(|| header_pairs(MapType::HttpRequestHeaders));
+        .with_headers({
+            let reserved = std::rc::Rc::clone(reserved);
+            move || client_headers(&reserved)
+        });
         let policies = &vm.runtime.config.policies;
-        let (index, policy) = match policy_index(policies, &mut probe) {
+        let selected = policy_index(policies, &mut probe);
+        if !matches!(selected, Some(Selected::Policy(_))) {
+            strip(reserved);
+        }
+        let (index, policy) = match selected {
             None => return types::Action::Continue,
             Some(Selected::AmbiguousPath(i)) => {
                 let content_type =
@@ -470,10 +514,7 @@ impl HttpContext for Filter {
         } else {
             None
         };
-        let mut req = Request::from_headers(
-            header_pairs(MapType::HttpRequestHeaders),
-            address.as_deref(),
-        );
+        let mut req = Request::from_headers(client_headers(reserved), address.as_deref());
         // Claims Envoy verified (jwt_authn's payload in the request's metadata), read only for
         // the roles configured to come from there.
         let identity = &vm.runtime.config.identity;
