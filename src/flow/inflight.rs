@@ -1,8 +1,9 @@
 //! Concurrency slots of one request: taken by the acquire (the slot's member is the request's
-//! nonce), kept alive at half their window while the request runs, and given back from the
-//! root when the stream ends or the request is refused. A slot an acquire may have taken
-//! after the filter gave up on it is given back with the owner's cancellation marker, so a
-//! late acquire takes none.
+//! nonce), kept alive at half their window while the request runs, and given back once the
+//! upstream answered (the response waits for the release) or, from the root, when the stream
+//! ends otherwise or the request is refused. A slot an acquire may have taken after the
+//! filter gave up on it is given back with the owner's cancellation marker, so a late acquire
+//! takes none.
 
 use super::background::Background;
 use super::context::{Pcx, Purpose};
