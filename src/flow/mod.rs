@@ -396,6 +396,12 @@ impl Flow {
             .min()
     }
 
+    /// The response body is taken in (a record copying it, a completion it waits for, a
+    /// charge read from it).
+    pub fn wants_response_body(&self) -> bool {
+        matches!(self.phase, Phase::Response(_) | Phase::Completing { .. }) || self.meter.copying()
+    }
+
     /// The request body is being held (buffering or deciding).
     pub fn holds_request(&self) -> bool {
         matches!(

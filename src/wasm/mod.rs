@@ -378,8 +378,26 @@ impl Filter {
 }
 
 impl Filter {
-    /// A piece of the body in direction `dir`, read from the host only if the flow asks.
+    /// Whether the worker guards this stream (an unguarded one needs no event, so no clock).
+    fn guarded(&self) -> bool {
+        self.vm
+            .as_ref()
+            .is_some_and(|vm| match vm.worker.try_borrow() {
+                Ok(w) => w.guards(self.ctx),
+                Err(_) => true, // the event will say
+            })
+    }
+
+    /// A piece of the body in direction `dir`, read from the host only if the flow asks (and
+    /// no event at all when the flow takes no body in that direction).
     fn body(&self, dir: Dir, body_size: usize, end_of_stream: bool) -> types::Action {
+        if let Some(vm) = &self.vm {
+            if let Ok(w) = vm.worker.try_borrow() {
+                if !w.wants_body(self.ctx, dir) {
+                    return types::Action::Continue;
+                }
+            }
+        }
         let kind = match dir {
             Dir::Request => BufferType::HttpRequestBody,
             Dir::Response => BufferType::HttpResponseBody,
@@ -404,7 +422,9 @@ impl Context for Filter {
     }
 
     fn on_done(&mut self) -> bool {
-        self.event(|w, cx, s| w.on_done(cx, s));
+        if self.guarded() {
+            self.event(|w, cx, s| w.on_done(cx, s));
+        }
         true
     }
 }
@@ -546,6 +566,9 @@ impl HttpContext for Filter {
         _num_headers: usize,
         end_of_stream: bool,
     ) -> types::Action {
+        if !self.guarded() {
+            return types::Action::Continue;
+        }
         self.event(|w, cx, s| {
             w.on_response_headers(cx, s, end_of_stream, || ResponseHead {
                 headers: header_pairs(MapType::HttpResponseHeaders),

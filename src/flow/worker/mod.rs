@@ -218,6 +218,19 @@ impl<S: Copy + Ord> Worker<S> {
         fx
     }
 
+    /// Whether this worker guards stream `s` (events of any other stream change nothing).
+    pub fn guards(&self, s: S) -> bool {
+        self.streams.contains_key(&s)
+    }
+
+    /// Whether stream `s` takes a body piece in direction `dir` (else it passes untouched).
+    pub fn wants_body(&self, s: S, dir: Dir) -> bool {
+        self.streams.get(&s).is_some_and(|e| match dir {
+            Dir::Request => e.flow.holds_request(),
+            Dir::Response => e.flow.wants_response_body(),
+        })
+    }
+
     /// Forgets a stream (and where its calls' answers would have gone).
     pub fn close(&mut self, s: S) {
         self.streams.remove(&s);

@@ -329,3 +329,31 @@ fn a_release_handed_to_the_root_wakes_it_once_instead_of_waiting_for_the_tick() 
     let _ = send_all(&mut w, &cx, fx, &mut next);
     assert!(w.on_done(&cx, 3).wake, "woken again once the root ran");
 }
+
+#[test]
+fn only_guarded_streams_and_bodies_the_flow_takes_need_events() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let mut w = worker(&rt);
+    let cx = Cx::new(&rt, 0, &rec);
+    assert!(
+        !w.guards(9) && !w.wants_body(9, Dir::Response),
+        "an unknown stream"
+    );
+    let mut next = 0;
+    let fx = request(&mut w, &cx, 1, "PUT", "/x");
+    assert!(w.guards(1));
+    assert!(
+        w.wants_body(1, Dir::Request),
+        "held while the limit is decided"
+    );
+    let tokens = send_all(&mut w, &cx, fx, &mut next);
+    let _ = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    assert!(!w.wants_body(1, Dir::Request), "forwarded: the body passes");
+    assert!(
+        !w.wants_body(1, Dir::Response),
+        "no record, no charge: nothing to take in"
+    );
+    let _ = w.on_done(&cx, 1);
+    assert!(!w.guards(1));
+}
