@@ -1423,8 +1423,12 @@ def main() -> int:
                    if "correctness" in sc["summary"].get("compare", {})})
     results["correctness"] = checks
 
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    CHART.write_text(svg_chart(results))
+    # A partial run (BENCH_SCENARIOS) writes beside the stack, under bench/work: the committed
+    # results, chart and docs stay those of the last full run.
+    results_path, chart_path = (WORK / RESULTS.name, WORK / CHART.name) if wanted else (RESULTS,
+                                                                                     CHART)
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    chart_path.write_text(svg_chart(results))
     # A partial run (BENCH_SCENARIOS) does not overwrite the documented full run.
     if not wanted and write_perf_doc(results):
         print(f"wrote the results section of {PERF_DOC.relative_to(ROOT)}")
@@ -1450,7 +1454,7 @@ def main() -> int:
               f"{fmt(_median([r['utilisation'] for r in runs]), '.2f')} "
               f"(rounds {', '.join(fmt(r['utilisation'], '.2f') for r in runs)}), "
               f"{sum(r['refused'] for r in runs)} refused")
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {CHART.relative_to(ROOT)}")
+    print(f"wrote {results_path.relative_to(ROOT)} and {chart_path.relative_to(ROOT)}")
     if results["errors"]:
         print("\nbench FAILED:", file=sys.stderr)
         for error in results["errors"]:
