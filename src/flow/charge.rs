@@ -17,8 +17,20 @@ const MAX_CHARGE: u64 = 1_000_000_000;
 #[derive(Debug, Default)]
 pub struct Meter {
     charges: Vec<Option<u64>>,
-    /// The JSON body copied for `response_json` charges, while it is within their `max_body`.
+    /// The JSON body copied for `response_json` charges, while it is within their largest
+    /// `max_body`.
     body: Option<Vec<u8>>,
+    max_body: u64,
+}
+
+/// The value of `name` in `pairs` (any case), if it appears exactly once: a repeated one is
+/// ambiguous, so not read.
+fn single<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    let mut found = pairs.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name));
+    match (found.next(), found.next()) {
+        (Some((_, v)), None) => Some(v.as_str()),
+        _ => None,
+    }
 }
 
 impl Meter {
@@ -43,26 +55,20 @@ impl Meter {
     /// The response's headers: header charges are read; a JSON body is copied if it can fit.
     pub fn on_headers(&mut self, policy: &Policy, headers: &[(String, String)], end: bool) {
         self.charges = vec![None; policy.rate_limits.len()];
-        let header = |name: &str| {
-            let mut found = headers.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name));
-            match (found.next(), found.next()) {
-                (Some((_, v)), None) => Some(v.as_str()),
-                _ => None, // absent, or repeated: ambiguous, so not read
-            }
-        };
-        let json = is_json(header("content-type"));
-        let length = header("content-length").and_then(|v| v.trim().parse::<u64>().ok());
-        let mut copy = false;
+        let json = is_json(single(headers, "content-type"));
+        let length = single(headers, "content-length").and_then(|v| v.trim().parse::<u64>().ok());
+        self.max_body = 0;
         for (limit, charge) in policy.rate_limits.iter().zip(self.charges.iter_mut()) {
             match &limit.charge {
-                Some(Charge::Header(name)) => *charge = header(name).and_then(units),
+                Some(Charge::Header(name)) => *charge = single(headers, name).and_then(units),
                 Some(Charge::Json { max_body, .. }) if json && !end => {
-                    copy |= length.is_none_or(|l| l <= *max_body);
+                    self.max_body = self.max_body.max(*max_body);
                 }
                 _ => {}
             }
         }
-        self.body = copy.then(Vec::new);
+        let fits = length.is_none_or(|l| l <= self.max_body);
+        self.body = (self.max_body > 0 && fits).then(Vec::new);
     }
 
     /// A piece of the response body (copied while within the largest `max_body`); at its end
@@ -71,16 +77,7 @@ impl Meter {
         let Some(body) = self.body.as_mut() else {
             return;
         };
-        let max = policy
-            .rate_limits
-            .iter()
-            .filter_map(|l| match &l.charge {
-                Some(Charge::Json { max_body, .. }) => Some(*max_body),
-                _ => None,
-            })
-            .max()
-            .unwrap_or(0);
-        if body.len().saturating_add(piece.len()) as u64 > max {
+        if body.len().saturating_add(piece.len()) as u64 > self.max_body {
             self.body = None;
             return;
         }
@@ -105,10 +102,7 @@ impl Meter {
     pub fn on_trailers(&mut self, policy: &Policy, trailers: &[(String, String)]) {
         for (limit, charge) in policy.rate_limits.iter().zip(self.charges.iter_mut()) {
             if let Some(Charge::Trailer(name)) = &limit.charge {
-                let mut found = trailers
-                    .iter()
-                    .filter(|(n, _)| n.eq_ignore_ascii_case(name));
-                if let (Some((_, v)), None) = (found.next(), found.next()) {
+                if let Some(v) = single(trailers, name) {
                     *charge = units(v);
                 }
             }

@@ -5,21 +5,30 @@
 //! filter gave up on it is given back with the owner's cancellation marker, so a late acquire
 //! takes none.
 
+use super::admit::{Admission, LimitSlot};
 use super::background::Background;
 use super::context::{Pcx, Purpose};
 use super::{Flow, Outgoing, Pending};
+use crate::config::{Policy, RateLimit};
 use crate::lua::acquire::Asker;
 use crate::lua::slot;
+
+/// The concurrency limits of `policy` whose slot the request holds, with their slots.
+fn held<'a>(
+    policy: &'a Policy,
+    admission: &'a Admission,
+) -> impl Iterator<Item = (&'a RateLimit, &'a LimitSlot)> {
+    policy
+        .rate_limits
+        .iter()
+        .zip(admission.all())
+        .filter(|(l, s)| l.concurrency() && s.consumed)
+}
 
 impl Flow {
     /// The acquire answered: when the slots it took are to be extended first.
     pub(super) fn slots_taken(&mut self, at: &Pcx<'_>) {
-        let window = at
-            .policy
-            .rate_limits
-            .iter()
-            .zip(self.admission.all())
-            .filter(|(l, s)| l.concurrency() && s.consumed)
+        let window = held(at.policy, &self.admission)
             .map(|(l, _)| l.window_ms)
             .min();
         self.slots_extend_ms = window.map(|w| at.now_ms.saturating_add((w / 2).max(1)));
@@ -31,31 +40,25 @@ impl Flow {
             return;
         };
         let mut next = u64::MAX;
-        for (limit, s) in at.policy.rate_limits.iter().zip(self.admission.all()) {
-            if limit.concurrency() && s.consumed {
-                let call = slot::extend(s.key.text(), &self.nonce, limit.window_ms);
-                self.background.push(Background::new(
-                    at.index,
-                    Purpose::SlotExtend,
-                    call,
-                    String::new(),
-                ));
-                next = next.min(
-                    due.max(at.now_ms)
-                        .saturating_add((limit.window_ms / 2).max(1)),
-                );
-            }
+        for (limit, s) in held(at.policy, &self.admission) {
+            let call = slot::extend(s.key.text(), &self.nonce, limit.window_ms);
+            self.background.push(Background::new(
+                at.index,
+                Purpose::SlotExtend,
+                call,
+                String::new(),
+            ));
+            next = next.min(
+                due.max(at.now_ms)
+                    .saturating_add((limit.window_ms / 2).max(1)),
+            );
         }
         self.slots_extend_ms = (next != u64::MAX).then_some(next);
     }
 
     /// Whether the request holds a concurrency slot.
     pub(super) fn holds_slots(&self, at: &Pcx<'_>) -> bool {
-        at.policy
-            .rate_limits
-            .iter()
-            .zip(self.admission.all())
-            .any(|(l, s)| l.concurrency() && s.consumed)
+        held(at.policy, &self.admission).next().is_some()
     }
 
     /// The releases of the slots this request holds, sent now: the response waits for them.

@@ -60,14 +60,19 @@ pub fn repeated_selector(at: &Pcx<'_>, req: &Request) -> Option<LocalResponse> {
         .flat_map(|l| &l.by)
         .chain(at.policy.lease.iter().flat_map(|l| &l.resource));
     let sel = repeated_input(selectors, req)?;
+    Some(ambiguous_selector(at, &sel.spelling()))
+}
+
+/// The `400` for an input (`spelling`, e.g. `header:x-cost`) that appears more than once,
+/// counted.
+fn ambiguous_selector(at: &Pcx<'_>, spelling: &str) -> LocalResponse {
     at.m.increment(at.pm.ambiguous_input);
-    let spelling = sel.spelling();
-    Some(respond::problem(
+    respond::problem(
         Problem::AmbiguousSelector,
         &format!("{spelling} must appear at most once in the request"),
-        &[("selector", Member::Str(&spelling))],
+        &[("selector", Member::Str(spelling))],
         Vec::new(),
-    ))
+    )
 }
 
 /// The request lacks the input that names the lease's resource, counted.
@@ -95,19 +100,9 @@ pub fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
             costs.push(1);
             continue;
         };
-        let value = match req.single_header(&cost.header) {
-            Ok(v) => v,
-            Err(_) => {
-                at.m.increment(at.pm.ambiguous_input);
-                let spelling = format!("header:{}", cost.header);
-                return Err(respond::problem(
-                    Problem::AmbiguousSelector,
-                    &format!("{spelling} must appear at most once in the request"),
-                    &[("selector", Member::Str(&spelling))],
-                    Vec::new(),
-                ));
-            }
-        };
+        let value = req
+            .single_header(&cost.header)
+            .map_err(|_| ambiguous_selector(at, &format!("header:{}", cost.header)))?;
         match value.map(|v| parse_units(v.trim())) {
             None => costs.push(cost.default),
             Some(Some(n)) if (cost.min..=cost.max).contains(&n) => costs.push(n),
