@@ -588,7 +588,10 @@ def test_two_sidecars_share_one_budget_exactly(shared, guard):
     200 come back. Then six requests of 50 at once through both: exactly four fit."""
     envoys = guard(policy(tokens(charge=CHARGED_BY_HEADER)), n=2)
     run = Run()
-    first = at_once([lambda i=i: run.send(envoys[i % 2], cost="250", used=200) for i in range(4)])
+    # The upstream holds each for 300 ms, so all four are admitted before any charge (sent as
+    # soon as a response ends) lands: their remaining units are then exact.
+    first = at_once([lambda i=i: run.send(envoys[i % 2], cost="250", used=200, delay_ms=300)
+                     for i in range(4)])
     assert [r.status for r in first] == [200] * 4, first
     assert sorted(remaining(r) for r in first) == [0, 250, 500, 750], first
     key = only_key(shared, envoys[0].key_prefix, "fw")
