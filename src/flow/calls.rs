@@ -146,6 +146,11 @@ impl<T> Calls<T> {
         }
     }
 
+    /// Whether no call was ever made (every round that clears the table sends one at once).
+    pub fn none_made(&self) -> bool {
+        self.slots.is_empty()
+    }
+
     /// Drops every call (a new round starts).
     pub fn clear(&mut self) {
         self.slots.clear();

@@ -402,6 +402,15 @@ impl Flow {
         matches!(self.phase, Phase::Response(_) | Phase::Completing { .. }) || self.meter.copying()
     }
 
+    /// Answered locally before any Redis call (an over-limit cache or leased-quota
+    /// rejection, a refused input): nothing was taken, so the stream's end owes nothing and
+    /// its later events need not reach the flow.
+    pub fn answered_without_calls(&self) -> bool {
+        matches!(self.phase, Phase::Answered)
+            && self.calls.none_made()
+            && self.background.is_empty()
+    }
+
     /// The request body is being held (buffering or deciding).
     pub fn holds_request(&self) -> bool {
         matches!(

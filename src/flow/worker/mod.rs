@@ -394,6 +394,7 @@ impl<S: Copy + Ord> Worker<S> {
         };
         let mut ops = StreamEffects::new(s);
         fx.action = Action::Pause;
+        let responded = matches!(step, Step::Respond(_));
         match step {
             Step::Continue => {
                 let paused = entry.paused.take();
@@ -426,6 +427,16 @@ impl<S: Copy + Ord> Worker<S> {
             fx.streams.push(ops);
         }
         self.settle(cx, s, fx);
+        // A local answer that took nothing: the stream's later events (the answer's own
+        // response headers, its end) have nothing to do, so the worker forgets it now.
+        if responded
+            && self
+                .streams
+                .get(&s)
+                .is_some_and(|e| e.flow.answered_without_calls())
+        {
+            self.close(s);
+        }
     }
 
     /// After a stream's step: its background calls go to the outbox, the tick registry and

@@ -357,3 +357,32 @@ fn only_guarded_streams_and_bodies_the_flow_takes_need_events() {
     let _ = w.on_done(&cx, 1);
     assert!(!w.guards(1));
 }
+
+#[test]
+fn a_local_answer_that_took_nothing_forgets_its_stream_and_one_after_a_call_does_not() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let mut w = worker(&rt);
+    let cx = Cx::new(&rt, 1_000, &rec);
+    let mut next = 0;
+    // Redis says the limit rejects for the next second: the over-limit cache learns it.
+    let fx = request(&mut w, &cx, 1, "PUT", "/x");
+    let tokens = send_all(&mut w, &cx, fx, &mut next);
+    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[0, 0, 0, 1_000, 1_000])));
+    assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(429));
+    assert!(
+        w.guards(1),
+        "answered after a call: its end still goes to the flow"
+    );
+    // The next request is rejected by the cache, with no call: nothing is left to do.
+    let fx = request(&mut w, &cx, 2, "PUT", "/x");
+    assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(429));
+    assert!(fx.streams[0].calls.is_empty() && fx.calls.is_empty());
+    assert_eq!(rec.count("cg.over_limit_cache.hits"), 1);
+    assert!(!w.guards(2), "forgotten at once");
+    assert!(w
+        .on_response_headers(&cx, 2, true, || panic!("not read"))
+        .streams
+        .is_empty());
+    assert!(w.on_done(&cx, 2).calls.is_empty());
+}
