@@ -24,7 +24,11 @@ answering every request with a local 429 shaped like ours (the rejected path's f
 `wasm_naive`, is the same
 filter making one webdis callout per request (an EVAL of a one-line INCR) that the request
 waits for: the naive design the issue quotes, what one callout per request costs whatever
-the script does; the anchor of the exact rate-limit paths.
+the script does; the anchor of the exact rate-limit paths. `wasm_pause` and
+`wasm_naive_batched` isolate resuming a request from the root and batching callouts per root
+turn; `wasm_floor_reads` is the floor plus 20 header reads per request, what one host call that
+returns data costs. A scenario with a goal against an anchor runs that anchor in its own rounds
+(plain, anchor, scenario[, compare]), and its ratio is the median of the per-round ratios.
 
 Output: a table on stdout, bench/results.json (every run's raw numbers) and bench/report.svg.
 Exit status 1 if a run had socket errors or unexpected statuses, or the correctness check
@@ -141,6 +145,11 @@ class Scenario:
 # shared 2-core VM (wrk, Envoy, webdis and Redis saturate it) does not turn slow calls into
 # fail-closed 503s, which fail the run; the tests keep 50 ms to exercise the timeout itself.
 REDIS_TIMEOUT = "250ms"
+
+
+# The calibration anchor's extra header reads per request: each is a host call that returns
+# data, so the host calls back into the VM to allocate it (one `:path` read is the floor's own).
+FLOOR_READS = 20
 
 
 def plugin_base(stack: Stack, name: str, policies: list[dict]) -> dict:
@@ -389,6 +398,10 @@ def scenarios() -> list[Scenario]:
                  lambda stack: {}, wasm_path=FLOOR_WASM, verify=verify_floor),
         Scenario("wasm_floor_429", "minimal filter answering 429 locally (anchor)", "get.lua",
                  floor_429, wasm_path=FLOOR_WASM, verify=verify_floor, all_rejected=True),
+        # Calibration: what one host call that returns data (a header value) costs.
+        Scenario("wasm_floor_reads", f"minimal filter + {FLOOR_READS} header reads per request "
+                 "(anchor)", "get.lua", lambda stack: {"reads": FLOOR_READS},
+                 wasm_path=FLOOR_WASM, verify=verify_floor),
         Scenario("wasm_naive", "minimal filter + 1 webdis callout per request (anchor)",
                  "get.lua", naive, wasm_path=FLOOR_WASM, verify=verify_naive),
         # What pausing a request and resuming it from the root costs without a callout, and
@@ -813,17 +826,30 @@ class Bench:
                                  local_ratelimit=scenario.local_ratelimit,
                                  wasm_path=scenario.wasm_path,
                                  response_headers=scenario.response_headers)
-        targets = [(plain, "plain"), (envoy, "scenario")]
+        targets = [(plain, "plain", scenario)]
         compare = None
         compare_refused = None
+        anchors: list[Envoy] = []
         try:
+            # The anchors a goal is set against run in the same rounds, right before the
+            # scenario: the ratio is then taken round by round, side by side in time.
+            by_name = {s.name: s for s in scenarios()}
+            for name in in_round_anchors(scenario):
+                a = by_name[name]
+                anchor = self.start_envoy(f"{scenario.name}-anchor-{name}",
+                                          a.plugin(self.stack) if a.plugin else None,
+                                          local_ratelimit=a.local_ratelimit,
+                                          wasm_path=a.wasm_path)
+                anchors.append(anchor)
+                targets.append((anchor, f"anchor:{name}", a))
+            targets.append((envoy, "scenario", scenario))
             if self.compare and plugin is not None and scenario.wasm_path is None:
                 try:
                     compare = self.start_envoy(f"{scenario.name}@{self.compare[0]}", plugin,
                                                routed=scenario.routed,
                                                wasm_path=self.compare[1],
                                                response_headers=scenario.response_headers)
-                    targets.append((compare, "compare"))
+                    targets.append((compare, "compare", scenario))
                 except (RuntimeError, TimeoutError) as e:
                     # An older build that does not know a feature refuses its configuration:
                     # the scenario runs without it, and the report says so.
@@ -835,14 +861,14 @@ class Bench:
             if scenario.prepare:
                 scenario.prepare(scenario, envoy)
             print(f"  {scenario.name}: warm-up {self.warmup}s each", flush=True)
-            for target, kind in targets:
-                self.wrk(target, self.script(scenario.script),
-                         scenario.args(scenario, f"{scenario.name}-warmup-{kind}-"
-                                                 f"{uuid.uuid4().hex[:8]}"), self.warmup)
+            for target, kind, sc in targets:
+                self.wrk(target, self.script(sc.script),
+                         sc.args(sc, f"{sc.name}-warmup-{kind}-{uuid.uuid4().hex[:8]}"),
+                         self.warmup)
             runs = []
             for r in range(1, self.rounds + 1):
-                for target, kind in targets:
-                    rec = self.run(target, scenario, kind, r, self.seconds)
+                for target, kind, sc in targets:
+                    rec = self.run(target, sc, kind, r, self.seconds)
                     runs.append(rec)
                     flag = "" if not rec["problems"] else "  PROBLEM: " + "; ".join(rec["problems"])
                     print(f"  {scenario.name} round {r} {kind:8} {rec['requests_per_second']:>9.0f}"
@@ -855,6 +881,8 @@ class Bench:
             self.stop_envoy(envoy)
             if compare is not None:
                 self.stop_envoy(compare)
+            for anchor in anchors:
+                self.stop_envoy(anchor)
         summary = summarize(scenario, runs)
         if compare_refused:
             summary["compare_refused"] = compare_refused
@@ -913,34 +941,62 @@ def summarize(scenario: Scenario | None, runs: list[dict], kind: str = "scenario
     return out
 
 
+def in_round_anchors(scenario: Scenario) -> list[str]:
+    """The anchors measured in the scenario's own rounds: every anchor of a scenario with a
+    goal on one (the others are compared with the anchor's own scenario, below)."""
+    if any(goal is not None for _, goal in scenario.anchors):
+        return [name for name, _ in scenario.anchors]
+    return []
+
+
+def _same_round_ratios(runs: list[dict], kind: str, anchor_kind: str) -> list[float]:
+    """`kind`'s throughput over `anchor_kind`'s, round by round."""
+    anchor = {r["round"]: r["requests_per_second"] for r in runs if r["kind"] == anchor_kind}
+    return [round(r["requests_per_second"] / anchor[r["round"]], 4)
+            for r in runs if r["kind"] == kind and anchor.get(r["round"])]
+
+
 def add_anchor_ratios(scenario_results: dict) -> None:
-    """Each scenario's throughput over its anchors', both as medians of ratios to their own
-    plain rounds in this run (so the machine's drift between them cancels), per round too."""
+    """Each scenario's throughput over its anchors'. An anchor measured in the scenario's own
+    rounds gives the median of the per-round ratios (the two ran one after the other, in the
+    same round); any other, the ratio of the two medians of ratios to their own plain rounds
+    in this run (so the machine's drift between them cancels, as far as it does)."""
     goals = {s.name: s.anchors for s in scenarios()}
     for name, sc in scenario_results.items():
         s = sc["summary"]
-        out = []
+        runs = sc.get("runs", [])
+        out, compared = [], []
         for anchor, goal in goals.get(name, ()):
-            a = scenario_results.get(anchor, {}).get("summary")
-            if not a or not a.get("ratio_to_plain") or s.get("ratio_to_plain") is None:
-                continue
-            entry = {"anchor": anchor, "ratio": round(s["ratio_to_plain"] / a["ratio_to_plain"], 4),
-                     "per_round": [round(x / y, 4) for x, y in
-                                   zip(s["ratio_per_round"], a["ratio_per_round"]) if y]}
-            if goal is not None:
-                entry["goal"] = goal
-                entry["goal_met"] = entry["ratio"] >= goal
-            out.append(entry)
+            kind = f"anchor:{anchor}"
+            if any(r["kind"] == kind for r in runs):
+                per_round = _same_round_ratios(runs, "scenario", kind)
+                entry = {"anchor": anchor, "same_rounds": True, "ratio": _median(per_round),
+                         "per_round": per_round,
+                         "anchor_in_rounds": summarize(None, runs, kind)}
+                theirs = _same_round_ratios(runs, "compare", kind)
+                other = {"anchor": anchor, "same_rounds": True, "ratio": _median(theirs)}
+            else:
+                a = scenario_results.get(anchor, {}).get("summary")
+                if not a or not a.get("ratio_to_plain") or s.get("ratio_to_plain") is None:
+                    continue
+                entry = {"anchor": anchor, "same_rounds": False,
+                         "ratio": round(s["ratio_to_plain"] / a["ratio_to_plain"], 4),
+                         "per_round": [round(x / y, 4) for x, y in
+                                       zip(s["ratio_per_round"], a["ratio_per_round"]) if y]}
+                mine = s.get("compare", {}).get("ratio_to_plain")
+                other = {"anchor": anchor, "same_rounds": False,
+                         "ratio": round(mine / a["ratio_to_plain"], 4) if mine else None}
+            for e in (entry, other):
+                if goal is not None and e["ratio"] is not None:
+                    e["goal"] = goal
+                    e["goal_met"] = e["ratio"] >= goal
+            if entry["ratio"] is not None:
+                out.append(entry)
+            if other["ratio"] is not None:
+                compared.append(other)
         s["anchors"] = out
         if "compare" in s:
-            s["compare"]["anchors"] = [
-                {**e, "ratio": round(s["compare"]["ratio_to_plain"] / scenario_results[e["anchor"]]
-                                     ["summary"]["ratio_to_plain"], 4)}
-                for e in out if s["compare"].get("ratio_to_plain") is not None]
-            for e in s["compare"]["anchors"]:
-                e.pop("per_round", None)
-                if "goal" in e:
-                    e["goal_met"] = e["ratio"] >= e["goal"]
+            s["compare"]["anchors"] = compared
 
 
 def anchor_text(s: dict) -> str:
@@ -950,7 +1006,8 @@ def anchor_text(s: dict) -> str:
         goal = ""
         if "goal" in e:
             goal = f" (>= {e['goal']:.2f} {'met' if e['goal_met'] else 'missed'})"
-        parts.append(f"{e['ratio']:.2f} x {e['anchor']}{goal}")
+        where = ", same rounds" if e.get("same_rounds") else ""
+        parts.append(f"{e['ratio']:.2f} x {e['anchor']}{where}{goal}")
     return "; ".join(parts)
 
 
@@ -1319,7 +1376,10 @@ def main() -> int:
     if wanted:
         chosen = [s for s in chosen if s.name in wanted]
     # lease_contended runs after the scenarios; its stack needs no plain Envoy round.
-    if any(s.wasm_path == FLOOR_WASM for s in chosen) and not build_floor():
+    by_name = {s.name: s for s in scenarios()}
+    floor_needed = any(s.wasm_path == FLOOR_WASM for s in chosen) or any(
+        by_name[a].wasm_path == FLOOR_WASM for s in chosen for a in in_round_anchors(s))
+    if floor_needed and not build_floor():
         return 2
     compare = None
     if os.environ.get("BENCH_COMPARE", "").strip():

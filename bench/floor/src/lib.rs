@@ -21,6 +21,10 @@
 //!   queue, as coordination-guard's `redis.batch` is), and its answer resumes them all: the
 //!   anchor of the batched path, the least one callout per N requests costs.
 //!
+//! - `wasm_floor_reads` (`{"reads": N}`): the floor plus N more reads of `:path` per request:
+//!   what one host call that returns data costs (the host calls back into the VM to allocate
+//!   what it returns).
+//!
 //! It ignores every host error and never panics.
 
 use proxy_wasm::hostcalls;
@@ -60,6 +64,8 @@ struct Settings {
     pause: bool,
     #[serde(default)]
     batch: bool,
+    #[serde(default)]
+    reads: u32,
 }
 
 /// The requests waiting for the root (pause and batch modes), and the batches in flight.
@@ -85,6 +91,8 @@ struct Floor {
     local_reply: Option<Rc<LocalReply>>,
     pause: bool,
     batch: bool,
+    /// Extra `:path` reads per request.
+    reads: u32,
     /// This worker's wake-up queue (pause and batch modes).
     queue: Option<u32>,
     waiting: Rc<RefCell<Waiting>>,
@@ -180,6 +188,7 @@ impl RootContext for Floor {
         self.local_reply = settings.local_reply.map(Rc::new);
         self.pause = settings.pause;
         self.batch = settings.batch;
+        self.reads = settings.reads;
         if (self.pause || self.batch) && self.queue.is_none() {
             // A queue of this worker's own: the host keys queues by VM and name, and every
             // worker runs the same VM, so the name must differ per worker.
@@ -225,6 +234,9 @@ impl HttpContext for Floor {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         // The SDK's get_http_request_header unwraps; the hostcall does not.
         let _ = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":path");
+        for _ in 0..self.reads {
+            let _ = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":path");
+        }
         if let Some(id) = self.requests {
             let _ = hostcalls::increment_metric(id, 1);
         }
