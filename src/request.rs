@@ -94,7 +94,10 @@ impl Request {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Repeated;
 
-fn single<'a>(mut values: impl Iterator<Item = &'a String>) -> Result<Option<&'a str>, Repeated> {
+/// The one value of an input given as `values`, none, or `Err` when there is more than one.
+pub fn single<'a>(
+    mut values: impl Iterator<Item = &'a String>,
+) -> Result<Option<&'a str>, Repeated> {
     let first = values.next().map(String::as_str);
     match values.next() {
         Some(_) => Err(Repeated),

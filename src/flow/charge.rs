@@ -26,11 +26,11 @@ pub struct Meter {
 /// The value of `name` in `pairs` (any case), if it appears exactly once: a repeated one is
 /// ambiguous, so not read.
 fn single<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    let mut found = pairs.iter().filter(|(n, _)| n.eq_ignore_ascii_case(name));
-    match (found.next(), found.next()) {
-        (Some((_, v)), None) => Some(v.as_str()),
-        _ => None,
-    }
+    let values = pairs
+        .iter()
+        .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v);
+    crate::request::single(values).ok().flatten()
 }
 
 impl Meter {

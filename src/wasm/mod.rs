@@ -554,6 +554,9 @@ impl HttpContext for Filter {
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> types::Action {
+        if !self.guarded() {
+            return types::Action::Continue;
+        }
         self.event(|w, cx, s| {
             w.on_request_trailers(cx, s, || {
                 buffer(BufferType::HttpRequestBody, usize::MAX >> 1)
@@ -582,6 +585,9 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> types::Action {
+        if !self.guarded() {
+            return types::Action::Continue;
+        }
         self.event(|w, cx, s| {
             w.on_response_trailers(cx, s, || header_pairs(MapType::HttpResponseTrailers))
         })
