@@ -101,6 +101,7 @@ lint: deps-rust ## rustfmt check and clippy (native and wasm; also the bench anc
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --target $(WASM_TARGET) --release -- -D warnings
+	cargo clippy --target $(WASM_TARGET) --release --features spans -- -D warnings
 	cargo fmt --check --manifest-path $(FLOOR)
 	cargo clippy --manifest-path $(FLOOR) --target $(WASM_TARGET) --release -- -D warnings
 
@@ -116,7 +117,7 @@ test: deps deps-oci build lint unit unit-wasm ## Everything: build, lint, unit t
 
 ##@ Benchmarks
 
-.PHONY: bench bench-core bench-core-v8 bench-scripts
+.PHONY: bench bench-core bench-core-v8 bench-scripts bench-spans
 bench: deps deps-bench build ## Filter cost vs plain Envoy and the anchors (wrk), open-loop latency (oha): table, bench/results.json, bench/report.svg, docs/performance.md. Env BENCH_ROUNDS=5 BENCH_SECONDS=5 BENCH_LATENCY_SECONDS=5 BENCH_SCENARIOS=a,b.
 	$(PYTHON) bench/run.py
 
@@ -130,6 +131,9 @@ CORE_WASM = cargo bench --bench core --target $(WASM_TARGET) --no-run --message-
 bench-core-v8: deps-rust deps-node ## The same micro-benchmarks built for wasm32-wasip1 and run in V8 (Node's), the engine Envoy embeds. Env CORE_FILTER=<text>.
 	cargo bench --bench core --target $(WASM_TARGET) --no-run
 	wasm=$$($(CORE_WASM)); node bench/wasi.mjs "$$wasm" $(CORE_FILTER)
+
+bench-spans: deps deps-bench ## Where the filter's time goes inside Envoy: wall µs per span of its callbacks (a build with the cargo feature spans). Env BENCH_SCENARIOS=a,b.
+	$(PYTHON) bench/spans.py
 
 bench-scripts: deps ## acquire.lua's cost in a real redis-server (us per call), working tree vs git HEAD (env REV).
 	$(PYTHON) bench/scripts.py

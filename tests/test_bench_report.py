@@ -91,3 +91,24 @@ def test_open_loop_rows_say_what_the_filter_adds_at_each_rate():
     lines = bench.open_loop_markdown([entry], {"rl_allowed": "exact"})
     assert lines[-1] == "| exact | 1000 | 0.40 / 2.50 / 6.00 | < 0.5 / < 2.0 missed | " \
                         "0.20 / 0.90 / 3.00 |"
+
+
+def test_bench_spans_reads_every_workers_reports_from_the_envoy_log(tmp_path):
+    import spans
+
+    log = tmp_path / "envoy.log"
+    log.write_text(
+        "[info] configuration loaded\n"
+        "[warning] wasm log cg: spans: headers=10.00/10000 decide=15.00/10000 "
+        "answer=12.00/9990 done=2.00/10\n"
+        "[warning] wasm log cg: spans: headers=12.00/10000 decide=17.00/10000 "
+        "answer=14.00/10010\n"
+        "[warning] wasm log cg: spans: headers=11.00/10000 decide=x/10000\n")
+    found = spans.reports(log)
+    assert found["headers"] == [(10.0, 10000), (12.0, 10000), (11.0, 10000)]
+    assert found["decide"] == [(15.0, 10000), (17.0, 10000)], "an unreadable mean is skipped"
+    # The median of the reports' means, and how often the span ran per guarded request.
+    assert spans.cell(found, "headers").split() == ["11.00", "x1.00"]
+    assert spans.cell(found, "answer").split() == ["13.00", "x0.67"]
+    assert spans.cell(found, "done").split() == ["2.00", "x0.00"]
+    assert spans.cell(found, "resume").strip() == "-"

@@ -411,6 +411,20 @@ impl Flow {
             && self.background.is_empty()
     }
 
+    /// Forwarded with nothing to settle at its end: no record, lease or concurrency limit, no
+    /// charge, no call in flight and none for the root. Once its response headers have their
+    /// rate-limit headers, the stream's later events need not reach the flow.
+    pub fn owes_nothing_at_end(&self, cx: &Cx<'_>) -> bool {
+        matches!(self.phase, Phase::Forwarded)
+            && self.idem.is_none()
+            && self.lease.is_none()
+            && self.calls.open().next().is_none()
+            && self.background.is_empty()
+            && self.at(cx).is_some_and(|at| {
+                !Meter::wanted(at.policy) && !at.policy.rate_limits.iter().any(|l| l.concurrency())
+            })
+    }
+
     /// The request body is being held (buffering or deciding).
     pub fn holds_request(&self) -> bool {
         matches!(

@@ -42,6 +42,21 @@ const NOT_SENT: &[&str] = &[
     "cluster not found",
 ];
 
+/// The reply in an answer's body when the body alone says the command ran: a whole RESP
+/// array, which only Redis writes (every script replies with one). Neither webdis nor Envoy
+/// answers a failure with one: webdis's refusals (403, 405, 503) carry no RESP array, and
+/// Envoy's own replies are plain text. So such a body needs no status read, one host call
+/// fewer per answer; anything else (an error reply, an integer, a truncated or foreign body)
+/// goes through [`decode`] with the status.
+pub fn decode_array(body: &[u8]) -> Option<Reply> {
+    if body.first() != Some(&b'*') {
+        return None;
+    }
+    resp::parse(body)
+        .ok()
+        .filter(|r| matches!(r, Reply::Array(Some(_))))
+}
+
 /// Turns the gateway's HTTP answer into a Redis reply. `from_gateway` says the answer came
 /// from the gateway itself (its response carries `server` or Envoy's
 /// `x-envoy-upstream-service-time`), not from Envoy on its behalf. Webdis never answers 504
@@ -74,6 +89,31 @@ mod tests {
             String::from_utf8(body).expect("ascii"),
             "EVALSHA/ab12/1/cg%3Arl%3A%7Bt%2Ex%7D%3Ap/a%2Fb%2Ec%20d%25.raw"
         );
+    }
+
+    #[test]
+    fn an_array_alone_is_a_reply_without_the_status() {
+        let reply = decode_array(b"*2\r\n:1\r\n$2\r\nok\r\n");
+        assert_eq!(
+            reply,
+            Some(Reply::Array(Some(vec![
+                Reply::Int(1),
+                Reply::Bulk(Some(b"ok".to_vec()))
+            ])))
+        );
+        // What needs the status to be read: a failure's text, an error reply, another reply,
+        // a nil array, a truncated array, an array followed by anything.
+        for body in [
+            &b"upstream request timeout"[..],
+            b"-ERR unknown command\r\n",
+            b":1\r\n",
+            b"*-1\r\n",
+            b"*2\r\n:1\r\n",
+            b"*1\r\n:1\r\nHTTP",
+            b"",
+        ] {
+            assert_eq!(decode_array(body), None, "{body:?}");
+        }
     }
 
     #[test]

@@ -17,7 +17,9 @@ use crate::lograte::WarnKind;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::redis::{webdis, CallError};
 use crate::request::{claim_text, policy_index, Probe, Request, Selected};
+use spans::Span;
 mod abi;
+mod spans;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -206,8 +208,23 @@ fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
     })
 }
 
-/// The answer of the callout whose response callback is running.
+/// [`call_answer`], timed.
+fn read_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError> {
+    let _span = spans::enter(Span::AnswerRead);
+    call_answer(body_size)
+}
+
+/// The answer of the callout whose response callback is running: its body, and its status
+/// only when the body alone does not show that Redis ran the command (see
+/// [`webdis::decode_array`]).
 fn call_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError> {
+    let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    if let Some(reply) = webdis::decode_array(&body) {
+        return Ok(reply);
+    }
     let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
         .ok()
         .flatten()
@@ -221,10 +238,6 @@ fn call_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError>
                 .flatten()
                 .is_some()
         });
-    let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-        .ok()
-        .flatten()
-        .unwrap_or_default();
     webdis::decode(status, from_gateway, &body)
 }
 
@@ -274,6 +287,19 @@ impl Root {
             }
         }
     }
+
+    /// [`Root::event`] for a callout's answer, timed as its parts.
+    fn answer(&self, token: u32, body_size: usize) {
+        if let Some(vm) = &self.vm {
+            let began = spans::mark();
+            let fx = vm.event(|w, cx| w.on_answer(cx, token, || read_answer(body_size)));
+            began.end(Span::Answer);
+            if let Some(fx) = fx {
+                let _span = spans::enter(Span::Resume);
+                vm.carry_out(fx, None);
+            }
+        }
+    }
 }
 
 impl Context for Root {
@@ -284,7 +310,7 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
-        self.event(|w, cx| w.on_answer(cx, token, || call_answer(body_size)));
+        self.answer(token, body_size);
     }
 }
 
@@ -364,16 +390,35 @@ impl Filter {
         &self,
         f: impl FnOnce(&mut Worker<u32>, &Cx<'_>, u32) -> Effects<u32>,
     ) -> types::Action {
+        self.event_in(None, f)
+    }
+
+    /// [`Filter::event`], the worker's part and the carrying out timed as `parts`.
+    fn event_in(
+        &self,
+        parts: Option<(Span, Span)>,
+        f: impl FnOnce(&mut Worker<u32>, &Cx<'_>, u32) -> Effects<u32>,
+    ) -> types::Action {
         let Some(vm) = &self.vm else {
             return types::Action::Continue;
         };
-        match vm.event(|w, cx| f(w, cx, self.ctx)) {
+        let began = spans::mark();
+        let fx = vm.event(|w, cx| f(w, cx, self.ctx));
+        let carrying = spans::mark();
+        if let Some((event, _)) = parts {
+            began.end(event);
+        }
+        let action = match fx {
             Some(fx) => match vm.carry_out(fx, Some(self.ctx)) {
                 Action::Continue => types::Action::Continue,
                 Action::Pause => types::Action::Pause,
             },
             None => types::Action::Pause,
+        };
+        if let Some((_, carry)) = parts {
+            carrying.end(carry);
         }
+        action
     }
 }
 
@@ -418,11 +463,14 @@ impl Context for Filter {
         body_size: usize,
         _trailers: usize,
     ) {
-        self.event(|w, cx, _| w.on_answer(cx, token, || call_answer(body_size)));
+        self.event_in(Some((Span::Answer, Span::Resume)), |w, cx, _| {
+            w.on_answer(cx, token, || read_answer(body_size))
+        });
     }
 
     fn on_done(&mut self) -> bool {
         if self.guarded() {
+            let _span = spans::enter(Span::Done);
             self.event(|w, cx, s| w.on_done(cx, s));
         }
         true
@@ -489,6 +537,7 @@ impl HttpContext for Filter {
         let Some(vm) = self.vm.clone() else {
             return types::Action::Continue;
         };
+        let began = spans::mark();
         // Headers only the filter may set never come from the client, whatever the request:
         // they are invisible to the matchers and removed from the request (below).
         let reserved = &vm.runtime.reserved_headers;
@@ -544,7 +593,10 @@ impl HttpContext for Filter {
         if let IdSource::Metadata(path) = &identity.principal {
             req.principal_claim = metadata_text(path);
         }
-        self.event(|w, cx, s| w.on_request_headers(cx, s, index, req, end_of_stream))
+        began.end(Span::Headers);
+        self.event_in(Some((Span::Decide, Span::Send)), |w, cx, s| {
+            w.on_request_headers(cx, s, index, req, end_of_stream)
+        })
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> types::Action {
@@ -572,6 +624,7 @@ impl HttpContext for Filter {
         if !self.guarded() {
             return types::Action::Continue;
         }
+        let _span = spans::enter(Span::ResponseHeaders);
         self.event(|w, cx, s| {
             w.on_response_headers(cx, s, end_of_stream, || ResponseHead {
                 headers: header_pairs(MapType::HttpResponseHeaders),

@@ -155,6 +155,10 @@ impl<S: Copy + Ord> Worker<S> {
         };
         let extra = entry.flow.response_headers().to_vec();
         if !entry.flow.wants_response(cx) {
+            // Nothing left for the stream's end: forgotten now, so its end costs no event.
+            if entry.flow.owes_nothing_at_end(cx) {
+                self.close(s);
+            }
             let mut fx = Effects::new(Action::Continue);
             let mut ops = StreamEffects::new(s);
             ops.add_response_headers = extra;

@@ -386,3 +386,45 @@ fn a_local_answer_that_took_nothing_forgets_its_stream_and_one_after_a_call_does
         .is_empty());
     assert!(w.on_done(&cx, 2).calls.is_empty());
 }
+
+#[test]
+fn a_forwarded_request_that_owes_nothing_is_forgotten_at_its_response_headers() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let mut w = worker(&rt);
+    let cx = Cx::new(&rt, 1_000, &rec);
+    let mut next = 0;
+    // Rate limits only: admitted by Redis, forwarded.
+    let fx = request(&mut w, &cx, 1, "PUT", "/x");
+    let tokens = send_all(&mut w, &cx, fx, &mut next);
+    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    assert!(
+        w.guards(1),
+        "its response still gets the rate-limit headers"
+    );
+    let fx = w.on_response_headers(&cx, 1, false, || panic!("not read"));
+    let added: Vec<&str> = fx.streams[0]
+        .add_response_headers
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .collect();
+    assert_eq!(added, ["ratelimit-policy", "ratelimit"]);
+    assert!(!w.guards(1), "forgotten once its headers are out");
+    assert!(w.on_done(&cx, 1).calls.is_empty());
+    // A request holding a lease is followed to its end, which gives the lease back.
+    let fx = request(&mut w, &cx, 2, "POST", "/wait/9/a");
+    let tokens = send_all(&mut w, &cx, fx, &mut next);
+    let fx = w.on_answer(&cx, tokens[0], || Ok(lease_reply(1, b"17")));
+    assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    let fx = w.on_response_headers(&cx, 2, false, || ResponseHead {
+        headers: vec![(":status".into(), "200".into())],
+        details: "via_upstream".into(),
+    });
+    assert_eq!(
+        fx.action,
+        Action::Pause,
+        "the response waits for the release"
+    );
+    assert!(w.guards(2));
+}
