@@ -162,11 +162,16 @@ impl MetricSink for HostMetrics {
     }
 }
 
-fn now_ms() -> u64 {
+/// The host's time since the epoch (zero if the host cannot say).
+fn since_epoch() -> Duration {
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or_default()
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(since_epoch().as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Sends one gateway request; the token comes back with the answer.
@@ -281,22 +286,27 @@ impl Root {
 
     /// Hands a root event to the worker and carries out its effects.
     fn event(&self, f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> Effects<u32>) {
-        if let Some(vm) = &self.vm {
-            if let Some(fx) = vm.event(f) {
-                vm.carry_out(fx, None);
-            }
-        }
+        self.event_in(None, f);
     }
 
-    /// [`Root::event`] for a callout's answer, timed as its parts.
-    fn answer(&self, token: u32, body_size: usize) {
+    /// [`Root::event`], the worker's part and the carrying out timed as `parts`.
+    fn event_in(
+        &self,
+        parts: Option<(Span, Span)>,
+        f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> Effects<u32>,
+    ) {
         if let Some(vm) = &self.vm {
             let began = spans::mark();
-            let fx = vm.event(|w, cx| w.on_answer(cx, token, || read_answer(body_size)));
-            began.end(Span::Answer);
+            let fx = vm.event(f);
+            let carrying = spans::mark();
+            if let Some((event, _)) = parts {
+                began.end(event);
+            }
             if let Some(fx) = fx {
-                let _span = spans::enter(Span::Resume);
                 vm.carry_out(fx, None);
+            }
+            if let Some((_, carry)) = parts {
+                carrying.end(carry);
             }
         }
     }
@@ -310,7 +320,9 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
-        self.answer(token, body_size);
+        self.event_in(Some((Span::Answer, Span::Resume)), |w, cx| {
+            w.on_answer(cx, token, || read_answer(body_size))
+        });
     }
 }
 

@@ -105,7 +105,6 @@ mod on {
     use proxy_wasm::hostcalls;
     use proxy_wasm::types::LogLevel;
     use std::cell::RefCell;
-    use std::time::UNIX_EPOCH;
 
     thread_local! {
         /// Per span: total ns, count.
@@ -114,10 +113,7 @@ mod on {
     }
 
     pub fn now_ns() -> u64 {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        u64::try_from(super::super::since_epoch().as_nanos()).unwrap_or(u64::MAX)
     }
 
     pub fn add(span: Span, ns: u64) {
