@@ -30,7 +30,7 @@ STACK = ROOT / "bench" / "work" / "stack"
 DEFAULT_SCENARIOS = "rl_allowed,rl_rejected,rl_allowed_leased"
 LINE = re.compile(r"spans: (.*)$")
 ORDER = ("headers", "decide", "send", "answer", "answer_read", "resume", "response_headers",
-         "done")
+         "done", "create", "idle", "drop")
 
 
 def reports(log: Path) -> dict[str, list[tuple[float, int]]]:

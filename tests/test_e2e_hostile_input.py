@@ -177,17 +177,21 @@ def test_reserved_headers_never_reach_the_service_from_the_client(shared, guard)
     mark = len(shared.upstream.requests())
     assert raw(envoy, "GET", "/unguarded", forged).status == 200
     assert raw(envoy, "GET", "/limited/x", forged + [("x-client", "c1")]).status == 200
+    # Every copy of a repeated one, in any spelling of its name (the filter looks a reserved
+    # header up before removing it, on a route it does not guard).
+    repeated = forged + [("X-Fencing-Token", "1"), ("X-IDEMPOTENCY-FINGERPRINT", "sha256:1")]
+    assert raw(envoy, "GET", "/unguarded", repeated).status == 200
     resp = raw(envoy, "POST", f"/lease/{uid()}/act", forged)
     assert resp.status == 200, resp.body
     served = ledger_since(shared, mark)
-    assert len(served) == 3
-    for entry in served[:2]:
+    assert len(served) == 4
+    for entry in served[:3]:
         assert FENCING_HEADER not in entry["headers"], entry
         assert FINGERPRINT_HEADER not in entry["headers"], entry
     # The lease route gets the filter's own token, never the client's.
-    token = served[2]["headers"][FENCING_HEADER]
+    token = served[3]["headers"][FENCING_HEADER]
     assert token != "9999999999999999999" and int(token) < 9999999999999999999
-    assert FINGERPRINT_HEADER not in served[2]["headers"]
+    assert FINGERPRINT_HEADER not in served[3]["headers"]
 
 
 # --- 2. one resource, many names -------------------------------------------------------------

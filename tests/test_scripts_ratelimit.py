@@ -450,3 +450,82 @@ def test_leased_quota_slices_never_exceed_the_limit(redis_client):
     assert sum(slices) == 50, slices
     assert int(redis_client.get(key)) == 50
     assert 0 < redis_client.pttl(key) <= 60000
+
+
+# --- the fixed-window fast path says and writes what the general code does ----------------------
+
+
+def general_only() -> str:
+    """acquire.lua without its fast path: every call through the general code."""
+    src = SCRIPT.read_text()
+    start = src.index("-- Fast path:")
+    end = src.index("local function bad")
+    assert "redis.call('INCRBY'" in src[start:end]
+    return src[:start] + src[end:]
+
+
+# (stored value or None, stored TTL ms or None, limit, cost), each run once by each script
+FAST_PATH_CASES = {
+    "new counter": (None, None, 5, 1),
+    "new counter, cost 3": (None, None, 5, 3),
+    "new counter, cost over the limit": (None, None, 5, 6),
+    "room left": (2, LONG, 5, 1),
+    "exactly fills it": (4, LONG, 5, 1),
+    "full": (5, LONG, 5, 1),
+    "cost does not fit": (3, LONG, 5, 3),
+    "over the limit already": (9, LONG, 5, 1),
+    "no TTL, room left": (2, None, 5, 1),
+    "no TTL, full": (5, None, 5, 1),
+    "negative (refunded)": (-2, LONG, 5, 1),
+}
+
+
+@pytest.mark.parametrize("case", FAST_PATH_CASES.values(), ids=FAST_PATH_CASES.keys())
+def test_fw_fast_path_replies_and_writes_as_the_general_code(redis_client, case):
+    stored, ttl_ms, limit, cost = case
+    lim = Limit("fw", limit, LONG)
+    scripts = {"fast": redis_client.register_script(SCRIPT.read_text()),
+               "general": redis_client.register_script(general_only())}
+    seen = {}
+    for name, script in scripts.items():
+        key = f"{{u}}:{name}"
+        if stored is not None:
+            redis_client.set(key, stored, px=ttl_ms)
+        reply = script(keys=[key], args=[1, "n", *lim.argv(cost), "0", "0"])
+        value, pttl = redis_client.get(key), redis_client.pttl(key)
+        seen[name] = (reply, value, pttl)
+    (fast, f_value, f_pttl), (general, g_value, g_pttl) = seen["fast"], seen["general"]
+    # reset_ms and the PTTL may differ by the few ms between the two calls
+    assert fast[:3] == general[:3] and abs(fast[3] - general[3]) <= 50, seen
+    assert (fast[4] == 0) == (general[4] == 0) and abs(fast[4] - general[4]) <= 50, seen
+    # a counter the rejection took back to nothing is deleted by the fast path, left at 0 by
+    # the general code (which never wrote it): the same window either way
+    if g_value == b"0" and stored in (None, 0):
+        assert f_value is None, seen
+    else:
+        assert f_value == g_value and abs(f_pttl - g_pttl) <= 50, seen
+    assert f_pttl <= LONG
+
+
+def test_fw_fast_path_leaves_other_calls_to_the_general_code(redis_client):
+    """A cost of 0, a shadow limit or a bad argument is not the fast path's: the general code
+    answers (and rejects a bad argument with its own message)."""
+    script = redis_client.register_script(SCRIPT.read_text())
+    zero = script(keys=["{u}:z"], args=[1, "n", *Limit("fw", 5, LONG).argv(0), "0", "0"])
+    assert zero == [1, 1, 5, LONG, 0] and redis_client.exists("{u}:z") == 0
+    redis_client.set("{u}:s", 5, px=LONG)
+    shadow = script(keys=["{u}:s"], args=[1, "n", *Limit("fw", 5, LONG, shadow=True).argv(1),
+                                          "0", "0"])
+    assert shadow[:3] == [1, 0, 0] and redis_client.get("{u}:s") == b"5"
+    for bad in (["fw", 5, LONG, 1, "0", 1.5], ["fw", 5, "inf", 1, "0", 1],
+                ["fw", 0, LONG, 1, "0", 1], ["fw", 5, LONG, "x", "0", 1]):
+        with pytest.raises(Exception, match="acquire.lua: ARGV"):
+            script(keys=["{u}:b"], args=[1, "n", *bad, "0", "0"])
+        assert redis_client.exists("{u}:b") == 0
+
+
+def test_fw_fast_path_reads_a_cost_as_the_general_code_does(redis_client):
+    """A cost spelled "02" is 2 to both paths (Redis's INCRBY would refuse the string)."""
+    script = redis_client.register_script(SCRIPT.read_text())
+    reply = script(keys=["{u}:c"], args=[1, "n", "fw", 5, LONG, 1, "0", "02", "0", "0"])
+    assert reply[:3] == [1, 1, 3] and redis_client.get("{u}:c") == b"2"

@@ -361,6 +361,7 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let _span = spans::enter(Span::Create);
         Some(Box::new(Filter {
             vm: self.vm.clone(),
             ctx: context_id,
@@ -449,6 +450,7 @@ impl Filter {
     /// no event at all when the flow takes no body in that direction).
     fn body(&self, dir: Dir, body_size: usize, end_of_stream: bool) -> types::Action {
         if let Some(vm) = &self.vm {
+            let _span = spans::enter(Span::Idle);
             if let Ok(w) = vm.worker.try_borrow() {
                 if !w.wants_body(self.ctx, dir) {
                     return types::Action::Continue;
@@ -481,18 +483,29 @@ impl Context for Filter {
     }
 
     fn on_done(&mut self) -> bool {
+        let idle = spans::mark();
         if self.guarded() {
             let _span = spans::enter(Span::Done);
             self.event(|w, cx, s| w.on_done(cx, s));
+        } else {
+            idle.end(Span::Idle);
         }
         true
     }
 }
 
-/// Removes every reserved header from the request.
+/// Removes every reserved header the request carries. Each is looked up first: Envoy clears
+/// the stream's route cache on every change to the request's headers, a removal of an absent
+/// header included, so the router would match the route again for every request.
 fn strip(reserved: &[String]) {
     for name in reserved {
-        let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
+        let present = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+            .is_some();
+        if present {
+            let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
+        }
     }
 }
 
@@ -633,7 +646,9 @@ impl HttpContext for Filter {
         _num_headers: usize,
         end_of_stream: bool,
     ) -> types::Action {
+        let idle = spans::mark();
         if !self.guarded() {
+            idle.end(Span::Idle);
             return types::Action::Continue;
         }
         let _span = spans::enter(Span::ResponseHeaders);
@@ -661,6 +676,7 @@ impl HttpContext for Filter {
 
 impl Drop for Filter {
     fn drop(&mut self) {
+        let _span = spans::enter(Span::Drop);
         if let Some(vm) = &self.vm {
             if let Ok(mut worker) = vm.worker.try_borrow_mut() {
                 worker.close(self.ctx);

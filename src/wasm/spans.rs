@@ -29,10 +29,17 @@ pub enum Span {
     ResponseHeaders,
     /// The stream's end (`on_done`) of a guarded stream.
     Done,
+    /// A stream's context made by the root (every stream).
+    Create,
+    /// The callbacks with nothing to do: bodies the flow does not take, and the response
+    /// headers and end of a stream the worker no longer follows.
+    Idle,
+    /// A stream's context dropped: the worker forgets it, its state is freed.
+    Drop,
 }
 
 #[cfg(feature = "spans")]
-const SPANS: [(Span, &str); 8] = [
+const SPANS: [(Span, &str); 11] = [
     (Span::Headers, "headers"),
     (Span::Decide, "decide"),
     (Span::Send, "send"),
@@ -41,6 +48,9 @@ const SPANS: [(Span, &str); 8] = [
     (Span::Resume, "resume"),
     (Span::ResponseHeaders, "response_headers"),
     (Span::Done, "done"),
+    (Span::Create, "create"),
+    (Span::Idle, "idle"),
+    (Span::Drop, "drop"),
 ];
 
 /// Guarded requests per report.
