@@ -1,5 +1,6 @@
 use super::*;
 use crate::config::Config;
+use crate::flow::test_support::ints;
 use crate::flow::Runtime;
 use crate::metrics::testing::Recorder;
 
@@ -69,8 +70,17 @@ fn send_all(w: &mut Worker<u32>, cx: &Cx<'_>, fx: Effects<u32>, next: &mut u32) 
     tokens
 }
 
-fn ints(v: &[i64]) -> Reply {
-    Reply::Array(Some(v.iter().map(|n| Reply::Int(*n)).collect()))
+/// Sends the one call of `fx` (see [`send_all`]) and answers it with `reply`.
+fn answer(
+    w: &mut Worker<u32>,
+    cx: &Cx<'_>,
+    fx: Effects<u32>,
+    next: &mut u32,
+    reply: Reply,
+) -> Effects<u32> {
+    let tokens = send_all(w, cx, fx, next);
+    assert_eq!(tokens.len(), 1, "one call");
+    w.on_answer(cx, tokens[0], || Ok(reply))
 }
 
 fn lease_reply(code: i64, value: &[u8]) -> Reply {
@@ -312,8 +322,7 @@ fn a_release_handed_to_the_root_wakes_it_once_instead_of_waiting_for_the_tick() 
     let mut next = 0;
     for s in [1, 2] {
         let fx = request(&mut w, &cx, s, "POST", "/run");
-        let tokens = send_all(&mut w, &cx, fx, &mut next);
-        let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 1, 1_000, 0])));
+        let fx = answer(&mut w, &cx, fx, &mut next, ints(&[1, 1, 1, 1_000, 0]));
         assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     }
     let done = w.on_done(&cx, 1);
@@ -347,8 +356,7 @@ fn only_guarded_streams_and_bodies_the_flow_takes_need_events() {
         w.wants_body(1, Dir::Request),
         "held while the limit is decided"
     );
-    let tokens = send_all(&mut w, &cx, fx, &mut next);
-    let _ = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    let _ = answer(&mut w, &cx, fx, &mut next, ints(&[1, 1, 4, 1_000, 0]));
     assert!(!w.wants_body(1, Dir::Request), "forwarded: the body passes");
     assert!(
         !w.wants_body(1, Dir::Response),
@@ -367,8 +375,7 @@ fn a_local_answer_that_took_nothing_forgets_its_stream_and_one_after_a_call_does
     let mut next = 0;
     // Redis says the limit rejects for the next second: the over-limit cache learns it.
     let fx = request(&mut w, &cx, 1, "PUT", "/x");
-    let tokens = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[0, 0, 0, 1_000, 1_000])));
+    let fx = answer(&mut w, &cx, fx, &mut next, ints(&[0, 0, 0, 1_000, 1_000]));
     assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(429));
     assert!(
         w.guards(1),
@@ -396,8 +403,7 @@ fn a_forwarded_request_that_owes_nothing_is_forgotten_at_its_response_headers() 
     let mut next = 0;
     // Rate limits only: admitted by Redis, forwarded.
     let fx = request(&mut w, &cx, 1, "PUT", "/x");
-    let tokens = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    let fx = answer(&mut w, &cx, fx, &mut next, ints(&[1, 1, 4, 1_000, 0]));
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     assert!(
         w.guards(1),
@@ -414,8 +420,7 @@ fn a_forwarded_request_that_owes_nothing_is_forgotten_at_its_response_headers() 
     assert!(w.on_done(&cx, 1).calls.is_empty());
     // A request holding a lease is followed to its end, which gives the lease back.
     let fx = request(&mut w, &cx, 2, "POST", "/wait/9/a");
-    let tokens = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&cx, tokens[0], || Ok(lease_reply(1, b"17")));
+    let fx = answer(&mut w, &cx, fx, &mut next, lease_reply(1, b"17"));
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     let fx = w.on_response_headers(&cx, 2, false, || ResponseHead {
         headers: vec![(":status".into(), "200".into())],
