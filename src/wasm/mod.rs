@@ -73,6 +73,27 @@ impl Vm {
         Some(f(&mut worker, &cx))
     }
 
+    /// [`Vm::event`] and the carrying out of its effects (see [`Vm::carry_out`]), the two timed
+    /// as `parts`; `None` while the worker is taking another event.
+    fn event_timed(
+        &self,
+        parts: Option<(Span, Span)>,
+        current: Option<u32>,
+        f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> Effects<u32>,
+    ) -> Option<Action> {
+        let began = spans::mark();
+        let fx = self.event(f);
+        let carrying = spans::mark();
+        if let Some((event, _)) = parts {
+            began.end(event);
+        }
+        let action = fx.map(|fx| self.carry_out(fx, current));
+        if let Some((_, carry)) = parts {
+            carrying.end(carry);
+        }
+        action
+    }
+
     /// Carries out `fx`. `current` is the stream whose callback raised the event (the host's
     /// effective context already); any other stream is switched to first.
     fn carry_out(&self, fx: Effects<u32>, current: Option<u32>) -> Action {
@@ -296,18 +317,7 @@ impl Root {
         f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> Effects<u32>,
     ) {
         if let Some(vm) = &self.vm {
-            let began = spans::mark();
-            let fx = vm.event(f);
-            let carrying = spans::mark();
-            if let Some((event, _)) = parts {
-                began.end(event);
-            }
-            if let Some(fx) = fx {
-                vm.carry_out(fx, None);
-            }
-            if let Some((_, carry)) = parts {
-                carrying.end(carry);
-            }
+            vm.event_timed(parts, None, f);
         }
     }
 }
@@ -415,23 +425,10 @@ impl Filter {
         let Some(vm) = &self.vm else {
             return types::Action::Continue;
         };
-        let began = spans::mark();
-        let fx = vm.event(|w, cx| f(w, cx, self.ctx));
-        let carrying = spans::mark();
-        if let Some((event, _)) = parts {
-            began.end(event);
+        match vm.event_timed(parts, Some(self.ctx), |w, cx| f(w, cx, self.ctx)) {
+            Some(Action::Continue) => types::Action::Continue,
+            Some(Action::Pause) | None => types::Action::Pause,
         }
-        let action = match fx {
-            Some(fx) => match vm.carry_out(fx, Some(self.ctx)) {
-                Action::Continue => types::Action::Continue,
-                Action::Pause => types::Action::Pause,
-            },
-            None => types::Action::Pause,
-        };
-        if let Some((_, carry)) = parts {
-            carrying.end(carry);
-        }
-        action
     }
 }
 
