@@ -12,6 +12,7 @@
 pub mod config;
 pub mod flow;
 pub mod grpc;
+pub mod headers;
 pub mod idempotency;
 pub mod ids;
 pub mod keys;

@@ -1,6 +1,7 @@
 //! The parts of an HTTP request the filter looks at, copied out of the host once.
 
 use crate::config::{HeaderTest, IdSource, Identity, Match, MissingTenant, Policy, Selector};
+use crate::headers::Headers;
 use crate::normalize::{normalize_path, query_pairs, trim_slash, PathForm};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -21,7 +22,7 @@ pub struct Request {
     /// The downstream address without port, if the host told us.
     pub client_ip: Option<String>,
     /// Lower-case header names with their values, in arrival order.
-    pub headers: Vec<(String, String)>,
+    pub headers: Headers,
     /// The tenant and principal read from the request's metadata (a verified token's claims),
     /// for an identity whose source is `metadata`; `None` when absent or not usable.
     pub tenant_claim: Option<String>,
@@ -32,12 +33,17 @@ impl Request {
     /// Builds a request from header pairs (pseudo-headers `:method`, `:path`, `:authority`
     /// included) and the downstream address (`ip:port` or `[v6]:port`).
     pub fn from_headers(headers: Vec<(String, String)>, source_address: Option<&str>) -> Request {
+        Request::from_map(headers.into_iter().collect(), source_address)
+    }
+
+    /// [`Request::from_headers`] from headers as the host hands them over.
+    pub fn from_map(headers: Headers, source_address: Option<&str>) -> Request {
         let mut req = Request {
             client_ip: source_address.map(strip_port),
             ..Request::default()
         };
-        for (name, value) in &headers {
-            match name.as_str() {
+        for (name, value) in headers.iter() {
+            match name {
                 ":method" => req.method = value.to_ascii_uppercase(),
                 ":path" => {
                     let (path, query) = split_path(value);
@@ -52,30 +58,18 @@ impl Request {
                 _ => {}
             }
         }
-        // Envoy hands names over in lower case already: lower-case in place, no copies.
         req.headers = headers;
-        for (name, _) in &mut req.headers {
-            name.make_ascii_lowercase();
-        }
         req
     }
 
     /// The first value of a header (name in lower case).
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
+        self.headers.values(name).next()
     }
 
     /// The value of a header that must appear at most once; `Err` when it is repeated.
     pub fn single_header(&self, name: &str) -> Result<Option<&str>, Repeated> {
-        single(
-            self.headers
-                .iter()
-                .filter(|(n, _)| n == name)
-                .map(|(_, v)| v),
-        )
+        single(self.headers.values(name))
     }
 
     /// The value of a query parameter (decoded) that must appear at most once.
@@ -84,7 +78,7 @@ impl Request {
             self.params
                 .iter()
                 .filter(|(n, _)| n == name)
-                .map(|(_, v)| v),
+                .map(|(_, v)| v.as_str()),
         )
     }
 }
@@ -95,10 +89,8 @@ impl Request {
 pub struct Repeated;
 
 /// The one value of an input given as `values`, none, or `Err` when there is more than one.
-pub fn single<'a>(
-    mut values: impl Iterator<Item = &'a String>,
-) -> Result<Option<&'a str>, Repeated> {
-    let first = values.next().map(String::as_str);
+pub fn single<'a>(mut values: impl Iterator<Item = &'a str>) -> Result<Option<&'a str>, Repeated> {
+    let first = values.next();
     match values.next() {
         Some(_) => Err(Repeated),
         None => Ok(first),
@@ -271,24 +263,24 @@ pub fn select_policy<'a>(policies: &'a [Policy], req: &Request) -> Option<&'a Po
     policy_index(policies, &mut &*req).and_then(|s| policies.get(s.index()))
 }
 
-/// The pseudo-headers a matcher reads, each fetched at most once and only when a matcher
-/// needs it: in the proxy every read is a host call, and most requests match no policy.
-pub struct Probe<F: FnMut(&str) -> Option<String>> {
+/// The pseudo-headers a matcher reads, each read and normalised at most once and only when a
+/// matcher needs it: most requests match no policy, and normalising a path costs a scan.
+pub struct Probe<'a, F: FnMut(&str) -> Option<String>> {
     read: F,
     method: Option<String>,
     path: Option<PathForm>,
     host: Option<String>,
     /// Every header, read once when a matcher tests one (`match.headers`).
-    headers: Option<Vec<(String, String)>>,
-    read_all: Option<ReadAll>,
+    headers: Option<Headers>,
+    read_all: Option<ReadAll<'a>>,
 }
 
 /// Reads every request header (lower-case names): see [`Probe::with_headers`].
-type ReadAll = Box<dyn FnMut() -> Vec<(String, String)>>;
+type ReadAll<'a> = Box<dyn FnMut() -> Headers + 'a>;
 
-impl<F: FnMut(&str) -> Option<String>> Probe<F> {
+impl<'a, F: FnMut(&str) -> Option<String>> Probe<'a, F> {
     /// `read(name)` returns the raw value of `:method`, `:path` or `:authority`.
-    pub fn new(read: F) -> Probe<F> {
+    pub fn new(read: F) -> Probe<'a, F> {
         Probe {
             read,
             method: None,
@@ -300,10 +292,7 @@ impl<F: FnMut(&str) -> Option<String>> Probe<F> {
     }
 
     /// `read_all()` returns every request header (lower-case names), for `match.headers`.
-    pub fn with_headers(
-        mut self,
-        read_all: impl FnMut() -> Vec<(String, String)> + 'static,
-    ) -> Self {
+    pub fn with_headers(mut self, read_all: impl FnMut() -> Headers + 'a) -> Self {
         self.read_all = Some(Box::new(read_all));
         self
     }
@@ -317,7 +306,7 @@ impl<F: FnMut(&str) -> Option<String>> Probe<F> {
     }
 }
 
-impl<F: FnMut(&str) -> Option<String>> MatchInput for Probe<F> {
+impl<F: FnMut(&str) -> Option<String>> MatchInput for Probe<'_, F> {
     fn method(&mut self) -> &str {
         let read = &mut self.read;
         self.method
@@ -347,7 +336,7 @@ impl<F: FnMut(&str) -> Option<String>> MatchInput for Probe<F> {
         let headers = self
             .headers
             .get_or_insert_with(|| read_all.as_mut().map(|r| r()).unwrap_or_default());
-        single(headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v))
+        single(headers.values(name))
     }
 }
 
@@ -675,9 +664,9 @@ mod tests {
     #[test]
     fn repeated_inputs_are_ambiguous() {
         let mut r = req("POST", "/orders/1?id=1&id=2&one=1", "h");
-        r.headers.push(("x-a".into(), "1".into()));
-        r.headers.push(("x-a".into(), "2".into()));
-        r.headers.push(("x-b".into(), "1".into()));
+        r.headers.push("x-a", "1");
+        r.headers.push("x-a", "2");
+        r.headers.push("x-b", "1");
         let q = Selector::Query("id".into());
         let a = Selector::Header("x-a".into());
         let cases: [(&[Selector], Option<&Selector>); 6] = [
@@ -708,22 +697,20 @@ mod tests {
         assert_eq!(caller.tenant, "acme");
         assert_eq!(caller.principal, ANONYMOUS);
         let mut without = with.clone();
-        without.headers.retain(|(n, _)| n != "x-tenant-id");
+        without.headers.retain(|n, _| n != "x-tenant-id");
         assert_eq!(identify(&id, &without), Err(TenantError::Missing));
-        without.headers.push(("x-tenant-id".into(), String::new()));
+        without.headers.push("x-tenant-id", "");
         assert_eq!(
             identify(&id, &without),
             Err(TenantError::Missing),
             "empty tenant is missing"
         );
         let mut twice = with.clone();
-        twice.headers.push(("x-tenant-id".into(), "globex".into()));
+        twice.headers.push("x-tenant-id", "globex");
         assert_eq!(identify(&id, &twice), Err(TenantError::Repeated));
         let mut two_users = with.clone();
-        two_users.headers.push(("x-user-id".into(), "alice".into()));
-        two_users
-            .headers
-            .push(("x-user-id".into(), "mallory".into()));
+        two_users.headers.push("x-user-id", "alice");
+        two_users.headers.push("x-user-id", "mallory");
         assert_eq!(
             identify(&id, &two_users),
             Err(TenantError::PrincipalRepeated)
@@ -756,8 +743,8 @@ mod tests {
             missing_tenant: MissingTenant::Reject,
         };
         let mut r = req("GET", "/", "h");
-        r.headers.push(("x-user-id".into(), "mallory".into()));
-        r.headers.push(("x-user-id".into(), "again".into()));
+        r.headers.push("x-user-id", "mallory");
+        r.headers.push("x-user-id", "again");
         assert_eq!(
             identify(&claims, &r),
             Err(TenantError::Missing),

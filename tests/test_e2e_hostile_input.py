@@ -267,6 +267,28 @@ def test_a_repeated_header_a_rate_limit_reads_is_refused(shared, guard):
     assert raw(envoy, "GET", "/limited/x", [("x-client", "a"), (TENANT_HEADER, "acme")]).status == 200
 
 
+def test_header_bytes_that_are_not_utf8_are_read_not_fatal(shared, guard):
+    """Envoy passes header values with bytes that are not UTF-8 (obs-text). The filter reads
+    them lossily: the request is guarded as any other, a repeated one is still refused, a
+    reserved header so spelled is still removed, and the worker lives on."""
+    envoy = guard()
+    mark = len(shared.upstream.requests())
+    weird = "caf\xe9"  # http.client sends str header values as latin-1: one byte 0xE9
+    resp = raw(envoy, "GET", "/limited/x", [("x-client", weird), (TENANT_HEADER, "acme\xff"),
+                                             (FINGERPRINT_HEADER, "forged\xe9")])
+    assert resp.status == 200, (resp.status, resp.body)
+    assert resp.headers.get("ratelimit"), resp.headers
+    seen = ledger_since(shared, mark)
+    assert len(seen) == 1, seen
+    assert FINGERPRINT_HEADER not in {k.lower() for k in seen[0]["headers"]}, seen[0]
+    assert len(keys(shared, envoy)) == 1, keys(shared, envoy)
+    resp = raw(envoy, "GET", "/limited/x", [("x-client", weird), ("x-client", "caf\xe8"),
+                                             (TENANT_HEADER, "acme")])
+    assert problem(resp, 400, "ambiguous_selector")["selector"] == "header:x-client"
+    assert len(ledger_since(shared, mark)) == 1
+    assert raw(envoy, "GET", "/limited/x", [("x-client", "a"), (TENANT_HEADER, "acme")]).status == 200
+
+
 # --- 7. fail_open forwards no fingerprint ----------------------------------------------------
 
 

@@ -29,7 +29,7 @@ fn single<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
     let values = pairs
         .iter()
         .filter(|(n, _)| n.eq_ignore_ascii_case(name))
-        .map(|(_, v)| v);
+        .map(|(_, v)| v.as_str());
     crate::request::single(values).ok().flatten()
 }
 

@@ -70,12 +70,7 @@ impl IdemGuard {
         req: &Request,
         owner: &str,
     ) -> Result<Option<IdemGuard>, LocalResponse> {
-        let values: Vec<&str> = req
-            .headers
-            .iter()
-            .filter(|(n, _)| *n == cfg.header)
-            .map(|(_, v)| v.as_str())
-            .collect();
+        let values: Vec<&str> = req.headers.values(&cfg.header).collect();
         let client_key = match parse_key(&values) {
             Ok(k) => k,
             Err(KeyError::Missing) if !cfg.required => return Ok(None),

@@ -2,7 +2,7 @@
 //! (`hostcalls::*` panics on any status it does not expect, and a panic aborts the VM for every
 //! request of the worker). These bindings return the host's status instead. They cover the
 //! calls whose refusal depends on the stream's state: changing headers, resuming a stream,
-//! answering locally.
+//! answering locally; and the read of a header map, whose decoding here cannot panic.
 
 use proxy_wasm::types::MapType;
 
@@ -34,6 +34,11 @@ extern "C" {
         value_size: usize,
     ) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
+    fn proxy_get_header_map_pairs(
+        map_type: MapType,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
+    ) -> u32;
     fn proxy_send_local_response(
         status_code: u32,
         status_code_details_data: *const u8,
@@ -71,6 +76,22 @@ pub fn add_header(map: MapType, name: &str, value: &str) -> Result<(), Refused> 
     check(unsafe {
         proxy_add_header_map_value(map, name.as_ptr(), name.len(), value.as_ptr(), value.len())
     })
+}
+
+/// A header map in the host's encoding (see [`crate::headers::Headers::decode`]); empty
+/// when the host has none to give.
+pub fn header_map_bytes(map: MapType) -> Vec<u8> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host writes a pointer to `size` bytes it allocated through this module's
+    // `proxy_on_memory_allocate` (the SDK's: a boxed slice of exactly `size` bytes), which
+    // this Vec now owns and frees.
+    unsafe {
+        if proxy_get_header_map_pairs(map, &mut data, &mut size) != OK || data.is_null() {
+            return Vec::new();
+        }
+        Vec::from_raw_parts(data, size, size)
+    }
 }
 
 /// Resumes the request (`response: false`) or the response of the effective context.

@@ -11,6 +11,7 @@
 use crate::config::{Config, ConfigError, IdSource, RedisConfig};
 use crate::flow::worker::{Action, Callout, Dir, Effects, ResponseHead, StreamEffects, Worker};
 use crate::flow::{Cx, Runtime};
+use crate::headers::Headers;
 use crate::ids::TokenSource;
 use crate::local::overlimit::SharedStore;
 use crate::lograte::WarnKind;
@@ -491,43 +492,29 @@ impl Context for Filter {
     }
 }
 
-/// Removes every reserved header the request carries. Each is looked up first: Envoy clears
-/// the stream's route cache on every change to the request's headers, a removal of an absent
-/// header included, so the router would match the route again for every request.
-fn strip(reserved: &[String]) {
+/// Removes the reserved headers the client sent from the request and from `headers`, its map.
+/// Only those it sent: Envoy clears the stream's route cache on every change to the
+/// request's headers, a removal of an absent header included, so the router would match the
+/// route again for every request.
+fn strip(reserved: &[String], headers: &mut Headers) {
+    let is_reserved = |name: &str| reserved.iter().any(|r| r == name);
+    if !headers.iter().any(|(n, _)| is_reserved(n)) {
+        return;
+    }
     for name in reserved {
-        let present = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
-            .is_some();
-        if present {
+        if headers.values(name).next().is_some() {
             let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
         }
     }
+    headers.retain(|n, _| !is_reserved(n));
 }
 
-/// The request's headers without the reserved ones, which are removed from the request if
-/// the client sent any (one host call for the usual request, which carries none).
-fn client_headers(reserved: &[String]) -> Vec<(String, String)> {
-    let mut pairs = header_pairs(MapType::HttpRequestHeaders);
-    if pairs.iter().any(|(n, _)| reserved.contains(n)) {
-        strip(reserved);
-        pairs.retain(|(n, _)| !reserved.contains(n));
-    }
-    pairs
+fn header_map(map: MapType) -> Headers {
+    Headers::decode(abi::header_map_bytes(map)).unwrap_or_default()
 }
 
 fn header_pairs(map: MapType) -> Vec<(String, String)> {
-    hostcalls::get_map_bytes(map)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(n, v)| {
-            // Valid UTF-8 (nearly always) keeps its buffer; anything else is made lossy.
-            let v = String::from_utf8(v)
-                .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
-            (n, v)
-        })
-        .collect()
+    header_map(map).to_pairs()
 }
 
 /// A leaf of the request's dynamic metadata (`metadata.filter_metadata.<path...>`) as an
@@ -560,40 +547,25 @@ impl HttpContext for Filter {
             return types::Action::Continue;
         };
         let began = spans::mark();
-        // Headers only the filter may set never come from the client, whatever the request:
-        // they are invisible to the matchers and removed from the request (below).
+        // One read of the whole map: the matchers, the reserved headers and the request come
+        // from it. Headers only the filter may set never come from the client, whatever the
+        // request: they are invisible to the matchers and removed from the request.
         let reserved = &vm.runtime.reserved_headers;
-        let is_reserved = |name: &str| reserved.iter().any(|r| r == name);
-        // The hot path of a request no policy matches: the pseudo-headers the matchers need
-        // (often only `:path`), nothing else.
-        let mut probe = Probe::new(|name: &str| {
-            if is_reserved(name) {
-                return None;
-            }
-            hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-                .ok()
-                .flatten()
-                .map(|v| String::from_utf8_lossy(&v).into_owned())
-        })
-        .with_headers({
-            let reserved = std::rc::Rc::clone(reserved);
-            move || client_headers(&reserved)
-        });
+        let mut headers = header_map(MapType::HttpRequestHeaders);
+        strip(reserved, &mut headers);
+        began.end(Span::HeadersMap);
+        let matching = spans::mark();
+        let mut probe = Probe::new(|name: &str| headers.values(name).next().map(str::to_string))
+            .with_headers(|| headers.clone());
         let policies = &vm.runtime.config.policies;
         let selected = policy_index(policies, &mut probe);
-        if !matches!(selected, Some(Selected::Policy(_))) {
-            strip(reserved);
-        }
+        drop(probe);
+        matching.end(Span::HeadersMatch);
         let (index, policy) = match selected {
             None => return types::Action::Continue,
             Some(Selected::AmbiguousPath(i)) => {
-                let content_type =
-                    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, "content-type")
-                        .ok()
-                        .flatten()
-                        .map(|v| String::from_utf8_lossy(&v).into_owned());
-                return self
-                    .event(|w, cx, s| w.on_ambiguous_path(cx, s, i, content_type.as_deref()));
+                let content_type = headers.values("content-type").next();
+                return self.event(|w, cx, s| w.on_ambiguous_path(cx, s, i, content_type));
             }
             Some(Selected::Policy(i)) => match policies.get(i) {
                 Some(p) => (i, p),
@@ -605,7 +577,9 @@ impl HttpContext for Filter {
         } else {
             None
         };
-        let mut req = Request::from_headers(client_headers(reserved), address.as_deref());
+        let parse = spans::mark();
+        let mut req = Request::from_map(headers, address.as_deref());
+        parse.end(Span::HeadersParse);
         // Claims Envoy verified (jwt_authn's payload in the request's metadata), read only for
         // the roles configured to come from there.
         let identity = &vm.runtime.config.identity;

@@ -15,6 +15,13 @@ pub enum Span {
     /// Request headers: the reads, the policy match and the request's parsing, up to the
     /// worker's event (a guarded request only).
     Headers,
+    /// Of [`Span::Headers`]: reading the whole request header map (and removing the reserved
+    /// headers a client sent).
+    HeadersMap,
+    /// Of [`Span::Headers`]: matching the policies.
+    HeadersMatch,
+    /// Of [`Span::Headers`]: parsing the map into the request the core decides on.
+    HeadersParse,
     /// The worker's event for the request headers: the core's decision.
     Decide,
     /// Carrying out the decision: the callout's dispatch, a local reply, headers to set.
@@ -39,8 +46,11 @@ pub enum Span {
 }
 
 #[cfg(feature = "spans")]
-const SPANS: [(Span, &str); 11] = [
+const SPANS: [(Span, &str); 14] = [
     (Span::Headers, "headers"),
+    (Span::HeadersMap, "headers_map"),
+    (Span::HeadersMatch, "headers_match"),
+    (Span::HeadersParse, "headers_parse"),
     (Span::Decide, "decide"),
     (Span::Send, "send"),
     (Span::Answer, "answer"),

@@ -1,0 +1,294 @@
+//! Header pairs kept as the proxy-wasm host hands them over: one text, each name and value a
+//! range of it. Reading a request's headers then costs two allocations instead of two per
+//! header, and a malformed map is an empty one, never a panic (the SDK's own reader panics on
+//! a name that is not UTF-8).
+
+use std::fmt;
+use std::ops::Range;
+
+/// Header pairs in arrival order, names in lower case.
+#[derive(Clone, Default)]
+pub struct Headers {
+    text: String,
+    pairs: Vec<(Range<usize>, Range<usize>)>,
+}
+
+fn read_u32(bytes: &[u8], at: usize) -> Option<usize> {
+    let word: [u8; 4] = bytes.get(at..at.checked_add(4)?)?.try_into().ok()?;
+    usize::try_from(u32::from_le_bytes(word)).ok()
+}
+
+impl Headers {
+    /// Decodes the host's header-map encoding: a count, a (name length, value length) pair of
+    /// little-endian `u32`s per header, then each name and value followed by a NUL. A value
+    /// that is not UTF-8 is read lossily (U+FFFD), as is a name. `None` when the lengths do
+    /// not fit the bytes (nothing Envoy sends).
+    pub fn decode(mut bytes: Vec<u8>) -> Option<Headers> {
+        if bytes.is_empty() {
+            return Some(Headers::default());
+        }
+        let count = read_u32(&bytes, 0)?;
+        let start = count.checked_mul(8)?.checked_add(4)?;
+        if start > bytes.len() {
+            return None;
+        }
+        let mut pairs = Vec::with_capacity(count);
+        let mut at = start;
+        for n in 0..count {
+            let sizes = 4 + n * 8;
+            let name = at..at.checked_add(read_u32(&bytes, sizes)?)?;
+            let value_at = name.end.checked_add(1)?;
+            let value = value_at..value_at.checked_add(read_u32(&bytes, sizes + 4)?)?;
+            at = value.end.checked_add(1)?;
+            // Relative to the text, which begins after the lengths.
+            pairs.push((
+                name.start - start..name.end - start,
+                value.start - start..value.end - start,
+            ));
+        }
+        if at > bytes.len() {
+            return None;
+        }
+        bytes.drain(..start);
+        let mut headers = match String::from_utf8(bytes) {
+            Ok(text)
+                if pairs
+                    .iter()
+                    .all(|(n, v)| on_boundaries(&text, n) && on_boundaries(&text, v)) =>
+            {
+                Headers { text, pairs }
+            }
+            Ok(text) => Headers::lossy(text.as_bytes(), &pairs),
+            Err(e) => Headers::lossy(e.as_bytes(), &pairs),
+        };
+        headers.lower_names();
+        Some(headers)
+    }
+
+    /// Rebuilds the text piece by piece, each piece made valid UTF-8 on its own.
+    fn lossy(bytes: &[u8], pairs: &[(Range<usize>, Range<usize>)]) -> Headers {
+        let mut out = Headers::default();
+        for (name, value) in pairs {
+            let piece = |r: &Range<usize>| {
+                String::from_utf8_lossy(bytes.get(r.clone()).unwrap_or_default())
+            };
+            out.push(&piece(name), &piece(value));
+        }
+        out
+    }
+
+    fn lower_names(&mut self) {
+        for (name, _) in &self.pairs {
+            if let Some(n) = self.text.get_mut(name.clone()) {
+                n.make_ascii_lowercase();
+            }
+        }
+    }
+
+    fn slice(&self, r: &Range<usize>) -> &str {
+        self.text.get(r.clone()).unwrap_or_default()
+    }
+
+    /// Appends a header (its name lower-cased).
+    pub fn push(&mut self, name: &str, value: &str) {
+        let n = self.text.len()..self.text.len() + name.len();
+        self.text.push_str(name);
+        let v = self.text.len()..self.text.len() + value.len();
+        self.text.push_str(value);
+        if let Some(added) = self.text.get_mut(n.clone()) {
+            added.make_ascii_lowercase();
+        }
+        self.pairs.push((n, v));
+    }
+
+    /// Keeps only the headers `keep(name, value)` accepts.
+    pub fn retain(&mut self, mut keep: impl FnMut(&str, &str) -> bool) {
+        let text = &self.text;
+        let part = |r: &Range<usize>| text.get(r.clone()).unwrap_or_default();
+        self.pairs.retain(|(n, v)| keep(part(n), part(v)));
+    }
+
+    /// `(name, value)` of every header, in arrival order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
+        self.pairs
+            .iter()
+            .map(|(n, v)| (self.slice(n), self.slice(v)))
+    }
+
+    /// The values of `name` (lower case), in arrival order.
+    pub fn values<'a, 'n>(&'a self, name: &'n str) -> impl Iterator<Item = &'a str> + use<'a, 'n> {
+        self.iter().filter(move |(n, _)| *n == name).map(|(_, v)| v)
+    }
+
+    pub fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+
+    /// Owned pairs, for code that keeps them past the request.
+    pub fn to_pairs(&self) -> Vec<(String, String)> {
+        self.iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect()
+    }
+}
+
+fn on_boundaries(text: &str, r: &Range<usize>) -> bool {
+    text.is_char_boundary(r.start) && text.is_char_boundary(r.end)
+}
+
+impl<N: AsRef<str>, V: AsRef<str>> FromIterator<(N, V)> for Headers {
+    fn from_iter<I: IntoIterator<Item = (N, V)>>(pairs: I) -> Headers {
+        let mut out = Headers::default();
+        for (n, v) in pairs {
+            out.push(n.as_ref(), v.as_ref());
+        }
+        out
+    }
+}
+
+impl<N: AsRef<str>, V: AsRef<str>> Extend<(N, V)> for Headers {
+    fn extend<I: IntoIterator<Item = (N, V)>>(&mut self, pairs: I) {
+        for (n, v) in pairs {
+            self.push(n.as_ref(), v.as_ref());
+        }
+    }
+}
+
+/// Equal when they hold the same pairs in the same order, however each was built.
+impl PartialEq for Headers {
+    fn eq(&self, other: &Headers) -> bool {
+        self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for Headers {}
+
+impl fmt::Debug for Headers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host's encoding of `pairs`, raw bytes allowed.
+    fn encode(pairs: &[(&[u8], &[u8])]) -> Vec<u8> {
+        let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
+        for (n, v) in pairs {
+            out.extend_from_slice(&(n.len() as u32).to_le_bytes());
+            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        }
+        for (n, v) in pairs {
+            out.extend_from_slice(n);
+            out.push(0);
+            out.extend_from_slice(v);
+            out.push(0);
+        }
+        out
+    }
+
+    /// A named case: the host's pairs, raw, and what they read as.
+    type Case<'a> = (
+        &'a str,
+        &'a [(&'a [u8], &'a [u8])],
+        &'a [(&'a str, &'a str)],
+    );
+
+    fn pairs(h: &Headers) -> Vec<(&str, &str)> {
+        h.iter().collect()
+    }
+
+    #[test]
+    fn decodes_the_hosts_encoding() {
+        let cases: &[Case<'_>] = &[
+            ("empty map", &[], &[]),
+            (
+                "pseudo and plain headers, in order",
+                &[
+                    (b":path", b"/api?a=1"),
+                    (b"x-tenant", b"acme"),
+                    (b"x-tenant", b"globex"),
+                ],
+                &[
+                    (":path", "/api?a=1"),
+                    ("x-tenant", "acme"),
+                    ("x-tenant", "globex"),
+                ],
+            ),
+            ("an empty value", &[(b"x-a", b"")], &[("x-a", "")]),
+            (
+                "names lower-cased",
+                &[(b"X-Tenant", b"Acme")],
+                &[("x-tenant", "Acme")],
+            ),
+            (
+                "a value that is not UTF-8 is read lossily, the others as they are",
+                &[(b"x-a", b"caf\xe9"), (b"x-b", b"ok")],
+                &[("x-a", "caf\u{fffd}"), ("x-b", "ok")],
+            ),
+            (
+                "a name that is not UTF-8 (the SDK's reader panics on it)",
+                &[(b"x-\xff", b"v")],
+                &[("x-\u{fffd}", "v")],
+            ),
+            (
+                "multi-byte UTF-8 kept",
+                &[(b"x-a", "żółw".as_bytes())],
+                &[("x-a", "żółw")],
+            ),
+        ];
+        for (name, raw, want) in cases {
+            let got = Headers::decode(encode(raw)).expect(name);
+            assert_eq!(pairs(&got), *want, "{name}");
+            assert_eq!(got.len(), want.len(), "{name}");
+        }
+        assert_eq!(Headers::decode(Vec::new()), Some(Headers::default()));
+    }
+
+    #[test]
+    fn lengths_that_do_not_fit_are_refused_not_read() {
+        let good = encode(&[(b"x-a", b"1"), (b"x-b", b"22")]);
+        for cut in 1..good.len() {
+            assert_eq!(Headers::decode(good[..cut].to_vec()), None, "cut at {cut}");
+        }
+        let mut huge = good.clone();
+        huge[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Headers::decode(huge), None, "a count past the bytes");
+        let mut long = good.clone();
+        long[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Headers::decode(long), None, "a length past the bytes");
+    }
+
+    #[test]
+    fn lengths_off_a_character_boundary_are_read_lossily() {
+        // "é" is two bytes; a name length of 3 ends inside it.
+        let mut raw = encode(&[("x-é".as_bytes(), b"v")]);
+        raw[4..8].copy_from_slice(&3u32.to_le_bytes());
+        raw[8..12].copy_from_slice(&0u32.to_le_bytes());
+        let got = Headers::decode(raw).expect("fits");
+        assert_eq!(pairs(&got), [("x-\u{fffd}", "")]);
+    }
+
+    #[test]
+    fn push_retain_and_values() {
+        let mut h: Headers = [("X-A", "1"), ("x-b", "2"), ("x-a", "3")]
+            .into_iter()
+            .collect();
+        assert_eq!(h.values("x-a").collect::<Vec<_>>(), ["1", "3"]);
+        h.retain(|n, _| n != "x-b");
+        assert_eq!(pairs(&h), [("x-a", "1"), ("x-a", "3")]);
+        h.push("x-c", "4");
+        assert_eq!(
+            h.to_pairs().last(),
+            Some(&("x-c".to_string(), "4".to_string()))
+        );
+        let decoded = Headers::decode(encode(&[(b"x-a", b"1"), (b"x-a", b"3"), (b"x-c", b"4")]));
+        assert_eq!(decoded, Some(h), "equal however built");
+    }
+}
