@@ -29,8 +29,8 @@ WASM = TARGET / "wasm32-wasip1" / "release" / "coordination_guard.wasm"
 STACK = ROOT / "bench" / "work" / "stack"
 DEFAULT_SCENARIOS = "rl_allowed,rl_rejected,rl_allowed_leased"
 LINE = re.compile(r"spans: (.*)$")
-ORDER = ("headers", "headers_map", "headers_match", "headers_parse", "decide", "send", "answer", "answer_read", "resume", "response_headers",
-         "done", "create", "idle", "drop")
+ORDER = ("headers", "headers_map", "headers_match", "headers_parse", "decide", "send", "answer",
+         "answer_read", "resume", "response_headers", "done", "create", "idle", "drop")
 
 
 def reports(log: Path) -> dict[str, list[tuple[float, int]]]:

@@ -497,16 +497,16 @@ impl Context for Filter {
 /// request's headers, a removal of an absent header included, so the router would match the
 /// route again for every request.
 fn strip(reserved: &[String], headers: &mut Headers) {
-    let is_reserved = |name: &str| reserved.iter().any(|r| r == name);
-    if !headers.iter().any(|(n, _)| is_reserved(n)) {
-        return;
-    }
+    let mut sent = false;
     for name in reserved {
         if headers.values(name).next().is_some() {
             let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
+            sent = true;
         }
     }
-    headers.retain(|n, _| !is_reserved(n));
+    if sent {
+        headers.retain(|n, _| !reserved.iter().any(|r| r == n));
+    }
 }
 
 fn header_map(map: MapType) -> Headers {
