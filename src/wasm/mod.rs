@@ -555,11 +555,8 @@ impl HttpContext for Filter {
         strip(reserved, &mut headers);
         began.end(Span::HeadersMap);
         let matching = spans::mark();
-        let mut probe = Probe::new(|name: &str| headers.values(name).next().map(str::to_string))
-            .with_headers(|| headers.clone());
         let policies = &vm.runtime.config.policies;
-        let selected = policy_index(policies, &mut probe);
-        drop(probe);
+        let selected = policy_index(policies, &mut Probe::new(&headers));
         matching.end(Span::HeadersMatch);
         let (index, policy) = match selected {
             None => return types::Action::Continue,
