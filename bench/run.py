@@ -27,7 +27,10 @@ waits for: the naive design the issue quotes, what one callout per request costs
 the script does; the anchor of the exact rate-limit paths. `wasm_pause` and
 `wasm_naive_batched` isolate resuming a request from the root and batching callouts per root
 turn; `wasm_floor_reads` is the floor plus 20 header reads per request, what one host call that
-returns data costs. A scenario with a goal against an anchor runs that anchor in its own rounds
+returns data costs. `wasm_naive_rl`, `wasm_floor_429_keyed` and `wasm_floor_rl` are the least a
+filter limiting each tenant with the IETF headers does on the exact, rejected and leased paths
+(the tenant found in the header map, the headers formatted), reported beside their goals'
+anchors. A scenario with a goal against an anchor runs that anchor in its own rounds
 (plain, anchor, scenario[, compare]), and its ratio is the median of the per-round ratios.
 
 Output: a table on stdout, bench/results.json (every run's raw numbers) and bench/report.svg.
@@ -292,6 +295,41 @@ def naive(stack: Stack) -> dict:
                         "authorization": redis["authorization"], "body": body}}
 
 
+# The limit the per-tenant anchors act out (the scenarios' own: a fixed window of an hour).
+ANCHOR_LIMIT = {"tenant_header": TENANT_HEADER, "window_s": 3600}
+
+
+def naive_rl(stack: Stack) -> dict:
+    """The naive callout as the least shared fixed window with the IETF headers: the tenant
+    found in the header map and named in the key, INCRBY then PEXPIRE on a new window or PTTL
+    (the two commands acquire.lua's fast path runs), the answer's body read, and the two
+    `RateLimit` headers on the response."""
+    script = ("local n = redis.call('INCRBY', KEYS[1], 1) "
+              "if n == 1 then redis.call('PEXPIRE', KEYS[1], 3600000) return {n, 3600000} end "
+              "return {n, redis.call('PTTL', KEYS[1])}")
+    body = "/".join(urllib.parse.quote(a, safe="").replace(".", "%2E")
+                    for a in ("EVAL", script, "1", "cg:bench:naive_rl:")) + "{tenant}.raw"
+    callout = naive(stack)["callout"]
+    return {"callout": {**callout, "body": body}, "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT}}
+
+
+def floor_429_keyed(stack: Stack) -> dict:
+    """The local 429 as the least per-tenant rejection: the tenant found in the header map and
+    its window in a table of the worker, the clock read, and the time left in the 429's
+    `Retry-After`, `RateLimit` and body."""
+    reply = floor_429(stack)["local_reply"]
+    body = reply["body"].replace("retry after 3600 s", "retry after {reset} s")
+    return {"local_reply": {**reply, "body": body},
+            "limit": {**ANCHOR_LIMIT, "limit": REJECTED_LIMIT}}
+
+
+def floor_rl(stack: Stack) -> dict:
+    """The floor as the least local limit per tenant with the IETF headers: the tenant found in
+    the header map and counted in a table of the worker, the clock read, and the two
+    `RateLimit` headers on the response."""
+    return {"limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT}}
+
+
 def floor_429(stack: Stack) -> dict:
     """The floor filter's local reply mode, answering what the over-limit cache answers: the
     same status, headers and body shape as coordination-guard's 429."""
@@ -415,12 +453,23 @@ def scenarios() -> list[Scenario]:
         Scenario("wasm_naive_batched", "minimal filter + 1 webdis callout per root turn "
                  "(anchor)", "get.lua", lambda stack: {**naive(stack), "batch": True},
                  wasm_path=FLOOR_WASM, verify=verify_naive),
+        # The least a filter limiting each tenant with the IETF headers does on each path: what
+        # bounds the paths whose goals the bare anchors above put out of reach (see
+        # bench/floor).
+        Scenario("wasm_naive_rl", "minimal filter + 1 webdis callout per request, per tenant "
+                 "with RateLimit headers (anchor)", "tenants.lua", naive_rl,
+                 wasm_path=FLOOR_WASM, verify=verify_naive),
+        Scenario("wasm_floor_429_keyed", "minimal filter answering 429 locally per tenant "
+                 "(anchor)", "get.lua", floor_429_keyed, wasm_path=FLOOR_WASM,
+                 verify=verify_floor, all_rejected=True),
+        Scenario("wasm_floor_rl", "minimal filter counting per tenant with RateLimit headers "
+                 "(anchor)", "get.lua", floor_rl, wasm_path=FLOOR_WASM, verify=verify_floor),
         Scenario("no_policy", "filter, no policy matches", "get.lua", no_policy, goal=0.70,
                  anchors=(("wasm_floor", 0.95),),
                  verify=verify_no_calls),
         Scenario("rl_allowed", "rate limit allowed, 10k tenants", "tenants.lua",
                  rate_limited("rl_allowed", HUGE_LIMIT), goal=0.40, verify=verify_allowed,
-                 anchors=(("wasm_naive", 0.90),)),
+                 anchors=(("wasm_naive", 0.90), ("wasm_naive_rl", None))),
         # Callout coalescing: the same traffic, the acquires of one worker sent together
         # (cross_slot: one Redis, no cluster here).
         Scenario("rl_allowed_batched", "rate limit allowed, 10k tenants, batched", "tenants.lua",
@@ -430,7 +479,8 @@ def scenarios() -> list[Scenario]:
                  anchors=(("wasm_naive", 2.0), ("wasm_naive_batched", None))),
         Scenario("rl_rejected", f"rate limit rejected, 1 tenant, limit {REJECTED_LIMIT}/1h",
                  "one_tenant.lua", rate_limited("rl_rejected", REJECTED_LIMIT), goal=0.65,
-                 admitted_exactly=REJECTED_LIMIT, anchors=(("wasm_floor_429", 0.95),)),
+                 admitted_exactly=REJECTED_LIMIT,
+                 anchors=(("wasm_floor_429", 0.95), ("wasm_floor_429_keyed", None))),
         # Envoy's direct response counts as "never reached the service" and releases the
         # record: fresh keys go through an upstream (a direct-response Envoy), and so does
         # their paired plain Envoy, so the ratio is the filter's alone.
@@ -478,7 +528,8 @@ def scenarios() -> list[Scenario]:
     found.insert(after, Scenario(
         "rl_allowed_leased", "rate limit allowed, leased quota, 1 tenant", "get.lua",
         rate_limited("rl_allowed_leased", HUGE_LIMIT, mode="leased"), goal=0.60,
-        verify=verify_allowed, anchors=(("local_ratelimit", 0.80),)))
+        verify=verify_allowed,
+        anchors=(("local_ratelimit", 0.80), ("wasm_floor", None), ("wasm_floor_rl", None))))
     return found
 
 

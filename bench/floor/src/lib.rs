@@ -25,14 +25,30 @@
 //!   what one host call that returns data costs (the host calls back into the VM to allocate
 //!   what it returns).
 //!
+//! - `"limit": {"tenant_header", "limit", "window_s"}` adds to any mode the least a limit per
+//!   tenant with the IETF headers does beyond it: the tenant is found in the whole request
+//!   header map (one host call), and
+//!   - with a callout, the callout's body names the tenant (`{tenant}`, percent-encoded, in
+//!     its key), its answer's body is read for the count and the window's time left, and the
+//!     response carries `RateLimit-Policy` and `RateLimit` (`wasm_naive_rl`);
+//!   - with a local reply, a table of this worker keeps each tenant's window, the clock is
+//!     read, and the 429's `Retry-After`, `RateLimit` and body say the time left
+//!     (`wasm_floor_429_keyed`);
+//!   - else the table counts the tenant's requests, the clock is read, and the response
+//!     carries the two headers (`wasm_floor_rl`).
+//!
+//!   No hashing of the tenant, no metrics beyond the floor's, no fail mode: a ceiling for a
+//!   filter that must do at least this, not a rival design.
+//!
 //! It ignores every host error and never panics.
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType, MetricType};
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, UNIX_EPOCH};
 
 proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Floor::default()) });
@@ -56,8 +72,17 @@ struct LocalReply {
     body: String,
 }
 
+/// A limit per tenant (see the module's doc).
+#[derive(serde::Deserialize)]
+struct Limit {
+    tenant_header: String,
+    limit: u64,
+    window_s: u64,
+}
+
 #[derive(serde::Deserialize, Default)]
 struct Settings {
+    limit: Option<Limit>,
     callout: Option<Callout>,
     local_reply: Option<LocalReply>,
     #[serde(default)]
@@ -98,6 +123,12 @@ struct Floor {
     waiting: Rc<RefCell<Waiting>>,
     /// The stream's own context id (HTTP contexts only).
     id: u32,
+    limit: Option<Rc<Limit>>,
+    /// This worker's windows per tenant (limit without a callout): requests counted, and the
+    /// window's end in ms since the epoch.
+    table: Rc<RefCell<HashMap<String, (u64, u64)>>>,
+    /// The stream's `RateLimit` values: remaining, seconds to the window's end.
+    told: Option<(u64, u64)>,
 }
 
 impl Floor {
@@ -116,7 +147,7 @@ impl Floor {
     }
 
     /// Sends the naive callout (counted); its token.
-    fn send_callout(&self, c: &Callout) -> Option<u32> {
+    fn send_callout(&self, c: &Callout, body: &[u8]) -> Option<u32> {
         if let Some(id) = self.calls {
             let _ = hostcalls::increment_metric(id, 1);
         }
@@ -130,7 +161,7 @@ impl Floor {
         hostcalls::dispatch_http_call(
             &c.cluster,
             headers,
-            Some(c.body.as_bytes()),
+            Some(body),
             vec![],
             Duration::from_secs(1),
         )
@@ -147,9 +178,21 @@ impl Floor {
 }
 
 impl Context for Floor {
-    fn on_http_call_response(&mut self, token: u32, _headers: usize, _body: usize, _tr: usize) {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body: usize, _tr: usize) {
         let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status");
-        let ok = matches!(status, Ok(Some(s)) if s == "200");
+        let mut ok = matches!(status, Ok(Some(s)) if s == "200");
+        if let Some(limit) = &self.limit {
+            let answer = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body);
+            let counted = match answer {
+                Ok(Some(b)) => count_and_ttl(&b),
+                _ => None,
+            };
+            ok = ok && counted.is_some();
+            self.told = counted.map(|(count, ttl)| {
+                let reset = u64::try_from(ttl).unwrap_or(0).div_ceil(1000);
+                (limit.limit.saturating_sub(count), reset)
+            });
+        }
         let batch = {
             let mut w = self.waiting.borrow_mut();
             let at = w.batches.iter().position(|(t, _)| *t == token);
@@ -189,6 +232,7 @@ impl RootContext for Floor {
         self.pause = settings.pause;
         self.batch = settings.batch;
         self.reads = settings.reads;
+        self.limit = settings.limit.map(Rc::new);
         if (self.pause || self.batch) && self.queue.is_none() {
             // A queue of this worker's own: the host keys queues by VM and name, and every
             // worker runs the same VM, so the name must differ per worker.
@@ -211,7 +255,7 @@ impl RootContext for Floor {
             return;
         }
         match (&self.callout, self.batch) {
-            (Some(c), true) => match self.send_callout(c) {
+            (Some(c), true) => match self.send_callout(c, c.body.as_bytes()) {
                 Some(token) => self.waiting.borrow_mut().batches.push((token, streams)),
                 None => Floor::resume(&streams),
             },
@@ -232,6 +276,9 @@ impl RootContext for Floor {
 
 impl HttpContext for Floor {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let Some(limit) = self.limit.clone() {
+            return self.limited(&limit);
+        }
         // The SDK's get_http_request_header unwraps; the hostcall does not.
         let _ = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":path");
         for _ in 0..self.reads {
@@ -255,11 +302,151 @@ impl HttpContext for Floor {
         let Some(c) = &self.callout else {
             return Action::Continue;
         };
-        match self.send_callout(c) {
+        match self.send_callout(c, c.body.as_bytes()) {
             Some(_) => Action::Pause,
             None => Action::Continue,
         }
     }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let (Some(limit), Some((remaining, reset))) = (&self.limit, self.told) {
+            let policy = format!("\"tenant\";q={};w={}", limit.limit, limit.window_s);
+            let state = format!("\"tenant\";r={remaining};t={reset}");
+            let _ =
+                hostcalls::add_map_value(MapType::HttpResponseHeaders, "ratelimit-policy", &policy);
+            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, "ratelimit", &state);
+        }
+        Action::Continue
+    }
+}
+
+impl Floor {
+    /// The request with a limit per tenant (see the module's doc).
+    fn limited(&mut self, limit: &Limit) -> Action {
+        let map = header_map_bytes();
+        let tenant = header_value(&map, limit.tenant_header.as_bytes()).unwrap_or_default();
+        if let Some(id) = self.requests {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
+        if let Some(c) = self.callout.clone() {
+            let body = c.body.replace("{tenant}", &percent_encode(tenant));
+            return match self.send_callout(&c, body.as_bytes()) {
+                Some(_) => Action::Pause,
+                None => Action::Continue,
+            };
+        }
+        let now = now_ms();
+        let window_ms = limit.window_s.saturating_mul(1000);
+        let (count, end) = {
+            let mut table = self.table.borrow_mut();
+            if !table.contains_key(tenant) {
+                table.insert(tenant.to_string(), (0, 0));
+            }
+            let Some(entry) = table.get_mut(tenant) else {
+                return Action::Continue;
+            };
+            if entry.1 <= now {
+                *entry = (0, now.saturating_add(window_ms));
+            }
+            entry.0 = entry.0.saturating_add(1);
+            *entry
+        };
+        let reset = end.saturating_sub(now).div_ceil(1000);
+        let Some(r) = &self.local_reply else {
+            self.told = Some((limit.limit.saturating_sub(count), reset));
+            return Action::Continue;
+        };
+        let retry = reset.to_string();
+        let policy = format!("\"tenant\";q={};w={}", limit.limit, limit.window_s);
+        let state = format!("\"tenant\";r=0;t={reset}");
+        let body = r.body.replace("{reset}", &retry);
+        let headers = vec![
+            ("content-type", "application/problem+json"),
+            ("retry-after", retry.as_str()),
+            ("ratelimit-policy", policy.as_str()),
+            ("ratelimit", state.as_str()),
+        ];
+        let _ = hostcalls::send_http_response(r.status, headers, Some(body.as_bytes()));
+        Action::Pause
+    }
+}
+
+/// The effective stream's request header map, in the host's encoding.
+fn header_map_bytes() -> Vec<u8> {
+    #[link(wasm_import_module = "env")]
+    extern "C" {
+        fn proxy_get_header_map_pairs(map: MapType, data: *mut *mut u8, size: *mut usize) -> u32;
+    }
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host hands over `size` bytes it allocated through the SDK's
+    // `proxy_on_memory_allocate` (a boxed slice of exactly that size), owned from here on.
+    unsafe {
+        if proxy_get_header_map_pairs(MapType::HttpRequestHeaders, &mut data, &mut size) != 0
+            || data.is_null()
+        {
+            return Vec::new();
+        }
+        Vec::from_raw_parts(data, size, size)
+    }
+}
+
+/// The first value of header `name` in a map in the host's encoding (a count, a length pair
+/// per header, then each name and value NUL-terminated), if it is text.
+fn header_value<'m>(map: &'m [u8], name: &[u8]) -> Option<&'m str> {
+    let word = |at: usize| -> Option<usize> {
+        let b = map.get(at..at.checked_add(4)?)?;
+        Some(u32::from_le_bytes(b.try_into().ok()?) as usize)
+    };
+    let count = word(0)?;
+    let mut text = 4usize.checked_add(count.checked_mul(8)?)?;
+    for i in 0..count {
+        let n = word(4 + 8 * i)?;
+        let v = word(8 + 8 * i)?;
+        let value_at = text.checked_add(n)?.checked_add(1)?;
+        if map.get(text..text + n)? == name {
+            return std::str::from_utf8(map.get(value_at..value_at.checked_add(v)?)?).ok();
+        }
+        text = value_at.checked_add(v)?.checked_add(1)?;
+    }
+    None
+}
+
+/// `text` with every byte but ASCII letters, digits and `-` percent-encoded (a webdis
+/// argument).
+fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'-' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The two integers of a RESP array answer (`*2 :count :ttl_ms`), if it is one; each may
+/// come as a bulk string, as Debian's webdis 0.1.9 turns integers in arrays into strings.
+fn count_and_ttl(body: &[u8]) -> Option<(u64, i64)> {
+    let text = std::str::from_utf8(body).ok()?;
+    let mut lines = text.split("\r\n");
+    if lines.next()? != "*2" {
+        return None;
+    }
+    let mut values = lines
+        .filter(|l| !l.starts_with('$'))
+        .map(|l| l.strip_prefix(':').unwrap_or(l));
+    let count = values.next()?.parse().ok()?;
+    let ttl = values.next()?.parse().ok()?;
+    Some((count, ttl))
 }
 
 /// WASI `random_get` (a per-worker queue name).
