@@ -733,8 +733,8 @@ class Bench:
 
     def open_loop(self, scenario: Scenario, rates: tuple[int, ...], seconds: int) -> dict:
         """The latency `scenario` adds over plain Envoy at each rate, p50/p99/p99.9: each rate
-        measured on plain Envoy and on the scenario's, alternately, `self.rounds` times (the
-        medians are reported)."""
+        measured on plain Envoy and on the scenario's, alternately, `self.rounds // 2` times (at
+        least once; the medians are reported)."""
         plugin = scenario.plugin(self.stack) if scenario.plugin else None
         envoy = self.start_envoy(f"{scenario.name}-open-loop", plugin,
                                  wasm_path=scenario.wasm_path)
