@@ -118,7 +118,7 @@ test: deps deps-oci build lint unit unit-wasm ## Everything: build, lint, unit t
 ##@ Benchmarks
 
 .PHONY: bench bench-core bench-core-v8 bench-scripts bench-spans
-bench: deps deps-bench build ## Filter cost vs plain Envoy and the anchors (wrk), open-loop latency (oha): table, bench/results.json, bench/report.svg, docs/performance.md. Env BENCH_ROUNDS=5 BENCH_SECONDS=5 BENCH_LATENCY_SECONDS=5 BENCH_SCENARIOS=a,b.
+bench: deps deps-bench build ## Filter cost vs plain Envoy and the anchors (wrk), open-loop latency (oha): table, bench/results.json, bench/report.svg, docs/performance.md. Env BENCH_ROUNDS=5 BENCH_SECONDS=5 BENCH_LATENCY_SECONDS=5 BENCH_SCENARIOS=a,b BENCH_LATENCY_SCENARIOS=a,b BENCH_LATENCY_RATES=500,1000.
 	$(PYTHON) bench/run.py
 
 bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match, keys, fingerprints, whole requests).

@@ -107,6 +107,26 @@ def env_int(name: str, default: int) -> int:
     return value
 
 
+def latency_plan() -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The open loop's scenarios and rates: BENCH_LATENCY_SCENARIOS (a subset of
+    LATENCY_SCENARIOS) and BENCH_LATENCY_RATES (requests/s), comma-separated; the defaults
+    without them."""
+    names = tuple(s.strip() for s in os.environ.get("BENCH_LATENCY_SCENARIOS", "").split(",")
+                  if s.strip()) or LATENCY_SCENARIOS
+    unknown = sorted(set(names) - set(LATENCY_SCENARIOS))
+    if unknown:
+        sys.exit(f"BENCH_LATENCY_SCENARIOS: unknown {unknown}; known: "
+                 f"{', '.join(LATENCY_SCENARIOS)}")
+    rates = []
+    for raw in (r.strip() for r in os.environ.get("BENCH_LATENCY_RATES", "").split(",")):
+        if not raw:
+            continue
+        if not raw.isdigit() or int(raw) < 1:
+            sys.exit(f"BENCH_LATENCY_RATES: {raw!r} is not a whole number of requests/s")
+        rates.append(int(raw))
+    return names, tuple(rates) or LATENCY_RATES
+
+
 # --- scenarios -----------------------------------------------------------------------------------
 
 
@@ -193,10 +213,11 @@ COST, CHARGED = 3, 5
 # lease_contended: waiters on one resource, and the time each holds it at the upstream.
 # Open-loop latency: fixed request rates a busy sidecar sees, each measured by oha
 # (`--latency-correction`: from when a request was due, not when a connection was free) on
-# the scenario's Envoy and on plain Envoy at the same rate, alternately.
+# the scenario's Envoy and on plain Envoy at the same rate, alternately. The naive anchor runs
+# too: what one callout per request adds whatever the filter does, beside the callout paths.
 LATENCY_RATES = (500, 1000, 2000)
-LATENCY_SCENARIOS = ("no_policy", "rl_allowed", "rl_allowed_batched", "rl_allowed_leased",
-                     "rl_rejected")
+LATENCY_SCENARIOS = ("no_policy", "wasm_naive", "rl_allowed", "rl_allowed_batched",
+                     "rl_allowed_leased", "rl_rejected")
 LATENCY_CONNECTIONS = 32
 # What each may add over plain Envoy at 1,000 requests/s: (p50, p99) in ms.
 LATENCY_GOALS = {"rl_allowed": (0.5, 2.0), "no_policy": (0.1, 0.5), "rl_rejected": (0.1, 0.5),
@@ -1409,6 +1430,7 @@ def main() -> int:
     seconds = env_int("BENCH_SECONDS", 5)
     warmup = env_int("BENCH_WARMUP", 1)
     wanted = [s for s in os.environ.get("BENCH_SCENARIOS", "").split(",") if s.strip()]
+    latency_names, latency_rates = latency_plan()
     try:
         require_binary("wrk")
         require_binary("redis-server")
@@ -1488,9 +1510,9 @@ def main() -> int:
                 print(f"  {scenario.name}: FAILED: {e}", flush=True)
         if not wanted or "open_loop" in wanted:
             latency_seconds = env_int("BENCH_LATENCY_SECONDS", 5)
-            for scenario in [s for s in scenarios() if s.name in LATENCY_SCENARIOS]:
+            for scenario in [s for s in scenarios() if s.name in latency_names]:
                 try:
-                    open_loop_results.append(bench.open_loop(scenario, LATENCY_RATES,
+                    open_loop_results.append(bench.open_loop(scenario, latency_rates,
                                                              latency_seconds))
                 except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError,
                         PrerequisiteMissing) as e:

@@ -3,6 +3,8 @@ run of its round, and a BENCH_COMPARE build gets a row of its own."""
 
 import sys
 
+import pytest
+
 from harness.proc import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -112,3 +114,24 @@ def test_bench_spans_reads_every_workers_reports_from_the_envoy_log(tmp_path):
     assert spans.cell(found, "answer").split() == ["13.00", "x0.67"]
     assert spans.cell(found, "done").split() == ["2.00", "x0.00"]
     assert spans.cell(found, "resume").strip() == "-"
+
+
+def test_the_open_loop_plan_comes_from_the_environment_or_the_defaults(monkeypatch):
+    monkeypatch.delenv("BENCH_LATENCY_SCENARIOS", raising=False)
+    monkeypatch.delenv("BENCH_LATENCY_RATES", raising=False)
+    assert bench.latency_plan() == (bench.LATENCY_SCENARIOS, bench.LATENCY_RATES)
+    assert "wasm_naive" in bench.LATENCY_SCENARIOS
+    monkeypatch.setenv("BENCH_LATENCY_SCENARIOS", "wasm_naive, rl_allowed")
+    monkeypatch.setenv("BENCH_LATENCY_RATES", "1000")
+    assert bench.latency_plan() == (("wasm_naive", "rl_allowed"), (1000,))
+
+
+def test_a_bad_open_loop_plan_fails_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("BENCH_LATENCY_SCENARIOS", "rl_allowed,nope")
+    with pytest.raises(SystemExit, match="BENCH_LATENCY_SCENARIOS.*nope"):
+        bench.latency_plan()
+    monkeypatch.setenv("BENCH_LATENCY_SCENARIOS", "rl_allowed")
+    for bad in ("0", "1e3", "-5", "fast"):
+        monkeypatch.setenv("BENCH_LATENCY_RATES", bad)
+        with pytest.raises(SystemExit, match="BENCH_LATENCY_RATES"):
+            bench.latency_plan()
