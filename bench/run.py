@@ -96,8 +96,11 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def env_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
+    return positive_int(name, raw) if raw else default
+
+
+def positive_int(name: str, raw: str) -> int:
+    """`raw`, a setting of `name`, as a whole number of at least 1; exits naming it if not."""
     try:
         value = int(raw)
     except ValueError:
@@ -117,14 +120,9 @@ def latency_plan() -> tuple[tuple[str, ...], tuple[int, ...]]:
     if unknown:
         sys.exit(f"BENCH_LATENCY_SCENARIOS: unknown {unknown}; known: "
                  f"{', '.join(LATENCY_SCENARIOS)}")
-    rates = []
-    for raw in (r.strip() for r in os.environ.get("BENCH_LATENCY_RATES", "").split(",")):
-        if not raw:
-            continue
-        if not raw.isdigit() or int(raw) < 1:
-            sys.exit(f"BENCH_LATENCY_RATES: {raw!r} is not a whole number of requests/s")
-        rates.append(int(raw))
-    return names, tuple(rates) or LATENCY_RATES
+    rates = tuple(positive_int("BENCH_LATENCY_RATES", r.strip())
+                  for r in os.environ.get("BENCH_LATENCY_RATES", "").split(",") if r.strip())
+    return names, rates or LATENCY_RATES
 
 
 # --- scenarios -----------------------------------------------------------------------------------
