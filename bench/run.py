@@ -31,19 +31,21 @@ returns data costs. `wasm_naive_rl`, `wasm_floor_429_keyed` and `wasm_floor_rl` 
 filter limiting each tenant with the IETF headers does on the exact, rejected and leased paths
 (the tenant found in the header map, the headers formatted), reported beside their goals'
 anchors. A scenario with a goal against an anchor runs that anchor in its own rounds
-(plain, anchor, scenario[, compare]), and its ratio is the median of the per-round ratios.
+(plain, anchor, scenario[, compare], and the reverse in every other round, so a drift within a
+round favours no one), and its ratio is the median of the per-round ratios.
 
 Output: a table on stdout, bench/results.json (every run's raw numbers) and bench/report.svg.
 Exit status 1 if a run had socket errors or unexpected statuses, or the correctness check
 failed (rl_rejected must admit exactly its limit per run); a missed goal is a finding, not an
 error.
 
-Environment: BENCH_ROUNDS (3), BENCH_SECONDS (5), BENCH_WARMUP (1, seconds per Envoy before
+Environment: BENCH_ROUNDS (5), BENCH_SECONDS (5), BENCH_WARMUP (1, seconds per Envoy before
 a scenario's rounds), BENCH_SCENARIOS (comma list, default all), ENVOY_BIN (another Envoy),
 BENCH_COMPARE (a git revision: its .wasm is built from `git archive` under
 target/bench-compare and runs in every round of every scenario of the filter, right after the
-working tree's, with the same plugin config: plain, scenario, compare, plain, ... so two builds
-are compared side by side in one run; the table gets a `<scenario>@<rev>` row each).
+working tree's, with the same plugin config: plain, scenario, compare, then compare,
+scenario, plain, ... so two builds are compared side by side in one run; the table gets a
+`<scenario>@<rev>` row each).
 """
 
 from __future__ import annotations
@@ -903,8 +905,8 @@ class Bench:
         compare_refused = None
         anchors: list[Envoy] = []
         try:
-            # The anchors a goal is set against run in the same rounds, right before the
-            # scenario: the ratio is then taken round by round, side by side in time.
+            # The anchors a goal is set against run in the same rounds, next to the scenario
+            # (see round_order): the ratio is then taken round by round, side by side in time.
             by_name = {s.name: s for s in scenarios()}
             for name in in_round_anchors(scenario):
                 a = by_name[name]
@@ -939,7 +941,7 @@ class Bench:
                          self.warmup)
             runs = []
             for r in range(1, self.rounds + 1):
-                for target, kind, sc in targets:
+                for target, kind, sc in round_order(targets, r):
                     rec = self.run(target, sc, kind, r, self.seconds)
                     runs.append(rec)
                     flag = "" if not rec["problems"] else "  PROBLEM: " + "; ".join(rec["problems"])
@@ -971,6 +973,13 @@ class Bench:
                 "plugin_config": plugin, "local_ratelimit": scenario.local_ratelimit,
                 "routed": scenario.routed, "plain_routed": scenario.plain_routed,
                 "goal": scenario.goal, "summary": summary, "runs": runs}
+
+
+def round_order(targets: list, round_no: int) -> list:
+    """The order a scenario's targets (plain, anchors, the scenario, the compared build) run in
+    round `round_no`: as listed in odd rounds, reversed in even ones, so a machine that slows
+    down or speeds up within a round favours neither the filter nor its anchors."""
+    return targets if round_no % 2 else targets[::-1]
 
 
 def _per(value: float, requests: int) -> float | None:

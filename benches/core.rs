@@ -18,7 +18,7 @@ use coordination_guard::idempotency::fingerprint::{canonical_body, Fingerprint};
 use coordination_guard::idempotency::record::{Record, RecordResponse, StoredResponse};
 use coordination_guard::idempotency::seal::{fresh_nonce, record_aad, Keyring, RecordKey};
 use coordination_guard::keys;
-use coordination_guard::metrics::{Metrics, NoMetrics};
+use coordination_guard::metrics::NoMetrics;
 use coordination_guard::ratelimit;
 use coordination_guard::redis::webdis;
 use coordination_guard::request::{select_policy, Caller, Request};
@@ -291,17 +291,7 @@ fn sealed_records(body_1k: &[u8], body_64k: &[u8]) {
 /// One rate-limited request through the core as the adapter drives it: headers in, the
 /// gateway body out, the gateway's raw answer decoded and read, the response's headers, done.
 fn whole_requests() {
-    let config = |mode: &str| {
-        let json = format!(
-            r#"{{"redis": {{"cluster": "gw"}}, "policies": [{{"name": "api",
-            "match": {{"path_prefix": "/api"}}, "rate_limits": [{{"name": "tenant",
-            "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000000000, "window": "1h",
-            "mode": "{mode}"}}]}}]}}"#
-        );
-        let config = Config::parse(json.as_bytes()).expect("valid");
-        let metrics = Metrics::define(&config, |_, _| 0);
-        Runtime::new(config, metrics, None)
-    };
+    let config = |mode: &str| Runtime::per_tenant_benchmark(mode).expect("valid");
     let headers = |tenant: &str| {
         vec![
             (":method".to_string(), "GET".to_string()),

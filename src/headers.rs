@@ -173,25 +173,26 @@ impl fmt::Debug for Headers {
     }
 }
 
+/// The host's encoding of `pairs` (what [`Headers::decode`] reads), raw bytes allowed.
+#[cfg(test)]
+pub(crate) fn encode(pairs: &[(&[u8], &[u8])]) -> Vec<u8> {
+    let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
+    for (n, v) in pairs {
+        out.extend_from_slice(&(n.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (n, v) in pairs {
+        out.extend_from_slice(n);
+        out.push(0);
+        out.extend_from_slice(v);
+        out.push(0);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The host's encoding of `pairs`, raw bytes allowed.
-    fn encode(pairs: &[(&[u8], &[u8])]) -> Vec<u8> {
-        let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
-        for (n, v) in pairs {
-            out.extend_from_slice(&(n.len() as u32).to_le_bytes());
-            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-        }
-        for (n, v) in pairs {
-            out.extend_from_slice(n);
-            out.push(0);
-            out.extend_from_slice(v);
-            out.push(0);
-        }
-        out
-    }
 
     /// A named case: the host's pairs, raw, and what they read as.
     type Case<'a> = (

@@ -23,6 +23,7 @@ use crate::local::slots::text_hash;
 use crate::text::{hex, push_hex, push_u64};
 use sha2::{Digest, Sha256};
 use std::ops::Range;
+use std::rc::Rc;
 
 /// A 64-bit (16 hex digit) SHA-256 digest of `value`, separated by `domain` so that a tenant
 /// and a header with the same text do not hash alike.
@@ -85,7 +86,8 @@ pub fn hash_tag(key: &str) -> &str {
 /// (the over-limit cache's and the leased quota's slot).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitKey {
-    text: String,
+    /// Shared: the key memo hands each request of a tenant the same key without a copy.
+    text: Rc<str>,
     tag: Range<usize>,
     hash: u64,
 }
@@ -215,7 +217,7 @@ pub fn write_rate_limit_key(
     LimitKey {
         hash: text_hash(&k),
         tag,
-        text: k,
+        text: k.into(),
     }
 }
 

@@ -28,6 +28,8 @@ pub mod respond;
 pub mod text;
 
 #[cfg(test)]
+mod alloc_count;
+#[cfg(test)]
 mod robustness_tests;
 
 #[cfg(target_arch = "wasm32")]

@@ -86,24 +86,24 @@ impl KeyMemo {
         }
         // Everything the key depends on besides the config (the tag is the tenant, one of the
         // selected values, or the policy), length-prefixed so that no two requests with
-        // different inputs have the same bytes.
-        let mut input = Vec::with_capacity(64);
+        // different inputs have the same bytes; written on the stack, copied only into a slot.
+        let mut input = MemoInput::default();
         for n in [policy_index, limit_index] {
-            input.extend_from_slice(&(n as u64).to_le_bytes());
+            input.push(&(n as u64).to_le_bytes());
         }
         for value in limit.by.iter().map(|sel| selector_value(sel, caller, req)) {
             match value {
                 Some(v) => {
-                    input.push(1);
-                    input.extend_from_slice(&(v.len() as u64).to_le_bytes());
-                    input.extend_from_slice(v.as_bytes());
+                    input.push(&[1]);
+                    input.push(&(v.len() as u64).to_le_bytes());
+                    input.push(v.as_bytes());
                 }
-                None => input.push(0),
+                None => input.push(&[0]),
             }
         }
-        if input.len() > MAX_MEMO_INPUT {
+        let Some(input) = input.bytes() else {
             return key(prefix, policy, limit, caller, req);
-        }
+        };
         // FNV-1a: the slot only needs spreading (the inputs are compared in full), and
         // SipHash costs more than the rest of the lookup.
         let hash = input.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
@@ -114,13 +114,50 @@ impl KeyMemo {
             _ => {
                 let built = key(prefix, policy, limit, caller, req);
                 *slot = Some(Memo {
-                    input,
+                    input: input.to_vec(),
                     key: built.clone(),
                 });
                 built
             }
         });
         found.unwrap_or_else(|| key(prefix, policy, limit, caller, req))
+    }
+}
+
+/// A memo lookup's inputs, at most [`MAX_MEMO_INPUT`] bytes (longer ones are not memoised).
+struct MemoInput {
+    bytes: [u8; MAX_MEMO_INPUT],
+    len: usize,
+    too_long: bool,
+}
+
+impl Default for MemoInput {
+    fn default() -> MemoInput {
+        MemoInput {
+            bytes: [0; MAX_MEMO_INPUT],
+            len: 0,
+            too_long: false,
+        }
+    }
+}
+
+impl MemoInput {
+    fn push(&mut self, more: &[u8]) {
+        let end = self.len + more.len();
+        match self.bytes.get_mut(self.len..end) {
+            Some(room) if !self.too_long => {
+                room.copy_from_slice(more);
+                self.len = end;
+            }
+            _ => self.too_long = true,
+        }
+    }
+
+    /// The inputs, unless they were too long to memoise.
+    fn bytes(&self) -> Option<&[u8]> {
+        (!self.too_long)
+            .then(|| self.bytes.get(..self.len))
+            .flatten()
     }
 }
 
@@ -169,18 +206,19 @@ pub enum Verdict {
 /// it is left out of the headers. Concurrency limits are never in the `RateLimit` headers (the
 /// draft defines no in-flight quota); a request only they reject gets `concurrency_limited`.
 pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
-    let enforced: Vec<(&RateLimit, &LimitState)> = policy
-        .rate_limits
-        .iter()
-        .zip(states)
-        .filter_map(|(l, s)| Some((l, s.as_ref()?)))
-        .filter(|(l, _)| !l.shadow)
-        .collect();
-    let violated: Vec<&(&RateLimit, &LimitState)> =
-        enforced.iter().filter(|(_, s)| !s.allowed).collect();
-    let counted = || enforced.iter().filter(|(l, _)| !l.concurrency());
-    if violated.is_empty() {
-        let mut views: Vec<QuotaView<'_>> = counted().map(view).collect();
+    // Walked again where needed rather than collected: this runs for every request.
+    let enforced = || {
+        policy
+            .rate_limits
+            .iter()
+            .zip(states)
+            .filter_map(|(l, s)| Some((l, s.as_ref()?)))
+            .filter(|(l, _)| !l.shadow)
+    };
+    let violated = || enforced().filter(|(_, s)| !s.allowed);
+    let counted = || enforced().filter(|(l, _)| !l.concurrency());
+    if violated().next().is_none() {
+        let mut views: Vec<QuotaView<'_>> = counted().map(|e| view(&e)).collect();
         if views.is_empty() {
             return Verdict::Allow(Vec::new());
         }
@@ -191,21 +229,19 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
             ("ratelimit".into(), r),
         ]);
     }
-    let names: Vec<&str> = violated.iter().map(|(l, _)| l.name.as_str()).collect();
-    if violated.iter().all(|(l, _)| l.concurrency()) {
+    let names: Vec<&str> = violated().map(|(l, _)| l.name.as_str()).collect();
+    if violated().all(|(l, _)| l.concurrency()) {
         return Verdict::Reject(concurrency_limited(policy, &names));
     }
-    let retry_ms = violated
-        .iter()
+    let retry_ms = violated()
         .map(|(_, s)| s.retry_after_ms)
         .max()
         .unwrap_or(1000);
-    let mut views: Vec<QuotaView<'_>> = violated
-        .iter()
+    let mut views: Vec<QuotaView<'_>> = violated()
         .filter(|(l, _)| !l.concurrency())
-        .map(|e| view(e))
+        .map(|e| view(&e))
         .collect();
-    views.extend(counted().filter(|(_, s)| s.allowed).map(view));
+    views.extend(counted().filter(|(_, s)| s.allowed).map(|e| view(&e)));
     let (p, r) = respond::ratelimit_headers(&views);
     let retry_after = respond::retry_after_secs(retry_ms);
     let mut detail = String::with_capacity(96);

@@ -38,23 +38,40 @@ impl Request {
 
     /// [`Request::from_headers`] from headers as the host hands them over.
     pub fn from_map(headers: Headers, source_address: Option<&str>) -> Request {
+        Request::from_probed(headers, source_address, Probed::default())
+    }
+
+    /// [`Request::from_map`], with what the policies' [`Probe`] already normalised of the
+    /// same map (its first `:method`, `:path` and `:authority`), which is not done again.
+    pub fn from_probed(
+        headers: Headers,
+        source_address: Option<&str>,
+        mut probed: Probed,
+    ) -> Request {
         let mut req = Request {
-            client_ip: source_address.map(strip_port),
+            client_ip: source_address.map(|a| strip_port(a).to_string()),
             ..Request::default()
         };
         for (name, value) in headers.iter() {
             match name {
-                ":method" => req.method = value.to_ascii_uppercase(),
+                ":method" => {
+                    req.method = probed
+                        .method
+                        .take()
+                        .unwrap_or_else(|| value.to_ascii_uppercase());
+                }
                 ":path" => {
                     let (path, query) = split_path(value);
-                    let form = normalize_path(path);
+                    let form = probed.path.take().unwrap_or_else(|| normalize_path(path));
                     req.path = form.canonical;
                     req.path_others = form.others;
                     req.path_ambiguous = form.ambiguous;
                     req.query = query.to_string();
                     req.params = query_pairs(query);
                 }
-                ":authority" => req.host = host_of(value),
+                ":authority" => {
+                    req.host = probed.host.take().unwrap_or_else(|| host_of(value));
+                }
                 _ => {}
             }
         }
@@ -105,20 +122,20 @@ fn split_path(raw: &str) -> (&str, &str) {
 /// `:authority` as a matcher compares it: lower case, without port or a trailing dot.
 fn host_of(authority: &str) -> String {
     let host = strip_port(authority);
-    host.strip_suffix('.').unwrap_or(&host).to_ascii_lowercase()
+    host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase()
 }
 
-fn strip_port(addr: &str) -> String {
+fn strip_port(addr: &str) -> &str {
     if let Some(rest) = addr.strip_prefix('[') {
         // [v6]:port
-        return rest.split(']').next().unwrap_or(rest).to_string();
+        return rest.split(']').next().unwrap_or(rest);
     }
     match addr.rsplit_once(':') {
         // A bare IPv6 address has more than one colon and no port.
         Some((host, port)) if !host.contains(':') && port.bytes().all(|b| b.is_ascii_digit()) => {
-            host.to_string()
+            host
         }
-        _ => addr.to_string(),
+        _ => addr,
     }
 }
 
@@ -285,10 +302,27 @@ impl<'a> Probe<'a> {
         }
     }
 
+    /// What the matchers made this probe normalise, for [`Request::from_probed`].
+    pub fn into_probed(self) -> Probed {
+        Probed {
+            method: self.method,
+            path: self.path,
+            host: self.host,
+        }
+    }
+
     fn form(&mut self) -> &PathForm {
         self.path
             .get_or_insert_with(|| normalize_path(split_path(first(self.headers, ":path")).0))
     }
+}
+
+/// The pseudo-headers a [`Probe`] normalised (each `None` when no matcher read it).
+#[derive(Debug, Default)]
+pub struct Probed {
+    method: Option<String>,
+    path: Option<PathForm>,
+    host: Option<String>,
 }
 
 /// The first value of `name`, empty when the request has none.

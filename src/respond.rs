@@ -3,7 +3,7 @@
 //! (draft-ietf-httpapi-ratelimit-headers-10).
 
 use crate::grpc;
-use crate::text::push_u64;
+use crate::text::{push_u64, push_u64_bytes};
 
 /// A response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,19 +202,19 @@ pub fn problem(
     extra: &[(&str, Member<'_>)],
     headers: Vec<(String, String)>,
 ) -> LocalResponse {
-    let mut status = String::with_capacity(3);
-    push_u64(&mut status, u64::from(kind.status()));
     let slug = kind.slug();
     let standard = [
         ("detail", JsonText::Str(detail)),
-        ("status", JsonText::Raw(&status)),
+        ("status", JsonText::Int(u64::from(kind.status()))),
         ("title", JsonText::Str(kind.title())),
         ("type", JsonText::TypeUri(slug)),
     ];
-    let mut members: Vec<(&str, JsonText<'_>)> = standard
-        .into_iter()
-        .filter(|(name, _)| !extra.iter().any(|(n, _)| n == name))
-        .collect();
+    let mut members: Vec<(&str, JsonText<'_>)> = Vec::with_capacity(standard.len() + extra.len());
+    members.extend(
+        standard
+            .into_iter()
+            .filter(|(name, _)| !extra.iter().any(|(n, _)| n == name)),
+    );
     members.extend(extra.iter().map(|&(k, v)| (k, JsonText::Member(v))));
     // A stable sort: of an extra member named twice, the first one counts.
     members.sort_by(|a, b| a.0.cmp(b.0));
@@ -229,7 +229,7 @@ pub fn problem(
         body.push(b':');
         match value {
             JsonText::Str(s) | JsonText::Member(Member::Str(s)) => write_json_str(&mut body, s),
-            JsonText::Raw(s) => body.extend_from_slice(s.as_bytes()),
+            JsonText::Int(n) => push_u64_bytes(&mut body, *n),
             JsonText::TypeUri(slug) => {
                 // Slugs are lower-case ASCII words: nothing to escape.
                 body.extend_from_slice(b"\"urn:coordination-guard:problem:");
@@ -264,11 +264,11 @@ pub fn problem(
     }
 }
 
-/// A member value of a problem body: a string to escape, JSON text as is, the type URI of a
+/// A member value of a problem body: a string to escape, a number, the type URI of a
 /// slug, or an extra member.
 enum JsonText<'a> {
     Str(&'a str),
-    Raw(&'a str),
+    Int(u64),
     TypeUri(&'a str),
     Member(Member<'a>),
 }
@@ -297,8 +297,9 @@ pub struct QuotaView<'a> {
 /// most restrictive, or the violated, limit first). Names are sf-strings: config validation
 /// restricts them to `[A-Za-z0-9_-]`, so no escaping is needed.
 pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
-    let mut policy = String::new();
-    let mut state = String::new();
+    // Room for the usual view (a short name and four numbers), so no growing.
+    let mut policy = String::with_capacity(40 * views.len());
+    let mut state = String::with_capacity(40 * views.len());
     for (i, v) in views.iter().enumerate() {
         if i > 0 {
             policy.push_str(", ");

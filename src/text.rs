@@ -2,8 +2,21 @@
 //! into an existing buffer (no intermediate strings on the request path).
 
 /// Appends `n` in decimal.
-pub fn push_u64(out: &mut String, mut n: u64) {
+pub fn push_u64(out: &mut String, n: u64) {
     let mut digits = [0u8; 20];
+    for &d in decimal(n, &mut digits) {
+        out.push(char::from(d));
+    }
+}
+
+/// [`push_u64`] onto bytes.
+pub fn push_u64_bytes(out: &mut Vec<u8>, n: u64) {
+    let mut digits = [0u8; 20];
+    out.extend_from_slice(decimal(n, &mut digits));
+}
+
+/// The decimal digits of `n`, written at the end of `digits`.
+fn decimal(mut n: u64, digits: &mut [u8; 20]) -> &[u8] {
     let mut at = digits.len();
     loop {
         at -= 1;
@@ -13,9 +26,7 @@ pub fn push_u64(out: &mut String, mut n: u64) {
             break;
         }
     }
-    for &d in &digits[at..] {
-        out.push(char::from(d));
-    }
+    &digits[at..]
 }
 
 /// Lower-case hex of `bytes`.
@@ -44,6 +55,15 @@ mod tests {
             let mut out = String::from("x");
             push_u64(&mut out, n);
             assert_eq!(out, format!("x{n}"));
+        }
+    }
+
+    #[test]
+    fn push_u64_bytes_writes_decimal() {
+        for n in [0, 7, 10, 429, u64::MAX] {
+            let mut out = b"x".to_vec();
+            push_u64_bytes(&mut out, n);
+            assert_eq!(out, format!("x{n}").into_bytes());
         }
     }
 

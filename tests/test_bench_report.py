@@ -135,3 +135,14 @@ def test_a_bad_open_loop_plan_fails_naming_the_variable(monkeypatch):
         monkeypatch.setenv("BENCH_LATENCY_RATES", bad)
         with pytest.raises(SystemExit, match="BENCH_LATENCY_RATES"):
             bench.latency_plan()
+
+
+def test_rounds_alternate_the_order_of_the_scenario_and_its_anchors():
+    targets = ["plain", "anchor:wasm_naive", "scenario", "compare"]
+    orders = [bench.round_order(targets, r) for r in range(1, 5)]
+    assert orders[0] == orders[2] == targets
+    assert orders[1] == orders[3] == ["compare", "scenario", "anchor:wasm_naive", "plain"]
+    # Over two rounds every target runs as often before the scenario as after it.
+    for t in targets:
+        before = sum(o.index(t) < o.index("scenario") for o in orders[:2])
+        assert t == "scenario" or before == 1

@@ -103,8 +103,8 @@ impl Admission {
         if !rt.over_limit.enabled() {
             return None;
         }
-        let mut states: Vec<Option<LimitState>> = vec![None; self.slots.len()];
-        let mut hit = false;
+        // Allocated at the first hit: most requests have none.
+        let mut states: Vec<Option<LimitState>> = Vec::new();
         for (i, (limit, slot)) in at.policy.rate_limits.iter().zip(&self.slots).enumerate() {
             // A unit from this worker's slice was counted in Redis when the slice was taken:
             // it admits whatever the counter says now.
@@ -113,19 +113,23 @@ impl Admission {
             }
             if let Some(until) = rt.over_limit.rejecting_until(slot.key.hash(), at.now_ms) {
                 let wait = until - at.now_ms;
-                states[i] = Some(LimitState {
-                    allowed: false,
-                    remaining: 0,
-                    reset_ms: wait,
-                    retry_after_ms: wait,
-                });
+                if states.is_empty() {
+                    states = vec![None; self.slots.len()];
+                }
+                if let Some(state) = states.get_mut(i) {
+                    *state = Some(LimitState {
+                        allowed: false,
+                        remaining: 0,
+                        reset_ms: wait,
+                        retry_after_ms: wait,
+                    });
+                }
                 if let Some(lm) = at.pm.limits.get(i) {
                     at.m.increment(lm.rejected);
                 }
-                hit = true;
             }
         }
-        if !hit {
+        if states.is_empty() {
             return None;
         }
         at.m.increment(rt.metrics.over_limit_cache_hits);

@@ -14,6 +14,7 @@ use crate::lograte::WarnKind;
 use crate::lua::record::{outcome, Outcome};
 use crate::metrics::{IdemMetrics, LeaseMetrics, MetricSink};
 use crate::redis::{resp::Reply, CallError, ScriptCall};
+use std::rc::Rc;
 
 /// The first pause before a release is sent again; it doubles with every attempt.
 pub const RETRY_FIRST_MS: u64 = 100;
@@ -29,7 +30,7 @@ pub const RETRY_WINDOW_MS: u64 = 10_000;
 pub struct Background {
     pub policy: usize,
     pub purpose: Purpose,
-    pub call: ScriptCall,
+    pub call: Rc<ScriptCall>,
     /// Hash of the client's key, for logs.
     pub key_hash: String,
     /// False when the request may not own what this call gives back (a release sent while
@@ -43,11 +44,16 @@ pub struct Background {
 }
 
 impl Background {
-    pub fn new(policy: usize, purpose: Purpose, call: ScriptCall, key_hash: String) -> Background {
+    pub fn new(
+        policy: usize,
+        purpose: Purpose,
+        call: impl Into<Rc<ScriptCall>>,
+        key_hash: String,
+    ) -> Background {
         Background {
             policy,
             purpose,
-            call,
+            call: call.into(),
             key_hash,
             certain: true,
             compensation: false,

@@ -7,13 +7,15 @@ use super::context::{Cx, Outgoing, Runtime};
 use crate::lua::ScriptId;
 use crate::metrics::MetricSink;
 use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
+use std::rc::Rc;
 
 /// A call and what its owner keeps with it (`tag`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Call<T> {
     pub tag: T,
     pub script: ScriptId,
-    pub call: ScriptCall,
+    /// Shared with every [`Outgoing`] that sends it: a send copies no keys or arguments.
+    pub call: Rc<ScriptCall>,
     by_sha: bool,
     sent_ms: u64,
     /// Sends so far.
@@ -50,11 +52,11 @@ impl<T> Default for Calls<T> {
 
 impl<T> Calls<T> {
     /// Adds a call (in a free slot) and returns its slot.
-    pub fn push(&mut self, tag: T, script: ScriptId, call: ScriptCall) -> usize {
+    pub fn push(&mut self, tag: T, script: ScriptId, call: impl Into<Rc<ScriptCall>>) -> usize {
         let entry = Call {
             tag,
             script,
-            call,
+            call: call.into(),
             by_sha: true,
             sent_ms: 0,
             attempts: 0,
@@ -83,7 +85,7 @@ impl<T> Calls<T> {
         Some(Outgoing {
             slot,
             script: c.script,
-            call: c.call.clone(),
+            call: Rc::clone(&c.call),
             by_sha: c.by_sha,
         })
     }

@@ -489,6 +489,11 @@ impl Flow {
         &self.response_headers
     }
 
+    /// [`Flow::response_headers`], taken for the response they go on.
+    pub fn take_response_headers(&mut self) -> Vec<(String, String)> {
+        std::mem::take(&mut self.response_headers)
+    }
+
     /// The headers to set on the request before it goes upstream, once. (The client's own
     /// copies of them are removed from every request: see [`Runtime::reserved_headers`].)
     pub fn take_upstream_headers(&mut self) -> Vec<(String, String)> {

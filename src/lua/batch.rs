@@ -9,6 +9,7 @@ use crate::lua::{ScriptId, Scripts};
 use crate::metrics::{MetricSink, RedisMetrics};
 use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
 use std::collections::HashMap;
+use std::rc::Rc;
 
 /// The acquire calls waiting for the next batch, and the batches in flight with whose answers
 /// they carry. `S` names a paused request (the adapter's stream handle; anything in tests),
@@ -23,7 +24,7 @@ pub struct Batcher<S> {
 struct Queued<S> {
     stream: S,
     slot: usize,
-    call: ScriptCall,
+    call: Rc<ScriptCall>,
 }
 
 /// One batch call: whose answers it carries, and how it is sent.
@@ -67,8 +68,12 @@ impl<S> Batcher<S> {
 
     /// Queues a call; true when it is the first since the last flush (the adapter then wakes
     /// the root on the event loop's next turn).
-    pub fn queue(&mut self, stream: S, slot: usize, call: ScriptCall) -> bool {
-        self.queue.push(Queued { stream, slot, call });
+    pub fn queue(&mut self, stream: S, slot: usize, call: impl Into<Rc<ScriptCall>>) -> bool {
+        self.queue.push(Queued {
+            stream,
+            slot,
+            call: call.into(),
+        });
         self.queue.len() == 1
     }
 
@@ -95,7 +100,7 @@ impl<S> Batcher<S> {
             while members.peek().is_some() {
                 let chunk: Vec<_> = members.by_ref().take(cfg.max_requests.max(1)).collect();
                 out.push(InFlight {
-                    call: build(chunk.iter().map(|q| &q.call)),
+                    call: build(chunk.iter().map(|q| &*q.call)),
                     members: chunk.into_iter().map(|q| (q.stream, q.slot)).collect(),
                     by_sha: true,
                 });

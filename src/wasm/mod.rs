@@ -556,7 +556,9 @@ impl HttpContext for Filter {
         began.end(Span::HeadersMap);
         let matching = spans::mark();
         let policies = &vm.runtime.config.policies;
-        let selected = policy_index(policies, &mut Probe::new(&headers));
+        let mut probe = Probe::new(&headers);
+        let selected = policy_index(policies, &mut probe);
+        let probed = probe.into_probed();
         matching.end(Span::HeadersMatch);
         let (index, policy) = match selected {
             None => return types::Action::Continue,
@@ -575,7 +577,7 @@ impl HttpContext for Filter {
             None
         };
         let parse = spans::mark();
-        let mut req = Request::from_map(headers, address.as_deref());
+        let mut req = Request::from_probed(headers, address.as_deref(), probed);
         parse.end(Span::HeadersParse);
         // Claims Envoy verified (jwt_authn's payload in the request's metadata), read only for
         // the roles configured to come from there.

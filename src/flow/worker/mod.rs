@@ -103,13 +103,12 @@ impl<S: Copy + Ord> Worker<S> {
             .policies
             .get(index)
             .is_some_and(|p| p.needs_tokens);
-        let (nonce, owner) = if needs_tokens {
-            (self.tokens.token(), self.tokens.token())
-        } else {
-            ("-".to_string(), "-".to_string())
-        };
+        let tokens = needs_tokens.then(|| (self.tokens.token(), self.tokens.token()));
+        let (nonce, owner) = tokens
+            .as_ref()
+            .map_or(("-", "-"), |(n, o)| (n.as_str(), o.as_str()));
         let flow = &mut self.streams.entry(s).or_default().flow;
-        let step = flow.on_policy_request(cx, index, req, &nonce, &owner, end_of_stream);
+        let step = flow.on_policy_request(cx, index, req, nonce, owner, end_of_stream);
         self.event(cx, s, Some(Dir::Request), step)
     }
 
@@ -153,7 +152,8 @@ impl<S: Copy + Ord> Worker<S> {
         let Some(entry) = self.streams.get_mut(&s) else {
             return Effects::new(Action::Continue);
         };
-        let extra = entry.flow.response_headers().to_vec();
+        // Added to this response once: the flow has no use for them after it.
+        let extra = entry.flow.take_response_headers();
         if !entry.flow.wants_response(cx) {
             // Nothing left for the stream's end: forgotten now, so its end costs no event.
             if entry.flow.owes_nothing_at_end(cx) {
@@ -531,5 +531,7 @@ fn batch_callout<S>(cx: &Cx<'_>, batch: InFlight<S>) -> Callout<S> {
     }
 }
 
+#[cfg(test)]
+mod alloc_tests;
 #[cfg(test)]
 mod tests;
