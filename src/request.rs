@@ -549,6 +549,90 @@ mod tests {
         assert!(select_policy(&catch_all.policies, &req("GET", "/", "h")).is_some());
     }
 
+    /// The request built with what the policies' probe normalised is the one built from
+    /// scratch, whatever the map: repeated, odd or missing pseudo-headers included (a repeat
+    /// reads as it always did, the last one counting in the request).
+    #[test]
+    fn a_probed_request_is_the_request_parsed_from_scratch() {
+        let config = Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [
+                {"name": "m", "match": {"methods": ["POST"], "path_prefix": "/zz"}},
+                {"name": "h", "match": {"host": "nothing.example"}},
+                {"name": "p", "match": {"path_prefix": "/api"}}
+            ]}"#,
+        )
+        .expect("valid");
+        let cases: [(&str, &[(&str, &str)]); 8] = [
+            (
+                "plain",
+                &[
+                    (":method", "get"),
+                    (":path", "/api/x?a=1&a=2"),
+                    (":authority", "H.example:8080"),
+                ],
+            ),
+            (
+                "encoded and dotted",
+                &[
+                    (":method", "POST"),
+                    (":path", "/api/%2e%2e/x%2Fy;p=1"),
+                    (":authority", "[::1]:80"),
+                ],
+            ),
+            (
+                "repeated path",
+                &[
+                    (":method", "GET"),
+                    (":path", "/api/a"),
+                    (":path", "/b/../api/c"),
+                ],
+            ),
+            (
+                "repeated method and host",
+                &[
+                    (":method", "get"),
+                    (":method", "PoSt"),
+                    (":authority", "a."),
+                    (":authority", "B:1"),
+                    (":path", "/api"),
+                ],
+            ),
+            ("no pseudo-headers", &[("x-tenant-id", "t")]),
+            (
+                "empty path",
+                &[(":method", "GET"), (":path", ""), (":authority", "")],
+            ),
+            (
+                "backslash and NUL",
+                &[
+                    (":method", "GET"),
+                    (":path", "/api\\x%00"),
+                    (":authority", "h"),
+                ],
+            ),
+            (
+                "query only",
+                &[(":method", "GET"), (":path", "?q"), (":authority", "h:")],
+            ),
+        ];
+        for (name, pairs) in cases {
+            let map: Headers = pairs.iter().copied().collect();
+            let mut probe = Probe::new(&map);
+            let _ = policy_index(&config.policies, &mut probe);
+            let probed = probe.into_probed();
+            let read = (
+                probed.method.is_some(),
+                probed.path.is_some(),
+                probed.host.is_some(),
+            );
+            assert_eq!(
+                Request::from_probed(map.clone(), Some("10.0.0.1:5"), probed),
+                Request::from_map(map, Some("10.0.0.1:5")),
+                "{name} (probe read method, path, host: {read:?})"
+            );
+        }
+    }
+
     #[test]
     fn hostile_spellings_of_a_guarded_path() {
         let config = Config::parse(
