@@ -754,8 +754,8 @@ class Bench:
 
     def open_loop(self, scenario: Scenario, rates: tuple[int, ...], seconds: int) -> dict:
         """The latency `scenario` adds over plain Envoy at each rate, p50/p99/p99.9: each rate
-        measured on plain Envoy and on the scenario's, alternately, `self.rounds // 2` times (at
-        least once; the medians are reported)."""
+        measured on plain Envoy and on the scenario's, alternately (in the order of
+        `round_order`), `self.rounds // 2` times (at least once; the medians are reported)."""
         plugin = scenario.plugin(self.stack) if scenario.plugin else None
         envoy = self.start_envoy(f"{scenario.name}-open-loop", plugin,
                                  wasm_path=scenario.wasm_path)
@@ -765,8 +765,9 @@ class Bench:
                 runs: dict[str, list[dict]] = {"plain": [], "scenario": []}
                 for round_no in range(max(1, self.rounds // 2)):
                     tenant = f"ol-{scenario.name}-{rate}-{round_no}-{uuid.uuid4().hex[:6]}"
-                    runs["plain"].append(self.oha(self.plain, rate, seconds, tenant))
-                    runs["scenario"].append(self.oha(envoy, rate, seconds, tenant))
+                    pair = [("plain", self.plain), ("scenario", envoy)]
+                    for kind, target in round_order(pair, round_no + 1):
+                        runs[kind].append(self.oha(target, rate, seconds, tenant))
                 entry = {"rate": rate}
                 for kind, rs in runs.items():
                     entry[kind] = {k: _median([r[k] for r in rs])

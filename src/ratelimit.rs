@@ -155,9 +155,10 @@ impl MemoInput {
 
     /// The inputs, unless they were too long to memoise.
     fn bytes(&self) -> Option<&[u8]> {
-        (!self.too_long)
-            .then(|| self.bytes.get(..self.len))
-            .flatten()
+        if self.too_long {
+            return None;
+        }
+        self.bytes.get(..self.len)
     }
 }
 

@@ -104,7 +104,7 @@ impl Admission {
             return None;
         }
         // Allocated at the first hit: most requests have none.
-        let mut states: Vec<Option<LimitState>> = Vec::new();
+        let mut states: Option<Vec<Option<LimitState>>> = None;
         for (i, (limit, slot)) in at.policy.rate_limits.iter().zip(&self.slots).enumerate() {
             // A unit from this worker's slice was counted in Redis when the slice was taken:
             // it admits whatever the counter says now.
@@ -113,10 +113,8 @@ impl Admission {
             }
             if let Some(until) = rt.over_limit.rejecting_until(slot.key.hash(), at.now_ms) {
                 let wait = until - at.now_ms;
-                if states.is_empty() {
-                    states = vec![None; self.slots.len()];
-                }
-                if let Some(state) = states.get_mut(i) {
+                let all = states.get_or_insert_with(|| vec![None; self.slots.len()]);
+                if let Some(state) = all.get_mut(i) {
                     *state = Some(LimitState {
                         allowed: false,
                         remaining: 0,
@@ -129,9 +127,7 @@ impl Admission {
                 }
             }
         }
-        if states.is_empty() {
-            return None;
-        }
+        let states = states?;
         at.m.increment(rt.metrics.over_limit_cache_hits);
         match ratelimit::decide(at.policy, &states) {
             Verdict::Reject(response) => {
