@@ -1,6 +1,7 @@
 //! Counts this thread's heap allocations (a reallocation counts as one), so tests can hold
 //! the request paths to an allocation budget: a count is exact on any machine, where a time is
-//! not. The test build's global allocator; the filter itself uses the system's.
+//! not. The test build's global allocator, over the system's (the filter's own build uses
+//! Talc: see lib.rs).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;

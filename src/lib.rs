@@ -34,3 +34,10 @@ mod robustness_tests;
 
 #[cfg(target_arch = "wasm32")]
 mod wasm;
+
+// The filter's heap in the VM: Talc rather than wasi-libc's malloc, since every request
+// allocates a few dozen times and Talc's allocations and frees cost less (docs/performance.md).
+// The test build counts allocations instead (alloc_count).
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
+#[global_allocator]
+static ALLOCATOR: talc::wasm::WasmDynamicTalc = talc::wasm::new_wasm_dynamic_allocator();

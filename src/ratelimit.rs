@@ -6,6 +6,7 @@
 use crate::config::{Policy, RateLimit};
 use crate::keys::{self, LimitKey};
 use crate::local::slots::SlotTable;
+use crate::redis::Words;
 use crate::request::{selector_value, Caller, Request};
 use crate::respond::{self, LocalResponse, Member, Problem, QuotaView};
 use crate::text::push_u64;
@@ -163,15 +164,13 @@ impl MemoInput {
 }
 
 /// The six per-limit arguments of `acquire.lua`; `cost`: this request's units.
-pub fn limit_args(limit: &RateLimit, cost: u64) -> [String; 6] {
-    [
-        limit.code().to_string(),
-        limit.limit.to_string(),
-        limit.window_ms.to_string(),
-        limit.burst.to_string(),
-        if limit.shadow { "1" } else { "0" }.to_string(),
-        cost.to_string(),
-    ]
+pub fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
+    args.push(limit.code());
+    args.push_u64(limit.limit);
+    args.push_u64(limit.window_ms);
+    args.push_u64(limit.burst);
+    args.push(if limit.shadow { "1" } else { "0" });
+    args.push_u64(cost);
 }
 
 /// One limit's answer for this request.
@@ -219,12 +218,17 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
     let violated = || enforced().filter(|(_, s)| !s.allowed);
     let counted = || enforced().filter(|(l, _)| !l.concurrency());
     if violated().next().is_none() {
-        let mut views: Vec<QuotaView<'_>> = counted().map(|e| view(&e)).collect();
-        if views.is_empty() {
-            return Verdict::Allow(Vec::new());
-        }
-        views.sort_by_key(|v| v.remaining);
-        let (p, r) = respond::ratelimit_headers(&views);
+        let mut each = counted();
+        let (p, r) = match (each.next(), each.next()) {
+            (None, _) => return Verdict::Allow(Vec::new()),
+            // The usual policy counts one limit: no list to sort.
+            (Some(one), None) => respond::ratelimit_headers(&[view(&one)]),
+            _ => {
+                let mut views: Vec<QuotaView<'_>> = counted().map(|e| view(&e)).collect();
+                views.sort_by_key(|v| v.remaining);
+                respond::ratelimit_headers(&views)
+            }
+        };
         return Verdict::Allow(vec![
             ("ratelimit-policy".into(), p),
             ("ratelimit".into(), r),

@@ -16,7 +16,7 @@ pub fn push_u64_bytes(out: &mut Vec<u8>, n: u64) {
 }
 
 /// The decimal digits of `n`, written at the end of `digits`.
-fn decimal(mut n: u64, digits: &mut [u8; 20]) -> &[u8] {
+pub fn decimal(mut n: u64, digits: &mut [u8; 20]) -> &[u8] {
     let mut at = digits.len();
     loop {
         at -= 1;

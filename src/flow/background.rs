@@ -222,7 +222,9 @@ fn freed(tag: &Tag, answer: &Result<Reply, CallError>, call: Option<&Call<Tag>>)
         Purpose::LeaseRelease | Purpose::Complete | Purpose::Release
     );
     let freed = settles && matches!(answer, Ok(r) if outcome(r) == Outcome::Done);
-    freed.then(|| call?.call.keys.first().cloned()).flatten()
+    freed
+        .then(|| call?.call.keys.first().map(str::to_string))
+        .flatten()
 }
 
 /// Counts a background call's answer.

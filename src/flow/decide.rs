@@ -45,13 +45,18 @@ impl Flow {
         // Rate limits first: when the record or the lease rides in one slot and other slots
         // hold rate limits, those go first and the record/lease call only once they admit,
         // so a rate-limited request never takes a lease or a record (a second round trip).
-        let (mut sections, plain): (Vec<acquire::Group>, Vec<acquire::Group>) =
-            groups.into_iter().partition(|g| g.idem || g.lease);
-        let (first, deferred) = if plain.is_empty() {
-            (sections, None)
+        let carries = |g: &acquire::Group| g.idem || g.lease;
+        let (first, deferred) = if !groups.iter().any(carries) {
+            (groups, None)
         } else {
-            let deferred = sections.pop();
-            (plain, deferred)
+            let (mut sections, plain): (Vec<acquire::Group>, Vec<acquire::Group>) =
+                groups.into_iter().partition(carries);
+            if plain.is_empty() {
+                (sections, None)
+            } else {
+                let deferred = sections.pop();
+                (plain, deferred)
+            }
         };
         self.calls.clear();
         let out = first
@@ -65,8 +70,8 @@ impl Flow {
         Step::Dispatch(out)
     }
 
-    pub(super) fn send_acquire(&mut self, at: &Pcx<'_>, g: acquire::Group) -> Option<Outgoing> {
-        let tag = Pending::acquire(&g);
+    pub(super) fn send_acquire(&mut self, at: &Pcx<'_>, mut g: acquire::Group) -> Option<Outgoing> {
+        let tag = Pending::acquire(&mut g);
         self.calls
             .push_and_send(tag, ScriptId::Acquire, g.call, at.now_ms)
     }

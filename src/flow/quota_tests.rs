@@ -63,7 +63,7 @@ fn a_slot_is_taken_extended_and_given_back_at_the_end() {
     );
     assert!(call.keys[0].contains(":inflight:cc:"), "{:?}", call.keys);
     assert_eq!(
-        call.keys.last().map(String::as_str),
+        call.keys.last(),
         Some("cg:cancel:{t.d2e79529ba2c46b2}:run:o1"),
         "the marker rides with a concurrency limit"
     );
@@ -95,7 +95,7 @@ fn a_slot_is_taken_extended_and_given_back_at_the_end() {
     assert_eq!(bg[0].purpose, Purpose::SlotRelease);
     assert_eq!(
         (bg[0].call.keys.len(), &bg[0].call.args),
-        (1, &vec!["n1".to_string()])
+        (1, &crate::redis::Words::from(["n1"]))
     );
     assert!(bg[0].certain && !bg[0].compensation);
     assert_eq!(flow.deadline_ms(), None);
@@ -140,8 +140,8 @@ fn a_slot_taken_by_a_call_the_filter_gave_up_on_is_released_with_the_marker() {
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::SlotRelease);
     assert!(bg[0].compensation);
-    assert_eq!(bg[0].call.keys[1], "cg:cancel:{t.d2e79529ba2c46b2}:run:o1");
-    assert_eq!(bg[0].call.args[0], "n1");
+    assert_eq!(&bg[0].call.keys[1], "cg:cancel:{t.d2e79529ba2c46b2}:run:o1");
+    assert_eq!(&bg[0].call.args[0], "n1");
     flow.on_done(&Cx::new(&rt, 70, &rec));
     assert!(flow.take_background().is_empty(), "handed over once");
 }
@@ -155,7 +155,7 @@ fn a_slot_taken_in_one_hash_slot_is_given_back_when_another_rejects() {
     assert_eq!(out.len(), 2, "tenant slot and policy slot");
     let tenant = out
         .iter()
-        .position(|o| o.call.args[2] == "cc")
+        .position(|o| &o.call.args[2] == "cc")
         .expect("cc call");
     let other = 1 - tenant;
     assert_eq!(
@@ -194,12 +194,12 @@ fn the_cost_header_is_read_strictly() {
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(&cx, req("/llm", &[("x-cost", "42")]), "n", "o", true));
     assert_eq!(
-        &out[0].call.args[2..8],
+        &out[0].call.args.from_index(2)[..6],
         &["fw", "1000", "60000", "1000", "0", "42"]
     );
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(&cx, req("/llm", &[]), "n", "o", true));
-    assert_eq!(out[0].call.args[7], "1", "the default");
+    assert_eq!(&out[0].call.args[7], "1", "the default");
     for bad in ["501", "0", "-1", "1e3", "abc", "4 2", "+3", ""] {
         let mut flow = Flow::default();
         let r = respond_with(flow.on_request(&cx, req("/llm", &[("x-cost", bad)]), "n", "o", true));
@@ -263,7 +263,7 @@ fn the_charge_corrects_the_counter_after_the_response() {
     // Less than admitted: the difference goes back.
     let rec = Recorder::default();
     let bg = charged("100", &[("x-tokens-used", "40")], &rec);
-    assert_eq!(bg[0].call.args[4], "-60");
+    assert_eq!(&bg[0].call.args[4], "-60");
     assert_eq!(rec.count("cg.policy.llm.limit.tokens.charged"), 40);
     // The same as admitted: nothing to correct, but charged.
     let rec = Recorder::default();

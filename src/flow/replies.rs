@@ -21,7 +21,7 @@ impl Flow {
         let (tag, answer) = match self.calls.answer(&at.cx(), slot, answer) {
             Answer::Unknown => return Step::Wait,
             Answer::Resend(out) => return Step::Dispatch(vec![out]),
-            Answer::Reply(call, answer) => (call.tag.clone(), answer),
+            Answer::Reply(call, answer) => (call.tag.flags(), answer),
         };
         match answer {
             Ok(reply) => {
@@ -50,6 +50,7 @@ impl Flow {
         }
     }
 
+    /// `tag` without its limits ([`Pending::flags`]): an acquire's are read from its call.
     fn on_answer(&mut self, at: &Pcx<'_>, slot: usize, tag: Pending, reply: &Reply) -> Step {
         match tag.purpose {
             Purpose::LeaseRetry => {
@@ -78,13 +79,17 @@ impl Flow {
                 self.guards_decide(at, headers)
             }
             Purpose::Acquire => {
-                let read = match acquire::read_reply(reply, tag.limits.len(), tag.idem, tag.lease) {
+                let Some(call) = self.calls.get(slot) else {
+                    return Step::Wait;
+                };
+                let limits = &call.tag.limits;
+                let read = match acquire::read_reply(reply, limits.len(), tag.idem, tag.lease) {
                     Ok(r) => r,
                     Err(e) => return self.unreadable(at, slot, &e),
                 };
-                self.settled_call(slot);
                 self.admission
-                    .answered(at, &tag.limits, read.states, read.admitted);
+                    .answered(at, limits, read.states, read.admitted);
+                self.settled_call(slot);
                 if let (Some(answer), Some(i)) = (read.idem, self.idem.as_mut()) {
                     i.answered(answer);
                 }

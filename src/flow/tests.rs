@@ -555,10 +555,8 @@ fn acquired(rt: &Runtime, rec: &Recorder, key: &str) -> (Flow, String) {
     assert_eq!(held, Step::Wait, "the body is fingerprinted");
     let out = dispatched(flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec()));
     let fingerprint = out[0].call.args.iter().find(|a| a.starts_with("sha256:"));
-    let fingerprint = fingerprint
-        .expect("the acquire carries the fingerprint")
-        .clone();
-    (flow, fingerprint)
+    let fingerprint = fingerprint.expect("the acquire carries the fingerprint");
+    (flow, fingerprint.to_string())
 }
 
 /// What a request with client key `key` is answered when the acquire finds `record`.
@@ -593,7 +591,7 @@ fn completed_response(rt: &Runtime, rec: &Recorder, mut flow: Flow) -> String {
         br#"{"id":"MARKER-in-body"}"#.to_vec()
     }));
     assert_eq!(out[0].script, ScriptId::Complete);
-    out[0].call.args[3].clone()
+    out[0].call.args[3].to_string()
 }
 
 fn completed_record(fingerprint: &str, response: &str) -> String {
@@ -972,7 +970,7 @@ fn stream_ends_early() {
         vec!["owner-1".to_string(), "120000".into()]
     );
     assert_eq!(
-        bg[0].call.keys[1],
+        &bg[0].call.keys[1],
         "cg:cancel:{t.d2e79529ba2c46b2}:orders:owner-1"
     );
     // Forwarded, then the stream ended without a response: outcome unknown, kept.
@@ -1030,7 +1028,7 @@ fn async_completion_goes_to_the_root() {
     assert!(
         bg[0].call.args[3].contains("\"body\":\"abc\""),
         "{}",
-        bg[0].call.args[3]
+        &bg[0].call.args[3]
     );
 }
 
@@ -1549,10 +1547,7 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     let owned = Background::new(
         0,
         Purpose::Release,
-        crate::redis::ScriptCall {
-            keys: vec!["k".into()],
-            args: vec!["o".into()],
-        },
+        crate::redis::ScriptCall::new(["k"], ["o"]),
         "h".into(),
     );
     assert!(owned.certain);
@@ -1832,7 +1827,7 @@ fn async_response_over_max_is_stored_by_reference_at_its_end() {
     assert!(
         bg[0].call.args[3].contains("\"reference\":true"),
         "{}",
-        bg[0].call.args[3]
+        &bg[0].call.args[3]
     );
     assert!(!bg[0].call.args[3].contains("aaaa"));
 }
@@ -2142,10 +2137,7 @@ fn releases_are_retried_with_backoff_bounded_in_count_and_time() {
     let ext = Background::new(
         0,
         Purpose::Complete,
-        crate::redis::ScriptCall {
-            keys: vec!["k".into()],
-            args: vec!["o".into()],
-        },
+        crate::redis::ScriptCall::new(["k"], ["o"]),
         "h".into(),
     );
     assert_eq!(
@@ -2196,7 +2188,9 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
         "own",
         true,
     ));
-    let tail = |args: &[String]| args[args.len() - 3..].to_vec();
+    fn tail(args: &crate::redis::Words) -> Vec<&str> {
+        args.from_index(args.len() - 3)
+    }
     assert_eq!(
         tail(&out[0].call.args),
         vec!["own".to_string(), "2000".to_string(), "3600000".to_string()]
@@ -2867,7 +2861,7 @@ fn a_lease_is_released_with_the_record_when_the_body_passes() {
     assert!(
         out[0].call.args[3].contains("hello!"),
         "{}",
-        out[0].call.args[3]
+        &out[0].call.args[3]
     );
     assert_eq!(
         flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(1))),

@@ -82,11 +82,11 @@ fn a_waiting_duplicate_gets_the_stored_response() {
     assert_eq!(out.len(), 1);
     let call = &out[0].call;
     assert_eq!(
-        &call.args[..3],
+        &call.args.from_index(0)[..3],
         &["0", "n1", "1"],
         "no limits again, the record"
     );
-    assert_eq!(call.args.last().map(String::as_str), Some("0"), "no lease");
+    assert_eq!(call.args.last(), Some("0"), "no lease");
     assert!(call.keys[1].contains(":cancel:"), "with the owner's marker");
     let step = flow.on_reply(
         &Cx::new(&rt, poll_at + 3, &rec),

@@ -6,11 +6,11 @@
 //! tags run in parallel and are independent: a request admitted by one group and rejected by
 //! another has consumed from the first (and the filter releases a record it acquired).
 
-use crate::config::Policy;
+use crate::config::{Policy, RateLimit};
 use crate::idempotency::record::Record;
 use crate::keys::{self, LimitKey};
 use crate::ratelimit::{self, LimitState};
-use crate::redis::{resp::Reply, CallError, ScriptCall};
+use crate::redis::{resp::Reply, CallError, ScriptCall, Words};
 
 /// The idempotency part of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,20 +83,34 @@ pub fn plan(
     idem: Option<&IdemAcquire>,
     lease: Option<&LeaseAcquire>,
 ) -> Vec<Group> {
-    let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
+    // First the groups with their counters' keys (in `call.keys`), then each group's call.
+    let group = |tag: String, limits: Vec<usize>, keys: Words| Group {
+        tag,
+        limits,
+        idem: false,
+        lease: false,
+        slots: false,
+        call: ScriptCall::new(keys, Words::default()),
+    };
+    let mut groups: Vec<Group> = Vec::new();
     for (i, ask) in asks.iter().enumerate().take(policy.rate_limits.len()) {
         let Some(ask) = ask else {
             continue;
         };
         // Keys with one hash tag share a slot, so one script call.
         let tag = ask.key.tag();
-        let text = ask.key.text().to_string();
-        match groups.iter_mut().find(|g| g.0 == tag) {
+        let text = ask.key.text();
+        match groups.iter_mut().find(|g| g.tag == tag) {
             Some(g) => {
-                g.1.push(i);
-                g.2.push(text);
+                g.limits.push(i);
+                g.call.keys.push(text);
             }
-            None => groups.push((tag.to_string(), vec![i], vec![text])),
+            None => {
+                // Room for the limits' keys and the record's, lease's and marker's after them.
+                let mut keys = Words::with_capacity(asks.len() + 4, 4 * text.len());
+                keys.push(text);
+                groups.push(group(tag.to_string(), vec![i], keys));
+            }
         }
     }
     for tag in idem
@@ -104,42 +118,38 @@ pub fn plan(
         .into_iter()
         .chain(lease.map(|l| &l.tag))
     {
-        if !groups.iter().any(|g| g.0 == *tag) {
-            groups.push((tag.clone(), Vec::new(), Vec::new()));
+        if !groups.iter().any(|g| g.tag == *tag) {
+            groups.push(group(tag.clone(), Vec::new(), Words::with_capacity(4, 256)));
         }
     }
-    let mut out: Vec<Group> = groups
-        .into_iter()
-        .map(|(tag, limits, keys)| {
-            let with_idem = idem.filter(|d| d.tag == tag);
-            let with_lease = lease.filter(|l| l.tag == tag);
-            let slots = limits.iter().any(|&i| policy.rate_limits[i].concurrency());
-            let limit_args = limits.iter().flat_map(|&i| {
-                let cost = asks[i].map_or(1, |a| a.cost);
-                ratelimit::limit_args(&policy.rate_limits[i], cost)
-            });
-            // The owner's cancellation marker, last: a late acquire of a cancelled owner
-            // writes nothing (the record's and the lease's marker is the one of their tag).
-            let marker = (with_idem.is_some() || with_lease.is_some() || slots)
-                .then(|| asker.marker(policy, &tag));
-            let sections = Sections {
-                idem: with_idem,
-                lease: with_lease,
-                marker,
-            };
-            let call = group_call(keys, limits.len(), limit_args, asker.nonce, sections);
-            Group {
-                tag,
-                limits,
-                idem: with_idem.is_some(),
-                lease: with_lease.is_some(),
-                slots,
-                call,
-            }
-        })
-        .collect();
-    out.sort_by_key(|g| !g.tag.starts_with("t."));
-    out
+    for g in &mut groups {
+        let with_idem = idem.filter(|d| d.tag == g.tag);
+        let with_lease = lease.filter(|l| l.tag == g.tag);
+        let slots = g
+            .limits
+            .iter()
+            .any(|&i| policy.rate_limits[i].concurrency());
+        let limit_args = g.limits.iter().map(|&i| {
+            let cost = asks[i].map_or(1, |a| a.cost);
+            (&policy.rate_limits[i], cost)
+        });
+        // The owner's cancellation marker, last: a late acquire of a cancelled owner writes
+        // nothing (the record's and the lease's marker is the one of their tag).
+        let marker = (with_idem.is_some() || with_lease.is_some() || slots)
+            .then(|| asker.marker(policy, &g.tag));
+        let sections = Sections {
+            idem: with_idem,
+            lease: with_lease,
+            marker,
+        };
+        let keys = std::mem::take(&mut g.call.keys);
+        g.call = group_call(keys, g.limits.len(), limit_args, asker.nonce, sections);
+        g.idem = with_idem.is_some();
+        g.lease = with_lease.is_some();
+        g.slots = slots;
+    }
+    groups.sort_by_key(|g| !g.tag.starts_with("t."));
+    groups
 }
 
 /// What rides in a call beside the limits.
@@ -151,37 +161,44 @@ struct Sections<'a> {
 
 /// One `acquire.lua` call: the counters `keys` (`n` limits, their arguments `limit_args`), then
 /// the record's and the lease's sections when given, and the owner's cancellation marker last.
-fn group_call(
-    mut keys: Vec<String>,
+fn group_call<'p>(
+    mut keys: Words,
     n: usize,
-    limit_args: impl Iterator<Item = String>,
+    limit_args: impl Iterator<Item = (&'p RateLimit, u64)>,
     nonce: &str,
     sections: Sections<'_>,
 ) -> ScriptCall {
-    let mut args = vec![n.to_string(), nonce.to_string()];
-    args.extend(limit_args);
+    // A limit's six arguments take about 40 bytes; a record's and a lease's about 100.
+    let mut args = Words::with_capacity(4 + 6 * n + 7, 24 + 48 * n + 2 * 100);
+    args.push_u64(n as u64);
+    args.push(nonce);
+    for (limit, cost) in limit_args {
+        ratelimit::push_limit_args(&mut args, limit, cost);
+    }
     match sections.idem {
         Some(d) => {
-            keys.push(d.key.clone());
-            args.push("1".into());
-            args.push(d.fingerprint.clone());
-            args.push(d.owner.clone());
-            args.push(d.processing_ttl_ms.to_string());
+            keys.push(&d.key);
+            args.push("1");
+            args.push(&d.fingerprint);
+            args.push(&d.owner);
+            args.push_u64(d.processing_ttl_ms);
         }
-        None => args.push("0".into()),
+        None => args.push("0"),
     }
     match sections.lease {
         Some(l) => {
-            keys.push(l.key.clone());
-            keys.push(l.fence_key.clone());
-            args.push("1".into());
-            args.push(l.owner.clone());
-            args.push(l.ttl_ms.to_string());
-            args.push(l.fence_ttl_ms.to_string());
+            keys.push(&l.key);
+            keys.push(&l.fence_key);
+            args.push("1");
+            args.push(&l.owner);
+            args.push_u64(l.ttl_ms);
+            args.push_u64(l.fence_ttl_ms);
         }
-        None => args.push("0".into()),
+        None => args.push("0"),
     }
-    keys.extend(sections.marker);
+    if let Some(marker) = &sections.marker {
+        keys.push(marker);
+    }
     ScriptCall { keys, args }
 }
 
@@ -193,7 +210,13 @@ pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
         lease: Some(lease),
         marker: Some(lease.cancel_key.clone()),
     };
-    group_call(Vec::new(), 0, std::iter::empty(), nonce, sections)
+    group_call(
+        Words::with_capacity(4, 256),
+        0,
+        std::iter::empty(),
+        nonce,
+        sections,
+    )
 }
 
 /// A record-only acquire (with the lease, if given and in the record's hash tag): polls a
@@ -205,7 +228,13 @@ pub fn record_poll(idem: &IdemAcquire, lease: Option<&LeaseAcquire>, nonce: &str
         lease: lease.filter(|l| l.tag == idem.tag),
         marker: Some(idem.cancel_key.clone()),
     };
-    group_call(Vec::new(), 0, std::iter::empty(), nonce, sections)
+    group_call(
+        Words::with_capacity(4, 256),
+        0,
+        std::iter::empty(),
+        nonce,
+        sections,
+    )
 }
 
 /// What the idempotency section of an acquire found.
@@ -418,15 +447,15 @@ mod tests {
             ]
         );
         assert_eq!(
-            groups[1].call.keys[1],
+            &groups[1].call.keys[1],
             "cg:demo:rl:{p.create-order}:create-order:global:sl:5/250:_"
         );
         assert_eq!(
-            &groups[1].call.args[2..8],
+            &groups[1].call.args.from_index(2)[..6],
             &["fw", "1000", "3600000", "1000", "1", "1"]
         );
         for g in &groups {
-            for k in &g.call.keys {
+            for k in g.call.keys.iter() {
                 assert!(
                     !k.contains("acme") && !k.contains("alice") && !k.contains("10.0.0.9"),
                     "{k}"
@@ -458,11 +487,14 @@ mod tests {
         );
         let args = &groups[0].call.args;
         assert_eq!(
-            &args[args.len() - 5..],
+            &args.from_index(args.len() - 5)[..],
             &["1", "sha256:ff", "o1", "120000", "0"]
         );
         assert_eq!(
-            &groups[1].call.args[groups[1].call.args.len() - 2..],
+            &groups[1]
+                .call
+                .args
+                .from_index(groups[1].call.args.len() - 2)[..],
             &["0", "0"]
         );
         // No tenant-scoped limit: the record gets a group of its own.
@@ -505,7 +537,7 @@ mod tests {
         assert!(groups[0].idem && groups[0].lease);
         // The record's marker (the same as the lease's: one owner token per request) last.
         assert_eq!(
-            &groups[0].call.keys[2..],
+            &groups[0].call.keys.from_index(2)[..],
             &[
                 idem().key,
                 lease.key.clone(),
@@ -515,7 +547,7 @@ mod tests {
         );
         let args = &groups[0].call.args;
         assert_eq!(
-            &args[args.len() - 8..],
+            &args.from_index(args.len() - 8)[..],
             &[
                 "1",
                 "sha256:ff",

@@ -7,7 +7,7 @@ use crate::config::Batch;
 use crate::keys::hash_tag;
 use crate::lua::{ScriptId, Scripts};
 use crate::metrics::{MetricSink, RedisMetrics};
-use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
+use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall, Words};
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -146,18 +146,28 @@ impl<S> Batcher<S> {
 }
 
 /// The batch call for `calls`, in order.
-pub fn build<'a>(calls: impl IntoIterator<Item = &'a ScriptCall>) -> ScriptCall {
-    let mut keys = Vec::new();
-    let mut args = vec![String::new()];
-    let mut count = 0usize;
-    for call in calls {
+pub fn build<'a, I>(calls: I) -> ScriptCall
+where
+    I: IntoIterator<Item = &'a ScriptCall>,
+    I::IntoIter: Clone,
+{
+    let calls = calls.into_iter();
+    let (mut count, mut words, mut key_bytes, mut arg_bytes) = (0usize, 0, 0, 0);
+    for call in calls.clone() {
         count += 1;
-        keys.extend(call.keys.iter().cloned());
-        args.push(call.keys.len().to_string());
-        args.push(call.args.len().to_string());
-        args.extend(call.args.iter().cloned());
+        words += call.keys.len();
+        key_bytes += call.keys.bytes();
+        arg_bytes += call.args.bytes();
     }
-    args[0] = count.to_string();
+    let mut keys = Words::with_capacity(words, key_bytes);
+    let mut args = Words::with_capacity(1 + 2 * count + words, arg_bytes + 8 * count + 4);
+    args.push_u64(count as u64);
+    for call in calls {
+        keys.extend_from(&call.keys);
+        args.push_u64(call.keys.len() as u64);
+        args.push_u64(call.args.len() as u64);
+        args.extend_from(&call.args);
+    }
     ScriptCall { keys, args }
 }
 
@@ -204,10 +214,10 @@ mod tests {
     use super::*;
 
     fn call(keys: &[&str], args: &[&str]) -> ScriptCall {
-        ScriptCall {
-            keys: keys.iter().map(|s| s.to_string()).collect(),
-            args: args.iter().map(|s| s.to_string()).collect(),
-        }
+        ScriptCall::new(
+            keys.iter().collect::<Words>(),
+            args.iter().collect::<Words>(),
+        )
     }
 
     fn batcher(max_requests: usize, cross_slot: bool) -> Batcher<&'static str> {

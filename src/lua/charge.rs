@@ -3,7 +3,7 @@
 //! admission (never below zero).
 
 use crate::config::RateLimit;
-use crate::redis::ScriptCall;
+use crate::redis::{ScriptCall, Words};
 
 /// One counter to correct: its key, its limit, and `charge - cost` (may be negative).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,18 +15,16 @@ pub struct Correction<'a> {
 
 /// The call for the corrections of one hash slot (at least one).
 pub fn call(corrections: &[Correction<'_>]) -> ScriptCall {
-    let mut args = Vec::with_capacity(1 + 4 * corrections.len());
-    args.push(corrections.len().to_string());
+    let mut args = Words::with_capacity(1 + 4 * corrections.len(), 48 * corrections.len());
+    args.push_u64(corrections.len() as u64);
     for c in corrections {
-        args.push(c.limit.code().to_string());
-        args.push(c.limit.limit.to_string());
-        args.push(c.limit.window_ms.to_string());
-        args.push(c.delta.to_string());
+        args.push(c.limit.code());
+        args.push_u64(c.limit.limit);
+        args.push_u64(c.limit.window_ms);
+        args.push_i64(c.delta);
     }
-    ScriptCall {
-        keys: corrections.iter().map(|c| c.key.to_string()).collect(),
-        args,
-    }
+    let keys: Words = corrections.iter().map(|c| c.key).collect();
+    ScriptCall::new(keys, args)
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 
 use crate::lua::acquire::LeaseAcquire;
 use crate::lua::record::by_owner;
-use crate::redis::ScriptCall;
+use crate::redis::{ScriptCall, Words};
 
 /// `lease_release.lua`: deletes the owner's lease. With `marker_ttl_ms`, the owner's
 /// cancellation marker is set first, so that an acquire still in flight takes nothing.
@@ -19,10 +19,9 @@ pub fn release(acquire: &LeaseAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall
 
 /// `lease_extend.lua`: the owner's lease lives `ttl_ms` more.
 pub fn extend(acquire: &LeaseAcquire) -> ScriptCall {
-    ScriptCall {
-        keys: vec![acquire.key.clone()],
-        args: vec![acquire.owner.clone(), acquire.ttl_ms.to_string()],
-    }
+    let mut args = Words::from([acquire.owner.as_str()]);
+    args.push_u64(acquire.ttl_ms);
+    ScriptCall::new([acquire.key.as_str()], args)
 }
 
 #[cfg(test)]
@@ -50,7 +49,7 @@ mod tests {
         let e = extend(&l);
         assert_eq!(
             (e.keys, e.args),
-            (vec![l.key.clone()], vec!["o2".into(), "10000".into()])
+            ([l.key.as_str()].into(), ["o2", "10000"].into())
         );
     }
 }

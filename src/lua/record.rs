@@ -2,20 +2,19 @@
 //! idempotency record: their arguments and what their replies mean.
 
 use crate::lua::acquire::IdemAcquire;
-use crate::redis::{resp::Reply, ScriptCall};
+use crate::redis::{resp::Reply, ScriptCall, Words};
 
 /// `complete.lua`: `PROCESSING` -> `COMPLETED` with `response` (the stored response's JSON),
 /// only by the owner with the same fingerprint.
 pub fn complete(acquire: &IdemAcquire, completed_ttl_ms: u64, response: String) -> ScriptCall {
-    ScriptCall {
-        keys: vec![acquire.key.clone()],
-        args: vec![
-            acquire.owner.clone(),
-            acquire.fingerprint.clone(),
-            completed_ttl_ms.to_string(),
-            response,
-        ],
-    }
+    let owner = [acquire.owner.as_str(), &acquire.fingerprint];
+    let size = owner.iter().map(|w| w.len()).sum::<usize>() + 20 + response.len();
+    let mut args = Words::with_capacity(4, size);
+    args.push(&acquire.owner);
+    args.push(&acquire.fingerprint);
+    args.push_u64(completed_ttl_ms);
+    args.push(&response);
+    ScriptCall::new([acquire.key.as_str()], args)
 }
 
 /// `release.lua`: deletes the owner's `PROCESSING` record. With `marker_ttl_ms`, the owner's
@@ -38,14 +37,12 @@ pub(crate) fn by_owner(
     marker_ttl_ms: Option<u64>,
 ) -> ScriptCall {
     match marker_ttl_ms {
-        None => ScriptCall {
-            keys: vec![key.to_string()],
-            args: vec![owner.to_string()],
-        },
-        Some(ttl) => ScriptCall {
-            keys: vec![key.to_string(), cancel_key.to_string()],
-            args: vec![owner.to_string(), ttl.to_string()],
-        },
+        None => ScriptCall::new([key], [owner]),
+        Some(ttl) => {
+            let mut args = Words::from([owner]);
+            args.push_u64(ttl);
+            ScriptCall::new([key, cancel_key], args)
+        }
     }
 }
 
@@ -91,7 +88,7 @@ mod tests {
         assert_eq!(c.keys, vec!["cg:idem:{t.x}:p:k"]);
         assert_eq!(c.args, vec!["o1", "sha256:ff", "86400000", "{}"]);
         let r = release(&acquire(), None);
-        assert_eq!((r.keys.len(), r.args.clone()), (1, vec!["o1".to_string()]));
+        assert_eq!((r.keys.len(), r.args.clone()), (1, Words::from(["o1"])));
         let r = release(&acquire(), Some(60_000));
         assert_eq!(r.keys, vec!["cg:idem:{t.x}:p:k", "cg:cancel:{t.x}:p:o1"]);
         assert_eq!(r.args, vec!["o1", "60000"]);

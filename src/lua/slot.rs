@@ -2,30 +2,27 @@
 //! `acquire.lua`, its member the request's nonce) given back or kept alive. Both reply `1`
 //! (done) or `0` (no such slot).
 
-use crate::redis::ScriptCall;
+use crate::redis::{ScriptCall, Words};
 
 /// `slot_release.lua`: removes the request's slot from `key`. With `marker` (the owner's
 /// cancellation marker and its TTL) the marker is set first, so that an acquire still in
 /// flight takes no slot.
 pub fn release(key: &str, nonce: &str, marker: Option<(String, u64)>) -> ScriptCall {
     match marker {
-        None => ScriptCall {
-            keys: vec![key.to_string()],
-            args: vec![nonce.to_string()],
-        },
-        Some((marker, ttl)) => ScriptCall {
-            keys: vec![key.to_string(), marker],
-            args: vec![nonce.to_string(), ttl.to_string()],
-        },
+        None => ScriptCall::new([key], [nonce]),
+        Some((marker, ttl)) => {
+            let mut args = Words::from([nonce]);
+            args.push_u64(ttl);
+            ScriptCall::new([key, marker.as_str()], args)
+        }
     }
 }
 
 /// `slot_extend.lua`: the request's slot lives `window_ms` more.
 pub fn extend(key: &str, nonce: &str, window_ms: u64) -> ScriptCall {
-    ScriptCall {
-        keys: vec![key.to_string()],
-        args: vec![nonce.to_string(), window_ms.to_string()],
-    }
+    let mut args = Words::from([nonce]);
+    args.push_u64(window_ms);
+    ScriptCall::new([key], args)
 }
 
 #[cfg(test)]
@@ -35,14 +32,11 @@ mod tests {
     #[test]
     fn arguments() {
         let r = release("cg:rl:{t.x}:p:l:cc:2/1000:_", "n1", None);
-        assert_eq!((r.keys.len(), r.args), (1, vec!["n1".to_string()]));
+        assert_eq!((r.keys.len(), r.args), (1, Words::from(["n1"])));
         let m = release("k", "n1", Some(("cg:cancel:{t.x}:p:o".into(), 60_000)));
         assert_eq!(m.keys, vec!["k", "cg:cancel:{t.x}:p:o"]);
         assert_eq!(m.args, vec!["n1", "60000"]);
         let e = extend("k", "n1", 30_000);
-        assert_eq!(
-            (e.keys, e.args),
-            (vec!["k".into()], vec!["n1".into(), "30000".into()])
-        );
+        assert_eq!((e.keys, e.args), (["k"].into(), ["n1", "30000"].into()));
     }
 }

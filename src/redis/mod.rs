@@ -3,12 +3,14 @@
 
 pub mod resp;
 pub mod webdis;
+mod words;
 
 use crate::metrics::{MetricSink, RedisMetrics};
 use resp::Reply;
 use sha1::{Digest, Sha1};
 
 pub use resp::Reply as RedisReply;
+pub use words::Words;
 
 /// A Lua script with its SHA-1, for EVALSHA.
 #[derive(Debug)]
@@ -32,37 +34,33 @@ impl Script {
 /// One script invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScriptCall {
-    pub keys: Vec<String>,
-    pub args: Vec<String>,
+    pub keys: Words,
+    pub args: Words,
 }
 
 impl ScriptCall {
-    /// The command words: `EVALSHA <sha> n keys... args...`, or `EVAL <source> ...` after a
-    /// `NOSCRIPT` answer.
-    pub fn command<'a>(
-        &'a self,
-        script: &'a Script,
-        by_sha: bool,
-        numkeys: &'a str,
-    ) -> Vec<&'a [u8]> {
-        let mut words: Vec<&[u8]> = Vec::with_capacity(3 + self.keys.len() + self.args.len());
-        if by_sha {
-            words.push(b"EVALSHA");
-            words.push(script.sha1.as_bytes());
-        } else {
-            words.push(b"EVAL");
-            words.push(script.source.as_bytes());
+    pub fn new(keys: impl Into<Words>, args: impl Into<Words>) -> ScriptCall {
+        ScriptCall {
+            keys: keys.into(),
+            args: args.into(),
         }
-        words.push(numkeys.as_bytes());
-        words.extend(self.keys.iter().map(|k| k.as_bytes()));
-        words.extend(self.args.iter().map(|a| a.as_bytes()));
-        words
     }
 
-    /// The gateway request body for this call.
+    /// The gateway request body for this call: `EVALSHA <sha> n keys... args...`, or
+    /// `EVAL <source> ...` after a `NOSCRIPT` answer.
     pub fn encode(&self, script: &Script, by_sha: bool) -> Vec<u8> {
-        let numkeys = self.keys.len().to_string();
-        webdis::encode(&self.command(script, by_sha, &numkeys))
+        let (verb, body): (&[u8], &[u8]) = if by_sha {
+            (b"EVALSHA", script.sha1.as_bytes())
+        } else {
+            (b"EVAL", script.source.as_bytes())
+        };
+        let mut digits = [0u8; 20];
+        let numkeys = crate::text::decimal(self.keys.len() as u64, &mut digits);
+        let words = [verb, body, numkeys]
+            .into_iter()
+            .chain(self.keys.iter().map(str::as_bytes))
+            .chain(self.args.iter().map(str::as_bytes));
+        webdis::encode(words)
     }
 }
 
@@ -222,10 +220,7 @@ mod tests {
     fn evalsha_then_eval() {
         let script = Script::new("t", "return 1");
         assert_eq!(script.sha1, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db");
-        let call = ScriptCall {
-            keys: vec!["k".into()],
-            args: vec!["a".into()],
-        };
+        let call = ScriptCall::new(["k"], ["a"]);
         assert_eq!(
             String::from_utf8(call.encode(&script, true)).expect("ascii"),
             "EVALSHA/e0e1f9fabfc9d4800c877a703b823ac0578ff8db/1/k/a.raw"

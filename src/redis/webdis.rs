@@ -11,13 +11,29 @@ fn unreserved(b: u8) -> bool {
 
 /// Encodes a command for webdis. Webdis cannot carry NUL bytes or empty arguments; callers
 /// never send either (arguments are hex, decimal, names and JSON text).
-pub fn encode(command: &[&[u8]]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(command.iter().map(|a| a.len() + 1).sum::<usize>() + 8);
-    for (i, arg) in command.iter().enumerate() {
+pub fn encode<'a, I>(command: I) -> Vec<u8>
+where
+    I: IntoIterator<Item = &'a [u8]>,
+    I::IntoIter: Clone,
+{
+    let command = command.into_iter();
+    // The exact size (a key's `{`, `:` and `}` take three bytes each): no growing.
+    let size = command
+        .clone()
+        .map(|a| {
+            1 + a
+                .iter()
+                .map(|&b| if unreserved(b) { 1 } else { 3 })
+                .sum::<usize>()
+        })
+        .sum::<usize>()
+        + 4;
+    let mut out = Vec::with_capacity(size);
+    for (i, arg) in command.enumerate() {
         if i > 0 {
             out.push(b'/');
         }
-        for &b in *arg {
+        for &b in arg {
             if unreserved(b) {
                 out.push(b);
             } else {
@@ -84,7 +100,13 @@ mod tests {
 
     #[test]
     fn encodes_arguments() {
-        let body = encode(&[b"EVALSHA", b"ab12", b"1", b"cg:rl:{t.x}:p", b"a/b.c d%"]);
+        let body = encode([
+            &b"EVALSHA"[..],
+            b"ab12",
+            b"1",
+            b"cg:rl:{t.x}:p",
+            b"a/b.c d%",
+        ]);
         assert_eq!(
             String::from_utf8(body).expect("ascii"),
             "EVALSHA/ab12/1/cg%3Arl%3A%7Bt%2Ex%7D%3Ap/a%2Fb%2Ec%20d%25.raw"

@@ -115,7 +115,7 @@ fn each_request_path_stays_within_its_allocation_budget() {
             "exact, allowed (one callout)",
             false,
             measured(&exact, "tenant-4711", ALLOWED),
-            54,
+            35,
         ),
         (
             "rejected by the over-limit cache",
@@ -127,7 +127,7 @@ fn each_request_path_stays_within_its_allocation_budget() {
             "admitted from a leased slice",
             false,
             measured(&leased, "t", GRANTED),
-            19,
+            18,
         ),
     ];
     let report: Vec<String> = cases
