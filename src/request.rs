@@ -3,6 +3,7 @@
 use crate::config::{HeaderTest, IdSource, Identity, Match, MissingTenant, Policy, Selector};
 use crate::headers::Headers;
 use crate::normalize::{normalize_path, query_pairs, trim_slash, PathForm};
+use std::borrow::Cow;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Request {
@@ -362,7 +363,8 @@ impl MatchInput for Probe<'_> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
     pub tenant: String,
-    pub principal: String,
+    /// Borrowed when anonymous: most requests name no principal.
+    pub principal: Cow<'static, str>,
 }
 
 pub const ANONYMOUS: &str = "anonymous";
@@ -398,10 +400,10 @@ pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, TenantErro
             .map_err(|Repeated| TenantError::PrincipalRepeated)?,
         IdSource::Metadata(_) => req.principal_claim.as_deref(),
     };
-    let principal = principal
-        .filter(|p| !p.is_empty())
-        .unwrap_or(ANONYMOUS)
-        .to_string();
+    let principal = match principal.filter(|p| !p.is_empty()) {
+        Some(p) => Cow::Owned(p.to_string()),
+        None => Cow::Borrowed(ANONYMOUS),
+    };
     Ok(Caller { tenant, principal })
 }
 
@@ -426,7 +428,7 @@ pub fn claim_text(bytes: &[u8]) -> Option<String> {
 pub fn selector_value<'a>(sel: &Selector, caller: &'a Caller, req: &'a Request) -> Option<&'a str> {
     match sel {
         Selector::Tenant => Some(caller.tenant.as_str()),
-        Selector::Principal => Some(caller.principal.as_str()),
+        Selector::Principal => Some(caller.principal.as_ref()),
         Selector::ClientIp => req.client_ip.as_deref(),
         Selector::Method => Some(req.method.as_str()),
         Selector::Path => Some(trim_slash(&req.path)),
@@ -838,7 +840,7 @@ mod tests {
         r.tenant_claim = Some("tenant-a".into());
         let caller = identify(&claims, &r).expect("from the claim");
         assert_eq!(
-            (caller.tenant.as_str(), caller.principal.as_str()),
+            (caller.tenant.as_str(), caller.principal.as_ref()),
             ("tenant-a", ANONYMOUS)
         );
         r.principal_claim = Some("alice".into());

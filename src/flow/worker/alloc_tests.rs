@@ -115,19 +115,19 @@ fn each_request_path_stays_within_its_allocation_budget() {
             "exact, allowed (one callout)",
             false,
             measured(&exact, "tenant-4711", ALLOWED),
-            35,
+            34,
         ),
         (
             "rejected by the over-limit cache",
             true,
             measured(&exact, "over", REJECTED),
-            27,
+            26,
         ),
         (
             "admitted from a leased slice",
             false,
             measured(&leased, "t", GRANTED),
-            18,
+            17,
         ),
     ];
     let report: Vec<String> = cases
