@@ -106,15 +106,6 @@ impl Pending {
         }
     }
 
-    /// The tag without its limits (read from the call's table where needed): what an answer's
-    /// handling takes, without copying the list.
-    fn flags(&self) -> Pending {
-        Pending {
-            limits: Vec::new(),
-            ..*self
-        }
-    }
-
     /// Only a call that carries the record, the lease or a concurrency limit can leave one
     /// behind.
     fn acquire(g: &mut acquire::Group) -> Pending {

@@ -2,7 +2,7 @@
 //! lease waits that outlived their time.
 
 use super::calls::{count_failure, Answer};
-use super::{Cx, Flow, Pcx, Pending, Phase, Purpose, Step, BODY_IDLE_TIMEOUT_MS};
+use super::{Cx, Flow, Pcx, Phase, Purpose, Step, BODY_IDLE_TIMEOUT_MS};
 use crate::lograte::WarnKind;
 use crate::lua::acquire::{self, LeaseAnswer};
 use crate::redis::{resp::Reply, CallError};
@@ -18,15 +18,15 @@ impl Flow {
         let Some(at) = self.at(cx).filter(|_| accepts) else {
             return Step::Wait;
         };
-        let (tag, answer) = match self.calls.answer(&at.cx(), slot, answer) {
+        let (purpose, answer) = match self.calls.answer(&at.cx(), slot, answer) {
             Answer::Unknown => return Step::Wait,
             Answer::Resend(out) => return Step::Dispatch(vec![out]),
-            Answer::Reply(call, answer) => (call.tag.flags(), answer),
+            Answer::Reply(call, answer) => (call.tag.purpose, answer),
         };
         match answer {
             Ok(reply) => {
                 self.calls.close(slot);
-                self.on_answer(&at, slot, tag, &reply)
+                self.on_answer(&at, slot, purpose, &reply)
             }
             Err(e) => {
                 count_failure(at.rt, &e, at.m);
@@ -36,7 +36,7 @@ impl Flow {
                     self.calls.close(slot);
                     self.settled_call(slot);
                 }
-                self.call_failed(&at, slot, tag.purpose, &e)
+                self.call_failed(&at, slot, purpose, &e)
             }
         }
     }
@@ -50,9 +50,13 @@ impl Flow {
         }
     }
 
-    /// `tag` without its limits ([`Pending::flags`]): an acquire's are read from its call.
-    fn on_answer(&mut self, at: &Pcx<'_>, slot: usize, tag: Pending, reply: &Reply) -> Step {
-        match tag.purpose {
+    /// The answer of the call in `slot`, of `purpose`; what else the reading needs (the limits
+    /// and sections it carried) is read from the call's tag, not copied out of it.
+    fn on_answer(&mut self, at: &Pcx<'_>, slot: usize, purpose: Purpose, reply: &Reply) -> Step {
+        let Some(tag) = self.calls.get(slot).map(|c| &c.tag) else {
+            return Step::Wait;
+        };
+        match purpose {
             Purpose::LeaseRetry => {
                 let read = match acquire::read_reply(reply, 0, false, true) {
                     Ok(r) => r,
@@ -64,7 +68,8 @@ impl Flow {
                 self.on_lease_answer(at, answer, headers)
             }
             Purpose::RecordRetry => {
-                let read = match acquire::read_reply(reply, 0, true, tag.lease) {
+                let lease = tag.lease;
+                let read = match acquire::read_reply(reply, 0, true, lease) {
                     Ok(r) => r,
                     Err(e) => return self.unreadable(at, slot, &e),
                 };
@@ -79,10 +84,7 @@ impl Flow {
                 self.guards_decide(at, headers)
             }
             Purpose::Acquire => {
-                let Some(call) = self.calls.get(slot) else {
-                    return Step::Wait;
-                };
-                let limits = &call.tag.limits;
+                let limits = &tag.limits;
                 let read = match acquire::read_reply(reply, limits.len(), tag.idem, tag.lease) {
                     Ok(r) => r,
                     Err(e) => return self.unreadable(at, slot, &e),
@@ -108,7 +110,7 @@ impl Flow {
             Purpose::LeaseExtend | Purpose::SlotExtend | Purpose::Charge => Step::Wait,
             Purpose::Complete | Purpose::Release => {
                 if let Some(i) = self.idem.as_mut() {
-                    i.settled(at, tag.purpose, reply);
+                    i.settled(at, purpose, reply);
                 }
                 self.response_calls_done()
             }
