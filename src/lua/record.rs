@@ -7,8 +7,7 @@ use crate::redis::{resp::Reply, ScriptCall, Words};
 /// `complete.lua`: `PROCESSING` -> `COMPLETED` with `response` (the stored response's JSON),
 /// only by the owner with the same fingerprint.
 pub fn complete(acquire: &IdemAcquire, completed_ttl_ms: u64, response: String) -> ScriptCall {
-    let owner = [acquire.owner.as_str(), &acquire.fingerprint];
-    let size = owner.iter().map(|w| w.len()).sum::<usize>() + 20 + response.len();
+    let size = acquire.owner.len() + acquire.fingerprint.len() + 20 + response.len();
     let mut args = Words::with_capacity(4, size);
     args.push(&acquire.owner);
     args.push(&acquire.fingerprint);

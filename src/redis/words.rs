@@ -69,6 +69,7 @@ impl Words {
         self.get(0)
     }
 
+    #[cfg(test)]
     pub fn last(&self) -> Option<&str> {
         self.len().checked_sub(1).and_then(|i| self.get(i))
     }
@@ -77,7 +78,8 @@ impl Words {
         (0..self.len()).map(|i| self.get(i).unwrap_or_default())
     }
 
-    /// The words from `from` on.
+    /// The words from `from` on (tests compare parts of a call).
+    #[cfg(test)]
     pub fn from_index(&self, from: usize) -> Vec<&str> {
         self.iter().skip(from).collect()
     }
