@@ -45,7 +45,10 @@ BENCH_COMPARE (a git revision: its .wasm is built from `git archive` under
 target/bench-compare and runs in every round of every scenario of the filter, right after the
 working tree's, with the same plugin config: plain, scenario, compare, then compare,
 scenario, plain, ... so two builds are compared side by side in one run; the table gets a
-`<scenario>@<rev>` row each).
+`<scenario>@<rev>` row each), BENCH_PERF (a directory: `perf record` samples the measured Envoy
+through each run into `<envoy>-<n>.data` there; BENCH_PERF_ARGS adds options, `-g` for call
+chains, which cross the Wasm JIT's frames, so a sample shows whether it is in the filter's
+code, in a host call it made, or in Envoy outside both).
 """
 
 from __future__ import annotations
@@ -684,11 +687,26 @@ class Bench:
                 "-s", str(script), f"{envoy.url}/", "--", *args]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 stdin=subprocess.DEVNULL)
+        perf = None
+        if os.environ.get("BENCH_PERF") and seconds > 2:
+            PERF_SEQ[0] += 1
+            out_file = Path(os.environ["BENCH_PERF"]) / f"{envoy.workdir.name}-{PERF_SEQ[0]}.data"
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+            perf = subprocess.Popen(["perf", "record", "-q", "-F", "2000",
+                                     *os.environ.get("BENCH_PERF_ARGS", "").split(), "-p",
+                                     str(envoy.proc.pid), "-o", str(out_file), "--", "sleep",
+                                     str(seconds - 1)], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             out, _ = proc.communicate(timeout=seconds + 30)
+            if perf is not None:
+                perf.wait(timeout=30)
         except BaseException:
             proc.kill()  # by its own pid
             proc.wait()
+            if perf is not None:
+                perf.kill()
+                perf.wait()
             raise
         line = next((ln for ln in out.splitlines() if ln.startswith("BENCH_RESULT ")), None)
         if proc.returncode != 0 or line is None:
@@ -1402,6 +1420,7 @@ def build_floor() -> bool:
 
 
 COMPARE = ROOT / "target" / "bench-compare"
+PERF_SEQ = [0]
 
 
 def build_compare(rev: str) -> tuple[str, Path] | None:
@@ -1418,7 +1437,9 @@ def build_compare(rev: str) -> tuple[str, Path] | None:
         src.mkdir(parents=True)
         archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True,
                                  check=True, timeout=60, stdin=subprocess.DEVNULL).stdout
-        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True, timeout=60)
+        # Extracted files dated now (-m), not at the commit: the target directory is shared, and
+        # cargo would take an artifact built later from another revision as up to date.
+        subprocess.run(["tar", "-x", "-m", "-C", str(src)], input=archive, check=True, timeout=60)
         build = ["cargo", "build", "--release", "--target", "wasm32-wasip1", "--manifest-path",
                  str(src / "Cargo.toml")]
         print(f"bench: BENCH_COMPARE={rev} ({sha}): {shlex.join(build)}", flush=True)

@@ -10,6 +10,8 @@ use crate::redis::Words;
 use crate::request::{selector_value, Caller, Request};
 use crate::respond::{self, LocalResponse, Member, Problem, QuotaView};
 use crate::text::push_u64;
+use std::cell::RefCell;
+use std::rc::Rc;
 
 /// The counter key of `limit` for this caller and request.
 pub fn key(
@@ -287,6 +289,78 @@ fn concurrency_limited(policy: &Policy, names: &[&str]) -> LocalResponse {
     )
 }
 
+/// The over-limit cache's last 429 per policy. Such a 429 depends on the policy, on which of
+/// its limits the cache knows to reject and on each one's wait in whole seconds (its
+/// `RateLimit` reset, and the largest as `Retry-After`), so the requests of a rejected tenant
+/// within one second get the same answer: written once, copied after.
+pub struct RejectionMemo {
+    last: RefCell<Vec<Option<Rejection>>>,
+}
+
+/// A memoised 429 and each limit's wait in whole seconds it was written for (0: unknown).
+struct Rejection {
+    secs: Vec<u64>,
+    response: Rc<LocalResponse>,
+}
+
+impl RejectionMemo {
+    /// A memo for `policies` policies (one answer each).
+    pub fn new(policies: usize) -> RejectionMemo {
+        RejectionMemo {
+            last: RefCell::new((0..policies).map(|_| None).collect()),
+        }
+    }
+
+    /// The verdict on a request of policy `index` whose limits the over-limit cache knows:
+    /// `waits[i]` is how long limit `i` still rejects, in ms (`None`: not known to reject;
+    /// `Some` is never 0). Each known limit rejects with nothing remaining until its wait ends.
+    /// `None` if that admits (no limit known to reject is enforced).
+    pub fn cached(
+        &self,
+        index: usize,
+        policy: &Policy,
+        waits: &[Option<u64>],
+    ) -> Option<Rc<LocalResponse>> {
+        let secs = |w: &Option<u64>| w.map_or(0, |ms| ms.div_ceil(1000).max(1));
+        let written = || match decide(policy, &rejecting(waits)) {
+            Verdict::Reject(response) => Some(Rc::new(response)),
+            Verdict::Allow(_) => None,
+        };
+        let Ok(mut last) = self.last.try_borrow_mut() else {
+            return written();
+        };
+        let Some(slot) = last.get_mut(index) else {
+            return written();
+        };
+        if let Some(r) = slot.as_ref() {
+            if r.secs.len() == waits.len() && r.secs.iter().zip(waits).all(|(s, w)| *s == secs(w)) {
+                return Some(Rc::clone(&r.response));
+            }
+        }
+        let response = written()?;
+        *slot = Some(Rejection {
+            secs: waits.iter().map(secs).collect(),
+            response: Rc::clone(&response),
+        });
+        Some(response)
+    }
+}
+
+/// The states of limits known to reject for `waits` ms (see [`RejectionMemo::cached`]).
+fn rejecting(waits: &[Option<u64>]) -> Vec<Option<LimitState>> {
+    waits
+        .iter()
+        .map(|w| {
+            w.map(|wait| LimitState {
+                allowed: false,
+                remaining: 0,
+                reset_ms: wait,
+                retry_after_ms: wait,
+            })
+        })
+        .collect()
+}
+
 /// `"a", "b"`
 fn push_names(out: &mut String, names: &[&str]) {
     for (i, n) in names.iter().enumerate() {
@@ -473,5 +547,62 @@ pub(crate) mod tests {
             ],
         );
         assert!(matches!(verdict, Verdict::Allow(_)));
+    }
+
+    /// The memo answers exactly what the verdict would say, for every combination of limits
+    /// known to reject and waits around whole seconds (within a second, across one, a limit
+    /// joining or leaving, the shadow limit, a second policy): a stale `Retry-After` or
+    /// `RateLimit` never goes out. Within one second of every wait the answer is shared.
+    #[test]
+    fn rejection_memo_answers_what_the_verdict_says() {
+        let c = config();
+        let memo = RejectionMemo::new(c.policies.len());
+        let waits_ms = [
+            1, 999, 1000, 1001, 1999, 2000, 2001, 59_999, 60_000, 3_600_000,
+        ];
+        let mut cases: Vec<(usize, Vec<Option<u64>>)> = Vec::new();
+        for &a in &waits_ms {
+            for &b in &waits_ms {
+                cases.push((0, vec![Some(a), None, None, Some(b)]));
+                cases.push((0, vec![None, Some(a), None, None]));
+                cases.push((0, vec![Some(a), Some(b), Some(a), None]));
+                cases.push((1, vec![Some(b)]));
+            }
+            cases.push((0, vec![None, None, Some(a), None]));
+        }
+        for (index, waits) in cases.iter().chain(cases.iter().rev()) {
+            let policy = &c.policies[*index];
+            let fresh = match decide(policy, &rejecting(waits)) {
+                Verdict::Reject(r) => Some(r),
+                Verdict::Allow(_) => None,
+            };
+            let memoised = memo.cached(*index, policy, waits);
+            assert_eq!(
+                memoised.as_deref(),
+                fresh.as_ref(),
+                "policy {index}, waits {waits:?}"
+            );
+        }
+        let policy = &c.policies[0];
+        let first = memo.cached(0, policy, &[Some(1_001), None, None, None]);
+        let same_second = memo.cached(0, policy, &[Some(1_999), None, None, None]);
+        let next_second = memo.cached(0, policy, &[Some(2_001), None, None, None]);
+        let (Some(first), Some(same), Some(next)) = (first, same_second, next_second) else {
+            panic!("each rejects");
+        };
+        assert!(Rc::ptr_eq(&first, &same), "one answer within a second");
+        assert_eq!(next.header("retry-after"), Some("3"));
+        assert_eq!(first.header("retry-after"), Some("2"));
+        assert!(
+            memo.cached(0, policy, &[None, None, Some(5), None])
+                .is_none(),
+            "the shadow limit alone admits"
+        );
+        assert!(
+            RejectionMemo::new(0)
+                .cached(0, policy, &[Some(5), None, None, None])
+                .is_some(),
+            "a policy beyond the memo is answered unmemoised"
+        );
     }
 }

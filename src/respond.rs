@@ -4,6 +4,7 @@
 
 use crate::grpc;
 use crate::text::{push_u64, push_u64_bytes};
+use std::rc::Rc;
 
 /// A response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,10 +160,11 @@ impl Problem {
 /// problem's `detail` (not the JSON). The other headers (`retry-after`, `ratelimit*`,
 /// `www-authenticate`) stay; the body is dropped (the host would put it in `grpc-message`).
 /// An answer that is no problem (a replay) is returned as it is.
-pub fn for_grpc(mut response: LocalResponse) -> LocalResponse {
+pub fn for_grpc(response: Rc<LocalResponse>) -> Rc<LocalResponse> {
     let Some(kind) = response.problem else {
         return response;
     };
+    let mut response = Rc::unwrap_or_clone(response);
     let detail = serde_json::from_slice::<serde_json::Value>(&response.body)
         .ok()
         .and_then(|v| v.get("detail")?.as_str().map(str::to_string))
@@ -181,7 +183,7 @@ pub fn for_grpc(mut response: LocalResponse) -> LocalResponse {
     }
     response.body = Vec::new();
     response.grpc_status = Some(code);
-    response
+    Rc::new(response)
 }
 
 /// An extra member of a problem body: a string or a list of strings.
@@ -385,7 +387,7 @@ mod tests {
                 ("ratelimit".into(), "\"t\";r=0;t=3".into()),
             ],
         );
-        let g = for_grpc(http.clone());
+        let g = Rc::unwrap_or_clone(for_grpc(Rc::new(http.clone())));
         assert_eq!(g.status, 429);
         assert_eq!(g.grpc_status, Some(grpc::RESOURCE_EXHAUSTED));
         assert!(g.body.is_empty());
@@ -414,7 +416,8 @@ mod tests {
             problem: None,
             grpc_status: None,
         };
-        assert_eq!(for_grpc(replay.clone()), replay);
+        let same = Rc::new(replay);
+        assert!(Rc::ptr_eq(&for_grpc(Rc::clone(&same)), &same), "no copy");
     }
 
     #[test]

@@ -146,3 +146,23 @@ def test_rounds_alternate_the_order_of_the_scenario_and_its_anchors():
     for t in targets:
         before = sum(o.index(t) < o.index("scenario") for o in orders[:2])
         assert t == "scenario" or before == 1
+
+
+def test_perf_split_tells_the_filters_code_from_its_host_calls_and_the_rest():
+    import perf_split
+    envoy = "/x/envoy/_bin/envoy"
+    script = "\n\n".join([
+        # In the Wasm: the innermost frame is JIT code.
+        f"\t1af6d0596982 (/tmp/perf-7582.map)\n\t32da7a3 ({envoy})",
+        # A host call: native code called from JIT code.
+        f"\tfacd35 ({envoy})\n\t1af6d0596982 (/tmp/perf-7582.map)\n\t2fac060 ({envoy})",
+        f"\tffffffff81000e46 ([kernel.kallsyms])\n\tfacd35 ({envoy})\n"
+        "\t1af6d0596982 (/tmp/perf-7582.map)",
+        # Outside the filter: no JIT frame at all.
+        f"\t2c85186 ({envoy})\n\t55f6c8d ({envoy})",
+        "\tffffffff81000e46 ([kernel.kallsyms])\n\t891f5 (/usr/lib/libc.so.6)",
+    ]) + "\n"
+    total, counts = perf_split.classify(script)
+    assert total == 5
+    assert counts == {"Wasm (JIT)": 1, "host calls from the Wasm": 2,
+                      "outside the filter: Envoy": 1, "outside the filter: kernel": 1}

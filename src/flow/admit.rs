@@ -9,6 +9,7 @@ use crate::ratelimit::{self, LimitState, Verdict};
 use crate::redis::CallError;
 use crate::request::{Caller, Request};
 use crate::respond::LocalResponse;
+use std::rc::Rc;
 
 /// One rate limit of the request, in policy order.
 #[derive(Debug)]
@@ -98,13 +99,13 @@ impl Admission {
 
     /// A 429 from the over-limit cache, when one of the request's enforced counters is known
     /// to reject: no Redis call, nothing acquired, nothing consumed (local units go back).
-    pub fn cached_rejection(&mut self, at: &Pcx<'_>) -> Option<LocalResponse> {
+    pub fn cached_rejection(&mut self, at: &Pcx<'_>) -> Option<Rc<LocalResponse>> {
         let rt = at.rt;
         if !rt.over_limit.enabled() {
             return None;
         }
         // Allocated at the first hit: most requests have none.
-        let mut states: Option<Vec<Option<LimitState>>> = None;
+        let mut waits: Option<Vec<Option<u64>>> = None;
         for (i, (limit, slot)) in at.policy.rate_limits.iter().zip(&self.slots).enumerate() {
             // A unit from this worker's slice was counted in Redis when the slice was taken:
             // it admits whatever the counter says now.
@@ -112,30 +113,20 @@ impl Admission {
                 continue;
             }
             if let Some(until) = rt.over_limit.rejecting_until(slot.key.hash(), at.now_ms) {
-                let wait = until - at.now_ms;
-                let all = states.get_or_insert_with(|| vec![None; self.slots.len()]);
-                if let Some(state) = all.get_mut(i) {
-                    *state = Some(LimitState {
-                        allowed: false,
-                        remaining: 0,
-                        reset_ms: wait,
-                        retry_after_ms: wait,
-                    });
+                let all = waits.get_or_insert_with(|| vec![None; self.slots.len()]);
+                if let Some(wait) = all.get_mut(i) {
+                    *wait = Some(until - at.now_ms);
                 }
                 if let Some(lm) = at.pm.limits.get(i) {
                     at.m.increment(lm.rejected);
                 }
             }
         }
-        let states = states?;
+        let waits = waits?;
         at.m.increment(rt.metrics.over_limit_cache_hits);
-        match ratelimit::decide(at.policy, &states) {
-            Verdict::Reject(response) => {
-                self.refund_local(at);
-                Some(response)
-            }
-            Verdict::Allow(_) => None,
-        }
+        let response = rt.rejections.cached(at.index, at.policy, &waits)?;
+        self.refund_local(at);
+        Some(response)
     }
 
     /// An acquire call's states for the limits it carried (`limits`, policy indices).

@@ -9,7 +9,7 @@ use crate::local::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::lograte::Warnings;
 use crate::lua::{ScriptId, Scripts};
 use crate::metrics::{MetricSink, Metrics, PolicyMetrics};
-use crate::ratelimit::{KeyMemo, KEY_MEMO_SLOTS};
+use crate::ratelimit::{KeyMemo, RejectionMemo, KEY_MEMO_SLOTS};
 use crate::redis::ScriptCall;
 use crate::respond::LocalResponse;
 use std::rc::Rc;
@@ -22,6 +22,8 @@ pub struct Runtime {
     pub over_limit: OverLimitCache,
     pub quota: LeasedQuota,
     pub keys: KeyMemo,
+    /// The over-limit cache's last 429 per policy.
+    pub rejections: RejectionMemo,
     /// Request headers only the filter may set (the fingerprint, every lease's fencing
     /// header): removed from every request the filter sees, guarded or not, so a client can
     /// never hand the service a value of its own.
@@ -40,6 +42,7 @@ impl Runtime {
                 reserved_headers.push(lease.fencing_header.clone());
             }
         }
+        let rejections = RejectionMemo::new(config.policies.len());
         Runtime {
             reserved_headers: reserved_headers.into(),
             config,
@@ -48,6 +51,7 @@ impl Runtime {
             over_limit,
             quota: LeasedQuota::new(QUOTA_SLOTS),
             keys: KeyMemo::new(KEY_MEMO_SLOTS),
+            rejections,
             warnings: Warnings::default(),
         }
     }
@@ -125,8 +129,8 @@ pub enum Step {
     Dispatch(Vec<Outgoing>),
     /// Keep the stream paused.
     Wait,
-    /// Answer the client locally.
-    Respond(LocalResponse),
+    /// Answer the client locally (shared: a memoised answer is not copied).
+    Respond(Rc<LocalResponse>),
 }
 
 /// Why a call was made.

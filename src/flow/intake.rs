@@ -92,8 +92,12 @@ pub fn lease_resource_missing(at: &Pcx<'_>, missing: &str) -> LocalResponse {
 }
 
 /// The request's cost to each rate limit: its `cost` header (once, a whole number from `min`
-/// to `max`), `default` without it, 1 for a limit without `cost`. `Err`: the answer.
+/// to `max`), `default` without it, 1 for a limit without `cost`; empty (each limit 1) when no
+/// limit has a `cost`, the usual policy. `Err`: the answer.
 pub fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
+    if at.policy.rate_limits.iter().all(|l| l.cost.is_none()) {
+        return Ok(Vec::new());
+    }
     let mut costs = Vec::with_capacity(at.policy.rate_limits.len());
     for limit in &at.policy.rate_limits {
         let Some(cost) = limit.cost.as_ref() else {

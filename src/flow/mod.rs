@@ -42,6 +42,7 @@ use charge::Meter;
 use idem::IdemGuard;
 use lease::LeaseGuard;
 use response::Intake;
+use std::rc::Rc;
 
 #[derive(Debug, Default)]
 enum Phase {
@@ -127,7 +128,7 @@ struct Held {
     caller: Caller,
     req: Request,
     nonce: String,
-    /// The request's cost to each rate limit.
+    /// The request's cost to each rate limit (none listed: 1 to each).
     costs: Vec<u64>,
 }
 
@@ -354,9 +355,10 @@ impl Flow {
 
     /// Answers locally; a gRPC client gets the problem as a gRPC status (see
     /// [`respond::for_grpc`]), anyone else the problem+json answer as it is.
-    fn answer(&mut self, response: LocalResponse) -> Step {
+    fn answer(&mut self, response: impl Into<Rc<LocalResponse>>) -> Step {
         self.phase = Phase::Answered;
         self.response_headers.clear();
+        let response = response.into();
         Step::Respond(if self.kind.grpc {
             respond::for_grpc(response)
         } else {

@@ -20,7 +20,7 @@ pub fn dispatched(step: Step) -> Vec<Outgoing> {
 /// The local answer of a `Respond` step (any other step fails the test).
 pub fn respond_with(step: Step) -> LocalResponse {
     match step {
-        Step::Respond(r) => r,
+        Step::Respond(r) => std::rc::Rc::unwrap_or_clone(r),
         other => panic!("expected Respond, got {other:?}"),
     }
 }

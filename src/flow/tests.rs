@@ -566,7 +566,7 @@ fn answer_to(rt: &Runtime, rec: &Recorder, key: &str, record: &str) -> LocalResp
     flow.on_request(&Cx::new(rt, 0, rec), req, "n", "owner-2", false);
     flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec());
     match flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(3, record))) {
-        Step::Respond(r) => r,
+        Step::Respond(r) => Rc::unwrap_or_clone(r),
         other => panic!("expected a local answer, got {other:?}"),
     }
 }

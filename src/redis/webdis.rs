@@ -4,10 +4,19 @@
 use super::resp::{self, Reply};
 use super::CallError;
 
-/// Bytes sent unencoded: the rest, `.` and `/` included (they are webdis syntax), are `%XX`.
-fn unreserved(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b == b'-' || b == b'_'
-}
+/// Bytes sent unencoded: ASCII letters and digits, `-` and `_`; the rest, `.` and `/`
+/// included (they are webdis syntax), are `%XX`. A table, looked up instead of compared: the
+/// encoder runs over every byte of every call.
+const UNRESERVED: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        table[b] = c.is_ascii_alphanumeric() || c == b'-' || c == b'_';
+        b += 1;
+    }
+    table
+};
 
 /// Encodes a command for webdis. Webdis cannot carry NUL bytes or empty arguments; callers
 /// never send either (arguments are hex, decimal, names and JSON text).
@@ -17,32 +26,37 @@ where
     I::IntoIter: Clone,
 {
     let command = command.into_iter();
-    // The exact size (a key's `{`, `:` and `}` take three bytes each): no growing.
+    // The exact size (a key's `{`, `:` and `}` take three bytes each; a `/` before every
+    // argument but the first, `.raw` after the last): no growing.
     let size = command
         .clone()
         .map(|a| {
-            1 + a
-                .iter()
-                .map(|&b| if unreserved(b) { 1 } else { 3 })
-                .sum::<usize>()
+            let reserved = a.iter().filter(|&&b| !UNRESERVED[usize::from(b)]).count();
+            1 + a.len() + 2 * reserved
         })
         .sum::<usize>()
-        + 4;
+        + 3;
     let mut out = Vec::with_capacity(size);
     for (i, arg) in command.enumerate() {
         if i > 0 {
             out.push(b'/');
         }
-        for &b in arg {
-            if unreserved(b) {
-                out.push(b);
-            } else {
+        // Runs of unreserved bytes are copied whole; each byte between them becomes `%XX`.
+        let mut rest = arg;
+        while let Some(at) = rest.iter().position(|&b| !UNRESERVED[usize::from(b)]) {
+            let (run, tail) = rest.split_at(at);
+            out.extend_from_slice(run);
+            if let Some((&b, after)) = tail.split_first() {
                 const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
-                out.push(b'%');
-                out.push(DIGITS[usize::from(b >> 4)]);
-                out.push(DIGITS[usize::from(b & 0x0f)]);
+                out.extend_from_slice(&[
+                    b'%',
+                    DIGITS[usize::from(b >> 4)],
+                    DIGITS[usize::from(b & 0x0f)],
+                ]);
+                rest = after;
             }
         }
+        out.extend_from_slice(rest);
     }
     out.extend_from_slice(b".raw");
     out
@@ -111,6 +125,25 @@ mod tests {
             String::from_utf8(body).expect("ascii"),
             "EVALSHA/ab12/1/cg%3Arl%3A%7Bt%2Ex%7D%3Ap/a%2Fb%2Ec%20d%25.raw"
         );
+    }
+
+    fn unreserved(b: u8) -> bool {
+        b.is_ascii_alphanumeric() || b == b'-' || b == b'_'
+    }
+
+    #[test]
+    fn every_byte_is_sent_as_itself_or_as_percent_hex() {
+        for b in 0..=255u8 {
+            assert_eq!(UNRESERVED[usize::from(b)], unreserved(b), "byte {b}");
+            let body = encode([&[b'a', b, b'z'][..], &[b][..]]);
+            let expected = if unreserved(b) {
+                format!("a{0}z/{0}.raw", char::from(b))
+            } else {
+                format!("a%{b:02X}z/%{b:02X}.raw")
+            };
+            assert_eq!(body, expected.as_bytes(), "byte {b}");
+            assert_eq!(body.capacity(), body.len(), "sized exactly for byte {b}");
+        }
     }
 
     #[test]

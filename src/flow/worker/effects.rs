@@ -4,6 +4,7 @@
 
 use crate::lua::batch::InFlight;
 use crate::respond::LocalResponse;
+use std::rc::Rc;
 
 /// A direction of a stream, as the host pauses and resumes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +55,7 @@ pub struct StreamEffects<S> {
     /// Calls sent on this stream's behalf (from its context, so they end with it).
     pub calls: Vec<Callout<S>>,
     /// Answer the client locally.
-    pub reply: Option<LocalResponse>,
+    pub reply: Option<Rc<LocalResponse>>,
     /// Resume this paused direction.
     pub resume: Option<Dir>,
 }
