@@ -63,12 +63,9 @@ impl Vm {
         self.event_at(now, f)
     }
 
-    /// [`Vm::event`] at a time already read in this callback.
-    fn event_at(
-        &self,
-        now: u64,
-        f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> Effects<u32>,
-    ) -> Option<Effects<u32>> {
+    /// [`Vm::event`] at a time already read in this callback (or at 0, by an event that reads
+    /// none: see [`Filter::untimed`]).
+    fn event_at<T>(&self, now: u64, f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> T) -> Option<T> {
         let cx = Cx::new(&self.runtime, now, &HostMetrics);
         let mut worker = self.worker.try_borrow_mut().ok()?;
         Some(f(&mut worker, &cx))
@@ -434,6 +431,20 @@ impl Filter {
 }
 
 impl Filter {
+    /// An event whose handling reads no time (`f` says `None` when it needs the timed
+    /// [`Filter::event`]): the host's clock is not asked, and the context's time is 0.
+    fn untimed(
+        &self,
+        f: impl FnOnce(&mut Worker<u32>, &Cx<'_>, u32) -> Option<Effects<u32>>,
+    ) -> Option<types::Action> {
+        let vm = self.vm.as_ref()?;
+        let fx = vm.event_at(0, |w, cx| f(w, cx, self.ctx))??;
+        match vm.carry_out(fx, Some(self.ctx)) {
+            Action::Continue => Some(types::Action::Continue),
+            Action::Pause => Some(types::Action::Pause),
+        }
+    }
+
     /// Whether the worker guards this stream (an unguarded one needs no event, so no clock).
     fn guarded(&self) -> bool {
         self.vm
@@ -622,6 +633,10 @@ impl HttpContext for Filter {
             return types::Action::Continue;
         }
         let _span = spans::enter(Span::ResponseHeaders);
+        // The usual guarded stream only gets its rate-limit headers here: no clock read.
+        if let Some(action) = self.untimed(|w, cx, s| w.on_response_headers_untimed(cx, s)) {
+            return action;
+        }
         self.event(|w, cx, s| {
             w.on_response_headers(cx, s, end_of_stream, || ResponseHead {
                 headers: header_pairs(MapType::HttpResponseHeaders),

@@ -149,22 +149,14 @@ impl<S: Copy + Ord> Worker<S> {
         end_of_stream: bool,
         read: impl FnOnce() -> ResponseHead,
     ) -> Effects<S> {
+        if let Some(fx) = self.headers_only(cx, s) {
+            return fx;
+        }
         let Some(entry) = self.streams.get_mut(&s) else {
             return Effects::new(Action::Continue);
         };
         // Added to this response once: the flow has no use for them after it.
         let extra = entry.flow.take_response_headers();
-        if !entry.flow.wants_response(cx) {
-            // Nothing left for the stream's end: forgotten now, so its end costs no event.
-            if entry.flow.owes_nothing_at_end(cx) {
-                self.close(s);
-            }
-            let mut fx = Effects::new(Action::Continue);
-            let mut ops = StreamEffects::new(s);
-            ops.add_response_headers = extra;
-            fx.streams.push(ops);
-            return fx;
-        }
         let mut head = read();
         head.headers.extend(extra.iter().cloned());
         let status = head
@@ -192,6 +184,34 @@ impl<S: Copy + Ord> Worker<S> {
             }
         }
         fx
+    }
+
+    /// [`Worker::on_response_headers`] of a stream that reads nothing of its response (the
+    /// usual rate-limited request): its rate-limit headers are added, and it is forgotten
+    /// when its end owes nothing. Nothing of that reads the time, so the adapter reads no clock
+    /// for it: `cx`'s time is never looked at. `None` when the stream needs the timed event
+    /// (or is not guarded).
+    pub fn on_response_headers_untimed(&mut self, cx: &Cx<'_>, s: S) -> Option<Effects<S>> {
+        self.headers_only(cx, s)
+    }
+
+    /// See [`Worker::on_response_headers_untimed`].
+    fn headers_only(&mut self, cx: &Cx<'_>, s: S) -> Option<Effects<S>> {
+        let entry = self.streams.get_mut(&s)?;
+        if entry.flow.wants_response(cx) {
+            return None;
+        }
+        // Added to this response once: the flow has no use for them after it.
+        let extra = entry.flow.take_response_headers();
+        // Nothing left for the stream's end: forgotten now, so its end costs no event.
+        if entry.flow.owes_nothing_at_end(cx) {
+            self.close(s);
+        }
+        let mut fx = Effects::new(Action::Continue);
+        let mut ops = StreamEffects::new(s);
+        ops.add_response_headers = extra;
+        fx.streams.push(ops);
+        Some(fx)
     }
 
     /// The response's trailers; `read` is asked only when the record settles on them.

@@ -409,7 +409,12 @@ fn a_forwarded_request_that_owes_nothing_is_forgotten_at_its_response_headers() 
         w.guards(1),
         "its response still gets the rate-limit headers"
     );
-    let fx = w.on_response_headers(&cx, 1, false, || panic!("not read"));
+    // What the adapter does: no clock read for it (the untimed context's time is 0).
+    let untimed = Cx::new(&rt, 0, &rec);
+    let fx = w
+        .on_response_headers_untimed(&untimed, 1)
+        .expect("its response only gets the headers");
+    assert_eq!(fx.action, Action::Continue);
     let added: Vec<&str> = fx.streams[0]
         .add_response_headers
         .iter()
@@ -422,6 +427,11 @@ fn a_forwarded_request_that_owes_nothing_is_forgotten_at_its_response_headers() 
     let fx = request(&mut w, &cx, 2, "POST", "/wait/9/a");
     let fx = answer(&mut w, &cx, fx, &mut next, lease_reply(1, b"17"));
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    assert!(
+        w.on_response_headers_untimed(&untimed, 2).is_none(),
+        "its response needs the timed event"
+    );
+    assert!(w.guards(2), "left for it");
     let fx = w.on_response_headers(&cx, 2, false, || ResponseHead {
         headers: vec![(":status".into(), "200".into())],
         details: "via_upstream".into(),
