@@ -54,6 +54,7 @@ code, in a host call it made, or in Envoy outside both).
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import os
@@ -689,8 +690,8 @@ class Bench:
                                 stdin=subprocess.DEVNULL)
         perf = None
         if os.environ.get("BENCH_PERF") and seconds > 2:
-            PERF_SEQ[0] += 1
-            out_file = Path(os.environ["BENCH_PERF"]) / f"{envoy.workdir.name}-{PERF_SEQ[0]}.data"
+            out_file = (Path(os.environ["BENCH_PERF"])
+                        / f"{envoy.workdir.name}-{next(PERF_RUNS)}.data")
             out_file.parent.mkdir(parents=True, exist_ok=True)
             perf = subprocess.Popen(["perf", "record", "-q", "-F", "2000",
                                      *os.environ.get("BENCH_PERF_ARGS", "").split(), "-p",
@@ -1420,7 +1421,7 @@ def build_floor() -> bool:
 
 
 COMPARE = ROOT / "target" / "bench-compare"
-PERF_SEQ = [0]
+PERF_RUNS = itertools.count(1)  # numbers the BENCH_PERF files of one run
 
 
 def build_compare(rev: str) -> tuple[str, Path] | None:

@@ -381,6 +381,14 @@ impl RootContext for Root {
     }
 }
 
+/// The worker's action as the SDK's.
+fn host_action(action: Action) -> types::Action {
+    match action {
+        Action::Continue => types::Action::Continue,
+        Action::Pause => types::Action::Pause,
+    }
+}
+
 fn send_local(r: &crate::respond::LocalResponse) {
     let headers: Vec<(&str, &str)> = r
         .headers
@@ -423,10 +431,9 @@ impl Filter {
         let Some(vm) = &self.vm else {
             return types::Action::Continue;
         };
-        match vm.event_timed(parts, Some(self.ctx), |w, cx| f(w, cx, self.ctx)) {
-            Some(Action::Continue) => types::Action::Continue,
-            Some(Action::Pause) | None => types::Action::Pause,
-        }
+        // None: the worker is taking another event; the stream waits for it.
+        vm.event_timed(parts, Some(self.ctx), |w, cx| f(w, cx, self.ctx))
+            .map_or(types::Action::Pause, host_action)
     }
 }
 
@@ -439,10 +446,7 @@ impl Filter {
     ) -> Option<types::Action> {
         let vm = self.vm.as_ref()?;
         let fx = vm.event_at(0, |w, cx| f(w, cx, self.ctx))??;
-        match vm.carry_out(fx, Some(self.ctx)) {
-            Action::Continue => Some(types::Action::Continue),
-            Action::Pause => Some(types::Action::Pause),
-        }
+        Some(host_action(vm.carry_out(fx, Some(self.ctx))))
     }
 
     /// Whether the worker guards this stream (an unguarded one needs no event, so no clock).

@@ -149,7 +149,7 @@ impl<S: Copy + Ord> Worker<S> {
         end_of_stream: bool,
         read: impl FnOnce() -> ResponseHead,
     ) -> Effects<S> {
-        if let Some(fx) = self.headers_only(cx, s) {
+        if let Some(fx) = self.on_response_headers_untimed(cx, s) {
             return fx;
         }
         let Some(entry) = self.streams.get_mut(&s) else {
@@ -192,11 +192,6 @@ impl<S: Copy + Ord> Worker<S> {
     /// for it: `cx`'s time is never looked at. `None` when the stream needs the timed event
     /// (or is not guarded).
     pub fn on_response_headers_untimed(&mut self, cx: &Cx<'_>, s: S) -> Option<Effects<S>> {
-        self.headers_only(cx, s)
-    }
-
-    /// See [`Worker::on_response_headers_untimed`].
-    fn headers_only(&mut self, cx: &Cx<'_>, s: S) -> Option<Effects<S>> {
         let entry = self.streams.get_mut(&s)?;
         if entry.flow.wants_response(cx) {
             return None;
