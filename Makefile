@@ -128,9 +128,11 @@ bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match,
 CORE_WASM = cargo bench --bench core --target $(WASM_TARGET) --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["kind"] == ["bench"]][-1])'
 
-bench-core-v8: deps-rust deps-node ## The same micro-benchmarks built for wasm32-wasip1 and run in V8 (Node's), the engine Envoy embeds. Env CORE_FILTER=<text>.
+# --no-liftoff: Envoy's V8 compiles every Wasm function with TurboFan (proxy-wasm's V8 engine turns
+# V8's baseline compiler, Liftoff, off); Node would run a function in Liftoff until it tiers up.
+bench-core-v8: deps-rust deps-node ## The same micro-benchmarks built for wasm32-wasip1 and run in V8 (Node's), compiled as Envoy compiles them. Env CORE_FILTER=<text>.
 	cargo bench --bench core --target $(WASM_TARGET) --no-run
-	wasm=$$($(CORE_WASM)); node bench/wasi.mjs "$$wasm" $(CORE_FILTER)
+	wasm=$$($(CORE_WASM)); node --no-liftoff bench/wasi.mjs "$$wasm" $(CORE_FILTER)
 
 bench-spans: deps deps-bench ## Where the filter's time goes inside Envoy: wall µs per span of its callbacks (a build with the cargo feature spans). Env BENCH_SCENARIOS=a,b.
 	$(PYTHON) bench/spans.py

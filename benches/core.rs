@@ -13,15 +13,19 @@
 //! to what the filter's own code costs a request in Envoy, host calls apart.
 
 use coordination_guard::config::Config;
+use coordination_guard::flow::worker::{ResponseHead, Worker};
 use coordination_guard::flow::{Cx, Flow, Runtime, Step};
+use coordination_guard::headers::{self, Headers};
 use coordination_guard::idempotency::fingerprint::{canonical_body, Fingerprint};
 use coordination_guard::idempotency::record::{Record, RecordResponse, StoredResponse};
 use coordination_guard::idempotency::seal::{fresh_nonce, record_aad, Keyring, RecordKey};
+use coordination_guard::ids::TokenSource;
 use coordination_guard::keys;
 use coordination_guard::metrics::NoMetrics;
 use coordination_guard::ratelimit;
 use coordination_guard::redis::webdis;
-use coordination_guard::request::{select_policy, Caller, Request};
+use coordination_guard::request::{policy_index, select_policy, Caller, Probe, Request, Selected};
+use std::collections::VecDeque;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -231,6 +235,7 @@ fn main() {
     );
     sealed_records(&body_1k, &body_64k);
     whole_requests();
+    worker_requests();
 }
 
 /// A completed record's response stored and read back, in the clear and sealed: what
@@ -346,4 +351,74 @@ fn whole_requests() {
     report("request, admitted from a leased slice", || {
         black_box(run(&leased, "t", None));
     });
+}
+
+/// Requests through the worker, driven as the adapter drives it: the header map as the host
+/// hands it over, decoded, matched and parsed; the callout's body; its answer; the response
+/// headers; the end. `in_flight` requests are open at once (each answered that many requests
+/// after it began), as under load: what [`whole_requests`] leaves out, the worker's tables of
+/// streams and calls, and the 10k tenants' memo misses.
+fn worker_requests() {
+    let rt = Runtime::per_tenant_benchmark("exact").expect("valid");
+    let allowed: &[u8] = b"*5\r\n:1\r\n:1\r\n:999999\r\n:3600000\r\n:0\r\n";
+    let maps: Vec<Vec<u8>> = (0..10_000)
+        .map(|n| {
+            let tenant = format!("tenant-{n}");
+            headers::encode(&[
+                (b":method", b"GET"),
+                (b":path", b"/api/items"),
+                (b":authority", b"localhost"),
+                (b"user-agent", b"wrk"),
+                (b"x-tenant-id", tenant.as_bytes()),
+            ])
+        })
+        .collect();
+    for in_flight in [1, 8] {
+        let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
+        let mut open: VecDeque<(u32, u32)> = VecDeque::new();
+        let (mut stream, mut n) = (0u32, 0usize);
+        let mut request = |w: &mut Worker<u32>| {
+            let cx = Cx::new(&rt, 1_000, &NoMetrics);
+            stream += 1;
+            n = (n + 7919) % maps.len();
+            // The host's copy of the map, as a callback gets it.
+            let headers = Headers::decode(maps[n].clone()).expect("a valid map");
+            let mut probe = Probe::new(&headers);
+            let Some(Selected::Policy(index)) = policy_index(&rt.config.policies, &mut probe)
+            else {
+                panic!("the benchmark's policy matches");
+            };
+            let probed = probe.into_probed();
+            let req = Request::from_probed(headers, None, probed);
+            let mut fx = w.on_request_headers(&cx, stream, index, req, true);
+            let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
+            let call = call.expect("one acquire call");
+            black_box(&call.body);
+            let _ = w.sent(&cx, call.route, Ok(stream));
+            open.push_back((stream, stream));
+            if open.len() < in_flight {
+                return;
+            }
+            let Some((s, token)) = open.pop_front() else {
+                return;
+            };
+            let fx = w.on_answer(&cx, token, || {
+                webdis::decode_array(allowed).ok_or(coordination_guard::redis::CallError::Transport)
+            });
+            black_box(fx);
+            let fx = w.on_response_headers(&cx, s, false, || ResponseHead {
+                headers: vec![(":status".into(), "200".into())],
+                details: "via_upstream".into(),
+            });
+            black_box(fx);
+            black_box(w.on_done(&cx, s));
+        };
+        for _ in 0..in_flight {
+            request(&mut w);
+        }
+        report(
+            &format!("request through the worker, exact, 10k tenants, {in_flight} in flight"),
+            || request(&mut w),
+        );
+    }
 }

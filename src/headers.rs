@@ -173,9 +173,9 @@ impl fmt::Debug for Headers {
     }
 }
 
-/// The host's encoding of `pairs` (what [`Headers::decode`] reads), raw bytes allowed.
-#[cfg(test)]
-pub(crate) fn encode(pairs: &[(&[u8], &[u8])]) -> Vec<u8> {
+/// The host's encoding of `pairs` (what [`Headers::decode`] reads), raw bytes allowed: for
+/// tests and benchmarks, which play the host.
+pub fn encode(pairs: &[(&[u8], &[u8])]) -> Vec<u8> {
     let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
     for (n, v) in pairs {
         out.extend_from_slice(&(n.len() as u32).to_le_bytes());

@@ -427,7 +427,7 @@ pub const DEFAULT_ENVOY_BUFFER_LIMIT: u64 = 1 << 20;
 /// The largest `envoy_buffer_limit` accepted.
 pub const MAX_ENVOY_BUFFER_LIMIT: u64 = 1 << 30;
 
-/// Default size of the over-limit cache: 16 bytes a slot, per worker and in shared data.
+/// Default size of the over-limit cache: 16 bytes a slot, per worker.
 pub const DEFAULT_OVER_LIMIT_CACHE_ENTRIES: usize = 10_000;
 
 pub const DEFAULT_TIMEOUT_MS: u64 = 50;

@@ -2,7 +2,8 @@
 //! (`hostcalls::*` panics on any status it does not expect, and a panic aborts the VM for every
 //! request of the worker). These bindings return the host's status instead. They cover the
 //! calls whose refusal depends on the stream's state: changing headers, resuming a stream,
-//! answering locally; and the read of a header map, whose decoding here cannot panic.
+//! answering locally; the read of a header map, whose decoding here cannot panic; and the
+//! shared data, whose write is refused when another worker wrote first.
 
 use proxy_wasm::types::MapType;
 
@@ -49,6 +50,20 @@ extern "C" {
         headers_size: usize,
         grpc_status: i32,
     ) -> u32;
+    fn proxy_get_shared_data(
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+        return_cas: *mut u32,
+    ) -> u32;
+    fn proxy_set_shared_data(
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+        cas: u32,
+    ) -> u32;
 }
 
 fn check(status: u32) -> Result<(), Refused> {
@@ -92,6 +107,34 @@ pub fn header_map_bytes(map: MapType) -> Vec<u8> {
         }
         Vec::from_raw_parts(data, size, size)
     }
+}
+
+/// The shared data under `name` and its version (the host's CAS); `None` when there is none
+/// or the host refuses.
+pub fn shared_data(name: &str) -> Option<(Vec<u8>, u32)> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    let mut cas: u32 = 0;
+    // SAFETY: `name` is a live `&str` the host copies; the host writes a pointer to `size`
+    // bytes it allocated through this module's `proxy_on_memory_allocate` (see
+    // [`header_map_bytes`]), which this Vec now owns and frees.
+    unsafe {
+        let status =
+            proxy_get_shared_data(name.as_ptr(), name.len(), &mut data, &mut size, &mut cas);
+        if status != OK || data.is_null() {
+            return None;
+        }
+        Some((Vec::from_raw_parts(data, size, size), cas))
+    }
+}
+
+/// Sets the shared data under `name` to `value` if its version is still `cas` (0: whatever
+/// it is).
+pub fn set_shared_data(name: &str, value: &[u8], cas: u32) -> Result<(), Refused> {
+    // SAFETY: pointers and lengths come from live buffers; the host copies them.
+    check(unsafe {
+        proxy_set_shared_data(name.as_ptr(), name.len(), value.as_ptr(), value.len(), cas)
+    })
 }
 
 /// Resumes the request (`response: false`) or the response of the effective context.

@@ -149,15 +149,15 @@ impl Vm {
     }
 }
 
-/// The proxy's shared data: the over-limit cache's mirror across workers.
+/// The proxy's shared data: the over-limit cache's log across workers.
 struct HostShared;
 
 impl SharedStore for HostShared {
-    fn get(&self, slot: &str) -> Option<Vec<u8>> {
-        hostcalls::get_shared_data(slot).ok()?.0
+    fn get(&self, name: &str) -> Option<(Vec<u8>, u32)> {
+        abi::shared_data(name)
     }
-    fn set(&self, slot: &str, value: &[u8]) {
-        let _ = hostcalls::set_shared_data(slot, Some(value), None);
+    fn set(&self, name: &str, value: &[u8], version: u32) -> bool {
+        abi::set_shared_data(name, value, version).is_ok()
     }
 }
 

@@ -38,8 +38,18 @@ struct Entry {
     paused: Option<Dir>,
 }
 
+/// Boxes of closed streams kept for the next ones, at most.
+const SPARE_ENTRIES: usize = 64;
+
 pub struct Worker<S> {
-    streams: BTreeMap<S, Entry>,
+    /// Boxed: a stream's state is large (about 600 bytes in Wasm), and a map node moves its
+    /// entries on every insertion and removal; a box moves as a pointer.
+    streams: BTreeMap<S, Box<Entry>>,
+    /// Boxes of closed streams, emptied, for the next streams (up to [`SPARE_ENTRIES`]): a
+    /// stream takes no allocation of its own. Boxes, not entries: one goes into `streams` as
+    /// it is.
+    #[allow(clippy::vec_box)]
+    spare: Vec<Box<Entry>>,
     /// Streams with a deadline (paused on Redis or the body, waiting for a lease, or holding
     /// a lease to extend): the ones the tick visits.
     waiting: BTreeSet<S>,
@@ -63,6 +73,7 @@ impl<S: Copy + Ord> Worker<S> {
     pub fn new(tokens: TokenSource, batch: Option<Batch>, tick_ms: u64) -> Worker<S> {
         Worker {
             streams: BTreeMap::new(),
+            spare: Vec::new(),
             waiting: BTreeSet::new(),
             routes: HashMap::new(),
             outbox: Outbox::default(),
@@ -82,7 +93,7 @@ impl<S: Copy + Ord> Worker<S> {
         index: usize,
         content_type: Option<&str>,
     ) -> Effects<S> {
-        let flow = &mut self.streams.entry(s).or_default().flow;
+        let flow = &mut self.open(s).flow;
         flow.set_grpc(content_type);
         let step = flow.on_ambiguous_path(cx, index);
         self.event(cx, s, Some(Dir::Request), step)
@@ -107,7 +118,7 @@ impl<S: Copy + Ord> Worker<S> {
         let (nonce, owner) = tokens
             .as_ref()
             .map_or(("-", "-"), |(n, o)| (n.as_str(), o.as_str()));
-        let flow = &mut self.streams.entry(s).or_default().flow;
+        let flow = &mut self.open(s).flow;
         let step = flow.on_policy_request(cx, index, req, nonce, owner, end_of_stream);
         self.event(cx, s, Some(Dir::Request), step)
     }
@@ -252,10 +263,23 @@ impl<S: Copy + Ord> Worker<S> {
 
     /// Forgets a stream (and where its calls' answers would have gone).
     pub fn close(&mut self, s: S) {
-        self.streams.remove(&s);
+        if let Some(mut entry) = self.streams.remove(&s) {
+            if self.spare.len() < SPARE_ENTRIES {
+                *entry = Entry::default();
+                self.spare.push(entry);
+            }
+        }
         self.waiting.remove(&s);
         self.routes
             .retain(|_, d| !matches!(d, Dest::Stream(t, _) if *t == s));
+    }
+
+    /// Stream `s`'s entry, a spare box for a new stream.
+    fn open(&mut self, s: S) -> &mut Entry {
+        let spare = &mut self.spare;
+        self.streams
+            .entry(s)
+            .or_insert_with(|| spare.pop().unwrap_or_default())
     }
 
     /// A call was handed to the host: its answer comes back with `token`, or it was refused
@@ -298,10 +322,12 @@ impl<S: Copy + Ord> Worker<S> {
         fx
     }
 
-    /// The root's tick: the streams whose deadline passed first (what they hand over goes
-    /// out in this same tick), the tick period, then the root's due calls and the batches.
+    /// The root's tick: what the other workers told the over-limit cache, the streams whose
+    /// deadline passed (what they hand over goes out in this same tick), the tick period, then
+    /// the root's due calls and the batches.
     pub fn on_tick(&mut self, cx: &Cx<'_>) -> Effects<S> {
         let mut fx = Effects::new(Action::Continue);
+        cx.rt.over_limit.sync(cx.now_ms);
         let due: Vec<S> = self
             .waiting
             .iter()

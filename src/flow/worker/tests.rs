@@ -443,3 +443,63 @@ fn a_forwarded_request_that_owes_nothing_is_forgotten_at_its_response_headers() 
     );
     assert!(w.guards(2));
 }
+
+/// A closed stream's box is emptied and taken by the next stream: whatever the closed one
+/// left (a lease it held, a call in flight), the next behaves as on a worker whose streams all
+/// got new boxes. The boxes kept are bounded.
+#[test]
+fn a_closed_streams_box_carries_nothing_to_the_next_stream() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let cx = Cx::new(&rt, 1_000, &rec);
+    // Twins through the same events (so the same tokens drawn); one keeps its boxes.
+    let mut twins = [worker(&rt), worker(&rt)];
+    for w in &mut twins {
+        let mut next = 0;
+        // Their clients go away: stream 1 holding a lease, stream 2 admitted with its
+        // rate-limit headers not yet added, stream 3 with its call in flight.
+        let fx = request(w, &cx, 1, "GET", "/wait/r1");
+        let fx = answer(w, &cx, fx, &mut next, lease_reply(1, b"7"));
+        assert_eq!(fx.action, Action::Continue, "{fx:?}");
+        let fx = request(w, &cx, 2, "PUT", "/orders");
+        let fx = answer(w, &cx, fx, &mut next, ints(&[1, 1, 4, 1_000, 0]));
+        assert_eq!(fx.streams[0].resume, Some(Dir::Request), "{fx:?}");
+        let fx = request(w, &cx, 3, "PUT", "/orders");
+        send_all(w, &cx, fx, &mut next);
+        for s in 1..=3 {
+            w.close(s);
+            assert!(!w.guards(s));
+        }
+        assert_eq!(w.spare.len(), 3, "every box kept");
+    }
+    let [reusing, fresh] = &mut twins;
+    fresh.spare.clear();
+    // Streams 4 to 6 take their boxes.
+    for (s, method, path) in [
+        (4, "PUT", "/orders"),
+        (5, "PUT", "/orders"),
+        (6, "GET", "/wait/r1"),
+    ] {
+        let got = request(reusing, &cx, s, method, path);
+        let expected = request(fresh, &cx, s, method, path);
+        assert_eq!(
+            format!("{got:?}"),
+            format!("{expected:?}"),
+            "{method} {path}"
+        );
+        assert_eq!(
+            format!("{:?}", reusing.streams.get(&s)),
+            format!("{:?}", fresh.streams.get(&s)),
+            "{method} {path}: the stream's state"
+        );
+    }
+    assert!(reusing.spare.is_empty());
+    // However many streams close at once, the worker keeps a bounded number of boxes.
+    for s in 100..300 {
+        let _ = request(reusing, &cx, s, "PUT", "/orders");
+    }
+    for s in 100..300 {
+        reusing.close(s);
+    }
+    assert_eq!(reusing.spare.len(), SPARE_ENTRIES);
+}
