@@ -42,6 +42,7 @@ use charge::Meter;
 use idem::IdemGuard;
 use lease::LeaseGuard;
 use response::Intake;
+use std::borrow::Cow;
 use std::rc::Rc;
 
 #[derive(Debug, Default)]
@@ -122,12 +123,24 @@ impl Pending {
     }
 }
 
+/// A token the worker drew for a request (its nonce, its owner), or `-` for a policy that
+/// needs none, which is not allocated.
+type Token = Cow<'static, str>;
+
+fn token(text: &str) -> Token {
+    if text == "-" {
+        Cow::Borrowed("-")
+    } else {
+        Cow::Owned(text.to_string())
+    }
+}
+
 /// The request parts kept while the body is buffered.
 #[derive(Debug)]
 struct Held {
     caller: Caller,
     req: Request,
-    nonce: String,
+    nonce: Token,
     /// The request's cost to each rate limit (none listed: 1 to each).
     costs: Vec<u64>,
 }
@@ -153,9 +166,9 @@ pub struct Flow {
     admission: Admission,
     idem: Option<IdemGuard>,
     lease: Option<LeaseGuard>,
-    nonce: String,
+    nonce: Token,
     /// The owner token (names the cancellation marker).
-    owner: String,
+    owner: Token,
     /// When the concurrency slots held are to be extended next.
     slots_extend_ms: Option<u64>,
     /// What the response says the request cost (limits with `charge`).
@@ -245,7 +258,7 @@ impl Flow {
             Ok(costs) => costs,
             Err(problem) => return self.answer(problem),
         };
-        self.owner = owner.to_string();
+        self.owner = token(owner);
         self.kind.connect = req.method == "CONNECT";
         self.kind.upgrade = self.kind.connect || req.header("upgrade").is_some();
         match LeaseGuard::prepare(&at, &caller, &req, owner) {
@@ -255,7 +268,7 @@ impl Flow {
         let held = Held {
             caller,
             req,
-            nonce: nonce.to_string(),
+            nonce: token(nonce),
             costs,
         };
         if let Some(cfg) = at.policy.idempotency.as_ref() {

@@ -118,19 +118,19 @@ fn each_request_path_stays_within_its_allocation_budget() {
             "exact, allowed (one callout)",
             false,
             measured(&exact, "tenant-4711", ALLOWED, 1),
-            33,
+            31,
         ),
         (
             "rejected by the over-limit cache",
             true,
             measured(&exact, "over", REJECTED, 2),
-            10,
+            8,
         ),
         (
             "admitted from a leased slice",
             false,
             measured(&leased, "t", GRANTED, 1),
-            16,
+            14,
         ),
     ];
     let report: Vec<String> = cases
