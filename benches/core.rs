@@ -356,8 +356,8 @@ fn whole_requests() {
 /// Requests through the worker, driven as the adapter drives it: the header map as the host
 /// hands it over, decoded, matched and parsed; the callout's body; its answer; the response
 /// headers; the end. `in_flight` requests are open at once (each answered that many requests
-/// after it began), as under load: what [`whole_requests`] leaves out, the worker's tables of
-/// streams and calls, and the 10k tenants' memo misses.
+/// after it began), as under load. Beyond [`whole_requests`]: the host's map decoded, and the
+/// worker's tables of streams and calls.
 fn worker_requests() {
     let rt = Runtime::per_tenant_benchmark("exact").expect("valid");
     let allowed: &[u8] = b"*5\r\n:1\r\n:1\r\n:999999\r\n:3600000\r\n:0\r\n";
