@@ -136,9 +136,7 @@ fn append(log: &mut Vec<u8>, entry: Entry) {
     };
     let at = 8 + ENTRY_BYTES * (count % LOG_ENTRIES as u64) as usize;
     if let Some(slot) = log.get_mut(at..at + ENTRY_BYTES) {
-        let (hash, until) = slot.split_at_mut(8);
-        hash.copy_from_slice(&entry.hash.to_le_bytes());
-        until.copy_from_slice(&entry.until_ms.to_le_bytes());
+        slot.copy_from_slice(&encode(entry));
     }
     if let Some(head) = log.get_mut(..8) {
         head.copy_from_slice(&count.wrapping_add(1).to_le_bytes());
@@ -151,11 +149,22 @@ fn entries(log: &[u8]) -> impl Iterator<Item = Entry> + '_ {
         .get(8..)
         .filter(|_| log.len() == LOG_BYTES)
         .unwrap_or_default();
-    body.chunks_exact(ENTRY_BYTES).filter_map(|c| {
-        let hash = u64::from_le_bytes(c.get(..8)?.try_into().ok()?);
-        let until_ms = u64::from_le_bytes(c.get(8..16)?.try_into().ok()?);
-        (hash != 0).then_some(Entry { hash, until_ms })
-    })
+    body.chunks_exact(ENTRY_BYTES)
+        .filter_map(decode)
+        .filter(|e| e.hash != 0)
+}
+
+fn encode(e: Entry) -> [u8; ENTRY_BYTES] {
+    let mut out = [0u8; ENTRY_BYTES];
+    out[..8].copy_from_slice(&e.hash.to_le_bytes());
+    out[8..].copy_from_slice(&e.until_ms.to_le_bytes());
+    out
+}
+
+fn decode(bytes: &[u8]) -> Option<Entry> {
+    let hash = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let until_ms = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
+    Some(Entry { hash, until_ms })
 }
 
 #[cfg(test)]
