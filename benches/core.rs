@@ -10,7 +10,9 @@
 //! machine shows as noise instead of a confident number. Native code by default: read those
 //! figures as relative costs of the parts. `make bench-core-v8` builds the same cases for
 //! wasm32-wasip1 and runs them in V8 (Node's, bench/wasi.mjs), the engine Envoy embeds: closer
-//! to what the filter's own code costs a request in Envoy, host calls apart.
+//! to what the filter's own code costs a request in Envoy, host calls apart. `make
+//! bench-instructions` counts the Wasm instructions a case executes per run (wasmtime's fuel,
+//! `CORE_COUNT`), the working tree beside a git revision: a measure no noise moves.
 
 use coordination_guard::config::Config;
 use coordination_guard::flow::worker::{ResponseHead, Worker};
@@ -68,8 +70,21 @@ fn selected(name: &str) -> bool {
         .is_none_or(|filter| name.contains(filter.as_str()))
 }
 
-fn report(name: &str, f: impl FnMut()) {
+/// `CORE_COUNT=<n>`: each selected case runs `n` times, untimed, instead of being measured.
+/// `make bench-instructions` runs the Wasm build so in wasmtime with fuel metering: the Wasm
+/// instructions of `n` runs less those of none are a case's per-request count, which no
+/// machine's noise moves.
+fn count() -> Option<u64> {
+    std::env::var("CORE_COUNT").ok()?.parse().ok()
+}
+
+fn report(name: &str, mut f: impl FnMut()) {
     if !selected(name) {
+        return;
+    }
+    if let Some(n) = count() {
+        (0..n).for_each(|_| f());
+        println!("counted: {name}");
         return;
     }
     let (median, min, max) = measure(f);
@@ -421,4 +436,69 @@ fn worker_requests() {
             || request(&mut w),
         );
     }
+    worker_local(
+        "exact",
+        b"*5\r\n:0\r\n:0\r\n:0\r\n:3600000\r\n:3600000\r\n",
+        true,
+    );
+    worker_local(
+        "leased",
+        b"*5\r\n:1\r\n:1\r\n:999999999\r\n:3600000\r\n:0\r\n",
+        false,
+    );
+}
+
+/// A request of one tenant that the worker answers without Redis, driven as the adapter
+/// drives it (the host's map decoded, matched and parsed; the worker's events; the stream's
+/// end and its context freed): rejected by the over-limit cache (`mode` "exact", after one
+/// rejecting `answer`), or admitted from a leased slice ("leased", after one granting one).
+fn worker_local(mode: &str, answer: &[u8], rejects: bool) {
+    let rt = Runtime::per_tenant_benchmark(mode).expect("valid");
+    let map = headers::encode(&[
+        (b":method", b"GET"),
+        (b":path", b"/api/items"),
+        (b":authority", b"localhost"),
+        (b"user-agent", b"wrk"),
+        (b"x-tenant-id", b"bench"),
+    ]);
+    let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
+    let mut stream = 0u32;
+    // One request: whether it was answered locally (the cached 429).
+    let mut request = |w: &mut Worker<u32>| -> bool {
+        let cx = Cx::new(&rt, 1_000, &NoMetrics);
+        stream += 1;
+        let headers = Headers::decode(map.clone()).expect("a valid map");
+        let mut probe = Probe::new(&headers);
+        let Some(Selected::Policy(index)) = policy_index(&rt.config.policies, &mut probe) else {
+            panic!("the benchmark's policy matches");
+        };
+        let probed = probe.into_probed();
+        let req = Request::from_probed(headers, None, probed);
+        let mut fx = w.on_request_headers(&cx, stream, index, req, true);
+        let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
+        if let Some(call) = call {
+            let _ = w.sent(&cx, call.route, Ok(stream));
+            fx = w.on_answer(&cx, stream, || {
+                webdis::decode_array(answer).ok_or(coordination_guard::redis::CallError::Transport)
+            });
+        }
+        let replied = fx.streams.iter().any(|o| o.reply.is_some());
+        black_box(fx);
+        if w.guards(stream) {
+            black_box(w.on_response_headers_untimed(&cx, stream));
+            black_box(w.on_done(&cx, stream));
+        }
+        w.close(stream);
+        replied
+    };
+    request(&mut w);
+    assert_eq!(request(&mut w), rejects, "{mode}: answered locally");
+    let what = if rejects {
+        "rejected by the over-limit cache"
+    } else {
+        "admitted from a leased slice"
+    };
+    report(&format!("request through the worker, {what}"), || {
+        black_box(request(&mut w));
+    });
 }
