@@ -115,9 +115,17 @@ impl Headers {
             .map(|(n, v)| (self.slice(n), self.slice(v)))
     }
 
-    /// The values of `name` (lower case), in arrival order.
+    /// The values of `name` (lower case), in arrival order. A name of another length is
+    /// passed over without being read, and only a match's value is sliced: every guarded
+    /// request looks up several names in the whole map.
     pub fn values<'a, 'n>(&'a self, name: &'n str) -> impl Iterator<Item = &'a str> + use<'a, 'n> {
-        self.iter().filter(move |(n, _)| *n == name).map(|(_, v)| v)
+        let text = self.text.as_bytes();
+        self.pairs
+            .iter()
+            .filter(move |(n, _)| {
+                n.len() == name.len() && text.get(n.clone()) == Some(name.as_bytes())
+            })
+            .map(|(_, v)| self.slice(v))
     }
 
     pub fn len(&self) -> usize {
@@ -282,6 +290,9 @@ mod tests {
             .into_iter()
             .collect();
         assert_eq!(h.values("x-a").collect::<Vec<_>>(), ["1", "3"]);
+        // Same length, another name; a longer or shorter name sharing its start.
+        assert_eq!(h.values("x-c").count(), 0);
+        assert_eq!(h.values("x-").count() + h.values("x-aa").count(), 0);
         h.retain(|n, _| n != "x-b");
         assert_eq!(pairs(&h), [("x-a", "1"), ("x-a", "3")]);
         h.push("x-c", "4");
