@@ -140,7 +140,7 @@ bench-core-v8: deps-rust deps-node ## The same micro-benchmarks built for wasm32
 	cargo bench --bench core --target $(WASM_TARGET) --no-run
 	wasm=$$($(CORE_WASM)); node --no-liftoff bench/wasi.mjs "$$wasm" $(CORE_FILTER)
 
-bench-instructions: deps-rust deps-bench ## Wasm instructions per request of the core benchmark's cases (wasmtime fuel), working tree vs git REV (default HEAD). Env CASES=a,b N=200.
+bench-instructions: deps-rust deps-bench ## Wasm instructions per request of the core benchmark's cases (wasmtime fuel), working tree vs git REV (default HEAD). Env CASES="a|b" N=200.
 	$(PYTHON) bench/instructions.py
 
 bench-spans: deps deps-bench ## Where the filter's time goes inside Envoy: wall µs per span of its callbacks (a build with the cargo feature spans). Env BENCH_SCENARIOS=a,b.

@@ -11,7 +11,7 @@ operator costs one unit of fuel except a few structural ones (`nop`, `block`, `l
 `drop`). A run's count moves only where the code reads randomness (hash tables' seeds): by a
 few instructions.
 
-Environment: CASES (a comma list of texts; each selects the cases whose name contains it;
+Environment: CASES (texts separated by `|`; each selects the cases whose name contains it;
 default "request through the worker"), REV (git revision, default HEAD), N (runs per case,
 default 200). REV must have `CORE_COUNT` in its benches/core.rs (the first with it says so).
 """
@@ -116,7 +116,7 @@ def _host_call(name: str):
 def main() -> int:
     rev = os.environ.get("REV", "HEAD")
     n = int(os.environ.get("N", "200"))
-    cases = [c.strip() for c in os.environ.get("CASES", "request through the worker").split(",")
+    cases = [c.strip() for c in os.environ.get("CASES", "request through the worker").split("|")
              if c.strip()]
     env = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("CASES", "REV", "N")
                    if k in os.environ)

@@ -77,7 +77,17 @@ impl Headers {
         out
     }
 
+    /// Envoy hands names over in lower case already: a name is only rewritten when it is not.
     fn lower_names(&mut self) {
+        let bytes = self.text.as_bytes();
+        let upper = |r: &Range<usize>| {
+            bytes
+                .get(r.clone())
+                .is_some_and(|n| n.iter().any(u8::is_ascii_uppercase))
+        };
+        if !self.pairs.iter().any(|(name, _)| upper(name)) {
+            return;
+        }
         for (name, _) in &self.pairs {
             if let Some(n) = self.text.get_mut(name.clone()) {
                 n.make_ascii_lowercase();
