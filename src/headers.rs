@@ -247,6 +247,11 @@ mod tests {
                 &[("x-tenant", "Acme")],
             ),
             (
+                "an upper-case name after lower-case ones, its value kept",
+                &[(b"x-a", b"1"), (b"x-B", b"Two")],
+                &[("x-a", "1"), ("x-b", "Two")],
+            ),
+            (
                 "a value that is not UTF-8 is read lossily, the others as they are",
                 &[(b"x-a", b"caf\xe9"), (b"x-b", b"ok")],
                 &[("x-a", "caf\u{fffd}"), ("x-b", "ok")],
