@@ -18,15 +18,19 @@ pub struct Script {
     pub name: &'static str,
     pub source: &'static str,
     pub sha1: String,
+    /// `EVALSHA <sha1>` for the gateway, encoded once: every call by SHA starts with it.
+    by_sha: Vec<u8>,
 }
 
 impl Script {
     pub fn new(name: &'static str, source: &'static str) -> Script {
-        let digest = Sha1::digest(source.as_bytes());
+        let sha1 = crate::text::hex(&Sha1::digest(source.as_bytes()));
+        let by_sha = webdis::encode_words([&b"EVALSHA"[..], sha1.as_bytes()]);
         Script {
             name,
             source,
-            sha1: crate::text::hex(&digest),
+            sha1,
+            by_sha,
         }
     }
 }
@@ -49,18 +53,20 @@ impl ScriptCall {
     /// The gateway request body for this call: `EVALSHA <sha> n keys... args...`, or
     /// `EVAL <source> ...` after a `NOSCRIPT` answer.
     pub fn encode(&self, script: &Script, by_sha: bool) -> Vec<u8> {
-        let (verb, body): (&[u8], &[u8]) = if by_sha {
-            (b"EVALSHA", script.sha1.as_bytes())
-        } else {
-            (b"EVAL", script.source.as_bytes())
-        };
         let mut digits = [0u8; 20];
         let numkeys = crate::text::decimal(self.keys.len() as u64, &mut digits);
-        let words = [verb, body, numkeys]
-            .into_iter()
-            .chain(self.keys.iter().map(str::as_bytes))
-            .chain(self.args.iter().map(str::as_bytes));
-        webdis::encode(words)
+        let rest = || {
+            [numkeys]
+                .into_iter()
+                .chain(self.keys.iter_bytes())
+                .chain(self.args.iter_bytes())
+        };
+        if by_sha {
+            webdis::encode_after(&script.by_sha, rest())
+        } else {
+            let verb = [&b"EVAL"[..], script.source.as_bytes()];
+            webdis::encode_after(&[], verb.into_iter().chain(rest()))
+        }
     }
 }
 

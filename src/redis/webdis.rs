@@ -25,20 +25,45 @@ where
     I: IntoIterator<Item = &'a [u8]>,
     I::IntoIter: Clone,
 {
+    encode_after(&[], command)
+}
+
+/// [`encode`] of a command whose first words are already encoded as `head` (a script's
+/// `EVALSHA <sha1>`, the same in every call, from [`encode_words`]): `command` holds the words
+/// after them.
+pub fn encode_after<'a, I>(head: &[u8], command: I) -> Vec<u8>
+where
+    I: IntoIterator<Item = &'a [u8]>,
+    I::IntoIter: Clone,
+{
     let command = command.into_iter();
-    // The exact size (a key's `{`, `:` and `}` take three bytes each; a `/` before every
-    // argument but the first, `.raw` after the last): no growing.
-    let size = command
-        .clone()
-        .map(|a| {
-            let reserved = a.iter().filter(|&&b| !UNRESERVED[usize::from(b)]).count();
-            1 + a.len() + 2 * reserved
-        })
-        .sum::<usize>()
-        + 3;
+    // Room for the worst case (every byte `%XX`, a `/` before every argument but the first,
+    // `.raw` after the last): no growing, and no pass to count the reserved bytes first.
+    let size = head.len() + command.clone().map(|a| 1 + 3 * a.len()).sum::<usize>() + 3;
     let mut out = Vec::with_capacity(size);
-    for (i, arg) in command.enumerate() {
-        if i > 0 {
+    out.extend_from_slice(head);
+    push_words(&mut out, !head.is_empty(), command);
+    out.extend_from_slice(b".raw");
+    out
+}
+
+/// The words of a command encoded as [`encode`] does, without the `.raw` that ends a command:
+/// the head of [`encode_after`].
+pub fn encode_words<'a>(command: impl IntoIterator<Item = &'a [u8]>) -> Vec<u8> {
+    let mut out = Vec::new();
+    push_words(&mut out, false, command);
+    out
+}
+
+/// Appends `command`'s words, each percent-encoded and after a `/` (the first one too when
+/// `after_words`: words are already there).
+fn push_words<'a>(
+    out: &mut Vec<u8>,
+    after_words: bool,
+    command: impl IntoIterator<Item = &'a [u8]>,
+) {
+    for (i, arg) in command.into_iter().enumerate() {
+        if i > 0 || after_words {
             out.push(b'/');
         }
         // Runs of unreserved bytes are copied whole; each byte between them becomes `%XX`.
@@ -58,8 +83,6 @@ where
         }
         out.extend_from_slice(rest);
     }
-    out.extend_from_slice(b".raw");
-    out
 }
 
 /// Envoy's own answers (body text) when the callout never reached the gateway: the
@@ -142,7 +165,8 @@ mod tests {
                 format!("a%{b:02X}z/%{b:02X}.raw")
             };
             assert_eq!(body, expected.as_bytes(), "byte {b}");
-            assert_eq!(body.capacity(), body.len(), "sized exactly for byte {b}");
+            // Sized once for the worst case (both words all `%XX`), so never grown.
+            assert_eq!(body.capacity(), (1 + 9) + (1 + 3) + 3, "byte {b}");
         }
     }
 

@@ -74,6 +74,16 @@ impl Words {
         self.len().checked_sub(1).and_then(|i| self.get(i))
     }
 
+    /// The words as bytes, in one walk of the ends (what a call's encoding reads).
+    pub fn iter_bytes(&self) -> impl Iterator<Item = &[u8]> + Clone + '_ {
+        let text = self.text.as_bytes();
+        self.ends.iter().scan(0, move |start, &end| {
+            let word = text.get(*start..end).unwrap_or_default();
+            *start = end;
+            Some(word)
+        })
+    }
+
     pub fn iter(&self) -> impl ExactSizeIterator<Item = &str> + Clone + '_ {
         (0..self.len()).map(|i| self.get(i).unwrap_or_default())
     }
