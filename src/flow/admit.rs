@@ -37,40 +37,45 @@ pub struct Admission {
 impl Admission {
     /// The request's limits, with its cost to each (`costs[i]`, else 1); leased limits admit
     /// from this worker's slice while it lasts.
-    pub fn start(at: &Pcx<'_>, caller: &Caller, req: &Request, costs: &[u64]) -> Admission {
+    /// Built in this admission's room, whose limits are dropped: a reused stream box allocates
+    /// no list for them.
+    pub fn start(self, at: &Pcx<'_>, caller: &Caller, req: &Request, costs: &[u64]) -> Admission {
         let rt = at.rt;
-        let slots = at
-            .policy
-            .rate_limits
-            .iter()
-            .enumerate()
-            .map(|(i, limit)| {
-                let key = rt.keys.key(
-                    &rt.config.redis.key_prefix,
-                    (at.index, at.policy),
-                    (i, limit),
-                    caller,
-                    req,
-                );
-                let taken = limit
-                    .leased
-                    .then(|| rt.quota.take(key.hash(), at.now_ms))
-                    .flatten();
-                LimitSlot {
-                    state: taken.map(|(left, expires)| LimitState {
-                        allowed: true,
-                        remaining: left,
-                        reset_ms: expires.saturating_sub(at.now_ms),
-                        retry_after_ms: 0,
-                    }),
-                    local: taken.is_some(),
-                    key,
-                    granted: 0,
-                    cost: costs.get(i).copied().unwrap_or(1),
-                    consumed: false,
-                }
-            })
-            .collect();
+        let mut buffer = self.emptied().slots;
+        let slots = at.policy.rate_limits.iter().enumerate().map(|(i, limit)| {
+            let key = rt.keys.key(
+                &rt.config.redis.key_prefix,
+                (at.index, at.policy),
+                (i, limit),
+                caller,
+                req,
+            );
+            let taken = limit
+                .leased
+                .then(|| rt.quota.take(key.hash(), at.now_ms))
+                .flatten();
+            LimitSlot {
+                state: taken.map(|(left, expires)| LimitState {
+                    allowed: true,
+                    remaining: left,
+                    reset_ms: expires.saturating_sub(at.now_ms),
+                    retry_after_ms: 0,
+                }),
+                local: taken.is_some(),
+                key,
+                granted: 0,
+                cost: costs.get(i).copied().unwrap_or(1),
+                consumed: false,
+            }
+        });
+        buffer.extend(slots);
+        Admission { slots: buffer }
+    }
+
+    /// No limits, in this admission's room.
+    pub fn emptied(self) -> Admission {
+        let mut slots = self.slots;
+        slots.clear();
         Admission { slots }
     }
 

@@ -51,6 +51,15 @@ impl<T> Default for Calls<T> {
 }
 
 impl<T> Calls<T> {
+    /// No calls, in `self`'s room: what a reused stream box starts from.
+    pub fn emptied(self) -> Calls<T> {
+        let mut slots = self.slots;
+        slots.clear();
+        Calls { slots }
+    }
+}
+
+impl<T> Calls<T> {
     /// Adds a call (in a free slot) and returns its slot.
     pub fn push(&mut self, tag: T, script: ScriptId, call: impl Into<Rc<ScriptCall>>) -> usize {
         let entry = Call {

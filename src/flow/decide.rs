@@ -7,7 +7,7 @@ use super::background::Background;
 use super::context::{Outgoing, Pcx, Purpose, Step};
 use super::idem::IdemDecision;
 use super::lease::LeaseDecision;
-use super::{admit::Admission, Flow, Held, Pending, Phase, FINGERPRINT_HEADER, MARKER_MIN_TTL_MS};
+use super::{Flow, Held, Pending, Phase, FINGERPRINT_HEADER, MARKER_MIN_TTL_MS};
 use crate::config::FailureMode;
 use crate::lograte::WarnKind;
 use crate::lua::acquire::{self, LeaseAnswer};
@@ -22,7 +22,8 @@ impl Flow {
             idem.fingerprint(cfg, &held.caller, &held.req, body);
         }
         self.nonce = held.nonce;
-        self.admission = Admission::start(at, &held.caller, &held.req, &held.costs);
+        self.admission =
+            std::mem::take(&mut self.admission).start(at, &held.caller, &held.req, &held.costs);
         if let Some(rejection) = self.admission.cached_rejection(at) {
             return self.answer(rejection);
         }

@@ -417,6 +417,16 @@ impl Flow {
         matches!(self.phase, Phase::Response(_) | Phase::Completing { .. }) || self.meter.copying()
     }
 
+    /// This flow as a fresh one for the next stream, but for the room of its limits' and
+    /// calls' lists, kept emptied: a reused stream box allocates neither again.
+    pub fn recycle(&mut self) {
+        let admission = std::mem::take(&mut self.admission).emptied();
+        let calls = std::mem::take(&mut self.calls).emptied();
+        *self = Flow::default();
+        self.admission = admission;
+        self.calls = calls;
+    }
+
     /// Answered locally before any Redis call (an over-limit cache or leased-quota
     /// rejection, a refused input): nothing was taken, so the stream's end owes nothing and
     /// its later events need not reach the flow.

@@ -118,19 +118,19 @@ fn each_request_path_stays_within_its_allocation_budget() {
             "exact, allowed (one callout)",
             false,
             measured(&exact, "tenant-4711", ALLOWED, 1),
-            31,
+            29,
         ),
         (
             "rejected by the over-limit cache",
             true,
             measured(&exact, "over", REJECTED, 2),
-            8,
+            7,
         ),
         (
             "admitted from a leased slice",
             false,
             measured(&leased, "t", GRANTED, 1),
-            14,
+            13,
         ),
     ];
     let report: Vec<String> = cases

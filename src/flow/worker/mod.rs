@@ -265,7 +265,11 @@ impl<S: Copy + Ord> Worker<S> {
     pub fn close(&mut self, s: S) {
         if let Some(mut entry) = self.streams.remove(&s) {
             if self.spare.len() < SPARE_ENTRIES {
-                *entry = Entry::default();
+                // Every field, so that a new one cannot be left out: the box must be as a
+                // fresh one (the flow keeps only the room of its lists).
+                let Entry { flow, paused } = &mut *entry;
+                flow.recycle();
+                *paused = None;
                 self.spare.push(entry);
             }
         }

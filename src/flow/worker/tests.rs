@@ -494,6 +494,19 @@ fn a_closed_streams_box_carries_nothing_to_the_next_stream() {
         );
     }
     assert!(reusing.spare.is_empty());
+    // Boxes that ended with calls made, reused by a request answered before any call (a
+    // lease without its resource): it owes nothing, so the worker forgets it at once.
+    for w in [&mut *reusing, &mut *fresh] {
+        for s in 4..=6 {
+            w.close(s);
+        }
+    }
+    fresh.spare.clear();
+    let got = request(reusing, &cx, 7, "POST", "/wait");
+    let expected = request(fresh, &cx, 7, "POST", "/wait");
+    assert!(got.streams[0].reply.is_some(), "{got:?}");
+    assert_eq!(format!("{got:?}"), format!("{expected:?}"));
+    assert!(!reusing.guards(7) && !fresh.guards(7));
     // However many streams close at once, the worker keeps a bounded number of boxes.
     for s in 100..300 {
         let _ = request(reusing, &cx, s, "PUT", "/orders");
