@@ -57,9 +57,7 @@ impl<T> Calls<T> {
         slots.clear();
         Calls { slots }
     }
-}
 
-impl<T> Calls<T> {
     /// Adds a call (in a free slot) and returns its slot.
     pub fn push(&mut self, tag: T, script: ScriptId, call: impl Into<Rc<ScriptCall>>) -> usize {
         let entry = Call {

@@ -18,6 +18,9 @@ const UNRESERVED: [bool; 256] = {
     table
 };
 
+/// Up to this many bytes of words, a command's body is sized for every byte escaped.
+const WORST_CASE_ROOM: usize = 4096;
+
 /// Encodes a command for webdis. Webdis cannot carry NUL bytes or empty arguments; callers
 /// never send either (arguments are hex, decimal, names and JSON text).
 pub fn encode<'a, I>(command: I) -> Vec<u8>
@@ -37,10 +40,20 @@ where
     I::IntoIter: Clone,
 {
     let command = command.into_iter();
-    // Room for the worst case (every byte `%XX`, a `/` before every argument but the first,
-    // `.raw` after the last): no growing, and no pass to count the reserved bytes first.
-    let size = head.len() + command.clone().map(|a| 1 + 3 * a.len()).sum::<usize>() + 3;
-    let mut out = Vec::with_capacity(size);
+    // No growing: a `/` before every argument but the first, `.raw` after the last, and room
+    // for the worst case (every byte `%XX`) when that is small, so that the usual call needs
+    // no pass to count its reserved bytes; a big one (a stored response) is counted, so as not
+    // to hold three times its size.
+    let words: usize = command.clone().map(|a| 1 + a.len()).sum();
+    let escapes = if words <= WORST_CASE_ROOM {
+        2 * words
+    } else {
+        command
+            .clone()
+            .map(|a| 2 * a.iter().filter(|&&b| !UNRESERVED[usize::from(b)]).count())
+            .sum()
+    };
+    let mut out = Vec::with_capacity(head.len() + words + escapes + 3);
     out.extend_from_slice(head);
     push_words(&mut out, !head.is_empty(), command);
     out.extend_from_slice(b".raw");
@@ -166,8 +179,20 @@ mod tests {
             };
             assert_eq!(body, expected.as_bytes(), "byte {b}");
             // Sized once for the worst case (both words all `%XX`), so never grown.
-            assert_eq!(body.capacity(), (1 + 9) + (1 + 3) + 3, "byte {b}");
+            assert_eq!(body.capacity(), 3 * (1 + 3) + 3 * (1 + 1) + 3, "byte {b}");
         }
+    }
+
+    #[test]
+    fn a_big_command_is_sized_exactly_a_small_one_for_the_worst_case() {
+        let big = [b"{\"a\":1}".repeat(WORST_CASE_ROOM), b"x".repeat(100)];
+        let body = encode(big.iter().map(Vec::as_slice));
+        // `{`, the two `"`, `:` and `}` take three bytes each; `a` and `1` one.
+        assert_eq!(body.len(), WORST_CASE_ROOM * (5 * 3 + 2) + 1 + 100 + 4);
+        assert_eq!(body.capacity(), body.len());
+        let small = encode([&b"a:b"[..]]);
+        assert_eq!(small, b"a%3Ab.raw");
+        assert_eq!(small.capacity(), 3 * (1 + 3) + 3);
     }
 
     #[test]
