@@ -336,3 +336,30 @@ def test_upstream_restarts_in_the_same_workdir(tmp_path):
         assert second.stats()["total"] == 0
     finally:
         second.stop()
+
+
+def test_a_cluster_nodes_bus_port_taken_before_its_first_start_is_chosen_again(tmp_path):
+    from harness.cluster import ClusterNode
+
+    node = ClusterNode(tmp_path / "node", None, "gateway-password", "admin-password")
+    taken = node.bus_port
+    # Another process takes the bus port between its choice and the node's start.
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", taken))
+    squatter.listen()
+    try:
+        node.start(timeout=10)
+        try:
+            assert node.bus_port != taken
+            assert f"cluster-port {node.bus_port}" in (tmp_path / "node" / "redis.conf").read_text()
+            with socket.create_connection(("127.0.0.1", node.bus_port), timeout=5):
+                pass
+            assert node.client().ping()
+            # Once started, a restart keeps the bus port the other nodes know.
+            node.stop()
+            node.start(timeout=10)
+            assert node.client().ping()
+        finally:
+            node.stop()
+    finally:
+        squatter.close()

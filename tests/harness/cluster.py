@@ -60,19 +60,45 @@ class ClusterNode(RedisServer):
         self.gateway_password = gateway_password
         self.admin_password = admin_password
         self.gateway_extra_rules = CLUSTER_GATEWAY_RULES
+        self.node_timeout_ms = node_timeout_ms
         # The cluster bus port, chosen like the client port (the default, port + 10000, may be
         # taken or above 65535).
         self.bus_port = free_port()
-        self.config_lines = [
+        self.config_lines = self.cluster_config()
+        self.started = False
+
+    def cluster_config(self) -> list[str]:
+        return [
             "cluster-enabled yes",
             f"cluster-port {self.bus_port}",
             "cluster-config-file nodes.conf",
-            f"cluster-node-timeout {node_timeout_ms}",
+            f"cluster-node-timeout {self.node_timeout_ms}",
             # A shard without a master fails its own slots only; the other masters keep serving.
             "cluster-require-full-coverage no",
             f"masteruser {ADMIN_USER}",
-            f"masterauth {admin_password}",
+            f"masterauth {self.admin_password}",
         ]
+
+    def start(self, timeout: float = 10.0) -> "ClusterNode":
+        """Start (or restart) the node. At its first start only, a bus port that another
+        process took between its choice and now (a connection's port from the ephemeral range)
+        is chosen again: nothing refers to it before the cluster is made. Once it is, a
+        restarted node keeps its bus port, as the other nodes know it."""
+        for attempt in range(3):
+            try:
+                super().start(timeout)
+                self.started = True
+                return self
+            except RuntimeError:
+                taken = f"Failed listening on port {self.bus_port} (cluster)"
+                if self.started or attempt == 2 or taken not in self.proc_log():
+                    raise
+                self.bus_port = free_port()
+                self.config_lines = self.cluster_config()
+        return self
+
+    def proc_log(self) -> str:
+        return self.proc.log_text() if self.proc is not None else ""
 
 
 class RedisProxy(Service):
