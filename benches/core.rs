@@ -15,7 +15,7 @@
 //! `CORE_COUNT`), the working tree beside a git revision: a measure no noise moves.
 
 use coordination_guard::config::Config;
-use coordination_guard::flow::worker::{ResponseHead, Worker};
+use coordination_guard::flow::worker::{Effects, ResponseHead, Worker};
 use coordination_guard::flow::{Cx, Flow, Runtime, Step};
 use coordination_guard::headers::{self, Headers};
 use coordination_guard::idempotency::fingerprint::{canonical_body, Fingerprint};
@@ -368,6 +368,30 @@ fn whole_requests() {
     });
 }
 
+/// The benchmark request's header map as the host hands it over, for `tenant`.
+fn host_map(tenant: &str) -> Vec<u8> {
+    headers::encode(&[
+        (b":method", b"GET"),
+        (b":path", b"/api/items"),
+        (b":authority", b"localhost"),
+        (b"user-agent", b"wrk"),
+        (b"x-tenant-id", tenant.as_bytes()),
+    ])
+}
+
+/// The adapter's request headers: the host's `map` decoded, matched and parsed, then the
+/// worker's event for stream `s`.
+fn request_headers(w: &mut Worker<u32>, cx: &Cx<'_>, s: u32, map: Vec<u8>) -> Effects<u32> {
+    let headers = Headers::decode(map).expect("a valid map");
+    let mut probe = Probe::new(&headers);
+    let Some(Selected::Policy(index)) = policy_index(&cx.rt.config.policies, &mut probe) else {
+        panic!("the benchmark's policy matches");
+    };
+    let probed = probe.into_probed();
+    let req = Request::from_probed(headers, None, probed);
+    w.on_request_headers(cx, s, index, req, true)
+}
+
 /// Requests through the worker, driven as the adapter drives it: the header map as the host
 /// hands it over, decoded, matched and parsed; the callout's body; its answer; the response
 /// headers; the end. `in_flight` requests are open at once (each answered that many requests
@@ -377,16 +401,7 @@ fn worker_requests() {
     let rt = Runtime::per_tenant_benchmark("exact").expect("valid");
     let allowed: &[u8] = b"*5\r\n:1\r\n:1\r\n:999999\r\n:3600000\r\n:0\r\n";
     let maps: Vec<Vec<u8>> = (0..10_000)
-        .map(|n| {
-            let tenant = format!("tenant-{n}");
-            headers::encode(&[
-                (b":method", b"GET"),
-                (b":path", b"/api/items"),
-                (b":authority", b"localhost"),
-                (b"user-agent", b"wrk"),
-                (b"x-tenant-id", tenant.as_bytes()),
-            ])
-        })
+        .map(|n| host_map(&format!("tenant-{n}")))
         .collect();
     for in_flight in [1, 8] {
         let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
@@ -397,15 +412,7 @@ fn worker_requests() {
             stream += 1;
             n = (n + 7919) % maps.len();
             // The host's copy of the map, as a callback gets it.
-            let headers = Headers::decode(maps[n].clone()).expect("a valid map");
-            let mut probe = Probe::new(&headers);
-            let Some(Selected::Policy(index)) = policy_index(&rt.config.policies, &mut probe)
-            else {
-                panic!("the benchmark's policy matches");
-            };
-            let probed = probe.into_probed();
-            let req = Request::from_probed(headers, None, probed);
-            let mut fx = w.on_request_headers(&cx, stream, index, req, true);
+            let mut fx = request_headers(w, &cx, stream, maps[n].clone());
             let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
             let call = call.expect("one acquire call");
             black_box(&call.body);
@@ -454,27 +461,14 @@ fn worker_requests() {
 /// rejecting `answer`), or admitted from a leased slice ("leased", after one granting one).
 fn worker_local(mode: &str, answer: &[u8], rejects: bool) {
     let rt = Runtime::per_tenant_benchmark(mode).expect("valid");
-    let map = headers::encode(&[
-        (b":method", b"GET"),
-        (b":path", b"/api/items"),
-        (b":authority", b"localhost"),
-        (b"user-agent", b"wrk"),
-        (b"x-tenant-id", b"bench"),
-    ]);
+    let map = host_map("bench");
     let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
     let mut stream = 0u32;
     // One request: whether it was answered locally (the cached 429).
     let mut request = |w: &mut Worker<u32>| -> bool {
         let cx = Cx::new(&rt, 1_000, &NoMetrics);
         stream += 1;
-        let headers = Headers::decode(map.clone()).expect("a valid map");
-        let mut probe = Probe::new(&headers);
-        let Some(Selected::Policy(index)) = policy_index(&rt.config.policies, &mut probe) else {
-            panic!("the benchmark's policy matches");
-        };
-        let probed = probe.into_probed();
-        let req = Request::from_probed(headers, None, probed);
-        let mut fx = w.on_request_headers(&cx, stream, index, req, true);
+        let mut fx = request_headers(w, &cx, stream, map.clone());
         let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
         if let Some(call) = call {
             let _ = w.sent(&cx, call.route, Ok(stream));
