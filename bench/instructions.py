@@ -3,8 +3,9 @@
 revision: a count, where every timing on a shared 2-core machine moves by 10-30% run to run.
 
 Builds `benches/core.rs` for wasm32-wasip1 (the working tree's, and REV's from `git archive`
-under target/bench-compare), runs each selected case in wasmtime with fuel metering
-(`CORE_COUNT=<n>`: the case runs n times, untimed), and reports
+under target/bench-compare, as `make bench`'s BENCH_COMPARE extracts it), runs each selected
+case in wasmtime with fuel metering (`CORE_COUNT=<n>`: the case runs n times, untimed), and
+reports
 (fuel after N runs - fuel after none) / N: the Wasm operators one run executes, the filter's
 own code as Envoy's V8 runs it, host calls, caches and the JIT's code quality apart. Every
 operator costs one unit of fuel except a few structural ones (`nop`, `block`, `loop`, `end`,
@@ -21,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,8 +29,9 @@ from pathlib import Path
 
 from wasmtime import Config, Engine, ExitTrap, Linker, Module, Store, WasiConfig
 
+import run  # bench/run.py: a revision's files, as BENCH_COMPARE extracts them
+
 ROOT = Path(__file__).resolve().parents[1]
-COMPARE = ROOT / "target" / "bench-compare"
 FUEL = 10**15
 
 
@@ -50,17 +51,10 @@ def build(manifest: Path, target_dir: Path | None) -> Path:
 
 
 def build_rev(rev: str) -> tuple[str, Path]:
-    sha = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
-                         check=True, capture_output=True, text=True, timeout=30).stdout.strip()
-    src = COMPARE / f"{sha}-core"
-    if src.exists():
-        shutil.rmtree(src)
-    src.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", sha], cwd=ROOT, check=True, capture_output=True,
-                             timeout=60).stdout
-    # Dated now (-m): the target directory is shared by every revision built there.
-    subprocess.run(["tar", "-x", "-m", "-C", str(src)], input=archive, check=True, timeout=60)
-    return sha, build(src / "Cargo.toml", COMPARE / "target")
+    """REV's core benchmark, built from its files where `make bench`'s BENCH_COMPARE puts
+    them (target/bench-compare, one cargo target directory for every revision)."""
+    sha, src = run.extract_revision(rev)
+    return sha, build(src / "Cargo.toml", run.COMPARE / "target")
 
 
 class Runner:

@@ -1424,23 +1424,30 @@ COMPARE = ROOT / "target" / "bench-compare"
 PERF_RUNS = itertools.count(1)  # numbers the BENCH_PERF files of one run
 
 
+def extract_revision(rev: str) -> tuple[str, Path]:
+    """Git revision `rev`'s files from `git archive`, in target/bench-compare/<short sha>
+    (replaced if there): its short sha and that directory."""
+    sha = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
+                         capture_output=True, text=True, check=True, timeout=30,
+                         stdin=subprocess.DEVNULL).stdout.strip()
+    src = COMPARE / sha
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True,
+                             check=True, timeout=60, stdin=subprocess.DEVNULL).stdout
+    # Extracted files dated now (-m), not at the commit: the target directory is shared, and
+    # cargo would take an artifact built later from another revision as up to date.
+    subprocess.run(["tar", "-x", "-m", "-C", str(src)], input=archive, check=True, timeout=60)
+    return sha, src
+
+
 def build_compare(rev: str) -> tuple[str, Path] | None:
     """The .wasm of git revision `rev`, built from `git archive` under target/bench-compare
     (a cargo target directory shared by every revision built there); None, having said why,
     if that failed."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=ROOT,
-                             capture_output=True, text=True, check=True, timeout=30,
-                             stdin=subprocess.DEVNULL).stdout.strip()
-        src = COMPARE / sha
-        if src.exists():
-            shutil.rmtree(src)
-        src.mkdir(parents=True)
-        archive = subprocess.run(["git", "archive", sha], cwd=ROOT, capture_output=True,
-                                 check=True, timeout=60, stdin=subprocess.DEVNULL).stdout
-        # Extracted files dated now (-m), not at the commit: the target directory is shared, and
-        # cargo would take an artifact built later from another revision as up to date.
-        subprocess.run(["tar", "-x", "-m", "-C", str(src)], input=archive, check=True, timeout=60)
+        sha, src = extract_revision(rev)
         build = ["cargo", "build", "--release", "--target", "wasm32-wasip1", "--manifest-path",
                  str(src / "Cargo.toml")]
         print(f"bench: BENCH_COMPARE={rev} ({sha}): {shlex.join(build)}", flush=True)
