@@ -84,21 +84,20 @@ class ClusterNode(RedisServer):
         process took between its choice and now (a connection's port from the ephemeral range)
         is chosen again: nothing refers to it before the cluster is made. Once it is, a
         restarted node keeps its bus port, as the other nodes know it."""
-        for attempt in range(3):
+        retries = 2
+        while True:
             try:
                 super().start(timeout)
                 self.started = True
                 return self
             except RuntimeError:
                 taken = f"Failed listening on port {self.bus_port} (cluster)"
-                if self.started or attempt == 2 or taken not in self.proc_log():
+                log = self.proc.log_text() if self.proc is not None else ""
+                if self.started or retries == 0 or taken not in log:
                     raise
+                retries -= 1
                 self.bus_port = free_port()
                 self.config_lines = self.cluster_config()
-        return self
-
-    def proc_log(self) -> str:
-        return self.proc.log_text() if self.proc is not None else ""
 
 
 class RedisProxy(Service):
