@@ -99,6 +99,19 @@ impl Headers {
         self.text.get(r.clone()).unwrap_or_default()
     }
 
+    /// Where `part`, a slice of a name or value this map handed out, lies in its text; `None`
+    /// for any other text. The text is only ever added to: the range stays valid.
+    pub fn range_of(&self, part: &str) -> Option<Range<usize>> {
+        let start = (part.as_ptr() as usize).checked_sub(self.text.as_ptr() as usize)?;
+        let end = start.checked_add(part.len())?;
+        (end <= self.text.len()).then_some(start..end)
+    }
+
+    /// The text at `r`, a range [`Headers::range_of`] gave (empty for any other).
+    pub fn text_at(&self, r: &Range<usize>) -> &str {
+        self.slice(r)
+    }
+
     /// Appends a header (its name lower-cased).
     pub fn push(&mut self, name: &str, value: &str) {
         let n = self.text.len()..self.text.len() + name.len();
@@ -221,6 +234,29 @@ mod tests {
 
     fn pairs(h: &Headers) -> Vec<(&str, &str)> {
         h.iter().collect()
+    }
+
+    /// A part of the map is found where it stands, and reads the same after the map grew and
+    /// dropped headers; text from anywhere else is not the map's.
+    #[test]
+    fn a_range_of_the_map_stays_valid() {
+        let mut h: Headers = [(":path", "/api/items?x=1"), (":authority", "Host:80")]
+            .into_iter()
+            .collect();
+        let path = h.values(":path").next().expect("present");
+        let part = path.split_once('?').expect("a query").0;
+        let range = h.range_of(part).expect("in the map");
+        let empty = h.range_of(&path[0..0]).expect("an empty part of the map");
+        let elsewhere = String::from("/api/items");
+        assert_eq!(h.range_of(&elsewhere), None);
+        assert_eq!(h.range_of("/api/items"), None);
+        h.retain(|n, _| n != ":path");
+        for i in 0..64 {
+            h.push("x-more", &format!("/api/{i}"));
+        }
+        assert_eq!((h.text_at(&range), h.text_at(&empty)), ("/api/items", ""));
+        assert_eq!(h.clone().text_at(&range), "/api/items");
+        assert_eq!(Headers::default().text_at(&range), "");
     }
 
     #[test]

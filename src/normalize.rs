@@ -8,11 +8,14 @@
 //! `..` after an empty segment) are *ambiguous*: the form also lists the other readings, and
 //! a request whose any reading fits a policy is refused rather than guessed.
 
-/// A request path as the filter reads it.
+use std::borrow::Cow;
+
+/// A request path as the filter reads it; the canonical reading borrows the raw path when it
+/// already is canonical, as most are.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PathForm {
+pub struct PathForm<'a> {
     /// The canonical reading: what policies match and selectors read.
-    pub canonical: String,
+    pub canonical: Cow<'a, str>,
     /// Other readings a service might make of an ambiguous path (may be empty even when
     /// ambiguous, e.g. a broken escape every service keeps as it is).
     pub others: Vec<String>,
@@ -20,7 +23,7 @@ pub struct PathForm {
     pub ambiguous: bool,
 }
 
-impl PathForm {
+impl PathForm<'_> {
     /// Reading `n`: 0 is the canonical one, then the others.
     pub fn reading(&self, n: usize) -> Option<&str> {
         match n {
@@ -35,11 +38,11 @@ impl PathForm {
 }
 
 /// The canonical form of `raw` (a `:path` without its query) and its other readings.
-pub fn normalize_path(raw: &str) -> PathForm {
+pub fn normalize_path(raw: &str) -> PathForm<'_> {
     let raw = raw.split_once('#').map_or(raw, |(p, _)| p);
     if is_plain(raw) {
         return PathForm {
-            canonical: raw.to_string(),
+            canonical: Cow::Borrowed(raw),
             others: Vec::new(),
             ambiguous: false,
         };
@@ -64,7 +67,7 @@ pub fn normalize_path(raw: &str) -> PathForm {
     let mut readings = readings.into_iter();
     let canonical = readings.next().unwrap_or_else(|| "/".to_string());
     PathForm {
-        canonical,
+        canonical: Cow::Owned(canonical),
         others: readings.collect(),
         ambiguous,
     }
@@ -310,7 +313,7 @@ mod tests {
 
     fn form(raw: &str) -> (String, Vec<String>, bool) {
         let f = normalize_path(raw);
-        (f.canonical, f.others, f.ambiguous)
+        (f.canonical.into_owned(), f.others, f.ambiguous)
     }
 
     #[test]

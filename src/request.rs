@@ -4,13 +4,15 @@ use crate::config::{HeaderTest, IdSource, Identity, Match, MissingTenant, Policy
 use crate::headers::Headers;
 use crate::normalize::{normalize_path, query_pairs, trim_slash, PathForm};
 use std::borrow::Cow;
+use std::ops::Range;
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct Request {
     /// Upper-case method.
-    pub method: String,
-    /// The path without the query string, in its canonical form (see [`crate::normalize`]).
-    pub path: String,
+    pub method: Cow<'static, str>,
+    /// The path without the query string, in its canonical form (see [`crate::normalize`]):
+    /// [`Request::path`].
+    path: Normal,
     /// Other readings of an ambiguous path; `path_ambiguous` says whether it is one.
     pub path_others: Vec<String>,
     pub path_ambiguous: bool,
@@ -18,17 +20,86 @@ pub struct Request {
     pub query: String,
     /// The query's parameters, decoded, in order.
     pub params: Vec<(String, String)>,
-    /// Lower-case host without port.
-    pub host: String,
+    /// Lower-case host without port: [`Request::host`].
+    host: Normal,
     /// The downstream address without port, if the host told us.
     pub client_ip: Option<String>,
-    /// Lower-case header names with their values, in arrival order.
-    pub headers: Headers,
+    /// Lower-case header names with their values, in arrival order. Only ever added to: a
+    /// [`Normal`] range of its text stays valid.
+    pub(crate) headers: Headers,
     /// The tenant and principal read from the request's metadata (a verified token's claims),
     /// for an identity whose source is `metadata`; `None` when absent or not usable.
     pub tenant_claim: Option<String>,
     pub principal_claim: Option<String>,
 }
+
+/// A pseudo-header's normal form (the path, the host): where it stands in the request's own
+/// map when the header already was in that form, as most are, else a copy of its own.
+#[derive(Debug, Clone)]
+enum Normal {
+    /// A range of the map's text.
+    Within(Range<usize>),
+    Owned(String),
+}
+
+impl Default for Normal {
+    fn default() -> Normal {
+        Normal::Owned(String::new())
+    }
+}
+
+impl Normal {
+    /// `text`, normalised from a value of `headers`: a range of the map when it was borrowed
+    /// from it.
+    fn of(text: Cow<'_, str>, headers: &Headers) -> Normal {
+        match text {
+            Cow::Borrowed(t) => headers
+                .range_of(t)
+                .map_or_else(|| Normal::Owned(t.to_string()), Normal::Within),
+            Cow::Owned(t) => Normal::Owned(t),
+        }
+    }
+
+    fn read<'a>(&'a self, headers: &'a Headers) -> &'a str {
+        match self {
+            Normal::Within(r) => headers.text_at(r),
+            Normal::Owned(t) => t,
+        }
+    }
+}
+
+/// Two requests are equal when they read alike, however their path and host are kept. Every
+/// field is named, so that a new one cannot be left out.
+impl PartialEq for Request {
+    fn eq(&self, other: &Request) -> bool {
+        let Request {
+            method,
+            path: _,
+            path_others,
+            path_ambiguous,
+            query,
+            params,
+            host: _,
+            client_ip,
+            headers,
+            tenant_claim,
+            principal_claim,
+        } = self;
+        *method == other.method
+            && self.path() == other.path()
+            && *path_others == other.path_others
+            && *path_ambiguous == other.path_ambiguous
+            && *query == other.query
+            && *params == other.params
+            && self.host() == other.host()
+            && *client_ip == other.client_ip
+            && *headers == other.headers
+            && *tenant_claim == other.tenant_claim
+            && *principal_claim == other.principal_claim
+    }
+}
+
+impl Eq for Request {}
 
 impl Request {
     /// Builds a request from header pairs (pseudo-headers `:method`, `:path`, `:authority`
@@ -56,28 +127,48 @@ impl Request {
         for (name, value) in headers.iter() {
             match name {
                 ":method" => {
-                    req.method = probed
-                        .method
-                        .take()
-                        .unwrap_or_else(|| value.to_ascii_uppercase());
+                    req.method = probed.method.take().unwrap_or_else(|| method_of(value));
                 }
                 ":path" => {
                     let (path, query) = split_path(value);
-                    let form = probed.path.take().unwrap_or_else(|| normalize_path(path));
-                    req.path = form.canonical;
-                    req.path_others = form.others;
-                    req.path_ambiguous = form.ambiguous;
+                    let (canonical, others, ambiguous) = match probed.path.take() {
+                        Some(p) => p,
+                        None => {
+                            let form = normalize_path(path);
+                            (
+                                Normal::of(form.canonical, &headers),
+                                form.others,
+                                form.ambiguous,
+                            )
+                        }
+                    };
+                    req.path = canonical;
+                    req.path_others = others;
+                    req.path_ambiguous = ambiguous;
                     req.query = query.to_string();
                     req.params = query_pairs(query);
                 }
                 ":authority" => {
-                    req.host = probed.host.take().unwrap_or_else(|| host_of(value));
+                    req.host = probed
+                        .host
+                        .take()
+                        .unwrap_or_else(|| Normal::of(host_of(value), &headers));
                 }
                 _ => {}
             }
         }
         req.headers = headers;
         req
+    }
+
+    /// The path without the query string, in its canonical form.
+    pub fn path(&self) -> &str {
+        self.path.read(&self.headers)
+    }
+
+    /// Lower-case host without port or a trailing dot.
+    pub fn host(&self) -> &str {
+        self.host.read(&self.headers)
     }
 
     /// The first value of a header (name in lower case).
@@ -120,10 +211,29 @@ fn split_path(raw: &str) -> (&str, &str) {
     raw.split_once('?').unwrap_or((raw, ""))
 }
 
-/// `:authority` as a matcher compares it: lower case, without port or a trailing dot.
-fn host_of(authority: &str) -> String {
+/// `:authority` as a matcher compares it: lower case, without port or a trailing dot (a part
+/// of `authority` when it has no upper case).
+fn host_of(authority: &str) -> Cow<'_, str> {
     let host = strip_port(authority);
-    host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase()
+    let host = host.strip_suffix('.').unwrap_or(host);
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(host)
+    }
+}
+
+/// The methods a request names in upper case without a copy.
+const METHODS: [&str; 9] = [
+    "GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "CONNECT", "TRACE",
+];
+
+/// `:method` in upper case.
+fn method_of(method: &str) -> Cow<'static, str> {
+    match METHODS.iter().find(|m| m.eq_ignore_ascii_case(method)) {
+        Some(m) => Cow::Borrowed(m),
+        None => Cow::Owned(method.to_ascii_uppercase()),
+    }
 }
 
 fn strip_port(addr: &str) -> &str {
@@ -154,27 +264,45 @@ pub trait MatchInput {
     fn header(&mut self, name: &str) -> Result<Option<&str>, Repeated>;
 }
 
-impl MatchInput for &Request {
+/// A parsed request as the matchers read it: its path read once (every match with a path
+/// reads it), its host once if a match names one.
+struct Parsed<'a> {
+    req: &'a Request,
+    path: &'a str,
+    host: Option<&'a str>,
+}
+
+impl<'a> Parsed<'a> {
+    fn of(req: &'a Request) -> Parsed<'a> {
+        Parsed {
+            req,
+            path: req.path(),
+            host: None,
+        }
+    }
+}
+
+impl MatchInput for Parsed<'_> {
     fn method(&mut self) -> &str {
-        &self.method
+        &self.req.method
     }
     fn path(&mut self, n: usize) -> Option<&str> {
         match n {
-            0 => Some(&self.path),
-            _ => self.path_others.get(n - 1).map(String::as_str),
+            0 => Some(self.path),
+            _ => self.req.path_others.get(n - 1).map(String::as_str),
         }
     }
     fn path_ambiguous(&mut self) -> bool {
-        self.path_ambiguous
+        self.req.path_ambiguous
     }
     fn path_read(&self) -> bool {
         true
     }
     fn host(&mut self) -> &str {
-        &self.host
+        self.host.get_or_insert_with(|| self.req.host())
     }
     fn header(&mut self, name: &str) -> Result<Option<&str>, Repeated> {
-        self.single_header(name)
+        self.req.single_header(name)
     }
 }
 
@@ -193,7 +321,7 @@ impl HeaderTest {
 
 impl Match {
     pub fn matches(&self, req: &Request) -> bool {
-        self.fits(&mut &*req, 0)
+        self.fits(&mut Parsed::of(req), 0)
     }
 
     /// Whether `input` fits with reading `reading` of its path: the path is read first (it
@@ -278,7 +406,12 @@ pub fn policy_index(policies: &[Policy], input: &mut impl MatchInput) -> Option<
 
 /// The first policy that guards the request (ambiguous paths included).
 pub fn select_policy<'a>(policies: &'a [Policy], req: &Request) -> Option<&'a Policy> {
-    policy_index(policies, &mut &*req).and_then(|s| policies.get(s.index()))
+    parsed_policy_index(policies, req).and_then(|s| policies.get(s.index()))
+}
+
+/// [`policy_index`] of a request already parsed.
+pub fn parsed_policy_index(policies: &[Policy], req: &Request) -> Option<Selected> {
+    policy_index(policies, &mut Parsed::of(req))
 }
 
 /// The pseudo-headers a matcher reads, from the request's header map, each normalised at most
@@ -286,9 +419,9 @@ pub fn select_policy<'a>(policies: &'a [Policy], req: &Request) -> Option<&'a Po
 /// path costs a scan.
 pub struct Probe<'a> {
     headers: &'a Headers,
-    method: Option<String>,
-    path: Option<PathForm>,
-    host: Option<String>,
+    method: Option<Cow<'static, str>>,
+    path: Option<PathForm<'a>>,
+    host: Option<Cow<'a, str>>,
 }
 
 impl<'a> Probe<'a> {
@@ -305,25 +438,30 @@ impl<'a> Probe<'a> {
 
     /// What the matchers made this probe normalise, for [`Request::from_probed`].
     pub fn into_probed(self) -> Probed {
+        let headers = self.headers;
         Probed {
             method: self.method,
-            path: self.path,
-            host: self.host,
+            path: self
+                .path
+                .map(|p| (Normal::of(p.canonical, headers), p.others, p.ambiguous)),
+            host: self.host.map(|h| Normal::of(h, headers)),
         }
     }
 
-    fn form(&mut self) -> &PathForm {
+    fn form(&mut self) -> &PathForm<'a> {
         self.path
             .get_or_insert_with(|| normalize_path(split_path(first(self.headers, ":path")).0))
     }
 }
 
-/// The pseudo-headers a [`Probe`] normalised (each `None` when no matcher read it).
+/// The pseudo-headers a [`Probe`] normalised (each `None` when no matcher read it), ranges of
+/// its map where they were in normal form: the path's canonical form, its other readings and
+/// whether it is ambiguous.
 #[derive(Debug, Default)]
 pub struct Probed {
-    method: Option<String>,
-    path: Option<PathForm>,
-    host: Option<String>,
+    method: Option<Cow<'static, str>>,
+    path: Option<(Normal, Vec<String>, bool)>,
+    host: Option<Normal>,
 }
 
 /// The first value of `name`, empty when the request has none.
@@ -334,7 +472,7 @@ fn first<'a>(headers: &'a Headers, name: &str) -> &'a str {
 impl MatchInput for Probe<'_> {
     fn method(&mut self) -> &str {
         self.method
-            .get_or_insert_with(|| first(self.headers, ":method").to_ascii_uppercase())
+            .get_or_insert_with(|| method_of(first(self.headers, ":method")))
     }
 
     fn path(&mut self, n: usize) -> Option<&str> {
@@ -430,10 +568,10 @@ pub fn selector_value<'a>(sel: &Selector, caller: &'a Caller, req: &'a Request) 
         Selector::Tenant => Some(caller.tenant.as_str()),
         Selector::Principal => Some(caller.principal.as_ref()),
         Selector::ClientIp => req.client_ip.as_deref(),
-        Selector::Method => Some(req.method.as_str()),
-        Selector::Path => Some(trim_slash(&req.path)),
+        Selector::Method => Some(&req.method),
+        Selector::Path => Some(trim_slash(req.path())),
         Selector::Header(h) => req.header(h),
-        Selector::PathSegment(n) => req.path.split('/').nth(*n).filter(|s| !s.is_empty()),
+        Selector::PathSegment(n) => req.path().split('/').nth(*n).filter(|s| !s.is_empty()),
         Selector::Query(name) => req
             .params
             .iter()
@@ -476,11 +614,71 @@ mod tests {
     fn parses_pseudo_headers() {
         let r = req("post", "/orders/1?x=1&y=2", "API.example.com:8443");
         assert_eq!(r.method, "POST");
-        assert_eq!(r.path, "/orders/1");
+        assert_eq!(r.path(), "/orders/1");
         assert_eq!(r.query, "x=1&y=2");
-        assert_eq!(r.host, "api.example.com");
+        assert_eq!(r.host(), "api.example.com");
         assert_eq!(r.client_ip.as_deref(), Some("10.1.2.3"));
         assert_eq!(r.header("x-tenant-id"), Some("acme"));
+    }
+
+    /// The method, path and host in normal form: borrowed from the map when it already was
+    /// (no copy), else a copy; either way the same text as normalising a copy.
+    #[test]
+    fn normal_forms_borrow_what_is_already_normal() {
+        for (raw, want, borrowed) in [
+            ("GET", "GET", true),
+            ("get", "GET", true),
+            ("Patch", "PATCH", true),
+            ("PROPFIND", "PROPFIND", false),
+            ("propfind", "PROPFIND", false),
+            ("", "", false),
+        ] {
+            let m = method_of(raw);
+            assert_eq!(
+                (&*m, matches!(m, Cow::Borrowed(_))),
+                (want, borrowed),
+                "{raw}"
+            );
+        }
+        for (raw, want, borrowed) in [
+            ("api.example.com:8443", "api.example.com", true),
+            ("example.com.", "example.com", true),
+            ("[::1]:80", "::1", true),
+            ("API.Example.com:8443", "api.example.com", false),
+            ("", "", true),
+        ] {
+            let h = host_of(raw);
+            assert_eq!(
+                (&*h, matches!(h, Cow::Borrowed(_))),
+                (want, borrowed),
+                "{raw}"
+            );
+        }
+        for (path, host, want_path, want_host, within) in [
+            (
+                "/a/b?q=1",
+                "h.example:80",
+                "/a/b",
+                "h.example",
+                (true, true),
+            ),
+            (
+                "/a//./b%41",
+                "H.example",
+                "/a/bA",
+                "h.example",
+                (false, false),
+            ),
+        ] {
+            let mut r = req("GET", path, host);
+            let kept = |n: &Normal| matches!(n, Normal::Within(_));
+            assert_eq!((kept(&r.path), kept(&r.host)), within, "{path} {host}");
+            // The map only grows: what was borrowed from it reads the same.
+            r.headers.push(":path", "/other");
+            r.headers.push(":authority", "other");
+            assert_eq!((r.path(), r.host()), (want_path, want_host));
+            assert_eq!(r.method, "GET");
+        }
     }
 
     #[test]
@@ -675,7 +873,7 @@ mod tests {
         for (path, host, want) in cases {
             let r = req("POST", path, host);
             assert_eq!(
-                policy_index(&config.policies, &mut &r),
+                parsed_policy_index(&config.policies, &r),
                 want,
                 "{path} {host}"
             );

@@ -110,7 +110,7 @@ impl IdemGuard {
         for part in &cfg.fingerprint {
             match part {
                 FingerprintPart::Method => f.part("method", req.method.as_bytes()),
-                FingerprintPart::Path => f.part("path", req.path.as_bytes()),
+                FingerprintPart::Path => f.part("path", req.path().as_bytes()),
                 FingerprintPart::Query => f.part("query", req.query.as_bytes()),
                 FingerprintPart::Principal => f.part("principal", caller.principal.as_bytes()),
                 FingerprintPart::Body => {

@@ -34,7 +34,7 @@ pub use lease::{LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS};
 
 use crate::grpc;
 use crate::lua::acquire;
-use crate::request::{identify, policy_index, Caller, Request, Selected};
+use crate::request::{identify, parsed_policy_index, Caller, Request, Selected};
 use crate::respond::{self, LocalResponse};
 use admit::Admission;
 use calls::Calls;
@@ -205,7 +205,7 @@ impl Flow {
         owner: &str,
         end_of_stream: bool,
     ) -> Step {
-        match policy_index(&cx.rt.config.policies, &mut &req) {
+        match parsed_policy_index(&cx.rt.config.policies, &req) {
             Some(Selected::AmbiguousPath(index)) => {
                 self.set_grpc(req.header("content-type"));
                 self.on_ambiguous_path(cx, index)

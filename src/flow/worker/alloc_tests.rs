@@ -112,25 +112,25 @@ fn each_request_path_stays_within_its_allocation_budget() {
                 let (mut w, bytes) = (worker(), map("/health", "t"));
                 allocations(|| request_headers(&mut w, &cx, 1, bytes).is_some())
             },
-            2,
+            1,
         ),
         (
             "exact, allowed (one callout)",
             false,
             measured(&exact, "tenant-4711", ALLOWED, 1),
-            29,
+            26,
         ),
         (
             "rejected by the over-limit cache",
             true,
             measured(&exact, "over", REJECTED, 2),
-            7,
+            4,
         ),
         (
             "admitted from a leased slice",
             false,
             measured(&leased, "t", GRANTED, 1),
-            13,
+            10,
         ),
     ];
     let report: Vec<String> = cases

@@ -47,7 +47,7 @@ fn req(method: &str, path: &str) -> Request {
 fn request(w: &mut Worker<u32>, cx: &Cx<'_>, s: u32, method: &str, path: &str) -> Effects<u32> {
     let req = req(method, path);
     let Some(crate::request::Selected::Policy(index)) =
-        crate::request::policy_index(&cx.rt.config.policies, &mut &req)
+        crate::request::parsed_policy_index(&cx.rt.config.policies, &req)
     else {
         panic!("no policy for {method} {path}");
     };
