@@ -217,11 +217,13 @@ COST, CHARGED = 3, 5
 # lease_contended: waiters on one resource, and the time each holds it at the upstream.
 # Open-loop latency: fixed request rates a busy sidecar sees, each measured by oha
 # (`--latency-correction`: from when a request was due, not when a connection was free) on
-# the scenario's Envoy and on plain Envoy at the same rate, alternately. The naive anchor runs
-# too: what one callout per request adds whatever the filter does, beside the callout paths.
+# the scenario's Envoy and on plain Envoy at the same rate, alternately. The naive anchors run
+# too: what one callout per request adds whatever the filter does (and with the least a
+# per-tenant limit does), beside the callout paths; and so does the gateway alone (oha straight
+# to webdis), the round trip a callout cannot beat.
 LATENCY_RATES = (500, 1000, 2000)
-LATENCY_SCENARIOS = ("no_policy", "wasm_naive", "rl_allowed", "rl_allowed_batched",
-                     "rl_allowed_leased", "rl_rejected")
+LATENCY_SCENARIOS = ("no_policy", "wasm_naive", "wasm_naive_rl", "rl_allowed",
+                     "rl_allowed_batched", "rl_allowed_leased", "rl_rejected")
 LATENCY_CONNECTIONS = 32
 # What each may add over plain Envoy at 1,000 requests/s: (p50, p99) in ms.
 LATENCY_GOALS = {"rl_allowed": (0.5, 2.0), "no_policy": (0.1, 0.5), "rl_rejected": (0.1, 0.5),
@@ -592,6 +594,10 @@ def self_cpu_seconds() -> float:
 
 
 STAT_FILTER = r"^(http\.ingress\.downstream_rq_|wasmcustom\.(cg|floor)\.)"
+# Envoy's counters of the gateway cluster: callouts sent, and connections opened to carry them.
+GATEWAY_RQ = "cluster.redis_gateway.upstream_rq_total"
+GATEWAY_CX = "cluster.redis_gateway.upstream_cx_total"
+GATEWAY_STATS = r"^cluster\.redis_gateway\.upstream_(rq|cx)_total$"
 
 
 class Bench:
@@ -753,10 +759,14 @@ class Bench:
 
     def oha(self, envoy: Envoy, rate: int, seconds: int, tenant: str) -> dict:
         """One open-loop run: `rate` requests/s for `seconds` s; percentiles in ms."""
+        return self.oha_at(f"{envoy.url}/api/items", rate, seconds,
+                           ["-H", f"{TENANT_HEADER}: {tenant}"])
+
+    def oha_at(self, url: str, rate: int, seconds: int, request: list[str]) -> dict:
+        """[`Bench.oha`] of any URL, `request` saying the rest (oha's method, headers, body)."""
         argv = [require_binary("oha", "make deps-bench"), "-z", f"{seconds}s", "-q", str(rate),
                 "-c", str(LATENCY_CONNECTIONS), "--latency-correction", "--no-tui",
-                "--output-format", "json", "-H", f"{TENANT_HEADER}: {tenant}",
-                f"{envoy.url}/api/items"]
+                "--output-format", "json", *request, url]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60,
                               stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
@@ -782,12 +792,16 @@ class Bench:
             out = {"scenario": scenario.name, "rates": []}
             for rate in rates:
                 runs: dict[str, list[dict]] = {"plain": [], "scenario": []}
+                before = envoy.stats(filter=GATEWAY_STATS)
                 for round_no in range(max(1, self.rounds // 2)):
                     tenant = f"ol-{scenario.name}-{rate}-{round_no}-{uuid.uuid4().hex[:6]}"
                     pair = [("plain", self.plain), ("scenario", envoy)]
                     for kind, target in round_order(pair, round_no + 1):
                         runs[kind].append(self.oha(target, rate, seconds, tenant))
-                entry = {"rate": rate}
+                after = envoy.stats(filter=GATEWAY_STATS)
+                entry = {"rate": rate, "gateway": {
+                    k: after.get(name, 0) - before.get(name, 0)
+                    for k, name in (("callouts", GATEWAY_RQ), ("connections", GATEWAY_CX))}}
                 for kind, rs in runs.items():
                     entry[kind] = {k: _median([r[k] for r in rs])
                                    for k in ("requests_per_second", "p50_ms", "p99_ms", "p999_ms")}
@@ -801,6 +815,29 @@ class Bench:
             return out
         finally:
             self.stop_envoy(envoy)
+
+    def gateway_alone(self, rates: tuple[int, ...], seconds: int) -> list[dict]:
+        """The naive anchor's callout sent by oha straight to webdis at each rate, no Envoy:
+        the gateway's and Redis's round trip, which every callout pays on top of what Envoy
+        and the filter add. `self.rounds // 2` runs per rate (at least one), medians."""
+        s = self.stack
+        callout = naive(s)["callout"]
+        request = ["-m", "POST", "-H", f"authorization: {callout['authorization']}",
+                   "-H", "content-type: text/plain", "-d", callout["body"]]
+        out = []
+        for rate in rates:
+            runs = [self.oha_at(f"{s.webdis.url}/", rate, seconds, request)
+                    for _ in range(max(1, self.rounds // 2))]
+            bad = failed_runs(runs)
+            if bad:
+                raise RuntimeError(f"the gateway answered other than 200: {bad}")
+            entry = {k: _median([r[k] for r in runs])
+                     for k in ("requests_per_second", "p50_ms", "p99_ms", "p999_ms")}
+            out.append({"rate": rate, **entry, "runs": runs})
+            print(f"  open loop, the gateway alone @ {rate}/s: {entry['p50_ms']:.2f} / "
+                  f"{entry['p99_ms']:.2f} / {entry['p999_ms']:.2f} ms (p50 / p99 / p99.9)",
+                  flush=True)
+        return out
 
     def settle(self, envoy: Envoy) -> None:
         """Wait for the filter's background calls (completions, releases) to drain."""
@@ -993,6 +1030,13 @@ class Bench:
                 "plugin_config": plugin, "local_ratelimit": scenario.local_ratelimit,
                 "routed": scenario.routed, "plain_routed": scenario.plain_routed,
                 "goal": scenario.goal, "summary": summary, "runs": runs}
+
+
+def failed_runs(runs: list[dict]) -> list[tuple[dict, dict]]:
+    """The (statuses, errors) of oha runs that got an answer other than 200 or an error other
+    than the requests still in flight when oha's time was up ("aborted due to deadline")."""
+    return [(r["statuses"], r["errors"]) for r in runs
+            if set(r["statuses"]) - {"200"} or set(r["errors"]) - {"aborted due to deadline"}]
 
 
 def round_order(targets: list, round_no: int) -> list:
@@ -1227,7 +1271,8 @@ def markdown_results(results: dict) -> str:
                   f"{CONTENDED_OP_MS} ms each: the resource was busy "
                   f"{fmt(_median(values), '.2f')} of the time (rounds "
                   f"{', '.join(f'{v:.2f}' for v in values)})."]
-    lines += open_loop_markdown(results.get("open_loop", []), titles)
+    lines += open_loop_markdown(results.get("open_loop", []), titles,
+                                results.get("open_loop_gateway"))
     checks = results.get("correctness", {})
     if checks:
         ok = all(c["ok"] for c in checks.values())
@@ -1236,15 +1281,20 @@ def markdown_results(results: dict) -> str:
     return "\n".join(lines)
 
 
-def open_loop_markdown(open_loop: list[dict], titles: dict) -> list[str]:
-    """The open-loop table: latency each scenario adds over plain Envoy at the same rate."""
+def open_loop_markdown(open_loop: list[dict], titles: dict,
+                       gateway: list[dict] | None = None) -> list[str]:
+    """The open-loop table: latency each scenario adds over plain Envoy at the same rate, the
+    callouts its Envoy sent and the gateway connections it opened for them; then the gateway's
+    own round trip at each rate."""
     if not open_loop:
         return []
     lines = ["", f"Open loop (oha `--latency-correction`, {LATENCY_CONNECTIONS} connections, "
              "the scenario and plain Envoy alternately at the same rate): latency added over "
-             "plain Envoy, ms, and plain Envoy's own.", "",
+             "plain Envoy, ms, and plain Envoy's own; the callouts the scenario's Envoy sent "
+             "to the gateway at that rate and the connections it opened to carry them.", "",
              "| scenario | rate/s | adds p50 / p99 / p99.9 | goal at 1000/s (p50 / p99) "
-             "| plain p50 / p99 / p99.9 |", "|---|---|---|---|---|"]
+             "| plain p50 / p99 / p99.9 | callouts / gateway connections opened |",
+             "|---|---|---|---|---|---|"]
     for entry in open_loop:
         name = entry["scenario"]
         for r in entry["rates"]:
@@ -1254,10 +1304,18 @@ def open_loop_markdown(open_loop: list[dict], titles: dict) -> list[str]:
                 g50, g99 = LATENCY_GOALS[name]
                 met = a["p50_ms"] < g50 and a["p99_ms"] < g99
                 goal = f"< {g50} / < {g99} {'met' if met else 'missed'}"
+            gw = r.get("gateway")
+            carried = f"{gw['callouts']} / {gw['connections']}" if gw else "-"
             lines.append(f"| {titles.get(name, name)} | {r['rate']} | {a['p50_ms']:.2f} / "
                          f"{a['p99_ms']:.2f} / {a['p999_ms']:.2f} | {goal} | "
                          f"{fmt(p['p50_ms'], '.2f')} / {fmt(p['p99_ms'], '.2f')} / "
-                         f"{fmt(p['p999_ms'], '.2f')} |")
+                         f"{fmt(p['p999_ms'], '.2f')} | {carried} |")
+    if gateway:
+        each = "; ".join(f"{g['rate']}/s {fmt(g['p50_ms'], '.2f')} / {fmt(g['p99_ms'], '.2f')} / "
+                         f"{fmt(g['p999_ms'], '.2f')}" for g in gateway)
+        lines += ["", "The gateway alone (oha straight to webdis with the naive anchor's `EVAL`, "
+                  f"no Envoy), p50 / p99 / p99.9 ms: {each}. A callout pays this round trip "
+                  "on top of what Envoy and the filter add."]
     return lines
 
 
@@ -1535,6 +1593,7 @@ def main() -> int:
     scenario_results: dict[str, dict] = {}
     contended_results: list[dict] = []
     open_loop_results: list[dict] = []
+    gateway_results: list[dict] = []
     bench: Bench | None = None
     try:
         stack.start()
@@ -1554,6 +1613,11 @@ def main() -> int:
                 except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError,
                         PrerequisiteMissing) as e:
                     bench.errors.append(f"open_loop {scenario.name}: {e}")
+            try:
+                gateway_results = bench.gateway_alone(latency_rates, latency_seconds)
+            except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError,
+                    PrerequisiteMissing) as e:
+                bench.errors.append(f"open_loop, the gateway alone: {e}")
         if not wanted or "lease_contended" in wanted:
             contended = []
             for _ in range(rounds):
@@ -1582,6 +1646,7 @@ def main() -> int:
         "scenarios": scenario_results,
         "lease_contended": contended_results,
         "open_loop": open_loop_results,
+        "open_loop_gateway": gateway_results,
         "skipped": skipped,
         "errors": bench.errors if bench else [],
     }

@@ -89,10 +89,38 @@ def test_a_scenario_is_measured_against_its_anchor_in_the_same_run():
 def test_open_loop_rows_say_what_the_filter_adds_at_each_rate():
     entry = {"scenario": "rl_allowed", "rates": [
         {"rate": 1000, "added_ms": {"p50_ms": 0.4, "p99_ms": 2.5, "p999_ms": 6.0},
-         "plain": {"p50_ms": 0.2, "p99_ms": 0.9, "p999_ms": 3.0}}]}
-    lines = bench.open_loop_markdown([entry], {"rl_allowed": "exact"})
-    assert lines[-1] == "| exact | 1000 | 0.40 / 2.50 / 6.00 | < 0.5 / < 2.0 missed | " \
-                        "0.20 / 0.90 / 3.00 |"
+         "plain": {"p50_ms": 0.2, "p99_ms": 0.9, "p999_ms": 3.0},
+         "gateway": {"callouts": 5000, "connections": 9}},
+        {"rate": 500, "added_ms": {"p50_ms": 0.3, "p99_ms": 1.5, "p999_ms": 4.0},
+         "plain": {"p50_ms": 0.2, "p99_ms": 0.8, "p999_ms": 2.0}}]}
+    gateway = [{"rate": 500, "p50_ms": 0.16, "p99_ms": 0.33, "p999_ms": 1.2},
+               {"rate": 1000, "p50_ms": 0.17, "p99_ms": 0.39, "p999_ms": None}]
+    lines = bench.open_loop_markdown([entry], {"rl_allowed": "exact"}, gateway)
+    rows = [ln for ln in lines if ln.startswith("| exact |")]
+    assert rows == ["| exact | 1000 | 0.40 / 2.50 / 6.00 | < 0.5 / < 2.0 missed | "
+                    "0.20 / 0.90 / 3.00 | 5000 / 9 |",
+                    # A run recorded before the gateway's counters were: no figure, not zeros.
+                    "| exact | 500 | 0.30 / 1.50 / 4.00 |  | 0.20 / 0.80 / 2.00 | - |"]
+    assert lines[-1].startswith("The gateway alone (")
+    assert "500/s 0.16 / 0.33 / 1.20; 1000/s 0.17 / 0.39 / -." in lines[-1]
+    # Without the gateway's own runs, the table ends the section.
+    assert bench.open_loop_markdown([entry], {})[-1].endswith("| - |")
+
+
+def test_an_open_loop_run_fails_on_an_answer_or_error_of_its_target():
+    ok = {"statuses": {"200": 5000}, "errors": {"aborted due to deadline": 2}}
+    refused = {"statuses": {"200": 10, "403": 4990}, "errors": {}}
+    reset = {"statuses": {"200": 4000}, "errors": {"connection closed": 1000}}
+    assert bench.failed_runs([ok]) == []
+    assert bench.failed_runs([ok, refused, reset]) == [
+        ({"200": 10, "403": 4990}, {}), ({"200": 4000}, {"connection closed": 1000})]
+
+
+def test_the_naive_anchors_and_the_callout_paths_run_in_the_open_loop():
+    for name in ("wasm_naive", "wasm_naive_rl", "rl_allowed", "rl_allowed_batched"):
+        assert name in bench.LATENCY_SCENARIOS
+    known = {s.name for s in bench.scenarios()}
+    assert set(bench.LATENCY_SCENARIOS) <= known
 
 
 def test_bench_spans_reads_every_workers_reports_from_the_envoy_log(tmp_path):
