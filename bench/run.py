@@ -30,7 +30,10 @@ turn; `wasm_floor_reads` is the floor plus 20 header reads per request, what one
 returns data costs. `wasm_naive_rl`, `wasm_floor_429_keyed` and `wasm_floor_rl` are the least a
 filter limiting each tenant with the IETF headers does on the exact, rejected and leased paths
 (the tenant found in the header map, the headers formatted), reported beside their goals'
-anchors. A scenario with a goal against an anchor runs that anchor in its own rounds
+anchors. `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
+scenarios' POST requests, answered by Envoy (as replays are) and through the upstream (as
+fresh keys are): what one callout costs on those requests. A scenario with a goal against an
+anchor, or with `anchors_in_rounds`, runs that anchor in its own rounds
 (plain, anchor, scenario[, compare], and the reverse in every other round, so a drift within a
 round favours no one), and its ratio is the median of the per-round ratios.
 
@@ -146,6 +149,10 @@ class Scenario:
     # Anchors measured in the same run, each with the ratio to reach (None: reported only):
     # the scenario's throughput over the anchor's, both as ratios to their plain rounds.
     anchors: tuple[tuple[str, float | None], ...] = ()
+    # Its anchors run in its own rounds even without a goal (an anchor doing what it does, on
+    # the same requests and routing, where a comparison with another run's rows would not say
+    # what bounds it).
+    anchors_in_rounds: bool = False
     # Expected answers: None = every response 2xx; N = exactly N admitted (2xx) per run, the
     # rest 429 (counted as the successful outcome of a rejected-path benchmark).
     admitted_exactly: int | None = None
@@ -491,6 +498,15 @@ def scenarios() -> list[Scenario]:
                  verify=verify_floor, all_rejected=True),
         Scenario("wasm_floor_rl", "minimal filter counting per tenant with RateLimit headers "
                  "(anchor)", "get.lua", floor_rl, wasm_path=FLOOR_WASM, verify=verify_floor),
+        # The naive callout on the idempotency scenarios' requests (a POST with a JSON body):
+        # answered by Envoy as the replays are, and routed through the upstream as fresh keys
+        # are (with a routed plain Envoy), each in the rounds of the scenario it bounds.
+        Scenario("wasm_naive_post", "minimal filter + 1 webdis callout per POST with a body "
+                 "(anchor)", "idem_replay.lua", naive, wasm_path=FLOOR_WASM,
+                 verify=verify_naive),
+        Scenario("wasm_naive_routed", "minimal filter + 1 webdis callout per POST with a body, "
+                 "via upstream (anchor)", "idem_fresh.lua", naive, wasm_path=FLOOR_WASM,
+                 verify=verify_naive, routed=True, plain_routed=True),
         Scenario("no_policy", "filter, no policy matches", "get.lua", no_policy, goal=0.70,
                  anchors=(("wasm_floor", 0.95),),
                  verify=verify_no_calls),
@@ -513,13 +529,14 @@ def scenarios() -> list[Scenario]:
         # their paired plain Envoy, so the ratio is the filter's alone.
         Scenario("idem_fresh", "idempotency, fresh key per request (via upstream)",
                  "idem_fresh.lua", idempotent("idem_fresh"), verify=verify_fresh,
-                 routed=True, plain_routed=True, anchors=(("wasm_naive", None),)),
+                 routed=True, plain_routed=True, anchors=(("wasm_naive_routed", None),),
+                 anchors_in_rounds=True),
         # Only the warm-up request reaches the upstream; every measured request is a replay
         # answered by the filter, compared with plain Envoy's direct response as elsewhere.
         Scenario("idem_replay", "idempotency replay, same key", "idem_replay.lua",
                  idempotent("idem_replay"), goal=0.35, verify=verify_replay, routed=True,
                  args=lambda s, nonce: [s.state["key"]], prepare=prepare_replay,
-                 anchors=(("wasm_naive", None),)),
+                 anchors=(("wasm_naive_post", None),), anchors_in_rounds=True),
         Scenario("lease", "lease per request (acquire + release)", "lease.lua", leased,
                  verify=verify_lease, anchors=(("wasm_naive", None),)),
         # Quotas: a slot taken and given back per request (the response waits for the
@@ -969,7 +986,7 @@ class Bench:
                 a = by_name[name]
                 anchor = self.start_envoy(f"{scenario.name}-anchor-{name}",
                                           a.plugin(self.stack) if a.plugin else None,
-                                          local_ratelimit=a.local_ratelimit,
+                                          routed=a.routed, local_ratelimit=a.local_ratelimit,
                                           wasm_path=a.wasm_path)
                 anchors.append(anchor)
                 targets.append((anchor, f"anchor:{name}", a))
@@ -1088,8 +1105,9 @@ def summarize(scenario: Scenario | None, runs: list[dict], kind: str = "scenario
 
 def in_round_anchors(scenario: Scenario) -> list[str]:
     """The anchors measured in the scenario's own rounds: every anchor of a scenario with a
-    goal on one (the others are compared with the anchor's own scenario, below)."""
-    if any(goal is not None for _, goal in scenario.anchors):
+    goal on one or `anchors_in_rounds` (the others are compared with the anchor's own
+    scenario, below)."""
+    if scenario.anchors_in_rounds or any(goal is not None for _, goal in scenario.anchors):
         return [name for name, _ in scenario.anchors]
     return []
 

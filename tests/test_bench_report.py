@@ -194,3 +194,18 @@ def test_perf_split_tells_the_filters_code_from_its_host_calls_and_the_rest():
     assert total == 5
     assert counts == {"Wasm (JIT)": 1, "host calls from the Wasm": 2,
                       "outside the filter: Envoy": 1, "outside the filter: kernel": 1}
+
+
+def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_requests():
+    """The idempotency scenarios' anchors run in their rounds, with their requests (script)
+    and their routing, so a per-round ratio compares like with like; other anchors without a
+    goal are compared with the anchor's own rows."""
+    by_name = {s.name: s for s in bench.scenarios()}
+    for name, anchor in (("idem_fresh", "wasm_naive_routed"), ("idem_replay", "wasm_naive_post")):
+        scenario, a = by_name[name], by_name[anchor]
+        assert bench.in_round_anchors(scenario) == [anchor]
+        assert a.script == scenario.script and a.wasm_path == bench.FLOOR_WASM
+        assert a.plain_routed == scenario.plain_routed
+        assert a.routed == scenario.plain_routed  # answered where its plain Envoy answers
+    assert bench.in_round_anchors(by_name["lease"]) == []
+    assert bench.in_round_anchors(by_name["rl_allowed"]) == ["wasm_naive", "wasm_naive_rl"]

@@ -7,7 +7,8 @@
 //! - `wasm_naive` (`{"callout": {...}}`): the same, plus one gateway callout per request that
 //!   the request waits for (an `EVAL` of a one-line `INCR` through webdis), then
 //!   `floor.callouts` counts the 200 answers. The naive design the issue quotes: what one
-//!   callout per request costs, whatever the script does.
+//!   callout per request costs, whatever the script does. A request with a body waits with
+//!   its body (`wasm_naive_post`, `wasm_naive_routed`: the idempotency scenarios' POSTs).
 //!
 //! - `wasm_floor_429` (`{"local_reply": {...}}`): the same, but every request is answered by
 //!   the filter with the given local reply (status, headers, body): the least a filter that
@@ -129,6 +130,8 @@ struct Floor {
     table: Rc<RefCell<HashMap<String, (u64, u64)>>>,
     /// The stream's `RateLimit` values: remaining, seconds to the window's end.
     told: Option<(u64, u64)>,
+    /// The stream waits for its own callout's answer.
+    held: bool,
 }
 
 impl Floor {
@@ -209,6 +212,7 @@ impl Context for Floor {
                 if let (true, Some(id)) = (ok, self.callouts) {
                     let _ = hostcalls::increment_metric(id, 1);
                 }
+                self.held = false;
                 let _ = hostcalls::resume_http_request();
             }
         }
@@ -302,9 +306,21 @@ impl HttpContext for Floor {
         let Some(c) = &self.callout else {
             return Action::Continue;
         };
-        match self.send_callout(c, c.body.as_bytes()) {
-            Some(_) => Action::Pause,
-            None => Action::Continue,
+        let sent = self.send_callout(c, c.body.as_bytes());
+        self.hold(sent)
+    }
+
+    /// A request with a body: while the request waits, its body waits too (a body callback
+    /// that continued would let Envoy pass the request on before the answer).
+    fn on_http_request_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        let queued = {
+            let w = self.waiting.borrow();
+            w.queued.contains(&self.id) || w.batches.iter().any(|(_, s)| s.contains(&self.id))
+        };
+        if self.held || queued {
+            Action::Pause
+        } else {
+            Action::Continue
         }
     }
 
@@ -321,6 +337,16 @@ impl HttpContext for Floor {
 }
 
 impl Floor {
+    /// Pauses the request until the answer to `sent`'s callout, if it went out.
+    fn hold(&mut self, sent: Option<u32>) -> Action {
+        self.held = sent.is_some();
+        if self.held {
+            Action::Pause
+        } else {
+            Action::Continue
+        }
+    }
+
     /// The request with a limit per tenant (see the module's doc).
     fn limited(&mut self, limit: &Limit) -> Action {
         let map = header_map_bytes();
@@ -330,10 +356,8 @@ impl Floor {
         }
         if let Some(c) = self.callout.clone() {
             let body = c.body.replace("{tenant}", &percent_encode(tenant));
-            return match self.send_callout(&c, body.as_bytes()) {
-                Some(_) => Action::Pause,
-                None => Action::Continue,
-            };
+            let sent = self.send_callout(&c, body.as_bytes());
+            return self.hold(sent);
         }
         let now = now_ms();
         let window_ms = limit.window_s.saturating_mul(1000);
