@@ -1,8 +1,8 @@
 //! Micro-benchmarks of the per-request core: policy match, key building, body fingerprint,
 //! sealing and opening a stored response (`idempotency.encryption`), and the whole per-request
-//! work of the filter's core on three paths (exact allowed, rejected by the over-limit cache,
-//! admitted from a leased slice): what the filter itself adds to a request, apart from the
-//! host (Envoy, V8) and the callout.
+//! work of the filter's core on four paths (exact allowed, rejected by the over-limit cache,
+//! admitted from a leased slice, an idempotency replay): what the filter itself adds to a
+//! request, apart from the host (Envoy, V8) and the callout.
 //!
 //! `cargo bench --bench core` (or `make bench-core`). Plain `Instant` loops with `black_box`,
 //! no benchmark framework: each case is calibrated to about 50 ms per sample, sampled
@@ -15,7 +15,7 @@
 //! `CORE_COUNT`), the working tree beside a git revision: a measure no noise moves.
 
 use coordination_guard::config::Config;
-use coordination_guard::flow::worker::{Effects, ResponseHead, Worker};
+use coordination_guard::flow::worker::{Dir, Effects, ResponseHead, Worker};
 use coordination_guard::flow::{Cx, Flow, Runtime, Step};
 use coordination_guard::headers::{self, Headers};
 use coordination_guard::idempotency::fingerprint::{canonical_body, Fingerprint};
@@ -23,7 +23,7 @@ use coordination_guard::idempotency::record::{Record, RecordResponse, StoredResp
 use coordination_guard::idempotency::seal::{fresh_nonce, record_aad, Keyring, RecordKey};
 use coordination_guard::ids::TokenSource;
 use coordination_guard::keys;
-use coordination_guard::metrics::NoMetrics;
+use coordination_guard::metrics::{Metrics, NoMetrics};
 use coordination_guard::ratelimit;
 use coordination_guard::redis::webdis;
 use coordination_guard::request::{policy_index, select_policy, Caller, Probe, Request, Selected};
@@ -453,6 +453,92 @@ fn worker_requests() {
         b"*5\r\n:1\r\n:1\r\n:999999999\r\n:3600000\r\n:0\r\n",
         false,
     );
+    worker_replay();
+}
+
+/// `make bench`'s replay, driven as the adapter drives it: a POST with a JSON body and an
+/// `Idempotency-Key` (the host's map decoded, matched and parsed), its body read and
+/// fingerprinted, the acquire's body, its answer (the completed record, parsed) and the stored
+/// response as the local reply, the stream's end.
+fn worker_replay() {
+    let config = Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "identity": {"tenant_header": "x-tenant-id",
+        "principal_header": "x-user-id", "missing_tenant": "reject"},
+        "failure_mode": "fail_closed", "policies": [{"name": "create-order",
+        "match": {"methods": ["POST"], "path_prefix": "/orders"},
+        "idempotency": {"header": "idempotency-key", "required": true, "methods": ["POST"],
+        "processing_ttl": "2m", "completed_ttl": "10m", "fingerprint": ["method", "path", "body"],
+        "max_request_body": "512KiB", "replay": "full", "max_response_body": "64KiB",
+        "replay_headers": ["content-type"], "complete": "sync"}}]}"#,
+    )
+    .expect("valid");
+    let metrics = Metrics::define(&config, |_, _| 0);
+    let rt = Runtime::new(config, metrics, None);
+    let body: &[u8] = br#"{"customer":"c-123","items":[{"sku":"SKU-1","qty":2}],"currency":"EUR"}"#;
+    let length = body.len().to_string();
+    let map = headers::encode(&[
+        (b":method", b"POST"),
+        (b":path", b"/orders"),
+        (b":authority", b"localhost"),
+        (b"user-agent", b"wrk"),
+        (b"content-length", length.as_bytes()),
+        (b"x-tenant-id", b"bench"),
+        (b"content-type", b"application/json"),
+        (b"idempotency-key", b"bench-replay-0123456789ab"),
+    ]);
+    let stored = StoredResponse::new(
+        200,
+        vec![("content-type".to_string(), "application/json".to_string())],
+        Some(br#"{"id":"o-4711","status":"created"}"#),
+    );
+    let record = format!(
+        r#"{{"schema_version":1,"state":"COMPLETED","fingerprint":"{}","created_ms":1,"updated_ms":2,"response":{}}}"#,
+        fingerprint(body),
+        stored.to_json()
+    );
+    // acquire.lua's reply for a policy without limits: admitted, the record's code (3:
+    // completed), its time to live, the record.
+    let mut answer = b"*4\r\n:1\r\n:3\r\n:600000\r\n".to_vec();
+    answer.extend_from_slice(format!("${}\r\n", record.len()).as_bytes());
+    answer.extend_from_slice(record.as_bytes());
+    answer.extend_from_slice(b"\r\n");
+    let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
+    let mut stream = 0u32;
+    // One request: the status of its local reply.
+    let mut request = |w: &mut Worker<u32>| -> Option<u32> {
+        let cx = Cx::new(&rt, 1_000, &NoMetrics);
+        stream += 1;
+        let headers = Headers::decode(map.clone()).expect("a valid map");
+        let mut probe = Probe::new(&headers);
+        let Some(Selected::Policy(index)) = policy_index(&cx.rt.config.policies, &mut probe) else {
+            panic!("the benchmark's policy matches");
+        };
+        let probed = probe.into_probed();
+        let req = Request::from_probed(headers, None, probed);
+        black_box(w.on_request_headers(&cx, stream, index, req, false));
+        let mut fx = w.on_body(&cx, stream, Dir::Request, body.len(), true, || {
+            body.to_vec()
+        });
+        let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
+        let call = call.expect("one acquire call");
+        black_box(&call.body);
+        let _ = w.sent(&cx, call.route, Ok(stream));
+        let fx = w.on_answer(&cx, stream, || {
+            webdis::decode_array(&answer).ok_or(coordination_guard::redis::CallError::Transport)
+        });
+        let status = fx
+            .streams
+            .iter()
+            .find_map(|o| o.reply.as_ref().map(|r| r.status));
+        black_box(fx);
+        black_box(w.on_done(&cx, stream));
+        w.close(stream);
+        status
+    };
+    assert_eq!(request(&mut w), Some(200), "the stored response replayed");
+    report("request through the worker, idempotency replay", || {
+        black_box(request(&mut w));
+    });
 }
 
 /// A request of one tenant that the worker answers without Redis, driven as the adapter
