@@ -30,7 +30,8 @@
 //! unreadable to it, never replayed as something else.
 
 use super::seal::{Keyring, OpenError, Sealed, NONCE_LEN};
-use serde::{Deserialize, Serialize};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize};
 
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -59,14 +60,52 @@ pub struct Record {
 }
 
 /// A completed record's `response`: in the clear, or sealed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
 pub enum RecordResponse {
-    /// `{"sealed": {...}}`: tried first, so that a sealed response never reads as a plain one.
+    /// `{"sealed": {...}}`: an object with `"sealed"` is a sealed response, or unreadable; it
+    /// never reads as a plain one.
     Sealed {
         sealed: Sealed,
     },
     Plain(StoredResponse),
+}
+
+/// Read in one pass, without buffering the object to try each variant in turn (an untagged
+/// enum copies every key and value of a replayed response once more): the fields of both.
+impl<'de> Deserialize<'de> for RecordResponse {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<RecordResponse, D::Error> {
+        #[derive(Deserialize)]
+        struct Either {
+            #[serde(default)]
+            sealed: Option<Sealed>,
+            #[serde(default)]
+            status: Option<u16>,
+            #[serde(default)]
+            headers: Vec<(String, String)>,
+            #[serde(default)]
+            body: Option<String>,
+            #[serde(default)]
+            body_base64: Option<String>,
+            #[serde(default)]
+            reference: bool,
+            #[serde(default)]
+            trailers: Vec<(String, String)>,
+        }
+        let e = Either::deserialize(d)?;
+        match (e.sealed, e.status) {
+            (Some(sealed), _) => Ok(RecordResponse::Sealed { sealed }),
+            (None, Some(status)) => Ok(RecordResponse::Plain(StoredResponse {
+                status,
+                headers: e.headers,
+                body: e.body,
+                body_base64: e.body_base64,
+                reference: e.reference,
+                trailers: e.trailers,
+            })),
+            (None, None) => Err(D::Error::missing_field("status")),
+        }
+    }
 }
 
 impl RecordResponse {
@@ -361,9 +400,48 @@ mod tests {
             br#"{"state":"PROCESSING","fingerprint":"md5:ab"}"#,
             br#"{"state":"COMPLETED","fingerprint":"sha256:ab"}"#,
             br#"{"state":"COMPLETED","fingerprint":"sha256:ab","response":{"status":"x"}}"#,
+            br#"{"state":"COMPLETED","fingerprint":"sha256:ab","response":{"headers":[]}}"#,
+            // A sealed response that does not read as one is not read as a plain one either.
+            br#"{"state":"COMPLETED","fingerprint":"sha256:ab","response":{"sealed":{"alg":"A256GCM"},"status":200,"body":"x"}}"#,
+            br#"{"state":"COMPLETED","fingerprint":"sha256:ab","response":{"sealed":"x","status":200}}"#,
+            // A repeated field is ambiguous.
+            br#"{"state":"COMPLETED","fingerprint":"sha256:ab","response":{"status":200,"status":201}}"#,
         ] {
             assert_eq!(Record::parse(bad), None, "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    /// Every field of a response in the clear, and a sealed one (beside a `status` it does not
+    /// read), come back as they were written.
+    #[test]
+    fn responses_read_back_as_written() {
+        let mut grpc = StoredResponse::new(200, vec![("content-type".into(), "a/b".into())], None);
+        grpc.reference = true;
+        grpc.trailers = vec![("grpc-status".into(), "5".into())];
+        let sealed = RecordResponse::Sealed {
+            sealed: Sealed {
+                alg: "A256GCM".into(),
+                kid: "k1".into(),
+                nonce: "bm9uY2U=".into(),
+                ct: "Y3Q=".into(),
+            },
+        };
+        let responses = [
+            RecordResponse::Plain(StoredResponse::new(201, vec![], Some(b"ok"))),
+            RecordResponse::Plain(StoredResponse::new(200, vec![], Some(b"\xff\x00"))),
+            RecordResponse::Plain(grpc),
+            sealed.clone(),
+        ];
+        let record = |json: &str| {
+            format!(r#"{{"state":"COMPLETED","fingerprint":"sha256:ab","response":{json}}}"#)
+        };
+        for r in responses {
+            let read = Record::parse(record(&r.to_json()).as_bytes()).and_then(|c| c.response);
+            assert_eq!(read.as_ref(), Some(&r), "{}", r.to_json());
+        }
+        let with_status = sealed.to_json().replacen('{', r#"{"status":200,"#, 1);
+        let read = Record::parse(record(&with_status).as_bytes()).and_then(|c| c.response);
+        assert_eq!(read, Some(sealed));
     }
 
     #[test]
