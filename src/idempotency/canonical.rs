@@ -6,6 +6,8 @@
 //! that repeats a member name is refused (the service may read either value), and the caller
 //! then fingerprints the raw bytes.
 
+use std::borrow::Cow;
+
 /// Nesting deeper than this is refused rather than recursed into.
 const MAX_DEPTH: usize = 128;
 
@@ -24,7 +26,7 @@ struct Parser<'a> {
     i: usize,
 }
 
-impl Parser<'_> {
+impl<'a> Parser<'a> {
     fn peek(&self) -> Option<u8> {
         self.s.get(self.i).copied()
     }
@@ -68,7 +70,7 @@ impl Parser<'_> {
 
     fn object(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
         self.eat(b'{')?;
-        let mut members: Vec<(String, Vec<u8>)> = Vec::new();
+        let mut members: Vec<(Cow<'a, str>, Vec<u8>)> = Vec::new();
         self.ws();
         if self.eat(b'}').is_none() {
             loop {
@@ -161,15 +163,30 @@ impl Parser<'_> {
         }
     }
 
-    /// A string literal, unescaped.
-    fn string(&mut self) -> Option<String> {
+    /// A string literal, unescaped: borrowed from the input when it has no escape, as most
+    /// keys and values do.
+    fn string(&mut self) -> Option<Cow<'a, str>> {
         self.eat(b'"')?;
-        let mut out: Vec<u8> = Vec::new();
+        let s = self.s;
+        let start = self.i;
+        let plain = s
+            .get(start..)?
+            .iter()
+            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
+        let end = start + plain;
+        if s.get(end) == Some(&b'"') {
+            self.i = end + 1;
+            return std::str::from_utf8(s.get(start..end)?)
+                .ok()
+                .map(Cow::Borrowed);
+        }
+        let mut out: Vec<u8> = s.get(start..end)?.to_vec();
+        self.i = end;
         loop {
             let b = self.peek()?;
             self.i += 1;
             match b {
-                b'"' => return String::from_utf8(out).ok(),
+                b'"' => return String::from_utf8(out).ok().map(Cow::Owned),
                 b'\\' => {
                     let e = self.peek()?;
                     self.i += 1;
@@ -288,5 +305,33 @@ mod tests {
         }
         let deep = "[".repeat(200) + &"]".repeat(200);
         assert_eq!(canon(&deep), None, "too deep");
+    }
+
+    /// A string read as it stands (no escape) and one that must be unescaped read alike, and
+    /// what the first may not contain is refused either way.
+    #[test]
+    fn strings_with_and_without_escapes() {
+        let same = [
+            (r#"{"ab":"xy"}"#, r#"{"\u0061b":"x\u0079"}"#),
+            (r#"{"a":"é"}"#, r#"{"a":"\u00e9"}"#),
+            (
+                r#"{"k":"then \" a quote"}"#,
+                r#"{"k":"then \u0022 a quote"}"#,
+            ),
+            (r#"["", "a"]"#, r#"["","\u0061"]"#),
+        ];
+        for (plain, escaped) in same {
+            assert_eq!(canon(plain), canon(escaped), "{plain} / {escaped}");
+            assert!(canon(plain).is_some(), "{plain}");
+        }
+        assert_eq!(
+            canon(r#"{"b":"x","a\"":"y"}"#).as_deref(),
+            Some(r#"{"a\"":"y","b":"x"}"#)
+        );
+        for bad in [r#""abc"#, "\"ab\ncd\"", r#""ab\""#, r#"{"a":"b"#] {
+            assert_eq!(canon(bad), None, "{bad:?}");
+        }
+        let not_utf8 = b"{\"a\":\"\xff\"}";
+        assert_eq!(canonicalize(not_utf8), None);
     }
 }
