@@ -380,8 +380,14 @@ fn host_map(tenant: &str) -> Vec<u8> {
 }
 
 /// The adapter's request headers: the host's `map` decoded, matched and parsed, then the
-/// worker's event for stream `s`.
-fn request_headers(w: &mut Worker<u32>, cx: &Cx<'_>, s: u32, map: Vec<u8>) -> Effects<u32> {
+/// worker's event for stream `s` (`end_of_stream`: the request has no body).
+fn request_headers(
+    w: &mut Worker<u32>,
+    cx: &Cx<'_>,
+    s: u32,
+    map: Vec<u8>,
+    end_of_stream: bool,
+) -> Effects<u32> {
     let headers = Headers::decode(map).expect("a valid map");
     let mut probe = Probe::new(&headers);
     let Some(Selected::Policy(index)) = policy_index(&cx.rt.config.policies, &mut probe) else {
@@ -389,7 +395,7 @@ fn request_headers(w: &mut Worker<u32>, cx: &Cx<'_>, s: u32, map: Vec<u8>) -> Ef
     };
     let probed = probe.into_probed();
     let req = Request::from_probed(headers, None, probed);
-    w.on_request_headers(cx, s, index, req, true)
+    w.on_request_headers(cx, s, index, req, end_of_stream)
 }
 
 /// Requests through the worker, driven as the adapter drives it: the header map as the host
@@ -412,7 +418,7 @@ fn worker_requests() {
             stream += 1;
             n = (n + 7919) % maps.len();
             // The host's copy of the map, as a callback gets it.
-            let mut fx = request_headers(w, &cx, stream, maps[n].clone());
+            let mut fx = request_headers(w, &cx, stream, maps[n].clone(), true);
             let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
             let call = call.expect("one acquire call");
             black_box(&call.body);
@@ -508,14 +514,7 @@ fn worker_replay() {
     let mut request = |w: &mut Worker<u32>| -> Option<u32> {
         let cx = Cx::new(&rt, 1_000, &NoMetrics);
         stream += 1;
-        let headers = Headers::decode(map.clone()).expect("a valid map");
-        let mut probe = Probe::new(&headers);
-        let Some(Selected::Policy(index)) = policy_index(&cx.rt.config.policies, &mut probe) else {
-            panic!("the benchmark's policy matches");
-        };
-        let probed = probe.into_probed();
-        let req = Request::from_probed(headers, None, probed);
-        black_box(w.on_request_headers(&cx, stream, index, req, false));
+        black_box(request_headers(w, &cx, stream, map.clone(), false));
         let mut fx = w.on_body(&cx, stream, Dir::Request, body.len(), true, || {
             body.to_vec()
         });
@@ -554,7 +553,7 @@ fn worker_local(mode: &str, answer: &[u8], rejects: bool) {
     let mut request = |w: &mut Worker<u32>| -> bool {
         let cx = Cx::new(&rt, 1_000, &NoMetrics);
         stream += 1;
-        let mut fx = request_headers(w, &cx, stream, map.clone());
+        let mut fx = request_headers(w, &cx, stream, map.clone(), true);
         let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
         if let Some(call) = call {
             let _ = w.sent(&cx, call.route, Ok(stream));
