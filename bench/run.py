@@ -30,7 +30,9 @@ turn; `wasm_floor_reads` is the floor plus 20 header reads per request, what one
 returns data costs. `wasm_naive_rl`, `wasm_floor_429_keyed` and `wasm_floor_rl` are the least a
 filter limiting each tenant with the IETF headers does on the exact, rejected and leased paths
 (the tenant found in the header map, the headers formatted), reported beside their goals'
-anchors. `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
+anchors; `wasm_naive_script` is `wasm_naive_rl` sending the exact path's own call (acquire.lua by
+`EVALSHA`, its arguments and key shape), so the exact path's gap splits into the script call's
+part and the filter's own. `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
 scenarios' POST requests, answered by Envoy (as replays are) and through the upstream (as
 fresh keys are): what one callout costs on those requests. A scenario with a goal against an
 anchor, or with `anchors_in_rounds`, runs that anchor in its own rounds
@@ -347,6 +349,26 @@ def naive_rl(stack: Stack) -> dict:
     return {"callout": {**callout, "body": body}, "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT}}
 
 
+ACQUIRE_LUA = ROOT / "src" / "lua" / "acquire.lua"
+
+
+def naive_script(stack: Stack) -> dict:
+    """The per-tenant naive callout sending the exact path's own call instead of the two-line
+    script: `EVALSHA` of acquire.lua with rl_allowed's arguments, a key of its key's shape (the
+    tenant in its hash tag, the policy, the limit and the scope after it), its answer's
+    remaining and reset read. Beside `wasm_naive_rl`, what the script call costs (Redis, the
+    gateway, the bytes both ways); beside rl_allowed, what the filter costs in Envoy."""
+    sha = stack.redis.script_load(ACQUIRE_LUA.read_text())
+    key = "cg:bench:naive_script:rl:{t.{tenant}}:api:tenant:fw:%d/3600000:{tenant}" % HUGE_LIMIT
+    words = ("EVALSHA", sha, "1", key, "1", "-", "fw", str(HUGE_LIMIT), "3600000",
+             str(HUGE_LIMIT), "0", "1", "0", "0")
+    body = "/".join(urllib.parse.quote(a, safe="").replace(".", "%2E")
+                    for a in words).replace("%7Btenant%7D", "{tenant}")
+    callout = naive(stack)["callout"]
+    return {"callout": {**callout, "body": body + ".raw"},
+            "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT, "acquire_reply": True}}
+
+
 def floor_429_keyed(stack: Stack) -> dict:
     """The local 429 as the least per-tenant rejection: the tenant found in the header map and
     its window in a table of the worker, the clock read, and the time left in the 429's
@@ -493,6 +515,10 @@ def scenarios() -> list[Scenario]:
         Scenario("wasm_naive_rl", "minimal filter + 1 webdis callout per request, per tenant "
                  "with RateLimit headers (anchor)", "tenants.lua", naive_rl,
                  wasm_path=FLOOR_WASM, verify=verify_naive),
+        Scenario("wasm_naive_script", "minimal filter + 1 webdis callout per request, per "
+                 "tenant with RateLimit headers, sending the exact path's acquire.lua call "
+                 "(anchor)", "tenants.lua", naive_script, wasm_path=FLOOR_WASM,
+                 verify=verify_naive),
         Scenario("wasm_floor_429_keyed", "minimal filter answering 429 locally per tenant "
                  "(anchor)", "get.lua", floor_429_keyed, wasm_path=FLOOR_WASM,
                  verify=verify_floor, all_rejected=True),
@@ -512,7 +538,8 @@ def scenarios() -> list[Scenario]:
                  verify=verify_no_calls),
         Scenario("rl_allowed", "rate limit allowed, 10k tenants", "tenants.lua",
                  rate_limited("rl_allowed", HUGE_LIMIT), goal=0.40, verify=verify_allowed,
-                 anchors=(("wasm_naive", 0.90), ("wasm_naive_rl", None))),
+                 anchors=(("wasm_naive", 0.90), ("wasm_naive_rl", None),
+                          ("wasm_naive_script", None))),
         # Callout coalescing: the same traffic, the acquires of one worker sent together
         # (cross_slot: one Redis, no cluster here).
         Scenario("rl_allowed_batched", "rate limit allowed, 10k tenants, batched", "tenants.lua",

@@ -208,4 +208,36 @@ def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_reque
         assert a.plain_routed == scenario.plain_routed
         assert a.routed == scenario.plain_routed  # answered where its plain Envoy answers
     assert bench.in_round_anchors(by_name["lease"]) == []
-    assert bench.in_round_anchors(by_name["rl_allowed"]) == ["wasm_naive", "wasm_naive_rl"]
+    assert bench.in_round_anchors(by_name["rl_allowed"]) == ["wasm_naive", "wasm_naive_rl",
+                                                            "wasm_naive_script"]
+
+
+def test_the_script_anchor_sends_the_exact_paths_own_call():
+    """wasm_naive_script's callout is acquire.lua by EVALSHA with the arguments the filter
+    sends for rl_allowed's limit (one fixed window, no idempotency, no lease), on a key of the
+    filter's shape naming the tenant in its hash tag; its answer is read as acquire.lua's."""
+    import hashlib
+    import urllib.parse
+
+    class FakeRedis:
+        def script_load(self, text: str) -> str:
+            return hashlib.sha1(text.encode()).hexdigest()
+
+    class FakeStack:
+        redis = FakeRedis()
+
+        def redis_section(self) -> dict:
+            return {"cluster": "gateway", "authority": "webdis", "authorization": "Basic x"}
+
+    config = bench.naive_script(FakeStack())
+    body = config["callout"]["body"].replace("{tenant}", "tenant-7")
+    assert body.endswith(".raw")
+    words = [urllib.parse.unquote(w) for w in body[:-len(".raw")].split("/")]
+    sha = hashlib.sha1(bench.ACQUIRE_LUA.read_bytes()).hexdigest()
+    huge = str(bench.HUGE_LIMIT)
+    assert words == ["EVALSHA", sha, "1",
+                     f"cg:bench:naive_script:rl:{{t.tenant-7}}:api:tenant:fw:{huge}/3600000:"
+                     "tenant-7",
+                     "1", "-", "fw", huge, "3600000", huge, "0", "1", "0", "0"]
+    assert config["limit"]["acquire_reply"] is True
+    assert config["limit"]["limit"] == bench.HUGE_LIMIT

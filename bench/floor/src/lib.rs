@@ -31,7 +31,9 @@
 //!   header map (one host call), and
 //!   - with a callout, the callout's body names the tenant (`{tenant}`, percent-encoded, in
 //!     its key), its answer's body is read for the count and the window's time left, and the
-//!     response carries `RateLimit-Policy` and `RateLimit` (`wasm_naive_rl`);
+//!     response carries `RateLimit-Policy` and `RateLimit` (`wasm_naive_rl`); with
+//!     `"acquire_reply": true` the answer is read as `acquire.lua`'s for one limit (remaining
+//!     and reset), for a callout sending coordination-guard's own call (`wasm_naive_script`);
 //!   - with a local reply, a table of this worker keeps each tenant's window, the clock is
 //!     read, and the 429's `Retry-After`, `RateLimit` and body say the time left
 //!     (`wasm_floor_429_keyed`);
@@ -79,6 +81,10 @@ struct Limit {
     tenant_header: String,
     limit: u64,
     window_s: u64,
+    /// The callout's answer is `acquire.lua`'s for one limit (`*5 :admitted :allowed
+    /// :remaining :reset_ms :retry_after_ms`), not the naive script's `*2 :count :ttl_ms`.
+    #[serde(default)]
+    acquire_reply: bool,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -187,14 +193,17 @@ impl Context for Floor {
         if let Some(limit) = &self.limit {
             let answer = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body);
             let counted = match answer {
-                Ok(Some(b)) => count_and_ttl(&b),
+                Ok(Some(b)) if limit.acquire_reply => remaining_and_reset(&b),
+                Ok(Some(b)) => count_and_ttl(&b).map(|(count, ttl)| {
+                    (
+                        limit.limit.saturating_sub(count),
+                        u64::try_from(ttl).unwrap_or(0),
+                    )
+                }),
                 _ => None,
             };
             ok = ok && counted.is_some();
-            self.told = counted.map(|(count, ttl)| {
-                let reset = u64::try_from(ttl).unwrap_or(0).div_ceil(1000);
-                (limit.limit.saturating_sub(count), reset)
-            });
+            self.told = counted.map(|(remaining, ttl_ms)| (remaining, ttl_ms.div_ceil(1000)));
         }
         let batch = {
             let mut w = self.waiting.borrow_mut();
@@ -455,6 +464,27 @@ fn now_ms() -> u64 {
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The remaining units and the ms to the window's end of `acquire.lua`'s answer for one
+/// limit, if it is one (integers as [`count_and_ttl`] reads them).
+fn remaining_and_reset(body: &[u8]) -> Option<(u64, u64)> {
+    let values = resp_integers(body, "*5")?;
+    Some((*values.get(2)?, *values.get(3)?))
+}
+
+/// The integers of a RESP array answer whose first line is `head`, each possibly a bulk
+/// string (see [`count_and_ttl`]).
+fn resp_integers(body: &[u8], head: &str) -> Option<Vec<u64>> {
+    let text = std::str::from_utf8(body).ok()?;
+    let mut lines = text.split("\r\n");
+    if lines.next()? != head {
+        return None;
+    }
+    lines
+        .filter(|l| !l.is_empty() && !l.starts_with('$'))
+        .map(|l| l.strip_prefix(':').unwrap_or(l).parse().ok())
+        .collect()
 }
 
 /// The two integers of a RESP array answer (`*2 :count :ttl_ms`), if it is one; each may
