@@ -48,6 +48,7 @@ class Case:
     admitted: int = 1
     setup: Callable[[object, str], None] | None = None  # (client, sha) before RESETSTAT
     acquired: tuple[int, ...] = ()  # reply indexes (from the end) that must be 1 ACQUIRED
+    expect: tuple[tuple[int, object], ...] = ()  # (reply index, value) pairs it must hold
 
 
 def limit(algo: str, lim: int = BIG, window_ms: int = HOUR_MS) -> list:
@@ -73,6 +74,32 @@ def idem(i: int) -> tuple[list, list]:
             [1, "-", *limit("fw"), "1", FINGERPRINT, OWNER, 60_000])
 
 
+def idem_only(i: int) -> tuple[list, list]:
+    """An idempotent request on a policy with no limit (make bench's idem_fresh and
+    idem_replay): the record and the owner's cancellation marker, no counter."""
+    return ([f"{{b}}:idem:{i}", f"{{b}}:cancel:{i}"],
+            [0, "-", "1", FINGERPRINT, OWNER, 60_000, "0"])
+
+
+# The stored response of make bench's replay: a 201 with its content-type and a small JSON body.
+RESPONSE = '{"status":201,"headers":[["content-type","application/json"]],"body":"{\\"id\\":1}"}'
+
+
+def completed(client, sha: str) -> None:
+    """One COMPLETED record that every call of the replay case finds (its key is call 0's):
+    acquired by acquire.lua, completed by complete.lua, as the filter does."""
+    keys, argv = idem_only(0)
+    if client.evalsha(sha, len(keys), *keys, *argv)[-3] != 1:
+        raise AssertionError("idem_replay: the record was not acquired")
+    complete = (ROOT / "src/lua/complete.lua").read_text()
+    if client.eval(complete, 1, keys[0], OWNER, FINGERPRINT, 600_000, RESPONSE) != 1:
+        raise AssertionError("idem_replay: the record was not completed")
+
+
+def replay(i: int) -> tuple[list, list]:
+    return idem_only(0)
+
+
 def lease(i: int) -> tuple[list, list]:
     return (["{b}:fw", f"{{b}}:lease:{i}", f"{{b}}:fence:{i}"],
             [1, "-", *limit("fw"), "0", "1", OWNER, 30_000, 86_400_000])
@@ -96,6 +123,9 @@ CASES = [
     Case("cc", "concurrency, 1 limit, admitted", one("cc")),
     Case("fw2", "fixed_window, 2 limits, admitted", fw_two),
     Case("idem", "fw + idempotency on, fresh record key", idem, acquired=(-3,)),
+    Case("idem0", "idempotency only (no limit), fresh record key", idem_only, acquired=(-3,)),
+    Case("replay", "idempotency only, the COMPLETED record with the same fingerprint", replay,
+         setup=completed, expect=((-3, 3),)),
     Case("lease", "fw + lease on, fresh lease/fence keys", lease, acquired=(-2,)),
     Case("fw_rej", "fixed_window, 1 limit, rejected", rejected, admitted=0, setup=fill),
 ]
@@ -114,7 +144,8 @@ def run_case(client, sha: str, case: Case, n: int) -> float:
             keys, argv = case.call(i)
             pipe.evalsha(sha, len(keys), *keys, *argv)
         for reply in pipe.execute():
-            if reply[0] != case.admitted or any(reply[j] != 1 for j in case.acquired):
+            if (reply[0] != case.admitted or any(reply[j] != 1 for j in case.acquired)
+                    or any(reply[j] != v for j, v in case.expect)):
                 raise AssertionError(f"{case.name}: unexpected reply {reply!r}")
         done += len(batch)
     stats = client.info("commandstats")["cmdstat_evalsha"]

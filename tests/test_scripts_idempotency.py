@@ -356,6 +356,56 @@ def test_unreadable_value_is_reported_and_left_alone(s, redis_client, value):
     assert snapshot(redis_client) == before
 
 
+def completed_head(fp: str = FP) -> str:
+    """What complete.lua writes first: the head acquire.lua reads a replay by."""
+    return f'{{"schema_version":1,"state":"COMPLETED","fingerprint":"{fp}","created_ms":'
+
+
+def test_a_completed_record_is_read_by_its_head_for_this_fingerprint_only(s, redis_client):
+    """A value that starts as complete.lua's COMPLETED record of this very fingerprint is
+    handed back whole without being decoded (the filter parses it, and reads one it cannot as
+    unreadable); any other value is decoded as before: another fingerprint, one that starts
+    as this one, or the same fields in another order or spacing."""
+    tail = '1,"updated_ms":2,"response":' + RESPONSE + "}"
+    redis_client.set(KEY, completed_head() + tail, px=COMPLETED_TTL)
+    got = s.acquire()
+    assert (got.code, got.record) == (COMPLETED, (completed_head() + tail).encode())
+    assert 0 < got.pttl_ms <= COMPLETED_TTL
+
+    # Past the head the script does not look: what follows is the filter's to read.
+    redis_client.set(KEY, completed_head() + "not json", px=COMPLETED_TTL)
+    assert s.acquire().record == (completed_head() + "not json").encode()
+
+    # The fingerprint ends at its quote: one that starts as the stored one is another.
+    redis_client.set(KEY, completed_head(FP + "0") + tail, px=COMPLETED_TTL)
+    assert s.acquire().code == CONFLICT
+    redis_client.set(KEY, completed_head(FP) + tail, px=COMPLETED_TTL)
+    assert s.acquire(fp=FP[:-1]).code == CONFLICT
+    assert s.acquire(fp=FP2).code == CONFLICT
+
+    # Not the head complete.lua writes: decoded, and read by its fields as before.
+    for text in (completed_head().replace(',"', ', "') + tail,
+                 '{"state":"COMPLETED","schema_version":1,"fingerprint":"' + FP
+                 + '","created_ms":' + tail):
+        redis_client.set(KEY, text, px=COMPLETED_TTL)
+        assert (s.acquire().code, s.acquire(fp=FP2).code) == (COMPLETED, CONFLICT), text
+    redis_client.set(KEY, completed_head()[:-1], px=COMPLETED_TTL)  # cut inside the head
+    assert s.acquire().code == UNREADABLE
+
+
+def test_a_fingerprint_json_escapes_is_read_by_its_head_as_complete_lua_wrote_it(s,
+                                                                                  redis_client):
+    """cjson writes `/` as `\\/`: the head is built as complete.lua builds it, so a
+    fingerprint with one still replays its own record and conflicts with another's."""
+    fp = "sha256:" + "a" * 32 + "/" + "a" * 31
+    a = owner()
+    assert s.acquire(fp=fp, own=a).code == ACQUIRED
+    assert s.complete(a, fp=fp) == DONE
+    assert redis_client.get(KEY).startswith(completed_head(fp.replace("/", "\\/")).encode())
+    assert s.acquire(fp=fp).code == COMPLETED
+    assert s.acquire(fp=FP).code == CONFLICT
+
+
 def test_record_without_ttl_is_reported_not_repaired(s, redis_client):
     redis_client.set(KEY, processing(owner()))
     got = s.acquire()

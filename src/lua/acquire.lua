@@ -54,7 +54,9 @@
 --     code     integer: 0 SKIPPED (rate limits did not admit; nothing written)
 --                       1 ACQUIRED (PROCESSING record created, owned by ARGV[5+6n])
 --                       2 IN_PROGRESS (same fingerprint, state PROCESSING)
---                       3 COMPLETED (same fingerprint)
+--                       3 COMPLETED (same fingerprint; a value that starts as complete.lua
+--                         writes a COMPLETED record of this fingerprint is one, unread past
+--                         that head: the filter parses the record)
 --                       4 CONFLICT (different fingerprint, any state)
 --                       5 UNREADABLE (the value is not a record we can read: not JSON, not an
 --                         object, no string fingerprint, state neither PROCESSING nor
@@ -98,9 +100,9 @@
 -- Arguments are validated before anything is read or written; a bad one is a script error.
 --
 -- Time comes from redis.call('TIME') so every proxy agrees; it is read once, and only when a
--- sw, sl or tb limit or the idempotency or lease section is on (fw and lq use Redis TTLs). It
--- is kept in microseconds (about 1.7e15, exact in a double) and every reply value is
--- converted to whole ms.
+-- sw, sl or tb limit or the lease section is on (fw and lq use Redis TTLs), or when the
+-- idempotency section creates a record (a replay reads no clock). It is kept in microseconds
+-- (about 1.7e15, exact in a double) and every reply value is converted to whole ms.
 --
 -- Cost: every rate-limited request runs this script, so a call pays only for what it uses.
 -- No closures or tables per algorithm, limit or section: each algorithm is inline code in
@@ -189,7 +191,7 @@ if lease then
 end
 
 -- Every limit's arguments, validated before anything is read or written.
-local need_time = idem or lease
+local need_time = lease
 local has_cc = false
 for i = 1, n do
   local a = 3 + (i - 1) * 6
@@ -232,17 +234,23 @@ if cancel_key then
   end
 end
 
--- Redis TIME in µs, and the helpers of the sections that use it; all nil when none is on.
+-- Redis TIME in µs, and the helpers of the sections that use it; all nil when none is on
+-- (the idempotency section reads the clock itself, only when it creates a record).
 local now, int, ms, retry_ms
-if need_time then
+local function clock()
   local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+if need_time or idem then
   -- Integer-valued string of a big double: tostring() would keep only 14 digits. '%d' says
   -- the same as '%.0f' for a whole number in [1, 2^53) and costs a third.
   int = function(x)
     if x >= 1 and x < 9007199254740992 and x % 1 == 0 then return string.format('%d', x) end
     return string.format('%.0f', x)
   end
+end
+if need_time then
+  now = clock()
   -- µs span -> whole ms, rounded up so waiting that long is always enough.
   ms = function(us) return math.max(0, math.ceil(us / 1000)) end
   retry_ms = function(us) return math.max(1, math.ceil(us / 1000)) end
@@ -486,6 +494,7 @@ elseif idem then
     -- One GET instead of TYPE + GET: absent reads as false, another type as an error table.
     local raw = redis.pcall('GET', idem_key)
     if raw == false then
+      now = now or clock()
       local now_ms = int(math.floor(now / 1000))
       local rec = '{"schema_version":1,"state":"PROCESSING","fingerprint":'
         .. cjson.encode(fingerprint) .. ',"owner":' .. cjson.encode(owner)
@@ -495,8 +504,17 @@ elseif idem then
     elseif type(raw) ~= 'string' then
       idem_code = UNREADABLE
     else
-      local decoded, rec = pcall(cjson.decode, raw)
-      if not decoded or type(rec) ~= 'table' or type(rec.fingerprint) ~= 'string'
+      -- What complete.lua writes first: a COMPLETED record with this fingerprint is read as
+      -- one without decoding the stored response it carries (the filter parses the record,
+      -- and reads one it cannot as unreadable, as code 5 would say). Anything else is decoded.
+      local head = '{"schema_version":1,"state":"COMPLETED","fingerprint":'
+        .. cjson.encode(fingerprint) .. ',"created_ms":'
+      local fast = string.sub(raw, 1, #head) == head
+      local decoded, rec
+      if not fast then decoded, rec = pcall(cjson.decode, raw) end
+      if fast then
+        idem_code, record = COMPLETED, raw
+      elseif not decoded or type(rec) ~= 'table' or type(rec.fingerprint) ~= 'string'
           or (rec.state ~= 'PROCESSING' and rec.state ~= 'COMPLETED') then
         idem_code = UNREADABLE
       elseif rec.fingerprint ~= fingerprint then
