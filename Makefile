@@ -140,7 +140,7 @@ bench-instructions: deps-rust deps-python ## Wasm instructions per request of th
 bench-spans: deps deps-bench ## Where the filter's time goes inside Envoy: wall µs per span of its callbacks (a build with the cargo feature spans). Env BENCH_SCENARIOS=a,b.
 	$(PYTHON) bench/spans.py
 
-bench-scripts: deps ## acquire.lua's cost in a real redis-server (us per call), working tree vs git HEAD (env REV).
+bench-scripts: deps ## acquire.lua's and complete.lua's cost in a real redis-server (us per call), working tree vs git HEAD (env REV).
 	$(PYTHON) bench/scripts.py
 
 ##@ Run

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Micro-benchmark of src/lua/acquire.lua inside Redis: the working tree's version against
-the one at git HEAD, case by case, side by side.
+"""Micro-benchmark of src/lua/acquire.lua and complete.lua inside Redis: the working tree's
+version against the one at git HEAD, case by case, side by side.
 
 Starts its own redis-server on a free port (tests/harness/proc.py; stopped by its pid on exit,
 also on failure), loads both scripts and, for every case, runs N pipelined EVALSHA calls of
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from harness.proc import RedisServer, stop_all  # noqa: E402
 
-SCRIPT = "src/lua/acquire.lua"
+SCRIPTS = ("src/lua/acquire.lua", "src/lua/complete.lua")
 PIPELINE = 1000  # calls per round trip
 HOUR_MS = 3_600_000
 BIG = 1_000_000_000  # a limit no case reaches
@@ -49,6 +49,9 @@ class Case:
     setup: Callable[[object, str], None] | None = None  # (client, sha) before RESETSTAT
     acquired: tuple[int, ...] = ()  # reply indexes (from the end) that must be 1 ACQUIRED
     expect: tuple[tuple[int, object], ...] = ()  # (reply index, value) pairs it must hold
+    script: str = "src/lua/acquire.lua"  # the script measured
+    # complete.lua's reply instead of acquire.lua's: this integer
+    returns: int | None = None
 
 
 def limit(algo: str, lim: int = BIG, window_ms: int = HOUR_MS) -> list:
@@ -100,6 +103,26 @@ def replay(i: int) -> tuple[list, list]:
     return idem_only(0)
 
 
+def processing_records(client, sha: str) -> None:
+    """A PROCESSING record for each call of the complete case, acquired by acquire.lua (by
+    EVAL: only complete.lua's EVALSHA calls are counted)."""
+    acquire = (ROOT / SCRIPTS[0]).read_text()
+    pipe = client.pipeline(transaction=False)
+    for i in range(COMPLETE_N):
+        keys, argv = idem_only(i)
+        pipe.eval(acquire, len(keys), *keys, *argv)
+    if any(reply[-3] != 1 for reply in pipe.execute()):
+        raise AssertionError("complete: a record was not acquired")
+
+
+def complete(i: int) -> tuple[list, list]:
+    return [idem_only(i)[0][0]], [OWNER, FINGERPRINT, 600_000, RESPONSE]
+
+
+# The complete case's calls (each completes a record of its own, so N is capped to this).
+COMPLETE_N = 5000
+
+
 def lease(i: int) -> tuple[list, list]:
     return (["{b}:fw", f"{{b}}:lease:{i}", f"{{b}}:fence:{i}"],
             [1, "-", *limit("fw"), "0", "1", OWNER, 30_000, 86_400_000])
@@ -126,12 +149,16 @@ CASES = [
     Case("idem0", "idempotency only (no limit), fresh record key", idem_only, acquired=(-3,)),
     Case("replay", "idempotency only, the COMPLETED record with the same fingerprint", replay,
          setup=completed, expect=((-3, 3),)),
+    Case("complete", "complete.lua: PROCESSING -> COMPLETED", complete, setup=processing_records,
+         script=SCRIPTS[1], returns=1),
     Case("lease", "fw + lease on, fresh lease/fence keys", lease, acquired=(-2,)),
     Case("fw_rej", "fixed_window, 1 limit, rejected", rejected, admitted=0, setup=fill),
 ]
 
 
 def run_case(client, sha: str, case: Case, n: int) -> float:
+    if case.setup is processing_records:
+        n = min(n, COMPLETE_N)
     client.flushall()
     if case.setup:
         case.setup(client, sha)
@@ -144,7 +171,10 @@ def run_case(client, sha: str, case: Case, n: int) -> float:
             keys, argv = case.call(i)
             pipe.evalsha(sha, len(keys), *keys, *argv)
         for reply in pipe.execute():
-            if (reply[0] != case.admitted or any(reply[j] != 1 for j in case.acquired)
+            if case.returns is not None:
+                if reply != case.returns:
+                    raise AssertionError(f"{case.name}: unexpected reply {reply!r}")
+            elif (reply[0] != case.admitted or any(reply[j] != 1 for j in case.acquired)
                     or any(reply[j] != v for j, v in case.expect)):
                 raise AssertionError(f"{case.name}: unexpected reply {reply!r}")
         done += len(batch)
@@ -167,11 +197,15 @@ def main() -> int:
     env = " ".join(f"{k}={shlex.quote(os.environ[k])}"
                    for k in ("N", "ROUNDS", "CASES", "REV") if k in os.environ)
     print(f"reproduce: cd {ROOT} && {env + ' ' if env else ''}.venv/bin/python bench/scripts.py")
-    head_src = subprocess.run(["git", "show", f"{rev}:{SCRIPT}"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
-    cur_src = (ROOT / SCRIPT).read_text()
-    print(f"{SCRIPT}: {rev} vs working tree{' (identical)' if head_src == cur_src else ''}; "
-          f"{n} pipelined EVALSHA per case and version, {rounds} rounds")
+    head_src = {path: subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
+                                     capture_output=True, text=True).stdout
+                for path in SCRIPTS}
+    cur_src = {path: (ROOT / path).read_text() for path in SCRIPTS}
+    for path in SCRIPTS:
+        same = " (identical)" if head_src[path] == cur_src[path] else ""
+        print(f"{path}: {rev} vs working tree{same}")
+    print(f"{n} pipelined EVALSHA per case and version (complete: at most {COMPLETE_N}), "
+          f"{rounds} rounds")
     print(f"us = INFO commandstats usec_per_call, median of the rounds; ratio = {rev} / now, "
           f"median of the per-round ratios; load average {os.getloadavg()[0]:.2f}")
 
@@ -180,17 +214,17 @@ def main() -> int:
         try:
             client = server.client()
             version = client.info("server")["redis_version"]
-            head_sha = client.script_load(head_src)
-            cur_sha = client.script_load(cur_src)
+            head_sha = {p: client.script_load(head_src[p]) for p in SCRIPTS}
+            cur_sha = {p: client.script_load(cur_src[p]) for p in SCRIPTS}
             print(f"redis-server {version} on 127.0.0.1:{server.port}\n")
-            for sha in (head_sha, cur_sha):  # warm-up, not measured
+            for sha in (head_sha[SCRIPTS[0]], cur_sha[SCRIPTS[0]]):  # warm-up, not measured
                 run_case(client, sha, CASES[0], min(n, 2000))
             print(f"{'case':<8} {'what':<40} {rev + ' us':>9} {'now us':>9} {'ratio':>7}")
             for case in cases:
                 head, cur = [], []
                 for _ in range(rounds):
-                    head.append(run_case(client, head_sha, case, n))
-                    cur.append(run_case(client, cur_sha, case, n))
+                    head.append(run_case(client, head_sha[case.script], case, n))
+                    cur.append(run_case(client, cur_sha[case.script], case, n))
                 ratio = statistics.median(h / c for h, c in zip(head, cur))
                 print(f"{case.name:<8} {case.about:<40} {statistics.median(head):>9.2f} "
                       f"{statistics.median(cur):>9.2f} {ratio:>6.2f}x", flush=True)

@@ -249,6 +249,37 @@ def test_complete_copies_created_ms_exactly(s, redis_client, created_ms):
     assert rec["created_ms"] == created_ms and rec["updated_ms"] >= created_ms
 
 
+@pytest.mark.parametrize("value", [
+    # acquire.lua's head, then more than it writes: decoded, its fields read
+    processing("%s").decode()[:-1] + ',"note":"x"}',
+    processing("%s").decode().replace('"updated_ms"', ' "updated_ms"'),
+    # the same fields in another order
+    ('{"state":"PROCESSING","owner":"%s","schema_version":1,"fingerprint":"' + FP
+     + '","created_ms":1700000000123,"updated_ms":1700000000123}'),
+], ids=["extra-field", "spacing", "order"])
+def test_complete_reads_a_record_not_written_exactly_as_acquire_lua_writes_by_its_fields(
+        s, redis_client, value):
+    """complete.lua reads acquire.lua's own record by its text; any other PROCESSING record
+    of this owner and fingerprint is decoded, and its created_ms copied as before."""
+    a = owner()
+    redis_client.set(KEY, value.replace("%s", a), px=PROCESSING_TTL)
+    assert s.complete(a, fp=FP2) == NOT_OWNER and s.complete(owner()) == NOT_OWNER
+    assert s.complete(a) == DONE
+    assert json.loads(redis_client.get(KEY))["created_ms"] == 1_700_000_000_123
+
+
+def test_complete_takes_a_head_of_another_owner_or_fingerprint_for_none_of_its_own(
+        s, redis_client):
+    """An owner or a fingerprint that starts as the stored one's is another."""
+    a = owner()
+    redis_client.set(KEY, processing(a), px=PROCESSING_TTL)
+    before = snapshot(redis_client)
+    assert s.complete(a[:-1]) == NOT_OWNER
+    assert s.complete(a, fp=FP[:-1]) == NOT_OWNER
+    assert snapshot(redis_client) == before
+    assert s.complete(a) == DONE
+
+
 def test_complete_without_created_ms_uses_completion_time(s, redis_client):
     a = owner()
     redis_client.set(KEY, json.dumps({"state": "PROCESSING", "fingerprint": FP, "owner": a}),

@@ -44,24 +44,35 @@ local function int(x) return string.format('%.0f', x) end
 
 local MISSING, NOT_OWNER, COMPLETED = 0, -1, 1
 
-local kind = redis.call('TYPE', key)
-kind = type(kind) == 'table' and kind.ok or kind
-if kind == 'none' then return MISSING end
-if kind ~= 'string' then return NOT_OWNER end
+-- One GET instead of TYPE + GET: absent reads as false, another type as an error table.
+local raw = redis.pcall('GET', key)
+if raw == false then return MISSING end
+if type(raw) ~= 'string' then return NOT_OWNER end
 
-local read, rec = pcall(cjson.decode, redis.call('GET', key))
-if not read or type(rec) ~= 'table' or rec.state ~= 'PROCESSING'
-    or rec.owner ~= owner or rec.fingerprint ~= fingerprint then
-  return NOT_OWNER
+-- The record exactly as acquire.lua writes it is read by pattern: its head, then its
+-- created_ms and updated_ms. Any other value is decoded and read by its fields.
+local encoded_fp = cjson.encode(fingerprint)
+local head = '{"schema_version":1,"state":"PROCESSING","fingerprint":' .. encoded_fp
+  .. ',"owner":' .. cjson.encode(owner) .. ',"created_ms":'
+local created
+if string.sub(raw, 1, #head) == head then
+  created = tonumber(string.match(raw, '^(%d+),"updated_ms":%d+}$', #head + 1))
+end
+if created == nil then
+  local read, rec = pcall(cjson.decode, raw)
+  if not read or type(rec) ~= 'table' or rec.state ~= 'PROCESSING'
+      or rec.owner ~= owner or rec.fingerprint ~= fingerprint then
+    return NOT_OWNER
+  end
+  created = tonumber(rec.created_ms)
 end
 
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local created = tonumber(rec.created_ms)
 if created == nil or created ~= math.floor(created) or created < 0 or created == math.huge then
   created = now_ms
 end
-local record = '{"schema_version":1,"state":"COMPLETED","fingerprint":' .. cjson.encode(fingerprint)
+local record = '{"schema_version":1,"state":"COMPLETED","fingerprint":' .. encoded_fp
   .. ',"created_ms":' .. int(created) .. ',"updated_ms":' .. int(math.max(now_ms, created))
   .. ',"response":' .. response .. '}'
 redis.call('SET', key, record, 'PX', int(ttl))
