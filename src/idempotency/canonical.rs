@@ -70,7 +70,11 @@ impl<'a> Parser<'a> {
 
     fn object(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
         self.eat(b'{')?;
-        let mut members: Vec<(Cow<'a, str>, Vec<u8>)> = Vec::new();
+        // Each member's value is written after `start` as it is read, its range kept; once
+        // the object is read they are moved aside and written back in key order (one copy per
+        // object instead of a buffer per member).
+        let start = out.len();
+        let mut members: Vec<(Cow<'a, str>, std::ops::Range<usize>)> = Vec::new();
         self.ws();
         if self.eat(b'}').is_none() {
             loop {
@@ -79,9 +83,9 @@ impl<'a> Parser<'a> {
                 self.ws();
                 self.eat(b':')?;
                 self.ws();
-                let mut value = Vec::new();
-                self.value(&mut value, depth + 1)?;
-                members.push((key, value));
+                let from = out.len() - start;
+                self.value(out, depth + 1)?;
+                members.push((key, from..out.len() - start));
                 self.ws();
                 if self.eat(b',').is_some() {
                     continue;
@@ -94,14 +98,15 @@ impl<'a> Parser<'a> {
         if members.windows(2).any(|w| w[0].0 == w[1].0) {
             return None;
         }
+        let values = out.split_off(start);
         out.push(b'{');
-        for (n, (key, value)) in members.iter().enumerate() {
+        for (n, (key, range)) in members.iter().enumerate() {
             if n > 0 {
                 out.push(b',');
             }
             write_string(out, key);
             out.push(b':');
-            out.extend_from_slice(value);
+            out.extend_from_slice(values.get(range.clone())?);
         }
         out.push(b'}');
         Some(())
@@ -234,11 +239,19 @@ impl<'a> Parser<'a> {
     }
 }
 
-/// Writes a string the one canonical way (serde_json's escaping).
+/// Writes a string the one canonical way (serde_json's escaping). One with nothing to escape
+/// (no quote, backslash or control character), as most are, is copied between its quotes.
 fn write_string(out: &mut Vec<u8>, s: &str) {
-    match serde_json::to_string(s) {
-        Ok(text) => out.extend_from_slice(text.as_bytes()),
-        Err(_) => out.extend_from_slice(b"\"\""),
+    if !s.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+        return;
+    }
+    let at = out.len();
+    if serde_json::to_writer(&mut *out, s).is_err() {
+        out.truncate(at);
+        out.extend_from_slice(b"\"\"");
     }
 }
 
@@ -248,6 +261,28 @@ mod tests {
 
     fn canon(s: &str) -> Option<String> {
         canonicalize(s.as_bytes()).map(|b| String::from_utf8(b).expect("utf8"))
+    }
+
+    #[test]
+    fn objects_within_arrays_within_objects_sort_each_level_on_its_own() {
+        let cases = [
+            (
+                r#"{"b":{"d":[{"f":1,"e":"x\"y"},{"h":{"j":[],"i":{}}}],"c":"\u0041"},"a":[]}"#,
+                r#"{"a":[],"b":{"c":"A","d":[{"e":"x\"y","f":1},{"h":{"i":{},"j":[]}}]}}"#,
+            ),
+            // keys sort by their text, escapes read: "\n" (0x0a) before " " (0x20)
+            (r#"{" ":2,"\n":1}"#, r#"{"\n":1," ":2}"#),
+            (
+                r#"{"z":[1,{"b":[{"d":0,"c":0}],"a":0}],"y":""}"#,
+                r#"{"y":"","z":[1,{"a":0,"b":[{"c":0,"d":0}]}]}"#,
+            ),
+        ];
+        for (input, want) in cases {
+            assert_eq!(canon(input).as_deref(), Some(want), "{input}");
+        }
+        // A repeated name at any depth is refused.
+        assert_eq!(canon(r#"{"a":[{"b":1,"b":2}]}"#), None);
+        assert_eq!(canon(r#"{"a":{"x":1},"a":{"x":1}}"#), None);
     }
 
     #[test]
