@@ -209,7 +209,7 @@ impl IdemGuard {
                 )
             }
             IdemAnswer::Completed(record) => match self.open(cfg, *record) {
-                Ok(stored) => match replay(&stored, grpc) {
+                Ok(stored) => match replay(stored, grpc) {
                     Some(response) => {
                         at.m.increment(im.replayed);
                         response
@@ -417,17 +417,17 @@ pub fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
 
 /// The stored response as a local reply, with `Idempotent-Replayed: true`. For a gRPC
 /// request whose record holds a gRPC status, see [`grpc_replay`].
-fn replay(stored: &StoredResponse, grpc: bool) -> Option<LocalResponse> {
-    let body = stored.body_bytes()?;
+fn replay(mut stored: StoredResponse, grpc: bool) -> Option<LocalResponse> {
+    let body = stored.take_body()?;
     if grpc {
         if let Some(code) = stored
             .trailer(grpc::STATUS)
             .and_then(|v| v.trim().parse().ok())
         {
-            return Some(grpc_replay(stored, code, body.is_empty()));
+            return Some(grpc_replay(&stored, code, body.is_empty()));
         }
     }
-    let mut headers = stored.headers.clone();
+    let mut headers = stored.headers;
     headers.push((REPLAYED_HEADER.into(), "true".into()));
     Some(LocalResponse {
         status: u32::from(stored.status),

@@ -218,10 +218,11 @@ impl StoredResponse {
         Some(RecordResponse::Sealed { sealed })
     }
 
-    /// The body to replay (empty for a reference record); `None` if the stored base64 is bad.
-    pub fn body_bytes(&self) -> Option<Vec<u8>> {
-        match (&self.body, &self.body_base64) {
-            (Some(text), _) => Some(text.as_bytes().to_vec()),
+    /// The body to replay (empty for a reference record), taken out of the response (a text
+    /// body is not copied); `None` if the stored base64 is bad.
+    pub fn take_body(&mut self) -> Option<Vec<u8>> {
+        match (self.body.take(), &self.body_base64) {
+            (Some(text), _) => Some(text.into_bytes()),
             (None, Some(b64)) => base64_decode(b64),
             (None, None) => Some(Vec::new()),
         }
@@ -366,7 +367,7 @@ mod tests {
             .and_then(RecordResponse::plain)
             .expect("response");
         assert_eq!(r.status, 201);
-        assert_eq!(r.body_bytes().as_deref(), Some(&b"{\"id\":1}"[..]));
+        assert_eq!(r.clone().take_body().as_deref(), Some(&b"{\"id\":1}"[..]));
     }
 
     #[test]
@@ -381,7 +382,7 @@ mod tests {
             old.response
                 .as_ref()
                 .and_then(RecordResponse::plain)
-                .and_then(StoredResponse::body_bytes),
+                .and_then(|s| s.clone().take_body()),
             Some(vec![])
         );
         let newer = Record::parse(
@@ -460,7 +461,7 @@ mod tests {
             bin.to_json(),
             r#"{"status":200,"headers":[],"body_base64":"/wA="}"#
         );
-        assert_eq!(bin.body_bytes(), Some(vec![0xff, 0x00]));
+        assert_eq!(bin.clone().take_body(), Some(vec![0xff, 0x00]));
         let reference = StoredResponse::new(201, vec![], None);
         assert_eq!(
             reference.to_json(),
