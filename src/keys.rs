@@ -228,7 +228,7 @@ pub fn client_key_hash(client_key: &str) -> String {
 }
 
 pub fn idempotency_key(prefix: &str, tenant_tag: &str, policy: &str, key_hash: &str) -> String {
-    format!("{prefix}:idem:{{{tenant_tag}}}:{policy}:{key_hash}")
+    tagged_key(prefix, "idem", tenant_tag, policy, key_hash)
 }
 
 /// The lease key and the fencing counter key of a resource.
@@ -239,8 +239,8 @@ pub fn lease_keys(
     resource_hash: &str,
 ) -> (String, String) {
     (
-        format!("{prefix}:lease:{{{tenant_tag}}}:{policy}:{resource_hash}"),
-        format!("{prefix}:fence:{{{tenant_tag}}}:{policy}:{resource_hash}"),
+        tagged_key(prefix, "lease", tenant_tag, policy, resource_hash),
+        tagged_key(prefix, "fence", tenant_tag, policy, resource_hash),
     )
 }
 
@@ -248,7 +248,18 @@ pub fn lease_keys(
 /// filter gave up on, so that the acquire, if it still runs, writes nothing. Same hash tag as
 /// the request's record and lease.
 pub fn cancel_key(prefix: &str, tenant_tag: &str, policy: &str, owner: &str) -> String {
-    format!("{prefix}:cancel:{{{tenant_tag}}}:{policy}:{owner}")
+    tagged_key(prefix, "cancel", tenant_tag, policy, owner)
+}
+
+/// `<prefix>:<kind>:{<tenant_tag>}:<policy>:<last>`, in one buffer of its size.
+fn tagged_key(prefix: &str, kind: &str, tenant_tag: &str, policy: &str, last: &str) -> String {
+    let mut k = String::with_capacity(
+        prefix.len() + kind.len() + tenant_tag.len() + policy.len() + last.len() + 6,
+    );
+    for part in [prefix, ":", kind, ":{", tenant_tag, "}:", policy, ":", last] {
+        k.push_str(part);
+    }
+    k
 }
 
 #[cfg(test)]

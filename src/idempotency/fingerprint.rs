@@ -4,7 +4,7 @@
 //! so `{"a":1,"b":2}` and `{ "b": 2, "a": 1 }` are the same request; any other body, and JSON
 //! that repeats a member name, counts byte for byte.
 
-use crate::text::hex;
+use crate::text::push_hex;
 use sha2::{Digest, Sha256};
 
 /// True for `application/json` and `application/*+json` (parameters ignored).
@@ -56,7 +56,10 @@ impl Fingerprint {
 
     /// `sha256:<64 hex digits>`.
     pub fn finish(self) -> String {
-        format!("sha256:{}", hex(&self.hasher.finalize()))
+        let mut out = String::with_capacity(71);
+        out.push_str("sha256:");
+        push_hex(&mut out, &self.hasher.finalize());
+        out
     }
 }
 
