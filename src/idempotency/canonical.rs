@@ -174,10 +174,7 @@ impl<'a> Parser<'a> {
         self.eat(b'"')?;
         let s = self.s;
         let start = self.i;
-        let plain = s
-            .get(start..)?
-            .iter()
-            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
+        let plain = s.get(start..)?.iter().position(|&b| escaped(b))?;
         let end = start + plain;
         if s.get(end) == Some(&b'"') {
             self.i = end + 1;
@@ -239,10 +236,16 @@ impl<'a> Parser<'a> {
     }
 }
 
+/// A byte a JSON string cannot hold as itself: a quote, a backslash or a control character
+/// (read only through an escape, written only as one).
+fn escaped(b: u8) -> bool {
+    b == b'"' || b == b'\\' || b < 0x20
+}
+
 /// Writes a string the one canonical way (serde_json's escaping). One with nothing to escape
 /// (no quote, backslash or control character), as most are, is copied between its quotes.
 fn write_string(out: &mut Vec<u8>, s: &str) {
-    if !s.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
+    if !s.bytes().any(escaped) {
         out.push(b'"');
         out.extend_from_slice(s.as_bytes());
         out.push(b'"');

@@ -509,20 +509,20 @@ elseif idem then
       -- and reads one it cannot as unreadable, as code 5 would say). Anything else is decoded.
       local head = '{"schema_version":1,"state":"COMPLETED","fingerprint":'
         .. cjson.encode(fingerprint) .. ',"created_ms":'
-      local fast = string.sub(raw, 1, #head) == head
-      local decoded, rec
-      if not fast then decoded, rec = pcall(cjson.decode, raw) end
-      if fast then
+      if string.sub(raw, 1, #head) == head then
         idem_code, record = COMPLETED, raw
-      elseif not decoded or type(rec) ~= 'table' or type(rec.fingerprint) ~= 'string'
-          or (rec.state ~= 'PROCESSING' and rec.state ~= 'COMPLETED') then
-        idem_code = UNREADABLE
-      elseif rec.fingerprint ~= fingerprint then
-        idem_code = CONFLICT
-      elseif rec.state == 'PROCESSING' then
-        idem_code = IN_PROGRESS
       else
-        idem_code, record = COMPLETED, raw
+        local decoded, rec = pcall(cjson.decode, raw)
+        if not decoded or type(rec) ~= 'table' or type(rec.fingerprint) ~= 'string'
+            or (rec.state ~= 'PROCESSING' and rec.state ~= 'COMPLETED') then
+          idem_code = UNREADABLE
+        elseif rec.fingerprint ~= fingerprint then
+          idem_code = CONFLICT
+        elseif rec.state == 'PROCESSING' then
+          idem_code = IN_PROGRESS
+        else
+          idem_code, record = COMPLETED, raw
+        end
       end
     end
   end

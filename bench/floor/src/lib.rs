@@ -467,15 +467,24 @@ fn now_ms() -> u64 {
 }
 
 /// The remaining units and the ms to the window's end of `acquire.lua`'s answer for one
-/// limit, if it is one (integers as [`count_and_ttl`] reads them).
+/// limit, if it is one.
 fn remaining_and_reset(body: &[u8]) -> Option<(u64, u64)> {
     let values = resp_integers(body, "*5")?;
-    Some((*values.get(2)?, *values.get(3)?))
+    Some((
+        u64::try_from(*values.get(2)?).ok()?,
+        u64::try_from(*values.get(3)?).ok()?,
+    ))
 }
 
-/// The integers of a RESP array answer whose first line is `head`, each possibly a bulk
-/// string (see [`count_and_ttl`]).
-fn resp_integers(body: &[u8], head: &str) -> Option<Vec<u64>> {
+/// The two integers of the naive script's answer (`*2 :count :ttl_ms`), if it is one.
+fn count_and_ttl(body: &[u8]) -> Option<(u64, i64)> {
+    let values = resp_integers(body, "*2")?;
+    Some((u64::try_from(*values.first()?).ok()?, *values.get(1)?))
+}
+
+/// The integers of a RESP array answer whose first line is `head`; each may come as a bulk
+/// string, as Debian's webdis 0.1.9 turns integers in arrays into strings.
+fn resp_integers(body: &[u8], head: &str) -> Option<Vec<i64>> {
     let text = std::str::from_utf8(body).ok()?;
     let mut lines = text.split("\r\n");
     if lines.next()? != head {
@@ -485,22 +494,6 @@ fn resp_integers(body: &[u8], head: &str) -> Option<Vec<u64>> {
         .filter(|l| !l.is_empty() && !l.starts_with('$'))
         .map(|l| l.strip_prefix(':').unwrap_or(l).parse().ok())
         .collect()
-}
-
-/// The two integers of a RESP array answer (`*2 :count :ttl_ms`), if it is one; each may
-/// come as a bulk string, as Debian's webdis 0.1.9 turns integers in arrays into strings.
-fn count_and_ttl(body: &[u8]) -> Option<(u64, i64)> {
-    let text = std::str::from_utf8(body).ok()?;
-    let mut lines = text.split("\r\n");
-    if lines.next()? != "*2" {
-        return None;
-    }
-    let mut values = lines
-        .filter(|l| !l.starts_with('$'))
-        .map(|l| l.strip_prefix(':').unwrap_or(l));
-    let count = values.next()?.parse().ok()?;
-    let ttl = values.next()?.parse().ok()?;
-    Some((count, ttl))
 }
 
 /// WASI `random_get` (a per-worker queue name).
