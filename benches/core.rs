@@ -409,7 +409,7 @@ fn worker_requests() {
     let maps: Vec<Vec<u8>> = (0..10_000)
         .map(|n| host_map(&format!("tenant-{n}")))
         .collect();
-    for in_flight in [1, 8] {
+    for in_flight in [1, 8, 512] {
         let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
         let mut open: VecDeque<(u32, u32)> = VecDeque::new();
         let (mut stream, mut n) = (0u32, 0usize);

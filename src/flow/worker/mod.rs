@@ -36,6 +36,9 @@ pub struct ResponseHead {
 struct Entry {
     flow: Flow,
     paused: Option<Dir>,
+    /// Its calls in flight (its routes): a stream that closes with none leaves no route to
+    /// look for, so closing costs nothing however many calls the worker has in flight.
+    routed: u32,
 }
 
 /// Boxes of closed streams kept for the next ones, at most.
@@ -263,19 +266,29 @@ impl<S: Copy + Ord> Worker<S> {
 
     /// Forgets a stream (and where its calls' answers would have gone).
     pub fn close(&mut self, s: S) {
-        if let Some(mut entry) = self.streams.remove(&s) {
-            if self.spare.len() < SPARE_ENTRIES {
-                // Every field, so that a new one cannot be left out: the box must be as a
-                // fresh one (the flow keeps only the room of its lists).
-                let Entry { flow, paused } = &mut *entry;
-                flow.recycle();
-                *paused = None;
-                self.spare.push(entry);
-            }
-        }
         self.waiting.remove(&s);
-        self.routes
-            .retain(|_, d| !matches!(d, Dest::Stream(t, _) if *t == s));
+        let entry = self.streams.remove(&s);
+        // A stream the worker does not know could still have a route (none is sent so).
+        if entry.as_ref().is_none_or(|e| e.routed > 0) {
+            self.routes
+                .retain(|_, d| !matches!(d, Dest::Stream(t, _) if *t == s));
+        }
+        let Some(mut entry) = entry else {
+            return;
+        };
+        if self.spare.len() < SPARE_ENTRIES {
+            // Every field, so that a new one cannot be left out: the box must be as a fresh
+            // one (the flow keeps only the room of its lists).
+            let Entry {
+                flow,
+                paused,
+                routed,
+            } = &mut *entry;
+            flow.recycle();
+            *paused = None;
+            *routed = 0;
+            self.spare.push(entry);
+        }
     }
 
     /// Stream `s`'s entry, a spare box for a new stream.
@@ -298,6 +311,11 @@ impl<S: Copy + Ord> Worker<S> {
         match (route.0, token) {
             (Dest::Batch(batch), Ok(token)) => self.batcher.sent(token, batch),
             (dest, Ok(token)) => {
+                if let Dest::Stream(s, _) = dest {
+                    if let Some(entry) = self.streams.get_mut(&s) {
+                        entry.routed += 1;
+                    }
+                }
                 self.routes.insert(token, dest);
             }
             (dest, Err(e)) => self.answer(cx, dest, Err(e), &mut fx),
@@ -318,6 +336,11 @@ impl<S: Copy + Ord> Worker<S> {
             Some(batch) => Some(Dest::Batch(batch)),
             None => self.routes.remove(&token),
         };
+        if let Some(Dest::Stream(s, _)) = &dest {
+            if let Some(entry) = self.streams.get_mut(s) {
+                entry.routed = entry.routed.saturating_sub(1);
+            }
+        }
         match dest {
             Some(Dest::Stream(s, _)) if !self.streams.contains_key(&s) => {}
             Some(dest) => self.answer(cx, dest, read(), &mut fx),

@@ -516,3 +516,38 @@ fn a_closed_streams_box_carries_nothing_to_the_next_stream() {
     }
     assert_eq!(reusing.spare.len(), SPARE_ENTRIES);
 }
+
+#[test]
+fn a_stream_closes_without_touching_other_streams_calls() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let cx = Cx::new(&rt, 1_000, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    let mut tokens = Vec::new();
+    for s in 1..=3 {
+        let fx = request(&mut w, &cx, s, "GET", "/x");
+        tokens.extend(send_all(&mut w, &cx, fx, &mut next));
+    }
+    assert_eq!(w.routes.len(), 3);
+    // Answered, then closed: nothing of its own is left to forget.
+    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    w.close(1);
+    assert_eq!(w.routes.len(), 2);
+    // Closed with its call in flight: that call's route goes, the late answer is not read.
+    w.close(2);
+    assert_eq!(w.routes.len(), 1);
+    assert!(w.on_answer(&cx, tokens[1], unread).streams.is_empty());
+    let fx = w.on_answer(&cx, tokens[2], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    assert_eq!(fx.streams[0].stream, 3);
+    assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    w.close(3);
+    // A stream on a closed one's box starts with no call of its own, and forgets the one it
+    // sends when it closes before the answer.
+    let fx = request(&mut w, &cx, 4, "GET", "/x");
+    let late = send_all(&mut w, &cx, fx, &mut next);
+    w.close(4);
+    assert!(w.routes.is_empty());
+    assert!(w.on_answer(&cx, late[0], unread).streams.is_empty());
+}
