@@ -268,7 +268,7 @@ impl<S: Copy + Ord> Worker<S> {
     pub fn close(&mut self, s: S) {
         self.waiting.remove(&s);
         let entry = self.streams.remove(&s);
-        // A stream the worker does not know could still have a route (none is sent so).
+        // A stream the worker does not know has no count to go by: its routes are looked for.
         if entry.as_ref().is_none_or(|e| e.routed > 0) {
             self.routes
                 .retain(|_, d| !matches!(d, Dest::Stream(t, _) if *t == s));
@@ -313,7 +313,7 @@ impl<S: Copy + Ord> Worker<S> {
             (dest, Ok(token)) => {
                 if let Dest::Stream(s, _) = dest {
                     if let Some(entry) = self.streams.get_mut(&s) {
-                        entry.routed += 1;
+                        entry.routed = entry.routed.saturating_add(1);
                     }
                 }
                 self.routes.insert(token, dest);

@@ -543,8 +543,7 @@ fn a_stream_closes_without_touching_other_streams_calls() {
     assert_eq!(fx.streams[0].stream, 3);
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     w.close(3);
-    // A stream on a closed one's box starts with no call of its own, and forgets the one it
-    // sends when it closes before the answer.
+    // A stream on a closed one's box forgets the call it closes in the middle of, too.
     let fx = request(&mut w, &cx, 4, "GET", "/x");
     let late = send_all(&mut w, &cx, fx, &mut next);
     w.close(4);
