@@ -410,6 +410,12 @@ fn worker_requests() {
         .map(|n| host_map(&format!("tenant-{n}")))
         .collect();
     for in_flight in [1, 8, 512] {
+        let name = format!("request through the worker, exact, 10k tenants, {in_flight} in flight");
+        // Warming 512 streams up is work of its own (hash tables' seeds move its count): only
+        // for the case that runs.
+        if !selected(&name) {
+            continue;
+        }
         let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
         let mut open: VecDeque<(u32, u32)> = VecDeque::new();
         let (mut stream, mut n) = (0u32, 0usize);
@@ -444,10 +450,7 @@ fn worker_requests() {
         for _ in 0..in_flight {
             request(&mut w);
         }
-        report(
-            &format!("request through the worker, exact, 10k tenants, {in_flight} in flight"),
-            || request(&mut w),
-        );
+        report(&name, || request(&mut w));
     }
     worker_local(
         "exact",
