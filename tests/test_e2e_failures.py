@@ -115,6 +115,21 @@ def leftovers(stack: Stack, rkeys: list[str], lkeys: list[str]) -> list[str]:
     return [k for k in rkeys + lkeys if stack.redis.exists(k)]
 
 
+def leftover_report(stack: Stack, envoy: Envoy, prefix: str, rkeys: list[str],
+                    lkeys: list[str]) -> str:
+    """What a failure needs to be read: each key left (its value and TTL), the cancellation
+    markers there are, and the filter's Redis and background-call counters."""
+    lines = ["left behind:"]
+    for k in leftovers(stack, rkeys, lkeys):
+        lines.append(f"  {k} type={stack.redis.type(k)!r} pttl={stack.redis.pttl(k)} "
+                     f"value={stack.redis.get(k) if stack.redis.type(k) == b'string' else '-'!r}")
+    markers = sorted(m.decode() for m in stack.redis.scan_iter(match=f"{prefix}:cancel:*"))
+    lines.append(f"markers ({len(markers)}): {markers}")
+    counters = envoy.stats(filter="wasmcustom.cg")
+    lines.append("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(counters.items()) if v))
+    return "\n".join(lines)
+
+
 def assert_nothing_left_and_retries_run(stack: Stack, envoy: Envoy, prefix: str, tenant: str,
                                         keys: list[str], paths: list[str], orders: list[str],
                                         pause_started: float) -> None:
@@ -123,9 +138,9 @@ def assert_nothing_left_and_retries_run(stack: Stack, envoy: Envoy, prefix: str,
     # Redis runs again after the pause; the late acquires and the releases land in some order.
     time.sleep(max(0.0, pause_started + PAUSE_MS / 1000 + 0.2 - time.monotonic()))
     left = wait_for(lambda: not leftovers(stack, rkeys, lkeys), 6.0, 0.05)
-    assert left, f"left behind: {leftovers(stack, rkeys, lkeys)}"
+    assert left, leftover_report(stack, envoy, prefix, rkeys, lkeys)
     time.sleep(1.0)  # nothing lands later either
-    assert not leftovers(stack, rkeys, lkeys)
+    assert not leftovers(stack, rkeys, lkeys), leftover_report(stack, envoy, prefix, rkeys, lkeys)
     # Every cancelled owner has its marker, with a TTL (and the marker shares the tenant's tag).
     markers = list(stack.redis.scan_iter(match=f"{prefix}:cancel:*", count=1000))
     assert len(markers) >= len(keys) + len(orders), markers
