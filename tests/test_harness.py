@@ -194,6 +194,35 @@ def test_benchmark_variants_start(stack_factory):
     assert statuses == [200, 200, 429]
 
 
+def test_the_incumbents_envoy_config_validates(tmp_path):
+    """make bench's incumbent: Envoy's ratelimit filter in the Wasm filter's place, one gRPC
+    call per request to the rate limit service's cluster (HTTP/2), the tenant descriptor from
+    the benchmark's tenant header, failing closed; a config Envoy itself accepts."""
+    import yaml
+
+    from harness.envoy import Envoy
+
+    envoy = Envoy(tmp_path, None, free_port(), free_port(),
+                  rate_limit_service={"port": 18081, "header": "x-tenant-id"})
+    hcm = envoy.config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    assert [f["name"] for f in filters] == ["envoy.filters.http.ratelimit",
+                                            "envoy.filters.http.router"]
+    rl = filters[0]["typed_config"]
+    assert rl["failure_mode_deny"] is True
+    assert rl["rate_limit_service"]["grpc_service"]["envoy_grpc"]["cluster_name"] == \
+        "rate_limit_service"
+    assert rl["rate_limits"] == [{"actions": [{"request_headers": {
+        "header_name": "x-tenant-id", "descriptor_key": "tenant"}}]}]
+    cluster = next(c for c in envoy.config["static_resources"]["clusters"]
+                   if c["name"] == "rate_limit_service")
+    options = cluster["typed_extension_protocol_options"]
+    assert "http2_protocol_options" in next(iter(options.values()))["explicit_http_config"]
+    path = tmp_path / "incumbent.yaml"
+    path.write_text(yaml.safe_dump(envoy.config))
+    assert validate_config(path) == (0, f"configuration '{path}' OK\n")
+
+
 # --- with the real filter (target/wasm32-wasip1/release/coordination_guard.wasm, `make build`) ---
 
 

@@ -114,7 +114,8 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
                   vm_env: dict | None = None, grpc_upstream_port: int | None = None,
                   routes: dict[str, str] | None = None, pre_filters: list[dict] | None = None,
                   extra_gateway_ports: list[int] | None = None,
-                  response_headers: dict[str, str] | None = None) -> dict:
+                  response_headers: dict[str, str] | None = None,
+                  rate_limit_service: dict | None = None) -> dict:
     """envoy/template.yaml as a dict, with the variant the caller asked for.
 
     `path_normalization=False` drops Envoy's own path normalisation (as an Istio mesh without
@@ -141,6 +142,11 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
 
     `response_headers` are added to every response of the default route (the upstream's or the
     direct response), before the filters see it (e.g. a charge header for benchmarks).
+
+    `rate_limit_service` (`port`, `header`) puts Envoy's `ratelimit` filter in the Wasm
+    filter's place, calling the rate limit service on `port` over gRPC (the cluster
+    `rate_limit_service`) for every request with one descriptor, `tenant` from `header`:
+    the incumbent of benchmarks.
     """
     import yaml  # PyYAML, from tests/requirements.txt
 
@@ -156,6 +162,10 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         filters.insert(filters.index(wasm), f)
     if local_ratelimit is not None:
         filters[filters.index(wasm)] = _local_ratelimit_filter(**local_ratelimit)
+    elif rate_limit_service is not None:
+        filters[filters.index(wasm)] = _ratelimit_filter(rate_limit_service["header"])
+        cfg["static_resources"]["clusters"].append(
+            _h2_cluster("rate_limit_service", rate_limit_service["port"]))
     elif plugin_config is None:
         filters.remove(wasm)
     else:
@@ -186,14 +196,7 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
             endpoints.append({"endpoint": {"address": {"socket_address": {
                 "address": "127.0.0.1", "port_value": port}}}})
     if grpc_upstream_port is not None:
-        cluster = _static_cluster("grpc_upstream", grpc_upstream_port)
-        cluster["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        }
-        cfg["static_resources"]["clusters"].append(cluster)
+        cfg["static_resources"]["clusters"].append(_h2_cluster("grpc_upstream", grpc_upstream_port))
         routes.insert(0, {"match": {"prefix": "/cg.test."},
                           "route": {"cluster": "grpc_upstream", "timeout": "15s"}})
     if buffer_limit is not None:
@@ -212,6 +215,39 @@ def _static_cluster(name: str, port: int) -> dict:
             "cluster_name": name,
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
                 "socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}],
+        },
+    }
+
+
+def _h2_cluster(name: str, port: int) -> dict:
+    """A static cluster speaking HTTP/2 with prior knowledge (gRPC)."""
+    cluster = _static_cluster(name, port)
+    cluster["typed_extension_protocol_options"] = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }
+    }
+    return cluster
+
+
+def _ratelimit_filter(header: str) -> dict:
+    """Envoy's global rate limit filter: one gRPC call to the rate limit service per request,
+    its descriptor `tenant` from `header`, failing closed (as the filter is benchmarked), with
+    the filter's Redis timeout in benchmarks."""
+    return {
+        "name": "envoy.filters.http.ratelimit",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit",
+            "domain": "bench",
+            "timeout": "0.25s",
+            "failure_mode_deny": True,
+            "rate_limit_service": {
+                "grpc_service": {"envoy_grpc": {"cluster_name": "rate_limit_service"}},
+                "transport_api_version": "V3",
+            },
+            "rate_limits": [{"actions": [{"request_headers": {
+                "header_name": header, "descriptor_key": "tenant"}}]}],
         },
     }
 
