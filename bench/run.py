@@ -249,7 +249,10 @@ COST, CHARGED = 3, 5
 # to webdis), the round trip a callout cannot beat.
 LATENCY_RATES = (500, 1000, 2000)
 LATENCY_SCENARIOS = ("no_policy", "wasm_naive", "wasm_naive_rl", "rl_allowed",
-                     "rl_allowed_batched", "rl_allowed_leased", "rl_rejected")
+                     "rl_allowed_batched", "rl_allowed_leased", "rl_rejected",
+                     # Beside the incumbent, through the upstream as it runs.
+                     "envoy_rls_exact", "rl_allowed_routed", "envoy_rls_cached",
+                     "rl_allowed_leased_routed")
 LATENCY_CONNECTIONS = 32
 # What each may add over plain Envoy at 1,000 requests/s: (p50, p99) in ms.
 LATENCY_GOALS = {"rl_allowed": (0.5, 2.0), "no_policy": (0.1, 0.5), "rl_rejected": (0.1, 0.5),
@@ -925,7 +928,9 @@ class Bench:
         `round_order`), `self.rounds // 2` times (at least once; the medians are reported)."""
         plugin = scenario.plugin(self.stack) if scenario.plugin else None
         envoy = self.start_envoy(f"{scenario.name}-open-loop", plugin,
-                                 wasm_path=scenario.wasm_path)
+                                 wasm_path=scenario.wasm_path, routed=scenario.routed,
+                                 rls=scenario.rls)
+        plain = self.plain_proxy() if scenario.plain_routed else self.plain
         try:
             out = {"scenario": scenario.name, "rates": []}
             for rate in rates:
@@ -933,7 +938,7 @@ class Bench:
                 before = envoy.stats(filter=GATEWAY_STATS)
                 for round_no in range(max(1, self.rounds // 2)):
                     tenant = f"ol-{scenario.name}-{rate}-{round_no}-{uuid.uuid4().hex[:6]}"
-                    pair = [("plain", self.plain), ("scenario", envoy)]
+                    pair = [("plain", plain), ("scenario", envoy)]
                     for kind, target in round_order(pair, round_no + 1):
                         runs[kind].append(self.oha(target, rate, seconds, tenant))
                 after = envoy.stats(filter=GATEWAY_STATS)
@@ -1702,6 +1707,8 @@ def main() -> int:
     # lease_contended runs after the scenarios; its stack needs no plain Envoy round.
     by_name = {s.name: s for s in scenarios()}
     measured = chosen + [by_name[a] for s in chosen for a in in_round_anchors(s)]
+    if not wanted or "open_loop" in wanted:
+        measured += [by_name[name] for name in latency_names]
     if any(s.wasm_path == FLOOR_WASM for s in measured) and not build_anchor(
             "the wasm_floor anchor", [FLOOR_BUILD], FLOOR_WASM):
         return 2
