@@ -37,8 +37,9 @@ scenarios' POST requests, answered by Envoy (as replays are) and through the ups
 fresh keys are): what one callout costs on those requests. The incumbent, `envoy_rls_exact`
 and `envoy_rls_cached`, is no Wasm filter: Envoy's ratelimit filter calling, per request, a
 rate limit service (bench/rls, on the Limitador library, built here with cargo) whose counters
-are in the same Redis, checked there on every call or cached and flushed; it runs in the
-rounds of the exact paths and of leased quota. A scenario with a goal against an
+are in the same Redis, checked there on every call or cached and flushed. Envoy's ratelimit
+filter calls nothing on a direct response, so it runs through the upstream, in the rounds of
+the filter's exact, batched and leased paths run the same way (`*_routed`). A scenario with a goal against an
 anchor, or with `anchors_in_rounds`, runs that anchor in its own rounds
 (plain, anchor, scenario[, compare], and the reverse in every other round, so a drift within a
 round favours no one), and its ratio is the median of the per-round ratios.
