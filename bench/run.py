@@ -39,7 +39,8 @@ and `envoy_rls_cached`, is no Wasm filter: Envoy's ratelimit filter calling, per
 rate limit service (bench/rls, on the Limitador library, built here with cargo) whose counters
 are in the same Redis, checked there on every call or cached and flushed. Envoy's ratelimit
 filter calls nothing on a direct response, so it runs through the upstream, in the rounds of
-the filter's exact, batched and leased paths run the same way (`*_routed`). A scenario with a goal against an
+the filter's exact, batched, leased and rejected paths run the same way (`*_routed`); pushed
+past a limit (`envoy_rls_rejected`), what it admits is recorded, not checked. A scenario with a goal against an
 anchor, or with `anchors_in_rounds`, runs that anchor in its own rounds
 (plain, anchor, scenario[, compare], and the reverse in every other round, so a drift within a
 round favours no one), and its ratio is the median of the per-round ratios.
@@ -165,6 +166,8 @@ class Scenario:
     # Redis) for every request, its counters kept "exact" (checked in Redis on every call) or
     # "cached" (counted in memory, flushed to Redis in the background).
     rls: str | None = None
+    # The incumbent's limit per tenant (per hour).
+    rls_limit: int = HUGE_LIMIT
     goal: float | None = None
     # Anchors measured in the same run, each with the ratio to reach (None: reported only):
     # the scenario's throughput over the anchor's, both as ratios to their plain rounds.
@@ -178,6 +181,9 @@ class Scenario:
     admitted_exactly: int | None = None
     # Every response is a 429 (an anchor that rejects every request).
     all_rejected: bool = False
+    # Responses are 2xx or 429 and what was admitted is recorded, not checked: the incumbent
+    # on a limit it is pushed past (what it admits is a finding of the run).
+    admission_reported: int | None = None
     # The limit whose filter counters must agree with `admitted_exactly`.
     counted_limit: str = "policy.api.limit.tenant"
     # Script arguments for one run; `nonce` is unique per run.
@@ -347,6 +353,15 @@ def verify_rls(stats: dict, rec: dict) -> list[str]:
     count = stats.get(RLS_OK, 0)
     if not rec["requests"] <= count <= rec["requests"] + CONNECTIONS:
         return [f"{RLS_OK} counted {count} for {rec['requests']} requests at wrk"]
+    return []
+
+
+def verify_rls_decided(stats: dict, rec: dict) -> list[str]:
+    """Every request was decided by the rate limit service's answer, under or over the
+    limit."""
+    count = stats.get(RLS_OK, 0) + stats.get(RLS_OVER, 0)
+    if not rec["requests"] <= count <= rec["requests"] + CONNECTIONS:
+        return [f"{RLS_OK} + {RLS_OVER} counted {count} for {rec['requests']} requests at wrk"]
     return []
 
 
@@ -664,6 +679,20 @@ def scenarios() -> list[Scenario]:
     found += [Scenario(name, title, script, plugin, verify=verify_allowed, routed=True,
                        plain_routed=True, anchors=((incumbent, INCUMBENT_GOAL),))
               for name, title, script, plugin, incumbent in beside]
+    # One tenant pushed past its limit by 16 connections, a fresh tenant per run: how fast
+    # each rejects, and what each admits (ours exactly its limit, checked; the incumbent's
+    # is recorded).
+    found.insert(found.index(next(s for s in found if s.name == "envoy_rls_cached")) + 1,
+                 Scenario("envoy_rls_rejected", f"Envoy ratelimit filter + Limitador on Redis, "
+                          f"exact, 1 tenant, limit {REJECTED_LIMIT}/1h, via upstream "
+                          "(incumbent)", "one_tenant.lua", rls="exact",
+                          rls_limit=REJECTED_LIMIT, admission_reported=REJECTED_LIMIT,
+                          verify=verify_rls_decided, routed=True, plain_routed=True))
+    found.append(Scenario("rl_rejected_routed", f"rate limit rejected, 1 tenant, limit "
+                          f"{REJECTED_LIMIT}/1h, via upstream", "one_tenant.lua",
+                          rate_limited("rl_rejected_routed", REJECTED_LIMIT),
+                          admitted_exactly=REJECTED_LIMIT, routed=True, plain_routed=True,
+                          anchors=(("envoy_rls_rejected", INCUMBENT_GOAL),)))
     return found
 
 
@@ -704,6 +733,7 @@ STAT_FILTER = (r"^(http\.ingress\.downstream_rq_|wasmcustom\.(cg|floor)\.|"
                r"cluster\.upstream\.ratelimit\.)")
 # Envoy's ratelimit filter counts the rate limit service's answers in the route's cluster.
 RLS_OK = "cluster.upstream.ratelimit.ok"
+RLS_OVER = "cluster.upstream.ratelimit.over_limit"
 # Envoy's counters of the gateway cluster: callouts sent, and connections opened to carry them.
 GATEWAY_RQ = "cluster.redis_gateway.upstream_rq_total"
 GATEWAY_CX = "cluster.redis_gateway.upstream_cx_total"
@@ -730,7 +760,8 @@ class Bench:
 
     def start_envoy(self, name: str, plugin: dict | None, *, routed: bool = False,
                     local_ratelimit: dict | None = None, wasm_path: Path | None = None,
-                    response_headers: dict | None = None, rls: str | None = None) -> Envoy:
+                    response_headers: dict | None = None, rls: str | None = None,
+                    rls_limit: int = HUGE_LIMIT) -> Envoy:
         """An Envoy on this stack; `routed`: it proxies to the upstream Envoy instead of
         answering itself; `wasm_path`: another .wasm than the stack's; `response_headers`:
         added to every response; `rls`: Envoy's ratelimit filter instead of a Wasm filter,
@@ -738,7 +769,7 @@ class Bench:
         stopped with it). Registered with the stack, so `stack.stop()` stops it too."""
         workdir = WORK / "stack" / f"envoy-{name}"
         wasm_path = wasm_path or self.stack.wasm_path
-        service = self.start_rls(workdir, rls) if rls else None
+        service = self.start_rls(workdir, rls, rls_limit) if rls else None
         variant = {"rate_limit_service": {"port": service.port, "header": TENANT_HEADER}
                    } if service else {}
         try:
@@ -767,15 +798,15 @@ class Bench:
             raise
         return envoy
 
-    def start_rls(self, workdir: Path, mode: str) -> Service:
+    def start_rls(self, workdir: Path, mode: str, limit: int) -> Service:
         """bench/rls on a free port in `mode`, its counters in the stack's Redis (as the
-        admin user: its keys are Limitador's own), with rl_allowed's limit."""
+        admin user: its keys are Limitador's own), `limit` per tenant per hour."""
         redis = self.stack.redis_server
         url = (f"redis://{ADMIN_USER}:{redis.admin_password}@127.0.0.1:{redis.port}")
         service = Service()
         service.port = free_port()
         service.launch(f"rls-{mode}", [str(RLS_BIN), str(service.port), url, mode,
-                                        str(HUGE_LIMIT), "3600"], workdir, service.port, 20.0)
+                                        str(limit), "3600"], workdir, service.port, 20.0)
         return service
 
     def stop_envoy(self, envoy: Envoy) -> None:
@@ -930,7 +961,7 @@ class Bench:
         plugin = scenario.plugin(self.stack) if scenario.plugin else None
         envoy = self.start_envoy(f"{scenario.name}-open-loop", plugin,
                                  wasm_path=scenario.wasm_path, routed=scenario.routed,
-                                 rls=scenario.rls)
+                                 rls=scenario.rls, rls_limit=scenario.rls_limit)
         plain = self.plain_proxy() if scenario.plain_routed else self.plain
         try:
             out = {"scenario": scenario.name, "rates": []}
@@ -1069,7 +1100,12 @@ class Bench:
         if other:
             problems.append(f"unexpected status classes {other}")
         limit = scenario.admitted_exactly if scenario else None
-        if scenario is not None and scenario.all_rejected:
+        if scenario is not None and scenario.admission_reported is not None:
+            rejected = s.get("http.ingress.downstream_rq_4xx", 0)
+            # 2xx and 4xx only (5xx and other classes are problems above).
+            rec["admission"] = {"limit": scenario.admission_reported, "admitted_2xx": ok2,
+                                "rejected_4xx": rejected}
+        elif scenario is not None and scenario.all_rejected:
             if ok2 or w["non_2xx_3xx"] != w["requests"]:
                 problems.append(f"{ok2} responses 2xx at Envoy, {w['non_2xx_3xx']} non-2xx of "
                                 f"{w['requests']} at wrk (expected every response 429)")
@@ -1100,7 +1136,8 @@ class Bench:
         envoy = self.start_envoy(scenario.name, plugin, routed=scenario.routed,
                                  local_ratelimit=scenario.local_ratelimit,
                                  wasm_path=scenario.wasm_path,
-                                 response_headers=scenario.response_headers, rls=scenario.rls)
+                                 response_headers=scenario.response_headers, rls=scenario.rls,
+                                 rls_limit=scenario.rls_limit)
         targets = [(plain, "plain", scenario)]
         compare = None
         compare_refused = None
@@ -1114,7 +1151,8 @@ class Bench:
                 anchor = self.start_envoy(f"{scenario.name}-anchor-{name}",
                                           a.plugin(self.stack) if a.plugin else None,
                                           routed=a.routed, local_ratelimit=a.local_ratelimit,
-                                          wasm_path=a.wasm_path, rls=a.rls)
+                                          wasm_path=a.wasm_path, rls=a.rls,
+                                          rls_limit=a.rls_limit)
                 anchors.append(anchor)
                 targets.append((anchor, f"anchor:{name}", a))
             targets.append((envoy, "scenario", scenario))
@@ -1213,6 +1251,10 @@ def summarize(scenario: Scenario | None, runs: list[dict], kind: str = "scenario
             for name in ("envoy", "webdis", "redis", "wrk", "upstream_envoy", "rls")},
         "foreign_cpu_cores": _median([r["foreign_cpu_cores"] for r in mine]),
     }
+    admissions = [r["admission"] for r in mine if "admission" in r]
+    if admissions:
+        out["admission"] = {"limit": admissions[0]["limit"],
+                            "admitted_per_run": [a["admitted_2xx"] for a in admissions]}
     if scenario is not None:
         plain = {r["round"]: r for r in runs if r["kind"] == "plain"}
         ratios = [r["requests_per_second"] / plain[r["round"]]["requests_per_second"]
@@ -1430,7 +1472,26 @@ def markdown_results(results: dict) -> str:
         ok = all(c["ok"] for c in checks.values())
         lines += ["", f"Correctness: every limited scenario admitted exactly its limit: "
                   f"{'yes' if ok else 'NO'}."]
+    admitted = admission_lines(results["scenarios"])
+    if admitted:
+        lines += [""] + admitted
     return "\n".join(lines)
+
+
+def admission_lines(scenario_results: dict) -> list[str]:
+    """What the runs that record their admissions admitted (the incumbent pushed past its
+    limit), as its own row and in the rounds of the scenario it ran beside."""
+    lines = []
+    for name, sc in scenario_results.items():
+        rows = [(name, sc["summary"])] + [
+            (f"{a['anchor']}, in {name}'s rounds", a["anchor_in_rounds"])
+            for a in sc["summary"].get("anchors", []) if "anchor_in_rounds" in a]
+        for label, s in rows:
+            if "admission" in s:
+                lines.append(f"Admitted, not checked ({label}): "
+                             f"{', '.join(map(str, s['admission']['admitted_per_run']))} per "
+                             f"run for a limit of {s['admission']['limit']}.")
+    return lines
 
 
 def open_loop_markdown(open_loop: list[dict], titles: dict,
@@ -1845,6 +1906,8 @@ def main() -> int:
         verdict = "ok" if c["ok"] else "FAILED"
         print(f"correctness ({name}): admitted per run {c['admitted_per_run']}, "
               f"limit {c['limit']}: {verdict}")
+    for line in admission_lines(scenario_results):
+        print(line)
     foreign = _median([r["foreign_cpu_cores"] for sc in scenario_results.values()
                        for r in sc["runs"]])
     print(f"other load: CPU (cores) used by processes outside this benchmark while it measured; "

@@ -242,6 +242,34 @@ def test_the_incumbent_runs_in_the_rounds_of_the_paths_it_competes_with():
                                                                                "cached")
 
 
+
+def test_the_incumbent_pushed_past_its_limit_has_what_it_admitted_recorded_not_checked():
+    """The rejected pair: one tenant, limit 10, 16 connections, a fresh tenant per run. Ours
+    must admit exactly the limit (checked); what the incumbent admits is a finding, reported
+    in the table's notes for its own rows and in the rounds of the scenario beside it."""
+    by_name = {s.name: s for s in bench.scenarios()}
+    ours, incumbent = by_name["rl_rejected_routed"], by_name["envoy_rls_rejected"]
+    assert ours.admitted_exactly == incumbent.rls_limit == incumbent.admission_reported == 10
+    assert ours.script == incumbent.script == "one_tenant.lua"
+    assert dict(ours.anchors)["envoy_rls_rejected"] == bench.INCUMBENT_GOAL
+
+    runs = []
+    for round_no, admitted in ((1, 16), (2, 19)):
+        runs.append(fake_run("plain", round_no, 100))
+        runs.append({**fake_run("anchor:envoy_rls_rejected", round_no, 50),
+                     "admission": {"limit": 10, "admitted_2xx": admitted, "rejected_4xx": 9}})
+        runs.append({**fake_run("scenario", round_no, 200),
+                     "correctness": {"admitted_2xx": 10, "ok": True}})
+    summary = bench.summarize(ours, runs)
+    results = {"rl_rejected_routed": {"summary": summary, "runs": runs}}
+    bench.add_anchor_ratios(results)
+    assert results["rl_rejected_routed"]["summary"]["anchors"][0]["ratio"] == 4.0
+    assert "admission" not in summary and summary["correctness"]["ok"]
+    assert bench.admission_lines(results) == [
+        "Admitted, not checked (envoy_rls_rejected, in rl_rejected_routed's rounds): 16, 19 "
+        "per run for a limit of 10."]
+
+
 def test_the_script_anchor_sends_the_exact_paths_own_call():
     """wasm_naive_script's callout is acquire.lua by EVALSHA with the arguments the filter
     sends for rl_allowed's limit (one fixed window, no idempotency, no lease), on a key of the
