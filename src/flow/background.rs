@@ -111,6 +111,8 @@ struct Tag {
     key_hash: String,
     certain: bool,
     compensation: bool,
+    /// Sent again after a failure that may have reached Redis (see [`earlier_send`]).
+    resent: bool,
 }
 
 /// What became of a background call's answer.
@@ -141,6 +143,7 @@ impl Outbox {
             key_hash: bg.key_hash,
             certain: bg.certain,
             compensation: bg.compensation,
+            resent: false,
         };
         self.calls.push(tag, bg.purpose.script(), bg.call);
     }
@@ -193,6 +196,7 @@ impl Outbox {
             }
             Answer::Reply(c, reply) => (c.tag.clone(), reply, c.attempts, c.first_ms),
         };
+        let reply = reply.map(|r| earlier_send(&tag, r));
         let freed = freed(&tag, &reply, self.calls.get(slot));
         let retry_at = match reply {
             Ok(reply) => {
@@ -202,7 +206,10 @@ impl Outbox {
             Err(e) => failed(cx, &tag, &e, attempts, first_ms),
         };
         match (retry_at, self.calls.get_mut(slot)) {
-            (Some(at), Some(c)) => c.due_ms = at,
+            (Some(at), Some(c)) => {
+                c.due_ms = at;
+                c.tag.resent = true;
+            }
             _ => {
                 self.calls.remove(slot);
             }
@@ -211,6 +218,24 @@ impl Outbox {
             resend: None,
             freed,
         }
+    }
+}
+
+/// A release sent again finds nothing of its owner's (`0` gone, `-1` another owner's) when
+/// the send before it, whose answer was lost (a timeout), released it: that is the likely
+/// case, so such an answer counts as released, not as a lost lease or a stale owner. A
+/// release not sent again, or a call whose "not ours" answer is expected anyway
+/// ([`Background::certain`]), is read as it is.
+fn earlier_send(tag: &Tag, reply: Reply) -> Reply {
+    let release = matches!(tag.purpose, Purpose::Release | Purpose::LeaseRelease);
+    if tag.resent && tag.certain && release && outcome(&reply) == Outcome::NotOurs {
+        log::debug!(
+            "{:?} sent again found nothing of its owner's: an earlier send released it",
+            tag.purpose
+        );
+        Reply::Int(1)
+    } else {
+        reply
     }
 }
 

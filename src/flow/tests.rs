@@ -1119,6 +1119,17 @@ fn lease_runtime(rec: &Recorder) -> Runtime {
     Runtime::new(config, metrics, None)
 }
 
+/// Sends a lease request of [`LEASE_CONFIG`] (`POST /orders/123/activate`) at 0: its acquire.
+fn activate(flow: &mut Flow, rt: &Runtime, rec: &Recorder) -> Vec<Outgoing> {
+    dispatched(flow.on_request(
+        &Cx::new(rt, 0, rec),
+        req("POST", "/orders/123/activate", Some("acme")),
+        "n",
+        "own",
+        true,
+    ))
+}
+
 fn lease_reply(code: i64, value: &[u8]) -> Reply {
     Reply::Array(Some(vec![
         Reply::Int(1),
@@ -1132,13 +1143,7 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
     let rec = Recorder::default();
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
-    let out = dispatched(flow.on_request(
-        &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders/123/activate", Some("acme")),
-        "n",
-        "own",
-        true,
-    ));
+    let out = activate(&mut flow, &rt, &rec);
     assert_eq!(out.len(), 1);
     let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
     assert!(
@@ -1206,13 +1211,7 @@ fn busy_lease_rejects_with_retry_after() {
     let rec = Recorder::default();
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
-    dispatched(flow.on_request(
-        &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders/123/activate", Some("acme")),
-        "n",
-        "own",
-        true,
-    ));
+    activate(&mut flow, &rt, &rec);
     let Step::Respond(r) = flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"4200")))
     else {
         panic!("expected 409");
@@ -2026,13 +2025,7 @@ fn a_late_lease_is_compensated_and_never_counted_released() {
     let rec = Recorder::default();
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
-    dispatched(flow.on_request(
-        &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders/123/activate", Some("acme")),
-        "n",
-        "own",
-        true,
-    ));
+    activate(&mut flow, &rt, &rec);
     let deadline = flow.deadline_ms().expect("waiting on Redis");
     assert!(matches!(
         flow.on_tick(&Cx::new(&rt, deadline, &rec)),
@@ -2167,6 +2160,58 @@ fn the_root_sends_only_what_is_due() {
     assert_eq!(retry, Next::Retry(250));
     assert!(outbox.take_due(249).is_empty());
     assert_eq!(outbox.take_due(250).len(), 1);
+}
+
+#[test]
+fn a_release_sent_again_that_finds_its_lease_gone_counts_as_released() {
+    // The first send's answer is lost (a timeout) after Redis deleted the lease: the second
+    // finds nothing (`0`) or another owner's lease (`-1`). That is the first send's release.
+    for gone in [0, -1] {
+        let rec = Recorder::default();
+        let rt = lease_runtime(&rec);
+        let mut flow = Flow::default();
+        activate(&mut flow, &rt, &rec);
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"9")));
+        flow.on_done(&Cx::new(&rt, 2, &rec));
+        let bg = flow.take_background();
+        assert_eq!(bg.len(), 1);
+        assert!(bg[0].certain);
+        let mut outbox = Outbox::default();
+        outbox.add(bg[0].clone());
+        let sent = outbox.take_due(10);
+        let retry = settle(
+            &mut outbox,
+            &rt,
+            sent[0].slot,
+            Err(CallError::Timeout),
+            60,
+            &rec,
+        );
+        let Next::Retry(due) = retry else {
+            panic!("a timed-out release is sent again: {retry:?}")
+        };
+        let sent = outbox.take_due(due);
+        assert_eq!(sent.len(), 1);
+        let settled = outbox.on_answer(
+            &Cx::new(&rt, due + 1, &rec),
+            sent[0].slot,
+            Ok(Reply::Int(gone)),
+        );
+        assert!(settled.freed.is_some(), "waiters may poll");
+        assert!(outbox.is_empty());
+        assert_eq!(rec.count("cg.policy.activate.lease.released"), 1, "{gone}");
+        assert_eq!(rec.count("cg.policy.activate.lease.lost"), 0, "{gone}");
+
+        // Sent once, the same answer is a lost lease.
+        let rec = Recorder::default();
+        let rt = lease_runtime(&rec);
+        assert_eq!(
+            answer_once(&rt, bg[0].clone(), Ok(Reply::Int(gone)), 5, &rec),
+            Next::Done
+        );
+        assert_eq!(rec.count("cg.policy.activate.lease.released"), 0);
+        assert_eq!(rec.count("cg.policy.activate.lease.lost"), 1);
+    }
 }
 
 #[test]
