@@ -247,7 +247,7 @@ def warning_kinds(envoy: Envoy) -> Counter:
     return counts
 
 
-def test_redis_down_sends_one_call_per_request_and_few_warnings(stack_factory):
+def test_redis_down_sends_at_most_one_call_per_request_and_few_warnings(stack_factory):
     stack = stack_factory(None, envoys=0)
     prefix = f"cg:e2e-fail:{uid()}"
     envoy = stack.add_envoy(plugin(stack, prefix, "500ms"))
@@ -275,7 +275,10 @@ def test_redis_down_sends_one_call_per_request_and_few_warnings(stack_factory):
             assert_503(r)
         time.sleep(0.5)  # the root's tick: anything queued would go out now
         sent = redis_stat(envoy, "calls") - before
-        assert sent == 2 * per_wave, f"{sent} gateway calls for {2 * per_wave} requests"
+        # No retry of a failed acquire; batching (on by default) may carry the acquires of
+        # the four clients' requests in flight together in one call.
+        assert 2 * per_wave // 4 <= sent <= 2 * per_wave, (
+            f"{sent} gateway calls for {2 * per_wave} requests")
         assert redis_stat(envoy, "retries") == 0
         assert policy_stat(envoy, IDEM_POLICY, "idem.complete_failed") == 0
         assert policy_stat(envoy, LEASE_POLICY, "lease.lost") == 0

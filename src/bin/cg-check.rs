@@ -208,11 +208,13 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
             b.max_requests,
             duration(b.max_delay_ms),
             if b.cross_slot {
-                "across hash slots (single Redis only)"
+                "across hash slots until Redis answers CROSSSLOT (a Redis Cluster)"
             } else {
                 "per hash slot"
             }
         );
+    } else {
+        let _ = writeln!(s, "  batching: off");
     }
     let id = &c.identity;
     let _ = writeln!(

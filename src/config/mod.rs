@@ -125,8 +125,20 @@ pub struct Batch {
     /// How long a call may wait for others (the root's tick).
     pub max_delay_ms: u64,
     pub max_requests: usize,
-    /// Batch calls of different hash slots together (only without Redis Cluster).
+    /// Batch calls of different hash slots together, until Redis answers `CROSSSLOT` (a Redis
+    /// Cluster): then that worker batches per hash slot.
     pub cross_slot: bool,
+}
+
+impl Default for Batch {
+    /// On unless `redis.batch` is `false`: every decision is the one the call would get alone.
+    fn default() -> Batch {
+        Batch {
+            max_delay_ms: 1,
+            max_requests: 32,
+            cross_slot: true,
+        }
+    }
 }
 
 /// Where a role of the caller (tenant, principal) comes from.

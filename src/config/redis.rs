@@ -46,7 +46,8 @@ pub fn redis_config(v: &Value, path: &str, env: Env<'_>) -> Result<RedisConfig> 
         ));
     }
     let batch = match o.get("batch") {
-        None => None,
+        None | Some(Value::Bool(true)) => Some(Batch::default()),
+        Some(Value::Bool(false)) => None,
         Some(v) => Some(batch(v, &o.field_path("batch"))?),
     };
     o.finish()?;
@@ -77,10 +78,13 @@ fn env_authorization(name: &str, path: &str, env: Env<'_>) -> Result<String> {
     Ok(value)
 }
 
-/// `redis.batch`: how acquire calls of one worker are coalesced.
+/// `redis.batch`: how acquire calls of one worker are coalesced (`true`, the default, with
+/// [`Batch::default`]; `false` never).
 fn batch(v: &Value, path: &str) -> Result<Batch> {
-    let mut b = Obj::new(v, path)?;
-    let max_delay_ms = duration(&mut b, "max_delay")?.unwrap_or(1);
+    let defaults = Batch::default();
+    let mut b = Obj::new(v, path)
+        .map_err(|_| ConfigError::new(path, "expected true, false or an object"))?;
+    let max_delay_ms = duration(&mut b, "max_delay")?.unwrap_or(defaults.max_delay_ms);
     if max_delay_ms > 100 {
         return Err(ConfigError::new(
             b.field_path("max_delay"),
@@ -88,7 +92,7 @@ fn batch(v: &Value, path: &str) -> Result<Batch> {
         ));
     }
     let max_requests = match b.opt_positive("max_requests")? {
-        None => 32,
+        None => defaults.max_requests,
         Some(n) if n <= 1000 => n as usize,
         Some(n) => {
             return Err(ConfigError::new(
@@ -97,7 +101,7 @@ fn batch(v: &Value, path: &str) -> Result<Batch> {
             ))
         }
     };
-    let cross_slot = b.opt_bool("cross_slot")?.unwrap_or(false);
+    let cross_slot = b.opt_bool("cross_slot")?.unwrap_or(defaults.cross_slot);
     b.finish()?;
     Ok(Batch {
         max_delay_ms,

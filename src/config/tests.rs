@@ -402,7 +402,8 @@ fn lease_config() {
 
 #[test]
 fn tick_follows_timeout_leases_and_batching() {
-    let tick = |v: Value| Config::from_value(&v).expect("valid").tick_ms(true);
+    // As when the host gives the root a queue to wake it: batches do not set the tick.
+    let tick = |v: Value| Config::from_value(&v).expect("valid").tick_ms(false);
     assert_eq!(tick(json!({"redis": {"cluster": "gw"}})), 25);
     assert_eq!(
         tick(json!({"redis": {"cluster": "gw", "timeout": "1s"}})),
@@ -419,15 +420,48 @@ fn tick_follows_timeout_leases_and_batching() {
         ),
         250
     );
+    // Without that queue, the root's tick flushes the batches: every `max_delay`.
+    let by_tick = |v: Value| Config::from_value(&v).expect("valid").tick_ms(true);
     assert_eq!(
-        tick(json!({"redis": {"cluster": "gw", "batch": {"max_delay": "2ms"}}})),
+        by_tick(json!({"redis": {"cluster": "gw", "batch": {"max_delay": "2ms"}}})),
         2
     );
-    // With a queue to wake the root, batches do not need a fine tick.
-    let batched = json!({"redis": {"cluster": "gw", "batch": {"max_delay": "2ms"}}});
     assert_eq!(
-        Config::from_value(&batched).expect("valid").tick_ms(false),
+        by_tick(json!({"redis": {"cluster": "gw"}})),
+        1,
+        "batching is on by default"
+    );
+    assert_eq!(
+        by_tick(json!({"redis": {"cluster": "gw", "batch": false}})),
         25
+    );
+}
+
+#[test]
+fn batching_is_on_unless_turned_off() {
+    let batch = |v: Value| Config::from_value(&json!({"redis": v})).map(|c| c.redis.batch);
+    let on = Some(Batch {
+        max_delay_ms: 1,
+        max_requests: 32,
+        cross_slot: true,
+    });
+    assert_eq!(batch(json!({"cluster": "gw"})), Ok(on));
+    assert_eq!(batch(json!({"cluster": "gw", "batch": true})), Ok(on));
+    assert_eq!(batch(json!({"cluster": "gw", "batch": false})), Ok(None));
+    assert_eq!(
+        batch(json!({"cluster": "gw", "batch": {"cross_slot": false}})),
+        Ok(on.map(|b| Batch {
+            cross_slot: false,
+            ..b
+        }))
+    );
+    let err = batch(json!({"cluster": "gw", "batch": "yes"}))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("redis.batch") && err.contains("true, false or an object"),
+        "{err}"
     );
 }
 

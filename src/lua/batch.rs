@@ -16,11 +16,14 @@ use std::rc::Rc;
 /// `slot` the call's slot in that request's [`crate::flow::Flow`].
 pub struct Batcher<S> {
     cfg: Option<Batch>,
+    /// Whether a batch may mix hash slots: `cross_slot` until Redis answers `CROSSSLOT`.
+    cross_slot: bool,
     queue: Vec<Queued<S>>,
     in_flight: HashMap<u32, InFlight<S>>,
 }
 
-/// A call waiting for the next batch.
+/// A call waiting for the next batch, or carried by one.
+#[derive(Debug)]
 struct Queued<S> {
     stream: S,
     slot: usize,
@@ -30,7 +33,7 @@ struct Queued<S> {
 /// One batch call: whose answers it carries, and how it is sent.
 #[derive(Debug)]
 pub struct InFlight<S> {
-    members: Vec<(S, usize)>,
+    members: Vec<Queued<S>>,
     call: ScriptCall,
     by_sha: bool,
 }
@@ -44,8 +47,9 @@ impl<S> InFlight<S> {
 
 /// What a batch's answer means.
 pub enum BatchAnswer<S> {
-    /// Send it again (by `EVAL`, after `NOSCRIPT`).
-    Resend(InFlight<S>),
+    /// Send these instead: the batch again (by `EVAL`, after `NOSCRIPT`), or its calls per
+    /// hash slot (after `CROSSSLOT`).
+    Resend(Vec<InFlight<S>>),
     /// Each member's own answer, for its request's `on_reply`.
     Members(Vec<(S, usize, Result<Reply, CallError>)>),
 }
@@ -55,6 +59,7 @@ impl<S> Batcher<S> {
     pub fn new(cfg: Option<Batch>) -> Batcher<S> {
         Batcher {
             cfg,
+            cross_slot: cfg.is_some_and(|c| c.cross_slot),
             queue: Vec::new(),
             in_flight: HashMap::new(),
         }
@@ -77,36 +82,17 @@ impl<S> Batcher<S> {
         self.queue.len() == 1
     }
 
-    /// The queued calls as batches to send: per hash tag unless `cross_slot`, at most
-    /// `max_requests` each, in queue order.
+    /// The queued calls as batches to send: per hash tag unless batches may mix slots, at
+    /// most `max_requests` each, in queue order.
     pub fn flush(&mut self) -> Vec<InFlight<S>> {
-        let Some(cfg) = self.cfg else {
-            return Vec::new();
-        };
-        let mut groups: Vec<(String, Vec<Queued<S>>)> = Vec::new();
-        for q in std::mem::take(&mut self.queue) {
-            let tag = match (cfg.cross_slot, q.call.keys.first()) {
-                (false, Some(key)) => hash_tag(key).to_string(),
-                _ => String::new(),
-            };
-            match groups.iter_mut().find(|g| g.0 == tag) {
-                Some(g) => g.1.push(q),
-                None => groups.push((tag, vec![q])),
-            }
+        match self.cfg {
+            Some(cfg) => group(
+                std::mem::take(&mut self.queue),
+                self.cross_slot,
+                cfg.max_requests,
+            ),
+            None => Vec::new(),
         }
-        let mut out = Vec::new();
-        for (_, members) in groups {
-            let mut members = members.into_iter().peekable();
-            while members.peek().is_some() {
-                let chunk: Vec<_> = members.by_ref().take(cfg.max_requests.max(1)).collect();
-                out.push(InFlight {
-                    call: build(chunk.iter().map(|q| &*q.call)),
-                    members: chunk.into_iter().map(|q| (q.stream, q.slot)).collect(),
-                    by_sha: true,
-                });
-            }
-        }
-        out
     }
 
     /// A batch was sent: its answer comes back with `token`.
@@ -119,15 +105,31 @@ impl<S> Batcher<S> {
         self.in_flight.remove(&token)
     }
 
-    /// Routes a batch's answer (or a failure to send it) to its members.
+    /// Routes a batch's answer (or a failure to send it) to its members. A batch of several
+    /// hash slots that Redis refuses with `CROSSSLOT` (a Redis Cluster refuses it before the
+    /// script runs, so nothing of it ran) is sent again per hash slot, and from then on this
+    /// worker batches per hash slot.
     pub fn answer(
+        &mut self,
         mut batch: InFlight<S>,
         answer: Result<Reply, CallError>,
         metrics: &RedisMetrics,
         m: &dyn MetricSink,
     ) -> BatchAnswer<S> {
         if resend_by_eval(&mut batch.by_sha, &answer, metrics, m) {
-            return BatchAnswer::Resend(batch);
+            return BatchAnswer::Resend(vec![batch]);
+        }
+        let crossslot = matches!(&answer, Ok(Reply::Error(e)) if e.starts_with("CROSSSLOT"));
+        if crossslot && slots(&batch.members) > 1 {
+            if self.cross_slot {
+                log::info!(
+                    "redis.batch: Redis refused a batch across hash slots (CROSSSLOT: a Redis \
+                     Cluster); this worker batches per hash slot from now on"
+                );
+            }
+            self.cross_slot = false;
+            let max = self.cfg.map_or(1, |c| c.max_requests);
+            return BatchAnswer::Resend(group(batch.members, false, max));
         }
         let n = batch.members.len();
         let parts = match answer.and_then(|r| split(&r, n)) {
@@ -139,10 +141,48 @@ impl<S> Batcher<S> {
                 .members
                 .into_iter()
                 .zip(parts)
-                .map(|((s, slot), part)| (s, slot, part))
+                .map(|(q, part)| (q.stream, q.slot, part))
                 .collect(),
         )
     }
+}
+
+/// The hash tag a call's keys share ("" for a call without keys).
+fn tag_of(call: &ScriptCall) -> &str {
+    call.keys.first().map_or("", hash_tag)
+}
+
+/// How many hash tags the calls of a batch span.
+fn slots<S>(members: &[Queued<S>]) -> usize {
+    let mut tags: Vec<&str> = members.iter().map(|q| tag_of(&q.call)).collect();
+    tags.sort_unstable();
+    tags.dedup();
+    tags.len()
+}
+
+/// `calls` as batches: per hash tag unless `cross_slot`, at most `max` each, in order.
+fn group<S>(calls: Vec<Queued<S>>, cross_slot: bool, max: usize) -> Vec<InFlight<S>> {
+    let mut groups: Vec<(String, Vec<Queued<S>>)> = Vec::new();
+    for q in calls {
+        let tag = if cross_slot { "" } else { tag_of(&q.call) };
+        match groups.iter_mut().find(|g| g.0 == tag) {
+            Some(g) => g.1.push(q),
+            None => groups.push((tag.to_string(), vec![q])),
+        }
+    }
+    let mut out = Vec::new();
+    for (_, members) in groups {
+        let mut members = members.into_iter().peekable();
+        while members.peek().is_some() {
+            let chunk: Vec<_> = members.by_ref().take(max.max(1)).collect();
+            out.push(InFlight {
+                call: build(chunk.iter().map(|q| &*q.call)),
+                members: chunk,
+                by_sha: true,
+            });
+        }
+    }
+    out
 }
 
 /// The batch call for `calls`, in order.
@@ -228,8 +268,19 @@ mod tests {
         }))
     }
 
+    fn redis_metrics() -> RedisMetrics {
+        RedisMetrics {
+            calls: 1,
+            errors: 2,
+            timeouts: 3,
+            noscript: 4,
+            retries: 5,
+            latency_ms: 6,
+        }
+    }
+
     fn members(b: &InFlight<&'static str>) -> Vec<(&'static str, usize)> {
-        b.members.clone()
+        b.members.iter().map(|q| (q.stream, q.slot)).collect()
     }
 
     #[test]
@@ -271,14 +322,7 @@ mod tests {
     fn routes_each_member_its_answer() {
         use crate::metrics::testing::Recorder;
         let rec = Recorder::default();
-        let metrics = RedisMetrics {
-            calls: 1,
-            errors: 2,
-            timeouts: 3,
-            noscript: 4,
-            retries: 5,
-            latency_ms: 6,
-        };
+        let metrics = redis_metrics();
         let mut b = batcher(10, false);
         b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
         b.queue("r2", 3, call(&["cg:{t}:b"], &[]));
@@ -288,11 +332,13 @@ mod tests {
         let batch = b.take(7).expect("in flight");
         // NOSCRIPT: once by EVAL, then the answer is the answer.
         let noscript = || Ok(Reply::Error("NOSCRIPT x".into()));
-        let BatchAnswer::Resend(batch) = Batcher::answer(batch, noscript(), &metrics, &rec) else {
+        let BatchAnswer::Resend(mut again) = b.answer(batch, noscript(), &metrics, &rec) else {
             panic!("expected a resend");
         };
+        assert_eq!(again.len(), 1);
+        let batch = again.remove(0);
         assert!(String::from_utf8_lossy(&batch.encode(&Scripts::load())).starts_with("EVAL/"));
-        let BatchAnswer::Members(parts) = Batcher::answer(batch, noscript(), &metrics, &rec) else {
+        let BatchAnswer::Members(parts) = b.answer(batch, noscript(), &metrics, &rec) else {
             panic!("NOSCRIPT is retried once");
         };
         assert_eq!(parts.len(), 2);
@@ -308,7 +354,7 @@ mod tests {
             Reply::Int(-1),
             Reply::Bulk(Some(b"ERR boom".to_vec())),
         ]));
-        let BatchAnswer::Members(parts) = Batcher::answer(batch, Ok(reply), &metrics, &rec) else {
+        let BatchAnswer::Members(parts) = b.answer(batch, Ok(reply), &metrics, &rec) else {
             panic!("expected answers");
         };
         assert_eq!(
@@ -321,12 +367,59 @@ mod tests {
         // A batch that failed as a whole fails every member.
         b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
         let batch = b.flush().pop().expect("one batch");
-        let BatchAnswer::Members(parts) =
-            Batcher::answer(batch, Err(CallError::Timeout), &metrics, &rec)
+        let BatchAnswer::Members(parts) = b.answer(batch, Err(CallError::Timeout), &metrics, &rec)
         else {
             panic!("expected answers");
         };
         assert_eq!(parts, vec![("r1", 0, Err(CallError::Timeout))]);
+    }
+
+    #[test]
+    fn a_batch_across_slots_that_redis_refuses_is_sent_again_per_slot() {
+        use crate::metrics::testing::Recorder;
+        let rec = Recorder::default();
+        let metrics = redis_metrics();
+        let crossslot = || {
+            Ok(Reply::Error(
+                "CROSSSLOT Keys in request don't hash to the same slot".into(),
+            ))
+        };
+        let mut b = batcher(2, true);
+        for (r, key) in [
+            ("r1", "cg:{t.a}:x"),
+            ("r2", "cg:{t.b}:y"),
+            ("r3", "cg:{t.a}:z"),
+            ("r4", "cg:{t.a}:w"),
+        ] {
+            b.queue(r, 0, call(&[key], &[]));
+        }
+        let sent = b.flush();
+        assert_eq!(sent.len(), 2, "across slots, at most max_requests each");
+        let mut batches = sent.into_iter();
+        let first = batches.next().expect("a batch");
+        assert_eq!(members(&first), vec![("r1", 0), ("r2", 0)]);
+        // Nothing of it ran: its calls go again, per hash tag.
+        let BatchAnswer::Resend(again) = b.answer(first, crossslot(), &metrics, &rec) else {
+            panic!("expected the calls again");
+        };
+        assert_eq!(
+            again.iter().map(members).collect::<Vec<_>>(),
+            vec![vec![("r1", 0)], vec![("r2", 0)]]
+        );
+        assert_eq!(again[0].call.keys, vec!["cg:{t.a}:x"]);
+        // The worker batches per hash tag from now on.
+        b.queue("r5", 1, call(&["cg:{t.a}:v"], &[]));
+        b.queue("r6", 1, call(&["cg:{t.b}:u"], &[]));
+        assert_eq!(b.flush().len(), 2);
+        // A batch of one hash tag refused so is not split again: its members get the error.
+        let second = batches.next().expect("a batch");
+        assert_eq!(members(&second), vec![("r3", 0), ("r4", 0)]);
+        let BatchAnswer::Members(parts) = b.answer(second, crossslot(), &metrics, &rec) else {
+            panic!("expected answers");
+        };
+        assert!(parts
+            .iter()
+            .all(|p| matches!(&p.2, Err(CallError::Redis(e)) if e.starts_with("CROSSSLOT"))));
     }
 
     #[test]

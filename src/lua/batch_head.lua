@@ -11,6 +11,7 @@
 -- Reply: flat array (webdis cannot carry nested arrays): per sub-call, its reply length then
 -- its reply values; -1 instead of a length when that sub-call raised an error (then
 -- followed by one value, the error text). Keys of different sub-calls may be in different
--- hash slots: the filter only batches across slots when `cross_slot` is on (no Redis Cluster).
+-- hash slots: Redis Cluster refuses such a call (CROSSSLOT) before running any of it, and the
+-- filter then sends its sub-calls again per hash slot.
 
 local function acquire_one(KEYS, ARGV)

@@ -446,8 +446,15 @@ impl<S: Copy + Ord> Worker<S> {
                 }
             }
             Dest::Batch(batch) => {
-                match Batcher::answer(batch, answer, &cx.rt.metrics.redis, cx.m) {
-                    BatchAnswer::Resend(batch) => fx.calls.push(batch_callout(cx, batch)),
+                match self
+                    .batcher
+                    .answer(batch, answer, &cx.rt.metrics.redis, cx.m)
+                {
+                    BatchAnswer::Resend(batches) => {
+                        for batch in batches {
+                            fx.calls.push(batch_callout(cx, batch));
+                        }
+                    }
                     BatchAnswer::Members(members) => {
                         for (s, slot, part) in members {
                             self.answer(cx, Dest::Stream(s, slot), part, fx);

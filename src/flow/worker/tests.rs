@@ -5,7 +5,7 @@ use crate::flow::Runtime;
 use crate::metrics::testing::Recorder;
 
 const CONFIG: &str = r#"{
-  "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},
+  "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg", "batch": false},
   "failure_mode": "fail_closed",
   "policies": [
     {"name": "reads", "match": {"methods": ["GET"]}, "failure_mode": "fail_open", "rate_limits": [
@@ -270,10 +270,7 @@ fn a_closed_stream_forgets_its_calls() {
 
 #[test]
 fn acquires_wait_for_a_batch_and_each_gets_its_answer() {
-    let config = CONFIG.replace(
-        r#""key_prefix": "cg"}"#,
-        r#""key_prefix": "cg", "batch": {"max_delay": "2ms"}}"#,
-    );
+    let config = CONFIG.replace(r#""batch": false}"#, r#""batch": {"max_delay": "2ms"}}"#);
     let rec = Recorder::default();
     let rt = runtime(&rec, &config);
     let cx = Cx::new(&rt, 0, &rec);
@@ -308,7 +305,7 @@ fn acquires_wait_for_a_batch_and_each_gets_its_answer() {
 #[test]
 fn a_release_handed_to_the_root_wakes_it_once_instead_of_waiting_for_the_tick() {
     let rec = Recorder::default();
-    let config = r#"{"redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},
+    let config = r#"{"redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg", "batch": false},
       "policies": [{"name": "run", "rate_limits": [
         {"name": "inflight", "by": ["tenant"], "algorithm": "concurrency", "limit": 2, "window": "1s"}]}]}"#;
     let rt = runtime(&rec, config);
