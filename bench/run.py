@@ -829,6 +829,10 @@ class Bench:
             self._plain_proxy = self.start_envoy("plain-proxy", None, routed=True)
         return self._plain_proxy
 
+    def plain_for(self, scenario: Scenario) -> Envoy:
+        """The plain Envoy a scenario is measured against: routed or answering itself."""
+        return self.plain_proxy() if scenario.plain_routed else self.plain
+
     def script(self, name: str) -> Path:
         """bench/lua/<name> with bench/lua/done.lua appended (the machine-readable summary)."""
         path = self.lua_dir / name
@@ -962,7 +966,7 @@ class Bench:
         envoy = self.start_envoy(f"{scenario.name}-open-loop", plugin,
                                  wasm_path=scenario.wasm_path, routed=scenario.routed,
                                  rls=scenario.rls, rls_limit=scenario.rls_limit)
-        plain = self.plain_proxy() if scenario.plain_routed else self.plain
+        plain = self.plain_for(scenario)
         try:
             out = {"scenario": scenario.name, "rates": []}
             for rate in rates:
@@ -1132,7 +1136,7 @@ class Bench:
 
     def scenario(self, scenario: Scenario) -> dict:
         plugin = scenario.plugin(self.stack) if scenario.plugin else None
-        plain = self.plain_proxy() if scenario.plain_routed else self.plain
+        plain = self.plain_for(scenario)
         envoy = self.start_envoy(scenario.name, plugin, routed=scenario.routed,
                                  local_ratelimit=scenario.local_ratelimit,
                                  wasm_path=scenario.wasm_path,
