@@ -15,10 +15,12 @@ test_e2e_{ratelimit,idempotency,lease}.py run on it too (their `[cluster]` ids);
 from __future__ import annotations
 
 import hashlib
+import random
 import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -234,6 +236,53 @@ def test_a_tenants_keys_share_one_master_and_tenants_spread_over_all_masters(sta
         assert everywhere == set().union(*(master_keys(redis_cluster, p, f"{prefix}:*") for p in chosen))
     finally:
         envoy.stop()
+
+
+# --- one node refuses: a batch never carries another node's calls --------------------------------
+
+
+def test_a_node_that_refuses_fails_only_its_own_tenants_from_a_workers_first_batch(stack, redis_cluster):
+    """redis_proxy sends a script call whole to the node of its first key, so a batch with
+    calls of two nodes would fail with the node that cannot serve. With one master refusing
+    every script call (its ACL here, as a node that cannot serve would), the other masters'
+    tenants are served from each worker's first requests on, in batches (on by default);
+    only the refusing master's tenants fail, per failure_mode. Nothing is left refused."""
+    prefix = f"cg:cl-refuse:{uid()}"
+    policy = {"name": "limited", "match": {"methods": ["POST"], "path_prefix": "/rl"},
+              "failure_mode": "fail_closed",
+              "rate_limits": [{"name": "tenant", "by": ["tenant"], "algorithm": "fixed_window",
+                               "limit": 1_000_000, "window": "60s"}]}
+    envoy = stack.add_envoy(plugin(stack, prefix, policy))
+    chosen = tenants_per_master(stack, redis_cluster, 4, f"rf-{uid()}")
+    victim_port = sorted(chosen)[0]
+    victims = set(chosen[victim_port])
+    tenants = [t for ts in chosen.values() for t in ts]
+    admin = redis_cluster.node_by_port(victim_port).client()
+
+    def one(tenant: str) -> tuple[str, Response]:
+        return tenant, envoy.request("POST", f"/rl/{uid()}", headers={TENANT_HEADER: tenant},
+                                     body=None, timeout=10.0)
+
+    results: list[tuple[str, Response]] = []
+    admin.execute_command("ACL", "SETUSER", GATEWAY_USER, "-evalsha", "-eval")
+    try:
+        with ThreadPoolExecutor(len(tenants)) as pool:
+            for _ in range(15):  # all tenants at once, in a new order each round
+                results += list(pool.map(one, random.sample(tenants, len(tenants)), timeout=60))
+    finally:
+        admin.execute_command("ACL", "LOAD")  # the node's aclfile: the harness's rules again
+        admin.close()
+    wrong = [(t in victims, r.status, r.body[:120]) for t, r in results
+             if not (is_guard_unavailable(r) if t in victims else guarded(r))]
+    assert not wrong, f"{len(wrong)} of {len(results)} answers: {wrong[:5]}"
+    assert envoy.stat("wasmcustom.cg.policy.limited.failed_closed") == 15 * len(victims)
+    # One call per request (one slot each, every tenant its own), but for each worker's probe
+    # and NOSCRIPT resends: no retry of a refused call.
+    assert envoy.stat("wasmcustom.cg.redis.calls") <= len(results) + 4 * envoy.concurrency
+    # The refusing node serves again: so do its tenants.
+    assert all(guarded(one(t)[1]) for t in sorted(victims))
+    assert "panicked" not in envoy.log_text()
+    envoy.stop()
 
 
 # --- a master dies under traffic (last: the cluster has one node less afterwards) ----------------

@@ -69,3 +69,12 @@ def test_a_failing_sub_call_does_not_take_the_others_down(scripts, redis_client)
     assert got[2][:3] == [1, 1, 3]
     assert not redis_client.exists("cg:{a}:bad")
     assert redis_client.pttl("cg:{a}:k") > 0
+
+
+def test_the_probe_an_empty_batch_across_two_slots_runs_on_a_single_redis(scripts, redis_client):
+    """batch.rs's probe: no sub-calls, two keys in different hash slots. A single Redis runs it
+    and answers an empty array (a Redis Cluster refuses it: tests/test_e2e_ratelimit.py)."""
+    _, batched = scripts
+    keys = ["cg:probe:{a}", "cg:probe:{b}"]
+    assert batched(keys=keys, args=["0"]) == []
+    assert not any(redis_client.exists(k) for k in keys), "the probe writes nothing"

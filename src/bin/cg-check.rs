@@ -208,7 +208,7 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
             b.max_requests,
             duration(b.max_delay_ms),
             if b.cross_slot {
-                "across hash slots until Redis answers CROSSSLOT (a Redis Cluster)"
+                "across hash slots once a probe shows Redis runs them (not a Redis Cluster)"
             } else {
                 "per hash slot"
             }

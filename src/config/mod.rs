@@ -125,8 +125,8 @@ pub struct Batch {
     /// How long a call may wait for others (the root's tick).
     pub max_delay_ms: u64,
     pub max_requests: usize,
-    /// Batch calls of different hash slots together, until Redis answers `CROSSSLOT` (a Redis
-    /// Cluster): then that worker batches per hash slot.
+    /// Batch calls of different hash slots together once a probe shows that Redis runs such a
+    /// batch (a single Redis; a Redis Cluster refuses it with `CROSSSLOT`).
     pub cross_slot: bool,
 }
 

@@ -2,6 +2,13 @@
 //! Redis as one `batch.lua` call, each request resumed with its own answer. The script runs
 //! the sub-calls one after the other exactly as separate calls would, so every decision is the
 //! same as without batching.
+//!
+//! Whether one batch may carry calls of different hash slots depends on what is behind the
+//! gateway: a single Redis runs it, a Redis Cluster refuses it (`CROSSSLOT`), and Envoy's
+//! `redis_proxy` sends it whole to the node of its first key, so while a node is down such a
+//! batch would fail the calls of every other node with it. A worker therefore batches per hash
+//! slot until a probe (an empty batch whose two keys are in different slots) has shown that
+//! Redis runs a batch across slots.
 
 use crate::config::Batch;
 use crate::keys::hash_tag;
@@ -16,11 +23,28 @@ use std::rc::Rc;
 /// `slot` the call's slot in that request's [`crate::flow::Flow`].
 pub struct Batcher<S> {
     cfg: Option<Batch>,
-    /// Whether a batch may mix hash slots: `cross_slot` until Redis answers `CROSSSLOT`.
-    cross_slot: bool,
+    /// Whether a batch may mix hash slots.
+    mixing: Mixing,
     queue: Vec<Queued<S>>,
     in_flight: HashMap<u32, InFlight<S>>,
 }
+
+/// What a worker knows of whether Redis runs a batch across hash slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mixing {
+    /// Not known yet (batches go per hash slot): the next probe goes with the first flush at
+    /// or after `probe_at` (ms).
+    Unknown { probe_at: u64 },
+    /// A probe is in flight (batches go per hash slot).
+    Probing,
+    /// Redis ran the probe: batches may mix hash slots.
+    Yes,
+    /// Per hash slot for good: `cross_slot: false`, or Redis refused a batch across slots.
+    No,
+}
+
+/// How long a worker waits before probing again after a probe failed (Redis unreachable).
+const PROBE_RETRY_MS: u64 = 1_000;
 
 /// A call waiting for the next batch, or carried by one.
 #[derive(Debug)]
@@ -59,7 +83,11 @@ impl<S> Batcher<S> {
     pub fn new(cfg: Option<Batch>) -> Batcher<S> {
         Batcher {
             cfg,
-            cross_slot: cfg.is_some_and(|c| c.cross_slot),
+            mixing: if cfg.is_some_and(|c| c.cross_slot) {
+                Mixing::Unknown { probe_at: 0 }
+            } else {
+                Mixing::No
+            },
             queue: Vec::new(),
             in_flight: HashMap::new(),
         }
@@ -83,16 +111,26 @@ impl<S> Batcher<S> {
     }
 
     /// The queued calls as batches to send: per hash tag unless batches may mix slots, at
-    /// most `max_requests` each, in queue order.
-    pub fn flush(&mut self) -> Vec<InFlight<S>> {
-        match self.cfg {
-            Some(cfg) => group(
-                std::mem::take(&mut self.queue),
-                self.cross_slot,
-                cfg.max_requests,
-            ),
-            None => Vec::new(),
+    /// most `max_requests` each, in queue order; first the probe, when one is due and the
+    /// calls span several hash tags (its keys under `prefix`, which an ACL on the filter's keys
+    /// allows).
+    pub fn flush(&mut self, now_ms: u64, prefix: &str) -> Vec<InFlight<S>> {
+        let Some(cfg) = self.cfg else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        if matches!(self.mixing, Mixing::Unknown { probe_at } if now_ms >= probe_at)
+            && slots(&self.queue) > 1
+        {
+            self.mixing = Mixing::Probing;
+            out.push(probe(prefix));
         }
+        out.extend(group(
+            std::mem::take(&mut self.queue),
+            self.mixing == Mixing::Yes,
+            cfg.max_requests,
+        ));
+        out
     }
 
     /// A batch was sent: its answer comes back with `token`.
@@ -108,11 +146,13 @@ impl<S> Batcher<S> {
     /// Routes a batch's answer (or a failure to send it) to its members. A batch of several
     /// hash slots that Redis refuses with `CROSSSLOT` (a Redis Cluster refuses it before the
     /// script runs, so nothing of it ran) is sent again per hash slot, and from then on this
-    /// worker batches per hash slot.
+    /// worker batches per hash slot; so does a probe refused so. A probe that Redis ran lets
+    /// batches mix slots; one that failed otherwise is sent again after `PROBE_RETRY_MS`.
     pub fn answer(
         &mut self,
         mut batch: InFlight<S>,
         answer: Result<Reply, CallError>,
+        now_ms: u64,
         metrics: &RedisMetrics,
         m: &dyn MetricSink,
     ) -> BatchAnswer<S> {
@@ -120,16 +160,27 @@ impl<S> Batcher<S> {
             return BatchAnswer::Resend(vec![batch]);
         }
         let crossslot = matches!(&answer, Ok(Reply::Error(e)) if e.starts_with("CROSSSLOT"));
-        if crossslot && slots(&batch.members) > 1 {
-            if self.cross_slot {
+        if crossslot && (batch.members.is_empty() || slots(&batch.members) > 1) {
+            if self.mixing != Mixing::No {
                 log::info!(
                     "redis.batch: Redis refused a batch across hash slots (CROSSSLOT: a Redis \
-                     Cluster); this worker batches per hash slot from now on"
+                     Cluster); this worker batches per hash slot"
                 );
             }
-            self.cross_slot = false;
+            self.mixing = Mixing::No;
             let max = self.cfg.map_or(1, |c| c.max_requests);
             return BatchAnswer::Resend(group(batch.members, false, max));
+        }
+        if batch.members.is_empty() {
+            if self.mixing == Mixing::Probing {
+                self.mixing = match answer {
+                    Ok(Reply::Array(_)) => Mixing::Yes,
+                    _ => Mixing::Unknown {
+                        probe_at: now_ms.saturating_add(PROBE_RETRY_MS),
+                    },
+                };
+            }
+            return BatchAnswer::Members(Vec::new());
         }
         let n = batch.members.len();
         let parts = match answer.and_then(|r| split(&r, n)) {
@@ -144,6 +195,23 @@ impl<S> Batcher<S> {
                 .map(|(q, part)| (q.stream, q.slot, part))
                 .collect(),
         )
+    }
+}
+
+/// The probe: a batch of no calls whose two keys are in different hash slots (`a` and `b`).
+/// A single Redis answers an empty array; a Redis Cluster refuses it with `CROSSSLOT`.
+fn probe<S>(prefix: &str) -> InFlight<S> {
+    let keys = [
+        format!("{prefix}:probe:{{a}}"),
+        format!("{prefix}:probe:{{b}}"),
+    ];
+    InFlight {
+        members: Vec::new(),
+        call: ScriptCall::new(
+            keys.iter().collect::<Words>(),
+            ["0"].iter().collect::<Words>(),
+        ),
+        by_sha: true,
     }
 }
 
@@ -279,6 +347,23 @@ mod tests {
         }
     }
 
+    /// A `cross_slot` batcher whose probe Redis ran (a single Redis): batches mix slots.
+    fn mixing(max_requests: usize) -> Batcher<&'static str> {
+        let rec = crate::metrics::testing::Recorder::default();
+        let mut b = batcher(max_requests, true);
+        b.queue("r0", 0, call(&["cg:{t.a}:x"], &[]));
+        b.queue("r1", 0, call(&["cg:{t.b}:x"], &[]));
+        let probe = b.flush(0, "cg").remove(0);
+        assert!(probe.members.is_empty());
+        let ran = Ok(Reply::Array(Some(Vec::new())));
+        let BatchAnswer::Members(none) = b.answer(probe, ran, 0, &redis_metrics(), &rec) else {
+            panic!("a probe is not sent again");
+        };
+        assert!(none.is_empty());
+        assert_eq!(b.mixing, Mixing::Yes);
+        b
+    }
+
     fn members(b: &InFlight<&'static str>) -> Vec<(&'static str, usize)> {
         b.members.iter().map(|q| (q.stream, q.slot)).collect()
     }
@@ -296,26 +381,22 @@ mod tests {
         assert!(!b.queue("r2", 1, call(&["cg:rl:{p.o}:y"], &["2"])));
         assert!(!b.queue("r3", 0, call(&["cg:rl:{t.a}:z"], &["3"])));
         assert!(!b.queue("r4", 0, call(&["cg:rl:{t.a}:w"], &["4"])));
-        let sent = b.flush();
+        let sent = b.flush(0, "cg");
         assert_eq!(sent.len(), 3);
         assert_eq!(members(&sent[0]), vec![("r1", 0), ("r3", 0)]);
         assert_eq!(members(&sent[1]), vec![("r4", 0)], "at most max_requests");
         assert_eq!(members(&sent[2]), vec![("r2", 1)]);
         assert_eq!(sent[0].call.keys, vec!["cg:rl:{t.a}:x", "cg:rl:{t.a}:z"]);
         assert!(String::from_utf8_lossy(&sent[0].encode(&Scripts::load())).starts_with("EVALSHA/"));
-        assert!(b.flush().is_empty(), "flushed once");
+        assert!(b.flush(0, "cg").is_empty(), "flushed once");
         assert!(
             b.queue("r5", 0, call(&["k"], &[])),
             "first again after a flush"
         );
-        let mut cross = batcher(10, true);
-        cross.queue("r1", 0, call(&["cg:rl:{t.a}:x"], &[]));
-        cross.queue("r2", 0, call(&["cg:rl:{p.o}:y"], &[]));
-        assert_eq!(cross.flush().len(), 1, "cross_slot: one batch");
         let mut off: Batcher<&str> = Batcher::new(None);
         assert!(!off.takes(ScriptId::Acquire, true));
         off.queue("r", 0, call(&["k"], &[]));
-        assert!(off.flush().is_empty());
+        assert!(off.flush(0, "cg").is_empty());
     }
 
     #[test]
@@ -326,19 +407,19 @@ mod tests {
         let mut b = batcher(10, false);
         b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
         b.queue("r2", 3, call(&["cg:{t}:b"], &[]));
-        let batch = b.flush().pop().expect("one batch");
+        let batch = b.flush(0, "cg").pop().expect("one batch");
         b.sent(7, batch);
         assert!(b.take(8).is_none(), "not a batch of ours");
         let batch = b.take(7).expect("in flight");
         // NOSCRIPT: once by EVAL, then the answer is the answer.
         let noscript = || Ok(Reply::Error("NOSCRIPT x".into()));
-        let BatchAnswer::Resend(mut again) = b.answer(batch, noscript(), &metrics, &rec) else {
+        let BatchAnswer::Resend(mut again) = b.answer(batch, noscript(), 0, &metrics, &rec) else {
             panic!("expected a resend");
         };
         assert_eq!(again.len(), 1);
         let batch = again.remove(0);
         assert!(String::from_utf8_lossy(&batch.encode(&Scripts::load())).starts_with("EVAL/"));
-        let BatchAnswer::Members(parts) = b.answer(batch, noscript(), &metrics, &rec) else {
+        let BatchAnswer::Members(parts) = b.answer(batch, noscript(), 0, &metrics, &rec) else {
             panic!("NOSCRIPT is retried once");
         };
         assert_eq!(parts.len(), 2);
@@ -347,14 +428,14 @@ mod tests {
             .all(|p| p.2 == Err(CallError::Redis("NOSCRIPT x".into()))));
         b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
         b.queue("r2", 3, call(&["cg:{t}:b"], &[]));
-        let batch = b.flush().pop().expect("one batch");
+        let batch = b.flush(0, "cg").pop().expect("one batch");
         let reply = Reply::Array(Some(vec![
             Reply::Int(1),
             Reply::Int(9),
             Reply::Int(-1),
             Reply::Bulk(Some(b"ERR boom".to_vec())),
         ]));
-        let BatchAnswer::Members(parts) = b.answer(batch, Ok(reply), &metrics, &rec) else {
+        let BatchAnswer::Members(parts) = b.answer(batch, Ok(reply), 0, &metrics, &rec) else {
             panic!("expected answers");
         };
         assert_eq!(
@@ -366,8 +447,9 @@ mod tests {
         );
         // A batch that failed as a whole fails every member.
         b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
-        let batch = b.flush().pop().expect("one batch");
-        let BatchAnswer::Members(parts) = b.answer(batch, Err(CallError::Timeout), &metrics, &rec)
+        let batch = b.flush(0, "cg").pop().expect("one batch");
+        let BatchAnswer::Members(parts) =
+            b.answer(batch, Err(CallError::Timeout), 0, &metrics, &rec)
         else {
             panic!("expected answers");
         };
@@ -384,7 +466,7 @@ mod tests {
                 "CROSSSLOT Keys in request don't hash to the same slot".into(),
             ))
         };
-        let mut b = batcher(2, true);
+        let mut b = mixing(2);
         for (r, key) in [
             ("r1", "cg:{t.a}:x"),
             ("r2", "cg:{t.b}:y"),
@@ -393,13 +475,13 @@ mod tests {
         ] {
             b.queue(r, 0, call(&[key], &[]));
         }
-        let sent = b.flush();
+        let sent = b.flush(0, "cg");
         assert_eq!(sent.len(), 2, "across slots, at most max_requests each");
         let mut batches = sent.into_iter();
         let first = batches.next().expect("a batch");
         assert_eq!(members(&first), vec![("r1", 0), ("r2", 0)]);
         // Nothing of it ran: its calls go again, per hash tag.
-        let BatchAnswer::Resend(again) = b.answer(first, crossslot(), &metrics, &rec) else {
+        let BatchAnswer::Resend(again) = b.answer(first, crossslot(), 0, &metrics, &rec) else {
             panic!("expected the calls again");
         };
         assert_eq!(
@@ -410,16 +492,79 @@ mod tests {
         // The worker batches per hash tag from now on.
         b.queue("r5", 1, call(&["cg:{t.a}:v"], &[]));
         b.queue("r6", 1, call(&["cg:{t.b}:u"], &[]));
-        assert_eq!(b.flush().len(), 2);
+        assert_eq!(b.flush(0, "cg").len(), 2);
         // A batch of one hash tag refused so is not split again: its members get the error.
         let second = batches.next().expect("a batch");
         assert_eq!(members(&second), vec![("r3", 0), ("r4", 0)]);
-        let BatchAnswer::Members(parts) = b.answer(second, crossslot(), &metrics, &rec) else {
+        let BatchAnswer::Members(parts) = b.answer(second, crossslot(), 0, &metrics, &rec) else {
             panic!("expected answers");
         };
         assert!(parts
             .iter()
             .all(|p| matches!(&p.2, Err(CallError::Redis(e)) if e.starts_with("CROSSSLOT"))));
+    }
+
+    #[test]
+    fn batches_mix_slots_only_once_a_probe_shows_redis_runs_them() {
+        use crate::metrics::testing::Recorder;
+        let rec = Recorder::default();
+        let metrics = redis_metrics();
+        let two_tags = |b: &mut Batcher<&'static str>| {
+            b.queue("r1", 0, call(&["cg:rl:{t.a}:x"], &[]));
+            b.queue("r2", 0, call(&["cg:rl:{p.o}:y"], &[]));
+        };
+        let mut b = batcher(10, true);
+        assert!(b.flush(0, "cg").is_empty(), "no traffic, no probe");
+        b.queue("r1", 0, call(&["cg:rl:{t.a}:x"], &[]));
+        b.queue("r2", 0, call(&["cg:rl:{t.a}:y"], &[]));
+        assert_eq!(b.flush(0, "cg").len(), 1, "one hash tag: no probe needed");
+        // Until the probe answers, per hash tag: the probe goes first.
+        two_tags(&mut b);
+        let mut sent = b.flush(5, "cg:x").into_iter();
+        let probe = sent.next().expect("the probe");
+        assert!(probe.members.is_empty());
+        assert_eq!(probe.call.keys, vec!["cg:x:probe:{a}", "cg:x:probe:{b}"]);
+        // Hash slots 15495 and 3300 (CRC16 of "a" and "b"); tests/test_scripts_batch.py
+        // sends this probe to a real Redis Cluster.
+        assert_eq!(
+            (hash_tag(&probe.call.keys[0]), hash_tag(&probe.call.keys[1])),
+            ("a", "b")
+        );
+        assert_eq!(probe.call.args, vec!["0"], "no sub-calls");
+        assert_eq!(sent.len(), 2, "per hash tag while probing");
+        two_tags(&mut b);
+        assert_eq!(b.flush(6, "cg").len(), 2, "one probe at a time");
+        // A probe that failed (Redis unreachable) goes again a while later.
+        let answer = b.answer(probe, Err(CallError::Timeout), 10, &metrics, &rec);
+        assert!(matches!(answer, BatchAnswer::Members(m) if m.is_empty()));
+        two_tags(&mut b);
+        assert_eq!(b.flush(10 + PROBE_RETRY_MS - 1, "cg").len(), 2, "not yet");
+        two_tags(&mut b);
+        let sent = b.flush(10 + PROBE_RETRY_MS, "cg");
+        assert_eq!(sent.len(), 3, "the probe again, then per hash tag");
+        // A NOSCRIPT probe goes again by EVAL; one that ran lets batches mix slots.
+        let probe = sent.into_iter().next().expect("the probe");
+        let noscript = Ok(Reply::Error("NOSCRIPT x".into()));
+        let BatchAnswer::Resend(mut again) = b.answer(probe, noscript, 11, &metrics, &rec) else {
+            panic!("expected the probe again");
+        };
+        let ran = Ok(Reply::Array(Some(Vec::new())));
+        b.answer(again.remove(0), ran, 12, &metrics, &rec);
+        two_tags(&mut b);
+        assert_eq!(b.flush(13, "cg").len(), 1, "one batch across slots");
+        // A Redis Cluster refuses the probe: per hash tag for good, no probe again.
+        let mut b = batcher(10, true);
+        two_tags(&mut b);
+        let probe = b.flush(0, "cg").remove(0);
+        let crossslot = Ok(Reply::Error("CROSSSLOT Keys in request don't hash".into()));
+        let answer = b.answer(probe, crossslot, 1, &metrics, &rec);
+        assert!(matches!(answer, BatchAnswer::Resend(r) if r.is_empty()));
+        two_tags(&mut b);
+        assert_eq!(b.flush(u64::MAX, "cg").len(), 2, "per hash tag, no probe");
+        // cross_slot: false never probes.
+        let mut b = batcher(10, false);
+        two_tags(&mut b);
+        assert_eq!(b.flush(0, "cg").len(), 2);
     }
 
     #[test]

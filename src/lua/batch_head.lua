@@ -11,7 +11,8 @@
 -- Reply: flat array (webdis cannot carry nested arrays): per sub-call, its reply length then
 -- its reply values; -1 instead of a length when that sub-call raised an error (then
 -- followed by one value, the error text). Keys of different sub-calls may be in different
--- hash slots: Redis Cluster refuses such a call (CROSSSLOT) before running any of it, and the
--- filter then sends its sub-calls again per hash slot.
+-- hash slots: Redis Cluster refuses such a call (CROSSSLOT) before running any of it. A worker
+-- first sends an empty batch (count 0) whose two keys are in different slots, and mixes slots
+-- only when that probe returns an (empty) array.
 
 local function acquire_one(KEYS, ARGV)

@@ -448,7 +448,7 @@ impl<S: Copy + Ord> Worker<S> {
             Dest::Batch(batch) => {
                 match self
                     .batcher
-                    .answer(batch, answer, &cx.rt.metrics.redis, cx.m)
+                    .answer(batch, answer, cx.now_ms, &cx.rt.metrics.redis, cx.m)
                 {
                     BatchAnswer::Resend(batches) => {
                         for batch in batches {
@@ -583,7 +583,10 @@ impl<S: Copy + Ord> Worker<S> {
 
     /// The queued acquires as batches to send.
     fn flush(&mut self, cx: &Cx<'_>, fx: &mut Effects<S>) {
-        for batch in self.batcher.flush() {
+        for batch in self
+            .batcher
+            .flush(cx.now_ms, &cx.rt.config.redis.key_prefix)
+        {
             fx.calls.push(batch_callout(cx, batch));
         }
     }
