@@ -1,5 +1,6 @@
 """The test frame itself: processes start, talk and stop the way the e2e suite relies on."""
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -365,6 +366,59 @@ def test_upstream_restarts_in_the_same_workdir(tmp_path):
         assert second.stats()["total"] == 0
     finally:
         second.stop()
+
+
+@contextlib.contextmanager
+def squatting(port: int):
+    """Another process's listener on `port` (here a socket of the test's own)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    try:
+        yield port
+    finally:
+        sock.close()
+
+
+def refused_on_its_taken_port(service) -> None:
+    """`service` (never started, or stopped) does not start while its port is taken."""
+    from harness.proc import PortTaken
+
+    try:
+        with squatting(service.port), pytest.raises(PortTaken):
+            service.start(timeout=5)
+    finally:
+        service.stop()
+
+
+def test_a_port_taken_before_a_services_first_start_is_chosen_again_never_on_a_restart(tmp_path):
+    """Redis and webdis pick free ports, which a connection may take before they start: then
+    they start on another port (a listener that is not theirs is not taken for them). Once
+    started, their port is known to others: a restart on a taken port fails at once."""
+    from harness.proc import RedisServer, listens
+    from harness.webdis import Webdis
+
+    with contextlib.ExitStack() as running:
+        redis_server = RedisServer(tmp_path / "redis")
+        with squatting(redis_server.port) as taken:
+            redis_server.start(timeout=10)
+            running.callback(redis_server.stop)
+            assert redis_server.port != taken and listens(redis_server.proc.pid, redis_server.port)
+            assert not listens(redis_server.proc.pid, taken)
+        assert redis_server.client().ping()
+        webdis = Webdis(tmp_path / "webdis", redis_server.port,
+                        redis_password=redis_server.gateway_password)
+        with squatting(webdis.port) as taken:
+            webdis.start(timeout=10)
+            running.callback(webdis.stop)
+            assert webdis.port != taken
+        assert json.loads(webdis.config_path.read_text())["http_port"] == webdis.port
+        assert webdis.command("EVAL", "return 1", 1, "cg:x") == (200, b":1\r\n")
+        # A restart keeps the port; taken meanwhile, it fails loudly.
+        webdis.stop()
+        refused_on_its_taken_port(webdis)
+    # A port given by the caller is never changed.
+    refused_on_its_taken_port(RedisServer(tmp_path / "fixed", port=free_port()))
 
 
 def test_a_cluster_nodes_bus_port_taken_before_its_first_start_is_chosen_again(tmp_path):

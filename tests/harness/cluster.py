@@ -65,7 +65,6 @@ class ClusterNode(RedisServer):
         # taken or above 65535).
         self.bus_port = free_port()
         self.config_lines = self.cluster_config()
-        self.started = False
 
     def cluster_config(self) -> list[str]:
         return [
@@ -88,7 +87,6 @@ class ClusterNode(RedisServer):
         while True:
             try:
                 super().start(timeout)
-                self.started = True
                 return self
             except RuntimeError:
                 taken = f"Failed listening on port {self.bus_port} (cluster)"
@@ -179,6 +177,8 @@ class ClusterBackend:
         self.nodes = [ClusterNode(self.workdir / f"node-{p}", p, self.gateway_password,
                                   self.admin_password, gateway_key_prefix, node_timeout_ms)
                       for p in ports]
+        for node in self.nodes:  # a port chosen here is chosen again if taken before its start
+            node.own_port = node_ports is None
         # Seeds: three nodes; the proxy learns the rest from CLUSTER SLOTS.
         self.proxy = RedisProxy(self.workdir / "proxy", ports[0::2], GATEWAY_USER,
                                 self.gateway_password, port=proxy_port, admin_port=proxy_admin_port)
@@ -197,6 +197,7 @@ class ClusterBackend:
         try:
             for node in self.nodes:
                 node.start(timeout=10)
+            self.proxy.seed_ports = [n.port for n in self.nodes[0::2]]  # as they started
             self._create(timeout)
             self.wait_healthy(timeout)
             self.proxy.start(timeout=30)

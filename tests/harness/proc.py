@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,17 +55,75 @@ def reserve_dead_port() -> tuple[socket.socket, int]:
     return sock, sock.getsockname()[1]
 
 
+def connectable(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _listener_inodes(port: int) -> set[str]:
+    """The socket inodes listening on `port` (any address), from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f[9])
+    return inodes
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (through /proc/<pid>/task/*/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether `pid` (or a process it started) holds a listening socket on `port`: a port
+    another process took between its choice and the start answers connections too."""
+    inodes = _listener_inodes(port)
+    for p in _tree(pid):
+        fd_dir = Path(f"/proc/{p}/fd")
+        try:
+            fds = list(fd_dir.iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
 def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Until `port` takes connections, and with `proc`, until that process is the one that
+    listens there (it may have failed to bind a port another process holds)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout}s")
+        if connectable(port) and (proc is None or listens(proc.pid, port)):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout}s"
+                       + (f" (process {proc.args!r})" if proc is not None else ""))
 
 
 def wait_http(url: str, timeout: float, proc: "Proc | None" = None, expect: int | None = None) -> int:
@@ -168,21 +227,44 @@ class Proc:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
 
+class PortTaken(RuntimeError):
+    """Another process listens on the port a service was to listen on."""
+
+
 class Service:
     """A process of the harness: `proc` once started, stopped and checked by its own pid."""
 
     proc: Proc | None = None
+    # Listened once: from then on others may know its port, which then never changes.
+    started = False
 
     def launch(self, name: str, argv: list[str], workdir: Path, port: int,
                timeout: float) -> None:
         """Start `argv` as `self.proc` and wait until it listens on `port`; on failure it is
-        stopped again and the error raised."""
+        stopped again and the error raised (PortTaken if another process listens there)."""
         self.proc = Proc(name, argv, workdir)
         try:
             wait_for_port(port, timeout, self.proc.popen)
-        except Exception:
+        except Exception as e:
             self.proc.stop()
+            if connectable(port):
+                raise PortTaken(f"{name}: 127.0.0.1:{port} is taken by another process") from e
             raise
+        self.started = True
+
+    def launch_on_free_port(self, attempt: Callable[[], None], own_port: bool,
+                            tries: int = 3) -> None:
+        """`attempt()` launches the service on `self.port`. A port the service chose itself
+        (`own_port`) that another process took between that choice and its first start (a
+        connection's port from the ephemeral range) is chosen again, up to `tries` times."""
+        for left in range(tries - 1, -1, -1):
+            try:
+                attempt()
+                return
+            except PortTaken:
+                if self.started or not own_port or left == 0:
+                    raise
+                self.port = free_port()
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -232,6 +314,7 @@ class RedisServer(Service):
 
     def __init__(self, workdir: Path, port: int | None = None, gateway_key_prefix: str = "cg"):
         self.workdir = Path(workdir)
+        self.own_port = port is None
         self.port = port or free_port()
         self.gateway_key_prefix = gateway_key_prefix
         self.gateway_password = secrets.token_hex(16)
@@ -264,11 +347,12 @@ class RedisServer(Service):
             conf_path.write_text("\n".join(self.config_lines) + "\n")
             conf_path.chmod(0o600)
             conf = [str(conf_path.resolve())]  # redis-server wants the file first
-        self.launch(f"redis-{self.port}",
-                    [binary, *conf, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir.resolve()),
-                     "--aclfile", str(self.acl_path.resolve())],
-                    self.workdir, self.port, timeout)
+        self.launch_on_free_port(lambda: self.launch(
+            f"redis-{self.port}",
+            [binary, *conf, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir.resolve()),
+             "--aclfile", str(self.acl_path.resolve())],
+            self.workdir, self.port, timeout), self.own_port)
         return self
 
     def client(self):

@@ -41,6 +41,7 @@ class Webdis(Service):
         self.redis_password = redis_password
         self.user = user
         self.password = password
+        self.own_port = port is None
         self.port = port or free_port()
         # Worker threads; each holds its own connection to Redis and reconnects on its own.
         self.threads = 2
@@ -77,11 +78,16 @@ class Webdis(Service):
     def start(self, timeout: float = 10.0) -> "Webdis":
         binary = require_binary("webdis")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
-        self.config_path.chmod(0o600)  # holds the Redis password
-        # webdis without a config file starts on 7379 with everything allowed: always pass one.
-        self.launch(f"webdis-{self.port}", [binary, str(self.config_path)], self.workdir,
-                    self.port, timeout)
+
+        def attempt() -> None:
+            self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
+            self.config_path.chmod(0o600)  # holds the Redis password
+            # webdis without a config file starts on 7379 with everything allowed: always
+            # pass one.
+            self.launch(f"webdis-{self.port}", [binary, str(self.config_path)], self.workdir,
+                        self.port, timeout)
+
+        self.launch_on_free_port(attempt, self.own_port)
         return self
 
     def restart(self, timeout: float = 10.0) -> "Webdis":
