@@ -461,17 +461,17 @@ def aborted(stats: dict) -> int:
 
 
 def verify_in_flight(stats: dict, rec: dict) -> list[str]:
-    """Every admitted request took a slot and gave it back (or was charged): one release (or
-    charge) call each, never batched, and its acquire, alone or in a batch of at most
-    BATCH's max_requests (a request wrk abandons in flight at its end took one or may have,
-    and gave it back or handed a release with its marker to the root on its reset)."""
+    """Every admitted request took a slot and gave it back (or was charged): an acquire and a
+    release (or charge) each, alone or in batches of at most BATCH's max_requests (a request
+    wrk abandons in flight at its end took one or may have, and gave it back or handed a
+    release with its marker to the root on its reset)."""
     problems = verify_allowed(stats, rec)
     requests = stats.get("http.ingress.downstream_rq_total", 0)
     calls = cg(stats, "redis.calls")
-    least = requests + requests // BATCH["max_requests"]
+    least = 2 * requests // BATCH["max_requests"]
     if calls < least - CONNECTIONS or calls > 2 * requests + CONNECTIONS:
-        problems.append(f"{calls} Redis calls for {requests} requests (expected a release or "
-                        f"charge each, and an acquire each alone or batched)")
+        problems.append(f"{calls} Redis calls for {requests} requests (expected an acquire "
+                        f"and a release or charge each, alone or batched)")
     return problems
 
 

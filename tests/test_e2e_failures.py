@@ -307,14 +307,16 @@ def test_a_gateway_that_never_answers_still_gets_bounded_compensation(stack_fact
         assert_503(post_idem(envoy, tenant, f"key-{uid()}", f"/orders/{uid()}"))
         assert_503(post_lease(envoy, tenant, f"ord{uid()}"))
     # Outcome unknown: each request's acquire is compensated, and each release (which never
-    # gets an answer either) is sent 6 times in all, with backoff, within ~5 s.
+    # gets an answer either) is sent 6 times in all, with backoff, within ~5 s. Releases due
+    # in the same turn of the root share a batch call: counted per call sent to the gateway,
+    # timeouts and retries per script call in it.
     expected = 2 * n + 2 * n * 6
-    assert wait_for(lambda: redis_stat(envoy, "calls") >= expected, 12.0, 0.1), \
-        redis_stat(envoy, "calls")
+    assert wait_for(lambda: redis_stat(envoy, "timeouts") >= expected, 12.0, 0.1), \
+        redis_stat(envoy, "timeouts")
     time.sleep(2.0)  # and not more
-    assert redis_stat(envoy, "calls") == expected
-    assert redis_stat(envoy, "retries") == 2 * n * 5
     assert redis_stat(envoy, "timeouts") == expected
+    assert redis_stat(envoy, "retries") == 2 * n * 5
+    assert 2 * n + 6 <= redis_stat(envoy, "calls") <= expected
     # The records may exist (the outcome is unknown): their release failing is counted.
     assert policy_stat(envoy, IDEM_POLICY, "idem.complete_failed") == n
     assert policy_stat(envoy, LEASE_POLICY, "lease.lost") == 0

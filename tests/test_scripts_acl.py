@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from harness.proc import GATEWAY_COMMANDS, gateway_acl_rules
-from harness.scripts import LUA, Script
+from harness.scripts import LUA, Script, batch_source
 
 TAG = "{t.acl}"
 FP = "sha256:" + "a" * 64
@@ -91,10 +91,10 @@ def test_every_script_runs_as_the_gateway_user(gateway, redis_client):
     charge = Script(gateway, "charge.lua")
     charged = charge(keys[:2] + [keys[3]], [3, "fw", 1, 60_000, 2, "sw", 1, 60_000, -5,
                                             "tb", 1, 60_000, 1])
-    batch = Script(gateway, "batch_head.lua", "acquire.lua", "batch_tail.lua")
+    batch = Script(gateway, source=batch_source())
     sub = ["1", "n", "fw", "5", "60000", "5", "0", "1", "0"]
     batch_key = f"{prefix}:rl:{TAG}:batch"
-    batched = batch([batch_key, batch_key], ["2", "1", str(len(sub)), *sub, "1", str(len(sub)), *sub])
+    batched = batch([batch_key, batch_key], ["2", "1", "1", str(len(sub)), *sub, "1", "1", str(len(sub)), *sub])
 
     stats = redis_client.info("commandstats")
     ran = {name.removeprefix("cmdstat_") for name, s in stats.items() if s["calls"] > 0}

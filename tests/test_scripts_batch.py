@@ -1,21 +1,15 @@
-"""batch.lua (batch_head.lua + acquire.lua + batch_tail.lua) against a real redis-server:
-sub-calls answer exactly as separate acquire.lua calls would."""
-
-from pathlib import Path
+"""batch.lua (batch_head.lua, each script it runs as a local function, batch_tail.lua) against
+a real redis-server: sub-calls answer exactly as separate calls would."""
 
 import pytest
 
-LUA = Path(__file__).resolve().parents[1] / "src" / "lua"
-
-
-def load(r, *names):
-    return r.register_script("".join((LUA / n).read_text() for n in names))
+from harness.scripts import LUA, batch_source
 
 
 @pytest.fixture
 def scripts(redis_client):
-    return (load(redis_client, "acquire.lua"),
-            load(redis_client, "batch_head.lua", "acquire.lua", "batch_tail.lua"))
+    return (redis_client.register_script((LUA / "acquire.lua").read_text()),
+            redis_client.register_script(batch_source()))
 
 
 def fw_call(key, limit, nonce):
@@ -23,11 +17,12 @@ def fw_call(key, limit, nonce):
     return [key], ["1", nonce, "fw", str(limit), "60000", str(limit), "0", "1", "0"]
 
 
-def batch_args(calls):
+def batch_args(calls, script="1"):
+    """Every call of `script` (1: acquire.lua)."""
     keys, args = [], [str(len(calls))]
     for k, a in calls:
         keys += k
-        args += [str(len(k)), str(len(a)), *a]
+        args += [script, str(len(k)), str(len(a)), *a]
     return keys, args
 
 
@@ -36,7 +31,10 @@ def split(reply):
     while i < len(reply):
         n = int(reply[i])
         i += 1
-        if n < 0:
+        if n == -2:
+            out.append(int(reply[i]))
+            i += 1
+        elif n < 0:
             out.append(("error", reply[i]))
             i += 1
         else:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.scripts import Limit, limits_argv, owner
+from harness.scripts import Limit, batch_source, limits_argv, owner
 
 LUA = Path(__file__).resolve().parents[1] / "src" / "lua"
 
@@ -44,7 +44,7 @@ class S:
     def __init__(self, r):
         self.r = r
         self.acquire_s = load(r, "acquire.lua")
-        self.batch_s = load(r, "batch_head.lua", "acquire.lua", "batch_tail.lua")
+        self.batch_s = r.register_script(batch_source())
         self.release_s = load(r, "release.lua")
         self.lease_release_s = load(r, "lease_release.lua")
 
@@ -189,9 +189,39 @@ def test_batch_sub_calls_honour_the_marker(s):
     # The second sub-call uses other keys of the same slot.
     k2 = [IDEM + "b", LEASE + "b", FENCE + "b", marker(fresh)]
     _, a2 = S.acquire_call(fresh)
-    keys, args = k1 + k2, ["2", str(len(k1)), str(len(a1)), *a1, str(len(k2)), str(len(a2)), *a2]
+    keys, args = k1 + k2, ["2", "1", str(len(k1)), str(len(a1)), *a1,
+                           "1", str(len(k2)), str(len(a2)), *a2]
     reply = s.batch_s(keys=keys, args=args)
     assert reply[:7] == [6, 1, IDEM_CANCELLED, -2, b"", LEASE_CANCELLED, 0], reply
     assert reply[7] == 6 and reply[9] == IDEM_ACQUIRED and reply[12] == LEASE_ACQUIRED, reply
     assert not s.r.exists(IDEM) and not s.r.exists(LEASE)
     assert s.r.exists(IDEM + "b") and s.r.get(LEASE + "b") == fresh.encode()
+
+
+def test_a_batch_of_settlements_answers_like_separate_calls(s):
+    """The root's settlements share a batch.lua call: each sub-call runs one of the batched
+    scripts (by its number) after the ones before it, and an integer reply comes back as -2
+    then the value. A failing sub-call does not take the others down."""
+    own = owner()
+    k, a = S.acquire_call(own)
+    calls = [
+        ("1", k, a),                                                    # acquire: record + lease
+        ("3", [IDEM, marker(own)], [own, MARKER_TTL]),                  # release.lua
+        ("4", [LEASE, marker(own)], [own, MARKER_TTL]),                 # lease_release.lua
+        ("3", [IDEM], [own]),                                           # release.lua: gone now
+        ("5", [], []),                                                  # slot_release.lua: bad
+    ]
+    keys, args = [], [str(len(calls))]
+    for script, ck, ca in calls:
+        keys += ck
+        args += [script, str(len(ck)), str(len(ca)), *[str(x) for x in ca]]
+    reply = s.batch_s(keys=keys, args=args)
+    assert reply[0] == 6 and reply[2] == IDEM_ACQUIRED and reply[5] == LEASE_ACQUIRED, reply
+    assert reply[7:13] == [-2, RELEASED, -2, RELEASED, -2, MISSING], reply
+    assert reply[13] == -1 and b"slot_release.lua" in reply[14] and len(reply) == 15, reply
+    assert not s.r.exists(IDEM) and not s.r.exists(LEASE) and s.r.exists(marker(own))
+    # The same calls one by one give the same answers.
+    s.r.flushall()
+    separate = [s.acquire_s(keys=k, args=a)[1], s.release(own), s.lease_release(own),
+                s.release(own, ttl=None)]
+    assert separate == [IDEM_ACQUIRED, RELEASED, RELEASED, MISSING], separate

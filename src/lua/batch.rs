@@ -1,7 +1,7 @@
-//! Callout coalescing: the acquire calls of several paused requests of one worker sent to
-//! Redis as one `batch.lua` call, each request resumed with its own answer. The script runs
-//! the sub-calls one after the other exactly as separate calls would, so every decision is the
-//! same as without batching.
+//! Callout coalescing: the acquire calls of several paused requests of one worker, and the
+//! settlements its root sends in one turn, sent to Redis as one `batch.lua` call, each answer
+//! routed to where it goes. The script runs the sub-calls one after the other exactly as
+//! separate calls would, so every decision is the same as without batching.
 //!
 //! Whether one batch may carry calls of different hash slots depends on what is behind the
 //! gateway: a single Redis runs it, a Redis Cluster refuses it (`CROSSSLOT`), and Envoy's
@@ -18,9 +18,9 @@ use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall, Words};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-/// The acquire calls waiting for the next batch, and the batches in flight with whose answers
-/// they carry. `S` names a paused request (the adapter's stream handle; anything in tests),
-/// `slot` the call's slot in that request's [`crate::flow::Flow`].
+/// The calls waiting for the next batch, and the batches in flight with whose answers they
+/// carry. `S` names where a call's answer goes (a paused request's call slot, or the root's
+/// outbox; anything in tests).
 pub struct Batcher<S> {
     cfg: Option<Batch>,
     /// Whether a batch may mix hash slots.
@@ -43,14 +43,19 @@ enum Mixing {
     No,
 }
 
+/// A batch's keys and arguments stay under this unless one call alone is larger (a completion
+/// carries its response): a call of many large completions would hold the others' answers
+/// back while webdis and Redis take it in.
+const MAX_BATCH_BYTES: usize = 256 * 1024;
+
 /// How long a worker waits before probing again after a probe failed (Redis unreachable).
 const PROBE_RETRY_MS: u64 = 1_000;
 
 /// A call waiting for the next batch, or carried by one.
 #[derive(Debug)]
 struct Queued<S> {
-    stream: S,
-    slot: usize,
+    to: S,
+    script: ScriptId,
     call: Rc<ScriptCall>,
 }
 
@@ -74,8 +79,8 @@ pub enum BatchAnswer<S> {
     /// Send these instead: the batch again (by `EVAL`, after `NOSCRIPT`), or its calls per
     /// hash slot (after `CROSSSLOT`).
     Resend(Vec<InFlight<S>>),
-    /// Each member's own answer, for its request's `on_reply`.
-    Members(Vec<(S, usize, Result<Reply, CallError>)>),
+    /// Each member's own answer, for where it goes.
+    Members(Vec<(S, Result<Reply, CallError>)>),
 }
 
 impl<S> Batcher<S> {
@@ -93,18 +98,18 @@ impl<S> Batcher<S> {
         }
     }
 
-    /// Whether a call of `script` sent `by_sha` waits for the next batch: only acquires (what
-    /// `batch.lua` runs), and never a resend by `EVAL`.
+    /// Whether a call of `script` sent `by_sha` waits for the next batch: only the scripts
+    /// `batch.lua` runs, and never a resend by `EVAL`.
     pub fn takes(&self, script: ScriptId, by_sha: bool) -> bool {
-        self.cfg.is_some() && script == ScriptId::Acquire && by_sha
+        self.cfg.is_some() && by_sha && script.batch_index().is_some()
     }
 
     /// Queues a call; true when it is the first since the last flush (the adapter then wakes
     /// the root on the event loop's next turn).
-    pub fn queue(&mut self, stream: S, slot: usize, call: impl Into<Rc<ScriptCall>>) -> bool {
+    pub fn queue(&mut self, to: S, script: ScriptId, call: impl Into<Rc<ScriptCall>>) -> bool {
         self.queue.push(Queued {
-            stream,
-            slot,
+            to,
+            script,
             call: call.into(),
         });
         self.queue.len() == 1
@@ -192,7 +197,7 @@ impl<S> Batcher<S> {
                 .members
                 .into_iter()
                 .zip(parts)
-                .map(|(q, part)| (q.stream, q.slot, part))
+                .map(|(q, part)| (q.to, part))
                 .collect(),
         )
     }
@@ -240,38 +245,53 @@ fn group<S>(calls: Vec<Queued<S>>, cross_slot: bool, max: usize) -> Vec<InFlight
     }
     let mut out = Vec::new();
     for (_, members) in groups {
-        let mut members = members.into_iter().peekable();
-        while members.peek().is_some() {
-            let chunk: Vec<_> = members.by_ref().take(max.max(1)).collect();
-            out.push(InFlight {
-                call: build(chunk.iter().map(|q| &*q.call)),
-                members: chunk,
-                by_sha: true,
-            });
+        let mut chunk: Vec<Queued<S>> = Vec::new();
+        let mut bytes = 0;
+        for q in members {
+            let size = q.call.keys.bytes() + q.call.args.bytes();
+            if !chunk.is_empty() && (chunk.len() >= max.max(1) || bytes + size > MAX_BATCH_BYTES) {
+                out.push(in_flight(std::mem::take(&mut chunk)));
+                bytes = 0;
+            }
+            bytes += size;
+            chunk.push(q);
+        }
+        if !chunk.is_empty() {
+            out.push(in_flight(chunk));
         }
     }
     out
 }
 
-/// The batch call for `calls`, in order.
+/// A batch of `members`, sent by `EVALSHA`.
+fn in_flight<S>(members: Vec<Queued<S>>) -> InFlight<S> {
+    InFlight {
+        call: build(members.iter().map(|q| (q.script, &*q.call))),
+        members,
+        by_sha: true,
+    }
+}
+
+/// The batch call for `calls` (each a script `batch.lua` runs), in order.
 pub fn build<'a, I>(calls: I) -> ScriptCall
 where
-    I: IntoIterator<Item = &'a ScriptCall>,
+    I: IntoIterator<Item = (ScriptId, &'a ScriptCall)>,
     I::IntoIter: Clone,
 {
     let calls = calls.into_iter();
     let (mut count, mut words, mut key_bytes, mut arg_bytes) = (0usize, 0, 0, 0);
-    for call in calls.clone() {
+    for (_, call) in calls.clone() {
         count += 1;
         words += call.keys.len();
         key_bytes += call.keys.bytes();
         arg_bytes += call.args.bytes();
     }
     let mut keys = Words::with_capacity(words, key_bytes);
-    let mut args = Words::with_capacity(1 + 2 * count + words, arg_bytes + 8 * count + 4);
+    let mut args = Words::with_capacity(1 + 3 * count + words, arg_bytes + 9 * count + 4);
     args.push_u64(count as u64);
-    for call in calls {
+    for (script, call) in calls {
         keys.extend_from(&call.keys);
+        args.push_u64(script.batch_index().unwrap_or(0));
         args.push_u64(call.keys.len() as u64);
         args.push_u64(call.args.len() as u64);
         args.extend_from(&call.args);
@@ -279,7 +299,8 @@ where
     ScriptCall { keys, args }
 }
 
-/// Splits a batch reply into the `n` sub-replies (an error for a sub-call that failed).
+/// Splits a batch reply into the `n` sub-replies: an array, an integer (as webdis gives it: a
+/// bulk string from webdis 0.1.9), or an error for a sub-call that failed.
 pub fn split(reply: &Reply, n: usize) -> Result<Vec<Result<Reply, CallError>>, CallError> {
     let bad = |why: &str| CallError::UnexpectedReply(format!("batch reply: {why}"));
     if let Reply::Error(e) = reply {
@@ -294,6 +315,12 @@ pub fn split(reply: &Reply, n: usize) -> Result<Vec<Result<Reply, CallError>>, C
             .and_then(Reply::as_int)
             .ok_or_else(|| bad("missing length"))?;
         at += 1;
+        if len == -2 {
+            let value = items.get(at).ok_or_else(|| bad("missing value"))?;
+            at += 1;
+            out.push(Ok(value.clone()));
+            continue;
+        }
         if len < 0 {
             let text = items
                 .get(at)
@@ -321,6 +348,9 @@ pub fn split(reply: &Reply, n: usize) -> Result<Vec<Result<Reply, CallError>>, C
 mod tests {
     use super::*;
 
+    /// A member: a request and its call's slot.
+    type M = (&'static str, usize);
+
     fn call(keys: &[&str], args: &[&str]) -> ScriptCall {
         ScriptCall::new(
             keys.iter().collect::<Words>(),
@@ -328,7 +358,7 @@ mod tests {
         )
     }
 
-    fn batcher(max_requests: usize, cross_slot: bool) -> Batcher<&'static str> {
+    fn batcher(max_requests: usize, cross_slot: bool) -> Batcher<M> {
         Batcher::new(Some(Batch {
             max_delay_ms: 5,
             max_requests,
@@ -348,11 +378,11 @@ mod tests {
     }
 
     /// A `cross_slot` batcher whose probe Redis ran (a single Redis): batches mix slots.
-    fn mixing(max_requests: usize) -> Batcher<&'static str> {
+    fn mixing(max_requests: usize) -> Batcher<M> {
         let rec = crate::metrics::testing::Recorder::default();
         let mut b = batcher(max_requests, true);
-        b.queue("r0", 0, call(&["cg:{t.a}:x"], &[]));
-        b.queue("r1", 0, call(&["cg:{t.b}:x"], &[]));
+        b.queue(("r0", 0), ScriptId::Acquire, call(&["cg:{t.a}:x"], &[]));
+        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:{t.b}:x"], &[]));
         let probe = b.flush(0, "cg").remove(0);
         assert!(probe.members.is_empty());
         let ran = Ok(Reply::Array(Some(Vec::new())));
@@ -364,8 +394,8 @@ mod tests {
         b
     }
 
-    fn members(b: &InFlight<&'static str>) -> Vec<(&'static str, usize)> {
-        b.members.iter().map(|q| (q.stream, q.slot)).collect()
+    fn members(b: &InFlight<M>) -> Vec<M> {
+        b.members.iter().map(|q| q.to).collect()
     }
 
     #[test]
@@ -376,11 +406,31 @@ mod tests {
             !b.takes(ScriptId::Acquire, false),
             "an EVAL resend goes alone"
         );
-        assert!(!b.takes(ScriptId::Complete, true));
-        assert!(b.queue("r1", 0, call(&["cg:rl:{t.a}:x"], &["1"])));
-        assert!(!b.queue("r2", 1, call(&["cg:rl:{p.o}:y"], &["2"])));
-        assert!(!b.queue("r3", 0, call(&["cg:rl:{t.a}:z"], &["3"])));
-        assert!(!b.queue("r4", 0, call(&["cg:rl:{t.a}:w"], &["4"])));
+        assert!(b.takes(ScriptId::Complete, true), "a settlement too");
+        assert!(
+            !b.takes(ScriptId::LeaseExtend, true),
+            "not a script batch.lua runs"
+        );
+        assert!(b.queue(
+            ("r1", 0),
+            ScriptId::Acquire,
+            call(&["cg:rl:{t.a}:x"], &["1"])
+        ));
+        assert!(!b.queue(
+            ("r2", 1),
+            ScriptId::Acquire,
+            call(&["cg:rl:{p.o}:y"], &["2"])
+        ));
+        assert!(!b.queue(
+            ("r3", 0),
+            ScriptId::Acquire,
+            call(&["cg:rl:{t.a}:z"], &["3"])
+        ));
+        assert!(!b.queue(
+            ("r4", 0),
+            ScriptId::Acquire,
+            call(&["cg:rl:{t.a}:w"], &["4"])
+        ));
         let sent = b.flush(0, "cg");
         assert_eq!(sent.len(), 3);
         assert_eq!(members(&sent[0]), vec![("r1", 0), ("r3", 0)]);
@@ -390,12 +440,12 @@ mod tests {
         assert!(String::from_utf8_lossy(&sent[0].encode(&Scripts::load())).starts_with("EVALSHA/"));
         assert!(b.flush(0, "cg").is_empty(), "flushed once");
         assert!(
-            b.queue("r5", 0, call(&["k"], &[])),
+            b.queue(("r5", 0), ScriptId::Acquire, call(&["k"], &[])),
             "first again after a flush"
         );
-        let mut off: Batcher<&str> = Batcher::new(None);
+        let mut off: Batcher<M> = Batcher::new(None);
         assert!(!off.takes(ScriptId::Acquire, true));
-        off.queue("r", 0, call(&["k"], &[]));
+        off.queue(("r", 0), ScriptId::Acquire, call(&["k"], &[]));
         assert!(off.flush(0, "cg").is_empty());
     }
 
@@ -405,8 +455,8 @@ mod tests {
         let rec = Recorder::default();
         let metrics = redis_metrics();
         let mut b = batcher(10, false);
-        b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
-        b.queue("r2", 3, call(&["cg:{t}:b"], &[]));
+        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:{t}:a"], &[]));
+        b.queue(("r2", 3), ScriptId::Acquire, call(&["cg:{t}:b"], &[]));
         let batch = b.flush(0, "cg").pop().expect("one batch");
         b.sent(7, batch);
         assert!(b.take(8).is_none(), "not a batch of ours");
@@ -425,9 +475,9 @@ mod tests {
         assert_eq!(parts.len(), 2);
         assert!(parts
             .iter()
-            .all(|p| p.2 == Err(CallError::Redis("NOSCRIPT x".into()))));
-        b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
-        b.queue("r2", 3, call(&["cg:{t}:b"], &[]));
+            .all(|p| p.1 == Err(CallError::Redis("NOSCRIPT x".into()))));
+        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:{t}:a"], &[]));
+        b.queue(("r2", 3), ScriptId::Acquire, call(&["cg:{t}:b"], &[]));
         let batch = b.flush(0, "cg").pop().expect("one batch");
         let reply = Reply::Array(Some(vec![
             Reply::Int(1),
@@ -441,19 +491,19 @@ mod tests {
         assert_eq!(
             parts,
             vec![
-                ("r1", 0, Ok(Reply::Array(Some(vec![Reply::Int(9)])))),
-                ("r2", 3, Err(CallError::Redis("ERR boom".into()))),
+                (("r1", 0), Ok(Reply::Array(Some(vec![Reply::Int(9)])))),
+                (("r2", 3), Err(CallError::Redis("ERR boom".into()))),
             ]
         );
         // A batch that failed as a whole fails every member.
-        b.queue("r1", 0, call(&["cg:{t}:a"], &[]));
+        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:{t}:a"], &[]));
         let batch = b.flush(0, "cg").pop().expect("one batch");
         let BatchAnswer::Members(parts) =
             b.answer(batch, Err(CallError::Timeout), 0, &metrics, &rec)
         else {
             panic!("expected answers");
         };
-        assert_eq!(parts, vec![("r1", 0, Err(CallError::Timeout))]);
+        assert_eq!(parts, vec![(("r1", 0), Err(CallError::Timeout))]);
     }
 
     #[test]
@@ -473,7 +523,7 @@ mod tests {
             ("r3", "cg:{t.a}:z"),
             ("r4", "cg:{t.a}:w"),
         ] {
-            b.queue(r, 0, call(&[key], &[]));
+            b.queue((r, 0), ScriptId::Acquire, call(&[key], &[]));
         }
         let sent = b.flush(0, "cg");
         assert_eq!(sent.len(), 2, "across slots, at most max_requests each");
@@ -490,8 +540,8 @@ mod tests {
         );
         assert_eq!(again[0].call.keys, vec!["cg:{t.a}:x"]);
         // The worker batches per hash tag from now on.
-        b.queue("r5", 1, call(&["cg:{t.a}:v"], &[]));
-        b.queue("r6", 1, call(&["cg:{t.b}:u"], &[]));
+        b.queue(("r5", 1), ScriptId::Acquire, call(&["cg:{t.a}:v"], &[]));
+        b.queue(("r6", 1), ScriptId::Acquire, call(&["cg:{t.b}:u"], &[]));
         assert_eq!(b.flush(0, "cg").len(), 2);
         // A batch of one hash tag refused so is not split again: its members get the error.
         let second = batches.next().expect("a batch");
@@ -501,7 +551,7 @@ mod tests {
         };
         assert!(parts
             .iter()
-            .all(|p| matches!(&p.2, Err(CallError::Redis(e)) if e.starts_with("CROSSSLOT"))));
+            .all(|p| matches!(&p.1, Err(CallError::Redis(e)) if e.starts_with("CROSSSLOT"))));
     }
 
     #[test]
@@ -509,14 +559,14 @@ mod tests {
         use crate::metrics::testing::Recorder;
         let rec = Recorder::default();
         let metrics = redis_metrics();
-        let two_tags = |b: &mut Batcher<&'static str>| {
-            b.queue("r1", 0, call(&["cg:rl:{t.a}:x"], &[]));
-            b.queue("r2", 0, call(&["cg:rl:{p.o}:y"], &[]));
+        let two_tags = |b: &mut Batcher<M>| {
+            b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:rl:{t.a}:x"], &[]));
+            b.queue(("r2", 0), ScriptId::Acquire, call(&["cg:rl:{p.o}:y"], &[]));
         };
         let mut b = batcher(10, true);
         assert!(b.flush(0, "cg").is_empty(), "no traffic, no probe");
-        b.queue("r1", 0, call(&["cg:rl:{t.a}:x"], &[]));
-        b.queue("r2", 0, call(&["cg:rl:{t.a}:y"], &[]));
+        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:rl:{t.a}:x"], &[]));
+        b.queue(("r2", 0), ScriptId::Acquire, call(&["cg:rl:{t.a}:y"], &[]));
         assert_eq!(b.flush(0, "cg").len(), 1, "one hash tag: no probe needed");
         // Until the probe answers, per hash tag: the probe goes first.
         two_tags(&mut b);
@@ -568,12 +618,47 @@ mod tests {
     }
 
     #[test]
+    fn large_calls_split_batches_by_size() {
+        let mut b = batcher(10, false);
+        let big = "x".repeat(MAX_BATCH_BYTES / 2);
+        for r in ["r1", "r2", "r3"] {
+            b.queue((r, 0), ScriptId::Complete, call(&["cg:{t.a}:k"], &[&big]));
+        }
+        b.queue(
+            ("r4", 0),
+            ScriptId::Complete,
+            call(&["cg:{t.a}:k"], &["small"]),
+        );
+        let huge = "x".repeat(MAX_BATCH_BYTES + 1);
+        b.queue(
+            ("r5", 0),
+            ScriptId::Complete,
+            call(&["cg:{t.a}:k"], &[&huge]),
+        );
+        let sent = b.flush(0, "cg");
+        assert_eq!(
+            sent.iter().map(members).collect::<Vec<_>>(),
+            vec![
+                vec![("r1", 0)],
+                vec![("r2", 0)],
+                vec![("r3", 0), ("r4", 0)],
+                vec![("r5", 0)]
+            ],
+            "two halves and their keys exceed the bound; a call larger than it goes alone"
+        );
+    }
+
+    #[test]
     fn builds_the_batch() {
         let a = call(&["k1", "k2"], &["x"]);
         let b = call(&["k3"], &["y", "z"]);
-        let batch = build([&a, &b]);
+        let batch = build([(ScriptId::Acquire, &a), (ScriptId::Complete, &b)]);
         assert_eq!(batch.keys, vec!["k1", "k2", "k3"]);
-        assert_eq!(batch.args, vec!["2", "2", "1", "x", "1", "2", "y", "z"]);
+        assert_eq!(
+            batch.args,
+            vec!["2", "1", "2", "1", "x", "2", "1", "2", "y", "z"],
+            "count, then per sub-call: script, nkeys, nargs, its arguments"
+        );
     }
 
     #[test]
@@ -587,16 +672,26 @@ mod tests {
             Reply::Bulk(Some(b"ERR boom".to_vec())),
             r(1),
             Reply::Bulk(Some(b"77".to_vec())),
+            r(-2),
+            Reply::Bulk(Some(b"1".to_vec())),
         ]));
-        let parts = split(&reply, 3).expect("valid");
+        let parts = split(&reply, 4).expect("valid");
         assert_eq!(parts[0], Ok(Reply::Array(Some(vec![r(1), r(0)]))));
         assert_eq!(parts[1], Err(CallError::Redis("ERR boom".into())));
         assert_eq!(
             parts[2],
             Ok(Reply::Array(Some(vec![Reply::Bulk(Some(b"77".to_vec()))])))
         );
-        assert!(split(&reply, 4).is_err(), "too short");
-        assert!(split(&reply, 2).is_err(), "too long");
+        // An integer reply (a settlement's), as webdis 0.1.9 gives it: a bulk string.
+        assert_eq!(parts[3], Ok(Reply::Bulk(Some(b"1".to_vec()))));
+        assert_eq!(parts[3].as_ref().ok().and_then(Reply::as_int), Some(1));
+        assert!(split(&reply, 5).is_err(), "too short");
+        assert!(split(&reply, 3).is_err(), "too long");
+        let cut = Reply::Array(Some(vec![r(-2)]));
+        assert!(
+            split(&cut, 1).is_err(),
+            "an integer reply without its value"
+        );
         assert_eq!(
             split(&Reply::Error("NOSCRIPT x".into()), 1),
             Err(CallError::Redis("NOSCRIPT x".into()))

@@ -6,8 +6,8 @@
 //! * [`lease`]: `lease_release.lua` and `lease_extend.lua`;
 //! * [`slot`]: `slot_release.lua` and `slot_extend.lua` (concurrency slots);
 //! * [`charge`]: `charge.lua` (a response's real cost);
-//! * [`batch`]: `batch.lua` (`batch_head.lua` + `acquire.lua` + `batch_tail.lua`), several
-//!   acquires in one call.
+//! * [`batch`]: `batch.lua` (`batch_head.lua`, each batched script as a local function,
+//!   `batch_tail.lua`), several acquires or settlements in one call.
 
 pub mod acquire;
 pub mod batch;
@@ -41,6 +41,22 @@ pub enum ScriptId {
     Charge,
 }
 
+impl ScriptId {
+    /// The sub-call's script number in `batch.lua` (see `batch_head.lua`); `None` for a script
+    /// it does not run.
+    pub fn batch_index(self) -> Option<u64> {
+        match self {
+            ScriptId::Acquire => Some(1),
+            ScriptId::Complete => Some(2),
+            ScriptId::Release => Some(3),
+            ScriptId::LeaseRelease => Some(4),
+            ScriptId::SlotRelease => Some(5),
+            ScriptId::Charge => Some(6),
+            ScriptId::LeaseExtend | ScriptId::SlotExtend | ScriptId::Batch => None,
+        }
+    }
+}
+
 /// The scripts the filter runs, loaded once per VM.
 #[derive(Debug)]
 pub struct Scripts {
@@ -70,7 +86,19 @@ impl Scripts {
                 "batch",
                 concat!(
                     include_str!("batch_head.lua"),
+                    "local function acquire_one(KEYS, ARGV)\n",
                     include_str!("acquire.lua"),
+                    "end\nlocal function complete_one(KEYS, ARGV)\n",
+                    include_str!("complete.lua"),
+                    "end\nlocal function release_one(KEYS, ARGV)\n",
+                    include_str!("release.lua"),
+                    "end\nlocal function lease_release_one(KEYS, ARGV)\n",
+                    include_str!("lease_release.lua"),
+                    "end\nlocal function slot_release_one(KEYS, ARGV)\n",
+                    include_str!("slot_release.lua"),
+                    "end\nlocal function charge_one(KEYS, ARGV)\n",
+                    include_str!("charge.lua"),
+                    "end\n",
                     include_str!("batch_tail.lua")
                 ),
             ),

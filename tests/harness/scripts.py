@@ -66,13 +66,27 @@ def redis_now_us(r) -> int:
     return sec * 1_000_000 + usec
 
 
+# The scripts batch.lua runs, numbered from 1 in this order (a sub-call's first word).
+BATCHED = ("acquire", "complete", "release", "lease_release", "slot_release", "charge")
+
+
+def batch_source() -> str:
+    """batch.lua as src/lua/mod.rs assembles it: the head, each script of BATCHED as a local
+    function `<name>_one(KEYS, ARGV)`, the tail."""
+    parts = [(LUA / "batch_head.lua").read_text()]
+    for name in BATCHED:
+        parts.append(f"local function {name}_one(KEYS, ARGV)\n{(LUA / f'{name}.lua').read_text()}end\n")
+    parts.append((LUA / "batch_tail.lua").read_text())
+    return "".join(parts)
+
+
 class Script:
     """A script called the way the filter calls it: EVAL, then EVALSHA once Redis has it (the
     gateway user may not run SCRIPT LOAD, which redis-py's register_script would)."""
 
-    def __init__(self, client, *names: str):
+    def __init__(self, client, *names: str, source: str | None = None):
         self.client = client
-        self.source = "".join((LUA / n).read_text() for n in names)
+        self.source = source if source is not None else "".join((LUA / n).read_text() for n in names)
         self.sha = None
 
     def __call__(self, keys: list, args: list):

@@ -27,8 +27,8 @@ pub(super) enum Dest<S> {
     Stream(S, usize),
     /// The root's call in the outbox's `slot`.
     Outbox(usize),
-    /// A batch of several streams' acquires.
-    Batch(InFlight<S>),
+    /// A batch: several streams' acquires, or the root's settlements.
+    Batch(InFlight<Dest<S>>),
 }
 
 /// Where a call's answer goes: handed back to [`super::Worker::sent`] with the host's token

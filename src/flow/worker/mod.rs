@@ -61,7 +61,7 @@ pub struct Worker<S> {
     /// Calls the root sends on its tick (and retries).
     outbox: Outbox,
     /// Acquires waiting to be coalesced (`redis.batch`), and the batches in flight.
-    batcher: Batcher<S>,
+    batcher: Batcher<Dest<S>>,
     tokens: TokenSource,
     /// The root's tick, and whether the fine one runs (a request waits for a lease).
     tick_ms: u64,
@@ -389,12 +389,17 @@ impl<S: Copy + Ord> Worker<S> {
         fx
     }
 
-    /// The root's calls that are due, sent now.
+    /// The root's calls that are due, sent now (those a batch takes with the next flush).
     fn send_due(&mut self, cx: &Cx<'_>, fx: &mut Effects<S>) {
         self.woken = false;
         for out in self.outbox.take_due(cx.now_ms) {
-            let slot = out.slot;
-            fx.calls.push(callout(cx, &out, Dest::Outbox(slot)));
+            if self.batcher.takes(out.script, out.by_sha) {
+                self.batcher
+                    .queue(Dest::Outbox(out.slot), out.script, out.call);
+            } else {
+                let slot = out.slot;
+                fx.calls.push(callout(cx, &out, Dest::Outbox(slot)));
+            }
         }
     }
 
@@ -456,8 +461,8 @@ impl<S: Copy + Ord> Worker<S> {
                         }
                     }
                     BatchAnswer::Members(members) => {
-                        for (s, slot, part) in members {
-                            self.answer(cx, Dest::Stream(s, slot), part, fx);
+                        for (to, part) in members {
+                            self.answer(cx, to, part, fx);
                         }
                     }
                 }
@@ -494,7 +499,9 @@ impl<S: Copy + Ord> Worker<S> {
                 entry.paused = dir.or(entry.paused);
                 for call in calls {
                     if self.batcher.takes(call.script, call.by_sha) {
-                        fx.wake |= self.batcher.queue(s, call.slot, call.call);
+                        fx.wake |=
+                            self.batcher
+                                .queue(Dest::Stream(s, call.slot), call.script, call.call);
                     } else {
                         ops.calls
                             .push(callout(cx, &call, Dest::Stream(s, call.slot)));
@@ -581,7 +588,7 @@ impl<S: Copy + Ord> Worker<S> {
         }
     }
 
-    /// The queued acquires as batches to send.
+    /// The queued calls (acquires, the root's settlements) as batches to send.
     fn flush(&mut self, cx: &Cx<'_>, fx: &mut Effects<S>) {
         for batch in self
             .batcher
@@ -601,7 +608,7 @@ fn callout<S>(cx: &Cx<'_>, out: &Outgoing, dest: Dest<S>) -> Callout<S> {
     }
 }
 
-fn batch_callout<S>(cx: &Cx<'_>, batch: InFlight<S>) -> Callout<S> {
+fn batch_callout<S>(cx: &Cx<'_>, batch: InFlight<Dest<S>>) -> Callout<S> {
     cx.m.increment(cx.rt.metrics.redis.calls);
     Callout {
         body: batch.encode(&cx.rt.scripts),

@@ -284,16 +284,20 @@ fn acquires_wait_for_a_batch_and_each_gets_its_answer() {
     let fx = w.on_queue_ready(&cx);
     assert_eq!(fx.calls.len(), 1, "one batch");
     let tokens = send_all(&mut w, &cx, fx, &mut 0);
-    let part = Reply::Array(Some(vec![
-        ints(&[1, 1, 4, 1_000, 0]),
-        ints(&[1, 1, 3, 1_000, 0]),
-    ]));
+    // batch.lua's flat reply: each sub-call's length, then its reply.
+    let part = ints(&[5, 1, 1, 4, 1_000, 0, 5, 1, 1, 3, 1_000, 0]);
     let fx = w.on_answer(&cx, tokens[0], || Ok(part));
-    let resumed: Vec<(u32, Option<Dir>)> =
-        fx.streams.iter().map(|o| (o.stream, o.resume)).collect();
+    let resumed: Vec<(u32, Option<Dir>, bool)> = fx
+        .streams
+        .iter()
+        .map(|o| (o.stream, o.resume, o.reply.is_some()))
+        .collect();
     assert_eq!(
         resumed,
-        vec![(1, Some(Dir::Request)), (2, Some(Dir::Request))]
+        vec![
+            (1, Some(Dir::Request), false),
+            (2, Some(Dir::Request), false)
+        ]
     );
     // A batch the host refuses: every member gets the refusal.
     request(&mut w, &cx, 3, "PUT", "/x");
@@ -546,4 +550,69 @@ fn a_stream_closes_without_touching_other_streams_calls() {
     w.close(4);
     assert!(w.routes.is_empty());
     assert!(w.on_answer(&cx, late[0], unread).streams.is_empty());
+}
+
+#[test]
+fn the_roots_settlements_due_together_share_a_batch() {
+    let rec = Recorder::default();
+    let config = r#"{"redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},
+      "policies": [{"name": "run", "rate_limits": [
+        {"name": "inflight", "by": ["tenant"], "algorithm": "concurrency", "limit": 2, "window": "1s"}]}]}"#;
+    let rt = runtime(&rec, config);
+    let mut w = worker(&rt);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut next = 0;
+    for s in [1, 2] {
+        request(&mut w, &cx, s, "POST", "/run");
+    }
+    let fx = w.on_queue_ready(&cx);
+    assert_eq!(
+        fx.calls.len(),
+        1,
+        "both acquires in one batch (one hash tag: no probe)"
+    );
+    let tokens = send_all(&mut w, &cx, fx, &mut next);
+    let admitted = [5, 1, 1, 1, 1_000, 0];
+    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[admitted, admitted].concat())));
+    let resumed: Vec<_> = fx
+        .streams
+        .iter()
+        .map(|o| (o.stream, o.resume, o.reply.is_some()))
+        .collect();
+    assert_eq!(
+        resumed,
+        vec![
+            (1, Some(Dir::Request), false),
+            (2, Some(Dir::Request), false)
+        ]
+    );
+    // Both streams end in the same turn: their slots' releases go out in one batch call.
+    assert!(w.on_done(&cx, 1).wake);
+    assert!(w.on_done(&cx, 2).calls.is_empty());
+    let fx = w.on_queue_ready(&cx);
+    assert_eq!(fx.calls.len(), 1, "both releases in one batch");
+    let body = String::from_utf8_lossy(&fx.calls[0].body).into_owned();
+    assert!(body.starts_with("EVALSHA/"), "{body}");
+    assert!(
+        body.contains(&rt.scripts.batch.sha1),
+        "batch.lua, not slot_release.lua"
+    );
+    let tokens = send_all(&mut w, &cx, fx, &mut next);
+    // Each sub-call's integer reply comes back as -2 then the value (webdis 0.1.9: a string).
+    let released = Reply::Array(Some(vec![
+        Reply::Int(-2),
+        Reply::Bulk(Some(b"1".to_vec())),
+        Reply::Int(-2),
+        Reply::Bulk(Some(b"1".to_vec())),
+    ]));
+    let fx = w.on_answer(&cx, tokens[0], || Ok(released));
+    assert!(fx.calls.is_empty(), "nothing sent again");
+    assert_eq!(rec.count("cg.redis.errors"), 0);
+    let later = w.on_tick(&Cx::new(&rt, 10_000, &rec));
+    assert!(later.calls.is_empty(), "both settled: no retry");
+    assert_eq!(
+        rec.count("cg.redis.calls"),
+        2,
+        "one acquire batch, one release batch"
+    );
 }
