@@ -452,6 +452,7 @@ fn worker_requests() {
         }
         report(&name, || request(&mut w));
     }
+    worker_batched(&rt, &maps);
     worker_local(
         "exact",
         b"*5\r\n:0\r\n:0\r\n:0\r\n:3600000\r\n:3600000\r\n",
@@ -463,6 +464,75 @@ fn worker_requests() {
         false,
     );
     worker_replay();
+}
+
+/// The exact path batched (`redis.batch`, the default), as the adapter drives it: every
+/// [`BATCHED`]-th request the root is woken and sends the acquires of the requests since as one
+/// `batch.lua` call, whose answer resumes them all; then their responses and ends. One run is
+/// one request (a batch's flush and answer are shared by its requests).
+fn worker_batched(rt: &Runtime, maps: &[Vec<u8>]) {
+    const BATCHED: usize = 8;
+    let name = format!("request through the worker, exact, 10k tenants, batched {BATCHED}");
+    if !selected(&name) {
+        return;
+    }
+    let admitted = ":5\r\n:1\r\n:1\r\n:999999\r\n:3600000\r\n:0\r\n";
+    let answer = format!("*{}\r\n{}", 6 * BATCHED, admitted.repeat(BATCHED)).into_bytes();
+    let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), rt.config.redis.batch, 25);
+    let mut open: Vec<u32> = Vec::with_capacity(BATCHED);
+    let (mut stream, mut n, mut token) = (0u32, 0usize, 0u32);
+    // One request; the requests its batch's answer resumed to go on upstream.
+    let mut request = |w: &mut Worker<u32>| -> usize {
+        let cx = Cx::new(rt, 1_000, &NoMetrics);
+        stream += 1;
+        n = (n + 7919) % maps.len();
+        black_box(request_headers(w, &cx, stream, maps[n].clone(), true));
+        open.push(stream);
+        if open.len() < BATCHED {
+            return 0;
+        }
+        let mut resumed = 0;
+        let fx = w.on_queue_ready(&cx);
+        for call in fx.calls {
+            black_box(&call.body);
+            token += 1;
+            black_box(w.sent(&cx, call.route, Ok(token)));
+            // The first flush also carries the probe of whether batches may mix hash slots
+            // (any array says they may); a batch of another size than BATCHED fails, in the
+            // warm-up only.
+            let fx = w.on_answer(&cx, token, || {
+                webdis::decode_array(&answer).ok_or(coordination_guard::redis::CallError::Transport)
+            });
+            resumed += fx
+                .streams
+                .iter()
+                .filter(|o| o.resume.is_some() && o.reply.is_none())
+                .count();
+            black_box(fx);
+        }
+        for s in open.drain(..) {
+            if w.guards(s) {
+                black_box(w.on_response_headers(&cx, s, false, || ResponseHead {
+                    headers: vec![(":status".into(), "200".into())],
+                    details: "via_upstream".into(),
+                }));
+                black_box(w.on_done(&cx, s));
+            }
+            w.close(s);
+        }
+        resumed
+    };
+    for _ in 0..2 * BATCHED {
+        request(&mut w);
+    }
+    let resumed: usize = (0..BATCHED).map(|_| request(&mut w)).sum();
+    assert_eq!(
+        resumed, BATCHED,
+        "one batch of {BATCHED} mixed slots, all admitted"
+    );
+    report(&name, || {
+        black_box(request(&mut w));
+    });
 }
 
 /// `make bench`'s replay, driven as the adapter drives it: a POST with a JSON body and an
