@@ -91,6 +91,22 @@ fn lease_reply(code: i64, value: &[u8]) -> Reply {
     ]))
 }
 
+/// Streams 1 and 2, and only they, resumed their requests with no reply of the filter's own.
+fn assert_both_resumed(fx: &Effects<u32>) {
+    let resumed: Vec<(u32, Option<Dir>, bool)> = fx
+        .streams
+        .iter()
+        .map(|o| (o.stream, o.resume, o.reply.is_some()))
+        .collect();
+    assert_eq!(
+        resumed,
+        vec![
+            (1, Some(Dir::Request), false),
+            (2, Some(Dir::Request), false)
+        ]
+    );
+}
+
 fn unread() -> Result<Reply, CallError> {
     panic!("an answer nobody waits for is not read")
 }
@@ -287,18 +303,7 @@ fn acquires_wait_for_a_batch_and_each_gets_its_answer() {
     // batch.lua's flat reply: each sub-call's length, then its reply.
     let part = ints(&[5, 1, 1, 4, 1_000, 0, 5, 1, 1, 3, 1_000, 0]);
     let fx = w.on_answer(&cx, tokens[0], || Ok(part));
-    let resumed: Vec<(u32, Option<Dir>, bool)> = fx
-        .streams
-        .iter()
-        .map(|o| (o.stream, o.resume, o.reply.is_some()))
-        .collect();
-    assert_eq!(
-        resumed,
-        vec![
-            (1, Some(Dir::Request), false),
-            (2, Some(Dir::Request), false)
-        ]
-    );
+    assert_both_resumed(&fx);
     // A batch the host refuses: every member gets the refusal.
     request(&mut w, &cx, 3, "PUT", "/x");
     let mut fx = w.on_tick(&cx);
@@ -574,18 +579,7 @@ fn the_roots_settlements_due_together_share_a_batch() {
     let tokens = send_all(&mut w, &cx, fx, &mut next);
     let admitted = [5, 1, 1, 1, 1_000, 0];
     let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[admitted, admitted].concat())));
-    let resumed: Vec<_> = fx
-        .streams
-        .iter()
-        .map(|o| (o.stream, o.resume, o.reply.is_some()))
-        .collect();
-    assert_eq!(
-        resumed,
-        vec![
-            (1, Some(Dir::Request), false),
-            (2, Some(Dir::Request), false)
-        ]
-    );
+    assert_both_resumed(&fx);
     // Both streams end in the same turn: their slots' releases go out in one batch call.
     assert!(w.on_done(&cx, 1).wake);
     assert!(w.on_done(&cx, 2).calls.is_empty());
