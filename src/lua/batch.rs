@@ -12,7 +12,7 @@
 
 use crate::config::Batch;
 use crate::keys::hash_tag;
-use crate::lua::{ScriptId, Scripts};
+use crate::lua::{Batched, ScriptId, Scripts};
 use crate::metrics::{MetricSink, RedisMetrics};
 use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall, Words};
 use std::collections::HashMap;
@@ -55,7 +55,7 @@ const PROBE_RETRY_MS: u64 = 1_000;
 #[derive(Debug)]
 struct Queued<S> {
     to: S,
-    script: ScriptId,
+    script: Batched,
     call: Rc<ScriptCall>,
 }
 
@@ -98,15 +98,16 @@ impl<S> Batcher<S> {
         }
     }
 
-    /// Whether a call of `script` sent `by_sha` waits for the next batch: only the scripts
-    /// `batch.lua` runs, and never a resend by `EVAL`.
-    pub fn takes(&self, script: ScriptId, by_sha: bool) -> bool {
-        self.cfg.is_some() && by_sha && script.batch_index().is_some()
+    /// Whether a call of `script` sent `by_sha` waits for the next batch (then `script` as the
+    /// batch's sub-call, for [`Batcher::queue`]): only the scripts `batch.lua` runs, and never a
+    /// resend by `EVAL`.
+    pub fn takes(&self, script: ScriptId, by_sha: bool) -> Option<Batched> {
+        script.batched().filter(|_| self.cfg.is_some() && by_sha)
     }
 
     /// Queues a call; true when it is the first since the last flush (the adapter then wakes
     /// the root on the event loop's next turn).
-    pub fn queue(&mut self, to: S, script: ScriptId, call: impl Into<Rc<ScriptCall>>) -> bool {
+    pub fn queue(&mut self, to: S, script: Batched, call: impl Into<Rc<ScriptCall>>) -> bool {
         self.queue.push(Queued {
             to,
             script,
@@ -272,10 +273,10 @@ fn in_flight<S>(members: Vec<Queued<S>>) -> InFlight<S> {
     }
 }
 
-/// The batch call for `calls` (each a script `batch.lua` runs), in order.
+/// The batch call for `calls`, in order.
 pub fn build<'a, I>(calls: I) -> ScriptCall
 where
-    I: IntoIterator<Item = (ScriptId, &'a ScriptCall)>,
+    I: IntoIterator<Item = (Batched, &'a ScriptCall)>,
     I::IntoIter: Clone,
 {
     let calls = calls.into_iter();
@@ -291,7 +292,7 @@ where
     args.push_u64(count as u64);
     for (script, call) in calls {
         keys.extend_from(&call.keys);
-        args.push_u64(script.batch_index().unwrap_or(0));
+        args.push_u64(script.index());
         args.push_u64(call.keys.len() as u64);
         args.push_u64(call.args.len() as u64);
         args.extend_from(&call.args);
@@ -351,6 +352,16 @@ mod tests {
     /// A member: a request and its call's slot.
     type M = (&'static str, usize);
 
+    /// `script` as a batch's sub-call.
+    fn sub(script: ScriptId) -> Batched {
+        script.batched().expect("a script batch.lua runs")
+    }
+
+    /// Queues an acquire of `key` (no arguments) for `to`; as [`Batcher::queue`].
+    fn queue_acquire(b: &mut Batcher<M>, to: M, key: &str) -> bool {
+        b.queue(to, sub(ScriptId::Acquire), call(&[key], &[]))
+    }
+
     fn call(keys: &[&str], args: &[&str]) -> ScriptCall {
         ScriptCall::new(
             keys.iter().collect::<Words>(),
@@ -381,8 +392,8 @@ mod tests {
     fn mixing(max_requests: usize) -> Batcher<M> {
         let rec = crate::metrics::testing::Recorder::default();
         let mut b = batcher(max_requests, true);
-        b.queue(("r0", 0), ScriptId::Acquire, call(&["cg:{t.a}:x"], &[]));
-        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:{t.b}:x"], &[]));
+        queue_acquire(&mut b, ("r0", 0), "cg:{t.a}:x");
+        queue_acquire(&mut b, ("r1", 0), "cg:{t.b}:x");
         let probe = b.flush(0, "cg").remove(0);
         assert!(probe.members.is_empty());
         let ran = Ok(Reply::Array(Some(Vec::new())));
@@ -401,34 +412,40 @@ mod tests {
     #[test]
     fn batches_per_hash_tag_in_order_and_bounded() {
         let mut b = batcher(2, false);
-        assert!(b.takes(ScriptId::Acquire, true));
+        assert_eq!(
+            b.takes(ScriptId::Acquire, true),
+            Some(sub(ScriptId::Acquire))
+        );
         assert!(
-            !b.takes(ScriptId::Acquire, false),
+            b.takes(ScriptId::Acquire, false).is_none(),
             "an EVAL resend goes alone"
         );
-        assert!(b.takes(ScriptId::Complete, true), "a settlement too");
         assert!(
-            !b.takes(ScriptId::LeaseExtend, true),
+            b.takes(ScriptId::Complete, true).is_some(),
+            "a settlement too"
+        );
+        assert!(
+            b.takes(ScriptId::LeaseExtend, true).is_none(),
             "not a script batch.lua runs"
         );
         assert!(b.queue(
             ("r1", 0),
-            ScriptId::Acquire,
+            sub(ScriptId::Acquire),
             call(&["cg:rl:{t.a}:x"], &["1"])
         ));
         assert!(!b.queue(
             ("r2", 1),
-            ScriptId::Acquire,
+            sub(ScriptId::Acquire),
             call(&["cg:rl:{p.o}:y"], &["2"])
         ));
         assert!(!b.queue(
             ("r3", 0),
-            ScriptId::Acquire,
+            sub(ScriptId::Acquire),
             call(&["cg:rl:{t.a}:z"], &["3"])
         ));
         assert!(!b.queue(
             ("r4", 0),
-            ScriptId::Acquire,
+            sub(ScriptId::Acquire),
             call(&["cg:rl:{t.a}:w"], &["4"])
         ));
         let sent = b.flush(0, "cg");
@@ -440,12 +457,12 @@ mod tests {
         assert!(String::from_utf8_lossy(&sent[0].encode(&Scripts::load())).starts_with("EVALSHA/"));
         assert!(b.flush(0, "cg").is_empty(), "flushed once");
         assert!(
-            b.queue(("r5", 0), ScriptId::Acquire, call(&["k"], &[])),
+            queue_acquire(&mut b, ("r5", 0), "k"),
             "first again after a flush"
         );
         let mut off: Batcher<M> = Batcher::new(None);
-        assert!(!off.takes(ScriptId::Acquire, true));
-        off.queue(("r", 0), ScriptId::Acquire, call(&["k"], &[]));
+        assert!(off.takes(ScriptId::Acquire, true).is_none());
+        queue_acquire(&mut off, ("r", 0), "k");
         assert!(off.flush(0, "cg").is_empty());
     }
 
@@ -455,8 +472,8 @@ mod tests {
         let rec = Recorder::default();
         let metrics = redis_metrics();
         let mut b = batcher(10, false);
-        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:{t}:a"], &[]));
-        b.queue(("r2", 3), ScriptId::Acquire, call(&["cg:{t}:b"], &[]));
+        queue_acquire(&mut b, ("r1", 0), "cg:{t}:a");
+        queue_acquire(&mut b, ("r2", 3), "cg:{t}:b");
         let batch = b.flush(0, "cg").pop().expect("one batch");
         b.sent(7, batch);
         assert!(b.take(8).is_none(), "not a batch of ours");
@@ -476,8 +493,8 @@ mod tests {
         assert!(parts
             .iter()
             .all(|p| p.1 == Err(CallError::Redis("NOSCRIPT x".into()))));
-        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:{t}:a"], &[]));
-        b.queue(("r2", 3), ScriptId::Acquire, call(&["cg:{t}:b"], &[]));
+        queue_acquire(&mut b, ("r1", 0), "cg:{t}:a");
+        queue_acquire(&mut b, ("r2", 3), "cg:{t}:b");
         let batch = b.flush(0, "cg").pop().expect("one batch");
         let reply = Reply::Array(Some(vec![
             Reply::Int(1),
@@ -496,7 +513,7 @@ mod tests {
             ]
         );
         // A batch that failed as a whole fails every member.
-        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:{t}:a"], &[]));
+        queue_acquire(&mut b, ("r1", 0), "cg:{t}:a");
         let batch = b.flush(0, "cg").pop().expect("one batch");
         let BatchAnswer::Members(parts) =
             b.answer(batch, Err(CallError::Timeout), 0, &metrics, &rec)
@@ -523,7 +540,7 @@ mod tests {
             ("r3", "cg:{t.a}:z"),
             ("r4", "cg:{t.a}:w"),
         ] {
-            b.queue((r, 0), ScriptId::Acquire, call(&[key], &[]));
+            queue_acquire(&mut b, (r, 0), key);
         }
         let sent = b.flush(0, "cg");
         assert_eq!(sent.len(), 2, "across slots, at most max_requests each");
@@ -540,8 +557,8 @@ mod tests {
         );
         assert_eq!(again[0].call.keys, vec!["cg:{t.a}:x"]);
         // The worker batches per hash tag from now on.
-        b.queue(("r5", 1), ScriptId::Acquire, call(&["cg:{t.a}:v"], &[]));
-        b.queue(("r6", 1), ScriptId::Acquire, call(&["cg:{t.b}:u"], &[]));
+        queue_acquire(&mut b, ("r5", 1), "cg:{t.a}:v");
+        queue_acquire(&mut b, ("r6", 1), "cg:{t.b}:u");
         assert_eq!(b.flush(0, "cg").len(), 2);
         // A batch of one hash tag refused so is not split again: its members get the error.
         let second = batches.next().expect("a batch");
@@ -560,13 +577,13 @@ mod tests {
         let rec = Recorder::default();
         let metrics = redis_metrics();
         let two_tags = |b: &mut Batcher<M>| {
-            b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:rl:{t.a}:x"], &[]));
-            b.queue(("r2", 0), ScriptId::Acquire, call(&["cg:rl:{p.o}:y"], &[]));
+            queue_acquire(b, ("r1", 0), "cg:rl:{t.a}:x");
+            queue_acquire(b, ("r2", 0), "cg:rl:{p.o}:y");
         };
         let mut b = batcher(10, true);
         assert!(b.flush(0, "cg").is_empty(), "no traffic, no probe");
-        b.queue(("r1", 0), ScriptId::Acquire, call(&["cg:rl:{t.a}:x"], &[]));
-        b.queue(("r2", 0), ScriptId::Acquire, call(&["cg:rl:{t.a}:y"], &[]));
+        queue_acquire(&mut b, ("r1", 0), "cg:rl:{t.a}:x");
+        queue_acquire(&mut b, ("r2", 0), "cg:rl:{t.a}:y");
         assert_eq!(b.flush(0, "cg").len(), 1, "one hash tag: no probe needed");
         // Until the probe answers, per hash tag: the probe goes first.
         two_tags(&mut b);
@@ -622,17 +639,21 @@ mod tests {
         let mut b = batcher(10, false);
         let big = "x".repeat(MAX_BATCH_BYTES / 2);
         for r in ["r1", "r2", "r3"] {
-            b.queue((r, 0), ScriptId::Complete, call(&["cg:{t.a}:k"], &[&big]));
+            b.queue(
+                (r, 0),
+                sub(ScriptId::Complete),
+                call(&["cg:{t.a}:k"], &[&big]),
+            );
         }
         b.queue(
             ("r4", 0),
-            ScriptId::Complete,
+            sub(ScriptId::Complete),
             call(&["cg:{t.a}:k"], &["small"]),
         );
         let huge = "x".repeat(MAX_BATCH_BYTES + 1);
         b.queue(
             ("r5", 0),
-            ScriptId::Complete,
+            sub(ScriptId::Complete),
             call(&["cg:{t.a}:k"], &[&huge]),
         );
         let sent = b.flush(0, "cg");
@@ -652,7 +673,7 @@ mod tests {
     fn builds_the_batch() {
         let a = call(&["k1", "k2"], &["x"]);
         let b = call(&["k3"], &["y", "z"]);
-        let batch = build([(ScriptId::Acquire, &a), (ScriptId::Complete, &b)]);
+        let batch = build([(sub(ScriptId::Acquire), &a), (sub(ScriptId::Complete), &b)]);
         assert_eq!(batch.keys, vec!["k1", "k2", "k3"]);
         assert_eq!(
             batch.args,

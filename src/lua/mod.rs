@@ -42,18 +42,41 @@ pub enum ScriptId {
 }
 
 impl ScriptId {
-    /// The sub-call's script number in `batch.lua` (see `batch_head.lua`); `None` for a script
-    /// it does not run.
-    pub fn batch_index(self) -> Option<u64> {
-        match self {
-            ScriptId::Acquire => Some(1),
-            ScriptId::Complete => Some(2),
-            ScriptId::Release => Some(3),
-            ScriptId::LeaseRelease => Some(4),
-            ScriptId::SlotRelease => Some(5),
-            ScriptId::Charge => Some(6),
-            ScriptId::LeaseExtend | ScriptId::SlotExtend | ScriptId::Batch => None,
-        }
+    /// This script as a sub-call of `batch.lua`, with its number there (see
+    /// `batch_head.lua`); `None` for a script it does not run.
+    pub fn batched(self) -> Option<Batched> {
+        let index = match self {
+            ScriptId::Acquire => 1,
+            ScriptId::Complete => 2,
+            ScriptId::Release => 3,
+            ScriptId::LeaseRelease => 4,
+            ScriptId::SlotRelease => 5,
+            ScriptId::Charge => 6,
+            ScriptId::LeaseExtend | ScriptId::SlotExtend | ScriptId::Batch => return None,
+        };
+        Some(Batched {
+            script: self,
+            index,
+        })
+    }
+}
+
+/// A script `batch.lua` runs, with its sub-call number there. Only [`ScriptId::batched`] makes
+/// one, so a batch cannot carry a script it does not run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Batched {
+    script: ScriptId,
+    index: u64,
+}
+
+impl Batched {
+    pub fn script(self) -> ScriptId {
+        self.script
+    }
+
+    /// Its number in `batch.lua` (a sub-call's first word).
+    pub fn index(self) -> u64 {
+        self.index
     }
 }
 

@@ -393,9 +393,8 @@ impl<S: Copy + Ord> Worker<S> {
     fn send_due(&mut self, cx: &Cx<'_>, fx: &mut Effects<S>) {
         self.woken = false;
         for out in self.outbox.take_due(cx.now_ms) {
-            if self.batcher.takes(out.script, out.by_sha) {
-                self.batcher
-                    .queue(Dest::Outbox(out.slot), out.script, out.call);
+            if let Some(sub) = self.batcher.takes(out.script, out.by_sha) {
+                self.batcher.queue(Dest::Outbox(out.slot), sub, out.call);
             } else {
                 let slot = out.slot;
                 fx.calls.push(callout(cx, &out, Dest::Outbox(slot)));
@@ -498,10 +497,10 @@ impl<S: Copy + Ord> Worker<S> {
             Step::Dispatch(calls) => {
                 entry.paused = dir.or(entry.paused);
                 for call in calls {
-                    if self.batcher.takes(call.script, call.by_sha) {
-                        fx.wake |=
-                            self.batcher
-                                .queue(Dest::Stream(s, call.slot), call.script, call.call);
+                    if let Some(sub) = self.batcher.takes(call.script, call.by_sha) {
+                        fx.wake |= self
+                            .batcher
+                            .queue(Dest::Stream(s, call.slot), sub, call.call);
                     } else {
                         ops.calls
                             .push(callout(cx, &call, Dest::Stream(s, call.slot)));
