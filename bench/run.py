@@ -32,7 +32,9 @@ filter limiting each tenant with the IETF headers does on the exact, rejected an
 (the tenant found in the header map, the headers formatted), reported beside their goals'
 anchors; `wasm_naive_script` is `wasm_naive_rl` sending the exact path's own call (acquire.lua by
 `EVALSHA`, its arguments and key shape), so the exact path's gap splits into the script call's
-part and the filter's own. `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
+part and the filter's own; `wasm_naive_batched_rl` and `wasm_naive_batched_script` do the same
+for the batched path (the root's one callout per turn naming each waiting request's tenant,
+with the two commands per key or batch.lua's acquire sub-calls). `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
 scenarios' POST requests, answered by Envoy (as replays are) and through the upstream (as
 fresh keys are): what one callout costs on those requests. The incumbent, `envoy_rls_exact`
 and `envoy_rls_cached`, is no Wasm filter: Envoy's ratelimit filter calling, per request, a
@@ -90,6 +92,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from harness.envoy import DEFAULT_WASM, Envoy, envoy_binary  # noqa: E402
 from harness.proc import (ADMIN_USER, PrerequisiteMissing, Service, free_port,  # noqa: E402
                           require_binary, stop_all)
+from harness.scripts import batch_source  # noqa: E402
 from harness.stack import Stack  # noqa: E402
 
 BENCH = ROOT / "bench"
@@ -361,12 +364,19 @@ def verify_rls_decided(stats: dict, rec: dict) -> list[str]:
     return per_request(stats, rec, RLS_OK, RLS_OVER)
 
 
+def webdis_path(*words: str) -> str:
+    """A webdis command's words as its path: each percent-encoded, `.` too (webdis reads the
+    last one as the answer's format), `/`-separated; a `{tenant}` in a word stays as it is
+    (the floor filter puts each request's tenant there)."""
+    return "/".join(urllib.parse.quote(a, safe="").replace(".", "%2E")
+                    for a in words).replace("%7Btenant%7D", "{tenant}")
+
+
 def naive(stack: Stack) -> dict:
     """The floor filter's callout mode: EVAL of a one-line INCRBY on one key, through webdis
     (INCRBY: the gateway's Redis user may run only the commands the filter's scripts use)."""
     script = "return redis.call('INCRBY', KEYS[1], 1)"
-    body = "/".join(urllib.parse.quote(a, safe="").replace(".", "%2E")
-                    for a in ("EVAL", script, "1", "cg:bench:naive")) + ".raw"
+    body = webdis_path("EVAL", script, "1", "cg:bench:naive") + ".raw"
     redis = stack.redis_section()
     return {"callout": {"cluster": redis["cluster"], "authority": redis["authority"],
                         "authorization": redis["authorization"], "body": body}}
@@ -384,13 +394,17 @@ def naive_rl(stack: Stack) -> dict:
     script = ("local n = redis.call('INCRBY', KEYS[1], 1) "
               "if n == 1 then redis.call('PEXPIRE', KEYS[1], 3600000) return {n, 3600000} end "
               "return {n, redis.call('PTTL', KEYS[1])}")
-    body = "/".join(urllib.parse.quote(a, safe="").replace(".", "%2E")
-                    for a in ("EVAL", script, "1", "cg:bench:naive_rl:")) + "{tenant}.raw"
+    body = webdis_path("EVAL", script, "1", "cg:bench:naive_rl:{tenant}") + ".raw"
     callout = naive(stack)["callout"]
     return {"callout": {**callout, "body": body}, "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT}}
 
 
 ACQUIRE_LUA = ROOT / "src" / "lua" / "acquire.lua"
+# acquire.lua's arguments for rl_allowed's one limit (a fixed window of an hour).
+ACQUIRE_ARGS = ("1", "-", "fw", str(HUGE_LIMIT), "3600000", str(HUGE_LIMIT), "0", "1", "0", "0")
+# A key of the exact path's key shape (the tenant in its hash tag, the policy, the limit and
+# the scope after it), under `prefix`.
+SCRIPT_KEY = "cg:bench:%s:rl:{t.{tenant}}:api:tenant:fw:%d/3600000:{tenant}"
 
 
 def naive_script(stack: Stack) -> dict:
@@ -400,13 +414,39 @@ def naive_script(stack: Stack) -> dict:
     remaining and reset read. Beside `wasm_naive_rl`, what the script call costs (Redis, the
     gateway, the bytes both ways); beside rl_allowed, what the filter costs in Envoy."""
     sha = stack.redis.script_load(ACQUIRE_LUA.read_text())
-    key = "cg:bench:naive_script:rl:{t.{tenant}}:api:tenant:fw:%d/3600000:{tenant}" % HUGE_LIMIT
-    words = ("EVALSHA", sha, "1", key, "1", "-", "fw", str(HUGE_LIMIT), "3600000",
-             str(HUGE_LIMIT), "0", "1", "0", "0")
-    body = "/".join(urllib.parse.quote(a, safe="").replace(".", "%2E")
-                    for a in words).replace("%7Btenant%7D", "{tenant}")
+    key = SCRIPT_KEY % ("naive_script", HUGE_LIMIT)
+    body = webdis_path("EVALSHA", sha, "1", key, *ACQUIRE_ARGS)
     callout = naive(stack)["callout"]
     return {"callout": {**callout, "body": body + ".raw"},
+            "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT, "acquire_reply": True}}
+
+
+def naive_batched_rl(stack: Stack) -> dict:
+    """The batched anchor per tenant: the root's one callout per turn runs `wasm_naive_rl`'s two
+    commands on each waiting request's tenant key (one EVAL looping over its keys), its answer
+    split into each request's count and time left for its two `RateLimit` headers."""
+    script = ("local out = {} for i, k in ipairs(KEYS) do "
+              "local n, t = redis.call('INCRBY', k, 1), 3600000 "
+              "if n == 1 then redis.call('PEXPIRE', k, t) else t = redis.call('PTTL', k) end "
+              "out[2 * i - 1] = n out[2 * i] = t end return out")
+    return {**naive(stack), "batch": True,
+            "batch_call": {"head": webdis_path("EVAL", script),
+                           "key": webdis_path("cg:bench:naive_batched_rl:{tenant}")},
+            "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT}}
+
+
+def naive_batched_script(stack: Stack) -> dict:
+    """The batched anchor per tenant sending the batched exact path's own call: `EVALSHA` of
+    batch.lua with an acquire.lua sub-call per waiting request (rl_allowed's arguments, a key
+    of the exact path's shape), each sub-reply's remaining and reset read. Beside
+    `wasm_naive_batched_rl`, what the script call costs; beside rl_allowed_batched, what the
+    filter costs in Envoy."""
+    sha = stack.redis.script_load(batch_source())
+    return {**naive(stack), "batch": True,
+            "batch_call": {"head": webdis_path("EVALSHA", sha),
+                           "key": webdis_path(SCRIPT_KEY % ("naive_batched_script", HUGE_LIMIT)),
+                           "count_arg": True,
+                           "args": webdis_path("1", "1", str(len(ACQUIRE_ARGS)), *ACQUIRE_ARGS)},
             "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT, "acquire_reply": True}}
 
 
@@ -587,6 +627,13 @@ def scenarios() -> list[Scenario]:
                  "tenant with RateLimit headers, sending the exact path's acquire.lua call "
                  "(anchor)", "tenants.lua", naive_script, wasm_path=FLOOR_WASM,
                  verify=verify_naive),
+        Scenario("wasm_naive_batched_rl", "minimal filter + 1 webdis callout per root turn, "
+                 "per tenant with RateLimit headers (anchor)", "tenants.lua", naive_batched_rl,
+                 wasm_path=FLOOR_WASM, verify=verify_naive),
+        Scenario("wasm_naive_batched_script", "minimal filter + 1 webdis callout per root "
+                 "turn, per tenant with RateLimit headers, sending the batched exact path's "
+                 "batch.lua call (anchor)", "tenants.lua", naive_batched_script,
+                 wasm_path=FLOOR_WASM, verify=verify_naive),
         Scenario("wasm_floor_429_keyed", "minimal filter answering 429 locally per tenant "
                  "(anchor)", "get.lua", floor_429_keyed, wasm_path=FLOOR_WASM,
                  verify=verify_floor, all_rejected=True),
@@ -614,7 +661,8 @@ def scenarios() -> list[Scenario]:
         Scenario("rl_allowed_batched", "rate limit allowed, 10k tenants, batched", "tenants.lua",
                  rate_limited("rl_allowed_batched", HUGE_LIMIT, batch=BATCH),
                  goal=0.40, verify=verify_allowed,
-                 anchors=(("wasm_naive", 2.0), ("wasm_naive_batched", None))),
+                 anchors=(("wasm_naive", 2.0), ("wasm_naive_batched", None),
+                          ("wasm_naive_batched_rl", None), ("wasm_naive_batched_script", None))),
         Scenario("rl_rejected", f"rate limit rejected, 1 tenant, limit {REJECTED_LIMIT}/1h",
                  "one_tenant.lua", rate_limited("rl_rejected", REJECTED_LIMIT), goal=0.65,
                  admitted_exactly=REJECTED_LIMIT,

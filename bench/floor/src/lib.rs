@@ -38,7 +38,13 @@
 //!     read, and the 429's `Retry-After`, `RateLimit` and body say the time left
 //!     (`wasm_floor_429_keyed`);
 //!   - else the table counts the tenant's requests, the clock is read, and the response
-//!     carries the two headers (`wasm_floor_rl`).
+//!     carries the two headers (`wasm_floor_rl`);
+//!   - with a callout, `batch` and `batch_call`, the root's one callout per turn names every
+//!     waiting request's tenant in its keys (`EVAL` of a loop running the two commands per
+//!     key: `wasm_naive_batched_rl`; or `batch.lua` with an `acquire.lua` sub-call per key,
+//!     coordination-guard's own batched call: `wasm_naive_batched_script`), its answer is
+//!     split into each request's count and time left, and each response carries the two
+//!     headers.
 //!
 //!   No hashing of the tenant, no metrics beyond the floor's, no fail mode: a ceiling for a
 //!   filter that must do at least this, not a rival design.
@@ -87,10 +93,28 @@ struct Limit {
     acquire_reply: bool,
 }
 
+/// The root's batched callout per tenant (see the module's doc): its body is `head`, the number
+/// of requests, each request's `key`, then (with `count_arg`) that number again and each
+/// request's `args`, `/`-separated, then `.raw`.
+#[derive(serde::Deserialize)]
+struct BatchCall {
+    /// The command and its script, e.g. `EVAL/<script>` or `EVALSHA/<sha>`, path-encoded.
+    head: String,
+    /// A request's key, `{tenant}` standing for its tenant.
+    key: String,
+    /// A request's arguments after the keys, `/`-separated (none if empty).
+    #[serde(default)]
+    args: String,
+    /// The first argument is the number of requests (`batch.lua`'s count).
+    #[serde(default)]
+    count_arg: bool,
+}
+
 #[derive(serde::Deserialize, Default)]
 struct Settings {
     limit: Option<Limit>,
     callout: Option<Callout>,
+    batch_call: Option<BatchCall>,
     local_reply: Option<LocalReply>,
     #[serde(default)]
     pause: bool,
@@ -103,12 +127,16 @@ struct Settings {
 /// The requests waiting for the root (pause and batch modes), and the batches in flight.
 #[derive(Default)]
 struct Waiting {
-    /// Paused streams not yet handed to the root's turn.
-    queued: Vec<u32>,
+    /// Paused streams not yet handed to the root's turn, each with its tenant, percent-encoded
+    /// (empty without a batched call per tenant).
+    queued: Vec<(u32, String)>,
     /// The wake-up is enqueued and the root has not run yet.
     woken: bool,
     /// A batch callout's token -> the streams it answers.
     batches: Vec<(u32, Vec<u32>)>,
+    /// What a batched call per tenant told each stream, until its response headers: remaining,
+    /// seconds to the window's end.
+    told: HashMap<u32, (u64, u64)>,
 }
 
 /// The counters' metric ids (None if the host refused one) and the callout, shared by the root
@@ -120,6 +148,7 @@ struct Floor {
     /// Callouts sent (one per request, or one per batch).
     calls: Option<u32>,
     callout: Option<Rc<Callout>>,
+    batch_call: Option<Rc<BatchCall>>,
     local_reply: Option<Rc<LocalReply>>,
     pause: bool,
     batch: bool,
@@ -141,13 +170,14 @@ struct Floor {
 }
 
 impl Floor {
-    /// Hands this stream to the root's next turn (waking it once per turn).
-    fn queue_for_root(&self) -> Action {
+    /// Hands this stream (and its tenant, for a batched call per tenant) to the root's next
+    /// turn, waking it once per turn.
+    fn queue_for_root(&self, tenant: String) -> Action {
         let Some(q) = self.queue else {
             return Action::Continue;
         };
         let mut w = self.waiting.borrow_mut();
-        w.queued.push(self.id);
+        w.queued.push((self.id, tenant));
         if !w.woken {
             w.woken = true;
             let _ = hostcalls::enqueue_shared_queue(q, Some(b"1"));
@@ -189,22 +219,7 @@ impl Floor {
 impl Context for Floor {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body: usize, _tr: usize) {
         let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status");
-        let mut ok = matches!(status, Ok(Some(s)) if s == "200");
-        if let Some(limit) = &self.limit {
-            let answer = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body);
-            let counted = match answer {
-                Ok(Some(b)) if limit.acquire_reply => remaining_and_reset(&b),
-                Ok(Some(b)) => count_and_ttl(&b).map(|(count, ttl)| {
-                    (
-                        limit.limit.saturating_sub(count),
-                        u64::try_from(ttl).unwrap_or(0),
-                    )
-                }),
-                _ => None,
-            };
-            ok = ok && counted.is_some();
-            self.told = counted.map(|(remaining, ttl_ms)| (remaining, ttl_ms.div_ceil(1000)));
-        }
+        let ok = matches!(status, Ok(Some(s)) if s == "200");
         let batch = {
             let mut w = self.waiting.borrow_mut();
             let at = w.batches.iter().position(|(t, _)| *t == token);
@@ -212,12 +227,14 @@ impl Context for Floor {
         };
         match batch {
             Some(streams) => {
+                let ok = ok && self.tell_batch(&streams, body);
                 if let (true, Some(id)) = (ok, self.callouts) {
                     let _ = hostcalls::increment_metric(id, streams.len() as i64);
                 }
                 Floor::resume(&streams);
             }
             None => {
+                let ok = ok && self.tell_one(body);
                 if let (true, Some(id)) = (ok, self.callouts) {
                     let _ = hostcalls::increment_metric(id, 1);
                 }
@@ -241,6 +258,7 @@ impl RootContext for Floor {
             _ => Settings::default(),
         };
         self.callout = settings.callout.map(Rc::new);
+        self.batch_call = settings.batch_call.map(Rc::new);
         self.local_reply = settings.local_reply.map(Rc::new);
         self.pause = settings.pause;
         self.batch = settings.batch;
@@ -267,12 +285,17 @@ impl RootContext for Floor {
         if streams.is_empty() {
             return;
         }
-        match (&self.callout, self.batch) {
-            (Some(c), true) => match self.send_callout(c, c.body.as_bytes()) {
-                Some(token) => self.waiting.borrow_mut().batches.push((token, streams)),
-                None => Floor::resume(&streams),
-            },
-            _ => Floor::resume(&streams),
+        let ids: Vec<u32> = streams.iter().map(|(s, _)| *s).collect();
+        let Some(c) = self.callout.clone().filter(|_| self.batch) else {
+            return Floor::resume(&ids);
+        };
+        let sent = match &self.batch_call {
+            Some(call) => self.send_callout(&c, batch_body(call, &streams).as_bytes()),
+            None => self.send_callout(&c, c.body.as_bytes()),
+        };
+        match sent {
+            Some(token) => self.waiting.borrow_mut().batches.push((token, ids)),
+            None => Floor::resume(&ids),
         }
     }
 
@@ -310,7 +333,7 @@ impl HttpContext for Floor {
             return Action::Pause;
         }
         if self.pause || self.batch {
-            return self.queue_for_root();
+            return self.queue_for_root(String::new());
         }
         let Some(c) = &self.callout else {
             return Action::Continue;
@@ -324,7 +347,8 @@ impl HttpContext for Floor {
     fn on_http_request_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
         let queued = {
             let w = self.waiting.borrow();
-            w.queued.contains(&self.id) || w.batches.iter().any(|(_, s)| s.contains(&self.id))
+            w.queued.iter().any(|(s, _)| *s == self.id)
+                || w.batches.iter().any(|(_, s)| s.contains(&self.id))
         };
         if self.held || queued {
             Action::Pause
@@ -334,6 +358,9 @@ impl HttpContext for Floor {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if self.batch && self.told.is_none() {
+            self.told = self.waiting.borrow_mut().told.remove(&self.id);
+        }
         if let (Some(limit), Some((remaining, reset))) = (&self.limit, self.told) {
             let policy = format!("\"tenant\";q={};w={}", limit.limit, limit.window_s);
             let state = format!("\"tenant\";r={remaining};t={reset}");
@@ -346,6 +373,68 @@ impl HttpContext for Floor {
 }
 
 impl Floor {
+    /// Reads a per-request callout's answer (with a limit: the count and time left it tells
+    /// the stream); whether it said what it should.
+    fn tell_one(&mut self, body: usize) -> bool {
+        let Some(limit) = &self.limit else {
+            return true;
+        };
+        let answer = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body);
+        let counted = match answer {
+            Ok(Some(b)) if limit.acquire_reply => remaining_and_reset(&b),
+            Ok(Some(b)) => count_and_ttl(&b).map(|(count, ttl)| {
+                (
+                    limit.limit.saturating_sub(count),
+                    u64::try_from(ttl).unwrap_or(0),
+                )
+            }),
+            _ => None,
+        };
+        self.told = counted.map(|(remaining, ttl_ms)| (remaining, ttl_ms.div_ceil(1000)));
+        counted.is_some()
+    }
+
+    /// Reads a batched call per tenant's answer into what it tells each of `streams`, in
+    /// order; whether it answered every one (a batch without a limit reads nothing).
+    fn tell_batch(&self, streams: &[u32], body: usize) -> bool {
+        let (Some(limit), Some(_)) = (&self.limit, &self.batch_call) else {
+            return true;
+        };
+        let answer = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body);
+        let Some(values) = answer.ok().flatten().and_then(|b| resp_integers_any(&b)) else {
+            return false;
+        };
+        let mut told = Vec::with_capacity(streams.len());
+        let mut at = 0usize;
+        while at < values.len() {
+            // acquire.lua's sub-replies: a length, then admitted, allowed, remaining, reset.
+            let one = if limit.acquire_reply {
+                let len = values.get(at).and_then(|&n| usize::try_from(n).ok());
+                let step = len.and_then(|n| n.checked_add(1));
+                let got = values.get(at + 3).zip(values.get(at + 4));
+                at = step.map_or(values.len(), |s| at.saturating_add(s));
+                got.and_then(|(&r, &t)| Some((u64::try_from(r).ok()?, u64::try_from(t).ok()?)))
+            } else {
+                let got = values.get(at).zip(values.get(at + 1));
+                at += 2;
+                got.and_then(|(&n, &t)| {
+                    let count = u64::try_from(n).ok()?;
+                    Some((limit.limit.saturating_sub(count), u64::try_from(t).ok()?))
+                })
+            };
+            let Some((remaining, ttl_ms)) = one else {
+                return false;
+            };
+            told.push((remaining, ttl_ms.div_ceil(1000)));
+        }
+        if told.len() != streams.len() {
+            return false;
+        }
+        let mut w = self.waiting.borrow_mut();
+        w.told.extend(streams.iter().copied().zip(told));
+        true
+    }
+
     /// Pauses the request until the answer to `sent`'s callout, if it went out.
     fn hold(&mut self, sent: Option<u32>) -> Action {
         self.held = sent.is_some();
@@ -362,6 +451,9 @@ impl Floor {
         let tenant = header_value(&map, limit.tenant_header.as_bytes()).unwrap_or_default();
         if let Some(id) = self.requests {
             let _ = hostcalls::increment_metric(id, 1);
+        }
+        if self.batch_call.is_some() && self.batch {
+            return self.queue_for_root(percent_encode(tenant));
         }
         if let Some(c) = self.callout.clone() {
             let body = c.body.replace("{tenant}", &percent_encode(tenant));
@@ -482,6 +574,27 @@ fn count_and_ttl(body: &[u8]) -> Option<(u64, i64)> {
     Some((u64::try_from(*values.first()?).ok()?, *values.get(1)?))
 }
 
+/// The body of a batched call per tenant for `streams` (see [`BatchCall`]).
+fn batch_body(call: &BatchCall, streams: &[(u32, String)]) -> String {
+    let n = streams.len();
+    let mut body = format!("{}/{n}", call.head);
+    for (_, tenant) in streams {
+        body.push('/');
+        body.push_str(&call.key.replace("{tenant}", tenant));
+    }
+    if call.count_arg {
+        body.push_str(&format!("/{n}"));
+    }
+    if !call.args.is_empty() {
+        for _ in streams {
+            body.push('/');
+            body.push_str(&call.args);
+        }
+    }
+    body.push_str(".raw");
+    body
+}
+
 /// The integers of a RESP array answer whose first line is `head`; each may come as a bulk
 /// string, as Debian's webdis 0.1.9 turns integers in arrays into strings.
 fn resp_integers(body: &[u8], head: &str) -> Option<Vec<i64>> {
@@ -490,6 +603,22 @@ fn resp_integers(body: &[u8], head: &str) -> Option<Vec<i64>> {
     if lines.next()? != head {
         return None;
     }
+    integer_lines(lines)
+}
+
+/// The integers of a RESP array answer of any length (as [`resp_integers`]).
+fn resp_integers_any(body: &[u8]) -> Option<Vec<i64>> {
+    let text = std::str::from_utf8(body).ok()?;
+    let mut lines = text.split("\r\n");
+    if !lines.next()?.starts_with('*') {
+        return None;
+    }
+    integer_lines(lines)
+}
+
+/// Each line of an array's elements as an integer (`:n`, or a bulk string's text after its
+/// `$len` line).
+fn integer_lines<'t>(lines: impl Iterator<Item = &'t str>) -> Option<Vec<i64>> {
     lines
         .filter(|l| !l.is_empty() && !l.starts_with('$'))
         .map(|l| l.strip_prefix(':').unwrap_or(l).parse().ok())
