@@ -92,7 +92,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from harness.envoy import DEFAULT_WASM, Envoy, envoy_binary  # noqa: E402
 from harness.proc import (ADMIN_USER, PrerequisiteMissing, Service, free_port,  # noqa: E402
                           require_binary, stop_all)
-from harness.scripts import batch_source  # noqa: E402
+from harness.scripts import BATCHED, batch_source  # noqa: E402
 from harness.stack import Stack  # noqa: E402
 
 BENCH = ROOT / "bench"
@@ -446,7 +446,8 @@ def naive_batched_script(stack: Stack) -> dict:
             "batch_call": {"head": webdis_path("EVALSHA", sha),
                            "key": webdis_path(SCRIPT_KEY % ("naive_batched_script", HUGE_LIMIT)),
                            "count_arg": True,
-                           "args": webdis_path("1", "1", str(len(ACQUIRE_ARGS)), *ACQUIRE_ARGS)},
+                           "args": webdis_path(str(BATCHED.index("acquire") + 1), "1",
+                                               str(len(ACQUIRE_ARGS)), *ACQUIRE_ARGS)},
             "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT, "acquire_reply": True}}
 
 

@@ -93,6 +93,17 @@ struct Limit {
     acquire_reply: bool,
 }
 
+impl Limit {
+    /// What the naive script's count and time left (ms; negative: none) tell a request: the
+    /// remaining units and the ms to the window's end.
+    fn told(&self, count: u64, ttl_ms: i64) -> (u64, u64) {
+        (
+            self.limit.saturating_sub(count),
+            u64::try_from(ttl_ms).unwrap_or(0),
+        )
+    }
+}
+
 /// The root's batched callout per tenant (see the module's doc): its body is `head`, the number
 /// of requests, each request's `key`, then (with `count_arg`) that number again and each
 /// request's `args`, `/`-separated, then `.raw`.
@@ -382,12 +393,7 @@ impl Floor {
         let answer = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body);
         let counted = match answer {
             Ok(Some(b)) if limit.acquire_reply => remaining_and_reset(&b),
-            Ok(Some(b)) => count_and_ttl(&b).map(|(count, ttl)| {
-                (
-                    limit.limit.saturating_sub(count),
-                    u64::try_from(ttl).unwrap_or(0),
-                )
-            }),
+            Ok(Some(b)) => count_and_ttl(&b).map(|(count, ttl)| limit.told(count, ttl)),
             _ => None,
         };
         self.told = counted.map(|(remaining, ttl_ms)| (remaining, ttl_ms.div_ceil(1000)));
@@ -407,20 +413,16 @@ impl Floor {
         let mut told = Vec::with_capacity(streams.len());
         let mut at = 0usize;
         while at < values.len() {
-            // acquire.lua's sub-replies: a length, then admitted, allowed, remaining, reset.
+            // batch.lua's sub-replies: each acquire.lua's, after its length.
             let one = if limit.acquire_reply {
                 let len = values.get(at).and_then(|&n| usize::try_from(n).ok());
-                let step = len.and_then(|n| n.checked_add(1));
-                let got = values.get(at + 3).zip(values.get(at + 4));
-                at = step.map_or(values.len(), |s| at.saturating_add(s));
-                got.and_then(|(&r, &t)| Some((u64::try_from(r).ok()?, u64::try_from(t).ok()?)))
+                let reply = len.and_then(|n| values.get(at + 1..at + 1 + n));
+                at = len.map_or(values.len(), |n| at.saturating_add(n).saturating_add(1));
+                reply.and_then(acquire_told)
             } else {
                 let got = values.get(at).zip(values.get(at + 1));
                 at += 2;
-                got.and_then(|(&n, &t)| {
-                    let count = u64::try_from(n).ok()?;
-                    Some((limit.limit.saturating_sub(count), u64::try_from(t).ok()?))
-                })
+                got.and_then(|(&n, &t)| Some(limit.told(u64::try_from(n).ok()?, t)))
             };
             let Some((remaining, ttl_ms)) = one else {
                 return false;
@@ -561,7 +563,12 @@ fn now_ms() -> u64 {
 /// The remaining units and the ms to the window's end of `acquire.lua`'s answer for one
 /// limit, if it is one.
 fn remaining_and_reset(body: &[u8]) -> Option<(u64, u64)> {
-    let values = resp_integers(body, "*5")?;
+    acquire_told(&resp_integers(body, "*5")?)
+}
+
+/// The remaining units and the ms to the window's end in the values of `acquire.lua`'s answer
+/// for one limit (admitted, allowed, remaining, reset, retry after).
+fn acquire_told(values: &[i64]) -> Option<(u64, u64)> {
     Some((
         u64::try_from(*values.get(2)?).ok()?,
         u64::try_from(*values.get(3)?).ok()?,
