@@ -54,29 +54,19 @@ impl ScriptId {
             ScriptId::Charge => 6,
             ScriptId::LeaseExtend | ScriptId::SlotExtend | ScriptId::Batch => return None,
         };
-        Some(Batched {
-            script: self,
-            index,
-        })
+        Some(Batched(index))
     }
 }
 
-/// A script `batch.lua` runs, with its sub-call number there. Only [`ScriptId::batched`] makes
+/// A script `batch.lua` runs, as its sub-call number there. Only [`ScriptId::batched`] makes
 /// one, so a batch cannot carry a script it does not run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Batched {
-    script: ScriptId,
-    index: u64,
-}
+pub struct Batched(u64);
 
 impl Batched {
-    pub fn script(self) -> ScriptId {
-        self.script
-    }
-
     /// Its number in `batch.lua` (a sub-call's first word).
     pub fn index(self) -> u64 {
-        self.index
+        self.0
     }
 }
 
