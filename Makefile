@@ -29,7 +29,7 @@ help: ## Show the targets.
 
 ##@ Dependencies
 
-.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node deps-bench
+.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node deps-bench deps-perf
 deps: deps-rust deps-debian deps-python ## Install what is missing: wasm target, redis-server, webdis, wrk, .venv.
 
 deps-rust: ## rustup's wasm32-wasip1 target, clippy and rustfmt, if missing.
@@ -59,6 +59,10 @@ deps-oci: ## Debian's skopeo and docker-registry (make publish, and its test), i
 deps-node: ## Debian's nodejs (V8 with WASI, for the core's tests and benchmarks in Wasm), if missing.
 	@command -v node >/dev/null || { echo "installing: nodejs"; $(SUDO) apt-get update -qq; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs; }
+
+deps-perf: ## Debian's linux-perf (perf: make bench-profile, and its test), if missing.
+	@command -v perf >/dev/null || { echo "installing: linux-perf"; $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends linux-perf; }
 
 deps-bench: deps-rust ## oha (crates.io, $(OHA_VERSION)), the open-loop load generator of make bench; libclang and g++ for the incumbent's rate limit service (bench/rls); if missing.
 	@command -v oha >/dev/null || { echo "installing: oha $(OHA_VERSION) (cargo install, a few minutes)"; \
@@ -123,12 +127,12 @@ clean: ## Remove build outputs (keeps .venv).
 ##@ Test
 
 .PHONY: test
-test: deps deps-oci build lint unit unit-wasm ## Everything: build, lint, unit tests (native and Wasm), then the suite against real Envoy/Redis/webdis.
+test: deps deps-oci deps-perf build lint unit unit-wasm ## Everything: build, lint, unit tests (native and Wasm), then the suite against real Envoy/Redis/webdis.
 	$(VENV)/bin/pytest -q tests/
 
 ##@ Benchmarks
 
-.PHONY: bench bench-core bench-core-v8 bench-instructions bench-scripts bench-spans
+.PHONY: bench bench-core bench-core-v8 bench-instructions bench-profile bench-scripts bench-spans
 bench: deps deps-bench build ## Filter cost vs plain Envoy and the anchors (wrk), open-loop latency (oha): table, bench/results.json, bench/report.svg, docs/performance.md. Env BENCH_ROUNDS=5 BENCH_SECONDS=5 BENCH_LATENCY_SECONDS=5 BENCH_SCENARIOS=a,b BENCH_LATENCY_SCENARIOS=a,b BENCH_LATENCY_RATES=500,1000.
 	$(PYTHON) bench/run.py
 
@@ -147,6 +151,9 @@ bench-core-v8: deps-rust deps-node ## The same micro-benchmarks built for wasm32
 
 bench-instructions: deps-rust deps-python ## Wasm instructions per request of the core benchmark's cases (wasmtime fuel), working tree vs git REV (default HEAD). Env CASES="a|b" N=200.
 	$(PYTHON) bench/instructions.py
+
+bench-profile: deps-rust deps-python deps-perf ## One core case's Wasm time by function (wasmtime's perf map, perf cpu-clock), N runs less none. Env CASE=<name text> N=100000 TOP=30.
+	cd bench && ../$(PYTHON) wasm_profile.py
 
 bench-spans: deps deps-bench ## Where the filter's time goes inside Envoy: wall µs per span of its callbacks (a build with the cargo feature spans). Env BENCH_SCENARIOS=a,b.
 	$(PYTHON) bench/spans.py

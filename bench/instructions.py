@@ -35,11 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FUEL = 10**15
 
 
-def build(manifest: Path, target_dir: Path | None) -> Path:
-    """The core benchmark's .wasm built from `manifest`, as cargo reports it."""
+def build(manifest: Path, target_dir: Path | None, env: dict[str, str] | None = None) -> Path:
+    """The core benchmark's .wasm built from `manifest` (`env` added to cargo's environment),
+    as cargo reports it."""
     cmd = ["cargo", "bench", "--bench", "core", "--target", "wasm32-wasip1", "--no-run",
            "--message-format=json", "--manifest-path", str(manifest)]
-    env = {**os.environ, **({"CARGO_TARGET_DIR": str(target_dir)} if target_dir else {})}
+    env = {**os.environ, **({"CARGO_TARGET_DIR": str(target_dir)} if target_dir else {}),
+           **(env or {})}
     print(f"building: {shlex.join(cmd)}", flush=True)
     out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True,
                          timeout=1800, stdin=subprocess.DEVNULL).stdout
@@ -58,17 +60,22 @@ def build_rev(rev: str) -> tuple[str, Path]:
 
 
 class Runner:
-    """One benchmark module in wasmtime with fuel; its proxy-wasm imports trap if called."""
+    """One benchmark module in wasmtime with fuel; its proxy-wasm imports trap if called.
+    `profiler` (wasmtime's: "perfmap" names its JIT code for perf) runs it without fuel
+    instead (bench/wasm_profile.py)."""
 
-    def __init__(self, wasm: Path):
+    def __init__(self, wasm: Path, profiler: str | None = None):
         config = Config()
-        config.consume_fuel = True
+        self.fuel = profiler is None
+        config.consume_fuel = self.fuel
+        if profiler:
+            config.profiler = profiler
         self.engine = Engine(config)
         self.module = Module.from_file(self.engine, str(wasm))
 
     def run(self, case: str, n: int) -> tuple[int, list[str]]:
-        """Fuel used by a run of the module selecting `case` with CORE_COUNT=n, and the names
-        of the cases it ran."""
+        """Fuel used by a run of the module selecting `case` with CORE_COUNT=n (0 without
+        fuel), and the names of the cases it ran."""
         store = Store(self.engine)
         linker = Linker(self.engine)
         linker.define_wasi()
@@ -83,14 +90,15 @@ class Runner:
             wasi.stdout_file = str(out)
             wasi.inherit_stderr()
             store.set_wasi(wasi)
-            store.set_fuel(FUEL)
+            if self.fuel:
+                store.set_fuel(FUEL)
             instance = linker.instantiate(store, self.module)
             try:
                 instance.exports(store)["_start"](store)
             except ExitTrap as e:
                 if e.code != 0:
                     raise RuntimeError(f"{case!r}: exit code {e.code}") from e
-            used = FUEL - store.get_fuel()
+            used = FUEL - store.get_fuel() if self.fuel else 0
             ran = [line.removeprefix("counted: ") for line in out.read_text().splitlines()
                    if line.startswith("counted: ")]
         return used, ran

@@ -6,7 +6,8 @@
 
 use crate::text::push_hex;
 use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 
 pub struct TokenSource {
     state: [u64; 2],
@@ -60,10 +61,56 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A map keyed by the host's call tokens: the host chooses them (Envoy counts them up), so no
+/// client can pick keys that collide, and a multiplication spreads them where SipHash, std's
+/// default, would cost more than the rest of a lookup.
+pub type ByToken<V> = HashMap<u32, V, BuildHasherDefault<TokenHasher>>;
+
+/// [`ByToken`]'s hasher: a token times an odd constant (a bijection, so distinct tokens never
+/// collide before the table's mask, and the high bits the table also reads are mixed).
+#[derive(Default)]
+pub struct TokenHasher(u64);
+
+impl Hasher for TokenHasher {
+    fn write_u32(&mut self, token: u32) {
+        self.0 = (self.0 ^ u64::from(token)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    /// Not what a `u32` key writes; any other bytes are folded in one at a time.
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u32(u32::from(b));
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    #[test]
+    fn call_tokens_hash_apart_in_the_low_and_the_high_bits() {
+        let hash = |t: u32| {
+            let mut h = TokenHasher::default();
+            h.write_u32(t);
+            h.finish()
+        };
+        // The host counts tokens up: a run of them fills a table's buckets evenly.
+        let low: HashSet<u64> = (1..=1024).map(|t| hash(t) & 1023).collect();
+        assert_eq!(low.len(), 1024);
+        let high: HashSet<u64> = (1..=1024).map(|t| hash(t) >> 57).collect();
+        assert!(high.len() >= 100, "{} of 128 top-7-bit values", high.len());
+        let mut map: ByToken<u32> = ByToken::default();
+        map.extend((1..=5000).map(|t| (t, t * 2)));
+        assert!((1..=5000).all(|t| map.get(&t) == Some(&(t * 2))));
+        assert_eq!(map.remove(&77), Some(154));
+        assert_eq!(map.get(&77), None);
+    }
 
     #[test]
     fn tokens_are_unique_and_hex() {

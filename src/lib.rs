@@ -13,6 +13,7 @@ pub mod config;
 pub mod flow;
 pub mod grpc;
 pub mod headers;
+pub mod heap;
 pub mod idempotency;
 pub mod ids;
 pub mod keys;
@@ -35,9 +36,11 @@ mod robustness_tests;
 #[cfg(target_arch = "wasm32")]
 mod wasm;
 
-// The filter's heap in the VM: Talc rather than wasi-libc's malloc, since every request
-// allocates a few dozen times and Talc's allocations and frees cost less (docs/performance.md).
-// The test build counts allocations instead (alloc_count).
+// The filter's heap in the VM: every request allocates a few dozen small blocks, which size
+// classes serve from the blocks the requests before it freed; the rest comes from Talc, whose
+// allocations and frees cost less than wasi-libc's malloc (docs/performance.md). The test
+// build counts allocations instead (alloc_count).
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
 #[global_allocator]
-static ALLOCATOR: talc::wasm::WasmDynamicTalc = talc::wasm::new_wasm_dynamic_allocator();
+static ALLOCATOR: heap::Classes<talc::wasm::WasmDynamicTalc> =
+    heap::Classes::new(talc::wasm::new_wasm_dynamic_allocator());

@@ -11,11 +11,11 @@
 //! Redis runs a batch across slots.
 
 use crate::config::Batch;
+use crate::ids::ByToken;
 use crate::keys::hash_tag;
 use crate::lua::{Batched, ScriptId, Scripts};
 use crate::metrics::{MetricSink, RedisMetrics};
 use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall, Words};
-use std::collections::HashMap;
 use std::rc::Rc;
 
 /// The calls waiting for the next batch, and the batches in flight with whose answers they
@@ -26,7 +26,7 @@ pub struct Batcher<S> {
     /// Whether a batch may mix hash slots.
     mixing: Mixing,
     queue: Vec<Queued<S>>,
-    in_flight: HashMap<u32, InFlight<S>>,
+    in_flight: ByToken<InFlight<S>>,
 }
 
 /// What a worker knows of whether Redis runs a batch across hash slots.
@@ -94,7 +94,7 @@ impl<S> Batcher<S> {
                 Mixing::No
             },
             queue: Vec::new(),
-            in_flight: HashMap::new(),
+            in_flight: ByToken::default(),
         }
     }
 

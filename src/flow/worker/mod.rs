@@ -12,12 +12,12 @@ pub use effects::{Action, Callout, Dir, Effects, Route, StreamEffects};
 
 use super::{Cx, Flow, Outbox, Outgoing, Step};
 use crate::config::Batch;
-use crate::ids::TokenSource;
+use crate::ids::{ByToken, TokenSource};
 use crate::lua::batch::{BatchAnswer, Batcher, InFlight};
 use crate::redis::{resp::Reply, CallError};
 use crate::request::Request;
 use effects::Dest;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The root's tick while a request of this worker waits for a busy lease: its polls are due
 /// at jittered times, which the watchdog's coarser tick would bunch together again.
@@ -57,7 +57,7 @@ pub struct Worker<S> {
     /// a lease to extend): the ones the tick visits.
     waiting: BTreeSet<S>,
     /// Calls in flight: the host's token -> where the answer goes (batches: in the batcher).
-    routes: HashMap<u32, Dest<S>>,
+    routes: ByToken<Dest<S>>,
     /// Calls the root sends on its tick (and retries).
     outbox: Outbox,
     /// Acquires waiting to be coalesced (`redis.batch`), and the batches in flight.
@@ -78,7 +78,7 @@ impl<S: Copy + Ord> Worker<S> {
             streams: BTreeMap::new(),
             spare: Vec::new(),
             waiting: BTreeSet::new(),
-            routes: HashMap::new(),
+            routes: ByToken::default(),
             outbox: Outbox::default(),
             batcher: Batcher::new(batch),
             tokens,
