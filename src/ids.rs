@@ -3,6 +3,8 @@
 //! A small xorshift generator seeded once per VM from the host's entropy (WASI `random_get`
 //! through std's hasher keys) and the clock. The tokens need to be unique and unguessable by
 //! other requests, not cryptographically strong: they never authorize anything by themselves.
+//!
+//! Also the maps keyed by the host's own ids for the calls in flight ([`ByToken`]).
 
 use crate::text::push_hex;
 use std::collections::hash_map::RandomState;
