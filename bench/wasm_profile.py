@@ -9,7 +9,8 @@ not V8: the same Wasm, another compiler) with wasmtime's perf map, and samples i
 `perf record -e cpu-clock` (a software clock: no hardware counters needed). It runs the case
 CORE_COUNT=N times and then 0 times (the setup alone), and prints each Wasm function's share
 of the difference: one request's JIT time, the module's start and the benchmark's setup left
-out. Samples, so shares move by a few tenths of a percent from run to run.
+out. Samples, less those of a setup that allocates and hashes too: at N=20000 a function's
+share moved by up to 4 points between two runs here; compare builds at the default N or more.
 
 Environment: CASE (a text that selects core cases by name, default the exact path with one
 request in flight), N (runs, default 100000), TOP (functions listed, default 30).
