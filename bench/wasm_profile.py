@@ -36,11 +36,12 @@ LINE = re.compile(r"^\s*(\d+)\s+(\S.*?)\s+\[\.\]\s+(.+?)\s*$")
 HASH = re.compile(r"::h[0-9a-f]{16}$")
 
 # Run in a child under perf: the module in wasmtime with its perf map, the case run n times;
-# the cases that ran, one a line.
+# its pid (whose map wasmtime writes, /tmp/perf-<pid>.map), then the cases that ran, one a line.
 CHILD = """
-import sys
+import os, sys
 sys.path.insert(0, sys.argv[1])
 from instructions import Runner
+print(os.getpid(), flush=True)
 _, ran = Runner(sys.argv[2], profiler="perfmap").run(sys.argv[3], int(sys.argv[4]))
 print("\\n".join(ran))
 """
@@ -61,17 +62,22 @@ def jit_samples(wasm: Path, case: str, n: int, workdir: Path) -> tuple[dict[str,
         capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     if run.returncode != 0:
         raise RuntimeError(f"perf record failed ({run.returncode}): {run.stderr[-2000:]}")
-    report = subprocess.run(
-        ["perf", "report", "-i", str(data), "--no-children", "--sort", "dso,sym",
-         "-F", "period,dso,sym", "--stdio"],
-        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, check=True)
+    pid, _, printed = run.stdout.partition("\n")
+    perf_map = Path(f"/tmp/perf-{pid.strip()}.map")
+    try:
+        report = subprocess.run(
+            ["perf", "report", "-i", str(data), "--no-children", "--sort", "dso,sym",
+             "-F", "period,dso,sym", "--stdio"],
+            capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, check=True)
+    finally:
+        perf_map.unlink(missing_ok=True)
     found: dict[str, int] = {}
     for line in report.stdout.splitlines():
         m = LINE.match(line)
         if m and m.group(2).startswith("[JIT]"):
             name = HASH.sub("", m.group(3))
             found[name] = found.get(name, 0) + int(m.group(1))
-    return found, run.stdout
+    return found, printed
 
 
 def profile(wasm: Path, case: str, n: int) -> tuple[list[tuple[str, float]], list[str]]:

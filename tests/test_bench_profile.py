@@ -2,6 +2,7 @@
 perf in wasmtime, where Envoy's V8 gives perf no names."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +45,9 @@ def test_a_cached_rejection_encodes_no_call(wasm):
 def test_a_case_that_matches_nothing_runs_nothing(wasm):
     _, ran = wasm_profile.profile(wasm, "no case has this name", 10)
     assert ran == []
+
+
+def test_the_perf_maps_wasmtime_writes_are_removed(wasm):
+    maps = set(Path("/tmp").glob("perf-*.map"))
+    wasm_profile.profile(wasm, REJECTED, 100)
+    assert set(Path("/tmp").glob("perf-*.map")) <= maps
