@@ -292,6 +292,7 @@ mod tests {
             leased: false,
             cost: None,
             charge: None,
+            policy_item: crate::respond::policy_item("tenant", 100, 60_000),
         }
     }
 

@@ -187,8 +187,7 @@ pub struct LimitState {
 fn view<'a>((l, s): &(&'a RateLimit, &LimitState)) -> QuotaView<'a> {
     QuotaView {
         name: l.name.as_str(),
-        quota: l.limit,
-        window_ms: l.window_ms,
+        policy: l.policy_item.as_str(),
         remaining: s.remaining,
         reset_ms: s.reset_ms,
     }

@@ -289,10 +289,23 @@ pub fn retry_after_secs(ms: u64) -> u64 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuotaView<'a> {
     pub name: &'a str,
-    pub quota: u64,
-    pub window_ms: u64,
+    /// The limit's `RateLimit-Policy` item ([`policy_item`]).
+    pub policy: &'a str,
     pub remaining: u64,
     pub reset_ms: u64,
+}
+
+/// A limit's `RateLimit-Policy` item, `"<name>";q=<quota>;w=<window in s>`: the same on every
+/// response, so the configuration writes it once per limit and each response copies it.
+pub fn policy_item(name: &str, quota: u64, window_ms: u64) -> String {
+    let mut item = String::with_capacity(name.len() + 32);
+    item.push('"');
+    item.push_str(name);
+    item.push_str("\";q=");
+    push_u64(&mut item, quota);
+    item.push_str(";w=");
+    push_u64(&mut item, window_ms.div_ceil(1000).max(1));
+    item
 }
 
 /// `RateLimit-Policy` and `RateLimit` values for `views`, in the order given (callers put the
@@ -307,26 +320,13 @@ pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
             policy.push_str(", ");
             state.push_str(", ");
         }
-        for (out, first, second) in [
-            (
-                &mut policy,
-                (";q=", v.quota),
-                (";w=", v.window_ms.div_ceil(1000).max(1)),
-            ),
-            (
-                &mut state,
-                (";r=", v.remaining),
-                (";t=", v.reset_ms.div_ceil(1000)),
-            ),
-        ] {
-            out.push('"');
-            out.push_str(v.name);
-            out.push('"');
-            for (label, n) in [first, second] {
-                out.push_str(label);
-                push_u64(out, n);
-            }
-        }
+        policy.push_str(v.policy);
+        state.push('"');
+        state.push_str(v.name);
+        state.push_str("\";r=");
+        push_u64(&mut state, v.remaining);
+        state.push_str(";t=");
+        push_u64(&mut state, v.reset_ms.div_ceil(1000));
     }
     (policy, state)
 }
@@ -432,15 +432,13 @@ mod tests {
         let views = [
             QuotaView {
                 name: "tenant",
-                quota: 100,
-                window_ms: 60_000,
+                policy: &policy_item("tenant", 100, 60_000),
                 remaining: 0,
                 reset_ms: 16_200,
             },
             QuotaView {
                 name: "user-burst",
-                quota: 10,
-                window_ms: 250,
+                policy: &policy_item("user-burst", 10, 250),
                 remaining: 7,
                 reset_ms: 0,
             },

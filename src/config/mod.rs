@@ -225,6 +225,9 @@ pub struct RateLimit {
     pub cost: Option<Cost>,
     /// The real amount, read from the response once it is known.
     pub charge: Option<Charge>,
+    /// Its `RateLimit-Policy` item ([`crate::respond::policy_item`] of its name, limit and
+    /// window), written here once rather than on every response.
+    pub policy_item: String,
 }
 
 /// `cost`: the units a request consumes at admission.

@@ -268,6 +268,7 @@ fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
     let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased)?;
     o.finish()?;
     Ok(RateLimit {
+        policy_item: crate::respond::policy_item(&name, limit, window_ms),
         name,
         by,
         algorithm,

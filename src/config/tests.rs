@@ -905,3 +905,27 @@ fn cost_and_charge_errors_name_the_field() {
         assert_eq!(limit(extra.clone()), want, "{extra}");
     }
 }
+
+/// Each limit's `RateLimit-Policy` item is written at configuration, from its own name,
+/// limit and window (in whole seconds, rounded up, at least 1), as every response shows it.
+#[test]
+fn each_limit_carries_its_policy_item() {
+    let mut v = base();
+    v["policies"][1]["rate_limits"][0]["window"] = json!("250ms");
+    let config = Config::from_value(&v).expect("valid");
+    let items: Vec<&str> = config
+        .policies
+        .iter()
+        .flat_map(|p| &p.rate_limits)
+        .map(|l| l.policy_item.as_str())
+        .collect();
+    assert_eq!(
+        items,
+        [
+            "\"tenant\";q=100;w=60",
+            "\"user-burst\";q=10;w=1",
+            "\"per-ip\";q=1000;w=3600",
+            "\"global\";q=5000;w=1",
+        ]
+    );
+}
