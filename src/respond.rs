@@ -312,7 +312,7 @@ pub fn policy_item(name: &str, quota: u64, window_ms: u64) -> String {
 /// most restrictive, or the violated, limit first). Names are sf-strings: config validation
 /// restricts them to `[A-Za-z0-9_-]`, so no escaping is needed.
 pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
-    // Room for the usual view (a short name and four numbers), so no growing.
+    // Room for the usual view (its policy item; a short name and two numbers), so no growing.
     let mut policy = String::with_capacity(40 * views.len());
     let mut state = String::with_capacity(40 * views.len());
     for (i, v) in views.iter().enumerate() {
