@@ -249,7 +249,7 @@ pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
         .collect();
     views.extend(counted().filter(|(_, s)| s.allowed).map(|e| view(&e)));
     let (p, r) = respond::ratelimit_headers(&views);
-    let retry_after = respond::retry_after_secs(retry_ms);
+    let retry_after = respond::whole_secs(retry_ms);
     let mut detail = String::with_capacity(96);
     detail.push_str("rate limit ");
     push_names(&mut detail, &names);
@@ -320,7 +320,7 @@ impl RejectionMemo {
         policy: &Policy,
         waits: &[Option<u64>],
     ) -> Option<Rc<LocalResponse>> {
-        let secs = |w: &Option<u64>| w.map_or(0, |ms| ms.div_ceil(1000).max(1));
+        let secs = |w: &Option<u64>| w.map_or(0, respond::whole_secs);
         let written = || match decide(policy, &rejecting(waits)) {
             Verdict::Reject(response) => Some(Rc::new(response)),
             Verdict::Allow(_) => None,

@@ -280,8 +280,9 @@ fn write_json_str(out: &mut Vec<u8>, s: &str) {
     let _ = serde_json::to_writer(&mut *out, s);
 }
 
-/// `Retry-After` delta-seconds: rounded up, at least 1.
-pub fn retry_after_secs(ms: u64) -> u64 {
+/// `ms` in whole seconds, rounded up, at least 1: `Retry-After`'s delta-seconds, a window's
+/// `w=` and the over-limit cache's memo of a rejection (a wait is never shown as 0 s).
+pub fn whole_secs(ms: u64) -> u64 {
     ms.div_ceil(1000).max(1)
 }
 
@@ -304,7 +305,7 @@ pub fn policy_item(name: &str, quota: u64, window_ms: u64) -> String {
     item.push_str("\";q=");
     push_u64(&mut item, quota);
     item.push_str(";w=");
-    push_u64(&mut item, window_ms.div_ceil(1000).max(1));
+    push_u64(&mut item, whole_secs(window_ms));
     item
 }
 
@@ -421,9 +422,9 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_rounds_up() {
+    fn whole_secs_rounds_up_to_at_least_one() {
         for (ms, want) in [(0, 1), (1, 1), (999, 1), (1000, 1), (1001, 2), (16_200, 17)] {
-            assert_eq!(retry_after_secs(ms), want, "{ms}");
+            assert_eq!(whole_secs(ms), want, "{ms}");
         }
     }
 

@@ -197,7 +197,7 @@ impl Holder for LeaseGuard {
 /// The `423` for a busy lease, counted.
 fn busy(lm: &LeaseMetrics, pttl_ms: i64, at: &Pcx<'_>) -> LocalResponse {
     at.m.increment(lm.busy);
-    let retry = respond::retry_after_secs(u64::try_from(pttl_ms).unwrap_or(1000));
+    let retry = respond::whole_secs(u64::try_from(pttl_ms).unwrap_or(1000));
     respond::problem(
         Problem::ResourceLocked,
         &format!("another request holds this resource; retry after {retry} s"),
