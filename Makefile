@@ -132,7 +132,7 @@ test: deps deps-oci deps-perf build lint unit unit-wasm ## Everything: build, li
 
 ##@ Benchmarks
 
-.PHONY: bench bench-core bench-core-v8 bench-instructions bench-profile bench-scripts bench-spans
+.PHONY: bench bench-core bench-core-v8 bench-instructions bench-profile bench-footprint bench-scripts bench-spans
 bench: deps deps-bench build ## Filter cost vs plain Envoy and the anchors (wrk), open-loop latency (oha): table, bench/results.json, bench/report.svg, docs/performance.md. Env BENCH_ROUNDS=5 BENCH_SECONDS=5 BENCH_LATENCY_SECONDS=5 BENCH_SCENARIOS=a,b BENCH_LATENCY_SCENARIOS=a,b BENCH_LATENCY_RATES=500,1000.
 	$(PYTHON) bench/run.py
 
@@ -154,6 +154,9 @@ bench-instructions: deps-rust deps-python ## Wasm instructions per request of th
 
 bench-profile: deps-rust deps-python deps-perf ## One core case's Wasm time by function (wasmtime's perf map, perf cpu-clock), N runs less none. Env CASE=<name text> N=100000 TOP=30.
 	cd bench && ../$(PYTHON) wasm_profile.py
+
+bench-footprint: deps-rust deps-python ## The code one request runs (Wasm functions, their bytes, the bytes that ran), per core case: what its cost in Envoy follows. Env CASES="a|b" N=2000 TOP=25.
+	cd bench && ../$(PYTHON) footprint.py
 
 bench-spans: deps deps-bench ## Where the filter's time goes inside Envoy: wall µs per span of its callbacks (a build with the cargo feature spans). Env BENCH_SCENARIOS=a,b.
 	$(PYTHON) bench/spans.py

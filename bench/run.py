@@ -34,7 +34,10 @@ anchors; `wasm_naive_script` is `wasm_naive_rl` sending the exact path's own cal
 `EVALSHA`, its arguments and key shape), so the exact path's gap splits into the script call's
 part and the filter's own; `wasm_naive_batched_rl` and `wasm_naive_batched_script` do the same
 for the batched path (the root's one callout per turn naming each waiting request's tenant,
-with the two commands per key or batch.lua's acquire sub-calls). `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
+with the two commands per key or batch.lua's acquire sub-calls). `wasm_naive_code128`, `256`
+and `512` are `wasm_naive_script` running that many distinct functions with each request's
+headers (20, 41 and 81 KiB of Wasm, arithmetic only): what the code a filter runs costs in
+Envoy beyond its instructions, in the exact path's rounds. `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
 scenarios' POST requests, answered by Envoy (as replays are) and through the upstream (as
 fresh keys are): what one callout costs on those requests. The incumbent, `envoy_rls_exact`
 and `envoy_rls_cached`, is no Wasm filter: Envoy's ratelimit filter calling, per request, a
@@ -569,6 +572,9 @@ def verify_lease(stats: dict, rec: dict) -> list[str]:
     return []
 
 
+# The code-footprint anchors: distinct functions run per request, and the KiB of Wasm they
+# are (bench/floor/build.rs's functions, measured in a build with names).
+CODE_FUNCTIONS = {128: 20, 256: 41, 512: 81}
 # Callout coalescing in the batched scenarios: the default, spelled out.
 BATCH = {"max_delay": "1ms", "max_requests": 32, "cross_slot": True}
 # The filter's throughput over the incumbent's on the same path, each a ratio to its plain
@@ -628,6 +634,14 @@ def scenarios() -> list[Scenario]:
                  "tenant with RateLimit headers, sending the exact path's acquire.lua call "
                  "(anchor)", "tenants.lua", naive_script, wasm_path=FLOOR_WASM,
                  verify=verify_naive),
+        # What the code a filter runs costs, beyond the instructions: the exact path's call
+        # anchor running CODE_FUNCTIONS[n] distinct functions (about 160 bytes of Wasm each).
+        *[Scenario(f"wasm_naive_code{n}", f"minimal filter + 1 webdis callout per request, per "
+                   f"tenant with RateLimit headers, sending the exact path's acquire.lua call, "
+                   f"running {n} distinct functions ({kib} KiB of Wasm) per request (anchor)",
+                   "tenants.lua", lambda stack, n=n: {**naive_script(stack), "code": n},
+                   wasm_path=FLOOR_WASM, verify=verify_naive)
+          for n, kib in CODE_FUNCTIONS.items()],
         Scenario("wasm_naive_batched_rl", "minimal filter + 1 webdis callout per root turn, "
                  "per tenant with RateLimit headers (anchor)", "tenants.lua", naive_batched_rl,
                  wasm_path=FLOOR_WASM, verify=verify_naive),
@@ -656,7 +670,8 @@ def scenarios() -> list[Scenario]:
                  rate_limited("rl_allowed", HUGE_LIMIT, batch=False), goal=0.40,
                  verify=verify_allowed,
                  anchors=(("wasm_naive", 0.90), ("wasm_naive_rl", None),
-                          ("wasm_naive_script", None))),
+                          ("wasm_naive_script", None),
+                          *((f"wasm_naive_code{n}", None) for n in CODE_FUNCTIONS))),
         # Callout coalescing (the default): the same traffic, the acquires of one worker sent
         # together.
         Scenario("rl_allowed_batched", "rate limit allowed, 10k tenants, batched", "tenants.lua",

@@ -215,8 +215,14 @@ def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_reque
         assert a.plain_routed == scenario.plain_routed
         assert a.routed == scenario.plain_routed  # answered where its plain Envoy answers
     assert bench.in_round_anchors(by_name["lease"]) == []
-    assert bench.in_round_anchors(by_name["rl_allowed"]) == ["wasm_naive", "wasm_naive_rl",
-                                                            "wasm_naive_script"]
+    assert bench.in_round_anchors(by_name["rl_allowed"]) == [
+        "wasm_naive", "wasm_naive_rl", "wasm_naive_script", "wasm_naive_code128",
+        "wasm_naive_code256", "wasm_naive_code512"]
+    # The code-footprint anchors are the exact path's call anchor and that many functions.
+    for n in bench.CODE_FUNCTIONS:
+        code = by_name[f"wasm_naive_code{n}"]
+        assert code.script == by_name["wasm_naive_script"].script
+        assert code.wasm_path == bench.FLOOR_WASM
 
 
 def test_the_incumbent_runs_in_the_rounds_of_the_paths_it_competes_with():

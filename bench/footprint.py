@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""`make bench-footprint`: the code one request runs, function by function.
+
+Executed instructions are not what the filter costs in Envoy: between two of a worker's
+events, webdis, Redis and wrk run on the same two cores, and whatever code the filter runs must
+come back into the caches. So this counts how much distinct code a request touches. It builds
+the core benchmark (`benches/core.rs`) for wasm32-wasip1 with its function names (under
+target/profile, as `make bench-profile` does), adds to every function a counter of its calls
+(a mutable global per function, incremented first thing in its body and exported), runs the
+selected case CORE_COUNT=N times and then 0 times in wasmtime, and reports, per request: the
+distinct functions called, their code's size in bytes of Wasm (each body as the module stores
+it), and the calls. Functions that some requests call and others do not (a key memo's miss)
+count with the fraction of requests that call them.
+
+Environment: CASES (texts separated by `|`, each selecting core cases by name, added up when
+one text selects several; default the exact path with one request in flight, the cached
+rejection and the leased slice), N (runs, default 2000), TOP (functions listed per case, most
+code run first, default 25).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import re
+import tempfile
+from pathlib import Path
+
+from wasmtime import Config, Engine, ExitTrap, Linker, Module, Store, WasiConfig
+
+import wasm_profile  # bench/wasm_profile.py: the core benchmark with its names
+
+DEFAULT_CASES = ("request through the worker, exact, 10k tenants, 1 in flight|"
+                 "through the worker, rejected|through the worker, admitted from a leased slice")
+
+
+def leb(data: bytes, at: int) -> tuple[int, int]:
+    """An unsigned LEB128 at `at`: its value and where it ends."""
+    value = shift = 0
+    while True:
+        b = data[at]
+        at += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, at
+        shift += 7
+
+
+def put_leb(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def vec_name(data: bytes, at: int) -> tuple[str, int]:
+    n, at = leb(data, at)
+    return data[at:at + n].decode("utf-8", "replace"), at + n
+
+
+def sections(wasm: bytes) -> list[tuple[int, bytes]]:
+    out, at = [], 8
+    while at < len(wasm):
+        sid = wasm[at]
+        size, body = leb(wasm, at + 1)
+        out.append((sid, wasm[body:body + size]))
+        at = body + size
+    return out
+
+
+def imports(content: bytes) -> tuple[int, int]:
+    """Imported functions and globals."""
+    count, at = leb(content, 0)
+    funcs = globs = 0
+    for _ in range(count):
+        _, at = vec_name(content, at)
+        _, at = vec_name(content, at)
+        kind = content[at]
+        at += 1
+        if kind == 0:
+            _, at = leb(content, at)
+            funcs += 1
+        elif kind == 1:
+            at += 1
+            flags, at = leb(content, at)
+            _, at = leb(content, at)
+            if flags & 1:
+                _, at = leb(content, at)
+        elif kind == 2:
+            flags, at = leb(content, at)
+            _, at = leb(content, at)
+            if flags & 1:
+                _, at = leb(content, at)
+        elif kind == 3:
+            at += 2
+            globs += 1
+        else:
+            raise ValueError(f"import kind {kind}")
+    return funcs, globs
+
+
+def function_names(content: bytes) -> dict[int, str]:
+    """The name section's function names, by function index."""
+    _, at = vec_name(content, 0)  # "name"
+    names: dict[int, str] = {}
+    while at < len(content):
+        sub = content[at]
+        size, body = leb(content, at + 1)
+        if sub == 1:
+            count, p = leb(content, body)
+            for _ in range(count):
+                idx, p = leb(content, p)
+                name, p = vec_name(content, p)
+                names[idx] = wasm_profile.HASH.sub("", name)
+        at = body + size
+    return names
+
+
+def sleb_end(data: bytes, at: int) -> int:
+    """Where a signed LEB128 at `at` ends."""
+    while data[at] & 0x80:
+        at += 1
+    return at + 1
+
+
+# Opcodes whose immediate is one u32, or none (the rest are decoded in `regions`).
+U32_IMM = {0x0C, 0x0D, 0x10, 0x12, 0x20, 0x21, 0x22, 0x23, 0x24, 0x25, 0x26, 0xD2}
+FC_IMMS = {8: "ub", 9: "u", 10: "bb", 11: "b", 12: "uu", 13: "u", 14: "uu", 15: "u",
+           16: "u", 17: "u"}
+
+
+def regions(expr: bytes) -> list[int]:
+    """The offsets in a function's code (after its locals) where straight-line code begins:
+    the start, a loop's body, an if's either arm, after a block's end, after a conditional
+    branch. Each runs to the next one."""
+    starts = [0]
+    at, depth = 0, 1
+    while at < len(expr):
+        op = expr[at]
+        at += 1
+        if op in (0x02, 0x03, 0x04):
+            bt = expr[at]
+            at = at + 1 if bt == 0x40 or bt >= 0x6F else sleb_end(expr, at)
+            depth += 1
+            if op != 0x02:
+                starts.append(at)
+        elif op == 0x05:
+            starts.append(at)
+        elif op == 0x0B:
+            depth -= 1
+            if depth > 0:
+                starts.append(at)
+        elif op in U32_IMM:
+            _, at = leb(expr, at)
+            if op == 0x0D:
+                starts.append(at)
+        elif op == 0x0E:
+            n, at = leb(expr, at)
+            for _ in range(n + 1):
+                _, at = leb(expr, at)
+        elif op in (0x11, 0x13):
+            _, at = leb(expr, at)
+            _, at = leb(expr, at)
+        elif op == 0x1C:
+            n, at = leb(expr, at)
+            at += n
+        elif 0x28 <= op <= 0x3E:
+            _, at = leb(expr, at)
+            _, at = leb(expr, at)
+        elif op in (0x3F, 0x40, 0xD0):
+            at += 1
+        elif op in (0x41, 0x42):
+            at = sleb_end(expr, at)
+        elif op == 0x43:
+            at += 4
+        elif op == 0x44:
+            at += 8
+        elif op == 0xFC:
+            sub, at = leb(expr, at)
+            for kind in FC_IMMS.get(sub, ""):
+                if kind == "u":
+                    _, at = leb(expr, at)
+                else:
+                    at += 1
+        elif op in (0x00, 0x01, 0x0F, 0x1A, 0x1B, 0xD1) or 0x45 <= op <= 0xC4:
+            pass
+        else:
+            raise ValueError(f"opcode {op:#x} at {at - 1}")
+    return sorted(set(s for s in starts if s < len(expr)))
+
+
+def instrument(wasm: bytes, blocks: set[int] | None = None
+               ) -> tuple[bytes, dict[int, str], dict[int, int], dict[int, list[tuple[int, int]]]]:
+    """The module with a call counter per defined function (exported as `cnt<i>`, i its
+    function index), or with `blocks`, a counter per region of straight-line code of each of
+    those functions (`cnt<n>`, the n-th region counted); the functions' names; each body's
+    size in bytes; and with `blocks`, each function's regions: (counter, bytes)."""
+    secs = sections(wasm)
+    ifuncs = iglobs = 0
+    defined_globals = 0
+    names: dict[int, str] = {}
+    for sid, content in secs:
+        if sid == 2:
+            ifuncs, iglobs = imports(content)
+        elif sid == 6:
+            defined_globals, _ = leb(content, 0)
+        elif sid == 0 and content[:5] == b"\x04name":
+            names = function_names(content)
+    code = next(c for sid, c in secs if sid == 10)
+    count, at = leb(code, 0)
+    first_counter = iglobs + defined_globals
+    bodies, sizes = [], {}
+    spans: dict[int, list[tuple[int, int]]] = {}
+    counter = 0
+
+    def bump() -> bytes:
+        nonlocal counter
+        g = put_leb(first_counter + counter)
+        counter += 1
+        return b"\x23" + g + b"\x41\x01\x6a\x24" + g
+
+    for i in range(count):
+        size, body = leb(code, at)
+        raw = code[body:body + size]
+        at = body + size
+        groups, p = leb(raw, 0)
+        for _ in range(groups):
+            _, p = leb(raw, p)
+            p += 1
+        f = ifuncs + i
+        sizes[f] = size
+        if blocks is None:
+            new = raw[:p] + bump() + raw[p:]
+        elif f in blocks:
+            expr = raw[p:]
+            cuts = regions(expr) + [len(expr)]
+            parts, spans[f] = [raw[:p]], []
+            for a, b in zip(cuts, cuts[1:]):
+                spans[f].append((counter, b - a))
+                parts += [bump(), expr[a:b]]
+            new = b"".join(parts)
+        else:
+            new = raw
+        bodies.append(put_leb(len(new)) + new)
+    new_code = put_leb(count) + b"".join(bodies)
+    counters = b"".join(b"\x7f\x01\x41\x00\x0b" for _ in range(counter))
+    if blocks is None:
+        labels = [f"cnt{ifuncs + i}" for i in range(count)]
+    else:
+        labels = [f"cnt{n}" for n in range(counter)]
+    exports = b"".join(put_leb(len(n)) + n + b"\x03" + put_leb(first_counter + i)
+                       for i, n in enumerate(x.encode() for x in labels))
+    count = counter
+    out = bytearray(wasm[:8])
+    have_globals = any(sid == 6 for sid, _ in secs)
+    for sid, content in secs:
+        if sid == 0:
+            continue  # names and debug info: offsets would be stale
+        if sid == 7 and not have_globals:
+            raise ValueError("no global section")
+        if sid == 6:
+            n, p = leb(content, 0)
+            content = put_leb(n + count) + content[p:] + counters
+        elif sid == 7:
+            n, p = leb(content, 0)
+            content = put_leb(n + count) + content[p:] + exports
+        elif sid == 10:
+            content = new_code
+        out += bytes([sid]) + put_leb(len(content)) + content
+    return bytes(out), names, sizes, spans
+
+
+def calls(module: Module, engine: Engine, case: str, n: int) -> tuple[dict[int, int], list[str]]:
+    store = Store(engine)
+    linker = Linker(engine)
+    linker.define_wasi()
+    for imp in module.imports:
+        if imp.module != "wasi_snapshot_preview1":
+            linker.define_func(imp.module, imp.name, imp.type, lambda *a: None)
+    with tempfile.TemporaryDirectory(prefix="bench-footprint-") as tmp:
+        out = Path(tmp) / "stdout"
+        wasi = WasiConfig()
+        wasi.argv = ["core", case]
+        wasi.env = [("CORE_COUNT", str(n))]
+        wasi.stdout_file = str(out)
+        wasi.inherit_stderr()
+        store.set_wasi(wasi)
+        instance = linker.instantiate(store, module)
+        try:
+            instance.exports(store)["_start"](store)
+        except ExitTrap as e:
+            if e.code != 0:
+                raise RuntimeError(f"{case!r}: exit code {e.code}") from e
+        ran = [line.removeprefix("counted: ") for line in out.read_text().splitlines()
+               if line.startswith("counted: ")]
+        exports = instance.exports(store)
+        got = {int(name[3:]): exports[name].value(store) for name in exports
+               if name.startswith("cnt")}
+    return got, ran
+
+
+def demangle(names: dict[int, str]) -> dict[int, str]:
+    """Rust's symbols readable (binutils' c++filt reads both manglings), hashes left out."""
+    keys = list(names)
+    out = subprocess.run(["c++filt"], input="\n".join(names[k] for k in keys), text=True,
+                         capture_output=True, check=True, timeout=60).stdout.splitlines()
+    return {k: wasm_profile.HASH.sub("", re.sub(r"\[[0-9a-f]{16}\]", "", v))
+            for k, v in zip(keys, out)}
+
+
+def main() -> int:
+    n = int(os.environ.get("N", "2000"))
+    top = int(os.environ.get("TOP", "25"))
+    cases = [c.strip() for c in os.environ.get("CASES", DEFAULT_CASES).split("|") if c.strip()]
+    wasm = wasm_profile.build()
+    raw = wasm.read_bytes()
+    instrumented, names, sizes, _ = instrument(raw)
+    names = demangle(names)
+    engine = Engine(Config())
+    module = Module(engine, instrumented)
+    for case in cases:
+        base, ran = calls(module, engine, case, 0)
+        if not ran:
+            print(f"no case matches {case!r}", file=sys.stderr)
+            return 2
+        after, _ = calls(module, engine, case, n)
+        per = {f: (after[f] - base.get(f, 0)) / n for f in after if after[f] > base.get(f, 0)}
+        # The same functions again, a counter per region of straight-line code.
+        blocked, _, _, spans = instrument(raw, set(per))
+        bmodule = Module(engine, blocked)
+        bbase, _ = calls(bmodule, engine, case, 0)
+        bafter, _ = calls(bmodule, engine, case, n)
+        ran_bytes = {f: sum(size * min((bafter[c] - bbase.get(c, 0)) / n, 1.0)
+                            for c, size in spans[f] if bafter[c] > bbase.get(c, 0))
+                     for f in per}
+        funcs = sum(min(c, 1.0) for c in per.values())
+        size = sum(min(c, 1.0) * sizes.get(f, 0) for f, c in per.items())
+        print(f"\n{', '.join(ran)} ({n} runs):")
+        print(f"  per request: {funcs:.0f} functions, {sum(per.values()):.0f} calls; their code "
+              f"{size / 1024:.1f} KiB of Wasm, of which {sum(ran_bytes.values()) / 1024:.1f} KiB "
+              f"ran")
+        print(f"  {'ran B':>7} {'size B':>7} {'calls':>6}  function")
+        for f in sorted(per, key=lambda f: -ran_bytes[f])[:top]:
+            print(f"  {ran_bytes[f]:>7.0f} {sizes.get(f, 0):>7} {per[f]:>6.2f}  "
+                  f"{names.get(f, f'#{f}')[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
