@@ -258,12 +258,17 @@ def instrument(wasm: bytes, blocks: set[int] | None = None
                        for i, n in enumerate(x.encode() for x in labels))
     count = counter
     out = bytearray(wasm[:8])
-    have_globals = any(sid == 6 for sid, _ in secs)
+    if not any(sid == 6 for sid, _ in secs):
+        # A global section of none, where the order of sections wants it: before the exports
+        # (and what follows them).
+        at = next(i for i, (sid, _) in enumerate(secs) if sid in (7, 8, 9, 10, 11, 12))
+        secs.insert(at, (6, put_leb(0)))
+    if not any(sid == 7 for sid, _ in secs):
+        at = next(i for i, (sid, _) in enumerate(secs) if sid in (8, 9, 10, 11, 12))
+        secs.insert(at, (7, put_leb(0)))
     for sid, content in secs:
         if sid == 0:
             continue  # names and debug info: offsets would be stale
-        if sid == 7 and not have_globals:
-            raise ValueError("no global section")
         if sid == 6:
             n, p = leb(content, 0)
             content = put_leb(n + count) + content[p:] + counters

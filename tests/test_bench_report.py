@@ -305,3 +305,44 @@ def test_the_script_anchor_sends_the_exact_paths_own_call():
                      "1", "-", "fw", huge, "3600000", huge, "0", "1", "0", "0"]
     assert config["limit"]["acquire_reply"] is True
     assert config["limit"]["limit"] == bench.HUGE_LIMIT
+
+
+def test_footprint_counts_the_code_a_call_runs():
+    """bench/footprint.py's instrumented module still runs, counts each function's calls, and
+    counts only the regions of straight-line code that ran: one arm of an `if` ran, the other
+    did not, and a loop's body ran once per turn."""
+    import footprint
+    from wasmtime import Engine, Instance, Module, Store, wat2wasm
+
+    wasm = wat2wasm("""
+      (module
+        (func $pick (param i32) (result i32)
+          (if (result i32) (local.get 0)
+            (then (i32.add (i32.mul (local.get 0) (i32.const 3)) (i32.const 7)))
+            (else (i32.const 0))))
+        (func $sum (export "sum") (param i32) (result i32) (local i32)
+          (block
+            (loop
+              (br_if 1 (i32.eqz (local.get 0)))
+              (local.set 1 (i32.add (local.get 1) (call $pick (local.get 0))))
+              (local.set 0 (i32.sub (local.get 0) (i32.const 1)))
+              (br 0)))
+          (local.get 1)))
+    """)
+    engine = Engine()
+    counted, _, sizes, _ = footprint.instrument(bytes(wasm))
+    store = Store(engine)
+    exports = Instance(store, Module(engine, counted), []).exports(store)
+    assert exports["sum"](store, 4) == sum(3 * n + 7 for n in range(1, 5))
+    assert [exports[f"cnt{f}"].value(store) for f in (0, 1)] == [4, 1]
+    assert sizes[0] > 0 and sizes[1] > 0
+
+    blocked, _, _, spans = footprint.instrument(bytes(wasm), {0})
+    store = Store(engine)
+    exports = Instance(store, Module(engine, blocked), []).exports(store)
+    assert exports["sum"](store, 4) == 58
+    counts = [exports[f"cnt{c}"].value(store) for c, _ in spans[0]]
+    # The function's start (4 calls), its `then` arm (4), its `else` arm (never), what follows.
+    assert counts[0] == 4 and 0 in counts and 4 in counts[1:]
+    ran = sum(size for (c, size), n in zip(spans[0], counts) if n)
+    assert 0 < ran < sum(size for _, size in spans[0])
