@@ -256,7 +256,6 @@ def instrument(wasm: bytes, blocks: set[int] | None = None
         labels = [f"cnt{n}" for n in range(counter)]
     exports = b"".join(put_leb(len(n)) + n + b"\x03" + put_leb(first_counter + i)
                        for i, n in enumerate(x.encode() for x in labels))
-    count = counter
     out = bytearray(wasm[:8])
     if not any(sid == 6 for sid, _ in secs):
         # A global section of none, where the order of sections wants it: before the exports
@@ -271,10 +270,10 @@ def instrument(wasm: bytes, blocks: set[int] | None = None
             continue  # names and debug info: offsets would be stale
         if sid == 6:
             n, p = leb(content, 0)
-            content = put_leb(n + count) + content[p:] + counters
+            content = put_leb(n + counter) + content[p:] + counters
         elif sid == 7:
             n, p = leb(content, 0)
-            content = put_leb(n + count) + content[p:] + exports
+            content = put_leb(n + len(labels)) + content[p:] + exports
         elif sid == 10:
             content = new_code
         out += bytes([sid]) + put_leb(len(content)) + content
