@@ -21,14 +21,11 @@ code run first, default 25).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
-import re
-import tempfile
-from pathlib import Path
 
-from wasmtime import Config, Engine, ExitTrap, Linker, Module, Store, WasiConfig
-
+import instructions  # bench/instructions.py: the core benchmark run in wasmtime
 import wasm_profile  # bench/wasm_profile.py: the core benchmark with its names
 
 DEFAULT_CASES = ("request through the worker, exact, 10k tenants, 1 in flight|"
@@ -280,33 +277,13 @@ def instrument(wasm: bytes, blocks: set[int] | None = None
     return bytes(out), names, sizes, spans
 
 
-def calls(module: Module, engine: Engine, case: str, n: int) -> tuple[dict[int, int], list[str]]:
-    store = Store(engine)
-    linker = Linker(engine)
-    linker.define_wasi()
-    for imp in module.imports:
-        if imp.module != "wasi_snapshot_preview1":
-            linker.define_func(imp.module, imp.name, imp.type, lambda *a: None)
-    with tempfile.TemporaryDirectory(prefix="bench-footprint-") as tmp:
-        out = Path(tmp) / "stdout"
-        wasi = WasiConfig()
-        wasi.argv = ["core", case]
-        wasi.env = [("CORE_COUNT", str(n))]
-        wasi.stdout_file = str(out)
-        wasi.inherit_stderr()
-        store.set_wasi(wasi)
-        instance = linker.instantiate(store, module)
-        try:
-            instance.exports(store)["_start"](store)
-        except ExitTrap as e:
-            if e.code != 0:
-                raise RuntimeError(f"{case!r}: exit code {e.code}") from e
-        ran = [line.removeprefix("counted: ") for line in out.read_text().splitlines()
-               if line.startswith("counted: ")]
-        exports = instance.exports(store)
-        got = {int(name[3:]): exports[name].value(store) for name in exports
-               if name.startswith("cnt")}
-    return got, ran
+def calls(runner: instructions.Runner, case: str, n: int) -> tuple[dict[int, int], list[str]]:
+    """Each counter's count after a run of `case` with CORE_COUNT=n, by the number in its
+    name; and the cases that ran."""
+    store, instance, ran = runner.start(case, n)
+    exports = instance.exports(store)
+    return {int(name[3:]): exports[name].value(store) for name in exports
+            if name.startswith("cnt")}, ran
 
 
 def demangle(names: dict[int, str]) -> dict[int, str]:
@@ -326,20 +303,19 @@ def main() -> int:
     raw = wasm.read_bytes()
     instrumented, names, sizes, _ = instrument(raw)
     names = demangle(names)
-    engine = Engine(Config())
-    module = Module(engine, instrumented)
+    runner = instructions.Runner(instrumented)
     for case in cases:
-        base, ran = calls(module, engine, case, 0)
+        base, ran = calls(runner, case, 0)
         if not ran:
             print(f"no case matches {case!r}", file=sys.stderr)
             return 2
-        after, _ = calls(module, engine, case, n)
+        after, _ = calls(runner, case, n)
         per = {f: (after[f] - base.get(f, 0)) / n for f in after if after[f] > base.get(f, 0)}
         # The same functions again, a counter per region of straight-line code.
         blocked, _, _, spans = instrument(raw, set(per))
-        bmodule = Module(engine, blocked)
-        bbase, _ = calls(bmodule, engine, case, 0)
-        bafter, _ = calls(bmodule, engine, case, n)
+        blocks = instructions.Runner(blocked)
+        bbase, _ = calls(blocks, case, 0)
+        bafter, _ = calls(blocks, case, n)
         ran_bytes = {f: sum(size * min((bafter[c] - bbase.get(c, 0)) / n, 1.0)
                             for c, size in spans[f] if bafter[c] > bbase.get(c, 0))
                      for f in per}

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from wasmtime import Config, Engine, ExitTrap, Linker, Module, Store, WasiConfig
+from wasmtime import Config, Engine, ExitTrap, Instance, Linker, Module, Store, WasiConfig
 
 import run  # bench/run.py: a revision's files, as BENCH_COMPARE extracts them
 
@@ -64,18 +64,26 @@ class Runner:
     `profiler` (wasmtime's: "perfmap" names its JIT code for perf) runs it without fuel
     instead (bench/wasm_profile.py)."""
 
-    def __init__(self, wasm: Path, profiler: str | None = None):
+    def __init__(self, wasm: Path | str | bytes, profiler: str | None = None):
         config = Config()
         self.fuel = profiler is None
         config.consume_fuel = self.fuel
         if profiler:
             config.profiler = profiler
         self.engine = Engine(config)
-        self.module = Module.from_file(self.engine, str(wasm))
+        code = wasm if isinstance(wasm, bytes) else Path(wasm).read_bytes()
+        self.module = Module(self.engine, code)
 
     def run(self, case: str, n: int) -> tuple[int, list[str]]:
         """Fuel used by a run of the module selecting `case` with CORE_COUNT=n (0 without
         fuel), and the names of the cases it ran."""
+        store, _, ran = self.start(case, n)
+        used = FUEL - store.get_fuel() if self.fuel else 0
+        return used, ran
+
+    def start(self, case: str, n: int) -> tuple[Store, Instance, list[str]]:
+        """The module run to its end selecting `case` with CORE_COUNT=n: its store and
+        instance as it left them, and the names of the cases it ran."""
         store = Store(self.engine)
         linker = Linker(self.engine)
         linker.define_wasi()
@@ -98,10 +106,9 @@ class Runner:
             except ExitTrap as e:
                 if e.code != 0:
                     raise RuntimeError(f"{case!r}: exit code {e.code}") from e
-            used = FUEL - store.get_fuel() if self.fuel else 0
             ran = [line.removeprefix("counted: ") for line in out.read_text().splitlines()
                    if line.startswith("counted: ")]
-        return used, ran
+        return store, instance, ran
 
     def per_run(self, case: str, n: int) -> tuple[float, list[str]]:
         base, _ = self.run(case, 0)
