@@ -27,7 +27,9 @@ waits for: the naive design the issue quotes, what one callout per request costs
 the script does; the anchor of the exact rate-limit paths. `wasm_pause` and
 `wasm_naive_batched` isolate resuming a request from the root and batching callouts per root
 turn; `wasm_floor_reads` is the floor plus 20 header reads per request, what one host call that
-returns data costs. `wasm_naive_rl`, `wasm_floor_429_keyed` and `wasm_floor_rl` are the least a
+returns data costs; `wasm_floor_raw` is the floor on the proxy-wasm ABI itself, without the
+Rust SDK and exporting only the callbacks it uses, and `wasm_floor_raw_all` the same exporting
+every stream callback: what the SDK's dispatch and the callbacks a filter does not use cost. `wasm_naive_rl`, `wasm_floor_429_keyed` and `wasm_floor_rl` are the least a
 filter limiting each tenant with the IETF headers does on the exact, rejected and leased paths
 (the tenant found in the header map, the headers formatted), reported beside their goals'
 anchors; `wasm_naive_script` is `wasm_naive_rl` sending the exact path's own call (acquire.lua by
@@ -103,8 +105,13 @@ WORK = BENCH / "work"
 LUA = BENCH / "lua"
 FLOOR = BENCH / "floor"
 FLOOR_WASM = FLOOR / "target" / "wasm32-wasip1" / "release" / "wasm_floor.wasm"
-FLOOR_BUILD = ["cargo", "build", "--release", "--target", "wasm32-wasip1", "--manifest-path",
-               str((FLOOR / "Cargo.toml").relative_to(ROOT))]
+# The floor on the proxy-wasm ABI itself, without the SDK (bench/floor/examples): with only the
+# callbacks it uses exported, and with every stream callback exported.
+FLOOR_RAW_WASM = FLOOR_WASM.parent / "examples" / "floor_raw.wasm"
+FLOOR_RAW_ALL_WASM = FLOOR_WASM.parent / "examples" / "floor_raw_all.wasm"
+FLOOR_WASMS = (FLOOR_WASM, FLOOR_RAW_WASM, FLOOR_RAW_ALL_WASM)
+FLOOR_BUILD = ["cargo", "build", "--release", "--target", "wasm32-wasip1", "--lib", "--examples",
+               "--manifest-path", str((FLOOR / "Cargo.toml").relative_to(ROOT))]
 # The incumbent's rate limit service (bench/rls, built natively like bench/floor).
 RLS = BENCH / "rls"
 RLS_BIN = RLS / "target" / "release" / "cg-bench-rls"
@@ -258,11 +265,11 @@ COST, CHARGED = 3, 5
 # (`--latency-correction`: from when a request was due, not when a connection was free) on
 # the scenario's Envoy and on plain Envoy at the same rate, alternately. The naive anchors run
 # too: what one callout per request adds whatever the filter does (and with the least a
-# per-tenant limit does), beside the callout paths; and so does the gateway alone (oha straight
-# to webdis), the round trip a callout cannot beat.
+# per-tenant limit does, and with the exact path's own call), beside the callout paths; and so
+# does the gateway alone (oha straight to webdis), the round trip a callout cannot beat.
 LATENCY_RATES = (500, 1000, 2000)
-LATENCY_SCENARIOS = ("no_policy", "wasm_naive", "wasm_naive_rl", "rl_allowed",
-                     "rl_allowed_batched", "rl_allowed_leased", "rl_rejected",
+LATENCY_SCENARIOS = ("no_policy", "wasm_naive", "wasm_naive_rl", "wasm_naive_script",
+                     "rl_allowed", "rl_allowed_batched", "rl_allowed_leased", "rl_rejected",
                      # Beside the incumbent, through the upstream as it runs.
                      "envoy_rls_exact", "rl_allowed_routed", "rl_allowed_batched_routed",
                      "envoy_rls_cached", "rl_allowed_leased_routed")
@@ -607,6 +614,14 @@ def scenarios() -> list[Scenario]:
         # The floor filter ignores its configuration; the template wants one.
         Scenario("wasm_floor", "minimal proxy-wasm filter (anchor)", "get.lua",
                  lambda stack: {}, wasm_path=FLOOR_WASM, verify=verify_floor),
+        # What the SDK's dispatch and the callbacks a filter does not use cost (the floor's
+        # work on the ABI itself; it ignores its configuration).
+        Scenario("wasm_floor_raw", "minimal filter without the SDK, exporting only the "
+                 "callbacks it uses (anchor)", "get.lua", lambda stack: {},
+                 wasm_path=FLOOR_RAW_WASM, verify=verify_floor),
+        Scenario("wasm_floor_raw_all", "minimal filter without the SDK, exporting every "
+                 "stream callback (anchor)", "get.lua", lambda stack: {},
+                 wasm_path=FLOOR_RAW_ALL_WASM, verify=verify_floor),
         Scenario("wasm_floor_429", "minimal filter answering 429 locally (anchor)", "get.lua",
                  floor_429, wasm_path=FLOOR_WASM, verify=verify_floor, all_rejected=True),
         # Calibration: what one host call that returns data (a header value) costs.
@@ -664,7 +679,8 @@ def scenarios() -> list[Scenario]:
                  "via upstream (anchor)", "idem_fresh.lua", naive, wasm_path=FLOOR_WASM,
                  verify=verify_naive, routed=True, plain_routed=True),
         Scenario("no_policy", "filter, no policy matches", "get.lua", no_policy, goal=0.70,
-                 anchors=(("wasm_floor", 0.95),),
+                 anchors=(("wasm_floor", 0.95), ("wasm_floor_raw_all", None),
+                          ("wasm_floor_raw", None)),
                  verify=verify_no_calls),
         Scenario("rl_allowed", "rate limit allowed, 10k tenants, unbatched", "tenants.lua",
                  rate_limited("rl_allowed", HUGE_LIMIT, batch=False), goal=0.40,
@@ -1747,9 +1763,9 @@ def tool_version(argv: list[str]) -> str:
 # --- main ----------------------------------------------------------------------------------------
 
 
-def build_anchor(what: str, commands: list[list[str]], output: Path) -> bool:
+def build_anchor(what: str, commands: list[list[str]], *outputs: Path) -> bool:
     """Build an anchor's crate with `commands`, one after the other; False, having said why,
-    if one failed."""
+    if one failed or left one of `outputs` unbuilt."""
     for argv in commands:
         print(f"bench: {shlex.join(argv)}", flush=True)
         try:
@@ -1761,9 +1777,10 @@ def build_anchor(what: str, commands: list[list[str]], output: Path) -> bool:
             print(f"bench: building {what} failed ({why}): {shlex.join(argv)} (in {ROOT})",
                   file=sys.stderr)
             return False
-    if output.exists():
+    missing = [str(o.relative_to(ROOT)) for o in outputs if not o.exists()]
+    if not missing:
         return True
-    print(f"bench: building {what} left no {output.relative_to(ROOT)}", file=sys.stderr)
+    print(f"bench: building {what} left no {', '.join(missing)}", file=sys.stderr)
     return False
 
 
@@ -1839,8 +1856,8 @@ def main() -> int:
     measured = chosen + [by_name[a] for s in chosen for a in in_round_anchors(s)]
     if not wanted or "open_loop" in wanted:
         measured += [by_name[name] for name in latency_names]
-    if any(s.wasm_path == FLOOR_WASM for s in measured) and not build_anchor(
-            "the wasm_floor anchor", [FLOOR_BUILD], FLOOR_WASM):
+    if any(s.wasm_path in FLOOR_WASMS for s in measured) and not build_anchor(
+            "the wasm_floor anchors", [FLOOR_BUILD], *FLOOR_WASMS):
         return 2
     if any(s.rls for s in measured) and not build_anchor(
             "the incumbent's rate limit service", RLS_BUILD, RLS_BIN):

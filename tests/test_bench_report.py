@@ -124,7 +124,8 @@ def test_an_open_loop_run_fails_on_an_answer_or_error_of_its_target():
 
 
 def test_the_naive_anchors_and_the_callout_paths_run_in_the_open_loop():
-    for name in ("wasm_naive", "wasm_naive_rl", "rl_allowed", "rl_allowed_batched"):
+    for name in ("wasm_naive", "wasm_naive_rl", "wasm_naive_script", "rl_allowed",
+                 "rl_allowed_batched"):
         assert name in bench.LATENCY_SCENARIOS
     known = {s.name for s in bench.scenarios()}
     assert set(bench.LATENCY_SCENARIOS) <= known

@@ -5,8 +5,12 @@
 //! path at once); the worker is borrowed only to take an event, with reads of the host's
 //! buffers, which cannot.
 //!
-//! Host calls go through `hostcalls` with their `Result`s handled: the SDK's trait helpers
-//! unwrap internally, and a panic would abort the VM for every request on the worker.
+//! It speaks the proxy-wasm ABI itself, without the Rust SDK: the host calls in `abi.rs`
+//! return the host's status (the SDK's panic on one they do not expect, and a panic aborts the
+//! VM for every request of the worker), and the entry points in `exports.rs` find the context
+//! a callback is for in a table keyed by the host's ids, without the SDK's dispatcher (its
+//! SipHash table and trait objects cost every callback of every request about 1.5 µs of
+//! Envoy's CPU: `make bench`'s `wasm_floor_raw` anchor beside `wasm_floor`).
 
 use crate::config::{Config, ConfigError, IdSource, RedisConfig};
 use crate::flow::worker::{Action, Callout, Dir, Effects, ResponseHead, StreamEffects, Worker};
@@ -18,24 +22,15 @@ use crate::lograte::WarnKind;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::redis::{webdis, CallError};
 use crate::request::{claim_text, policy_index, Probe, Request, Selected};
+use abi::{BufferType, MapType, MetricType};
 use spans::Span;
 mod abi;
+mod exports;
 mod spans;
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{self, BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
-
-proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Info);
-    std::panic::set_hook(Box::new(|info| {
-        let _ = hostcalls::log(LogLevel::Critical, &format!("panicked: {info}"));
-    }));
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { vm: None }) });
-}}
+use std::time::Duration;
 
 /// Per-VM (per worker) state shared by the root context and every HTTP context.
 struct Vm {
@@ -97,8 +92,7 @@ impl Vm {
     fn carry_out(&self, fx: Effects<u32>, current: Option<u32>) -> Action {
         let mut action = fx.action;
         for ops in fx.streams {
-            if Some(ops.stream) != current && hostcalls::set_effective_context(ops.stream).is_err()
-            {
+            if Some(ops.stream) != current && abi::set_effective_context(ops.stream).is_err() {
                 continue;
             }
             if let Some(a) = self.on_stream(ops, current) {
@@ -109,10 +103,10 @@ impl Vm {
             self.send(call, current);
         }
         if let Some(ms) = fx.tick_ms {
-            let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
+            abi::set_tick_period(ms);
         }
         if let (true, Some(q)) = (fx.wake, self.wake_queue) {
-            let _ = hostcalls::enqueue_shared_queue(q, Some(b"1"));
+            let _ = abi::enqueue(q, b"1");
         }
         action
     }
@@ -120,10 +114,10 @@ impl Vm {
     /// What to do on the effective context's stream; the answer of a refused call, if any.
     fn on_stream(&self, ops: StreamEffects<u32>, current: Option<u32>) -> Option<Action> {
         for (name, value) in &ops.add_response_headers {
-            let _ = abi::add_header(MapType::HttpResponseHeaders, name, value);
+            let _ = abi::add_header(MapType::ResponseHeaders, name, value);
         }
         for (name, value) in &ops.set_request_headers {
-            let _ = abi::set_header(MapType::HttpRequestHeaders, name, value);
+            let _ = abi::set_header(MapType::RequestHeaders, name, value);
         }
         let mut action = None;
         for call in ops.calls {
@@ -166,27 +160,24 @@ struct HostMetrics;
 impl MetricSink for HostMetrics {
     fn increment(&self, id: u32) {
         if id != u32::MAX {
-            let _ = hostcalls::increment_metric(id, 1);
+            abi::increment_metric(id, 1);
         }
     }
     fn add(&self, id: u32, n: u64) {
         if id != u32::MAX {
-            let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+            abi::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
     fn record(&self, id: u32, value: u64) {
         if id != u32::MAX {
-            let _ = hostcalls::record_metric(id, value);
+            abi::record_metric(id, value);
         }
     }
 }
 
 /// The host's time since the epoch (zero if the host cannot say).
 fn since_epoch() -> Duration {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .unwrap_or_default()
+    abi::now().unwrap_or_default()
 }
 
 fn now_ms() -> u64 {
@@ -205,18 +196,17 @@ fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
     if let Some(auth) = &redis.authorization {
         headers.push(("authorization", auth.as_str()));
     }
-    hostcalls::dispatch_http_call(
+    abi::http_call(
         &redis.cluster,
-        headers,
-        Some(body),
-        vec![],
+        &headers,
+        body,
         // The watchdog decides at `timeout` (within a tick); the host's own timer is a backstop
         // set later, so a slow gateway is counted as a timeout, not as Envoy's 504.
         Duration::from_millis(redis.timeout_ms.saturating_mul(2).saturating_add(100)),
     )
     .map_err(|status| {
         // Envoy refuses a callout to a cluster it does not know with BadArgument.
-        let err = if status == proxy_wasm::types::Status::BadArgument {
+        let err = if status == abi::Refused(abi::BAD_ARGUMENT) {
             CallError::NoSuchCluster
         } else {
             CallError::NotSent
@@ -242,29 +232,23 @@ fn read_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError>
 /// only when the body alone does not show that Redis ran the command (see
 /// [`webdis::decode_array`]).
 fn call_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError> {
-    let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-        .ok()
-        .flatten()
-        .unwrap_or_default();
+    let body = abi::buffer(BufferType::HttpCallResponseBody, body_size);
     if let Some(reply) = webdis::decode_array(&body) {
         return Ok(reply);
     }
-    let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-        .ok()
-        .flatten()
+    let status = abi::header_value(MapType::CallResponseHeaders, ":status")
         .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
     // The gateway's own answer (not Envoy's on its behalf): it names itself, or Envoy's router
     // timed it. Only a failure needs telling apart (a 200 is always the gateway's).
     let from_gateway = status == Some(200)
-        || ["server", "x-envoy-upstream-service-time"].iter().any(|h| {
-            hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, h)
-                .ok()
-                .flatten()
-                .is_some()
-        });
+        || ["server", "x-envoy-upstream-service-time"]
+            .iter()
+            .any(|h| abi::header_value(MapType::CallResponseHeaders, h).is_some());
     webdis::decode(status, from_gateway, &body)
 }
 
+/// A root context: the plugin's configuration, once loaded, as this worker's [`Vm`].
+#[derive(Clone, Default)]
 struct Root {
     vm: Option<Rc<Vm>>,
 }
@@ -282,16 +266,16 @@ impl Root {
                 Kind::Counter => MetricType::Counter,
                 Kind::Histogram => MetricType::Histogram,
             };
-            hostcalls::define_metric(t, name).unwrap_or(u32::MAX)
+            abi::define_metric(t, name).unwrap_or(u32::MAX)
         });
         // A queue of this worker's own (a random name: the host keys queues by VM and name,
         // and every worker runs the same VM): a stream enqueues to wake the root, which sends
         // the releases it handed over (and the batches) at once instead of at the next tick.
         let name = format!("cg.wake.{}", TokenSource::from_entropy(now_ms()).token());
-        let wake_queue = hostcalls::register_shared_queue(&name).ok();
+        let wake_queue = abi::register_queue(&name).ok();
         // The watchdog's resolution; batches ride on the tick only without a wake queue.
         let tick = config.tick_ms(config.redis.batch.is_some() && wake_queue.is_none());
-        let _ = hostcalls::set_tick_period(Duration::from_millis(tick));
+        abi::set_tick_period(tick);
         let batch = config.redis.batch;
         let worker = Worker::new(TokenSource::from_entropy(now_ms()), batch, tick);
         self.vm = Some(Rc::new(Vm {
@@ -318,27 +302,19 @@ impl Root {
             vm.event_timed(parts, None, f);
         }
     }
-}
 
-impl Context for Root {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
+    /// An answer to a callout the root sent.
+    fn on_http_call_response(&self, token: u32, body_size: usize) {
         self.event_in(Some((Span::Answer, Span::Resume)), |w, cx| {
             w.on_answer(cx, token, || read_answer(body_size))
         });
     }
-}
 
-impl RootContext for Root {
+    /// Reads and loads the plugin's configuration; whether it is valid (the host refuses the
+    /// plugin otherwise).
     fn on_configure(&mut self, size: usize) -> bool {
-        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size) {
-            Ok(Some(b)) => b,
-            Ok(None) => Vec::new(),
+        let bytes = match abi::buffer_or_refusal(BufferType::PluginConfiguration, size) {
+            Ok(b) => b,
             Err(status) => {
                 log::error!("cannot read the plugin configuration: {status:?}");
                 return false;
@@ -356,36 +332,25 @@ impl RootContext for Root {
         }
     }
 
-    fn on_queue_ready(&mut self, queue_id: u32) {
+    fn on_queue_ready(&self, queue_id: u32) {
         if self.vm.is_none() {
             return;
         }
-        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
+        while abi::dequeue(queue_id).is_some() {}
         self.event(|w, cx| w.on_queue_ready(cx));
     }
 
-    fn on_tick(&mut self) {
+    fn on_tick(&self) {
         self.event(|w, cx| w.on_tick(cx));
     }
 
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+    /// A new stream of this plugin.
+    fn stream(&self, context_id: u32) -> Filter {
         let _span = spans::enter(Span::Create);
-        Some(Box::new(Filter {
+        Filter {
             vm: self.vm.clone(),
             ctx: context_id,
-        }))
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-}
-
-/// The worker's action as the SDK's.
-fn host_action(action: Action) -> types::Action {
-    match action {
-        Action::Continue => types::Action::Continue,
-        Action::Pause => types::Action::Pause,
+        }
     }
 }
 
@@ -407,6 +372,7 @@ fn send_local(r: &crate::respond::LocalResponse) {
 }
 
 /// One HTTP stream, known to the worker by its context id.
+#[derive(Clone)]
 struct Filter {
     vm: Option<Rc<Vm>>,
     ctx: u32,
@@ -415,10 +381,7 @@ struct Filter {
 impl Filter {
     /// Hands this stream's event to the worker and carries out its effects (Continue when
     /// the filter is not configured).
-    fn event(
-        &self,
-        f: impl FnOnce(&mut Worker<u32>, &Cx<'_>, u32) -> Effects<u32>,
-    ) -> types::Action {
+    fn event(&self, f: impl FnOnce(&mut Worker<u32>, &Cx<'_>, u32) -> Effects<u32>) -> Action {
         self.event_in(None, f)
     }
 
@@ -427,26 +390,24 @@ impl Filter {
         &self,
         parts: Option<(Span, Span)>,
         f: impl FnOnce(&mut Worker<u32>, &Cx<'_>, u32) -> Effects<u32>,
-    ) -> types::Action {
+    ) -> Action {
         let Some(vm) = &self.vm else {
-            return types::Action::Continue;
+            return Action::Continue;
         };
         // None: the worker is taking another event; the stream waits for it.
         vm.event_timed(parts, Some(self.ctx), |w, cx| f(w, cx, self.ctx))
-            .map_or(types::Action::Pause, host_action)
+            .unwrap_or(Action::Pause)
     }
-}
 
-impl Filter {
     /// An event whose handling reads no time (`f` says `None` when it needs the timed
     /// [`Filter::event`]): the host's clock is not asked, and the context's time is 0.
     fn untimed(
         &self,
         f: impl FnOnce(&mut Worker<u32>, &Cx<'_>, u32) -> Option<Effects<u32>>,
-    ) -> Option<types::Action> {
+    ) -> Option<Action> {
         let vm = self.vm.as_ref()?;
         let fx = vm.event_at(0, |w, cx| f(w, cx, self.ctx))??;
-        Some(host_action(vm.carry_out(fx, Some(self.ctx))))
+        Some(vm.carry_out(fx, Some(self.ctx)))
     }
 
     /// Whether the worker guards this stream (an unguarded one needs no event, so no clock).
@@ -461,12 +422,12 @@ impl Filter {
 
     /// A piece of the body in direction `dir`, read from the host only if the flow asks (and
     /// no event at all when the flow takes no body in that direction).
-    fn body(&self, dir: Dir, body_size: usize, end_of_stream: bool) -> types::Action {
+    fn body(&self, dir: Dir, body_size: usize, end_of_stream: bool) -> Action {
         if let Some(vm) = &self.vm {
             let _span = spans::enter(Span::Idle);
             if let Ok(w) = vm.worker.try_borrow() {
                 if !w.wants_body(self.ctx, dir) {
-                    return types::Action::Continue;
+                    return Action::Continue;
                 }
             }
         }
@@ -476,26 +437,19 @@ impl Filter {
         };
         self.event(|w, cx, s| {
             w.on_body(cx, s, dir, body_size, end_of_stream, || {
-                buffer(kind, body_size)
+                abi::buffer(kind, body_size)
             })
         })
     }
-}
 
-impl Context for Filter {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
+    /// An answer to a callout this stream sent.
+    fn on_http_call_response(&self, token: u32, body_size: usize) {
         self.event_in(Some((Span::Answer, Span::Resume)), |w, cx, _| {
             w.on_answer(cx, token, || read_answer(body_size))
         });
     }
 
-    fn on_done(&mut self) -> bool {
+    fn on_done(&self) {
         let idle = spans::mark();
         if self.guarded() {
             let _span = spans::enter(Span::Done);
@@ -503,7 +457,16 @@ impl Context for Filter {
         } else {
             idle.end(Span::Idle);
         }
-        true
+    }
+
+    /// The host deleted the stream's context: the worker forgets it.
+    fn close(&self) {
+        let _span = spans::enter(Span::Drop);
+        if let Some(vm) = &self.vm {
+            if let Ok(mut worker) = vm.worker.try_borrow_mut() {
+                worker.close(self.ctx);
+            }
+        }
     }
 }
 
@@ -515,7 +478,7 @@ fn strip(reserved: &[String], headers: &mut Headers) {
     let mut sent = false;
     for name in reserved {
         if headers.values(name).next().is_some() {
-            let _ = abi::remove_header(MapType::HttpRequestHeaders, name);
+            let _ = abi::remove_header(MapType::RequestHeaders, name);
             sent = true;
         }
     }
@@ -537,36 +500,24 @@ fn header_pairs(map: MapType) -> Vec<(String, String)> {
 fn metadata_text(path: &[String]) -> Option<String> {
     let mut full = vec!["metadata", "filter_metadata"];
     full.extend(path.iter().map(String::as_str));
-    claim_text(&hostcalls::get_property(full).ok()??)
+    claim_text(&abi::property(&full)?)
 }
 
-fn property(path: Vec<&str>) -> Option<String> {
-    let bytes = hostcalls::get_property(path).ok()??;
-    String::from_utf8(bytes).ok()
+fn property(path: &[&str]) -> Option<String> {
+    String::from_utf8(abi::property(path)?).ok()
 }
 
-fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(kind, 0, size)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
-}
-
-impl HttpContext for Filter {
-    fn on_http_request_headers(
-        &mut self,
-        _num_headers: usize,
-        end_of_stream: bool,
-    ) -> types::Action {
+impl Filter {
+    fn on_request_headers(&self, end_of_stream: bool) -> Action {
         let Some(vm) = self.vm.clone() else {
-            return types::Action::Continue;
+            return Action::Continue;
         };
         let began = spans::mark();
         // One read of the whole map: the matchers, the reserved headers and the request come
         // from it. Headers only the filter may set never come from the client, whatever the
         // request: they are invisible to the matchers and removed from the request.
         let reserved = &vm.runtime.reserved_headers;
-        let mut headers = header_map(MapType::HttpRequestHeaders);
+        let mut headers = header_map(MapType::RequestHeaders);
         strip(reserved, &mut headers);
         began.end(Span::HeadersMap);
         let matching = spans::mark();
@@ -576,18 +527,18 @@ impl HttpContext for Filter {
         let probed = probe.into_probed();
         matching.end(Span::HeadersMatch);
         let (index, policy) = match selected {
-            None => return types::Action::Continue,
+            None => return Action::Continue,
             Some(Selected::AmbiguousPath(i)) => {
                 let content_type = headers.values("content-type").next();
                 return self.event(|w, cx, s| w.on_ambiguous_path(cx, s, i, content_type));
             }
             Some(Selected::Policy(i)) => match policies.get(i) {
                 Some(p) => (i, p),
-                None => return types::Action::Continue,
+                None => return Action::Continue,
             },
         };
         let address = if policy.uses_client_ip {
-            property(vec!["source", "address"])
+            property(&["source", "address"])
         } else {
             None
         };
@@ -609,32 +560,28 @@ impl HttpContext for Filter {
         })
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> types::Action {
+    fn on_request_body(&self, body_size: usize, end_of_stream: bool) -> Action {
         // While the request is held for a decision its body is held too: returning Continue
         // here would let Envoy pass the headers on before the decision.
         self.body(Dir::Request, body_size, end_of_stream)
     }
 
-    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> types::Action {
+    fn on_request_trailers(&self) -> Action {
         if !self.guarded() {
-            return types::Action::Continue;
+            return Action::Continue;
         }
         self.event(|w, cx, s| {
             w.on_request_trailers(cx, s, || {
-                buffer(BufferType::HttpRequestBody, usize::MAX >> 1)
+                abi::buffer(BufferType::HttpRequestBody, usize::MAX >> 1)
             })
         })
     }
 
-    fn on_http_response_headers(
-        &mut self,
-        _num_headers: usize,
-        end_of_stream: bool,
-    ) -> types::Action {
+    fn on_response_headers(&self, end_of_stream: bool) -> Action {
         let idle = spans::mark();
         if !self.guarded() {
             idle.end(Span::Idle);
-            return types::Action::Continue;
+            return Action::Continue;
         }
         let _span = spans::enter(Span::ResponseHeaders);
         // The usual guarded stream only gets its rate-limit headers here: no clock read.
@@ -643,33 +590,22 @@ impl HttpContext for Filter {
         }
         self.event(|w, cx, s| {
             w.on_response_headers(cx, s, end_of_stream, || ResponseHead {
-                headers: header_pairs(MapType::HttpResponseHeaders),
-                details: property(vec!["response", "code_details"]).unwrap_or_default(),
+                headers: header_pairs(MapType::ResponseHeaders),
+                details: property(&["response", "code_details"]).unwrap_or_default(),
             })
         })
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> types::Action {
+    fn on_response_body(&self, body_size: usize, end_of_stream: bool) -> Action {
         self.body(Dir::Response, body_size, end_of_stream)
     }
 
-    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> types::Action {
+    fn on_response_trailers(&self) -> Action {
         if !self.guarded() {
-            return types::Action::Continue;
+            return Action::Continue;
         }
         self.event(|w, cx, s| {
-            w.on_response_trailers(cx, s, || header_pairs(MapType::HttpResponseTrailers))
+            w.on_response_trailers(cx, s, || header_pairs(MapType::ResponseTrailers))
         })
-    }
-}
-
-impl Drop for Filter {
-    fn drop(&mut self) {
-        let _span = spans::enter(Span::Drop);
-        if let Some(vm) = &self.vm {
-            if let Ok(mut worker) = vm.worker.try_borrow_mut() {
-                worker.close(self.ctx);
-            }
-        }
     }
 }

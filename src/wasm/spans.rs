@@ -121,9 +121,8 @@ impl Drop for Guard {
 
 #[cfg(feature = "spans")]
 mod on {
+    use super::super::abi::{self, LogLevel};
     use super::{Span, REPORT_EVERY, SPANS};
-    use proxy_wasm::hostcalls;
-    use proxy_wasm::types::LogLevel;
     use std::cell::RefCell;
 
     thread_local! {
@@ -162,7 +161,7 @@ mod on {
             Some(format!("spans: {}", parts.join(" ")))
         });
         if let Some(line) = line {
-            let _ = hostcalls::log(LogLevel::Warn, &line);
+            abi::log(LogLevel::Warn, &line);
         }
     }
 }
