@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from harness.envoy import DEFAULT_WASM
 from harness.stack import BLACKHOLE_CLUSTER, DEAD_CLUSTER, Stack
 
 # Every test that builds its stack through `topology` (stack_factory, the module's shared stack)
@@ -410,6 +411,46 @@ def test_watchdog_decides_when_the_gateway_never_answers(stack_factory):
     assert envoy.stat("wasmcustom.cg.policy.open.failed_open") == 2
     redis = counters(envoy, "cg.redis")
     assert (redis["calls"], redis["timeouts"], redis["errors"]) == (4, 4, 0), redis
+
+
+def second_plugin(root_id: str, config: dict) -> dict:
+    """The filter once more in the chain, as another plugin of the same VM (the template's
+    `vm_id` and code, its own `root_id` and configuration): what two WasmPlugins built from
+    one image are in a sidecar."""
+    return {"name": f"coordination-guard-{root_id}",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": f"coordination-guard-{root_id}", "root_id": root_id,
+                    "failure_policy": "FAIL_CLOSED", "allow_on_headers_stop_iteration": True,
+                    "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                      "value": json.dumps(config)},
+                    "vm_config": {"vm_id": "coordination-guard",
+                                  "runtime": "envoy.wasm.runtime.v8",
+                                  "code": {"local": {"filename": str(DEFAULT_WASM)}}}}}}
+
+
+def test_two_plugins_of_one_vm_each_keep_their_own_configuration(stack_factory):
+    """The adapter keeps a root context per plugin and hands each stream to its own plugin's:
+    two instances of the filter in one chain, sharing the VM, each limit their own paths with
+    their own limits, answers and metrics, and neither sees the other's policies."""
+    stack = stack_factory(None, envoys=0)
+    first = plugin(stack, [{"name": "first", "match": {"path_prefix": "/first"},
+                            "rate_limits": [rl("one", limit=1)]}], key_prefix="cg:e2e:first")
+    second = plugin(stack, [{"name": "second", "match": {"path_prefix": "/second"},
+                             "rate_limits": [rl("two", limit=2)]}], key_prefix="cg:e2e:second")
+    envoy = stack.add_envoy(second, pre_filters=[second_plugin("first", first)])
+
+    assert [post(envoy, "/first").status for _ in range(2)] == [200, 429]
+    assert [post(envoy, "/second").status for _ in range(3)] == [200, 200, 429]
+    one, two = post(envoy, "/first"), post(envoy, "/second")
+    assert assert_problem(one, 429, "rate_limited")["violated-policies"] == ["one"]
+    assert assert_problem(two, 429, "rate_limited")["violated-policies"] == ["two"]
+    assert quota(one)[0] == [("one", 1, 60)] and quota(two)[0] == [("two", 2, 60)]
+    assert stack.upstream.stats()["by_path"] == {"POST /first": 1, "POST /second": 2}
+    assert envoy.stat("wasmcustom.cg.policy.first.limit.one.rejected") == 2
+    assert envoy.stat("wasmcustom.cg.policy.second.limit.two.rejected") == 2
+    assert redis_keys(stack, "cg:e2e:first") and redis_keys(stack, "cg:e2e:second")
 
 
 def test_dead_gateway_fails_fast_per_mode(stack_factory):
