@@ -224,6 +224,13 @@ def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_reque
         code = by_name[f"wasm_naive_code{n}"]
         assert code.script == by_name["wasm_naive_script"].script
         assert code.wasm_path == bench.FLOOR_WASM
+    # The floor without the SDK, both ways, runs in the no-policy path's rounds, each its own
+    # module (bench/floor/examples), built with the floor's crate.
+    assert bench.in_round_anchors(by_name["no_policy"]) == [
+        "wasm_floor", "wasm_floor_raw_all", "wasm_floor_raw"]
+    raw = {by_name[n].wasm_path for n in ("wasm_floor", "wasm_floor_raw", "wasm_floor_raw_all")}
+    assert raw == set(bench.FLOOR_WASMS) and len(raw) == 3
+    assert "--examples" in bench.FLOOR_BUILD
 
 
 def test_the_incumbent_runs_in_the_rounds_of_the_paths_it_competes_with():

@@ -269,14 +269,11 @@ pub fn header_value(map: MapType, name: &str) -> Option<Vec<u8>> {
 
 /// Up to `max` bytes of a buffer from its start; empty when there is none or the host refuses.
 pub fn buffer(kind: BufferType, max: usize) -> Vec<u8> {
-    let mut r = Returned::new();
-    // SAFETY: the return slots outlive the call.
-    let status = unsafe { proxy_get_buffer_bytes(kind, 0, max, &mut r.data, &mut r.size) };
-    r.take(status).ok().flatten().unwrap_or_default()
+    buffer_or_refusal(kind, max).unwrap_or_default()
 }
 
-/// Whether the host has a buffer `kind` (the plugin's configuration, which may be empty);
-/// its bytes, or the host's refusal.
+/// Up to `max` bytes of a buffer from its start (empty when the host has none: the plugin's
+/// configuration may be empty), or the host's refusal.
 pub fn buffer_or_refusal(kind: BufferType, max: usize) -> Result<Vec<u8>, Refused> {
     let mut r = Returned::new();
     // SAFETY: the return slots outlive the call.
@@ -389,7 +386,7 @@ pub fn http_call(
     timeout: Duration,
 ) -> Result<u32, Refused> {
     let map = serialize(headers);
-    let trailers = serialize(&[]);
+    let trailers = NO_PAIRS;
     let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
     let mut token = 0;
     // SAFETY: all pointers and lengths come from live buffers the host copies; the token's
@@ -450,6 +447,9 @@ pub fn send_local_response(
         )
     })
 }
+
+/// An empty header map in the host's encoding (a count of 0): a callout's trailers.
+const NO_PAIRS: [u8; 4] = [0; 4];
 
 /// The host's header-map encoding: count, (name length, value length) pairs, then each name
 /// and value followed by a NUL.

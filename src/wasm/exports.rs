@@ -41,6 +41,11 @@ fn root(context: u32) -> Option<Root> {
     with(|c| c.roots.get(&context).cloned())
 }
 
+/// A stream's callback `f`, its action as the host's (Continue for a stream not in the table).
+fn on_stream(context: u32, f: impl FnOnce(&Filter) -> Action) -> u32 {
+    stream(context).map_or(CONTINUE, |s| host(f(&s)))
+}
+
 /// Runs the module's constructors (the WASI reactor's contract, which the host honours by
 /// calling `_initialize` first), then sets up the log and what a panic says.
 #[no_mangle]
@@ -92,32 +97,32 @@ pub extern "C" fn proxy_on_context_create(context: u32, parent: u32) {
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_headers(context: u32, _headers: usize, eos: u32) -> u32 {
-    stream(context).map_or(CONTINUE, |f| host(f.on_request_headers(eos != 0)))
+    on_stream(context, |f| f.on_request_headers(eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_body(context: u32, size: usize, eos: u32) -> u32 {
-    stream(context).map_or(CONTINUE, |f| host(f.on_request_body(size, eos != 0)))
+    on_stream(context, |f| f.on_request_body(size, eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_trailers(context: u32, _trailers: usize) -> u32 {
-    stream(context).map_or(CONTINUE, |f| host(f.on_request_trailers()))
+    on_stream(context, Filter::on_request_trailers)
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_headers(context: u32, _headers: usize, eos: u32) -> u32 {
-    stream(context).map_or(CONTINUE, |f| host(f.on_response_headers(eos != 0)))
+    on_stream(context, |f| f.on_response_headers(eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_body(context: u32, size: usize, eos: u32) -> u32 {
-    stream(context).map_or(CONTINUE, |f| host(f.on_response_body(size, eos != 0)))
+    on_stream(context, |f| f.on_response_body(size, eos != 0))
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_trailers(context: u32, _trailers: usize) -> u32 {
-    stream(context).map_or(CONTINUE, |f| host(f.on_response_trailers()))
+    on_stream(context, Filter::on_response_trailers)
 }
 
 /// The answer to a callout, delivered to the context that sent it (a stream or a root).
