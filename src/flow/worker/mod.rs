@@ -39,6 +39,9 @@ struct Entry {
     /// Its calls in flight (its routes): a stream that closes with none leaves no route to
     /// look for, so closing costs nothing however many calls the worker has in flight.
     routed: u32,
+    /// Whether it is in the worker's `waiting` set: a stream that never waits costs the set
+    /// nothing.
+    waits: bool,
 }
 
 /// Boxes of closed streams kept for the next ones, at most.
@@ -264,18 +267,21 @@ impl<S: Copy + Ord> Worker<S> {
         })
     }
 
-    /// Forgets a stream (and where its calls' answers would have gone).
+    /// Forgets a stream (and where its calls' answers would have gone). A stream the worker
+    /// does not know (never guarded, or forgotten already: the host's end of every stream
+    /// comes here) has nothing here to forget: a call sent for it after it was forgotten is
+    /// dropped with its answer (see [`Worker::on_answer`]).
     pub fn close(&mut self, s: S) {
-        self.waiting.remove(&s);
-        let entry = self.streams.remove(&s);
-        // A stream the worker does not know has no count to go by: its routes are looked for.
-        if entry.as_ref().is_none_or(|e| e.routed > 0) {
+        let Some(mut entry) = self.streams.remove(&s) else {
+            return;
+        };
+        if entry.waits {
+            self.waiting.remove(&s);
+        }
+        if entry.routed > 0 {
             self.routes
                 .retain(|_, d| !matches!(d, Dest::Stream(t, _) if *t == s));
         }
-        let Some(mut entry) = entry else {
-            return;
-        };
         if self.spare.len() < SPARE_ENTRIES {
             // Every field, so that a new one cannot be left out: the box must be as a fresh
             // one (the flow keeps only the room of its lists).
@@ -283,10 +289,12 @@ impl<S: Copy + Ord> Worker<S> {
                 flow,
                 paused,
                 routed,
+                waits,
             } = &mut *entry;
             flow.recycle();
             *paused = None;
             *routed = 0;
+            *waits = false;
             self.spare.push(entry);
         }
     }
@@ -533,6 +541,7 @@ impl<S: Copy + Ord> Worker<S> {
         let flow = &mut entry.flow;
         let background = flow.take_background();
         let deadline = flow.deadline_ms();
+        let was_waiting = std::mem::replace(&mut entry.waits, deadline.is_some());
         let freed = flow.take_freed();
         let waits = flow.waiting_for().is_some();
         if waits {
@@ -545,10 +554,14 @@ impl<S: Copy + Ord> Worker<S> {
             self.woken = true;
         }
         background.into_iter().for_each(|bg| self.outbox.add(bg));
-        if deadline.is_some() {
-            self.waiting.insert(s);
-        } else {
-            self.waiting.remove(&s);
+        match (deadline.is_some(), was_waiting) {
+            (true, false) => {
+                self.waiting.insert(s);
+            }
+            (false, true) => {
+                self.waiting.remove(&s);
+            }
+            _ => {}
         }
         if let Some(key) = freed {
             self.wake_waiters(&key, cx.now_ms);

@@ -275,7 +275,13 @@ fn a_closed_stream_forgets_its_calls() {
     let mut w = worker(&rt);
     let fx = request(&mut w, &cx, 1, "PUT", "/x");
     let tokens = send_all(&mut w, &cx, fx, &mut 0);
+    assert!(w.waiting.contains(&1), "paused on Redis, with a deadline");
     w.close(1);
+    assert!(w.waiting.is_empty() && w.routes.is_empty());
+    // The host's end of a stream already forgotten, or never guarded: nothing to forget.
+    w.close(1);
+    w.close(2);
+    assert!(w.streams.is_empty() && w.waiting.is_empty());
     assert!(w.on_answer(&cx, tokens[0], unread).streams.is_empty());
     assert!(w.on_tick(&Cx::new(&rt, 1_000, &rec)).streams.is_empty());
     // Events of an unguarded stream: it goes on.
@@ -539,6 +545,8 @@ fn a_stream_closes_without_touching_other_streams_calls() {
     // Answered, then closed: nothing of its own is left to forget.
     let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    // Its deadline went with its call; the others still wait on theirs.
+    assert_eq!(w.waiting.iter().copied().collect::<Vec<_>>(), [2, 3]);
     w.close(1);
     assert_eq!(w.routes.len(), 2);
     // Closed with its call in flight: that call's route goes, the late answer is not read.
