@@ -398,6 +398,43 @@ fn request_headers(
     w.on_request_headers(cx, s, index, req, end_of_stream)
 }
 
+/// Requests whose streams end before their call's answer (the client gone, or the watchdog
+/// answered them while Redis hangs), with 512 streams waiting on their calls: each stream
+/// ends 512 requests after it began, its call still in flight, and that call's answer comes
+/// after its end. Each stream's end forgets its own call among the 512 in flight.
+fn worker_abandoned(rt: &Runtime, maps: &[Vec<u8>]) {
+    let name = "request through the worker, exact, ended before its answer, 512 in flight";
+    if !selected(name) {
+        return;
+    }
+    let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
+    let mut open: VecDeque<u32> = VecDeque::new();
+    let (mut stream, mut n) = (0u32, 0usize);
+    let mut request = |w: &mut Worker<u32>| {
+        let cx = Cx::new(rt, 1_000, &NoMetrics);
+        stream += 1;
+        n = (n + 7919) % maps.len();
+        let mut fx = request_headers(w, &cx, stream, maps[n].clone(), true);
+        let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
+        let call = call.expect("one acquire call");
+        let _ = w.sent(&cx, call.route, Ok(stream));
+        open.push_back(stream);
+        if open.len() < 512 {
+            return;
+        }
+        let Some(s) = open.pop_front() else {
+            return;
+        };
+        black_box(w.on_done(&cx, s));
+        w.close(s);
+        black_box(w.on_answer(&cx, s, || panic!("a late answer is not read")));
+    };
+    for _ in 0..512 {
+        request(&mut w);
+    }
+    report(name, || request(&mut w));
+}
+
 /// Requests through the worker, driven as the adapter drives it: the header map as the host
 /// hands it over, decoded, matched and parsed; the callout's body; its answer; the response
 /// headers; the end. `in_flight` requests are open at once (each answered that many requests
@@ -452,6 +489,7 @@ fn worker_requests() {
         }
         report(&name, || request(&mut w));
     }
+    worker_abandoned(&rt, &maps);
     worker_batched(&rt, &maps);
     worker_local(
         "exact",

@@ -36,9 +36,10 @@ pub struct ResponseHead {
 struct Entry {
     flow: Flow,
     paused: Option<Dir>,
-    /// Its calls in flight (its routes): a stream that closes with none leaves no route to
-    /// look for, so closing costs nothing however many calls the worker has in flight.
-    routed: u32,
+    /// The tokens of its calls in flight (its routes): a stream that closes forgets those
+    /// routes by their tokens, so closing costs nothing however many calls the worker has in
+    /// flight (a slow Redis piles them up). Its room is kept with the box.
+    calls: Vec<u32>,
     /// Whether it is in the worker's `waiting` set: a stream that never waits costs the set
     /// nothing.
     waits: bool,
@@ -278,9 +279,8 @@ impl<S: Copy + Ord> Worker<S> {
         if entry.waits {
             self.waiting.remove(&s);
         }
-        if entry.routed > 0 {
-            self.routes
-                .retain(|_, d| !matches!(d, Dest::Stream(t, _) if *t == s));
+        for token in entry.calls.drain(..) {
+            self.routes.remove(&token);
         }
         if self.spare.len() < SPARE_ENTRIES {
             // Every field, so that a new one cannot be left out: the box must be as a fresh
@@ -288,12 +288,12 @@ impl<S: Copy + Ord> Worker<S> {
             let Entry {
                 flow,
                 paused,
-                routed,
+                calls,
                 waits,
             } = &mut *entry;
             flow.recycle();
             *paused = None;
-            *routed = 0;
+            calls.clear();
             *waits = false;
             self.spare.push(entry);
         }
@@ -321,7 +321,7 @@ impl<S: Copy + Ord> Worker<S> {
             (dest, Ok(token)) => {
                 if let Dest::Stream(s, _) = dest {
                     if let Some(entry) = self.streams.get_mut(&s) {
-                        entry.routed = entry.routed.saturating_add(1);
+                        entry.calls.push(token);
                     }
                 }
                 self.routes.insert(token, dest);
@@ -346,7 +346,9 @@ impl<S: Copy + Ord> Worker<S> {
         };
         if let Some(Dest::Stream(s, _)) = &dest {
             if let Some(entry) = self.streams.get_mut(s) {
-                entry.routed = entry.routed.saturating_sub(1);
+                if let Some(i) = entry.calls.iter().position(|&t| t == token) {
+                    entry.calls.swap_remove(i);
+                }
             }
         }
         match dest {

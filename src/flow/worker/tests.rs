@@ -529,6 +529,16 @@ fn a_closed_streams_box_carries_nothing_to_the_next_stream() {
     assert_eq!(reusing.spare.len(), SPARE_ENTRIES);
 }
 
+/// Streams 1, 2 and 3 each with its acquire in flight: their tokens.
+fn three_in_flight(w: &mut Worker<u32>, cx: &Cx<'_>, next: &mut u32) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    for s in 1..=3 {
+        let fx = request(w, cx, s, "GET", "/x");
+        tokens.extend(send_all(w, cx, fx, next));
+    }
+    tokens
+}
+
 #[test]
 fn a_stream_closes_without_touching_other_streams_calls() {
     let rec = Recorder::default();
@@ -536,11 +546,7 @@ fn a_stream_closes_without_touching_other_streams_calls() {
     let cx = Cx::new(&rt, 1_000, &rec);
     let mut w = worker(&rt);
     let mut next = 0;
-    let mut tokens = Vec::new();
-    for s in 1..=3 {
-        let fx = request(&mut w, &cx, s, "GET", "/x");
-        tokens.extend(send_all(&mut w, &cx, fx, &mut next));
-    }
+    let tokens = three_in_flight(&mut w, &cx, &mut next);
     assert_eq!(w.routes.len(), 3);
     // Answered, then closed: nothing of its own is left to forget.
     let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
@@ -563,6 +569,33 @@ fn a_stream_closes_without_touching_other_streams_calls() {
     w.close(4);
     assert!(w.routes.is_empty());
     assert!(w.on_answer(&cx, late[0], unread).streams.is_empty());
+}
+
+#[test]
+fn a_stream_forgets_the_calls_it_resent_and_only_those() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let cx = Cx::new(&rt, 1_000, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    let tokens = three_in_flight(&mut w, &cx, &mut next);
+    // Stream 2's call answered NOSCRIPT: its EVAL goes out under a new token.
+    let noscript = Reply::Error("NOSCRIPT No matching script. Please use EVAL.".into());
+    let fx = w.on_answer(&cx, tokens[1], || Ok(noscript));
+    let again = send_all(&mut w, &cx, fx, &mut next);
+    assert_eq!(again.len(), 1, "the EVAL");
+    assert_eq!(w.routes.len(), 3);
+    // Closed with the EVAL in flight: that route goes, by its token; the others stay.
+    w.close(2);
+    assert_eq!(w.routes.len(), 2);
+    assert!(!w.routes.contains_key(&again[0]));
+    assert!(w.on_answer(&cx, again[0], unread).streams.is_empty());
+    for (s, token) in [(1, tokens[0]), (3, tokens[2])] {
+        let fx = w.on_answer(&cx, token, || Ok(ints(&[1, 1, 4, 1_000, 0])));
+        assert_eq!(fx.streams[0].stream, s);
+        assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    }
+    assert!(w.routes.is_empty());
 }
 
 #[test]
