@@ -155,7 +155,7 @@ bench-instructions: deps-rust deps-python ## Wasm instructions per request of th
 bench-profile: deps-rust deps-python deps-perf ## One core case's Wasm time by function (wasmtime's perf map, perf cpu-clock), N runs less none. Env CASE=<name text> N=100000 TOP=30.
 	cd bench && ../$(PYTHON) wasm_profile.py
 
-bench-footprint: deps-rust deps-python ## The code one request runs (Wasm functions, their bytes, the bytes that ran), per core case: what its cost in Envoy follows. Env CASES="a|b" N=2000 TOP=25.
+bench-footprint: deps-rust deps-python ## The code one request runs (Wasm functions, their bytes, the bytes that ran and the 64-byte lines they touch), per core case: what its cost in Envoy follows. Env CASES="a|b" N=2000 TOP=25.
 	cd bench && ../$(PYTHON) footprint.py
 
 bench-spans: deps deps-bench ## Where the filter's time goes inside Envoy: wall µs per span of its callbacks (a build with the cargo feature spans). Env BENCH_SCENARIOS=a,b.

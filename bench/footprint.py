@@ -10,7 +10,10 @@ target/profile, as `make bench-profile` does), adds to every function a counter 
 selected case CORE_COUNT=N times and then 0 times in wasmtime, and reports, per request: the
 distinct functions called, their code's size in bytes of Wasm (each body as the module stores
 it), and the calls. Functions that some requests call and others do not (a key memo's miss)
-count with the fraction of requests that call them.
+count with the fraction of requests that call them. The code that ran is also counted in
+lines of 64 bytes of each function's Wasm, the size of a cache line: code that does not run
+between two pieces that do (a cold path inlined into a hot function) spreads what runs over
+more lines, and a line the request touches costs the whole line.
 
 Environment: CASES (texts separated by `|`, each selecting core cases by name, added up when
 one text selects several; default the exact path with one request in flight, the cached
@@ -277,6 +280,21 @@ def instrument(wasm: bytes, blocks: set[int] | None = None
     return bytes(out), names, sizes, spans
 
 
+LINE = 64
+
+
+def lines_touched(regions: list[tuple[int, bool]]) -> int:
+    """The lines of LINE bytes, from a function's first byte of code, that the regions which
+    ran touch: `regions` are (size, ran) in the function's order."""
+    lines: set[int] = set()
+    at = 0
+    for size, ran in regions:
+        if ran and size > 0:
+            lines.update(range(at // LINE, (at + size - 1) // LINE + 1))
+        at += size
+    return len(lines)
+
+
 def calls(runner: instructions.Runner, case: str, n: int) -> tuple[dict[int, int], list[str]]:
     """Each counter's count after a run of `case` with CORE_COUNT=n, by the number in its
     name; and the cases that ran."""
@@ -319,15 +337,19 @@ def main() -> int:
         ran_bytes = {f: sum(size * min((bafter[c] - bbase.get(c, 0)) / n, 1.0)
                             for c, size in spans[f] if bafter[c] > bbase.get(c, 0))
                      for f in per}
+        # Lines of the regions that ran in at least half the requests.
+        lines = {f: lines_touched([(size, 2 * (bafter[c] - bbase.get(c, 0)) >= n)
+                                   for c, size in spans[f]])
+                 for f in per}
         funcs = sum(min(c, 1.0) for c in per.values())
         size = sum(min(c, 1.0) * sizes.get(f, 0) for f, c in per.items())
         print(f"\n{', '.join(ran)} ({n} runs):")
         print(f"  per request: {funcs:.0f} functions, {sum(per.values()):.0f} calls; their code "
               f"{size / 1024:.1f} KiB of Wasm, of which {sum(ran_bytes.values()) / 1024:.1f} KiB "
-              f"ran")
-        print(f"  {'ran B':>7} {'size B':>7} {'calls':>6}  function")
+              f"ran, in {sum(lines.values())} lines of {LINE} bytes")
+        print(f"  {'ran B':>7} {'lines':>5} {'size B':>7} {'calls':>6}  function")
         for f in sorted(per, key=lambda f: -ran_bytes[f])[:top]:
-            print(f"  {ran_bytes[f]:>7.0f} {sizes.get(f, 0):>7} {per[f]:>6.2f}  "
+            print(f"  {ran_bytes[f]:>7.0f} {lines[f]:>5} {sizes.get(f, 0):>7} {per[f]:>6.2f}  "
                   f"{names.get(f, f'#{f}')[:110]}")
     return 0
 

@@ -354,3 +354,18 @@ def test_footprint_counts_the_code_a_call_runs():
     assert counts[0] == 4 and 0 in counts and 4 in counts[1:]
     ran = sum(size for (c, size), n in zip(spans[0], counts) if n)
     assert 0 < ran < sum(size for _, size in spans[0])
+
+
+def test_footprint_counts_the_lines_the_code_that_ran_touches():
+    """A region that ran touches every line of 64 bytes it overlaps; one that did not run
+    touches none, so cold code between hot code spreads the hot code over more lines."""
+    import footprint
+    assert footprint.lines_touched([]) == 0
+    assert footprint.lines_touched([(64, True)]) == 1
+    assert footprint.lines_touched([(65, True)]) == 2
+    # 10 hot bytes, 200 cold, 10 hot: lines 0 and 3, not the two between.
+    assert footprint.lines_touched([(10, True), (200, False), (10, True)]) == 2
+    # The same hot bytes side by side: one line.
+    assert footprint.lines_touched([(10, True), (10, True), (200, False)]) == 1
+    # A region straddling a line's end touches both lines; an empty one none.
+    assert footprint.lines_touched([(60, False), (8, True), (0, True)]) == 2
