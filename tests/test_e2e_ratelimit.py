@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness.envoy import DEFAULT_WASM
+from harness.envoy import wasm_filter
 from harness.stack import BLACKHOLE_CLUSTER, DEAD_CLUSTER, Stack
 
 # Every test that builds its stack through `topology` (stack_factory, the module's shared stack)
@@ -413,23 +413,6 @@ def test_watchdog_decides_when_the_gateway_never_answers(stack_factory):
     assert (redis["calls"], redis["timeouts"], redis["errors"]) == (4, 4, 0), redis
 
 
-def second_plugin(root_id: str, config: dict) -> dict:
-    """The filter once more in the chain, as another plugin of the same VM (the template's
-    `vm_id` and code, its own `root_id` and configuration): what two WasmPlugins built from
-    one image are in a sidecar."""
-    return {"name": f"coordination-guard-{root_id}",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                "config": {
-                    "name": f"coordination-guard-{root_id}", "root_id": root_id,
-                    "failure_policy": "FAIL_CLOSED", "allow_on_headers_stop_iteration": True,
-                    "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
-                                      "value": json.dumps(config)},
-                    "vm_config": {"vm_id": "coordination-guard",
-                                  "runtime": "envoy.wasm.runtime.v8",
-                                  "code": {"local": {"filename": str(DEFAULT_WASM)}}}}}}
-
-
 def test_two_plugins_of_one_vm_each_keep_their_own_configuration(stack_factory):
     """The adapter keeps a root context per plugin and hands each stream to its own plugin's:
     two instances of the filter in one chain, sharing the VM, each limit their own paths with
@@ -439,7 +422,7 @@ def test_two_plugins_of_one_vm_each_keep_their_own_configuration(stack_factory):
                             "rate_limits": [rl("one", limit=1)]}], key_prefix="cg:e2e:first")
     second = plugin(stack, [{"name": "second", "match": {"path_prefix": "/second"},
                              "rate_limits": [rl("two", limit=2)]}], key_prefix="cg:e2e:second")
-    envoy = stack.add_envoy(second, pre_filters=[second_plugin("first", first)])
+    envoy = stack.add_envoy(second, pre_filters=[wasm_filter(first, "first")])
 
     assert [post(envoy, "/first").status for _ in range(2)] == [200, 429]
     assert [post(envoy, "/second").status for _ in range(3)] == [200, 200, 429]

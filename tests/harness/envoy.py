@@ -107,6 +107,29 @@ def substitute(text: str, values: dict[str, object], plugin_config: dict | str |
     return text
 
 
+def _hcm(cfg: dict) -> dict:
+    """The template's HTTP connection manager (its routes and HTTP filters)."""
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def wasm_filter(plugin_config: dict | str, root_id: str, wasm_path: Path = DEFAULT_WASM) -> dict:
+    """The template's Wasm filter as another plugin of the same VM (its `vm_id` and code, its
+    own `root_id` and configuration): what two WasmPlugins built from one image are in a
+    sidecar. For `pre_filters`."""
+    import yaml  # PyYAML, from tests/requirements.txt
+
+    # The template as it stands: only this filter's placeholders are filled, below.
+    cfg = yaml.safe_load(TEMPLATE.read_text())
+    wasm = next(f for f in _hcm(cfg)["http_filters"] if f["name"] == FILTER_NAME)
+    name = f"{FILTER_NAME}-{root_id}"
+    wasm["name"] = name
+    config = wasm["typed_config"]["config"]
+    config.update(name=name, root_id=root_id)
+    config["configuration"]["value"] = plugin_json(plugin_config)
+    config["vm_config"]["code"]["local"]["filename"] = str(wasm_path)
+    return wasm
+
+
 def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: dict[str, int],
                   extra_clusters: dict[str, int] | None = None, local_ratelimit: dict | None = None,
                   direct_response: bool = False, cluster_header: str | None = None,
@@ -152,7 +175,7 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
 
     text = substitute(TEMPLATE.read_text(), {**ports, "WASM_PATH": str(wasm_path)})
     cfg = yaml.safe_load(text)
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm = _hcm(cfg)
     if not path_normalization:
         for key in ("normalize_path", "merge_slashes", "path_with_escaped_slashes_action"):
             hcm.pop(key, None)
