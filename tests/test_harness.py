@@ -421,6 +421,53 @@ def test_a_port_taken_before_a_services_first_start_is_chosen_again_never_on_a_r
     refused_on_its_taken_port(RedisServer(tmp_path / "fixed", port=free_port()))
 
 
+def test_free_ports_come_from_outside_the_ephemeral_range_and_never_twice():
+    """The kernel gives connections their local ports from its ephemeral range: a port chosen
+    there may be some connection's by the time a process binds it. free_port chooses below
+    it (the machine's range leaves ten thousand ports and more there)."""
+    from harness.proc import _ephemeral_range
+
+    low, high = _ephemeral_range()
+    assert low - 10000 > 10000, f"ephemeral range {low}-{high} leaves no room below it"
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(10000 <= p < low or p > high for p in ports), sorted(ports)
+
+
+@pytest.mark.parametrize("service", ["redis", "webdis"])
+def test_a_port_bound_without_listening_before_a_services_first_start_is_chosen_again(
+        tmp_path, service):
+    """A connection's local port is bound but does not listen: nothing answers there, yet
+    the service cannot bind it. Its log says so, and it starts on another port."""
+    from harness.proc import RedisServer, listens
+    from harness.webdis import Webdis
+
+    def bound_only(port: int) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", port))
+        return sock
+
+    with contextlib.ExitStack() as running:
+        redis_server = RedisServer(tmp_path / "redis")
+        if service == "redis":
+            target = redis_server
+        else:
+            redis_server.start(timeout=10)
+            running.callback(redis_server.stop)
+            target = Webdis(tmp_path / "webdis", redis_server.port,
+                            redis_password=redis_server.gateway_password)
+        taken = target.port
+        squatter = running.enter_context(bound_only(taken))
+        target.start(timeout=10)
+        running.callback(target.stop)
+        assert target.port != taken and listens(target.proc.pid, target.port)
+        squatter.close()
+        if service == "redis":
+            assert target.client().ping()
+        else:
+            assert target.command("EVAL", "return 1", 1, "cg:x") == (200, b":1\r\n")
+
+
 def test_a_cluster_nodes_bus_port_taken_before_its_first_start_is_chosen_again(tmp_path):
     from harness.cluster import ClusterNode
 

@@ -38,7 +38,48 @@ def require_binary(name: str, fix: str = "make deps") -> str:
     return path
 
 
+# Where free_port looks first: the ports outside the kernel's ephemeral range, which no
+# outgoing connection is ever given. A port from that range (what binding port 0 hands out) may
+# become some connection's local port between its choice and the process's bind, and the
+# process then fails with "Address already in use" though nothing listens there.
+_LOWEST_PORT = 10000
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
+    """A loopback port nothing is bound to, outside the ephemeral range where the machine
+    leaves room for it, and not handed out before by this process. Where it leaves none
+    (a range that spans every port), the kernel's choice."""
+    low, high = _ephemeral_range()
+    spans = [(a, b) for a, b in ((_LOWEST_PORT, low), (high + 1, 65536)) if b > a]
+    room = sum(b - a for a, b in spans)
+    for _ in range(200 if room else 0):
+        n = secrets.randbelow(room)
+        for a, b in spans:
+            if n < b - a:
+                port = a + n
+                break
+            n -= b - a
+        if port not in _HANDED_OUT and _bindable(port):
+            _HANDED_OUT.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -227,6 +268,16 @@ class Proc:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
 
+def _refused_to_bind(log: str, port: int) -> bool:
+    """Whether a process's log says it could not bind 127.0.0.1:`port`: a line with the
+    system's "Address already in use" that names that address (Redis, Envoy) or none (webdis,
+    which listens on one port only). A line naming another address (a cluster node's bus
+    port) is not about this one."""
+    return any("Address already in use" in line
+               and (f"127.0.0.1:{port}" in line or "127.0.0.1:" not in line)
+               for line in log.splitlines())
+
+
 class PortTaken(RuntimeError):
     """Another process listens on the port a service was to listen on."""
 
@@ -241,16 +292,25 @@ class Service:
     def launch(self, name: str, argv: list[str], workdir: Path, port: int,
                timeout: float) -> None:
         """Start `argv` as `self.proc` and wait until it listens on `port`; on failure it is
-        stopped again and the error raised (PortTaken if another process listens there)."""
+        stopped again and the error raised with the end of its log: PortTaken if another
+        process listens there, or if its log says the port could not be bound (a socket bound
+        there that does not listen: a connection's local port)."""
         self.proc = Proc(name, argv, workdir)
         try:
             wait_for_port(port, timeout, self.proc.popen)
         except Exception as e:
             self.proc.stop()
-            if connectable(port):
+            log = self.start_log()
+            if connectable(port) or _refused_to_bind(log, port):
                 raise PortTaken(f"{name}: 127.0.0.1:{port} is taken by another process") from e
-            raise
+            tail = "\n".join(log.splitlines()[-15:])
+            raise RuntimeError(f"{e}; the end of its log:\n{tail}") from e
         self.started = True
+
+    def start_log(self) -> str:
+        """What the process logged since this start (its output; more where it logs to a
+        file of its own)."""
+        return self.proc.log_text() if self.proc is not None else ""
 
     def launch_on_free_port(self, attempt: Callable[[], None], own_port: bool,
                             tries: int = 3) -> None:

@@ -46,6 +46,8 @@ class Webdis(Service):
         # Worker threads; each holds its own connection to Redis and reconnects on its own.
         self.threads = 2
         self.config_path = self.workdir / "webdis.json"
+        self.log_path = self.workdir / "webdis.log"
+        self._log_offset = 0
 
     @property
     def url(self) -> str:
@@ -72,7 +74,7 @@ class Webdis(Service):
                 {"http_basic_auth": f"{self.user}:{self.password}", "enabled": ["EVALSHA", "EVAL"]},
             ],
             "verbosity": 1,
-            "logfile": str(self.workdir / "webdis.log"),
+            "logfile": str(self.log_path),
         }
 
     def start(self, timeout: float = 10.0) -> "Webdis":
@@ -80,6 +82,7 @@ class Webdis(Service):
         self.workdir.mkdir(parents=True, exist_ok=True)
 
         def attempt() -> None:
+            self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
             self.config_path.chmod(0o600)  # holds the Redis password
             # webdis without a config file starts on 7379 with everything allowed: always
@@ -89,6 +92,17 @@ class Webdis(Service):
 
         self.launch_on_free_port(attempt, self.own_port)
         return self
+
+    def start_log(self) -> str:
+        """Its output and what it wrote to its own log file since this start (where it says
+        that it could not bind its port)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                own = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            own = ""
+        return super().start_log() + own
 
     def restart(self, timeout: float = 10.0) -> "Webdis":
         self.stop()
@@ -117,5 +131,4 @@ class Webdis(Service):
         return self.command("EVAL", script, len(keys), *keys, *args, auth=auth)
 
     def log_text(self) -> str:
-        path = self.workdir / "webdis.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
