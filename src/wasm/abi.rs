@@ -31,6 +31,7 @@ pub enum BufferType {
 #[repr(u32)]
 pub enum MetricType {
     Counter = 0,
+    Gauge = 1,
     Histogram = 2,
 }
 
