@@ -178,7 +178,9 @@ impl HostMetrics {
     }
 
     /// Hands the counters over to the host if any wait and it is time (`now`: a tick, or the
-    /// root going away). The host's metric calls never call back into the filter.
+    /// root going away). The host's metric calls never call back into the filter. Out of
+    /// line: every event's end calls it, and each event's code is its own copy.
+    #[inline(never)]
     fn hand_over(&self, now: bool) {
         let Ok(mut tally) = self.tally.try_borrow_mut() else {
             return;
