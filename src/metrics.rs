@@ -12,8 +12,6 @@
 //! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource`
 //! * `cg.redis.calls|errors|timeouts|noscript|retries`, histogram `cg.redis.latency_ms`
 //! * `cg.over_limit_cache.hits`
-//! * gauge `cg.metrics.pending_workers`: workers whose counter updates wait for their hand-over
-//!   to the host ([`Tally`]); 0 when every counter is current
 
 use crate::config::Config;
 
@@ -21,7 +19,6 @@ use crate::config::Config;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Counter,
-    Gauge,
     Histogram,
 }
 
@@ -40,56 +37,6 @@ impl MetricSink for NoMetrics {
     fn increment(&self, _id: u32) {}
     fn add(&self, _id: u32, _n: u64) {}
     fn record(&self, _id: u32, _value: u64) {}
-}
-
-/// Counter updates added up in the VM between two hand-overs to the host, which takes each
-/// counter's sum in one call. A host call costs Envoy about a microsecond, as much as a
-/// request rejected from the over-limit cache spends on everything else in the filter; a
-/// busy worker hands its counters over once every [`Tally::HAND_OVER_AFTER`] updates, and
-/// every worker at least once a tick.
-#[derive(Debug, Default)]
-pub struct Tally {
-    /// Each counter updated since the last hand-over, and its sum (a handful: the counters
-    /// of a request or two kinds of request).
-    sums: Vec<(u32, u64)>,
-    /// Updates since the last hand-over.
-    updates: u32,
-}
-
-impl Tally {
-    /// Updates after which an event's end hands the counters over without waiting for the
-    /// tick.
-    pub const HAND_OVER_AFTER: u32 = 64;
-
-    /// Adds `n` to counter `id` (`u32::MAX`: a counter the host did not define).
-    pub fn add(&mut self, id: u32, n: u64) {
-        if id == u32::MAX {
-            return;
-        }
-        self.updates = self.updates.saturating_add(1);
-        match self.sums.iter_mut().find(|(i, _)| *i == id) {
-            Some((_, sum)) => *sum = sum.saturating_add(n),
-            None => self.sums.push((id, n)),
-        }
-    }
-
-    /// Whether updates wait to be handed over.
-    pub fn pending(&self) -> bool {
-        self.updates > 0
-    }
-
-    /// Whether enough updates wait that an event's end hands them over.
-    pub fn full(&self) -> bool {
-        self.updates >= Self::HAND_OVER_AFTER
-    }
-
-    /// Hands each counter's sum to `to` and starts again from nothing.
-    pub fn hand_over(&mut self, mut to: impl FnMut(u32, u64)) {
-        for (id, sum) in self.sums.drain(..) {
-            to(id, sum);
-        }
-        self.updates = 0;
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -169,8 +116,6 @@ pub struct Metrics {
     pub redis: RedisMetrics,
     /// Requests rejected by the over-limit cache, without a Redis call.
     pub over_limit_cache_hits: u32,
-    /// The gauge of workers whose counter updates wait for their hand-over.
-    pub pending_workers: u32,
 }
 
 impl Metrics {
@@ -248,12 +193,10 @@ impl Metrics {
             latency_ms: define(Kind::Histogram, "cg.redis.latency_ms"),
         };
         let over_limit_cache_hits = define(Kind::Counter, "cg.over_limit_cache.hits");
-        let pending_workers = define(Kind::Gauge, "cg.metrics.pending_workers");
         Metrics {
             policies,
             redis,
             over_limit_cache_hits,
-            pending_workers,
         }
     }
 }
@@ -310,35 +253,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_tally_hands_over_each_counters_sum_once_and_starts_again() {
-        let mut t = Tally::default();
-        assert!(!t.pending());
-        t.add(3, 1);
-        t.add(7, 5);
-        t.add(3, 1);
-        t.add(u32::MAX, 1); // undefined: dropped, not counted
-        assert!(t.pending() && !t.full());
-        let mut got = Vec::new();
-        t.hand_over(|id, n| got.push((id, n)));
-        assert_eq!(got, vec![(3, 2), (7, 5)]);
-        assert!(!t.pending());
-        t.hand_over(|_, _| panic!("nothing to hand over"));
-        for _ in 0..Tally::HAND_OVER_AFTER - 1 {
-            t.add(3, 1);
-        }
-        assert!(!t.full());
-        t.add(9, u64::MAX);
-        t.add(9, 1); // a sum saturates, never wraps
-        assert!(t.full());
-        got.clear();
-        t.hand_over(|id, n| got.push((id, n)));
-        assert_eq!(
-            got,
-            vec![(3, u64::from(Tally::HAND_OVER_AFTER) - 1), (9, u64::MAX)]
-        );
-    }
-
-    #[test]
     fn names_are_bounded_by_config() {
         let config = Config::parse(
             br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "create-order", "rate_limits": [
@@ -365,7 +279,6 @@ mod tests {
                 "cg.redis.retries",
                 "cg.redis.latency_ms",
                 "cg.over_limit_cache.hits",
-                "cg.metrics.pending_workers",
             ]
         );
     }

@@ -31,7 +31,6 @@ pub enum BufferType {
 #[repr(u32)]
 pub enum MetricType {
     Counter = 0,
-    Gauge = 1,
     Histogram = 2,
 }
 

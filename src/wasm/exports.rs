@@ -160,8 +160,6 @@ pub extern "C" fn proxy_on_tick(context: u32) {
 pub extern "C" fn proxy_on_done(context: u32) -> u32 {
     if let Some(f) = stream(context) {
         f.on_done();
-    } else if let Some(r) = root(context) {
-        r.hand_over_metrics();
     }
     1
 }

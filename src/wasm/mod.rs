@@ -19,7 +19,7 @@ use crate::headers::Headers;
 use crate::ids::TokenSource;
 use crate::local::overlimit::SharedStore;
 use crate::lograte::WarnKind;
-use crate::metrics::{Kind, MetricSink, Metrics, Tally};
+use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::redis::{webdis, CallError};
 use crate::request::{claim_text, policy_index, Probe, Request, Selected};
 use abi::{BufferType, MapType, MetricType};
@@ -44,8 +44,6 @@ struct Vm {
     /// The host's time at the last event: the calls an event's effects send in the same
     /// callback are handed back to the worker at that time, without asking the host again.
     now_ms: std::cell::Cell<u64>,
-    /// This worker's counter updates on their way to the host.
-    metrics: HostMetrics,
 }
 
 impl Vm {
@@ -63,7 +61,7 @@ impl Vm {
     /// [`Vm::event`] at a time already read in this callback (or at 0, by an event that reads
     /// none: see [`Filter::untimed`]).
     fn event_at<T>(&self, now: u64, f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> T) -> Option<T> {
-        let cx = Cx::new(&self.runtime, now, &self.metrics);
+        let cx = Cx::new(&self.runtime, now, &HostMetrics);
         let mut worker = self.worker.try_borrow_mut().ok()?;
         Some(f(&mut worker, &cx))
     }
@@ -83,7 +81,6 @@ impl Vm {
             began.end(event);
         }
         let action = fx.map(|fx| self.carry_out(fx, current));
-        self.metrics.hand_over(false);
         if let Some((_, carry)) = parts {
             carrying.end(carry);
         }
@@ -158,58 +155,17 @@ impl SharedStore for HostShared {
     }
 }
 
-/// The host's metrics, this worker's counters added up between hand-overs ([`Tally`]): at the
-/// end of an event once enough updates wait, at every tick whatever waits. While updates
-/// wait, the worker counts itself in the `pending_workers` gauge, raised by the first update
-/// after a hand-over (in the event that made it, before any response it answers) and lowered
-/// by the hand-over: whoever needs every counter current waits for the gauge's 0.
-struct HostMetrics {
-    tally: RefCell<Tally>,
-    /// The gauge's id (`u32::MAX` if the host did not define it).
-    pending_workers: u32,
-}
-
-impl HostMetrics {
-    fn new(pending_workers: u32) -> HostMetrics {
-        HostMetrics {
-            tally: RefCell::new(Tally::default()),
-            pending_workers,
-        }
-    }
-
-    /// Hands the counters over to the host if any wait and it is time (`now`: a tick, or the
-    /// root going away). The host's metric calls never call back into the filter. Out of
-    /// line: every event's end calls it, and each event's code is its own copy.
-    #[inline(never)]
-    fn hand_over(&self, now: bool) {
-        let Ok(mut tally) = self.tally.try_borrow_mut() else {
-            return;
-        };
-        if tally.pending() && (now || tally.full()) {
-            tally.hand_over(|id, n| {
-                abi::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
-            });
-            if self.pending_workers != u32::MAX {
-                abi::increment_metric(self.pending_workers, -1);
-            }
-        }
-    }
-}
+struct HostMetrics;
 
 impl MetricSink for HostMetrics {
     fn increment(&self, id: u32) {
-        self.add(id, 1);
+        if id != u32::MAX {
+            abi::increment_metric(id, 1);
+        }
     }
     fn add(&self, id: u32, n: u64) {
-        let Ok(mut tally) = self.tally.try_borrow_mut() else {
-            // Never: the tally is borrowed only here and by a hand-over, neither of which
-            // calls out to anything that could update a counter.
-            return;
-        };
-        let waited = tally.pending();
-        tally.add(id, n);
-        if !waited && tally.pending() && self.pending_workers != u32::MAX {
-            abi::increment_metric(self.pending_workers, 1);
+        if id != u32::MAX {
+            abi::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
     fn record(&self, id: u32, value: u64) {
@@ -308,7 +264,6 @@ impl Root {
         let metrics = Metrics::define(&config, |kind, name| {
             let t = match kind {
                 Kind::Counter => MetricType::Counter,
-                Kind::Gauge => MetricType::Gauge,
                 Kind::Histogram => MetricType::Histogram,
             };
             abi::define_metric(t, name).unwrap_or(u32::MAX)
@@ -323,13 +278,11 @@ impl Root {
         abi::set_tick_period(tick);
         let batch = config.redis.batch;
         let worker = Worker::new(TokenSource::from_entropy(now_ms()), batch, tick);
-        let host_metrics = HostMetrics::new(metrics.pending_workers);
         self.vm = Some(Rc::new(Vm {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
             worker: RefCell::new(worker),
             wake_queue,
             now_ms: std::cell::Cell::new(now_ms()),
-            metrics: host_metrics,
         }));
         Ok(())
     }
@@ -389,14 +342,6 @@ impl Root {
 
     fn on_tick(&self) {
         self.event(|w, cx| w.on_tick(cx));
-        self.hand_over_metrics();
-    }
-
-    /// Hands this worker's counters over to the host, whatever waits.
-    fn hand_over_metrics(&self) {
-        if let Some(vm) = &self.vm {
-            vm.metrics.hand_over(true);
-        }
     }
 
     /// A new stream of this plugin.
@@ -462,9 +407,7 @@ impl Filter {
     ) -> Option<Action> {
         let vm = self.vm.as_ref()?;
         let fx = vm.event_at(0, |w, cx| f(w, cx, self.ctx))??;
-        let action = vm.carry_out(fx, Some(self.ctx));
-        vm.metrics.hand_over(false);
-        Some(action)
+        Some(vm.carry_out(fx, Some(self.ctx)))
     }
 
     /// Whether the worker guards this stream (an unguarded one needs no event, so no clock).

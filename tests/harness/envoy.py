@@ -293,10 +293,6 @@ def _local_ratelimit_filter(max_tokens: int, tokens_per_fill: int | None = None,
     }
 
 
-
-# The filter's gauge of workers whose counter updates wait for their hand-over to Envoy.
-PENDING_WORKERS = "wasmcustom.cg.metrics.pending_workers"
-
 class Envoy:
     """One Envoy process. Listener and admin ports are chosen by the kernel unless given."""
 
@@ -411,12 +407,7 @@ class Envoy:
             return resp.read().decode()
 
     def stats(self, filter: str | None = None) -> dict[str, int]:
-        """Counters and gauges by full name (e.g. `wasmcustom.cg.redis.calls`), once every
-        worker's counters are current (`counters_current`)."""
-        self.counters_current()
-        return self._stats(filter)
-
-    def _stats(self, filter: str | None) -> dict[str, int]:
+        """Counters and gauges by full name (e.g. `wasmcustom.cg.redis.calls`)."""
         query = "/stats?format=json" + (f"&filter={urllib.parse.quote(filter)}" if filter else "")
         out: dict[str, int] = {}
         for entry in json.loads(self.admin_get(query)).get("stats", []):
@@ -424,27 +415,11 @@ class Envoy:
                 out[entry["name"]] = entry["value"]
         return out
 
-    def counters_current(self, timeout: float = 10.0) -> None:
-        """Until no worker holds counter updates back: the filter adds its counters up between
-        hand-overs to Envoy (at its tick, or once enough wait), and counts the workers whose
-        updates wait in the gauge `cg.metrics.pending_workers`, raised in the event that made
-        the first update, before any response it answers."""
-        deadline = time.monotonic() + timeout
-        while True:
-            pending = self._stats(f"^{re.escape(PENDING_WORKERS)}$").get(PENDING_WORKERS, 0)
-            if pending == 0:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{PENDING_WORKERS} still {pending} after {timeout} s: a "
-                                     "worker never handed its counters over")
-            time.sleep(0.005)
-
     def stat(self, name: str) -> int:
         """One counter or gauge; 0 if it does not exist (yet)."""
         return self.stats(filter=f"^{re.escape(name)}$").get(name, 0)
 
     def prometheus(self) -> str:
-        self.counters_current()
         return self.admin_get("/stats/prometheus")
 
     def prometheus_samples(self) -> dict[str, float]:
