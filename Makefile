@@ -29,7 +29,7 @@ help: ## Show the targets.
 
 ##@ Dependencies
 
-.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node deps-bench deps-perf
+.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node deps-bench deps-perf deps-llvm
 deps: deps-rust deps-debian deps-python ## Install what is missing: wasm target, redis-server, webdis, wrk, .venv.
 
 deps-rust: ## rustup's wasm32-wasip1 target, clippy and rustfmt, if missing.
@@ -63,6 +63,10 @@ deps-node: ## Debian's nodejs (V8 with WASI, for the core's tests and benchmarks
 deps-perf: ## Debian's linux-perf (perf: make bench-profile, and its test), if missing.
 	@command -v perf >/dev/null || { echo "installing: linux-perf"; $(SUDO) apt-get update -qq; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends linux-perf; }
+
+deps-llvm: ## Debian's llvm (llvm-symbolizer: make bench-footprint SOURCES=1, and its test), if missing.
+	@command -v llvm-symbolizer >/dev/null || { echo "installing: llvm"; $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends llvm; }
 
 deps-bench: deps-rust ## oha (crates.io, $(OHA_VERSION)), the open-loop load generator of make bench; libclang and g++ for the incumbent's rate limit service (bench/rls); if missing.
 	@command -v oha >/dev/null || { echo "installing: oha $(OHA_VERSION) (cargo install, a few minutes)"; \
@@ -127,7 +131,7 @@ clean: ## Remove build outputs (keeps .venv).
 ##@ Test
 
 .PHONY: test
-test: deps deps-oci deps-perf build lint unit unit-wasm ## Everything: build, lint, unit tests (native and Wasm), then the suite against real Envoy/Redis/webdis.
+test: deps deps-oci deps-perf deps-llvm build lint unit unit-wasm ## Everything: build, lint, unit tests (native and Wasm), then the suite against real Envoy/Redis/webdis.
 	$(VENV)/bin/pytest -q tests/
 
 ##@ Benchmarks
@@ -155,7 +159,7 @@ bench-instructions: deps-rust deps-python ## Wasm instructions per request of th
 bench-profile: deps-rust deps-python deps-perf ## One core case's Wasm time by function (wasmtime's perf map, perf cpu-clock), N runs less none. Env CASE=<name text> N=100000 TOP=30.
 	cd bench && ../$(PYTHON) wasm_profile.py
 
-bench-footprint: deps-rust deps-python ## The code one request runs (Wasm functions, their bytes, the bytes that ran and the 64-byte lines they touch), per core case: what its cost in Envoy follows. Env CASES="a|b" N=2000 TOP=25.
+bench-footprint: deps-rust deps-python deps-llvm ## The code one request runs (Wasm functions, their bytes, the bytes that ran and the 64-byte lines they touch), per core case: what its cost in Envoy follows. Env CASES="a|b" N=2000 TOP=25; SOURCES=1 adds the code that did not run in those lines, by its source.
 	cd bench && ../$(PYTHON) footprint.py
 
 bench-spans: deps deps-bench ## Where the filter's time goes inside Envoy: wall µs per span of its callbacks (a build with the cargo feature spans). Env BENCH_SCENARIOS=a,b.

@@ -15,10 +15,14 @@ lines of 64 bytes of each function's Wasm, the size of a cache line: code that d
 between two pieces that do (a cold path inlined into a hot function) spreads what runs over
 more lines, and a line the request touches costs the whole line.
 
+With SOURCES=1 it also prints, per case, the code that did not run but sits in the lines the
+code that ran touches, by the source it was compiled from (the innermost function inlined
+there, found by Debian's llvm-symbolizer in the build's line tables): what spreads the hot code.
+
 Environment: CASES (texts separated by `|`, each selecting core cases by name, added up when
 one text selects several; default the exact path with one request in flight, the cached
 rejection and the leased slice), N (runs, default 2000), TOP (functions listed per case, most
-code run first, default 25).
+code run first, default 25), SOURCES.
 """
 
 from __future__ import annotations
@@ -196,11 +200,13 @@ def regions(expr: bytes) -> list[int]:
 
 
 def instrument(wasm: bytes, blocks: set[int] | None = None
-               ) -> tuple[bytes, dict[int, str], dict[int, int], dict[int, list[tuple[int, int]]]]:
+               ) -> tuple[bytes, dict[int, str], dict[int, int],
+                          dict[int, list[tuple[int, int, int]]]]:
     """The module with a call counter per defined function (exported as `cnt<i>`, i its
     function index), or with `blocks`, a counter per region of straight-line code of each of
     those functions (`cnt<n>`, the n-th region counted); the functions' names; each body's
-    size in bytes; and with `blocks`, each function's regions: (counter, bytes)."""
+    size in bytes; and with `blocks`, each function's regions: (counter, bytes, where the
+    region begins in the code section's contents, the address its debug info gives it)."""
     secs = sections(wasm)
     ifuncs = iglobs = 0
     defined_globals = 0
@@ -216,7 +222,7 @@ def instrument(wasm: bytes, blocks: set[int] | None = None
     count, at = leb(code, 0)
     first_counter = iglobs + defined_globals
     bodies, sizes = [], {}
-    spans: dict[int, list[tuple[int, int]]] = {}
+    spans: dict[int, list[tuple[int, int, int]]] = {}
     counter = 0
 
     def bump() -> bytes:
@@ -242,7 +248,7 @@ def instrument(wasm: bytes, blocks: set[int] | None = None
             cuts = regions(expr) + [len(expr)]
             parts, spans[f] = [raw[:p]], []
             for a, b in zip(cuts, cuts[1:]):
-                spans[f].append((counter, b - a))
+                spans[f].append((counter, b - a, body + p + a))
                 parts += [bump(), expr[a:b]]
             new = b"".join(parts)
         else:
@@ -295,6 +301,74 @@ def lines_touched(regions: list[tuple[int, bool]]) -> int:
     return len(lines)
 
 
+def cold_in_touched(regions: list[tuple[int, bool, int]]) -> list[tuple[int, int]]:
+    """The code that did not run but sits in lines the code that ran touches: `regions` are
+    (size, ran, address) in the function's order, lines counted from its first region as in
+    `lines_touched`; each cold region that shares a line with code that ran, as (its address,
+    its bytes inside such lines)."""
+    hot: set[int] = set()
+    at = 0
+    for size, ran, _ in regions:
+        if ran and size > 0:
+            hot.update(range(at // LINE, (at + size - 1) // LINE + 1))
+        at += size
+    out, at = [], 0
+    for size, ran, address in regions:
+        if not ran and size > 0:
+            inside = sum(min(at + size, (line + 1) * LINE) - max(at, line * LINE)
+                         for line in range(at // LINE, (at + size - 1) // LINE + 1)
+                         if line in hot)
+            if inside:
+                out.append((address, inside))
+        at += size
+    return out
+
+
+def short_name(name: str) -> str:
+    """A function's name without its modules' paths: `Worker<S>::settle`,
+    `drop_in_place<Vec<u8, Global>>`."""
+    return re.sub(r"\b[a-z_][a-z0-9_]*::", "", name)
+
+
+def short_path(path: str) -> str:
+    """A source file as the table names it: the standard library's from its crate
+    (`core/src/...`), a dependency's from its crate directory (`sha2-0.10.9/src/...`), the
+    project's from its root (`src/...`, `benches/...`)."""
+    if "/library/" in path:
+        return path.split("/library/", 1)[1]
+    if "/registry/src/" in path:
+        return path.split("/registry/src/", 1)[1].split("/", 1)[-1]
+    root = str(wasm_profile.ROOT) + "/"
+    return path[len(root):] if path.startswith(root) else path
+
+
+def symbolized(output: str) -> list[tuple[str, str]]:
+    """llvm-symbolizer's answers, one per address asked in order (`--inlining`: each answer
+    a frame per function the address is inlined into, innermost first, then an empty line):
+    each address's innermost frame as (function, file:line), the file as `short_path` names
+    it."""
+    out = []
+    for block in output.strip("\n").split("\n\n"):
+        lines = block.splitlines()
+        function, where = (lines + ["??", "??:0:0"])[:2]
+        path, line = (where.rsplit(":", 2) + ["0"])[:2] if where.count(":") >= 2 else (where, "0")
+        path = short_path(path)
+        out.append((wasm_profile.HASH.sub("", function), f"{path}:{line}"))
+    return out
+
+
+def symbolize(wasm: Path, addresses: list[int]) -> list[tuple[str, str]]:
+    """Where each address of `wasm`'s code section comes from, by its line tables (Debian's
+    llvm-symbolizer, `make deps-llvm`)."""
+    if not addresses:
+        return []
+    out = subprocess.run(["llvm-symbolizer", f"--obj={wasm}", "--inlining", "--functions=linkage",
+                          "--demangle"],
+                         input="\n".join(hex(a) for a in addresses), text=True,
+                         capture_output=True, check=True, timeout=600).stdout
+    return symbolized(out)
+
+
 def calls(runner: instructions.Runner, case: str, n: int) -> tuple[dict[int, int], list[str]]:
     """Each counter's count after a run of `case` with CORE_COUNT=n, by the number in its
     name; and the cases that ran."""
@@ -317,6 +391,8 @@ def main() -> int:
     n = int(os.environ.get("N", "2000"))
     top = int(os.environ.get("TOP", "25"))
     cases = [c.strip() for c in os.environ.get("CASES", DEFAULT_CASES).split("|") if c.strip()]
+    # SOURCES=1: where the code that did not run in the touched lines comes from.
+    sources = os.environ.get("SOURCES", "") not in ("", "0")
     wasm = wasm_profile.build()
     raw = wasm.read_bytes()
     instrumented, names, sizes, _ = instrument(raw)
@@ -335,12 +411,13 @@ def main() -> int:
         bbase, _ = calls(blocks, case, 0)
         bafter, _ = calls(blocks, case, n)
         ran_bytes = {f: sum(size * min((bafter[c] - bbase.get(c, 0)) / n, 1.0)
-                            for c, size in spans[f] if bafter[c] > bbase.get(c, 0))
+                            for c, size, _ in spans[f] if bafter[c] > bbase.get(c, 0))
                      for f in per}
-        # Lines of the regions that ran in at least half the requests.
-        lines = {f: lines_touched([(size, 2 * (bafter[c] - bbase.get(c, 0)) >= n)
-                                   for c, size in spans[f]])
-                 for f in per}
+        # Regions that ran in at least half the requests, and the lines they touch.
+        hot = {f: [(size, 2 * (bafter[c] - bbase.get(c, 0)) >= n, address)
+                   for c, size, address in spans[f]]
+               for f in per}
+        lines = {f: lines_touched([(size, ran) for size, ran, _ in hot[f]]) for f in per}
         funcs = sum(min(c, 1.0) for c in per.values())
         size = sum(min(c, 1.0) * sizes.get(f, 0) for f, c in per.items())
         print(f"\n{', '.join(ran)} ({n} runs):")
@@ -351,7 +428,32 @@ def main() -> int:
         for f in sorted(per, key=lambda f: -ran_bytes[f])[:top]:
             print(f"  {ran_bytes[f]:>7.0f} {lines[f]:>5} {sizes.get(f, 0):>7} {per[f]:>6.2f}  "
                   f"{names.get(f, f'#{f}')[:110]}")
+        if sources:
+            cold_sources(wasm, hot, names, top)
     return 0
+
+
+def cold_sources(wasm: Path, hot: dict[int, list[tuple[int, bool, int]]],
+                 names: dict[int, str], top: int) -> None:
+    """Prints the code that does not run but sits in the lines that the code which ran
+    touches, by the source it was compiled from (the innermost function inlined there)."""
+    cold = [(f, address, inside) for f in hot for address, inside in cold_in_touched(hot[f])]
+    where = symbolize(wasm, [address for _, address, _ in cold])
+    by_source: dict[tuple[str, str], list] = {}
+    for (f, _, inside), (function, place) in zip(cold, where):
+        entry = by_source.setdefault((function, place), [0, set()])
+        entry[0] += inside
+        entry[1].add(short_name(names.get(f, f"#{f}")))
+    total = sum(inside for _, _, inside in cold)
+    touched = LINE * sum(lines_touched([(size, ran) for size, ran, _ in regions])
+                         for regions in hot.values())
+    print(f"  code that did not run, in those lines: {total} B of {touched} B; by the source "
+          "it comes from:")
+    print(f"  {'cold B':>7}  source (innermost function)  in")
+    for (function, place), (inside, into) in sorted(by_source.items(),
+                                                    key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {inside:>7}  {place} ({short_name(function)[:60]})  in "
+              f"{', '.join(sorted(into))[:80]}")
 
 
 if __name__ == "__main__":

@@ -48,8 +48,12 @@ print("\\n".join(ran))
 
 
 def build() -> Path:
-    """The core benchmark's .wasm with its name section (not stripped), under target/profile."""
-    return instructions.build(ROOT / "Cargo.toml", TARGET, {"CARGO_PROFILE_BENCH_STRIP": "false"})
+    """The core benchmark's .wasm with its name section (not stripped) and its line tables
+    (`make bench-footprint SOURCES=1` reads them; the code is the same without), under
+    target/profile."""
+    return instructions.build(ROOT / "Cargo.toml", TARGET,
+                              {"CARGO_PROFILE_BENCH_STRIP": "false",
+                               "CARGO_PROFILE_BENCH_DEBUG": "line-tables-only"})
 
 
 def jit_samples(wasm: Path, case: str, n: int, workdir: Path) -> tuple[dict[str, int], str]:

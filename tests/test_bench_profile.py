@@ -51,3 +51,24 @@ def test_the_perf_maps_wasmtime_writes_are_removed(wasm):
     maps = set(Path("/tmp").glob("perf-*.map"))
     wasm_profile.profile(wasm, REJECTED, 100)
     assert set(Path("/tmp").glob("perf-*.map")) <= maps
+
+
+def test_the_footprints_regions_are_found_in_the_builds_line_tables(wasm):
+    """`make bench-footprint SOURCES=1`: the addresses of a function's regions of straight-line
+    code, as bench/footprint.py counts them, are where llvm-symbolizer finds that function's
+    source in the build's line tables."""
+    import footprint
+
+    raw = wasm.read_bytes()
+    _, names, _, _ = footprint.instrument(raw)
+    names = footprint.demangle(names)
+    key = [f for f, n in names.items() if n == "coordination_guard::ratelimit::key"]
+    assert len(key) == 1, "the limit's key is its own function in the core benchmark"
+    _, _, _, spans = footprint.instrument(raw, set(key))
+    where = footprint.symbolize(wasm, [address for _, _, address in spans[key[0]]])
+    assert len(where) == len(spans[key[0]])
+    assert all(place != "??:0" for _, place in where), where
+    # Its own lines, and what it inlines (the digests, the standard library's vectors).
+    files = {place.rsplit(":", 1)[0] for _, place in where}
+    assert "src/ratelimit.rs" in files, files
+    assert any(f.startswith("alloc/") or f.startswith("core/") for f in files), files

@@ -349,11 +349,16 @@ def test_footprint_counts_the_code_a_call_runs():
     store = Store(engine)
     exports = Instance(store, Module(engine, blocked), []).exports(store)
     assert exports["sum"](store, 4) == 58
-    counts = [exports[f"cnt{c}"].value(store) for c, _ in spans[0]]
+    counts = [exports[f"cnt{c}"].value(store) for c, _, _ in spans[0]]
     # The function's start (4 calls), its `then` arm (4), its `else` arm (never), what follows.
     assert counts[0] == 4 and 0 in counts and 4 in counts[1:]
-    ran = sum(size for (c, size), n in zip(spans[0], counts) if n)
-    assert 0 < ran < sum(size for _, size in spans[0])
+    ran = sum(size for (c, size, _), n in zip(spans[0], counts) if n)
+    assert 0 < ran < sum(size for _, size, _ in spans[0])
+    # Each region's address is where it begins in the original code section: consecutive,
+    # each the one before plus its size.
+    addresses = [a for _, _, a in spans[0]]
+    assert addresses == sorted(addresses) and all(
+        b - a == size for (_, size, a), (_, _, b) in zip(spans[0], spans[0][1:]))
 
 
 def test_footprint_counts_the_lines_the_code_that_ran_touches():
@@ -369,3 +374,44 @@ def test_footprint_counts_the_lines_the_code_that_ran_touches():
     assert footprint.lines_touched([(10, True), (10, True), (200, False)]) == 1
     # A region straddling a line's end touches both lines; an empty one none.
     assert footprint.lines_touched([(60, False), (8, True), (0, True)]) == 2
+
+
+def test_footprint_finds_the_cold_code_inside_the_lines_hot_code_touches():
+    """Cold code that shares a line with code that ran is counted by its bytes inside those
+    lines, at its own address; cold code in lines nothing ran in is not."""
+    import footprint
+    # Lines 0-3: 10 hot bytes, 200 cold (54 of them in line 0, 18 in line 3), 10 hot.
+    assert footprint.cold_in_touched([(10, True, 100), (200, False, 110), (10, True, 310)]) == [
+        (110, 54 + 18)]
+    # Cold code after the last hot line, and a function that never ran: nothing.
+    assert footprint.cold_in_touched([(64, True, 0), (128, False, 64)]) == []
+    assert footprint.cold_in_touched([(30, False, 0), (30, False, 30)]) == []
+    # A cold region wholly inside a hot line counts whole.
+    assert footprint.cold_in_touched([(8, True, 0), (16, False, 8), (8, True, 24)]) == [(8, 16)]
+
+
+def test_footprint_reads_where_llvm_symbolizer_says_code_comes_from():
+    """llvm-symbolizer --inlining answers each address with its frames, innermost first, and
+    an empty line; the innermost frame is kept, its file named from its crate or the root."""
+    import footprint
+    root = str(footprint.wasm_profile.ROOT)
+    output = (
+        "<alloc::raw_vec::RawVec<T,A>>::reserve\n"
+        "/rustc/5980761/library/alloc/src/raw_vec/mod.rs:673:16\n"
+        "coordination_guard::redis::ScriptCall::encode\n"
+        f"{root}/src/redis/mod.rs:120:9\n\n"
+        "sha2::sha256::compress256\n"
+        "/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/sha2-0.10.9/src/sha256.rs:38:5\n"
+        "\n"
+        f"decimal\n{root}/src/text.rs:0:0\n\n"
+        "??\n??:0:0\n\n")
+    assert footprint.short_name("coordination_guard::flow::worker::Worker<S>::settle") == (
+        "Worker<S>::settle")
+    assert footprint.short_name("core::ptr::drop_in_place<alloc::vec::Vec<u8>>") == (
+        "drop_in_place<Vec<u8>>")
+    assert footprint.symbolized(output) == [
+        ("<alloc::raw_vec::RawVec<T,A>>::reserve", "alloc/src/raw_vec/mod.rs:673"),
+        ("sha2::sha256::compress256", "sha2-0.10.9/src/sha256.rs:38"),
+        ("decimal", "src/text.rs:0"),
+        ("??", "??:0"),
+    ]
