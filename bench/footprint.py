@@ -429,14 +429,15 @@ def main() -> int:
             print(f"  {ran_bytes[f]:>7.0f} {lines[f]:>5} {sizes.get(f, 0):>7} {per[f]:>6.2f}  "
                   f"{names.get(f, f'#{f}')[:110]}")
         if sources:
-            cold_sources(wasm, hot, names, top)
+            cold_sources(wasm, hot, lines, names, top)
     return 0
 
 
 def cold_sources(wasm: Path, hot: dict[int, list[tuple[int, bool, int]]],
-                 names: dict[int, str], top: int) -> None:
-    """Prints the code that does not run but sits in the lines that the code which ran
-    touches, by the source it was compiled from (the innermost function inlined there)."""
+                 lines: dict[int, int], names: dict[int, str], top: int) -> None:
+    """Prints the code that does not run (in half the requests or more) but sits in the lines
+    that the code which runs touches, by the source it was compiled from (the innermost
+    function inlined there)."""
     cold = [(f, address, inside) for f in hot for address, inside in cold_in_touched(hot[f])]
     where = symbolize(wasm, [address for _, address, _ in cold])
     by_source: dict[tuple[str, str], list] = {}
@@ -445,8 +446,7 @@ def cold_sources(wasm: Path, hot: dict[int, list[tuple[int, bool, int]]],
         entry[0] += inside
         entry[1].add(short_name(names.get(f, f"#{f}")))
     total = sum(inside for _, _, inside in cold)
-    touched = LINE * sum(lines_touched([(size, ran) for size, ran, _ in regions])
-                         for regions in hot.values())
+    touched = LINE * sum(lines.values())
     print(f"  code that did not run, in those lines: {total} B of {touched} B; by the source "
           "it comes from:")
     print(f"  {'cold B':>7}  source (innermost function)  in")
