@@ -289,7 +289,7 @@ def instrument(wasm: bytes, blocks: set[int] | None = None
 LINE = 64
 
 
-def lines_touched(regions: list[tuple[int, bool]]) -> int:
+def hot_lines(regions: list[tuple[int, bool]]) -> set[int]:
     """The lines of LINE bytes, from a function's first byte of code, that the regions which
     ran touch: `regions` are (size, ran) in the function's order."""
     lines: set[int] = set()
@@ -298,20 +298,20 @@ def lines_touched(regions: list[tuple[int, bool]]) -> int:
         if ran and size > 0:
             lines.update(range(at // LINE, (at + size - 1) // LINE + 1))
         at += size
-    return len(lines)
+    return lines
+
+
+def lines_touched(regions: list[tuple[int, bool]]) -> int:
+    """How many lines `hot_lines` finds."""
+    return len(hot_lines(regions))
 
 
 def cold_in_touched(regions: list[tuple[int, bool, int]]) -> list[tuple[int, int]]:
     """The code that did not run but sits in lines the code that ran touches: `regions` are
     (size, ran, address) in the function's order, lines counted from its first region as in
-    `lines_touched`; each cold region that shares a line with code that ran, as (its address,
+    `hot_lines`; each cold region that shares a line with code that ran, as (its address,
     its bytes inside such lines)."""
-    hot: set[int] = set()
-    at = 0
-    for size, ran, _ in regions:
-        if ran and size > 0:
-            hot.update(range(at // LINE, (at + size - 1) // LINE + 1))
-        at += size
+    hot = hot_lines([(size, ran) for size, ran, _ in regions])
     out, at = [], 0
     for size, ran, address in regions:
         if not ran and size > 0:
@@ -351,9 +351,8 @@ def symbolized(output: str) -> list[tuple[str, str]]:
     for block in output.strip("\n").split("\n\n"):
         lines = block.splitlines()
         function, where = (lines + ["??", "??:0:0"])[:2]
-        path, line = (where.rsplit(":", 2) + ["0"])[:2] if where.count(":") >= 2 else (where, "0")
-        path = short_path(path)
-        out.append((wasm_profile.HASH.sub("", function), f"{path}:{line}"))
+        path, line = where.rsplit(":", 2)[:2] if where.count(":") >= 2 else (where, "0")
+        out.append((wasm_profile.HASH.sub("", function), f"{short_path(path)}:{line}"))
     return out
 
 
