@@ -39,7 +39,9 @@ for the batched path (the root's one callout per turn naming each waiting reques
 with the two commands per key or batch.lua's acquire sub-calls). `wasm_naive_code128`, `256`
 and `512` are `wasm_naive_script` running that many distinct functions with each request's
 headers (20, 41 and 81 KiB of Wasm, arithmetic only): what the code a filter runs costs in
-Envoy beyond its instructions, in the exact path's rounds. `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
+Envoy beyond its instructions, in the exact path's rounds; `wasm_naive_sparse124` runs what
+`wasm_naive_code256` runs, with as many bytes interleaved beside it that never run: what code
+that shares lines with code that runs costs. `wasm_naive_post` and `wasm_naive_routed` make the naive callout on the idempotency
 scenarios' POST requests, answered by Envoy (as replays are) and through the upstream (as
 fresh keys are): what one callout costs on those requests. The incumbent, `envoy_rls_exact`
 and `envoy_rls_cached`, is no Wasm filter: Envoy's ratelimit filter calling, per request, a
@@ -582,6 +584,10 @@ def verify_lease(stats: dict, rec: dict) -> list[str]:
 # The code-footprint anchors: distinct functions run per request, and the KiB of Wasm they
 # are (bench/floor/build.rs's functions, measured in a build with names).
 CODE_FUNCTIONS = {128: 20, 256: 41, 512: 81}
+# The sparse code anchor's functions: each runs about 340 bytes (its steps and the tests of
+# its branches) and holds about as many that never run (those branches, interleaved), so 124
+# of them run what `wasm_naive_code256` runs with twice the bytes in the same lines.
+SPARSE_FUNCTIONS = 124
 # Callout coalescing in the batched scenarios: the default, spelled out.
 BATCH = {"max_delay": "1ms", "max_requests": 32, "cross_slot": True}
 # The filter's throughput over the incumbent's on the same path, each a ratio to its plain
@@ -657,6 +663,15 @@ def scenarios() -> list[Scenario]:
                    "tenants.lua", lambda stack, n=n: {**naive_script(stack), "code": n},
                    wasm_path=FLOOR_WASM, verify=verify_naive)
           for n, kib in CODE_FUNCTIONS.items()],
+        # The same as the second code anchor's bytes run, with as many bytes beside them in
+        # the same lines that never run: what code that shares lines with code that runs costs.
+        Scenario(f"wasm_naive_sparse{SPARSE_FUNCTIONS}", "minimal filter + 1 webdis callout "
+                 "per request, per tenant with RateLimit headers, sending the exact path's "
+                 f"acquire.lua call, running {SPARSE_FUNCTIONS} distinct functions (41 KiB of "
+                 "Wasm run, 41 KiB beside it that never runs) per request (anchor)",
+                 "tenants.lua",
+                 lambda stack: {**naive_script(stack), "code": SPARSE_FUNCTIONS, "sparse": True},
+                 wasm_path=FLOOR_WASM, verify=verify_naive),
         Scenario("wasm_naive_batched_rl", "minimal filter + 1 webdis callout per root turn, "
                  "per tenant with RateLimit headers (anchor)", "tenants.lua", naive_batched_rl,
                  wasm_path=FLOOR_WASM, verify=verify_naive),
@@ -687,7 +702,8 @@ def scenarios() -> list[Scenario]:
                  verify=verify_allowed,
                  anchors=(("wasm_naive", 0.90), ("wasm_naive_rl", None),
                           ("wasm_naive_script", None),
-                          *((f"wasm_naive_code{n}", None) for n in CODE_FUNCTIONS))),
+                          *((f"wasm_naive_code{n}", None) for n in CODE_FUNCTIONS),
+                          (f"wasm_naive_sparse{SPARSE_FUNCTIONS}", None))),
         # Callout coalescing (the default): the same traffic, the acquires of one worker sent
         # together.
         Scenario("rl_allowed_batched", "rate limit allowed, 10k tenants, batched", "tenants.lua",

@@ -204,7 +204,8 @@ def test_perf_split_tells_the_filters_code_from_its_host_calls_and_the_rest():
                       "outside the filter: Envoy": 1, "outside the filter: kernel": 1}
 
 
-def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_requests():
+def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_requests(
+        monkeypatch):
     """The idempotency scenarios' anchors run in their rounds, with their requests (script)
     and their routing, so a per-round ratio compares like with like; other anchors without a
     goal are compared with the anchor's own rows."""
@@ -218,12 +219,18 @@ def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_reque
     assert bench.in_round_anchors(by_name["lease"]) == []
     assert bench.in_round_anchors(by_name["rl_allowed"]) == [
         "wasm_naive", "wasm_naive_rl", "wasm_naive_script", "wasm_naive_code128",
-        "wasm_naive_code256", "wasm_naive_code512"]
+        "wasm_naive_code256", "wasm_naive_code512", "wasm_naive_sparse124"]
     # The code-footprint anchors are the exact path's call anchor and that many functions.
     for n in bench.CODE_FUNCTIONS:
         code = by_name[f"wasm_naive_code{n}"]
         assert code.script == by_name["wasm_naive_script"].script
         assert code.wasm_path == bench.FLOOR_WASM
+    sparse = by_name[f"wasm_naive_sparse{bench.SPARSE_FUNCTIONS}"]
+    assert sparse.script == by_name["wasm_naive_script"].script
+    # The exact path's call anchor, running the sparse functions.
+    monkeypatch.setattr(bench, "naive_script", lambda stack: {"callout": "acquire.lua"})
+    assert sparse.plugin(None) == {"callout": "acquire.lua", "code": bench.SPARSE_FUNCTIONS,
+                                   "sparse": True}
     # The floor without the SDK, both ways, runs in the no-policy path's rounds, each its own
     # module (bench/floor/examples), built with the floor's crate.
     assert bench.in_round_anchors(by_name["no_policy"]) == [

@@ -53,6 +53,10 @@
 //!   headers, the same ones every request (of 512 that build.rs writes, each 24 arithmetic
 //!   steps on a `u64`, about 160 bytes of Wasm): what the code a filter runs costs in Envoy,
 //!   beyond the instructions it executes (`wasm_naive_code*`, on `wasm_naive_script`).
+//!   With `"sparse": true` they are build.rs's sparse functions instead: the same kind of
+//!   steps, each third one followed by a branch that never runs, about as many bytes as the
+//!   steps beside them (`wasm_naive_sparse*`): what code that never runs costs in the lines
+//!   of code that does.
 //!
 //! It ignores every host error and never panics.
 
@@ -144,6 +148,8 @@ struct Settings {
     reads: u32,
     #[serde(default)]
     code: usize,
+    #[serde(default)]
+    sparse: bool,
 }
 
 /// The requests waiting for the root (pause and batch modes), and the batches in flight.
@@ -178,6 +184,8 @@ struct Floor {
     reads: u32,
     /// Distinct functions run per request (with a limit).
     code: usize,
+    /// Whether those are the sparse ones (code touched beside them that never runs).
+    sparse: bool,
     /// This worker's wake-up queue (pause and batch modes).
     queue: Option<u32>,
     waiting: Rc<RefCell<Waiting>>,
@@ -288,6 +296,7 @@ impl RootContext for Floor {
         self.batch = settings.batch;
         self.reads = settings.reads;
         self.code = settings.code.min(footprint::CODE.len());
+        self.sparse = settings.sparse;
         self.limit = settings.limit.map(Rc::new);
         if (self.pause || self.batch) && self.queue.is_none() {
             // A queue of this worker's own: the host keys queues by VM and name, and every
@@ -465,7 +474,7 @@ impl Floor {
     fn limited(&mut self, limit: &Limit) -> Action {
         let map = header_map_bytes();
         let tenant = header_value(&map, limit.tenant_header.as_bytes()).unwrap_or_default();
-        run_code(self.code, tenant.len() as u64);
+        run_code(self.code, self.sparse, tenant.len() as u64);
         if let Some(id) = self.requests {
             let _ = hostcalls::increment_metric(id, 1);
         }
@@ -514,9 +523,14 @@ impl Floor {
 }
 
 /// Runs the first `n` of the footprint functions, each on what the one before returned.
-fn run_code(n: usize, seed: u64) {
+fn run_code(n: usize, sparse: bool, seed: u64) {
     let mut x = seed;
-    for f in footprint::CODE.iter().take(n) {
+    let code = if sparse {
+        &footprint::SPARSE
+    } else {
+        &footprint::CODE
+    };
+    for f in code.iter().take(n) {
         x = f(std::hint::black_box(x));
     }
     std::hint::black_box(x);
