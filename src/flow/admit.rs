@@ -79,6 +79,12 @@ impl Admission {
         Admission { slots }
     }
 
+    /// Whether every limit was admitted locally (none, or each from this worker's slice):
+    /// Redis has nothing to be asked about them.
+    pub fn all_local(&self) -> bool {
+        self.slots.iter().all(|s| s.local)
+    }
+
     /// The limits Redis must be asked about (`None` for a limit admitted locally).
     pub fn asks(&self) -> Vec<Option<Ask<'_>>> {
         self.slots

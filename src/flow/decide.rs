@@ -27,6 +27,10 @@ impl Flow {
         if let Some(rejection) = self.admission.cached_rejection(at) {
             return self.answer(rejection);
         }
+        if self.admission.all_local() && self.idem.is_none() && self.lease.is_none() {
+            // Every limit answered locally, nothing else to acquire: no Redis call.
+            return self.decide(at);
+        }
         let asker = acquire::Asker {
             nonce: &self.nonce,
             prefix: &at.rt.config.redis.key_prefix,
