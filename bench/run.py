@@ -588,6 +588,9 @@ CODE_FUNCTIONS = {128: 20, 256: 41, 512: 81}
 # its branches) and holds about as many that never run (those branches, interleaved), so 124
 # of them run what `wasm_naive_code256` runs with twice the bytes in the same lines.
 SPARSE_FUNCTIONS = 124
+# The code anchors of the leased path's rounds: the per-tenant floor running that many of the
+# same functions (20 KiB and 41 KiB).
+LOCAL_CODE_FUNCTIONS = {128: 20, 256: 41}
 # Callout coalescing in the batched scenarios: the default, spelled out.
 BATCH = {"max_delay": "1ms", "max_requests": 32, "cross_slot": True}
 # The filter's throughput over the incumbent's on the same path, each a ratio to its plain
@@ -684,6 +687,12 @@ def scenarios() -> list[Scenario]:
                  verify=verify_floor, all_rejected=True),
         Scenario("wasm_floor_rl", "minimal filter counting per tenant with RateLimit headers "
                  "(anchor)", "get.lua", floor_rl, wasm_path=FLOOR_WASM, verify=verify_floor),
+        *[Scenario(f"wasm_floor_rl_code{n}", "minimal filter counting per tenant with "
+                   f"RateLimit headers, running {n} distinct functions ({kib} KiB of Wasm) per "
+                   "request (anchor)", "get.lua",
+                   lambda stack, n=n: {**floor_rl(stack), "code": n}, wasm_path=FLOOR_WASM,
+                   verify=verify_floor)
+          for n, kib in LOCAL_CODE_FUNCTIONS.items()],
         # The naive callout on the idempotency scenarios' requests (a POST with a JSON body):
         # answered by Envoy as the replays are, and routed through the upstream as fresh keys
         # are (with a routed plain Envoy), each in the rounds of the scenario it bounds.
@@ -764,7 +773,8 @@ def scenarios() -> list[Scenario]:
         "rl_allowed_leased", "rate limit allowed, leased quota, 1 tenant", "get.lua",
         rate_limited("rl_allowed_leased", HUGE_LIMIT, mode="leased"), goal=0.60,
         verify=verify_allowed,
-        anchors=(("local_ratelimit", 0.80), ("wasm_floor", None), ("wasm_floor_rl", None))))
+        anchors=(("local_ratelimit", 0.80), ("wasm_floor", None), ("wasm_floor_rl", None),
+                 *((f"wasm_floor_rl_code{n}", None) for n in LOCAL_CODE_FUNCTIONS))))
     # Beside the incumbent: the exact, batched and leased paths through the upstream, as the
     # incumbent runs, each with it in its rounds.
     beside = [

@@ -231,6 +231,16 @@ def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_reque
     monkeypatch.setattr(bench, "naive_script", lambda stack: {"callout": "acquire.lua"})
     assert sparse.plugin(None) == {"callout": "acquire.lua", "code": bench.SPARSE_FUNCTIONS,
                                    "sparse": True}
+    # The leased path's rounds hold the per-tenant floor and that floor running the code
+    # anchors' functions: what a KiB of code run costs on a local path.
+    assert bench.in_round_anchors(by_name["rl_allowed_leased"]) == [
+        "local_ratelimit", "wasm_floor", "wasm_floor_rl",
+        *(f"wasm_floor_rl_code{n}" for n in bench.LOCAL_CODE_FUNCTIONS)]
+    monkeypatch.setattr(bench, "floor_rl", lambda stack: {"limit": "per tenant"})
+    for n in bench.LOCAL_CODE_FUNCTIONS:
+        local = by_name[f"wasm_floor_rl_code{n}"]
+        assert local.script == by_name["wasm_floor_rl"].script
+        assert local.plugin(None) == {"limit": "per tenant", "code": n}
     # The floor without the SDK, both ways, runs in the no-policy path's rounds, each its own
     # module (bench/floor/examples), built with the floor's crate.
     assert bench.in_round_anchors(by_name["no_policy"]) == [
