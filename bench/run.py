@@ -591,6 +591,16 @@ SPARSE_FUNCTIONS = 124
 # The code anchors of the leased path's rounds: the per-tenant floor running that many of the
 # same functions (20 KiB and 41 KiB).
 LOCAL_CODE_FUNCTIONS = {128: 20, 256: 41}
+# The anchors doing the least a filter with the path's features does (the tenant found in the
+# header map, its count, the RateLimit headers; on the exact paths also the path's own call),
+# and for the batched path the bare batched anchor: what each path's goal is read against.
+FEATURE_MINIMAL = {
+    "rl_allowed": ("wasm_naive_rl", "wasm_naive_script"),
+    "rl_allowed_batched": ("wasm_naive_batched_rl", "wasm_naive_batched_script",
+                           "wasm_naive_batched"),
+    "rl_rejected": ("wasm_floor_429_keyed",),
+    "rl_allowed_leased": ("wasm_floor_rl",),
+}
 # Callout coalescing in the batched scenarios: the default, spelled out.
 BATCH = {"max_delay": "1ms", "max_requests": 32, "cross_slot": True}
 # The filter's throughput over the incumbent's on the same path, each a ratio to its plain
@@ -1566,6 +1576,7 @@ def markdown_results(results: dict) -> str:
                          f"{fmt(s['latency_p50_ms'], '.2f')} / {fmt(s['latency_p99_ms'], '.2f')} | "
                          f"{fmt(s['redis_calls_per_request'], '.2f')} | {us(s, 'envoy')} / "
                          f"{gateway(s)} / {us(s, 'redis')} |")
+    lines += goal_lines(results["scenarios"], titles)
     contended: dict[str, list[float]] = {}
     for r in results.get("lease_contended", []):
         contended.setdefault(r["label"], []).append(r["utilisation"])
@@ -1586,6 +1597,50 @@ def markdown_results(results: dict) -> str:
     if admitted:
         lines += [""] + admitted
     return "\n".join(lines)
+
+
+def goal_lines(scenario_results: dict, titles: dict) -> list[str]:
+    """Each path with a goal beside the anchors doing the least a filter with its features
+    does (FEATURE_MINIMAL), all in the path's rounds: what those anchors reach against the
+    goal's anchor, what the path reaches against each, and their Envoy CPU."""
+    rows = []
+    for name, minimal in FEATURE_MINIMAL.items():
+        sc = scenario_results.get(name)
+        if not sc:
+            continue
+        s, runs = sc["summary"], sc.get("runs", [])
+        goal = next((e for e in s.get("anchors", []) if "goal" in e and e["same_rounds"]), None)
+        if goal is None:
+            continue
+        by_anchor = {e["anchor"]: e for e in s.get("anchors", []) if e["same_rounds"]}
+        theirs, ours, cpu = [], [], []
+        for anchor in minimal:
+            mine = by_anchor.get(anchor)
+            per_round = _same_round_ratios(runs, f"anchor:{anchor}", f"anchor:{goal['anchor']}")
+            if mine is None or not per_round:
+                continue
+            theirs.append(f"`{anchor}` {_median(per_round):.2f} ({min(per_round):.2f}-"
+                          f"{max(per_round):.2f})")
+            ours.append(f"{mine['ratio']:.2f} x `{anchor}`")
+            envoy = mine["anchor_in_rounds"]["cpu_seconds_per_10k_requests"]["envoy"]
+            cpu.append(f"{envoy * 100:.0f}")
+        if not theirs:
+            continue
+        mine_cpu = s["cpu_seconds_per_10k_requests"]["envoy"] * 100
+        rows.append(f"| {titles.get(name, name)} | {goal['goal']:.2f} x `{goal['anchor']}` | "
+                    f"{'; '.join(theirs)} | {goal['ratio']:.2f} ({min(goal['per_round']):.2f}-"
+                    f"{max(goal['per_round']):.2f}); {', '.join(ours)} | "
+                    f"{' / '.join(cpu)} / {mine_cpu:.0f} |")
+    if not rows:
+        return []
+    return ["", "Each goal beside the anchors doing the least a filter with the path's features "
+            "does (the tenant found in the header map, its count, the `RateLimit` headers; on "
+            "the exact paths also the path's own call; for the batched path also the bare "
+            "batched anchor), in the path's own rounds: medians of per-round ratios, rounds' "
+            "range in brackets; Envoy CPU µs per request.", "",
+            "| path | goal | those anchors reach, x the goal's anchor | the path reaches, x the "
+            "goal's anchor and x each | Envoy CPU: each anchor / the path |",
+            "|---|---|---|---|---|", *rows]
 
 
 def admission_lines(scenario_results: dict) -> list[str]:

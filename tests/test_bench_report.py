@@ -93,6 +93,31 @@ def test_a_scenario_is_measured_against_its_anchor_in_the_same_run():
     assert results["wasm_naive"]["summary"]["anchors"] == []
 
 
+def test_each_goal_is_shown_beside_the_least_a_filter_with_its_features_does():
+    """The rejected path's goal beside the keyed 429, all in the path's rounds: the keyed
+    anchor against the goal's anchor round by round, the path against both, their CPU."""
+    ours = next(s for s in bench.scenarios() if s.name == "rl_rejected")
+    assert bench.FEATURE_MINIMAL["rl_rejected"] == ("wasm_floor_429_keyed",)
+    runs = []
+    for r, (plain, floor, keyed, mine) in enumerate([(100, 80, 76, 70), (100, 90, 81, 80),
+                                                     (100, 70, 70, 60)], 1):
+        runs += [fake_run("plain", r, plain), fake_run("anchor:wasm_floor_429", r, floor),
+                 fake_run("anchor:wasm_floor_429_keyed", r, keyed), fake_run("scenario", r, mine)]
+    results = {"rl_rejected": {"summary": bench.summarize(ours, runs), "runs": runs}}
+    bench.add_anchor_ratios(results)
+    lines = bench.goal_lines(results, {"rl_rejected": "rejected"})
+    # The keyed anchor x the floor: 0.95, 0.9, 1.0; the path x the floor: 0.875, 0.8889,
+    # 0.8571; the path x the keyed anchor: 0.9211, 0.9877, 0.8571.
+    assert lines[-1] == ("| rejected | 0.95 x `wasm_floor_429` | `wasm_floor_429_keyed` 0.95 "
+                         "(0.90-1.00) | 0.88 (0.86-0.89); 0.92 x `wasm_floor_429_keyed` | "
+                         "50 / 50 |")
+    # A run without those anchors (a partial one) shows no such table.
+    alone = [fake_run("plain", 1, 100), fake_run("scenario", 1, 60)]
+    partial = {"rl_rejected": {"summary": bench.summarize(ours, alone), "runs": alone}}
+    bench.add_anchor_ratios(partial)
+    assert bench.goal_lines(partial, {}) == []
+
+
 def test_open_loop_rows_say_what_the_filter_adds_at_each_rate():
     entry = {"scenario": "rl_allowed", "rates": [
         {"rate": 1000, "added_ms": {"p50_ms": 0.4, "p99_ms": 2.5, "p999_ms": 6.0},
