@@ -28,7 +28,8 @@ impl Flow {
             return self.answer(rejection);
         }
         if self.admission.all_local() && self.idem.is_none() && self.lease.is_none() {
-            // Every limit answered locally, nothing else to acquire: no Redis call.
+            // Every limit answered locally, nothing else to acquire: no Redis call. Otherwise
+            // the plan holds a group for each limit asked and for the record and the lease.
             return self.decide(at);
         }
         let asker = acquire::Asker {
@@ -43,10 +44,6 @@ impl Flow {
             self.idem.as_ref().map(|i| &i.acquire),
             self.lease.as_ref().map(|l| &l.acquire),
         );
-        if groups.is_empty() {
-            // Every limit answered locally, nothing else to acquire: no Redis call.
-            return self.decide(at);
-        }
         // Rate limits first: when the record or the lease rides in one slot and other slots
         // hold rate limits, those go first and the record/lease call only once they admit,
         // so a rate-limited request never takes a lease or a record (a second round trip).
