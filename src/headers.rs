@@ -6,6 +6,24 @@
 use std::fmt;
 use std::ops::Range;
 
+/// The values of one header name, in arrival order: [`Headers::values`].
+pub struct Values<'a, 'n> {
+    headers: &'a Headers,
+    name: &'n str,
+    /// The pair the search resumes at.
+    at: usize,
+}
+
+impl<'a> Iterator for Values<'a, '_> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        let (i, value) = self.headers.find_from(self.name, self.at)?;
+        self.at = i + 1;
+        Some(value)
+    }
+}
+
 /// Header pairs in arrival order, names in lower case.
 #[derive(Clone, Default)]
 pub struct Headers {
@@ -141,14 +159,25 @@ impl Headers {
     /// The values of `name` (lower case), in arrival order. A name of another length is
     /// passed over without being read, and only a match's value is sliced: every guarded
     /// request looks up several names in the whole map.
-    pub fn values<'a, 'n>(&'a self, name: &'n str) -> impl Iterator<Item = &'a str> + use<'a, 'n> {
+    pub fn values<'a, 'n>(&'a self, name: &'n str) -> Values<'a, 'n> {
+        Values {
+            headers: self,
+            name,
+            at: 0,
+        }
+    }
+
+    /// The first header named `name` at or after pair `from`: its pair's index and its value.
+    /// Not inlined: every lookup of a request runs this one copy of the search.
+    #[inline(never)]
+    fn find_from(&self, name: &str, from: usize) -> Option<(usize, &str)> {
         let text = self.text.as_bytes();
-        self.pairs
-            .iter()
-            .filter(move |(n, _)| {
-                n.len() == name.len() && text.get(n.clone()) == Some(name.as_bytes())
-            })
-            .map(|(_, v)| self.slice(v))
+        let rest = self.pairs.get(from..)?;
+        let i = rest.iter().position(|(n, _)| {
+            n.len() == name.len() && text.get(n.clone()) == Some(name.as_bytes())
+        })?;
+        let (_, value) = rest.get(i)?;
+        Some((from + i, self.slice(value)))
     }
 
     pub fn len(&self) -> usize {

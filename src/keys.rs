@@ -20,7 +20,7 @@
 
 use crate::config::{Algorithm, Policy, RateLimit, Selector};
 use crate::local::slots::text_hash;
-use crate::text::{hex, push_hex, push_u64};
+use crate::text::{hex, push, push_hex, push_u64};
 use sha2::{Digest, Sha256};
 use std::ops::Range;
 use std::rc::Rc;
@@ -183,30 +183,33 @@ pub fn write_rate_limit_key(
     scope: impl FnOnce(&mut String),
 ) -> LimitKey {
     let mut k = String::with_capacity(prefix.len() + policy.name.len() + limit.name.len() + 80);
-    k.push_str(prefix);
-    k.push_str(":rl:{");
+    push(&mut k, prefix);
+    push(&mut k, ":rl:{");
     let tag_start = k.len();
     tag(&mut k);
     let tag_range = tag_start..k.len();
-    k.push_str("}:");
-    k.push_str(&policy.name);
-    k.push(':');
-    k.push_str(&limit.name);
-    k.push(':');
+    push(&mut k, "}:");
+    push(&mut k, &policy.name);
+    push(&mut k, ":");
+    push(&mut k, &limit.name);
+    push(&mut k, ":");
     // A token bucket keeps its own code (`lq` is for leased fixed windows only).
-    k.push_str(match limit.algorithm {
-        Algorithm::TokenBucket => limit.algorithm.code(),
-        _ => limit.code(),
-    });
-    k.push(':');
+    push(
+        &mut k,
+        match limit.algorithm {
+            Algorithm::TokenBucket => limit.algorithm.code(),
+            _ => limit.code(),
+        },
+    );
+    push(&mut k, ":");
     push_u64(&mut k, limit.limit);
-    k.push('/');
+    push(&mut k, "/");
     push_u64(&mut k, limit.window_ms);
     if limit.algorithm == Algorithm::TokenBucket {
-        k.push('/');
+        push(&mut k, "/");
         push_u64(&mut k, limit.burst);
     }
-    k.push(':');
+    push(&mut k, ":");
     scope(&mut k);
     // An empty tag is no tag to Redis Cluster: the whole key is hashed.
     let tag = if tag_range.is_empty() {

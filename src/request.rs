@@ -449,6 +449,8 @@ impl<'a> Probe<'a> {
         }
     }
 
+    /// Not inlined: each of the matcher's path readings asks, and this is one copy.
+    #[inline(never)]
     fn form(&mut self) -> &PathForm<'a> {
         self.path
             .get_or_insert_with(|| normalize_path(split_path(first(self.headers, ":path")).0))

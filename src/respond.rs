@@ -3,7 +3,7 @@
 //! (draft-ietf-httpapi-ratelimit-headers-10).
 
 use crate::grpc;
-use crate::text::{push_u64, push_u64_bytes};
+use crate::text::{push, push_u64, push_u64_bytes};
 use std::rc::Rc;
 
 /// A response the filter sends instead of forwarding the request.
@@ -318,15 +318,15 @@ pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
     let mut state = String::with_capacity(40 * views.len());
     for (i, v) in views.iter().enumerate() {
         if i > 0 {
-            policy.push_str(", ");
-            state.push_str(", ");
+            push(&mut policy, ", ");
+            push(&mut state, ", ");
         }
-        policy.push_str(v.policy);
-        state.push('"');
-        state.push_str(v.name);
-        state.push_str("\";r=");
+        push(&mut policy, v.policy);
+        push(&mut state, "\"");
+        push(&mut state, v.name);
+        push(&mut state, "\";r=");
         push_u64(&mut state, v.remaining);
-        state.push_str(";t=");
+        push(&mut state, ";t=");
         push_u64(&mut state, v.reset_ms.div_ceil(1000));
     }
     (policy, state)

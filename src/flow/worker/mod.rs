@@ -48,10 +48,45 @@ struct Entry {
 /// Boxes of closed streams kept for the next ones, at most.
 const SPARE_ENTRIES: usize = 64;
 
+/// The guarded streams by handle. Boxed: a stream's state is large (about 600 bytes in Wasm),
+/// and a map node moves its entries on every insertion and removal; a box moves as a pointer.
+/// Each lookup is one function, not inlined: a request looks its stream up five or six
+/// times, and the code it runs is what it costs in Envoy (one copy of the search, not one
+/// per place that asks).
+struct Streams<S>(BTreeMap<S, Box<Entry>>);
+
+impl<S: Copy + Ord> Streams<S> {
+    #[inline(never)]
+    fn get(&self, s: &S) -> Option<&Entry> {
+        self.0.get(s).map(|e| &**e)
+    }
+
+    #[inline(never)]
+    fn get_mut(&mut self, s: &S) -> Option<&mut Entry> {
+        self.0.get_mut(s).map(|e| &mut **e)
+    }
+
+    fn contains(&self, s: &S) -> bool {
+        self.get(s).is_some()
+    }
+
+    #[inline(never)]
+    fn remove(&mut self, s: &S) -> Option<Box<Entry>> {
+        self.0.remove(s)
+    }
+
+    /// Stream `s`'s entry, `spare`'s last box (or a new one) for a new stream.
+    #[inline(never)]
+    #[allow(clippy::vec_box)]
+    fn open(&mut self, s: S, spare: &mut Vec<Box<Entry>>) -> &mut Entry {
+        self.0
+            .entry(s)
+            .or_insert_with(|| spare.pop().unwrap_or_default())
+    }
+}
+
 pub struct Worker<S> {
-    /// Boxed: a stream's state is large (about 600 bytes in Wasm), and a map node moves its
-    /// entries on every insertion and removal; a box moves as a pointer.
-    streams: BTreeMap<S, Box<Entry>>,
+    streams: Streams<S>,
     /// Boxes of closed streams, emptied, for the next streams (up to [`SPARE_ENTRIES`]): a
     /// stream takes no allocation of its own. Boxes, not entries: one goes into `streams` as
     /// it is.
@@ -79,7 +114,7 @@ impl<S: Copy + Ord> Worker<S> {
     /// `tick_ms` is the period the adapter set at configuration.
     pub fn new(tokens: TokenSource, batch: Option<Batch>, tick_ms: u64) -> Worker<S> {
         Worker {
-            streams: BTreeMap::new(),
+            streams: Streams(BTreeMap::new()),
             spare: Vec::new(),
             waiting: BTreeSet::new(),
             routes: ByToken::default(),
@@ -257,7 +292,7 @@ impl<S: Copy + Ord> Worker<S> {
 
     /// Whether this worker guards stream `s` (events of any other stream change nothing).
     pub fn guards(&self, s: S) -> bool {
-        self.streams.contains_key(&s)
+        self.streams.contains(&s)
     }
 
     /// Whether stream `s` takes a body piece in direction `dir` (else it passes untouched).
@@ -301,10 +336,7 @@ impl<S: Copy + Ord> Worker<S> {
 
     /// Stream `s`'s entry, a spare box for a new stream.
     fn open(&mut self, s: S) -> &mut Entry {
-        let spare = &mut self.spare;
-        self.streams
-            .entry(s)
-            .or_insert_with(|| spare.pop().unwrap_or_default())
+        self.streams.open(s, &mut self.spare)
     }
 
     /// A call was handed to the host: its answer comes back with `token`, or it was refused
@@ -352,7 +384,7 @@ impl<S: Copy + Ord> Worker<S> {
             }
         }
         match dest {
-            Some(Dest::Stream(s, _)) if !self.streams.contains_key(&s) => {}
+            Some(Dest::Stream(s, _)) if !self.streams.contains(&s) => {}
             Some(dest) => self.answer(cx, dest, read(), &mut fx),
             None => {}
         }

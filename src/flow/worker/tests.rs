@@ -281,7 +281,7 @@ fn a_closed_stream_forgets_its_calls() {
     // The host's end of a stream already forgotten, or never guarded: nothing to forget.
     w.close(1);
     w.close(2);
-    assert!(w.streams.is_empty() && w.waiting.is_empty());
+    assert!(w.streams.0.is_empty() && w.waiting.is_empty());
     assert!(w.on_answer(&cx, tokens[0], unread).streams.is_empty());
     assert!(w.on_tick(&Cx::new(&rt, 1_000, &rec)).streams.is_empty());
     // Events of an unguarded stream: it goes on.
