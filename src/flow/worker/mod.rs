@@ -75,6 +75,12 @@ impl<S: Copy + Ord> Streams<S> {
         self.0.remove(s)
     }
 
+    /// Keeps `entry` as stream `s`'s; the entry it replaces, if any.
+    #[inline(never)]
+    fn insert(&mut self, s: S, entry: Box<Entry>) -> Option<Box<Entry>> {
+        self.0.insert(s, entry)
+    }
+
     /// Stream `s`'s entry, `spare`'s last box (or a new one) for a new stream.
     #[inline(never)]
     #[allow(clippy::vec_box)]
@@ -160,9 +166,29 @@ impl<S: Copy + Ord> Worker<S> {
         let (nonce, owner) = tokens
             .as_ref()
             .map_or(("-", "-"), |(n, o)| (n.as_str(), o.as_str()));
-        let flow = &mut self.open(s).flow;
-        let step = flow.on_policy_request(cx, index, req, nonce, owner, end_of_stream);
-        self.event(cx, s, Some(Dir::Request), step)
+        // The stream's state in a spare box, put in the map only if the stream has more to
+        // do: a request answered at once with nothing taken (a cached rejection, a refused
+        // input) is forgotten before it was ever kept.
+        let mut entry = self.spare.pop().unwrap_or_default();
+        let step = entry
+            .flow
+            .on_policy_request(cx, index, req, nonce, owner, end_of_stream);
+        match step {
+            Step::Respond(reply) if entry.flow.answered_without_calls() => {
+                self.retire(entry);
+                let mut ops = StreamEffects::new(s);
+                ops.reply = Some(reply);
+                let mut fx = Effects::new(Action::Pause);
+                fx.streams.push(ops);
+                fx
+            }
+            step => {
+                if let Some(old) = self.streams.insert(s, entry) {
+                    self.forget(s, old);
+                }
+                self.event(cx, s, Some(Dir::Request), step)
+            }
+        }
     }
 
     /// A piece of the body in direction `dir`: `read` gives what the host holds of it (the
@@ -308,15 +334,25 @@ impl<S: Copy + Ord> Worker<S> {
     /// comes here) has nothing here to forget: a call sent for it after it was forgotten is
     /// dropped with its answer (see [`Worker::on_answer`]).
     pub fn close(&mut self, s: S) {
-        let Some(mut entry) = self.streams.remove(&s) else {
-            return;
-        };
+        if let Some(entry) = self.streams.remove(&s) {
+            self.forget(s, entry);
+        }
+    }
+
+    /// What the worker keeps for stream `s` beside `entry`, its box (taken out of the map),
+    /// forgotten with it.
+    fn forget(&mut self, s: S, mut entry: Box<Entry>) {
         if entry.waits {
             self.waiting.remove(&s);
         }
         for token in entry.calls.drain(..) {
             self.routes.remove(&token);
         }
+        self.retire(entry);
+    }
+
+    /// Keeps a forgotten stream's box for the next stream, emptied (while there is room).
+    fn retire(&mut self, mut entry: Box<Entry>) {
         if self.spare.len() < SPARE_ENTRIES {
             // Every field, so that a new one cannot be left out: the box must be as a fresh
             // one (the flow keeps only the room of its lists).

@@ -267,8 +267,10 @@ fn what_a_stream_owes_at_its_end_goes_out_from_the_root() {
     assert_eq!(fx.streams[0].stream, 2, "woken by the root's release");
 }
 
+/// A stream's calls are forgotten with it: when it closes, and when its request starts
+/// afresh (the host hands a stream's request headers once; were it to hand them again).
 #[test]
-fn a_closed_stream_forgets_its_calls() {
+fn a_closed_or_restarted_stream_forgets_its_calls() {
     let rec = Recorder::default();
     let rt = runtime(&rec, CONFIG);
     let cx = Cx::new(&rt, 0, &rec);
@@ -288,6 +290,16 @@ fn a_closed_stream_forgets_its_calls() {
     let fx = w.on_body(&cx, 3, Dir::Request, 10, true, || panic!("not read"));
     assert_eq!(fx.action, Action::Continue);
     assert!(fx.streams.is_empty());
+    // Request headers again: only the new request's call is routed.
+    let fx = request(&mut w, &cx, 4, "PUT", "/x");
+    let first = send_all(&mut w, &cx, fx, &mut 10);
+    let fx = request(&mut w, &cx, 4, "PUT", "/x");
+    let second = send_all(&mut w, &cx, fx, &mut 20);
+    assert!(w.guards(4) && w.waiting.contains(&4));
+    assert_eq!(w.routes.len(), 1);
+    assert!(w.on_answer(&cx, first[0], unread).streams.is_empty());
+    let fx = w.on_answer(&cx, second[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    assert_eq!(fx.streams[0].resume, Some(Dir::Request), "{fx:?}");
 }
 
 #[test]
@@ -393,8 +405,15 @@ fn a_local_answer_that_took_nothing_forgets_its_stream_and_one_after_a_call_does
         w.guards(1),
         "answered after a call: its end still goes to the flow"
     );
-    // The next request is rejected by the cache, with no call: nothing is left to do.
+    // The next request is rejected by the cache, with no call: nothing is left to do, and
+    // its box goes back to the spares at once.
+    let spare = w.spare.len();
     let fx = request(&mut w, &cx, 2, "PUT", "/x");
+    assert_eq!(
+        w.spare.len(),
+        spare.max(1),
+        "its box kept for the next stream"
+    );
     assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(429));
     assert!(fx.streams[0].calls.is_empty() && fx.calls.is_empty());
     assert_eq!(rec.count("cg.over_limit_cache.hits"), 1);
