@@ -175,6 +175,8 @@ impl<S: Copy + Ord> Worker<S> {
             .on_policy_request(cx, index, req, nonce, owner, end_of_stream);
         match step {
             Step::Respond(reply) if entry.flow.answered_without_calls() => {
+                // Nothing of the stream is kept, an earlier request's state neither.
+                self.close(s);
                 self.retire(entry);
                 let mut ops = StreamEffects::new(s);
                 ops.reply = Some(reply);

@@ -423,6 +423,10 @@ fn a_local_answer_that_took_nothing_forgets_its_stream_and_one_after_a_call_does
         .streams
         .is_empty());
     assert!(w.on_done(&cx, 2).calls.is_empty());
+    // Request headers again on stream 1, answered from the cache: nothing of it is kept.
+    let fx = request(&mut w, &cx, 1, "PUT", "/x");
+    assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(429));
+    assert!(!w.guards(1));
 }
 
 #[test]
