@@ -80,15 +80,6 @@ impl<S: Copy + Ord> Streams<S> {
     fn insert(&mut self, s: S, entry: Box<Entry>) -> Option<Box<Entry>> {
         self.0.insert(s, entry)
     }
-
-    /// Stream `s`'s entry, `spare`'s last box (or a new one) for a new stream.
-    #[inline(never)]
-    #[allow(clippy::vec_box)]
-    fn open(&mut self, s: S, spare: &mut Vec<Box<Entry>>) -> &mut Entry {
-        self.0
-            .entry(s)
-            .or_insert_with(|| spare.pop().unwrap_or_default())
-    }
 }
 
 pub struct Worker<S> {
@@ -141,10 +132,10 @@ impl<S: Copy + Ord> Worker<S> {
         index: usize,
         content_type: Option<&str>,
     ) -> Effects<S> {
-        let flow = &mut self.open(s).flow;
-        flow.set_grpc(content_type);
-        let step = flow.on_ambiguous_path(cx, index);
-        self.event(cx, s, Some(Dir::Request), step)
+        self.start(cx, s, |flow| {
+            flow.set_grpc(content_type);
+            flow.on_ambiguous_path(cx, index)
+        })
     }
 
     /// Request headers of a request policy `index` guards (the adapter matched it).
@@ -166,16 +157,19 @@ impl<S: Copy + Ord> Worker<S> {
         let (nonce, owner) = tokens
             .as_ref()
             .map_or(("-", "-"), |(n, o)| (n.as_str(), o.as_str()));
-        // The stream's state in a spare box, put in the map only if the stream has more to
-        // do: a request answered at once with nothing taken (a cached rejection, a refused
-        // input) is forgotten before it was ever kept.
+        self.start(cx, s, |flow| {
+            flow.on_policy_request(cx, index, req, nonce, owner, end_of_stream)
+        })
+    }
+
+    /// A stream's first event, `first` on a fresh flow. The flow runs in a spare box, put in
+    /// the map only if the stream has more to do: a request answered at once with nothing
+    /// taken (a cached rejection, a refused input) is forgotten before it was ever kept.
+    /// Whatever the worker kept of an earlier request of the stream is forgotten either way.
+    fn start(&mut self, cx: &Cx<'_>, s: S, first: impl FnOnce(&mut Flow) -> Step) -> Effects<S> {
         let mut entry = self.spare.pop().unwrap_or_default();
-        let step = entry
-            .flow
-            .on_policy_request(cx, index, req, nonce, owner, end_of_stream);
-        match step {
+        match first(&mut entry.flow) {
             Step::Respond(reply) if entry.flow.answered_without_calls() => {
-                // Nothing of the stream is kept, an earlier request's state neither.
                 self.close(s);
                 self.retire(entry);
                 let mut ops = StreamEffects::new(s);
@@ -370,11 +364,6 @@ impl<S: Copy + Ord> Worker<S> {
             *waits = false;
             self.spare.push(entry);
         }
-    }
-
-    /// Stream `s`'s entry, a spare box for a new stream.
-    fn open(&mut self, s: S) -> &mut Entry {
-        self.streams.open(s, &mut self.spare)
     }
 
     /// A call was handed to the host: its answer comes back with `token`, or it was refused

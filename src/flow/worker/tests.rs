@@ -427,6 +427,11 @@ fn a_local_answer_that_took_nothing_forgets_its_stream_and_one_after_a_call_does
     let fx = request(&mut w, &cx, 1, "PUT", "/x");
     assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(429));
     assert!(!w.guards(1));
+    // A path that reads more than one way is refused at once: nothing is kept either.
+    let fx = w.on_ambiguous_path(&cx, 3, 1, None);
+    assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(400));
+    assert_eq!(fx.action, Action::Pause);
+    assert!(!w.guards(3));
 }
 
 #[test]
