@@ -20,7 +20,7 @@
 
 use crate::config::{Algorithm, Policy, RateLimit, Selector};
 use crate::local::slots::text_hash;
-use crate::text::{hex, push, push_hex, push_u64};
+use crate::text::{hex, push, push_hex, push_u64, split_once_byte};
 use sha2::{Digest, Sha256};
 use std::ops::Range;
 use std::rc::Rc;
@@ -75,8 +75,8 @@ pub fn push_policy_tag(out: &mut String, policy: &str) {
 /// The hash tag of a key: what Redis Cluster hashes, the text between the first `{` and the
 /// next `}` when it is not empty, else the whole key (a key prefix has neither brace).
 pub fn hash_tag(key: &str) -> &str {
-    key.split_once('{')
-        .and_then(|(_, rest)| rest.split_once('}'))
+    split_once_byte(key, b'{')
+        .and_then(|(_, rest)| split_once_byte(rest, b'}'))
         .filter(|(tag, _)| !tag.is_empty())
         .map_or(key, |(tag, _)| tag)
 }

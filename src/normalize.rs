@@ -8,6 +8,7 @@
 //! `..` after an empty segment) are *ambiguous*: the form also lists the other readings, and
 //! a request whose any reading fits a policy is refused rather than guessed.
 
+use crate::text;
 use std::borrow::Cow;
 
 /// A request path as the filter reads it; the canonical reading borrows the raw path when it
@@ -39,7 +40,7 @@ impl PathForm<'_> {
 
 /// The canonical form of `raw` (a `:path` without its query) and its other readings.
 pub fn normalize_path(raw: &str) -> PathForm<'_> {
-    let raw = raw.split_once('#').map_or(raw, |(p, _)| p);
+    let raw = text::split_once_byte(raw, b'#').map_or(raw, |(p, _)| p);
     if is_plain(raw) {
         return PathForm {
             canonical: Cow::Borrowed(raw),
@@ -270,7 +271,7 @@ pub fn query_pairs(query: &str) -> Vec<(String, String)> {
         .split('&')
         .filter(|p| !p.is_empty())
         .map(|pair| {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let (k, v) = text::split_once_byte(pair, b'=').unwrap_or((pair, ""));
             (decode_component(k), decode_component(v))
         })
         .collect()

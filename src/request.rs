@@ -3,6 +3,7 @@
 use crate::config::{HeaderTest, IdSource, Identity, Match, MissingTenant, Policy, Selector};
 use crate::headers::Headers;
 use crate::normalize::{normalize_path, query_pairs, trim_slash, PathForm};
+use crate::text;
 use std::borrow::Cow;
 use std::ops::Range;
 
@@ -208,7 +209,7 @@ pub fn single<'a>(mut values: impl Iterator<Item = &'a str>) -> Result<Option<&'
 
 /// `:path` as the path and the query string (without `?`).
 fn split_path(raw: &str) -> (&str, &str) {
-    raw.split_once('?').unwrap_or((raw, ""))
+    text::split_once_byte(raw, b'?').unwrap_or((raw, ""))
 }
 
 /// `:authority` as a matcher compares it: lower case, without port or a trailing dot (a part
@@ -239,11 +240,13 @@ fn method_of(method: &str) -> Cow<'static, str> {
 fn strip_port(addr: &str) -> &str {
     if let Some(rest) = addr.strip_prefix('[') {
         // [v6]:port
-        return rest.split(']').next().unwrap_or(rest);
+        return text::split_once_byte(rest, b']').map_or(rest, |(host, _)| host);
     }
-    match addr.rsplit_once(':') {
+    match text::rsplit_once_byte(addr, b':') {
         // A bare IPv6 address has more than one colon and no port.
-        Some((host, port)) if !host.contains(':') && port.bytes().all(|b| b.is_ascii_digit()) => {
+        Some((host, port))
+            if !host.bytes().any(|b| b == b':') && port.bytes().all(|b| b.is_ascii_digit()) =>
+        {
             host
         }
         _ => addr,

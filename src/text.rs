@@ -9,6 +9,25 @@ pub fn push(out: &mut String, text: &str) {
     out.push_str(text);
 }
 
+/// `s` split around its first `sep` (an ASCII byte, which never stands inside a longer
+/// character); `None` when `s` has none. Not inlined, as [`push`]: `str::split_once` with a
+/// `char` brings its own searcher to every place it is called, and a request splits its path,
+/// its authority and its query in several.
+#[inline(never)]
+pub fn split_once_byte(s: &str, sep: u8) -> Option<(&str, &str)> {
+    debug_assert!(sep.is_ascii());
+    let at = s.bytes().position(|b| b == sep)?;
+    Some((s.get(..at)?, s.get(at + 1..)?))
+}
+
+/// [`split_once_byte`] around the last `sep`.
+#[inline(never)]
+pub fn rsplit_once_byte(s: &str, sep: u8) -> Option<(&str, &str)> {
+    debug_assert!(sep.is_ascii());
+    let at = s.bytes().rposition(|b| b == sep)?;
+    Some((s.get(..at)?, s.get(at + 1..)?))
+}
+
 /// Appends `n` in decimal. Not inlined, as [`push`]: one copy for every number a request
 /// writes.
 #[inline(never)]
@@ -83,6 +102,36 @@ pub fn push_hex(out: &mut String, bytes: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_splits_are_str_splits() {
+        // Beside std's char splits on the same text: none, first, last, at either end,
+        // repeated, and multi-byte characters around the separator.
+        let texts = [
+            "",
+            "?",
+            "a",
+            "a?b",
+            "?a",
+            "a?",
+            "a??b",
+            "a?b?c",
+            "é?ü",
+            "日本?語?",
+            "a:b:c",
+            "::",
+        ];
+        for text in texts {
+            for (sep, ch) in [(b'?', '?'), (b':', ':')] {
+                assert_eq!(split_once_byte(text, sep), text.split_once(ch), "{text:?}");
+                assert_eq!(
+                    rsplit_once_byte(text, sep),
+                    text.rsplit_once(ch),
+                    "{text:?}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn push_u64_writes_decimal() {

@@ -7,6 +7,7 @@
 
 use crate::config::{Completion, Idempotency, Replay};
 use crate::grpc;
+use crate::text;
 
 /// The response being stored.
 #[derive(Debug, Default)]
@@ -251,7 +252,9 @@ pub fn response_shape(
         .iter()
         .filter(|(n, _)| n == "content-type")
         .any(|(_, v)| {
-            let media = v.split(';').next().unwrap_or("").trim();
+            let media = text::split_once_byte(v, b';')
+                .map_or(v.as_str(), |(m, _)| m)
+                .trim();
             EVENT_STREAM_TYPES
                 .iter()
                 .any(|t| media.eq_ignore_ascii_case(t))

@@ -109,4 +109,14 @@ impl<S> Effects<S> {
             wake: false,
         }
     }
+
+    /// The effects of one stream's operations alone. Its list is allocated at its size: a
+    /// push onto an empty list runs the list's growth, code a request answered at once or
+    /// given its rate-limit headers has no other use for.
+    pub fn of_stream(action: Action, ops: StreamEffects<S>) -> Effects<S> {
+        Effects {
+            streams: vec![ops],
+            ..Effects::new(action)
+        }
+    }
 }

@@ -174,9 +174,7 @@ impl<S: Copy + Ord> Worker<S> {
                 self.retire(entry);
                 let mut ops = StreamEffects::new(s);
                 ops.reply = Some(reply);
-                let mut fx = Effects::new(Action::Pause);
-                fx.streams.push(ops);
-                fx
+                Effects::of_stream(Action::Pause, ops)
             }
             step => {
                 if let Some(old) = self.streams.insert(s, entry) {
@@ -277,11 +275,9 @@ impl<S: Copy + Ord> Worker<S> {
         if entry.flow.owes_nothing_at_end(cx) {
             self.close(s);
         }
-        let mut fx = Effects::new(Action::Continue);
         let mut ops = StreamEffects::new(s);
         ops.add_response_headers = extra;
-        fx.streams.push(ops);
-        Some(fx)
+        Some(Effects::of_stream(Action::Continue, ops))
     }
 
     /// The response's trailers; `read` is asked only when the record settles on them.
