@@ -266,15 +266,21 @@ fn resolve(path: &str, order: Order) -> String {
 /// The query string's parameters, names and values percent-decoded and `+` read as a space
 /// (form encoding: a service reading `+` literally then sees two names for one value, which
 /// only makes the guard stricter). A broken escape is kept as it is.
+/// Split on the one byte search ([`text::split_once_byte`]), so a request without a query runs
+/// no splitter at all.
 pub fn query_pairs(query: &str) -> Vec<(String, String)> {
-    query
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|pair| {
-            let (k, v) = text::split_once_byte(pair, b'=').unwrap_or((pair, ""));
-            (decode_component(k), decode_component(v))
-        })
-        .collect()
+    let mut pairs = Vec::new();
+    let mut rest = query;
+    while !rest.is_empty() {
+        let (pair, tail) = text::split_once_byte(rest, b'&').unwrap_or((rest, ""));
+        rest = tail;
+        if pair.is_empty() {
+            continue;
+        }
+        let (k, v) = text::split_once_byte(pair, b'=').unwrap_or((pair, ""));
+        pairs.push((decode_component(k), decode_component(v)));
+    }
+    pairs
 }
 
 fn decode_component(s: &str) -> String {
@@ -403,6 +409,35 @@ mod tests {
             ]
         );
         assert!(query_pairs("").is_empty());
+    }
+
+    #[test]
+    fn query_pairs_split_as_std_splits() {
+        // Empty pairs dropped wherever they stand, a name's first `=` ends it, and names or
+        // values that are empty or hold another `=`: as `split('&')` and `split_once('=')`.
+        let reference = |q: &str| -> Vec<(String, String)> {
+            q.split('&')
+                .filter(|p| !p.is_empty())
+                .map(|p| p.split_once('=').unwrap_or((p, "")))
+                .map(|(k, v)| (decode_component(k), decode_component(v)))
+                .collect()
+        };
+        for q in [
+            "&",
+            "&&",
+            "&a",
+            "a&",
+            "&&a&&b&&",
+            "=",
+            "=x",
+            "x=",
+            "a=b=c",
+            "a==",
+            "é=ü&日=本",
+            "a",
+        ] {
+            assert_eq!(query_pairs(q), reference(q), "{q:?}");
+        }
     }
 
     #[test]
