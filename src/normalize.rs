@@ -266,6 +266,7 @@ fn resolve(path: &str, order: Order) -> String {
 /// The query string's parameters, names and values percent-decoded and `+` read as a space
 /// (form encoding: a service reading `+` literally then sees two names for one value, which
 /// only makes the guard stricter). A broken escape is kept as it is.
+///
 /// Split on the one byte search ([`text::split_once_byte`]), so a request without a query runs
 /// no splitter at all.
 pub fn query_pairs(query: &str) -> Vec<(String, String)> {
