@@ -28,6 +28,14 @@ pub fn rsplit_once_byte(s: &str, sep: u8) -> Option<(&str, &str)> {
     Some((s.get(..at)?, s.get(at + 1..)?))
 }
 
+/// The media type of a `Content-Type` value: the text before its first `;` (its parameters
+/// dropped), trimmed, its case kept.
+pub fn media_type(content_type: &str) -> &str {
+    split_once_byte(content_type, b';')
+        .map_or(content_type, |(media, _)| media)
+        .trim()
+}
+
 /// Appends `n` in decimal. Not inlined, as [`push`]: one copy for every number a request
 /// writes.
 #[inline(never)]
@@ -130,6 +138,20 @@ mod tests {
                     "{text:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn media_type_drops_parameters() {
+        for (value, want) in [
+            ("application/json", "application/json"),
+            (" Text/Event-Stream ; charset=utf-8", "Text/Event-Stream"),
+            ("application/json;", "application/json"),
+            (";charset=utf-8", ""),
+            ("", ""),
+            ("a; b; c", "a"),
+        ] {
+            assert_eq!(media_type(value), want, "{value:?}");
         }
     }
 

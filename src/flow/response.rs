@@ -252,9 +252,7 @@ pub fn response_shape(
         .iter()
         .filter(|(n, _)| n == "content-type")
         .any(|(_, v)| {
-            let media = text::split_once_byte(v, b';')
-                .map_or(v.as_str(), |(m, _)| m)
-                .trim();
+            let media = text::media_type(v);
             EVENT_STREAM_TYPES
                 .iter()
                 .any(|t| media.eq_ignore_ascii_case(t))

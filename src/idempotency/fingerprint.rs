@@ -4,7 +4,7 @@
 //! so `{"a":1,"b":2}` and `{ "b": 2, "a": 1 }` are the same request; any other body, and JSON
 //! that repeats a member name, counts byte for byte.
 
-use crate::text::push_hex;
+use crate::text::{media_type, push_hex};
 use sha2::{Digest, Sha256};
 
 /// True for `application/json` and `application/*+json` (parameters ignored).
@@ -12,12 +12,7 @@ pub fn is_json(content_type: Option<&str>) -> bool {
     let Some(ct) = content_type else {
         return false;
     };
-    let essence = ct
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
+    let essence = media_type(ct).to_ascii_lowercase();
     essence == "application/json"
         || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
