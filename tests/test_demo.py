@@ -22,6 +22,16 @@ from harness.proc import ROOT, free_port
 
 DEMO_PLUGIN = json.loads((ROOT / "envoy" / "demo-plugin.json").read_text())
 PORT_NAMES = ("envoy", "admin", "upstream", "webdis", "redis")
+# A user's own configuration: a lease on /jobs/, a limit on /reports, other identity headers.
+USER_PLUGIN = {**DEMO_PLUGIN,
+               "identity": {"tenant_header": "x-org", "principal_header": "x-user",
+                            "missing_tenant": "reject"},
+               "policies": [
+                   {"name": "run-job", "match": {"methods": ["PUT"], "path_prefix": "/jobs/"},
+                    "lease": {"resource": ["tenant", "path_segment:2"], "ttl": "5s"}},
+                   {"name": "reports", "match": {"methods": ["POST"], "path_exact": "/reports"},
+                    "rate_limits": [{"name": "org", "by": ["tenant"], "algorithm": "fixed_window",
+                                     "limit": 4, "window": "1m"}]}]}
 
 
 def make_run(tmp_path: Path, plugin: dict | None, *extra: str):
@@ -71,15 +81,7 @@ def post(port: int, path: str, headers: dict, method: str = "POST") -> tuple[int
 def test_make_run_with_an_own_config_prints_its_examples_and_survives_redis(tmp_path):
     """A user's config with a lease on /jobs/ and a limit on /reports: the printed commands use
     those paths and headers; `make demo-redis-down` gives fail-closed 503s, `-up` recovers."""
-    plugin = {**DEMO_PLUGIN,
-              "identity": {"tenant_header": "x-org", "principal_header": "x-user",
-                           "missing_tenant": "reject"},
-              "policies": [
-                  {"name": "run-job", "match": {"methods": ["PUT"], "path_prefix": "/jobs/"},
-                   "lease": {"resource": ["tenant", "path_segment:2"], "ttl": "5s"}},
-                  {"name": "reports", "match": {"methods": ["POST"], "path_exact": "/reports"},
-                   "rate_limits": [{"name": "org", "by": ["tenant"], "algorithm": "fixed_window",
-                                    "limit": 4, "window": "1m"}]}]}
+    plugin = USER_PLUGIN
     stale = tmp_path / "logs" / "envoy" / "envoy.log"
     stale.parent.mkdir(parents=True)
     stale.write_text("a line of an earlier run\n")
@@ -90,12 +92,13 @@ def test_make_run_with_an_own_config_prints_its_examples_and_survives_redis(tmp_
         assert "an earlier run" not in stale.read_text(), "every run's logs start fresh"
         envoy = f"http://127.0.0.1:{ports['envoy']}"
         assert f"-X POST -H 'x-org: acme' -H 'x-user: alice' {envoy}/reports" in text, text
-        assert "for i in $(seq 1 7)" in text  # limit 4 + 3
-        assert f"-X PUT -H 'x-org: acme' -H 'x-user: alice' -H 'x-upstream-delay-ms: 5000' " \
+        assert "for i in $(seq 1 5)" in text  # limit 4 + 1, then one more shown whole
+        # Each example as a caller of its own: none eats into another's limit.
+        assert f"-X PUT -H 'x-org: initech' -H 'x-user: carol' -H 'x-upstream-delay-ms: 3000' " \
                f"{envoy}/jobs/1001" in text, text
         assert "Idempotency" not in text, "no idempotency policy, no idempotency example"
         assert "create-order" not in text and "/orders" not in text
-        assert "make demo-redis-down" in text
+        assert f"make demo-redis-down LOGS={tmp_path / 'logs'}" in text, text
 
         org = {"x-org": "acme", "x-user": "alice"}
         assert [post(ports["envoy"], "/reports", org)[0] for _ in range(5)] == [200] * 4 + [429]

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .proc import Proc, wait_for_port
+from .proc import NotConfigured, Proc, beyond_loopback, wait_for_port
 
 
 def start_child(name: str, script: str | Path, workdir: Path, banner: str, port: int = 0,
@@ -34,6 +34,9 @@ def start_child(name: str, script: str | Path, workdir: Path, banner: str, port:
                 raise RuntimeError(f"{name} did not start:\n{proc.log_tail()}")
             time.sleep(0.05)
         wait_for_port(announced[0], max(0.1, deadline - time.monotonic()), proc.popen)
+        outside = beyond_loopback(proc.pid)
+        if outside:
+            raise NotConfigured(f"{name} listens on {', '.join(outside)}, beyond loopback")
     except Exception:
         proc.stop()
         raise

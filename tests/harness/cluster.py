@@ -105,7 +105,7 @@ class RedisProxy(Service):
 
     def __init__(self, workdir: Path, seed_ports: list[int], username: str, password: str,
                  port: int | None = None, admin_port: int = 0, client_password: str | None = None):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()
         self.port = port or free_port()
         self.admin_port = admin_port
         self.seed_ports = list(seed_ports)
@@ -166,9 +166,13 @@ class ClusterBackend:
     def __init__(self, workdir: Path, gateway_key_prefix: str = "cg",
                  node_timeout_ms: int = NODE_TIMEOUT_MS, node_ports: list[int] | None = None,
                  proxy_port: int | None = None, proxy_admin_port: int = 0,
-                 webdis_ports: list[int] | None = None, webdis_threads: int = 2):
-        self.workdir = Path(workdir)
+                 webdis_ports: list[int] | None = None, webdis_threads: int = 2,
+                 keep_data: bool = False):
+        self.workdir = Path(workdir).resolve()
         self.gateway_key_prefix = gateway_key_prefix
+        # `start_redis` keeps the data (the demo: only the proxy went away) instead of acting
+        # out a restart without persistence (the tests).
+        self.keep_data = keep_data
         self.gateway_password = secrets.token_hex(16)
         self.admin_password = secrets.token_hex(16)
         ports = node_ports or [free_port() for _ in range(NODES)]
@@ -404,12 +408,13 @@ class ClusterBackend:
 
     def start_redis(self, timeout: float = 30.0, wait_gateway: bool = True,
                     prefixes: set[str] | None = None) -> None:
-        """Redis comes back: scripts gone; data gone unless `save` points are configured (as a
-        restarted Redis without / with persistence): everything if only one stack is attached,
+        """Redis comes back: scripts gone; data gone unless `save` points are configured or
+        `keep_data` is set (as a restarted Redis without / with persistence): everything if only one stack is attached,
         else the keys under `prefixes` (the stack's own). The proxy starts on the same port."""
         client = self.client()
         try:
-            persistent = any(v.get("save") for v in client.config_get("save").values())
+            persistent = self.keep_data or any(v.get("save")
+                                               for v in client.config_get("save").values())
             if not persistent and len(self._attached) <= 1:
                 client.flushall()
             client.script_flush()

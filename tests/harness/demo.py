@@ -34,9 +34,11 @@ import sys
 import time
 from pathlib import Path
 
+from . import readiness
 from .cluster import NODES, ClusterBackend, RedisProxy
 from .envoy import DEFAULT_WASM, spawn_envoy, substitute
-from .proc import ROOT, PrerequisiteMissing, RedisServer, wait_for_port, wait_http
+from .proc import (ROOT, PrerequisiteMissing, RedisServer, beyond_loopback, wait_for_port,
+                   wait_http)
 from .upstream import Upstream
 from .webdis import Webdis
 
@@ -103,6 +105,8 @@ def render_demo(out: Path, ports: dict[str, int] = PORTS, wasm_path: Path = DEFA
         second = [line.replace(f"port_value: {ports['webdis']} }}", f"port_value: {ports['webdis2']} }}")
                   for line in endpoint]
         text = "".join(lines[:at + 1] + second + lines[at + 1:])
+    # make run's readiness probe (harness.readiness): its own listener, a port the kernel picks.
+    text = text.replace("\n  listeners:\n", "\n  listeners:\n" + readiness.listener_yaml(), 1)
     plugin = load_plugin(plugin_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(substitute(text, {"WASM_PATH": str(wasm_path)}, json.dumps(plugin)))
@@ -177,67 +181,100 @@ def _example_path(policy: dict, segment: str) -> tuple[str, str]:
     return method, path
 
 
-def examples(plugin: dict, envoy: str, upstream: str, logs: Path) -> list[str]:
-    """One example per kind of policy in `plugin`, as commands to paste."""
+# Each example calls as a tenant and principal of its own, so that none eats into a limit that
+# another example (pasted at once, or a minute later) counts on.
+CALLERS = {"rate": ("acme", "alice"), "idem": ("globex", "bob"), "lease": ("initech", "carol"),
+           "down": ("umbrella", "dave")}
+# A burst longer than this is no demo: a smallest limit above it gets no rate-limit example.
+MAX_BURST = 200
+
+
+def capacity(limit: dict) -> int:
+    """How many requests a fresh limit admits at once (a token bucket: its burst)."""
+    if limit.get("algorithm") == "token_bucket":
+        return max(limit["limit"], limit.get("burst", limit["limit"]))
+    return limit["limit"]
+
+
+def examples(plugin: dict, envoy: str, upstream: str, make_logs: str) -> list[str]:
+    """One example per kind of policy in `plugin`: a caption ending in `:`, then the commands
+    to paste, each on a line of its own indented by two spaces (tests run them as printed)."""
     identity = plugin.get("identity", {})
     tenant_h = identity.get("tenant_header", "x-tenant-id")
     user_h = identity.get("principal_header", "x-user-id")
-    who = f"-H '{tenant_h}: acme' -H '{user_h}: alice'"
+
+    def who(kind: str) -> str:
+        tenant, user = CALLERS[kind]
+        return f"-H '{tenant_h}: {tenant}' -H '{user_h}: {user}'"
+
     policies = plugin.get("policies", [])
     out = []
-    limited = [(p, min(l["limit"] for l in p["rate_limits"] if not l.get("shadow")))
+    limited = [(p, min(capacity(l) for l in p["rate_limits"]
+                       if not l.get("shadow") and l.get("algorithm") != "concurrency"))
                for p in policies
-               if any(not l.get("shadow") for l in p.get("rate_limits", []))
+               if any(not l.get("shadow") and l.get("algorithm") != "concurrency"
+                      for l in p.get("rate_limits", []))
                and not p.get("lease")]
     if limited:
         policy, smallest = min(limited, key=lambda pl: pl[1])
         method, path = _example_path(policy, "1")
-        n = min(smallest + 3, 50)
-        out.append(f"Rate limit ({policy['name']}): {n} requests, the last ones get 429 with Retry-After:\n"
-                   f"  for i in $(seq 1 {n}); do curl -s -o /dev/null -w '%{{http_code}} ' -X {method} "
-                   f"{who} {envoy}{path}; done; echo")
+        if smallest + 2 <= MAX_BURST:
+            call = f"-X {method} {who('rate')} {envoy}{path}"
+            out.append(f"Rate limit ({policy['name']}, {smallest} at once): {smallest + 1} requests, "
+                       f"the last ones get 429; one more, shown whole, has Retry-After and the "
+                       f"RateLimit headers:\n"
+                       f"  for i in $(seq 1 {smallest + 1}); do curl -s -o /dev/null -w '%{{http_code}} ' "
+                       f"{call}; done; echo\n"
+                       f"  curl -s -i -w '\\n' {call}")
     idem = next((p for p in policies if p.get("idempotency")), None)
     if idem:
         cfg = idem["idempotency"]
         method, path = _example_path(idem, "1")
         method = (cfg.get("methods") or ["POST"])[0]
         key = cfg.get("header", "idempotency-key")
-        base = (f"curl -s -i -X {method} {who} -H 'content-type: application/json' "
+        base = (f"curl -s -i -w '\\n' -X {method} {who('idem')} -H 'content-type: application/json' "
                 f"-H '{key}: \"order-0001\"' {envoy}{path}")
         out.append(f"Idempotency ({idem['name']}): the second is replayed (Idempotent-Replayed: "
-                   f"true, the service runs once); another body with the key gets "
-                   f"{cfg.get('conflict_status', 422)}:\n"
+                   f"true); another body with the key gets "
+                   f"{cfg.get('conflict_status', 422)}; the service ran it once:\n"
                    f"  {base} -d '{{\"item\": \"book\", \"qty\": 1}}'\n"
                    f"  {base} -d '{{\"qty\": 1, \"item\": \"book\"}}'\n"
-                   f"  {base} -d '{{\"item\": \"pen\", \"qty\": 2}}'")
+                   f"  {base} -d '{{\"item\": \"pen\", \"qty\": 2}}'\n"
+                   f"  curl -s {upstream}/__upstream/stats | grep -o 'order-0001' | wc -l")
     lease = next((p for p in policies if p.get("lease")), None)
     if lease:
         method, path = _example_path(lease, "1001")
         header = lease["lease"].get("fencing_header", "x-fencing-token")
         out.append(f"Lease ({lease['name']}): a slow request holds the resource, a second one on "
-                   f"it gets 409 resource_locked; the service got a fencing token in {header}:\n"
-                   f"  curl -s -o /dev/null -X {method} {who} -H 'x-upstream-delay-ms: 5000' {envoy}{path} &\n"
-                   f"  sleep 0.5; curl -s -i -X {method} {who} {envoy}{path}\n"
-                   f"  curl -s {upstream}/__upstream/stats | grep -o '\"{header}\": \"[0-9]*\"'")
+                   f"it gets 409 resource_locked; once the first is done, the fencing token the "
+                   f"service got in {header}:\n"
+                   f"  curl -s -o /dev/null -X {method} {who('lease')} -H 'x-upstream-delay-ms: 3000' {envoy}{path} &\n"
+                   f"  sleep 0.5; curl -s -i -w '\\n' -X {method} {who('lease')} {envoy}{path}\n"
+                   f"  wait; curl -s {upstream}/__upstream/stats | grep -o '\"{header}\": \"[0-9]*\"'")
     guarded = next((p for p in policies if p.get("rate_limits") or p.get("lease")), None)
     if guarded:
         method, path = _example_path(guarded, "1002")
         mode = guarded.get("failure_mode", plugin.get("failure_mode", "fail_closed"))
         seen = "503 guard_unavailable" if mode == "fail_closed" else "the request forwarded"
-        out.append(f"Redis gone ({guarded['name']} is {mode}: {seen}), then back:\n"
-                   f"  make demo-redis-down LOGS={logs}\n"
-                   f"  curl -s -i -X {method} {who} {envoy}{path}\n"
-                   f"  make demo-redis-up LOGS={logs}")
+        call = f"curl -s -i -w '\\n' -X {method} {who('down')} {envoy}{path}"
+        out.append(f"Redis gone ({guarded['name']} is {mode}: {seen}), then back (200); Redis "
+                   f"keeps its data across the two (records, leases' fences, counters):\n"
+                   f"  make demo-redis-down{make_logs}\n"
+                   f"  {call}\n"
+                   f"  make demo-redis-up{make_logs}\n"
+                   f"  {call}")
     return out
 
 
 def instructions(ports: dict[str, int], config: Path, logs: Path, redis_admin: str = "<password>",
-                 plugin: dict | None = None, cluster: bool = False) -> str:
+                 plugin: dict | None = None, cluster: bool = False, make_logs: str = "") -> str:
+    """What `make run` prints once the stack works: where everything is, then captions (ending
+    in `:`) each followed by the commands to paste, indented by two spaces."""
     envoy = f"http://127.0.0.1:{ports['envoy']}"
     admin = f"http://127.0.0.1:{ports['admin']}"
     upstream = f"http://127.0.0.1:{ports['upstream']}"
     plugin = plugin if plugin is not None else json.loads(DEMO_PLUGIN.read_text())
-    tour = "\n".join(examples(plugin, envoy, upstream, logs))
+    tour = "\n".join(examples(plugin, envoy, upstream, make_logs))
     prefix = plugin["redis"].get("key_prefix", "cg")
     redis_cli = (f"redis-cli -p {ports['redis']} --user admin --pass {redis_admin} --no-auth-warning "
                  f"--scan --pattern '{prefix}:*'")
@@ -260,7 +297,7 @@ coordination-guard demo is up
   logs      {logs}/
 
 {tour}
-Redis as the harness's admin user (webdis's own user may run only the scripts' commands on cg:* keys):
+The keys in Redis, as the harness's admin user (webdis's own user may run only the scripts' commands on {prefix}:* keys):
   {redis_cli}
 The filter's metrics:
   curl -s '{admin}/stats?filter=wasmcustom'
@@ -280,8 +317,34 @@ def config_error(envoy_log: str) -> str | None:
     return None
 
 
+def log_of(part: str, started: dict[str, object], envoy_log: str) -> str:
+    """The end of one part's log (envoy, webdis, redis), for a start-up that did not work."""
+    if part == "envoy":
+        text = envoy_log
+    elif isinstance(started.get("cluster"), ClusterBackend):
+        backend = started["cluster"]
+        procs = {"webdis": [w.proc for w in backend.webdis],
+                 "redis": [backend.proxy.proc] + [n.proc for n in backend.nodes]}[part]
+        text = "\n".join(p.log_tail(10) for p in procs if p is not None)
+    else:
+        service = started.get(part)
+        text = service.start_log() if service is not None else ""
+        if part == "webdis" and service is not None:
+            text += service.log_text()
+    return "\n".join(text.splitlines()[-20:]) or "(empty)"
+
+
+def set_redis_state(path: Path, state: str) -> None:
+    """What `make demo-redis-down` / `-up` wait for: `down` once Redis is gone, `up` once the
+    gateway answers again."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(state + "\n")
+    tmp.replace(path)
+
+
 def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
-        plugin_path: Path = DEMO_PLUGIN, timeout: float = 20.0, cluster: bool = False) -> int:
+        plugin_path: Path = DEMO_PLUGIN, timeout: float = 20.0, cluster: bool = False,
+        make_logs: str = "") -> int:
     if not wasm_path.exists():
         raise PrerequisiteMissing(f"{wasm_path} is missing; run `make build`")
     try:
@@ -295,12 +358,15 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
         shutil.rmtree(logs)  # every run's logs start fresh
     logs.mkdir(parents=True)
     pid_file = logs / "demo.pid"
+    state_file = logs / "redis.state"
     started: dict[str, object] = {}  # label -> RedisServer | Webdis | Upstream | Proc
     redis_wanted = {"up": True}  # SIGUSR1 takes Redis away, SIGUSR2 brings it back
 
     def stop(*_):
         raise KeyboardInterrupt
 
+    # Ctrl-C too, even where the shell that started it in the background ignores SIGINT.
+    signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGUSR1, lambda *_: redis_wanted.update(up=False))
     signal.signal(signal.SIGUSR2, lambda *_: redis_wanted.update(up=True))
@@ -310,17 +376,24 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
         if cluster:
             backend = ClusterBackend(logs / "cluster", node_ports=node_ports(ports),
                                      proxy_port=ports["redis"], proxy_admin_port=ports["proxy_admin"],
-                                     webdis_ports=[ports["webdis"], ports["webdis2"]])
+                                     webdis_ports=[ports["webdis"], ports["webdis2"]],
+                                     keep_data=True)
             backend.proxy.config_path = out.parent / "redis-cluster-proxy.yaml"
             started["cluster"] = redis = backend.start(timeout=60)
             redis_up = backend.proxy.alive
             redis_down, redis_back = backend.stop_redis, lambda: backend.start_redis(timeout)
         else:
-            started["redis"] = redis = RedisServer(logs / "redis", ports["redis"]).start(timeout)
-            started["webdis"] = Webdis(logs / "webdis", ports["redis"], port=ports["webdis"],
-                                       redis_password=redis.gateway_password).start(timeout)
+            # Persistent: taking Redis away (make demo-redis-down) loses none of its data.
+            started["redis"] = redis = RedisServer(logs / "redis", ports["redis"],
+                                                   persistent=True).start(timeout)
+            started["webdis"] = webdis = Webdis(logs / "webdis", ports["redis"], port=ports["webdis"],
+                                                redis_password=redis.gateway_password).start(timeout)
             redis_up = redis.alive
-            redis_down, redis_back = redis.stop, lambda: redis.start(timeout)
+            redis_down = redis.stop
+
+            def redis_back():
+                redis.start(timeout)
+                webdis.wait_redis(timeout)
         started["upstream"] = Upstream(logs / "upstream", ports["upstream"]).start(timeout)
         started["envoy"] = envoy = spawn_envoy(logs / "envoy", config)
         try:
@@ -332,16 +405,33 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
             print(f"demo: {plugin_path}: {problem}", file=sys.stderr)
             return 1
         wait_for_port(ports["envoy"], timeout, envoy.popen)
+        outside = beyond_loopback(envoy.pid)
+        if outside:
+            raise RuntimeError(f"envoy listens on {', '.join(outside)}, beyond loopback")
+        # Up means working: a script call through Envoy's gateway cluster, webdis (each of
+        # them, in turn) and Redis as the gateway user.
+        try:
+            readiness.check(readiness.port(f"http://127.0.0.1:{ports['admin']}"),
+                            plugin["redis"]["authorization"], plugin["redis"].get("key_prefix", "cg"),
+                            timeout, calls=4 if cluster else 1)
+        except readiness.NotReady as e:
+            print(f"demo: not working: {e}\n--- the end of {e.part}'s log ---\n"
+                  f"{log_of(e.part, started, envoy.log_text())}\nlogs in {logs}/", file=sys.stderr)
+            return 1
         pid_file.write_text(f"{os.getpid()}\n")
-        print(instructions(ports, config, logs, redis.admin_password, plugin, cluster), flush=True)
+        set_redis_state(state_file, "up")
+        print(instructions(ports, config, logs, redis.admin_password, plugin, cluster, make_logs),
+              flush=True)
         print("pids: " + " ".join(f"{label}={pid}" for label, pid in _pids(started)), flush=True)
         while True:
             if redis_wanted["up"] != redis_up():
                 if redis_wanted["up"]:
                     redis_back()
+                    set_redis_state(state_file, "up")
                     print("demo: Redis is back", flush=True)
                 else:
                     redis_down()
+                    set_redis_state(state_file, "down")
                     print("demo: Redis stopped (make demo-redis-up brings it back)", flush=True)
             dead = [label for label, p in started.items()
                     if not p.alive() and not (label in ("redis", "cluster") and not redis_wanted["up"])]
@@ -349,7 +439,7 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
                 print(f"demo: {', '.join(dead)} exited unexpectedly; logs in {logs}/",
                       file=sys.stderr)
                 return 1
-            time.sleep(0.2)
+            time.sleep(0.1)
     except KeyboardInterrupt:
         print("\nstopping demo", flush=True)
         return 0
@@ -363,6 +453,7 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
         for part in reversed(list(started.values())):
             part.stop()
         pid_file.unlink(missing_ok=True)
+        state_file.unlink(missing_ok=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -397,21 +488,25 @@ def main(argv: list[str] | None = None) -> int:
     for name in CLUSTER_PORTS:
         parser.add_argument(f"--{name.replace('_', '-')}-port", type=int, help="with --cluster")
     args = parser.parse_args(argv)
+    # Every path handed on is absolute: the processes run in directories of their own.
+    logs, out, wasm, plugin = (p.resolve() for p in (args.logs, args.out, args.wasm, args.plugin))
+    # The printed `make demo-redis-down` needs LOGS= only where the logs are not the default.
+    make_logs = "" if logs == (BUILD / "demo").resolve() else f" LOGS={args.logs}"
     ports = {name: getattr(args, f"{name}_port") for name in PORTS}
     if args.cluster:
         ports = cluster_ports(ports, args.webdis2_port, args.proxy_admin_port,
                               args.node_base_port or 7001)
     if args.render_only:
         try:
-            print(render_demo(args.out, ports, args.wasm, args.plugin, args.cluster))
+            print(render_demo(out, ports, wasm, plugin, args.cluster))
         except PluginError as e:
             print(f"demo: {e}", file=sys.stderr)
             return 1
         if args.cluster:
-            print(render_cluster_proxy(args.out.parent / "redis-cluster-proxy.yaml", ports))
+            print(render_cluster_proxy(out.parent / "redis-cluster-proxy.yaml", ports))
         return 0
     try:
-        return run(ports, args.wasm, args.out, args.logs, args.plugin, cluster=args.cluster)
+        return run(ports, wasm, out, logs, plugin, cluster=args.cluster, make_logs=make_logs)
     except PrerequisiteMissing as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .proc import ROOT, PrerequisiteMissing, Proc, reserve_dead_port, wait_for_port, wait_http
+from . import readiness
+from .proc import (ROOT, PrerequisiteMissing, Proc, beyond_loopback, reserve_dead_port,
+                   wait_for_port, wait_http)
 
 TEMPLATE = ROOT / "envoy" / "template.yaml"
 # CG_WASM runs the suite against another build (e.g. to see a new test fail on the old one).
@@ -59,10 +61,10 @@ def spawn_envoy(workdir: Path, config_path: Path, concurrency: int = 2, log_leve
 
     `env` is added to the process environment (e.g. a secret that the Wasm VM reads through
     `vm_config.environment_variables.host_env_keys`)."""
-    argv = [envoy_binary(), "-c", str(config_path), "--disable-hot-restart",
+    argv = [envoy_binary(), "-c", str(Path(config_path).resolve()), "--disable-hot-restart",
             "--concurrency", str(concurrency), "-l", log_level]
     if admin_address_path is not None:
-        argv += ["--admin-address-path", str(admin_address_path)]
+        argv += ["--admin-address-path", str(Path(admin_address_path).resolve())]
     return Proc("envoy", argv, Path(workdir), env=env)
 
 
@@ -226,6 +228,9 @@ def render_config(*, plugin_config: dict | str | None, wasm_path: Path, ports: d
         cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] = buffer_limit
         upstream = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "upstream")
         upstream["per_connection_buffer_limit_bytes"] = buffer_limit
+    # The readiness probe's own listener (harness.readiness): a script call through the
+    # gateway cluster, which Stack.start makes before it calls the stack up.
+    cfg["static_resources"]["listeners"].append(readiness.listener())
     return cfg
 
 
@@ -304,7 +309,7 @@ class Envoy:
                  **variant):
         """`variant`: the keyword arguments of `render_config` (local_ratelimit,
         direct_response, path_normalization, buffer_limit, vm_env, routes, pre_filters, ...)."""
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()
         self.process_env = process_env
         self.plugin_config = plugin_config
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
@@ -369,10 +374,14 @@ class Envoy:
         self.admin_port = int(self.admin_address_path.read_text().strip().rsplit(":", 1)[1])
         left = max(0.1, deadline - time.monotonic())
         wait_http(f"{self.admin_url}/ready", left, self.proc, expect=200)
-        listeners = json.loads(self.admin_get("/listeners?format=json"))
-        address = listeners["listener_statuses"][0]["local_address"]["socket_address"]
-        self.port = int(address["port_value"])
+        listeners = json.loads(self.admin_get("/listeners?format=json"))["listener_statuses"]
+        main = self.config["static_resources"]["listeners"][0]["name"]
+        status = next(s for s in listeners if s["name"] == main)
+        self.port = int(status["local_address"]["socket_address"]["port_value"])
         wait_for_port(self.port, max(0.1, deadline - time.monotonic()), self.proc.popen)
+        outside = beyond_loopback(self.proc.pid)
+        if outside:
+            raise RuntimeError(f"envoy listens on {', '.join(outside)}, beyond loopback")
 
     def start_expect_failure(self, timeout: float = 20.0) -> tuple[int | None, str]:
         """Start an Envoy that should refuse its config: (exit code, log).

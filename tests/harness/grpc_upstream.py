@@ -124,7 +124,7 @@ class GrpcUpstream:
     """The service as a child process on a kernel-chosen port; stopped by its pid."""
 
     def __init__(self, workdir: Path):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()
         self.port: int | None = None
         self.proc = None
 

@@ -65,7 +65,7 @@ class ModuleServer(Service):
     line per request) is `log_text()`."""
 
     def __init__(self, workdir: Path, directory: Path, port: int | None = None):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()
         self.directory = Path(directory)
         self.port = port or free_port()
 

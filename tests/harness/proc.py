@@ -135,14 +135,11 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def listens(pid: int, port: int) -> bool:
-    """Whether `pid` (or a process it started) holds a listening socket on `port`: a port
-    another process took between its choice and the start answers connections too."""
-    inodes = _listener_inodes(port)
+def _socket_inodes(pid: int):
+    """The inodes of every socket `pid` (or a process it started) holds open."""
     for p in _tree(pid):
-        fd_dir = Path(f"/proc/{p}/fd")
         try:
-            fds = list(fd_dir.iterdir())
+            fds = list(Path(f"/proc/{p}/fd").iterdir())
         except OSError:
             continue
         for fd in fds:
@@ -150,9 +147,52 @@ def listens(pid: int, port: int) -> bool:
                 link = os.readlink(fd)
             except OSError:
                 continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                return True
-    return False
+            if link.startswith("socket:["):
+                yield link[8:-1]
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether `pid` (or a process it started) holds a listening socket on `port`: a port
+    another process took between its choice and the start answers connections too."""
+    inodes = _listener_inodes(port)
+    return any(inode in inodes for inode in _socket_inodes(pid))
+
+
+def _socket_address(hex_address: str) -> str:
+    """`/proc/net/tcp{,6}`'s `ADDR:PORT` (hex, the address in host byte order) as text."""
+    addr, port = hex_address.rsplit(":", 1)
+    raw = bytes.fromhex(addr)
+    # Each 32-bit word is stored in the host's (little-endian) byte order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return f"{socket.inet_ntop(family, raw)}:{int(port, 16)}"
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0]
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") \
+        or host.startswith("::ffff:127.")
+
+
+def listen_addresses(pid: int) -> list[str]:
+    """Every address `pid` (or a process it started) listens on, as `host:port`."""
+    by_inode = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A":
+                by_inode[f[9]] = _socket_address(f[1])
+    return sorted({by_inode[inode] for inode in _socket_inodes(pid) if inode in by_inode})
+
+
+def beyond_loopback(pid: int) -> list[str]:
+    """The addresses outside loopback that `pid`'s process tree listens on: nothing the
+    project starts may listen there (a process that did so did not take its configuration)."""
+    return [a for a in listen_addresses(pid) if not _is_loopback(a)]
 
 
 def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
@@ -215,6 +255,9 @@ class Proc:
     def __init__(self, name: str, argv: list[str], workdir: Path, env: dict | None = None):
         self.name = name
         self.argv = argv
+        # Absolute: the child runs in it, so a path relative to the caller's directory would
+        # name another file there (webdis then starts with its built-in defaults).
+        workdir = Path(workdir).resolve()
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / f"{name}.log"
@@ -280,6 +323,11 @@ def _refused_to_bind(log: str, port: int) -> bool:
                for line in log.splitlines())
 
 
+class NotConfigured(RuntimeError):
+    """A process started without the configuration it was handed (it listens beyond loopback,
+    or says it could not read its configuration): it is stopped, never used."""
+
+
 class PortTaken(RuntimeError):
     """Another process listens on the port a service was to listen on."""
 
@@ -300,6 +348,15 @@ class Service:
         self.proc = Proc(name, argv, workdir)
         try:
             wait_for_port(port, timeout, self.proc.popen)
+            outside = beyond_loopback(self.proc.pid)
+            if outside:
+                raise NotConfigured(
+                    f"{name} listens on {', '.join(outside)}, beyond loopback: it did not run "
+                    "with the configuration it was given")
+        except NotConfigured as e:
+            self.proc.stop()
+            tail = "\n".join(self.start_log().splitlines()[-15:])
+            raise NotConfigured(f"{e}; the end of its log:\n{tail}") from e
         except Exception as e:
             self.proc.stop()
             log = self.start_log()
@@ -361,7 +418,7 @@ def gateway_acl_rules(key_prefix: str) -> str:
 
 
 class RedisServer(Service):
-    """A throwaway redis-server on a free port, no persistence, with two ACL users:
+    """A throwaway redis-server on a free port, no persistence unless asked, with two ACL users:
 
     - `default` (what webdis authenticates as, see GATEWAY_USER): password
       `gateway_password`, keys `<gateway_key_prefix>:*` only, only GATEWAY_COMMANDS; a script
@@ -374,8 +431,12 @@ class RedisServer(Service):
     (Stack.redis_section checks it).
     """
 
-    def __init__(self, workdir: Path, port: int | None = None, gateway_key_prefix: str = "cg"):
-        self.workdir = Path(workdir)
+    def __init__(self, workdir: Path, port: int | None = None, gateway_key_prefix: str = "cg",
+                 persistent: bool = False):
+        self.workdir = Path(workdir).resolve()
+        # Persistent: an append-only file in the workdir, so a stop and a start keep the data
+        # (the demo's records and fences outlive `make demo-redis-down`); else none.
+        self.persistent = persistent
         self.own_port = port is None
         self.port = port or free_port()
         self.gateway_key_prefix = gateway_key_prefix
@@ -412,7 +473,7 @@ class RedisServer(Service):
         self.launch_on_free_port(lambda: self.launch(
             f"redis-{self.port}",
             [binary, *conf, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir.resolve()),
+             "--appendonly", "yes" if self.persistent else "no", "--daemonize", "no", "--dir", str(self.workdir.resolve()),
              "--aclfile", str(self.acl_path.resolve())],
             self.workdir, self.port, timeout), self.own_port)
         return self

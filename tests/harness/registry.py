@@ -19,7 +19,7 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
 class Registry(Service):
     def __init__(self, workdir: Path, port: int | None = None):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()
         self.port = port or free_port()
         self.storage = self.workdir / "storage"
         self.config_path = self.workdir / "config.yml"

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import readiness
 from .cluster import ClusterBackend
 from .envoy import DEFAULT_WASM, Envoy
 from .proc import RedisServer, reserve_dead_port
@@ -110,7 +111,7 @@ class Stack:
                  local_ratelimit: dict | None = None, direct_response: bool = False,
                  extra_clusters: dict[str, int] | None = None, gateway_key_prefix: str = "cg",
                  cluster: ClusterBackend | None = None):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()
         self.plugin_config = plugin_config
         self.envoy_count = envoys
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
@@ -159,10 +160,31 @@ class Stack:
             for i in range(self.envoy_count):
                 self.envoys.append(self.new_envoy(self.workdir / f"envoy-{i}"))
                 self.envoys[-1].start(timeout)
+            # Up means working: a script call from each Envoy through its gateway cluster, to
+            # every webdis (in turn on one connection) and Redis as the gateway user.
+            gateways = len(self.cluster.webdis) if self.cluster is not None else 1
+            for envoy in self.envoys:
+                try:
+                    readiness.check(readiness.port(envoy.admin_url), self.webdis.authorization,
+                                    self.gateway_key_prefix, timeout, calls=2 * gateways)
+                except readiness.NotReady as e:
+                    raise RuntimeError(f"the stack is not working: {e}\n--- the end of "
+                                       f"{e.part}'s log ---\n{self._log_tail(e.part, envoy)}") from e
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _log_tail(self, part: str, envoy: Envoy, lines: int = 20) -> str:
+        if part == "envoy":
+            text = envoy.log_text()
+        elif part == "webdis":
+            text = self.webdis.start_log() + self.webdis.log_text()
+        elif self.redis_server is not None and self.redis_server.proc is not None:
+            text = self.redis_server.proc.log_text()
+        else:
+            text = "(the cluster's nodes log under their own workdirs)"
+        return "\n".join(text.splitlines()[-lines:])
 
     def new_envoy(self, workdir: Path, plugin_config: dict | str | None = ..., **overrides) -> Envoy:
         """An Envoy wired to this stack (not started); `plugin_config` defaults to the stack's."""
@@ -220,14 +242,8 @@ class Stack:
             self.cluster.start_redis(timeout, wait_gateway, self.key_prefixes)
             return
         self.redis_server.start(timeout)
-        deadline = time.monotonic() + timeout
-        in_a_row = 0
-        while wait_gateway and in_a_row < 2 * self.webdis.threads:
-            in_a_row = in_a_row + 1 if self.webdis.eval("return 1")[0] == 200 else 0
-            if in_a_row == 0:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"webdis did not reconnect to Redis within {timeout}s")
-                time.sleep(0.02)
+        if wait_gateway:
+            self.webdis.wait_redis(timeout)
 
     def stop(self) -> None:
         errors = []

@@ -258,7 +258,7 @@ class Upstream:
     """The upstream as a child process on a kernel-chosen port; stopped by its pid."""
 
     def __init__(self, workdir: Path, port: int = 0):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()
         self.requested_port = port
         self.port: int | None = None
         self.proc = None

@@ -24,10 +24,12 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
+import time
 import urllib.parse
 from pathlib import Path
 
-from .proc import Service, free_port, require_binary
+from .proc import NotConfigured, Service, free_port, require_binary
 
 
 class Webdis(Service):
@@ -35,7 +37,7 @@ class Webdis(Service):
 
     def __init__(self, workdir: Path, redis_port: int, user: str = "cg", password: str = "secret",
                  port: int | None = None, redis_password: str | None = None):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()
         self.redis_port = redis_port
         # Sent as `AUTH <password>` on every connection to Redis (the `default` user).
         self.redis_password = redis_password
@@ -85,10 +87,18 @@ class Webdis(Service):
             self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
             self.config_path.chmod(0o600)  # holds the Redis password
-            # webdis without a config file starts on 7379 with everything allowed: always
-            # pass one.
+            # webdis that cannot read its config file starts with its built-in one (0.0.0.0:7379,
+            # everything allowed, no Redis credential): always pass one, by its absolute path,
+            # and refuse a webdis that says it could not read it.
+            if not os.access(self.config_path, os.R_OK):
+                raise NotConfigured(f"webdis: cannot read its configuration {self.config_path}")
             self.launch(f"webdis-{self.port}", [binary, str(self.config_path)], self.workdir,
                         self.port, timeout)
+            said = next((line for line in self.start_log().splitlines()
+                         if "unable to open" in line or "Error:" in line), None)
+            if said is not None:
+                self.stop()
+                raise NotConfigured(f"webdis did not read {self.config_path}: {said.strip()}")
 
         self.launch_on_free_port(attempt, self.own_port)
         return self
@@ -103,6 +113,24 @@ class Webdis(Service):
         except FileNotFoundError:
             own = ""
         return super().start_log() + own
+
+    def wait_redis(self, timeout: float = 10.0) -> None:
+        """Until webdis is back with Redis (after Redis restarted): it retries its connection
+        about every 100 ms and answers 503 until then, each worker thread on its own. Returns
+        once it answered twice as many EVALs in a row as it has threads, each on a new
+        connection (handed to the threads in turn), so every thread is back."""
+        deadline = time.monotonic() + timeout
+        in_a_row = 0
+        while in_a_row < 2 * self.threads:
+            try:
+                ok = self.eval("return 1")[0] == 200
+            except OSError:
+                ok = False
+            in_a_row = in_a_row + 1 if ok else 0
+            if not ok:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"webdis did not reconnect to Redis within {timeout}s")
+                time.sleep(0.02)
 
     def restart(self, timeout: float = 10.0) -> "Webdis":
         self.stop()

@@ -72,7 +72,7 @@ class WsUpstream:
     """The WebSocket service as a child process on a kernel-chosen port; stopped by its pid."""
 
     def __init__(self, workdir: Path):
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()
         self.port: int | None = None
         self.proc = None
 
