@@ -121,6 +121,31 @@ def layout_digest(layout: Path, tag: str) -> str:
     raise SystemExit(f"{layout} has no image tagged {tag!r}; run `make oci`")
 
 
+# What skopeo (Go's HTTP client) says when it spoke HTTPS to a registry that answers in HTTP.
+PLAIN_HTTP_ANSWER = "server gave HTTP response to HTTPS client"
+
+
+def run_skopeo(argv: list[str], image: str, timeout: float = 300) -> None:
+    """Runs skopeo (its progress on stdout as it comes); a failure ends the program with one
+    line that says why (and, for a plain-HTTP registry, the command that pushes to it), or with
+    skopeo's own error output: never a traceback."""
+    try:
+        result = subprocess.run(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"error: skopeo did not finish pushing {image} within {timeout:.0f} s")
+    if result.returncode == 0:
+        sys.stderr.write(result.stderr)
+        return
+    if PLAIN_HTTP_ANSWER in result.stderr:
+        registry = image.split("/", 1)[0]
+        raise SystemExit(f"error: {registry} speaks plain HTTP, not HTTPS: push to it with "
+                         f"PLAIN_HTTP=1\nhint: make publish IMAGE={image} PLAIN_HTTP=1")
+    sys.stderr.write(result.stderr)
+    raise SystemExit(f"error: skopeo could not push {image} (exit {result.returncode}; its "
+                     "output is above)")
+
+
 def publish(layout: Path, tag: str, image: str, plain_http: bool) -> str:
     skopeo = shutil.which("skopeo")
     if skopeo is None:
@@ -131,7 +156,7 @@ def publish(layout: Path, tag: str, image: str, plain_http: bool) -> str:
     if plain_http:
         argv.append("--dest-tls-verify=false")
     argv += [f"oci:{layout}:{tag}", f"docker://{image}"]
-    subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, timeout=300)
+    run_skopeo(argv, image)
     pushed = digest_file.read_text().strip().split(":", 1)[1]
     digest_file.unlink()
     if pushed != expected:

@@ -20,6 +20,9 @@ pub mod keys;
 pub mod local;
 pub mod lograte;
 pub mod lua;
+/// The plugin configurations in what a user deploys (WasmPlugin, Envoy YAML): host tools only.
+#[cfg(not(target_arch = "wasm32"))]
+pub mod manifest;
 pub mod metrics;
 pub mod normalize;
 pub mod ratelimit;

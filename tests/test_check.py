@@ -1,17 +1,34 @@
 """`make check PLUGIN=...`: the filter's own validation, natively, without Envoy.
 
 Exit 0 with a summary for a valid configuration; exit 1 with exactly the error the filter logs
-in Envoy (checked against real Envoy for the same file); exit 2 for a file it cannot read.
+in Envoy (checked against real Envoy for the same file); exit 2 for a file it cannot read, or
+that holds no plugin of this module, or only a template's placeholder.
+
+The file is what a user deploys: the plugin JSON, a WasmPlugin (its pluginConfig and the
+vmConfig.env its variables must be declared in), or an Envoy config (every Wasm filter of this
+module, an EnvoyFilter's patches too); every one the repository ships is checked here.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
+import pytest
+import yaml  # PyYAML, from tests/requirements.txt
+
+from harness.envoy import DEFAULT_WASM, PLUGIN_PLACEHOLDER, substitute, wasm_filter
 from harness.proc import ROOT
 
 DEMO_PLUGIN = ROOT / "envoy" / "demo-plugin.json"
+WASMPLUGIN = ROOT / "deploy" / "istio" / "wasmplugin.yaml"
+ENVOYFILTER = ROOT / "deploy" / "istio" / "body-fingerprints" / "envoyfilter.yaml"
+TEMPLATES = [ROOT / "envoy" / "template.yaml", ROOT / "envoy" / "demo.yaml"]
+# Shipped files that hold no coordination-guard plugin: checked, and said so (exit 2).
+NO_PLUGIN = [ROOT / "envoy" / "redis-cluster-proxy.yaml", ROOT / "deploy" / "istio" / "webdis.yaml",
+             ROOT / "deploy" / "istio" / "stats-bootstrap.yaml",
+             ROOT / "deploy" / "istio" / "patches" / "workload.yaml"]
 
 
 def make_check(plugin: str) -> subprocess.CompletedProcess:
@@ -64,3 +81,169 @@ def test_an_unreadable_file_is_exit_2(tmp_path):
     r = subprocess.run(["make", "--no-print-directory", "check"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode != 0 and "usage: make check PLUGIN=" in r.stdout + r.stderr
+
+
+# --- what a user deploys: every shipped manifest and Envoy config ----------------------------------
+
+def shipped_files() -> set:
+    """Every Envoy config, manifest and plugin JSON the repository ships (not the JSON schemas)."""
+    return {*ROOT.glob("envoy/*.yaml"), *ROOT.glob("envoy/*.json"), *ROOT.glob("deploy/**/*.yaml")}
+
+
+def test_every_shipped_file_is_covered_below():
+    assert shipped_files() == {DEMO_PLUGIN, WASMPLUGIN, ENVOYFILTER, *TEMPLATES, *NO_PLUGIN}
+
+
+def headers(out: str, path) -> list[str]:
+    return re.findall(rf"^{re.escape(str(path))}: (.*): valid$", out, flags=re.M)
+
+
+def test_the_shipped_wasmplugin_is_checked_with_its_env():
+    r = make_check(str(WASMPLUGIN))
+    assert r.returncode == 0, r.stderr
+    assert headers(r.stdout, WASMPLUGIN) == ["document 1, WasmPlugin orders/coordination-guard"], r.stdout
+    for want in ("redis: cluster outbound|7379||webdis.redis.svc.cluster.local",
+                 "credential from $CG_GATEWAY_AUTHORIZATION in the VM's environment (from the "
+                 "proxy's environment, not checked here)",
+                 "policy 2 create-order: POST, path /orders*",
+                 "fingerprint method + path + principal, processing 2m"):
+        assert want in r.stdout, (want, r.stdout)
+    assert "warning" not in r.stderr, r.stderr
+
+
+def test_the_shipped_envoyfilter_is_checked_in_its_patch():
+    r = make_check(str(ENVOYFILTER))
+    assert r.returncode == 0, r.stderr
+    assert headers(r.stdout, ENVOYFILTER) == [
+        "document 1 (EnvoyFilter orders/coordination-guard), filter orders.coordination-guard"], r.stdout
+    assert "fingerprint method + path + principal + body" in r.stdout, r.stdout
+    assert "credential from $CG_GATEWAY_AUTHORIZATION in the VM's environment (from the proxy's" in r.stdout
+    assert "warning" not in r.stderr, r.stderr
+
+
+def render(template, tmp_path, plugin: dict | None = None):
+    """The template as `make run` and the harness fill it: every port, the .wasm, the plugin."""
+    text = template.read_text()
+    code = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    names = set(re.findall(r"__([A-Z_]+)__", code)) - {PLUGIN_PLACEHOLDER.strip("_")}
+    values = {n: (str(DEFAULT_WASM) if n == "WASM_PATH" else 10000 + i) for i, n in enumerate(sorted(names))}
+    path = tmp_path / template.name
+    path.write_text(substitute(text, values, plugin or json.loads(DEMO_PLUGIN.read_text())))
+    return path
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
+def test_a_shipped_envoy_template_is_checked_once_rendered(tmp_path, template):
+    # As shipped, its configuration is a placeholder: nothing to check, and it says so.
+    r = cg_check(str(template))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert (f"{template}: document 1, filter coordination-guard: not checked: its configuration is "
+            f"the template placeholder {PLUGIN_PLACEHOLDER}") in r.stderr, r.stderr
+    # Rendered, the filter is found by its code and checked.
+    rendered = render(template, tmp_path)
+    r = make_check(str(rendered))
+    assert r.returncode == 0, r.stderr
+    assert headers(r.stdout, rendered) == ["document 1, filter coordination-guard"], r.stdout
+    assert "policy 2 create-order: POST, path /orders*" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("path", NO_PLUGIN, ids=lambda p: p.name)
+def test_a_shipped_file_without_the_plugin_says_none_was_found(path):
+    r = cg_check(str(path))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith(f"cg-check: {path}: no coordination-guard plugin found"), r.stderr
+
+
+def test_a_wasmplugin_variable_not_in_vmconfig_env_is_warned_about(tmp_path):
+    docs = list(yaml.safe_load_all(WASMPLUGIN.read_text()))
+    [plugin] = [d for d in docs if d and d.get("kind") == "WasmPlugin"]
+    plugin["spec"]["vmConfig"]["env"] = [{"name": "CG_OTHER", "valueFrom": "HOST"}]
+    policy = plugin["spec"]["pluginConfig"]["policies"][1]
+    policy["idempotency"]["encryption"] = {"key_env": "CG_RECORD_KEY"}
+    path = tmp_path / "wasmplugin.yaml"
+    # Another resource before it: the WasmPlugin is picked out of a multi-document file.
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}}
+    path.write_text(yaml.safe_dump_all([service, plugin]))
+    r = make_check(str(path))
+    assert r.returncode == 0, r.stderr
+    at = f"{path}: document 2, WasmPlugin orders/coordination-guard"
+    assert headers(r.stdout, path) == ["document 2, WasmPlugin orders/coordination-guard"], r.stdout
+    consequence = "the Wasm VM will not have it, and the filter will refuse its configuration"
+    assert (f"{at}: warning: redis.authorization_env names CG_GATEWAY_AUTHORIZATION, which "
+            f"vmConfig.env does not declare: {consequence}") in r.stderr, r.stderr
+    assert (f"{at}: warning: policies[1].idempotency.encryption.key_env names CG_RECORD_KEY, "
+            f"which vmConfig.env does not declare: {consequence}") in r.stderr, r.stderr
+    assert "(not declared in vmConfig.env)" in r.stdout
+    # An inline value is checked as the filter would read it.
+    plugin["spec"]["vmConfig"]["env"] = [{"name": "CG_GATEWAY_AUTHORIZATION", "valueFrom": "HOST"},
+                                         {"name": "CG_RECORD_KEY", "value": "c2hvcnQ="}]
+    path.write_text(yaml.safe_dump(plugin))
+    r = cg_check(str(path))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert (f"{path}: document 1, WasmPlugin orders/coordination-guard: invalid plugin configuration: "
+            "policies[1].idempotency.encryption.key_env: environment variable CG_RECORD_KEY holds 5 "
+            "bytes, not 32") in r.stderr, r.stderr
+
+
+def test_an_envoy_config_with_two_filters_checks_and_summarises_each(tmp_path):
+    cfg = yaml.safe_load(render(TEMPLATES[0], tmp_path).read_text())
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    second = json.loads(DEMO_PLUGIN.read_text())
+    second["redis"]["key_prefix"] = "cg:second"
+    second["redis"].pop("authorization")
+    second["redis"]["authorization_env"] = "CG_AUTH"
+    two = wasm_filter(second, root_id="second")
+    two["typed_config"]["config"]["vm_config"]["environment_variables"] = {"host_env_keys": ["CG_AUTH"]}
+    other = wasm_filter({}, root_id="other")
+    other["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = "/opt/other.wasm"
+    hcm["http_filters"][1:1] = [two, other]
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = make_check(str(path))
+    assert r.returncode == 0, r.stderr
+    assert headers(r.stdout, path) == ["document 1, filter coordination-guard",
+                                       "document 1, filter coordination-guard-second"], r.stdout
+    first, later = r.stdout.split(f"{path}: document 1, filter coordination-guard-second: valid")
+    assert "key prefix cg:demo" in first and "credential inline" in first, first
+    assert "key prefix cg:second" in later, later
+    assert "credential from $CG_AUTH in the VM's environment (from the proxy's environment" in later
+    assert (f"{path}: skipped document 1, filter coordination-guard-other (code \"/opt/other.wasm\", "
+            "root_id \"other\"): not coordination-guard") in r.stderr, r.stderr
+    # One of them invalid: exit 1, the error under its header; the other still summarised.
+    second["policies"][0]["lease"]["ttl"] = "soon"
+    two["typed_config"]["config"]["configuration"]["value"] = json.dumps(second)
+    path.write_text(yaml.safe_dump(cfg))
+    r = cg_check(str(path))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert headers(r.stdout, path) == ["document 1, filter coordination-guard"], r.stdout
+    assert (f"{path}: document 1, filter coordination-guard-second: invalid plugin configuration: "
+            "policies[0].lease.ttl: \"soon\" is not a duration") in r.stderr, r.stderr
+
+
+def test_a_misspelt_field_is_named_with_the_field_it_was_meant_as(tmp_path):
+    plugin = json.loads(DEMO_PLUGIN.read_text())
+    limit = plugin["policies"][1]["rate_limits"][0]
+    limit["windw"] = limit.pop("window")
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(plugin))
+    r = make_check(str(path))
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[0] == (
+        f"{path}: invalid plugin configuration: policies[1].rate_limits[0].windw: unknown field "
+        "(did you mean `window`?)"), r.stderr
+    # The same in a WasmPlugin's pluginConfig.
+    docs = yaml.safe_load(WASMPLUGIN.read_text())
+    docs["spec"]["pluginConfig"]["redis"]["clustr"] = docs["spec"]["pluginConfig"]["redis"].pop("cluster")
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(docs))
+    r = cg_check(str(path))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert ("invalid plugin configuration: redis.clustr: unknown field (did you mean `cluster`?)"
+            in r.stderr), r.stderr
+
+
+def test_a_file_neither_json_nor_yaml_is_exit_2(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("kind: [WasmPlugin\n")
+    r = cg_check(str(path))
+    assert r.returncode == 2 and r.stderr.startswith(f"cg-check: {path}: neither JSON nor YAML"), r.stderr

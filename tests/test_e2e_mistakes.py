@@ -1,4 +1,4 @@
-"""The five most common set-up mistakes, each answered with a message that names its cause:
+"""The most common set-up mistakes, each answered with a message that names its cause:
 real Envoy running the filter, real webdis and Redis (with the gateway's ACL user).
 
 A mistake in the plugin configuration itself is the filter's own field-path message at start
@@ -8,10 +8,13 @@ flow: the client's `503` problem detail names the failing part, and the Envoy lo
 
 from __future__ import annotations
 
+import re
+import time
 import uuid
 
 import pytest
 
+from harness.concurrency import wait_for
 from harness.stack import BLACKHOLE_CLUSTER, Stack
 
 TENANT = {"x-tenant-id": "acme"}
@@ -77,3 +80,37 @@ def test_each_mistake_names_its_cause(shared, sidecars, case):
     assert status == 503, (status, detail)
     assert detail == f"the coordination store cannot decide: {cause}; retry shortly"
     assert logged in envoy.log_text(), envoy.log_text()[-3000:]
+
+
+def test_a_gateway_that_cannot_authenticate_to_redis_is_named_in_words(tmp_path):
+    """webdis sends Redis a wrong password: Redis refuses every command (webdis passes the
+    error on as HTTP 200). The client's 503 and Envoy's log say so, the log in words with what
+    to check, once per worker per second however many requests fail."""
+    stack = Stack(tmp_path, None, envoys=0).start()
+    try:
+        stack.webdis.stop()
+        stack.webdis.redis_password = "wrong-" + stack.redis_server.gateway_password
+        stack.webdis.start()
+        assert stack.webdis.eval("return 1") == (200, b"-NOAUTH Authentication required.\r\n")
+        envoy = stack.add_envoy(plugin(redis_block(stack)))
+        started = time.monotonic()
+        answers = [answer(envoy) for _ in range(6)]
+        elapsed = time.monotonic() - started
+        # Redis closes a connection it refused a long command on, and webdis answers 503 until
+        # it has connected again: some requests see that instead.
+        assert all(status == 503 for status, _ in answers), answers
+        cause = "its gateway could not authenticate to Redis"
+        assert (503, f"the coordination store cannot decide: {cause}; retry shortly") in answers, answers
+        # A short command gets `-NOAUTH`; a long one (a script's source) `-ERR Protocol error:
+        # unauthenticated multibulk length`: the same words for both.
+        said = re.compile(
+            r"redis call for policy api failed \(the gateway could not authenticate to Redis: "
+            r"(NOAUTH Authentication required\.|ERR Protocol error: unauthenticated [a-z ]+); "
+            r"check the gateway's Redis credential \(webdis: redis_auth\) against Redis's "
+            r"password or ACL user\); failing closed")
+        assert wait_for(lambda: said.search(envoy.log_text()), 5), envoy.log_text()[-3000:]
+        lines = [line for line in envoy.log_text().splitlines() if said.search(line)]
+        if elapsed < 0.9:  # within one interval: at most one line per worker
+            assert len(lines) <= stack.concurrency, lines
+    finally:
+        stack.stop()

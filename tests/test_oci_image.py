@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.proc import ROOT
+from harness.proc import ROOT, reserve_dead_port
 from harness.registry import OCI_MANIFEST, Registry
 
 sys.path.insert(0, str(ROOT / "deploy"))
@@ -151,3 +151,37 @@ def test_make_publish_needs_an_image(tmp_path):
     result = make("publish", f"OCI_DIR={tmp_path / 'oci'}")
     assert result.returncode != 0
     assert "usage: make publish IMAGE=" in result.stdout
+
+
+def test_make_publish_to_a_plain_http_registry_without_plain_http_gives_the_hint(tmp_path, wasm):
+    registry = Registry(tmp_path / "registry").start()
+    try:
+        image = f"{registry.address}/{REPO}:hint"
+        result = make("publish", f"IMAGE={image}", f"OCI_DIR={tmp_path / 'oci'}", "OCI_TAG=t4")
+    finally:
+        registry.stop()
+    assert result.returncode != 0
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    assert (f"error: {registry.address} speaks plain HTTP, not HTTPS: push to it with PLAIN_HTTP=1\n"
+            f"hint: make publish IMAGE={image} PLAIN_HTTP=1\n") in result.stderr, result.stderr
+    assert "pushed oci://" not in result.stdout
+
+
+def test_another_skopeo_failure_shows_its_error_without_a_traceback(tmp_path, wasm):
+    layout = tmp_path / "oci"
+    wasm_image.build(WASM, layout, "t5")
+    sock, port = reserve_dead_port()  # nothing listens: the connection is refused
+    try:
+        image = f"127.0.0.1:{port}/{REPO}:refused"
+        result = subprocess.run([sys.executable, str(ROOT / "deploy" / "wasm_image.py"), "publish",
+                                 "--layout", str(layout), "--tag", "t5", "--image", image,
+                                 "--plain-http"], capture_output=True, text=True, timeout=300,
+                                stdin=subprocess.DEVNULL)
+    finally:
+        sock.close()
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "connection refused" in result.stderr, result.stderr  # skopeo's own words
+    assert result.stderr.rstrip().endswith(
+        f"error: skopeo could not push {image} (exit 1; its output is above)"), result.stderr
+    assert "PLAIN_HTTP" not in result.stderr

@@ -1,10 +1,21 @@
-//! `cg-check PLUGIN.json`: checks a plugin configuration with the filter's own validation,
-//! without Envoy. Exit 0 with a one-screen summary of what the configuration does, 1 with the
-//! error the filter would log (the field path and the problem), 2 when the file cannot be read.
+//! `cg-check FILE`: checks a plugin configuration with the filter's own validation, without
+//! Envoy, in any of the shapes a user deploys it in ([`coordination_guard::manifest`]): the
+//! plugin JSON, an Istio `WasmPlugin` (its `spec.pluginConfig`), or an Envoy config (every Wasm
+//! filter of this module in it, an `EnvoyFilter`'s patches too), YAML or JSON, one document or
+//! several. Each plugin found is checked and summarised under a header naming where it is.
 //!
-//! The checker cannot see the Wasm VM's environment: a `redis.authorization_env` variable and
-//! the record keys of `idempotency.encryption` are taken as set (and well formed), and the
-//! summary says so.
+//! Exit 0 with a one-screen summary per plugin; 1 when one is invalid, with the error the
+//! filter would log (the field path and the problem); 2 when the file cannot be read, holds no
+//! plugin of this module, or holds only a template's placeholder.
+//!
+//! The VM's environment: a variable the file declares with its value (`vmConfig.env` `value`,
+//! `key_values`) is checked with it; one taken from the proxy's environment (`valueFrom:
+//! HOST`, `host_env_keys`), or any with the plugin JSON, is taken as set and well formed, and
+//! the summary says so. A variable that `redis.authorization_env` or an `encryption` key names
+//! but a WasmPlugin or Envoy config does not declare is warned about: the VM will not have it.
+
+// cargo builds every binary for the filter's target too: there this one only says where it runs.
+#![cfg_attr(target_arch = "wasm32", allow(dead_code, unused_imports))]
 
 use coordination_guard::config::{
     Algorithm, Charge, Completion, Config, FailureMode, FingerprintPart, MissingTenant, OnBusy,
@@ -14,10 +25,21 @@ use serde_json::Value;
 use std::fmt::Write;
 use std::process::ExitCode;
 
+#[cfg(target_arch = "wasm32")]
 fn main() -> ExitCode {
+    eprintln!("cg-check runs on the host: cargo run --bin cg-check -- FILE");
+    ExitCode::from(2)
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn main() -> ExitCode {
+    use coordination_guard::manifest::{self, Configuration};
+
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [path] = args.as_slice() else {
-        eprintln!("usage: cg-check PLUGIN.json   (the filter's plugin configuration, JSON)");
+        eprintln!(
+            "usage: cg-check FILE   (the plugin JSON, a WasmPlugin YAML, or an Envoy config YAML)"
+        );
         return ExitCode::from(2);
     };
     let bytes = match std::fs::read(path) {
@@ -27,26 +49,122 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match check(&bytes) {
-        Ok(summary) => {
-            print!("{path}: valid\n{summary}");
-            ExitCode::SUCCESS
+    let found = match manifest::read(&bytes) {
+        Ok(found) => found,
+        // Neither JSON nor YAML, or no plugin of this module: the message says which.
+        Err(e) => {
+            eprintln!("cg-check: {path}: {e}");
+            return ExitCode::from(2);
         }
-        Err(error) => {
-            eprintln!("{path}: invalid plugin configuration: {error}");
-            ExitCode::from(1)
+    };
+    for skipped in &found.skipped {
+        eprintln!("{path}: skipped {skipped}: not {}", manifest::ROOT_ID);
+    }
+    let (mut invalid, mut unchecked) = (false, false);
+    for (i, plugin) in found.plugins.iter().enumerate() {
+        let at = if plugin.location.is_empty() {
+            path.clone()
+        } else {
+            format!("{path}: {}", plugin.location)
+        };
+        if i > 0 {
+            println!();
         }
+        let env = Environment(plugin.env.as_ref());
+        match &plugin.configuration {
+            Configuration::Bytes(bytes) => match check(bytes, &env) {
+                Ok((summary, warnings)) => {
+                    print!("{at}: valid\n{summary}");
+                    for w in warnings {
+                        eprintln!("{at}: warning: {w}");
+                    }
+                }
+                Err(error) => {
+                    eprintln!("{at}: invalid plugin configuration: {error}");
+                    invalid = true;
+                }
+            },
+            Configuration::Unreadable(why) => {
+                eprintln!("{at}: invalid plugin configuration: {why}");
+                invalid = true;
+            }
+            Configuration::Placeholder(name) => {
+                eprintln!(
+                    "{at}: not checked: its configuration is the template placeholder {name}; \
+                     check the rendered file (make demo-config writes build/demo.yaml) or the \
+                     plugin JSON"
+                );
+                unchecked = true;
+            }
+        }
+    }
+    match (invalid, unchecked) {
+        (true, _) => ExitCode::from(1),
+        (false, true) => ExitCode::from(2),
+        (false, false) => ExitCode::SUCCESS,
     }
 }
 
-/// What every variable of the VM's environment is taken to hold: valid as a credential and as
-/// a record key (base64 of 32 bytes).
+/// What every variable the file does not give a value of is taken to hold: valid as a
+/// credential and as a record key (base64 of 32 bytes).
 const STAND_IN: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
 
-/// The summary of a valid configuration, or the filter's error line.
-fn check(bytes: &[u8]) -> Result<String, String> {
-    let config = Config::parse_with_env(bytes, &|_| Some(STAND_IN.to_string()))
-        .map_err(|e| e.to_string())?;
+/// The Wasm VM's environment as the file declares it; `None`: the file says nothing of it
+/// (the plugin JSON).
+#[cfg(not(target_arch = "wasm32"))]
+struct Environment<'a>(Option<&'a coordination_guard::manifest::VmEnv>);
+
+#[cfg(not(target_arch = "wasm32"))]
+impl Environment<'_> {
+    /// What the filter would find in the variable (the stand-in when it is not in the file).
+    fn value(&self, name: &str) -> String {
+        use coordination_guard::manifest::EnvValue;
+        match self.0.and_then(|env| env.vars.get(name)) {
+            Some(EnvValue::Inline(v)) => v.clone(),
+            _ => STAND_IN.to_string(),
+        }
+    }
+
+    /// How the summary qualifies the variable.
+    fn origin(&self, name: &str) -> String {
+        use coordination_guard::manifest::EnvValue;
+        match self.0 {
+            None => "(not checked here)".into(),
+            Some(env) => match env.vars.get(name) {
+                Some(EnvValue::Host) => "(from the proxy's environment, not checked here)".into(),
+                Some(EnvValue::Inline(_)) => format!(
+                    "(its value inline in {}, checked; a secret there is visible in the config)",
+                    env.declared_in
+                ),
+                None => format!("(not declared in {})", env.declared_in),
+            },
+        }
+    }
+
+    /// Warnings for the variables `raw` names that the file does not declare.
+    fn warnings(&self, raw: &Value) -> Vec<String> {
+        let Some(env) = self.0 else {
+            return Vec::new();
+        };
+        coordination_guard::manifest::env_references(raw)
+            .into_iter()
+            .filter(|(_, name)| !env.vars.contains_key(name))
+            .map(|(field, name)| {
+                format!(
+                    "{field} names {name}, which {} does not declare: the Wasm VM will not \
+                     have it, and the filter will refuse its configuration",
+                    env.declared_in
+                )
+            })
+            .collect()
+    }
+}
+
+/// The summary of a valid configuration and its warnings, or the filter's error line.
+#[cfg(not(target_arch = "wasm32"))]
+fn check(bytes: &[u8], env: &Environment<'_>) -> Result<(String, Vec<String>), String> {
+    let config =
+        Config::parse_with_env(bytes, &|name| Some(env.value(name))).map_err(|e| e.to_string())?;
     // Valid JSON, or the filter would have refused it: the variables' names are read there.
     let raw: Value = serde_json::from_slice(bytes).unwrap_or_default();
     let env_name = |pointer: &str| raw.pointer(pointer).and_then(Value::as_str);
@@ -54,7 +172,7 @@ fn check(bytes: &[u8]) -> Result<String, String> {
         env_name("/redis/authorization_env"),
         &config.redis.authorization,
     ) {
-        (Some(name), _) => format!("from ${name} in the VM's environment (not checked here)"),
+        (Some(name), _) => format!("from ${name} in the VM's environment {}", env.origin(name)),
         (None, Some(_)) => "inline (shown in /config_dump: prefer authorization_env)".into(),
         (None, None) => "none (webdis must allow anonymous EVAL: do not)".into(),
     };
@@ -62,15 +180,23 @@ fn check(bytes: &[u8]) -> Result<String, String> {
         .map(|i| {
             let at = format!("/policies/{i}/idempotency/encryption");
             let current = env_name(&format!("{at}/key_env"))?;
-            let previous = env_name(&format!("{at}/previous_key_env"))
-                .map(|p| format!(", opened also with ${p}"))
-                .unwrap_or_default();
+            let origin = env.origin(current);
+            let keys = match env_name(&format!("{at}/previous_key_env")) {
+                None => format!("${current} {origin}"),
+                Some(p) if env.origin(p) == origin => {
+                    format!("${current}, opened also with ${p} {origin}")
+                }
+                Some(p) => format!(
+                    "${current} {origin}, opened also with ${p} {}",
+                    env.origin(p)
+                ),
+            };
             Some(format!(
-                "responses sealed (AES-256-GCM) with the key in ${current}{previous} (not checked here)"
+                "responses sealed (AES-256-GCM) with the key in {keys}"
             ))
         })
         .collect();
-    Ok(describe(&config, &credential, &sealing))
+    Ok((describe(&config, &credential, &sealing), env.warnings(&raw)))
 }
 
 fn mode(m: FailureMode) -> &'static str {
@@ -312,9 +438,17 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
 mod tests {
     use super::*;
 
+    /// The plugin JSON's check: no environment declared.
+    fn check_json(bytes: &[u8]) -> Result<String, String> {
+        check(bytes, &Environment(None)).map(|(summary, warnings)| {
+            assert!(warnings.is_empty(), "{warnings:?}");
+            summary
+        })
+    }
+
     #[test]
     fn a_valid_config_is_summarised() {
-        let summary = check(
+        let summary = check_json(
             br#"{"redis": {"cluster": "gw", "authorization_env": "CG_AUTH", "key_prefix": "cg:x"},
                  "policies": [
                    {"name": "orders", "match": {"methods": ["POST"], "path_prefix": "/orders"},
@@ -352,8 +486,75 @@ mod tests {
             (r#"{"policies": []}"#, "redis: is required"),
             ("{", "configuration is not valid JSON"),
         ] {
-            let err = check(config.as_bytes()).expect_err("invalid");
+            let err = check_json(config.as_bytes()).expect_err("invalid");
             assert!(err.contains(want), "{want:?} in {err}");
         }
+    }
+}
+
+#[cfg(test)]
+mod environment_tests {
+    use super::*;
+    use coordination_guard::manifest::{EnvValue, VmEnv};
+
+    const CONFIG: &str = r#"{"redis": {"cluster": "gw", "authorization_env": "CG_AUTH"},
+        "policies": [{"name": "p", "idempotency": {"encryption":
+            {"key_env": "CG_KEY", "previous_key_env": "CG_OLD"}}}]}"#;
+
+    fn declared(vars: &[(&str, EnvValue)]) -> VmEnv {
+        VmEnv {
+            declared_in: "vmConfig.env",
+            vars: vars
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), v.clone()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn an_undeclared_variable_is_warned_about() {
+        let env = declared(&[("CG_AUTH", EnvValue::Host)]);
+        let (summary, warnings) =
+            check(CONFIG.as_bytes(), &Environment(Some(&env))).expect("valid");
+        assert!(summary.contains("credential from $CG_AUTH in the VM's environment (from the proxy's environment, not checked here)"), "{summary}");
+        assert!(
+            summary.contains(
+                "with the key in $CG_KEY, opened also with $CG_OLD (not declared in vmConfig.env)"
+            ),
+            "{summary}"
+        );
+        assert_eq!(
+            warnings,
+            [
+                "policies[0].idempotency.encryption.key_env names CG_KEY, which vmConfig.env does not declare: the Wasm VM will not have it, and the filter will refuse its configuration",
+                "policies[0].idempotency.encryption.previous_key_env names CG_OLD, which vmConfig.env does not declare: the Wasm VM will not have it, and the filter will refuse its configuration",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_value_given_in_the_file_is_checked() {
+        let good = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+        let env = declared(&[
+            ("CG_AUTH", EnvValue::Inline("Basic eDp5".into())),
+            ("CG_KEY", EnvValue::Inline(good.into())),
+            ("CG_OLD", EnvValue::Host),
+        ]);
+        let (summary, warnings) =
+            check(CONFIG.as_bytes(), &Environment(Some(&env))).expect("valid");
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert!(summary.contains("with the key in $CG_KEY (its value inline in vmConfig.env, checked; a secret there is visible in the config), opened also with $CG_OLD (from the proxy's environment, not checked here)"), "{summary}");
+        let bad = declared(&[
+            ("CG_AUTH", EnvValue::Host),
+            ("CG_KEY", EnvValue::Inline("short".into())),
+            ("CG_OLD", EnvValue::Host),
+        ]);
+        let err = check(CONFIG.as_bytes(), &Environment(Some(&bad))).expect_err("a bad key");
+        assert!(
+            err.starts_with(
+                "policies[0].idempotency.encryption.key_env: environment variable CG_KEY"
+            ),
+            "{err}"
+        );
     }
 }

@@ -14,14 +14,13 @@ const CHARGE_MAX_BODY_LIMIT: u64 = 16 * 1024 * 1024;
 /// `{"header": "<name>", "default": n, "min": n, "max": n}`; `capacity` is the most the limit can ever
 /// admit at once (a larger cost could never be admitted).
 pub fn cost(v: &Value, path: &str, capacity: u64) -> Result<Cost> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, &["header", "default", "min", "max"])?;
     let header = header_name(&mut o, "header")?
         .ok_or_else(|| ConfigError::new(o.field_path("header"), "is required"))?;
     let default = units(&mut o, "default")?.unwrap_or(1);
     let min = units(&mut o, "min")?.unwrap_or(0);
     let max_path = o.field_path("max");
     let max = units(&mut o, "max")?.unwrap_or(capacity);
-    o.finish()?;
     if max > capacity {
         return Err(ConfigError::new(
             max_path,
@@ -45,14 +44,14 @@ pub fn cost(v: &Value, path: &str, capacity: u64) -> Result<Cost> {
 /// Exactly one of `{"response_header": "<name>"}`, `{"trailer": "<name>"}`,
 /// `{"response_json": "/json/pointer", "max_body": "1MiB"}`.
 pub fn charge(v: &Value, path: &str) -> Result<Charge> {
-    let mut o = Obj::new(v, path)?;
+    let known = &["response_header", "trailer", "response_json", "max_body"];
+    let mut o = Obj::new(v, path, known)?;
     let header = header_name(&mut o, "response_header")?;
     let trailer = header_name(&mut o, "trailer")?;
     let pointer_path = o.field_path("response_json");
     let pointer = o.opt_str("response_json")?;
     let max_body_path = o.field_path("max_body");
     let max_body = size(&mut o, "max_body", CHARGE_MAX_BODY_LIMIT)?;
-    o.finish()?;
     if let Some(p) = pointer {
         if !p.starts_with('/') {
             return Err(ConfigError::new(

@@ -49,13 +49,35 @@ fn below_envoy_limit(
     }
 }
 
+const IDEMPOTENCY_FIELDS: &[&str] = &[
+    "header",
+    "required",
+    "methods",
+    "processing_ttl",
+    "completed_ttl",
+    "fingerprint",
+    "max_request_body",
+    "replay",
+    "max_response_body",
+    "replay_headers",
+    "replay_trailers",
+    "conflict_status",
+    "in_progress",
+    "max_wait",
+    "in_progress_status",
+    "retryable_statuses",
+    "retryable_grpc_codes",
+    "complete",
+    "encryption",
+];
+
 pub fn idempotency(
     v: &Value,
     path: &str,
     envoy_buffer_limit: u64,
     env: Env<'_>,
 ) -> Result<Idempotency> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, IDEMPOTENCY_FIELDS)?;
     let header = header_name(&mut o, "header")?.unwrap_or("idempotency-key".into());
     let required = o.opt_bool("required")?.unwrap_or(true);
     let methods = idem_methods(&mut o, "methods")?;
@@ -90,7 +112,6 @@ pub fn idempotency(
         Some(v) => Some(encryption(v, &o.field_path("encryption"), env)?),
         None => None,
     };
-    o.finish()?;
     Ok(Idempotency {
         header,
         required,
@@ -116,7 +137,7 @@ pub fn idempotency(
 
 /// `encryption`: the keys that seal stored responses, read from the VM's environment.
 fn encryption(v: &Value, path: &str, env: Env<'_>) -> Result<Keyring> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, &["key_env", "previous_key_env"])?;
     let current_path = o.field_path("key_env");
     let current = record_key(o.req_str("key_env")?, &current_path, env)?;
     let previous_path = o.field_path("previous_key_env");
@@ -124,7 +145,6 @@ fn encryption(v: &Value, path: &str, env: Env<'_>) -> Result<Keyring> {
         Some(name) => Some(record_key(name, &previous_path, env)?),
         None => None,
     };
-    o.finish()?;
     Ok(Keyring::new(current, previous))
 }
 

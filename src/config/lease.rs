@@ -6,8 +6,18 @@ use super::reader::{Obj, Result};
 use super::{ConfigError, Lease, OnBusy, MAX_FENCE_TTL_MS};
 use serde_json::Value;
 
+const LEASE_FIELDS: &[&str] = &[
+    "resource",
+    "ttl",
+    "on_busy",
+    "max_wait",
+    "fencing_header",
+    "extend",
+    "fence_ttl",
+];
+
 pub fn lease(v: &Value, path: &str) -> Result<Lease> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, LEASE_FIELDS)?;
     let resource = selectors(&mut o, "resource")?;
     if resource.is_empty() {
         return Err(ConfigError::new(
@@ -43,7 +53,6 @@ pub fn lease(v: &Value, path: &str) -> Result<Lease> {
         }
         Some(f) => f,
     };
-    o.finish()?;
     Ok(Lease {
         resource,
         ttl_ms,

@@ -437,6 +437,17 @@ pub struct Config {
     pub envoy_buffer_limit: u64,
 }
 
+/// The fields of the configuration's top level.
+const ROOT_FIELDS: &[&str] = &[
+    "redis",
+    "identity",
+    "failure_mode",
+    "response_headers",
+    "envoy_buffer_limit",
+    "policies",
+    "over_limit_cache",
+];
+
 /// Envoy's default `per_connection_buffer_limit_bytes`.
 pub const DEFAULT_ENVOY_BUFFER_LIMIT: u64 = 1 << 20;
 /// The largest `envoy_buffer_limit` accepted.
@@ -471,7 +482,7 @@ impl Config {
     }
 
     pub fn from_value_with_env(value: &Value, env: Env<'_>) -> Result<Config> {
-        let mut root = Obj::new(value, "")?;
+        let mut root = Obj::new(value, "", ROOT_FIELDS)?;
         let redis = redis::redis_config(root.required("redis")?, "redis", env)?;
         let identity = match root.get("identity") {
             Some(v) => policy::identity(v, "identity")?,
@@ -492,7 +503,6 @@ impl Config {
             None => DEFAULT_OVER_LIMIT_CACHE_ENTRIES,
             Some(v) => over_limit_cache(v, "over_limit_cache")?,
         };
-        root.finish()?;
         Ok(Config {
             redis,
             identity,
@@ -557,7 +567,7 @@ fn policies(
 
 /// `over_limit_cache`: its number of entries (0 turns it off).
 fn over_limit_cache(v: &Value, path: &str) -> Result<usize> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, &["entries"])?;
     let path = o.field_path("entries");
     let entries = match o.get("entries") {
         None => DEFAULT_OVER_LIMIT_CACHE_ENTRIES,
@@ -572,7 +582,6 @@ fn over_limit_cache(v: &Value, path: &str) -> Result<usize> {
                 )
             })?,
     };
-    o.finish()?;
     Ok(entries)
 }
 

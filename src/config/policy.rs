@@ -9,8 +9,38 @@ use super::{
 };
 use serde_json::Value;
 
+const IDENTITY_FIELDS: &[&str] = &[
+    "tenant",
+    "tenant_header",
+    "principal",
+    "principal_header",
+    "missing_tenant",
+];
+
+const POLICY_FIELDS: &[&str] = &[
+    "name",
+    "match",
+    "failure_mode",
+    "rate_limits",
+    "idempotency",
+    "lease",
+];
+
+const RATE_LIMIT_FIELDS: &[&str] = &[
+    "name",
+    "by",
+    "algorithm",
+    "limit",
+    "window",
+    "burst",
+    "shadow",
+    "mode",
+    "cost",
+    "charge",
+];
+
 pub fn identity(v: &Value, path: &str) -> Result<Identity> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, IDENTITY_FIELDS)?;
     let tenant = id_source(&mut o, "tenant", "tenant_header", "x-tenant-id")?;
     let principal = id_source(&mut o, "principal", "principal_header", "x-user-id")?;
     let missing_tenant = one_of(
@@ -22,7 +52,6 @@ pub fn identity(v: &Value, path: &str) -> Result<Identity> {
         ],
     )?
     .unwrap_or(MissingTenant::Reject);
-    o.finish()?;
     Ok(Identity {
         tenant,
         principal,
@@ -49,11 +78,10 @@ fn id_source(
             format!("give either {role} or {short}, not both"),
         ));
     }
-    let mut src = Obj::new(v, &path)?;
+    let mut src = Obj::new(v, &path, &["header", "metadata"])?;
     let header = header_name(&mut src, "header")?;
     let meta_path = src.field_path("metadata");
     let metadata = src.opt_str_list("metadata")?;
-    src.finish()?;
     match (header, metadata) {
         (Some(h), None) => Ok(IdSource::Header(h)),
         (None, Some(m)) => {
@@ -82,7 +110,7 @@ pub fn policy(
     envoy_buffer_limit: u64,
     env: Env<'_>,
 ) -> Result<Policy> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, POLICY_FIELDS)?;
     let name = name(&mut o, "name")?;
     let matcher = match o.get("match") {
         Some(m) => matcher(m, &o.field_path("match"))?,
@@ -103,7 +131,6 @@ pub fn policy(
         Some(v) => Some(lease(v, &o.field_path("lease"))?),
         None => None,
     };
-    o.finish()?;
     let uses_client_ip = rate_limits
         .iter()
         .flat_map(|l| &l.by)
@@ -147,7 +174,8 @@ fn rate_limits(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<RateLimit>> {
 }
 
 fn matcher(v: &Value, path: &str) -> Result<Match> {
-    let mut o = Obj::new(v, path)?;
+    let known = &["methods", "path_prefix", "path_exact", "host", "headers"];
+    let mut o = Obj::new(v, path, known)?;
     let methods = methods(&mut o, "methods")?.unwrap_or_default();
     let path_prefix = request_path(&mut o, "path_prefix")?;
     let path_exact = request_path(&mut o, "path_exact")?;
@@ -167,7 +195,6 @@ fn matcher(v: &Value, path: &str) -> Result<Match> {
             headers.push(header_match(item, &index(&headers_path, i))?);
         }
     }
-    o.finish()?;
     Ok(Match {
         methods,
         path_prefix,
@@ -179,7 +206,7 @@ fn matcher(v: &Value, path: &str) -> Result<Match> {
 
 /// `{"name": ..., "exact" | "prefix": "...", "present": true|false}`: one test per entry.
 fn header_match(v: &Value, path: &str) -> Result<HeaderMatch> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, &["name", "exact", "prefix", "present"])?;
     let name = header_name(&mut o, "name")?
         .ok_or_else(|| ConfigError::new(o.field_path("name"), "is required"))?;
     let exact = o
@@ -189,7 +216,6 @@ fn header_match(v: &Value, path: &str) -> Result<HeaderMatch> {
         .opt_str("prefix")?
         .map(|v| HeaderTest::Prefix(v.to_string()));
     let present = o.opt_bool("present")?.map(HeaderTest::Present);
-    o.finish()?;
     let mut tests = [exact, prefix, present].into_iter().flatten();
     match (tests.next(), tests.next()) {
         (Some(test), None) => Ok(HeaderMatch { name, test }),
@@ -231,7 +257,7 @@ fn request_path(o: &mut Obj<'_>, field: &'static str) -> Result<Option<String>> 
 }
 
 fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, RATE_LIMIT_FIELDS)?;
     let name = name(&mut o, "name")?;
     let by = selectors(&mut o, "by")?;
     let algorithm = algorithm(&mut o, "algorithm")?;
@@ -266,7 +292,6 @@ fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
         ));
     }
     let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased)?;
-    o.finish()?;
     Ok(RateLimit {
         policy_item: crate::respond::policy_item(&name, limit, window_ms),
         name,

@@ -1,9 +1,9 @@
 //! A small reader over `serde_json::Value` that tracks the field path, so every configuration
 //! error names exactly where it is (`policies[1].rate_limits[0].window: ...`) and unknown fields
-//! are refused with their path. serde's `deny_unknown_fields` cannot name the path.
+//! are refused with their path, first, with the known name a misspelling was meant as.
+//! serde's `deny_unknown_fields` cannot name the path.
 
 use serde_json::{Map, Value};
-use std::collections::BTreeSet;
 use std::fmt;
 
 /// A configuration error: the JSON path of the offending field and what is wrong with it.
@@ -48,21 +48,31 @@ pub fn index(path: &str, i: usize) -> String {
     format!("{path}[{i}]")
 }
 
-/// One JSON object being read. Every field read is remembered; `finish` refuses the rest.
+/// One JSON object being read, with the fields it may have: any other field is refused when
+/// it is opened, before a field is read, so a misspelt field is reported as unknown (with the
+/// known name nearest to it) rather than as a required one missing.
 pub struct Obj<'a> {
     map: &'a Map<String, Value>,
     path: String,
-    seen: BTreeSet<&'static str>,
+    #[cfg(test)]
+    known: &'static [&'static str],
 }
 
 impl<'a> Obj<'a> {
-    pub fn new(value: &'a Value, path: &str) -> Result<Self> {
+    /// The object at `path`, whose fields must be among `known`.
+    pub fn new(value: &'a Value, path: &str, known: &'static [&'static str]) -> Result<Self> {
         match value {
-            Value::Object(map) => Ok(Obj {
-                map,
-                path: path.to_string(),
-                seen: BTreeSet::new(),
-            }),
+            Value::Object(map) => {
+                if let Some(field) = map.keys().find(|k| !known.contains(&k.as_str())) {
+                    return Err(unknown_field(path, field, known));
+                }
+                Ok(Obj {
+                    map,
+                    path: path.to_string(),
+                    #[cfg(test)]
+                    known,
+                })
+            }
             other => Err(ConfigError::new(
                 path,
                 format!("expected an object, found {}", kind(other)),
@@ -76,7 +86,13 @@ impl<'a> Obj<'a> {
 
     /// The raw value of `field`, if present and not null.
     pub fn get(&mut self, field: &'static str) -> Option<&'a Value> {
-        self.seen.insert(field);
+        // Every field read must be declared known, else a config using it would be refused.
+        #[cfg(test)]
+        assert!(
+            self.known.contains(&field),
+            "{}: {field} is read but not among the known fields",
+            self.path
+        );
         match self.map.get(field) {
             None | Some(Value::Null) => None,
             Some(v) => Some(v),
@@ -160,20 +176,62 @@ impl<'a> Obj<'a> {
         }
         Ok(Some(out))
     }
+}
 
-    /// Refuses any field that was not read.
-    pub fn finish(self) -> Result<()> {
-        for key in self.map.keys() {
-            if !self.seen.contains(key.as_str()) {
-                let known: Vec<&str> = self.seen.iter().copied().collect();
-                return Err(ConfigError::new(
-                    child(&self.path, key),
-                    format!("unknown field (known here: {})", known.join(", ")),
-                ));
-            }
+/// The error of a field not among `known`: the nearest known name when one is close enough to
+/// be a misspelling of it, else every known name.
+fn unknown_field(path: &str, field: &str, known: &[&str]) -> ConfigError {
+    let problem = match nearest(field, known) {
+        Some(name) => format!("unknown field (did you mean `{name}`?)"),
+        None => {
+            let mut names = known.to_vec();
+            names.sort_unstable();
+            format!("unknown field (known here: {})", names.join(", "))
         }
-        Ok(())
+    };
+    ConfigError::new(child(path, field), problem)
+}
+
+/// The name of `known` nearest to `given` by edit distance (insertions, deletions,
+/// substitutions and swaps of adjacent characters, ignoring case), when it is at most 2 edits
+/// and at most a third of `given`'s length (at least 1) away; the first such name on a tie.
+pub fn nearest<'k>(given: &str, known: &[&'k str]) -> Option<&'k str> {
+    let len = given.chars().count();
+    let most = (len / 3).clamp(1, 2);
+    known
+        .iter()
+        .filter_map(|name| Some((edit_distance(given, name, most)?, *name)))
+        .min_by_key(|(distance, _)| *distance)
+        .map(|(_, name)| name)
+}
+
+/// The optimal-string-alignment distance between `a` and `b`, case-insensitive, if it is at
+/// most `most`.
+fn edit_distance(a: &str, b: &str, most: usize) -> Option<usize> {
+    let a: Vec<char> = a.chars().map(|c| c.to_ascii_lowercase()).collect();
+    let b: Vec<char> = b.chars().map(|c| c.to_ascii_lowercase()).collect();
+    if a.len().abs_diff(b.len()) > most {
+        return None;
     }
+    // Three rows of the table: i-2, i-1 and i.
+    let mut before: Vec<usize> = vec![0; b.len() + 1];
+    let mut last: Vec<usize> = (0..=b.len()).collect();
+    let mut row: Vec<usize> = vec![0; b.len() + 1];
+    for i in 1..=a.len() {
+        row[0] = i;
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut d = (last[j] + 1).min(row[j - 1] + 1).min(last[j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                d = d.min(before[j - 2] + 1);
+            }
+            row[j] = d;
+        }
+        std::mem::swap(&mut before, &mut last);
+        std::mem::swap(&mut last, &mut row);
+    }
+    let distance = last[b.len()];
+    (distance <= most).then_some(distance)
 }
 
 fn positive(v: &Value, path: &str) -> Result<u64> {

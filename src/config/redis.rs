@@ -5,8 +5,19 @@ use super::reader::{Obj, Result};
 use super::{Batch, ConfigError, Env, RedisConfig, DEFAULT_TIMEOUT_MS};
 use serde_json::Value;
 
+const REDIS_FIELDS: &[&str] = &[
+    "protocol",
+    "cluster",
+    "authority",
+    "timeout",
+    "authorization",
+    "authorization_env",
+    "key_prefix",
+    "batch",
+];
+
 pub fn redis_config(v: &Value, path: &str, env: Env<'_>) -> Result<RedisConfig> {
-    let mut o = Obj::new(v, path)?;
+    let mut o = Obj::new(v, path, REDIS_FIELDS)?;
     let protocol = o.opt_str("protocol")?.unwrap_or("webdis");
     if protocol != "webdis" {
         return Err(ConfigError::new(
@@ -50,7 +61,6 @@ pub fn redis_config(v: &Value, path: &str, env: Env<'_>) -> Result<RedisConfig> 
         Some(Value::Bool(false)) => None,
         Some(v) => Some(batch(v, &o.field_path("batch"))?),
     };
-    o.finish()?;
     Ok(RedisConfig {
         cluster: cluster.to_string(),
         authority,
@@ -82,8 +92,10 @@ fn env_authorization(name: &str, path: &str, env: Env<'_>) -> Result<String> {
 /// [`Batch::default`]; `false` never).
 fn batch(v: &Value, path: &str) -> Result<Batch> {
     let defaults = Batch::default();
-    let mut b = Obj::new(v, path)
-        .map_err(|_| ConfigError::new(path, "expected true, false or an object"))?;
+    if !v.is_object() {
+        return Err(ConfigError::new(path, "expected true, false or an object"));
+    }
+    let mut b = Obj::new(v, path, &["max_delay", "max_requests", "cross_slot"])?;
     let max_delay_ms = duration(&mut b, "max_delay")?.unwrap_or(defaults.max_delay_ms);
     if max_delay_ms > 100 {
         return Err(ConfigError::new(
@@ -102,7 +114,6 @@ fn batch(v: &Value, path: &str) -> Result<Batch> {
         }
     };
     let cross_slot = b.opt_bool("cross_slot")?.unwrap_or(defaults.cross_slot);
-    b.finish()?;
     Ok(Batch {
         max_delay_ms,
         max_requests,

@@ -141,7 +141,7 @@ fn bad_configs_name_the_field() {
         ("unknown_top", "/rate_limit", json!(1),
          "rate_limit: unknown field (known here: envoy_buffer_limit, failure_mode, identity, over_limit_cache, policies, redis, response_headers)"),
         ("unknown_in_limit", "/policies/0/rate_limits/0/windw", json!("1s"),
-         "policies[0].rate_limits[0].windw: unknown field (known here: algorithm, burst, by, charge, cost, limit, mode, name, shadow, window)"),
+         "policies[0].rate_limits[0].windw: unknown field (did you mean `window`?)"),
         ("path_with_double_slash", "/policies/0/match/path_prefix", json!("/orders//x"),
          "policies[0].match.path_prefix: \"/orders//x\" is not a normalised path (requests are matched decoded, with slashes merged and dot segments removed): write \"/orders/x\""),
         ("path_with_escape", "/policies/0/match/path_exact", json!("/%6Frders"),
@@ -928,4 +928,217 @@ fn each_limit_carries_its_policy_item() {
             "\"global\";q=5000;w=1",
         ]
     );
+}
+
+/// Every object of the configuration, each field of it at least once: a rename of any field
+/// below is refused as unknown, naming the field it was meant as.
+fn every_object() -> Value {
+    json!({
+        "redis": {
+            "protocol": "webdis", "cluster": "gw", "authority": "gw", "timeout": "50ms",
+            "authorization_env": "CG_AUTH", "key_prefix": "cg",
+            "batch": {"max_delay": "1ms", "max_requests": 8, "cross_slot": true}
+        },
+        "identity": {"tenant": {"header": "x-tenant"}, "principal_header": "x-user",
+                     "missing_tenant": "reject"},
+        "failure_mode": "fail_closed",
+        "response_headers": true,
+        "envoy_buffer_limit": "1MiB",
+        "over_limit_cache": {"entries": 10},
+        "policies": [{
+            "name": "p",
+            "match": {"methods": ["POST"], "path_prefix": "/a", "host": "h",
+                      "headers": [{"name": "x-a", "exact": "1"}]},
+            "failure_mode": "fail_open",
+            "rate_limits": [
+                {"name": "t", "by": ["tenant"], "algorithm": "token_bucket", "limit": 10,
+                 "window": "1s", "burst": 20, "shadow": false, "mode": "exact",
+                 "cost": {"header": "x-cost", "default": 1, "min": 0, "max": 5},
+                 "charge": {"response_json": "/n", "max_body": "1KiB"}}
+            ],
+            "idempotency": {
+                "header": "idempotency-key", "required": true, "methods": ["POST"],
+                "processing_ttl": "1m", "completed_ttl": "1h", "fingerprint": ["method"],
+                "max_request_body": "1KiB", "replay": "full", "max_response_body": "1KiB",
+                "replay_headers": ["etag"], "replay_trailers": [], "conflict_status": 422,
+                "in_progress": "wait", "max_wait": "1s", "in_progress_status": 409,
+                "retryable_statuses": [503], "retryable_grpc_codes": [14], "complete": "sync",
+                "encryption": {"key_env": "CG_KEY", "previous_key_env": "CG_KEY"}
+            },
+            "lease": {"resource": ["path"], "ttl": "10s", "on_busy": "wait", "max_wait": "1s",
+                      "fencing_header": "x-fence", "extend": true, "fence_ttl": "7d"}
+        }]
+    })
+}
+
+fn parse_every_object(v: &Value) -> std::result::Result<Config, ConfigError> {
+    let key = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=".to_string();
+    Config::from_value_with_env(v, &|_| Some(key.clone()))
+}
+
+#[test]
+fn a_misspelt_field_is_unknown_before_a_required_one_is_missing() {
+    assert!(parse_every_object(&every_object()).is_ok());
+    // (the object's JSON pointer, its path in messages, the field, the misspelling)
+    let cases: &[(&str, &str, &str, &str)] = &[
+        ("", "", "redis", "rediss"),
+        ("", "", "policies", "polices"),
+        ("", "", "over_limit_cache", "over_limit_cach"),
+        ("/redis", "redis.", "cluster", "clustr"),
+        ("/redis", "redis.", "authorization_env", "authorisation_env"),
+        (
+            "/redis/batch",
+            "redis.batch.",
+            "max_requests",
+            "max_request",
+        ),
+        ("/identity", "identity.", "missing_tenant", "missing_tennat"),
+        ("/identity/tenant", "identity.tenant.", "header", "haeder"),
+        (
+            "/over_limit_cache",
+            "over_limit_cache.",
+            "entries",
+            "entris",
+        ),
+        ("/policies/0", "policies[0].", "name", "nmae"),
+        ("/policies/0", "policies[0].", "rate_limits", "rate_limit"),
+        (
+            "/policies/0/match",
+            "policies[0].match.",
+            "path_prefix",
+            "path_prefx",
+        ),
+        (
+            "/policies/0/match/headers/0",
+            "policies[0].match.headers[0].",
+            "exact",
+            "exakt",
+        ),
+        (
+            "/policies/0/rate_limits/0",
+            "policies[0].rate_limits[0].",
+            "window",
+            "windw",
+        ),
+        (
+            "/policies/0/rate_limits/0",
+            "policies[0].rate_limits[0].",
+            "window",
+            "Window",
+        ),
+        (
+            "/policies/0/rate_limits/0",
+            "policies[0].rate_limits[0].",
+            "algorithm",
+            "algoritm",
+        ),
+        (
+            "/policies/0/rate_limits/0",
+            "policies[0].rate_limits[0].",
+            "limit",
+            "limt",
+        ),
+        (
+            "/policies/0/rate_limits/0/cost",
+            "policies[0].rate_limits[0].cost.",
+            "header",
+            "headr",
+        ),
+        (
+            "/policies/0/rate_limits/0/charge",
+            "policies[0].rate_limits[0].charge.",
+            "response_json",
+            "response_jsn",
+        ),
+        (
+            "/policies/0/idempotency",
+            "policies[0].idempotency.",
+            "fingerprint",
+            "fingerprints",
+        ),
+        (
+            "/policies/0/idempotency/encryption",
+            "policies[0].idempotency.encryption.",
+            "key_env",
+            "key_evn",
+        ),
+        (
+            "/policies/0/lease",
+            "policies[0].lease.",
+            "resource",
+            "resorce",
+        ),
+        ("/policies/0/lease", "policies[0].lease.", "ttl", "tll"),
+    ];
+    for (object, at, field, typo) in cases {
+        let mut v = every_object();
+        let map = v
+            .pointer_mut(object)
+            .and_then(Value::as_object_mut)
+            .expect("an object");
+        let value = map.remove(*field).expect("the field is there");
+        map.insert((*typo).to_string(), value);
+        let err = parse_every_object(&v)
+            .expect_err("a misspelt field")
+            .to_string();
+        assert_eq!(
+            err,
+            format!("{at}{typo}: unknown field (did you mean `{field}`?)"),
+            "{object} {field}"
+        );
+    }
+}
+
+#[test]
+fn an_unknown_field_far_from_every_name_lists_them() {
+    let mut v = every_object();
+    v["policies"][0]["lease"]["colour"] = json!("red");
+    assert_eq!(
+        parse_every_object(&v).expect_err("unknown").to_string(),
+        "policies[0].lease.colour: unknown field (known here: extend, fence_ttl, fencing_header, max_wait, on_busy, resource, ttl)"
+    );
+    // An unknown field is reported before an invalid one of the same object.
+    v["policies"][0]["lease"]["ttl"] = json!("soon");
+    assert!(parse_every_object(&v)
+        .expect_err("unknown")
+        .to_string()
+        .starts_with("policies[0].lease.colour: unknown field"));
+}
+
+#[test]
+fn the_nearest_name_is_suggested_only_when_close() {
+    let names = [
+        "window",
+        "burst",
+        "by",
+        "limit",
+        "rate_limits",
+        "path_exact",
+        "path_prefix",
+    ];
+    for (given, want) in [
+        ("windw", Some("window")),
+        ("widnow", Some("window")),
+        ("WINDOW", Some("window")),
+        ("windows", Some("window")),
+        ("bursts", Some("burst")),
+        ("bye", Some("by")),
+        ("rate_limit", Some("rate_limits")),
+        ("rate-limits", Some("rate_limits")),
+        ("path_prefx", Some("path_prefix")),
+        ("path", None),
+        ("wind", None),
+        ("b", Some("by")),
+        ("x", None),
+        ("", None),
+        ("colour", None),
+        ("limiter", Some("limit")),
+        ("timeout", None),
+        ("wndw", None),
+        ("a_name_far_longer_than_any_known_one", None),
+    ] {
+        assert_eq!(reader::nearest(given, &names), want, "{given:?}");
+    }
+    // A tie goes to the first name.
+    assert_eq!(reader::nearest("ab", &["ax", "ay"]), Some("ax"));
 }

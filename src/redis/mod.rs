@@ -102,9 +102,27 @@ impl CallError {
             CallError::NotSent => "gateway unreachable".into(),
             CallError::Transport => "gateway connection lost".into(),
             CallError::Gateway(status) => format!("gateway answered HTTP {status}"),
-            CallError::Malformed(why) => format!("gateway reply is not RESP: {why}"),
+            CallError::Malformed(why) => format!(
+                "the gateway's answer is not a Redis reply (RESP): {why}; check that \
+                 redis.cluster is the webdis gateway (not Redis itself or another service)"
+            ),
             CallError::Redis(e) => {
-                format!("redis error: {}", e.chars().take(120).collect::<String>())
+                let e: String = e.chars().take(120).collect();
+                match RedisErrorKind::of(&e) {
+                    RedisErrorKind::Authentication => format!(
+                        "the gateway could not authenticate to Redis: {e}; check the gateway's \
+                         Redis credential (webdis: redis_auth) against Redis's password or ACL user"
+                    ),
+                    RedisErrorKind::Permission => format!(
+                        "Redis refused the gateway's user: {e}; check the gateway's Redis ACL \
+                         user: it needs the keys under redis.key_prefix and the scripts' commands"
+                    ),
+                    RedisErrorKind::Protocol => format!(
+                        "Redis could not read the gateway's command (a protocol error): {e}; \
+                         check that the gateway speaks to Redis (webdis: redis_host, redis_port)"
+                    ),
+                    RedisErrorKind::Other => format!("redis error: {e}"),
+                }
             }
             CallError::UnexpectedReply(why) => format!("unexpected reply: {why}"),
             CallError::Timeout => "no answer within the timeout".into(),
@@ -125,10 +143,18 @@ impl CallError {
             CallError::Gateway(401 | 403) => "its gateway refused the proxy's credentials".into(),
             CallError::Gateway(503) => "Redis is unavailable behind its gateway".into(),
             CallError::Gateway(status) => format!("its gateway answered HTTP {status}"),
-            CallError::Redis(e) if e.starts_with("NOPERM") => {
-                "Redis refused the command (its ACL does not allow the proxy's keys)".into()
-            }
-            CallError::Redis(_) | CallError::Malformed(_) | CallError::UnexpectedReply(_) => {
+            CallError::Redis(e) => match RedisErrorKind::of(e) {
+                RedisErrorKind::Permission => {
+                    "Redis refused the command (its ACL does not allow the proxy's keys)".into()
+                }
+                RedisErrorKind::Authentication => {
+                    "its gateway could not authenticate to Redis".into()
+                }
+                RedisErrorKind::Protocol | RedisErrorKind::Other => {
+                    "Redis answered with an error".into()
+                }
+            },
+            CallError::Malformed(_) | CallError::UnexpectedReply(_) => {
                 "Redis answered with an error".into()
             }
             CallError::Timeout => {
@@ -139,6 +165,38 @@ impl CallError {
             }
         };
         format!("the coordination store cannot decide: {cause}; retry shortly")
+    }
+}
+
+/// What a Redis error reply says went wrong, by its code (its first word).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RedisErrorKind {
+    /// `NOAUTH`, `WRONGPASS`: the gateway's connection is not authenticated.
+    Authentication,
+    /// `NOPERM`: the gateway's ACL user may not run the command or touch the keys.
+    Permission,
+    /// `ERR Protocol error: ...`: Redis could not read what the gateway sent.
+    Protocol,
+    Other,
+}
+
+impl RedisErrorKind {
+    fn of(error: &str) -> RedisErrorKind {
+        let code = error.split(' ').next().unwrap_or_default();
+        let rest = error.get(code.len()..).unwrap_or_default().trim_start();
+        match code {
+            "NOAUTH" | "WRONGPASS" => RedisErrorKind::Authentication,
+            "NOPERM" => RedisErrorKind::Permission,
+            // Redis reads only short commands from a connection that has not authenticated:
+            // a longer one (a script's source) gets `ERR Protocol error: unauthenticated
+            // multibulk length` (or `bulk length`) instead of `NOAUTH`, and the connection
+            // is closed.
+            _ if rest.starts_with("Protocol error") && rest.contains("unauthenticated") => {
+                RedisErrorKind::Authentication
+            }
+            _ if rest.starts_with("Protocol error") => RedisErrorKind::Protocol,
+            _ => RedisErrorKind::Other,
+        }
     }
 }
 
@@ -220,6 +278,67 @@ mod tests {
         }
         assert!(!CallError::NoSuchCluster.may_have_run());
         assert!(!CallError::NoSuchCluster.retryable());
+    }
+
+    #[test]
+    fn the_log_says_what_redis_refused_and_what_to_check() {
+        for (err, says, check) in [
+            (
+                CallError::Redis("NOAUTH Authentication required.".into()),
+                "the gateway could not authenticate to Redis: NOAUTH Authentication required.;",
+                "check the gateway's Redis credential (webdis: redis_auth)",
+            ),
+            (
+                CallError::Redis(
+                    "WRONGPASS invalid username-password pair or user is disabled.".into(),
+                ),
+                "the gateway could not authenticate to Redis: WRONGPASS invalid username-password pair",
+                "check the gateway's Redis credential",
+            ),
+            (
+                CallError::Redis("ERR Protocol error: unauthenticated multibulk length".into()),
+                "the gateway could not authenticate to Redis: ERR Protocol error: unauthenticated multibulk length;",
+                "check the gateway's Redis credential",
+            ),
+            (
+                CallError::Redis(
+                    "NOPERM User default has no permissions to access the 'app:x' key".into(),
+                ),
+                "Redis refused the gateway's user: NOPERM User default has no permissions",
+                "check the gateway's Redis ACL user",
+            ),
+            (
+                CallError::Redis("ERR Protocol error: invalid multibulk length".into()),
+                "Redis could not read the gateway's command (a protocol error): ERR Protocol error: invalid multibulk length;",
+                "check that the gateway speaks to Redis",
+            ),
+            (
+                CallError::Malformed("reply line without CRLF".into()),
+                "the gateway's answer is not a Redis reply (RESP): reply line without CRLF;",
+                "check that redis.cluster is the webdis gateway",
+            ),
+            (
+                CallError::Redis("ERR user_script:1: boom".into()),
+                "redis error: ERR user_script:1: boom",
+                "",
+            ),
+            (CallError::Redis("OOM command not allowed".into()), "redis error: OOM", ""),
+        ] {
+            let text = err.describe();
+            assert!(text.starts_with(says), "{err:?}: {text}");
+            assert!(text.contains(check), "{err:?}: {text}");
+        }
+        // Only the error's code tells: a word inside a message does not.
+        let other = CallError::Redis("ERR not NOAUTH and no Protocol error".into()).describe();
+        assert!(other.starts_with("redis error: "), "{other}");
+        // A long error is cut, whatever its kind.
+        let long = CallError::Redis(format!("NOAUTH {}", "x".repeat(500))).describe();
+        assert!(long.len() < 400, "{long}");
+        assert_eq!(
+            CallError::Redis("NOAUTH Authentication required.".into()).client_detail(50),
+            "the coordination store cannot decide: its gateway could not authenticate to Redis; \
+             retry shortly"
+        );
     }
 
     #[test]

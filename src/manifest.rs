@@ -1,0 +1,624 @@
+//! The plugin configurations in what a user deploys, read on the host (never in the filter):
+//! `cg-check` reads them, and any host tool may.
+//!
+//! Three shapes, told apart by their content:
+//! - the plugin JSON itself (what the filter receives): any JSON that is neither of the others,
+//!   or that is not JSON at all but starts like it (the filter's own error then says so);
+//! - an Istio `WasmPlugin` (YAML or JSON, one document of several): its `spec.pluginConfig`,
+//!   as istiod hands it to the filter (JSON), and `spec.vmConfig.env`, the VM's environment;
+//! - an Envoy config (a bootstrap, an `EnvoyFilter` whose patches carry the filter, a
+//!   `/config_dump`; YAML or JSON, one document of several): every Wasm filter
+//!   (`envoy.extensions.filters.http.wasm.v3.Wasm`, also inside a `TypedStruct`) anywhere in
+//!   it, with its `configuration` (a `google.protobuf.StringValue` holding the JSON) and
+//!   `vm_config.environment_variables` (`host_env_keys`, `key_values`).
+//!
+//! Which Wasm filters and WasmPlugins are this module's ([`is_this_module`]): those whose code
+//! is a file named `coordination_guard.wasm` or an image (`oci://`, `https://`) whose last
+//! path segment, without its tag, digest or `.wasm`, is `coordination-guard` or
+//! `coordination_guard`; and those whose `root_id` (a WasmPlugin's `pluginName`) is
+//! `coordination-guard`, as in every configuration this repository ships (it also finds the
+//! filter once istio-agent has rewritten an image to a local `module.wasm`). Others are
+//! skipped and listed.
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// The `@type` of Envoy's Wasm HTTP filter.
+pub const WASM_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
+/// The `@type` of a configuration Envoy hands to the filter as its text.
+pub const STRING_VALUE: &str = "type.googleapis.com/google.protobuf.StringValue";
+const TYPED_STRUCTS: [&str; 2] = [
+    "type.googleapis.com/udpa.type.v1.TypedStruct",
+    "type.googleapis.com/xds.type.v3.TypedStruct",
+];
+/// The `root_id` (a WasmPlugin's `pluginName`) of every shipped configuration.
+pub const ROOT_ID: &str = "coordination-guard";
+/// The module's file, as `make build` writes it.
+pub const MODULE_FILE: &str = "coordination_guard.wasm";
+
+/// Which of the three shapes a plugin was found in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// The plugin JSON itself.
+    Plugin,
+    /// An Istio `WasmPlugin`.
+    WasmPlugin,
+    /// A Wasm filter of an Envoy config (or of an `EnvoyFilter`).
+    Envoy,
+}
+
+/// A variable of the Wasm VM's environment, as the file declares it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnvValue {
+    /// Its value is in the file (`value:` of `vmConfig.env`, `key_values`).
+    Inline(String),
+    /// Taken from the proxy's own environment (`valueFrom: HOST`, `host_env_keys`): not in
+    /// the file.
+    Host,
+}
+
+/// The Wasm VM's environment a file declares: no other variable is set in the VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmEnv {
+    /// Where the file declares it: `vmConfig.env` or `vm_config.environment_variables`.
+    pub declared_in: &'static str,
+    pub vars: BTreeMap<String, EnvValue>,
+}
+
+/// What the filter would receive as its configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Configuration {
+    /// These bytes (empty when the file gives none).
+    Bytes(Vec<u8>),
+    /// A template's placeholder (`__PLUGIN_CONFIG__`): nothing to check until it is filled.
+    Placeholder(String),
+    /// A form the filter cannot read (it would refuse it): why.
+    Unreadable(String),
+}
+
+/// One plugin configuration found in a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plugin {
+    pub shape: Shape,
+    /// Where in the file (`document 1, WasmPlugin orders/coordination-guard`); empty for the
+    /// plugin JSON.
+    pub location: String,
+    pub configuration: Configuration,
+    /// The VM's environment the file declares; `None` when it says nothing of it (the plugin
+    /// JSON).
+    pub env: Option<VmEnv>,
+}
+
+/// What a file holds: this module's plugins, and the other Wasm modules' (where, and why they
+/// were taken for another module's).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Found {
+    pub plugins: Vec<Plugin>,
+    pub skipped: Vec<String>,
+}
+
+/// Why nothing could be checked in a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadError {
+    /// Neither JSON nor YAML.
+    Unreadable(String),
+    /// JSON or YAML, but no plugin of this module in it.
+    NoPlugin(String),
+}
+
+impl fmt::Display for ReadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReadError::Unreadable(why) | ReadError::NoPlugin(why) => f.write_str(why),
+        }
+    }
+}
+
+/// The plugins of this module in `bytes`, the content of a file of any of the three shapes.
+pub fn read(bytes: &[u8]) -> Result<Found, ReadError> {
+    let text = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(bytes);
+    let first = text.iter().find(|b| !b.is_ascii_whitespace());
+    let documents = if matches!(first, Some(b'{' | b'[')) {
+        match serde_json::from_slice::<Value>(text) {
+            Ok(value) if is_deployment(&value) => vec![value],
+            // The plugin JSON, or a file that means to be (the filter's error says what is
+            // wrong with it).
+            _ => return Ok(plain(bytes)),
+        }
+    } else {
+        yaml_documents(text)?
+    };
+    let mut found = Found::default();
+    for (i, document) in documents.iter().enumerate() {
+        from_document(document, &format!("document {}", i + 1), &mut found);
+    }
+    if found.plugins.is_empty() {
+        let mut why = format!(
+            "no {ROOT_ID} plugin found: expected the plugin JSON, a WasmPlugin, or an Envoy \
+             config with a Wasm filter ({WASM_TYPE}) whose vm_config.code is {MODULE_FILE} or \
+             an image named {ROOT_ID}, or whose root_id is {ROOT_ID}"
+        );
+        if !found.skipped.is_empty() {
+            why.push_str("; skipped: ");
+            why.push_str(&found.skipped.join("; "));
+        }
+        return Err(ReadError::NoPlugin(why));
+    }
+    Ok(found)
+}
+
+/// The plugin JSON file as it is.
+fn plain(bytes: &[u8]) -> Found {
+    Found {
+        plugins: vec![Plugin {
+            shape: Shape::Plugin,
+            location: String::new(),
+            configuration: Configuration::Bytes(bytes.to_vec()),
+            env: None,
+        }],
+        skipped: Vec::new(),
+    }
+}
+
+/// A JSON document that is a Kubernetes resource or holds a Wasm filter: not the plugin JSON.
+fn is_deployment(value: &Value) -> bool {
+    let resource = value.get("apiVersion").is_some() && value.get("kind").is_some();
+    resource || {
+        let mut found = Found::default();
+        walk(value, "", &mut found);
+        !(found.plugins.is_empty() && found.skipped.is_empty())
+    }
+}
+
+/// Every document of a YAML stream (`---` between them), empty ones left out.
+fn yaml_documents(text: &[u8]) -> Result<Vec<Value>, ReadError> {
+    let mut documents = Vec::new();
+    for (i, document) in serde_yaml::Deserializer::from_slice(text).enumerate() {
+        let value = Value::deserialize(document).map_err(|e| {
+            ReadError::Unreadable(format!("neither JSON nor YAML (document {}: {e})", i + 1))
+        })?;
+        if !value.is_null() {
+            documents.push(value);
+        }
+    }
+    Ok(documents)
+}
+
+fn from_document(document: &Value, at: &str, found: &mut Found) {
+    let kind = document.get("kind").and_then(Value::as_str);
+    let api = document
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    match kind {
+        Some("List") => {
+            for (j, item) in items(document.get("items")).iter().enumerate() {
+                from_document(item, &format!("{at}, item {}", j + 1), found);
+            }
+        }
+        Some("WasmPlugin") if api.starts_with("extensions.istio.io/") => {
+            wasm_plugin(document, at, found);
+        }
+        Some(kind) => {
+            let at = format!("{at} ({kind} {})", resource_name(document));
+            walk(document, &at, found);
+        }
+        None => walk(document, at, found),
+    }
+}
+
+fn items(value: Option<&Value>) -> &[Value] {
+    value.and_then(Value::as_array).map_or(&[], Vec::as_slice)
+}
+
+fn str_at<'v>(value: &'v Value, pointer: &str) -> Option<&'v str> {
+    value.pointer(pointer).and_then(Value::as_str)
+}
+
+/// `namespace/name` of a Kubernetes resource (`name` without a namespace).
+fn resource_name(document: &Value) -> String {
+    let name = str_at(document, "/metadata/name").unwrap_or("(unnamed)");
+    match str_at(document, "/metadata/namespace") {
+        Some(ns) => format!("{ns}/{name}"),
+        None => name.to_string(),
+    }
+}
+
+fn wasm_plugin(document: &Value, at: &str, found: &mut Found) {
+    let at = format!("{at}, WasmPlugin {}", resource_name(document));
+    let url = str_at(document, "/spec/url").unwrap_or_default();
+    let plugin_name = str_at(document, "/spec/pluginName");
+    if !is_this_module(url) && plugin_name != Some(ROOT_ID) {
+        found.skipped.push(format!(
+            "{at} (url {url:?}, pluginName {:?})",
+            plugin_name.unwrap_or_default()
+        ));
+        return;
+    }
+    let configuration = match document.pointer("/spec/pluginConfig") {
+        None | Some(Value::Null) => Configuration::Bytes(Vec::new()),
+        // istiod hands the filter pluginConfig as JSON text.
+        Some(config) => match serde_json::to_vec(config) {
+            Ok(bytes) => Configuration::Bytes(bytes),
+            Err(e) => Configuration::Unreadable(format!("spec.pluginConfig: {e}")),
+        },
+    };
+    let mut vars = BTreeMap::new();
+    for var in items(document.pointer("/spec/vmConfig/env")) {
+        let Some(name) = var.get("name").and_then(Value::as_str) else {
+            continue;
+        };
+        let value = if var.get("valueFrom").and_then(Value::as_str) == Some("HOST") {
+            EnvValue::Host
+        } else {
+            EnvValue::Inline(str_at(var, "/value").unwrap_or_default().to_string())
+        };
+        vars.insert(name.to_string(), value);
+    }
+    found.plugins.push(Plugin {
+        shape: Shape::WasmPlugin,
+        location: at,
+        configuration,
+        env: Some(VmEnv {
+            declared_in: "vmConfig.env",
+            vars,
+        }),
+    });
+}
+
+/// The Wasm filter's `config` (a `PluginConfig`) when `value` is a Wasm filter's typed config.
+fn wasm_config(value: &Map<String, Value>) -> Option<&Value> {
+    match value.get("@type").and_then(Value::as_str)? {
+        WASM_TYPE => value.get("config"),
+        t if TYPED_STRUCTS.contains(&t) => (value.get("type_url").and_then(Value::as_str)?
+            == WASM_TYPE)
+            .then(|| value.get("value")?.get("config"))?,
+        _ => None,
+    }
+}
+
+/// Finds every Wasm filter in `value`; `at` names the document.
+fn walk(value: &Value, at: &str, found: &mut Found) {
+    match value {
+        Value::Object(map) => {
+            if let Some(config) = wasm_config(map) {
+                // A typed config on its own (an ECDS resource): named by its config.
+                wasm_filter(config, None, at, found);
+                return;
+            }
+            for (key, child) in map {
+                let typed = child.as_object().and_then(wasm_config);
+                match (key.as_str(), typed) {
+                    ("typed_config", Some(config)) => {
+                        let name = map.get("name").and_then(Value::as_str);
+                        wasm_filter(config, name, at, found);
+                    }
+                    _ => walk(child, at, found),
+                }
+            }
+        }
+        Value::Array(items) => {
+            for item in items {
+                walk(item, at, found);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn wasm_filter(config: &Value, name: Option<&str>, at: &str, found: &mut Found) {
+    let name = name
+        .or_else(|| str_at(config, "/name"))
+        .unwrap_or("(unnamed)");
+    let at = if at.is_empty() {
+        format!("filter {name}")
+    } else {
+        format!("{at}, filter {name}")
+    };
+    let code = [
+        "/vm_config/code/local/filename",
+        "/vm_config/code/remote/http_uri/uri",
+    ]
+    .iter()
+    .find_map(|p| str_at(config, p))
+    .unwrap_or_default();
+    let root_id = str_at(config, "/root_id");
+    if !is_this_module(code) && root_id != Some(ROOT_ID) {
+        found.skipped.push(format!(
+            "{at} (code {code:?}, root_id {:?})",
+            root_id.unwrap_or_default()
+        ));
+        return;
+    }
+    let mut vars = BTreeMap::new();
+    let declared = config.pointer("/vm_config/environment_variables");
+    for key in items(declared.and_then(|d| d.get("host_env_keys"))) {
+        if let Some(key) = key.as_str() {
+            vars.insert(key.to_string(), EnvValue::Host);
+        }
+    }
+    if let Some(pairs) = declared
+        .and_then(|d| d.get("key_values"))
+        .and_then(Value::as_object)
+    {
+        for (key, value) in pairs {
+            let value = value.as_str().unwrap_or_default().to_string();
+            vars.insert(key.clone(), EnvValue::Inline(value));
+        }
+    }
+    found.plugins.push(Plugin {
+        shape: Shape::Envoy,
+        location: at,
+        configuration: configuration(config.get("configuration")),
+        env: Some(VmEnv {
+            declared_in: "vm_config.environment_variables",
+            vars,
+        }),
+    });
+}
+
+/// What the filter receives from a Wasm filter's `configuration`.
+fn configuration(value: Option<&Value>) -> Configuration {
+    let Some(value) = value.filter(|v| !v.is_null()) else {
+        return Configuration::Bytes(Vec::new());
+    };
+    match value.get("@type").and_then(Value::as_str) {
+        Some(STRING_VALUE) => {
+            let text = value.get("value").and_then(Value::as_str).unwrap_or("");
+            let trimmed = text.trim();
+            let placeholder = trimmed.len() > 4
+                && trimmed.starts_with("__")
+                && trimmed.ends_with("__")
+                && trimmed
+                    .bytes()
+                    .all(|b| b == b'_' || b.is_ascii_uppercase() || b.is_ascii_digit());
+            if placeholder {
+                Configuration::Placeholder(trimmed.to_string())
+            } else {
+                Configuration::Bytes(text.as_bytes().to_vec())
+            }
+        }
+        Some(other) => Configuration::Unreadable(format!(
+            "configuration is a {other}, not a {STRING_VALUE}: the filter reads its \
+             configuration as JSON text"
+        )),
+        None => Configuration::Unreadable(format!(
+            "configuration has no @type: give it as a {STRING_VALUE} whose value is the plugin JSON"
+        )),
+    }
+}
+
+/// Whether a module's location (a file path or an image URL) names this module: a file
+/// named `coordination_guard.wasm`, or a last path segment that is `coordination-guard` or
+/// `coordination_guard` once its tag (`:0.1.0`), digest (`@sha256:...`) and `.wasm` are cut.
+pub fn is_this_module(location: &str) -> bool {
+    let last = location.rsplit('/').next().unwrap_or_default();
+    let base = last.split(['@', ':', '?', '#']).next().unwrap_or_default();
+    let base = base.strip_suffix(".wasm").unwrap_or(base);
+    base == "coordination-guard" || base == "coordination_guard"
+}
+
+/// The VM environment variables a plugin configuration names: (field path, variable), as
+/// the filter reads them (`redis.authorization_env`, the record keys of
+/// `idempotency.encryption`).
+pub fn env_references(config: &Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    if let Some(name) = str_at(config, "/redis/authorization_env") {
+        out.push(("redis.authorization_env".to_string(), name.to_string()));
+    }
+    for (i, policy) in items(config.get("policies")).iter().enumerate() {
+        for field in ["key_env", "previous_key_env"] {
+            if let Some(name) = str_at(policy, &format!("/idempotency/encryption/{field}")) {
+                out.push((
+                    format!("policies[{i}].idempotency.encryption.{field}"),
+                    name.to_string(),
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plugins(text: &str) -> Vec<Plugin> {
+        read(text.as_bytes()).expect("found").plugins
+    }
+
+    #[test]
+    fn the_plugin_json_is_taken_as_it_is() {
+        for text in [
+            r#"{"redis": {"cluster": "gw"}}"#,
+            "{",
+            " [1]",
+            "{\"kind\": 1}",
+        ] {
+            let found = plugins(text);
+            assert_eq!(found.len(), 1);
+            assert_eq!(found[0].shape, Shape::Plugin);
+            assert_eq!(
+                found[0].configuration,
+                Configuration::Bytes(text.as_bytes().to_vec())
+            );
+            assert_eq!(found[0].env, None);
+        }
+    }
+
+    #[test]
+    fn a_wasmplugin_gives_its_plugin_config_and_env() {
+        let found = plugins(
+            "apiVersion: v1\nkind: Service\nmetadata: {name: webdis}\n---\n\
+             apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\n\
+             metadata: {name: cg, namespace: orders}\n\
+             spec:\n  url: oci://r.example/coordination-guard:1\n\
+             \x20 vmConfig:\n    env:\n      - {name: A, valueFrom: HOST}\n      - {name: B, value: b}\n\
+             \x20 pluginConfig:\n    redis: {cluster: gw, timeout: 50ms}\n    response_headers: true\n\
+             ---\n",
+        );
+        assert_eq!(found.len(), 1);
+        let p = &found[0];
+        assert_eq!(p.shape, Shape::WasmPlugin);
+        assert_eq!(p.location, "document 2, WasmPlugin orders/cg");
+        let Configuration::Bytes(bytes) = &p.configuration else {
+            panic!("bytes")
+        };
+        let json: Value = serde_json::from_slice(bytes).expect("json");
+        assert_eq!(
+            json,
+            serde_json::json!({"redis": {"cluster": "gw", "timeout": "50ms"}, "response_headers": true})
+        );
+        let env = p.env.as_ref().expect("declared");
+        assert_eq!(env.declared_in, "vmConfig.env");
+        assert_eq!(env.vars.get("A"), Some(&EnvValue::Host));
+        assert_eq!(env.vars.get("B"), Some(&EnvValue::Inline("b".into())));
+    }
+
+    const FILTER: &str = r#"
+                - name: NAME
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+                    config:
+                      root_id: ROOT
+                      configuration:
+                        "@type": type.googleapis.com/google.protobuf.StringValue
+                        value: 'CONFIG'
+                      vm_config:
+                        environment_variables:
+                          host_env_keys: [H]
+                          key_values: {K: v}
+                        code: {local: {filename: FILE}}"#;
+
+    fn filter(name: &str, root: &str, config: &str, file: &str) -> String {
+        FILTER
+            .replace("NAME", name)
+            .replace("ROOT", root)
+            .replace("CONFIG", config)
+            .replace("FILE", file)
+    }
+
+    #[test]
+    fn every_wasm_filter_of_this_module_in_an_envoy_config() {
+        let text = format!(
+            "static_resources:\n  listeners:\n    - filter_chains:\n        - filters:\n            - typed_config:\n                http_filters:{}{}{}\n",
+            filter("one", "x", "{\"a\": 1}", "/b/coordination_guard.wasm"),
+            filter("other", "x", "{}", "/b/other.wasm"),
+            filter("two", "coordination-guard", "__PLUGIN_CONFIG__", "__WASM_PATH__"),
+        );
+        let found = read(text.as_bytes()).expect("found");
+        let names: Vec<&str> = found.plugins.iter().map(|p| p.location.as_str()).collect();
+        assert_eq!(names, ["document 1, filter one", "document 1, filter two"]);
+        assert_eq!(
+            found.plugins[0].configuration,
+            Configuration::Bytes(b"{\"a\": 1}".to_vec())
+        );
+        assert_eq!(
+            found.plugins[1].configuration,
+            Configuration::Placeholder("__PLUGIN_CONFIG__".into())
+        );
+        let env = found.plugins[0].env.as_ref().expect("declared");
+        assert_eq!(env.declared_in, "vm_config.environment_variables");
+        assert_eq!(env.vars.get("H"), Some(&EnvValue::Host));
+        assert_eq!(env.vars.get("K"), Some(&EnvValue::Inline("v".into())));
+        assert_eq!(
+            found.skipped,
+            ["document 1, filter other (code \"/b/other.wasm\", root_id \"x\")"]
+        );
+    }
+
+    #[test]
+    fn a_typed_struct_and_an_envoyfilter_patch_are_found() {
+        let text = r#"{"apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
+            "metadata": {"name": "cg", "namespace": "ns"},
+            "spec": {"configPatches": [{"patch": {"value": {"name": "f", "typed_config": {
+              "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+              "type_url": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+              "value": {"config": {"root_id": "coordination-guard",
+                "configuration": {"@type": "type.googleapis.com/google.protobuf.BytesValue"}}}}}}}]}}"#;
+        let found = plugins(text);
+        assert_eq!(found.len(), 1);
+        assert_eq!(
+            found[0].location,
+            "document 1 (EnvoyFilter ns/cg), filter f"
+        );
+        assert!(matches!(&found[0].configuration,
+            Configuration::Unreadable(why) if why.starts_with("configuration is a type.googleapis.com/google.protobuf.BytesValue")));
+        // No environment declared: the VM has none.
+        assert_eq!(found[0].env.as_ref().map(|e| e.vars.len()), Some(0));
+    }
+
+    #[test]
+    fn what_holds_no_plugin_says_so() {
+        for (text, want) in [
+            ("a: [1\n", "neither JSON nor YAML"),
+            (
+                "apiVersion: v1\nkind: Service\n",
+                "no coordination-guard plugin found",
+            ),
+            ("", "no coordination-guard plugin found"),
+        ] {
+            let err = read(text.as_bytes()).expect_err("nothing").to_string();
+            assert!(err.starts_with(want), "{text:?}: {err}");
+        }
+        let other = filter("f", "other", "{}", "/x/other.wasm");
+        let err = read(format!("http_filters:{other}").as_bytes())
+            .expect_err("not this module")
+            .to_string();
+        assert!(
+            err.ends_with(
+                "; skipped: document 1, filter f (code \"/x/other.wasm\", root_id \"other\")"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn which_code_is_this_module() {
+        for (location, ours) in [
+            (
+                "/work/target/wasm32-wasip1/release/coordination_guard.wasm",
+                true,
+            ),
+            ("coordination_guard.wasm", true),
+            ("oci://registry.example.com/coordination-guard:0.1.0", true),
+            (
+                "oci://127.0.0.1:5000/team/coordination-guard@sha256:00ff",
+                true,
+            ),
+            ("https://example.com/coordination-guard.wasm?x=1", true),
+            (
+                "oci://registry.example.com/coordination-guard-fork:1",
+                false,
+            ),
+            ("/var/lib/istio/data/0123/module.wasm", false),
+            ("__WASM_PATH__", false),
+            ("", false),
+        ] {
+            assert_eq!(is_this_module(location), ours, "{location}");
+        }
+    }
+
+    #[test]
+    fn the_environment_variables_a_config_names() {
+        let config = serde_json::json!({"redis": {"authorization_env": "A"}, "policies": [
+            {"name": "p"},
+            {"idempotency": {"encryption": {"key_env": "K", "previous_key_env": "O"}}}]});
+        assert_eq!(
+            env_references(&config),
+            [
+                ("redis.authorization_env".to_string(), "A".to_string()),
+                (
+                    "policies[1].idempotency.encryption.key_env".into(),
+                    "K".into()
+                ),
+                (
+                    "policies[1].idempotency.encryption.previous_key_env".into(),
+                    "O".into()
+                ),
+            ]
+        );
+    }
+}
