@@ -54,7 +54,12 @@ anchor, or with `anchors_in_rounds`, runs that anchor in its own rounds
 (plain, anchor, scenario[, compare], and the reverse in every other round, so a drift within a
 round favours no one), and its ratio is the median of the per-round ratios.
 
-Output: a table on stdout, bench/results.json (every run's raw numbers) and bench/report.svg.
+Output: a table on stdout; bench/results.json, every run's raw numbers (a build output, not
+committed); bench/summary.json, the medians the docs and the chart quote (committed, about 20 KiB);
+and, rendered from the summary alone, bench/report.svg and the results section of
+docs/performance.md. `bench/run.py --summarize [RESULTS] [--revision REV]` writes the summary
+from raw results and renders from it; `bench/run.py --render` renders from the committed
+summary.
 Exit status 1 if a run had socket errors or unexpected statuses, or the correctness check
 failed (rl_rejected must admit exactly its limit per run); a missed goal is a finding, not an
 error.
@@ -122,7 +127,11 @@ _RLS_MANIFEST = ["--release", "--manifest-path", str((RLS / "Cargo.toml").relati
 # only, so the tests never wait for RocksDB).
 RLS_BUILD = [["cargo", "clippy", *_RLS_MANIFEST, "--", "-D", "warnings"],
              ["cargo", "build", *_RLS_MANIFEST]]
+# A full run's raw numbers, every round of every target: a build output (ignored by git).
 RESULTS = BENCH / "results.json"
+# The committed summary of the last full run (about 20 KiB: the medians quoted), and what is
+# rendered from it alone: the chart and docs/performance.md's results section.
+SUMMARY = BENCH / "summary.json"
 CHART = BENCH / "report.svg"
 
 THREADS = 2
@@ -1525,169 +1534,354 @@ def table(results: dict) -> str:
 
 
 PERF_DOC = ROOT / "docs" / "performance.md"
-RESULTS_BEGIN = "<!-- results: written by make bench from bench/results.json -->"
+RESULTS_BEGIN = "<!-- results: written by bench/run.py from bench/summary.json -->"
 RESULTS_END = "<!-- end of results -->"
+SUMMARY_FORMAT = 1
+# The processes whose CPU the summary keeps, per request (the incumbent's rate limit service in
+# webdis's place in its rows).
+CPU_KEYS = ("envoy", "webdis", "rls", "redis")
 
 
-def markdown_results(results: dict) -> str:
-    """The results section of docs/performance.md: what ran where, and the table."""
-    m = results["meta"]
-    titles = {s.name: s.title for s in scenarios()}
-    lines = [f"Measured by `{m['command']}` on {m['date'][:10]}: {m['cpus']} cores, "
-             f"Envoy {m['envoy_version_short']}, {m['rounds']} rounds of {m['seconds']} s, "
-             f"wrk -t{m['wrk']['threads']} -c{m['wrk']['connections']}, load average "
-             f"{' '.join(m['loadavg_at_start'])} at the start; `.wasm` {m['wasm_size_bytes']:,} "
-             "bytes. Ratios are medians of per-round ratios to plain Envoy in the same round; CPU "
-             "is µs per request from `/proc`.", "",
-             "| scenario | req/s | ratio to plain (rounds) | goal | vs anchor, same run (goal) "
-             "| p50 / p99 ms | Redis calls/req | CPU µs/req: Envoy / webdis (or the incumbent's "
-             "RLS) / Redis |",
-             "|---|---|---|---|---|---|---|---|"]
-    plain = results["plain"]
-
-    def us(summary: dict, part: str) -> str:
-        v = summary["cpu_seconds_per_10k_requests"].get(part)
-        return "-" if v is None else f"{v * 100:.0f}"
-
-    def gateway(summary: dict) -> str:
-        if summary["cpu_seconds_per_10k_requests"].get("rls") is not None:
-            return f"RLS {us(summary, 'rls')}"
-        return us(summary, "webdis")
-
-    lines.append(f"| plain Envoy | {fmt(plain['requests_per_second'], '.0f')} | 1.00 | | | "
-                 f"{fmt(plain['latency_p50_ms'], '.2f')} / {fmt(plain['latency_p99_ms'], '.2f')} | 0 "
-                 f"| {us(plain, 'envoy')} / 0 / 0 |")
-    for name, sc in results["scenarios"].items():
-        title = titles.get(name, name)
-        if "compare_refused" in sc["summary"]:
-            title += f" (new: not in build {results['meta']['compare']['revision']})"
-        rows = [(title, sc["summary"])]
-        if "compare" in sc["summary"]:
-            rows.append((f"same, build {sc['summary']['compare']['revision']}",
-                         sc["summary"]["compare"]))
-        for title, s in rows:
-            goal = ""
-            if "goal" in s:
-                goal = f">= {s['goal']:.2f} {'met' if s['goal_met'] else 'missed'}"
-            rounds = " ".join(f"{x:.2f}" for x in s["ratio_per_round"])
-            lines.append(f"| {title} | {fmt(s['requests_per_second'], '.0f')} | "
-                         f"{fmt(s['ratio_to_plain'], '.2f')} ({rounds}) | {goal} | "
-                         f"{anchor_text(s)} | "
-                         f"{fmt(s['latency_p50_ms'], '.2f')} / {fmt(s['latency_p99_ms'], '.2f')} | "
-                         f"{fmt(s['redis_calls_per_request'], '.2f')} | {us(s, 'envoy')} / "
-                         f"{gateway(s)} / {us(s, 'redis')} |")
-    lines += goal_lines(results["scenarios"], titles)
-    contended: dict[str, list[float]] = {}
-    for r in results.get("lease_contended", []):
-        contended.setdefault(r["label"], []).append(r["utilisation"])
-    for label, values in contended.items():
-        who = "this build" if label == "ours" else f"build {label}"
-        lines += ["", f"Contended lease ({who}): {CONTENDED_WAITERS} waiters on one resource, "
-                  f"{CONTENDED_OP_MS} ms each: the resource was busy "
-                  f"{fmt(_median(values), '.2f')} of the time (rounds "
-                  f"{', '.join(f'{v:.2f}' for v in values)})."]
-    lines += open_loop_markdown(results.get("open_loop", []), titles,
-                                results.get("open_loop_gateway"))
-    checks = results.get("correctness", {})
-    if checks:
-        ok = all(c["ok"] for c in checks.values())
-        lines += ["", f"Correctness: every limited scenario admitted exactly its limit: "
-                  f"{'yes' if ok else 'NO'}."]
-    admitted = admission_lines(results["scenarios"])
-    if admitted:
-        lines += [""] + admitted
-    return "\n".join(lines)
+# --- the summary ---------------------------------------------------------------------------------
 
 
-def goal_lines(scenario_results: dict, titles: dict) -> list[str]:
-    """Each path with a goal beside the anchors doing the least a filter with its features
-    does (FEATURE_MINIMAL), all in the path's rounds: what those anchors reach against the
-    goal's anchor, what the path reaches against each, and their Envoy CPU."""
-    rows = []
+def _cpu_us(summary: dict) -> dict:
+    """CPU per request in µs (from seconds per 10k requests), the processes measured."""
+    cpu = summary.get("cpu_seconds_per_10k_requests", {})
+    return {k: round(cpu[k] * 100, 2) for k in CPU_KEYS if cpu.get(k) is not None}
+
+
+def _compact(s: dict) -> dict:
+    """One scenario's (or its compared build's) medians as the summary keeps them."""
+    out = {"rps": s.get("requests_per_second"), "ratio": s.get("ratio_to_plain"),
+           "rounds": s.get("ratio_per_round", []), "p50_ms": s.get("latency_p50_ms"),
+           "p99_ms": s.get("latency_p99_ms"), "calls": s.get("redis_calls_per_request"),
+           "cpu_us": _cpu_us(s)}
+    for key in ("goal", "goal_met", "correctness", "admission", "compare_refused"):
+        if key in s:
+            out[key] = s[key]
+    anchors = []
+    for e in s.get("anchors", []):
+        a = {k: e[k] for k in ("anchor", "same_rounds", "ratio", "goal", "goal_met") if k in e}
+        if e.get("per_round"):
+            a["range"] = [min(e["per_round"]), max(e["per_round"])]
+        theirs = e.get("anchor_in_rounds")
+        if theirs:
+            a["cpu_us"] = _cpu_us(theirs)
+            if "admission" in theirs:
+                a["admission"] = theirs["admission"]
+        anchors.append(a)
+    if anchors:
+        out["anchors"] = anchors
+    return out
+
+
+def scenario_summary(sc: dict) -> dict:
+    """A scenario of bench/results.json (its summary and raw runs) as the summary keeps it:
+    its medians, its anchors' ratios with their rounds' range, and each anchor of its rounds'
+    own ratio to plain Envoy in those rounds and CPU per request."""
+    s, runs = sc["summary"], sc.get("runs", [])
+    out = _compact(s)
+    if sc.get("plain_routed"):
+        out["plain_routed"] = True
+    for a in out.get("anchors", []):
+        if a["same_rounds"]:
+            theirs = _same_round_ratios(runs, f"anchor:{a['anchor']}", "plain")
+            if theirs:
+                a["its_ratio"] = _median(theirs)
+    if "compare" in s:
+        out["compare"] = {"revision": s["compare"]["revision"], **_compact(s["compare"])}
+    return out
+
+
+def feature_minimal(scenario_results: dict) -> dict:
+    """Per path with a goal against an anchor of its rounds (FEATURE_MINIMAL): what each anchor
+    doing the least a filter with the path's features does reaches against the goal's anchor,
+    round by round in the path's rounds: [median, lowest, highest]."""
+    out = {}
     for name, minimal in FEATURE_MINIMAL.items():
         sc = scenario_results.get(name)
         if not sc:
             continue
-        s, runs = sc["summary"], sc.get("runs", [])
-        goal = next((e for e in s.get("anchors", []) if "goal" in e and e["same_rounds"]), None)
+        goal = next((e for e in sc["summary"].get("anchors", [])
+                     if "goal" in e and e["same_rounds"]), None)
         if goal is None:
             continue
-        by_anchor = {e["anchor"]: e for e in s.get("anchors", []) if e["same_rounds"]}
-        theirs, ours, cpu = [], [], []
+        found = {}
         for anchor in minimal:
-            mine = by_anchor.get(anchor)
-            per_round = _same_round_ratios(runs, f"anchor:{anchor}", f"anchor:{goal['anchor']}")
-            if mine is None or not per_round:
-                continue
-            theirs.append(f"`{anchor}` {_median(per_round):.2f} ({min(per_round):.2f}-"
-                          f"{max(per_round):.2f})")
-            ours.append(f"{mine['ratio']:.2f} x `{anchor}`")
-            envoy = mine["anchor_in_rounds"]["cpu_seconds_per_10k_requests"]["envoy"]
-            cpu.append(f"{envoy * 100:.0f}")
-        if not theirs:
+            per_round = _same_round_ratios(sc.get("runs", []), f"anchor:{anchor}",
+                                           f"anchor:{goal['anchor']}")
+            if per_round:
+                found[anchor] = [_median(per_round), min(per_round), max(per_round)]
+        if found:
+            out[name] = found
+    return out
+
+
+def summary_of(results: dict, revision: str | None = None) -> dict:
+    """bench/summary.json from a run's raw results (bench/results.json): the medians the docs
+    and the chart quote, per scenario, the plain Envoy baseline, the open loop and the checks,
+    tens of KiB where the raw rounds are megabytes. `revision` names the build measured when the
+    results do not (runs before they recorded it)."""
+    m = results["meta"]
+    meta = {k: m[k] for k in ("command", "date", "cpus", "envoy_version_short", "rounds",
+                              "seconds", "wrk", "loadavg_at_start", "wasm_size_bytes") if k in m}
+    meta["revision"] = m.get("revision") or revision
+    if m.get("dirty"):
+        meta["dirty"] = True
+    if m.get("compare"):
+        meta["compare"] = m["compare"]["revision"]
+    plain = results["plain"]
+    contended: dict[str, list[float]] = {}
+    for r in results.get("lease_contended", []):
+        contended.setdefault(r["label"], []).append(round(r["utilisation"], 4))
+    parts = ("p50_ms", "p99_ms", "p999_ms")
+    open_loop = []
+    for entry in results.get("open_loop", []):
+        rates = []
+        for r in entry["rates"]:
+            row = {"rate": r["rate"], "added_ms": [r["added_ms"][p] for p in parts],
+                   "plain_ms": [r["plain"].get(p) for p in parts]}
+            if r.get("gateway"):
+                row["gateway"] = [r["gateway"]["callouts"], r["gateway"]["connections"]]
+            rates.append(row)
+        open_loop.append({"scenario": entry["scenario"], "rates": rates})
+    return {
+        "format": SUMMARY_FORMAT,
+        "meta": meta,
+        "plain": {"rps": plain.get("requests_per_second"), "p50_ms": plain.get("latency_p50_ms"),
+                  "p99_ms": plain.get("latency_p99_ms"), "cpu_us": _cpu_us(plain),
+                  "basis": results.get("plain_basis")},
+        "scenarios": {name: scenario_summary(sc) for name, sc in results["scenarios"].items()},
+        "feature_minimal": feature_minimal(results["scenarios"]),
+        "lease_contended": contended,
+        "open_loop": open_loop,
+        "open_loop_gateway": [{k: g.get(k) for k in ("rate", *parts)}
+                              for g in results.get("open_loop_gateway") or []],
+        "correctness": {name: c["ok"] for name, c in results.get("correctness", {}).items()},
+        "skipped": results.get("skipped", {}),
+        "ok": results.get("ok", not results.get("errors")),
+    }
+
+
+def dump_summary(summary: dict) -> str:
+    """The summary as committed: one scenario, open-loop entry or anchor per line, so a run's
+    diff reads row by row."""
+    def one(value) -> str:
+        return json.dumps(value, ensure_ascii=False)
+
+    lines = ["{"]
+    keys = list(summary)
+    for i, key in enumerate(keys):
+        value, comma = summary[key], "," if i < len(keys) - 1 else ""
+        if isinstance(value, dict) and value and key in ("scenarios", "feature_minimal"):
+            items = list(value.items())
+            lines.append(f" {one(key)}: {{")
+            lines += [f"  {one(k)}: {one(v)}{',' if j < len(items) - 1 else ''}"
+                      for j, (k, v) in enumerate(items)]
+            lines.append(f" }}{comma}")
+        elif isinstance(value, list) and value:
+            lines.append(f" {one(key)}: [")
+            lines += [f"  {one(v)}{',' if j < len(value) - 1 else ''}"
+                      for j, v in enumerate(value)]
+            lines.append(f" ]{comma}")
+        else:
+            lines.append(f" {one(key)}: {one(value)}{comma}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# --- rendering from the summary ------------------------------------------------------------------
+
+
+def _labels() -> dict[str, str]:
+    """How the docs name each scenario: the filter's paths by their title, the anchors and the
+    incumbent by their name (docs/performance.md describes each)."""
+    return {s.name: s.title if s.plugin is not None and s.wasm_path is None else f"`{s.name}`"
+            for s in scenarios()}
+
+
+def _us(cpu: dict, part: str) -> str:
+    v = cpu.get(part)
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _cpu_cells(cpu: dict) -> str:
+    """Envoy / webdis (or the incumbent's rate limit service) / Redis, µs per request."""
+    gateway = f"RLS {_us(cpu, 'rls')}" if cpu.get("rls") is not None else _us(cpu, "webdis")
+    return f"{_us(cpu, 'envoy')} / {gateway} / {_us(cpu, 'redis')}"
+
+
+def markdown_results(summary: dict) -> str:
+    """The results section of docs/performance.md, from the summary alone: what ran where, the
+    table, each goal beside the anchors doing the least its path does, the incumbent, the open
+    loop and the checks."""
+    m = summary["meta"]
+    labels = _labels()
+    plain = summary["plain"]
+    build = f" of {m['revision']}" if m.get("revision") else ""
+    if m.get("dirty"):
+        build += " (with uncommitted changes)"
+    lines = [f"Measured by `{m['command']}`{build} on {m['date'][:10]}: {m['cpus']} cores, "
+             f"Envoy {m['envoy_version_short']}, {m['rounds']} rounds of {m['seconds']} s, "
+             f"wrk -t{m['wrk']['threads']} -c{m['wrk']['connections']}, load average "
+             f"{' '.join(m['loadavg_at_start'])} at the start; `.wasm` {m['wasm_size_bytes']:,} "
+             f"bytes. Plain Envoy served {fmt(plain['rps'], ',.0f')} requests/s at "
+             f"{_us(plain['cpu_us'], 'envoy')} µs of Envoy CPU per request. Ratios are medians "
+             "of per-round ratios to plain Envoy in the same round; CPU is µs per request from "
+             "`/proc`; anchors go by their names (above).", "",
+             "| scenario | req/s | ratio to plain (rounds) | goal | vs anchor, same run (goal) "
+             "| p50 / p99 ms | Redis calls/req | CPU µs/req: Envoy / webdis (or RLS) / Redis |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| plain Envoy | {fmt(plain['rps'], '.0f')} | 1.00 | | | "
+             f"{fmt(plain['p50_ms'], '.2f')} / {fmt(plain['p99_ms'], '.2f')} | 0 "
+             f"| {_us(plain['cpu_us'], 'envoy')} / 0 / 0 |"]
+    for name, s in summary["scenarios"].items():
+        label = labels.get(name, f"`{name}`")
+        if "compare_refused" in s:
+            label += f" (new: not in build {m.get('compare')})"
+        rows = [(label, s)]
+        if "compare" in s:
+            rows.append((f"same, build {s['compare']['revision']}", s["compare"]))
+        for label, row in rows:
+            goal = ""
+            if "goal" in row:
+                goal = f">= {row['goal']:.2f} {'met' if row['goal_met'] else 'missed'}"
+            rounds = " ".join(f"{x:.2f}" for x in row["rounds"])
+            lines.append(f"| {label} | {fmt(row['rps'], '.0f')} | {fmt(row['ratio'], '.2f')} "
+                         f"({rounds}) | {goal} | {anchor_text(row)} | "
+                         f"{fmt(row['p50_ms'], '.2f')} / {fmt(row['p99_ms'], '.2f')} | "
+                         f"{fmt(row['calls'], '.2f')} | {_cpu_cells(row['cpu_us'])} |")
+    lines += goal_lines(summary, labels)
+    lines += incumbent_lines(summary, labels)
+    lines += open_loop_markdown(summary.get("open_loop", []), labels,
+                                summary.get("open_loop_gateway"))
+    # The checks and the contended lease: one paragraph, a line each.
+    notes = []
+    checks = summary.get("correctness", {})
+    if checks:
+        notes.append(f"Correctness: every limited scenario admitted exactly its limit: "
+                     f"{'yes' if all(checks.values()) else 'NO'}.")
+    notes += admission_lines(summary["scenarios"])
+    for label, values in summary.get("lease_contended", {}).items():
+        who = "this build" if label == "ours" else f"build {label}"
+        notes.append(f"Contended lease ({who}): {CONTENDED_WAITERS} waiters on one resource, "
+                     f"{CONTENDED_OP_MS} ms each: the resource was busy "
+                     f"{fmt(_median(values), '.2f')} of the time (rounds "
+                     f"{', '.join(f'{v:.2f}' for v in values)}).")
+    if notes:
+        lines += [""] + notes
+    return "\n".join(lines)
+
+
+def goal_lines(summary: dict, labels: dict) -> list[str]:
+    """Each path with a goal beside the anchors doing the least a filter with its features
+    does (FEATURE_MINIMAL), all in the path's rounds: what those anchors reach against the
+    goal's anchor, what the path reaches against each, and their Envoy CPU."""
+    rows = []
+    for name, minimal in summary.get("feature_minimal", {}).items():
+        s = summary["scenarios"].get(name)
+        if not s:
             continue
-        mine_cpu = s["cpu_seconds_per_10k_requests"]["envoy"] * 100
-        rows.append(f"| {titles.get(name, name)} | {goal['goal']:.2f} x `{goal['anchor']}` | "
-                    f"{'; '.join(theirs)} | {goal['ratio']:.2f} ({min(goal['per_round']):.2f}-"
-                    f"{max(goal['per_round']):.2f}); {', '.join(ours)} | "
-                    f"{' / '.join(cpu)} / {mine_cpu:.0f} |")
+        in_rounds = [e for e in s.get("anchors", []) if e["same_rounds"]]
+        goal = next((e for e in in_rounds if "goal" in e), None)
+        by_anchor = {e["anchor"]: e for e in in_rounds}
+        theirs, ours, cpu = [], [], []
+        for anchor, (median, low, high) in minimal.items():
+            mine = by_anchor.get(anchor)
+            if mine is None:
+                continue
+            theirs.append(f"`{anchor}` {median:.2f} ({low:.2f}-{high:.2f})")
+            ours.append(f"{mine['ratio']:.2f} x `{anchor}`")
+            cpu.append(_us(mine.get("cpu_us", {}), "envoy"))
+        if goal is None or not theirs:
+            continue
+        low, high = goal.get("range") or [goal["ratio"]] * 2
+        rows.append(f"| {labels.get(name, name)} | {goal['goal']:.2f} x `{goal['anchor']}` | "
+                    f"{'; '.join(theirs)} | {goal['ratio']:.2f} ({low:.2f}-{high:.2f}); "
+                    f"{', '.join(ours)} | {' / '.join(cpu)} / {_us(s['cpu_us'], 'envoy')} |")
     if not rows:
         return []
     return ["", "Each goal beside the anchors doing the least a filter with the path's features "
-            "does (the tenant found in the header map, its count, the `RateLimit` headers; on "
-            "the exact paths also the path's own call; for the batched path also the bare "
-            "batched anchor), in the path's own rounds: medians of per-round ratios, rounds' "
-            "range in brackets; Envoy CPU µs per request.", "",
+            "does, in the path's own rounds: medians of per-round ratios, rounds' range in "
+            "brackets; Envoy CPU µs per request.", "",
             "| path | goal | those anchors reach, x the goal's anchor | the path reaches, x the "
             "goal's anchor and x each | Envoy CPU: each anchor / the path |",
             "|---|---|---|---|---|", *rows]
 
 
-def admission_lines(scenario_results: dict) -> list[str]:
+def incumbent_lines(summary: dict, labels: dict) -> list[str]:
+    """The paths run beside the incumbent (Envoy's ratelimit filter and its rate limit
+    service) in the same rounds: each one's ratio to plain, the two's ratio, their CPU."""
+    incumbents = {s.name for s in scenarios() if s.rls}
+    rows = []
+    for name, s in summary["scenarios"].items():
+        for e in s.get("anchors", []):
+            if e["anchor"] not in incumbents or not e["same_rounds"]:
+                continue
+            low, high = e.get("range") or [e["ratio"]] * 2
+            rows.append(f"| {labels.get(name, name)} | `{e['anchor']}` | {fmt(s['ratio'], '.2f')} "
+                        f"| {fmt(e.get('its_ratio'), '.2f')} | {e['ratio']:.2f} ({low:.2f}-"
+                        f"{high:.2f}) | {_cpu_cells(s['cpu_us'])} | "
+                        f"{_cpu_cells(e.get('cpu_us', {}))} |")
+    if not rows:
+        return []
+    return ["", "Beside the incumbent in the same rounds, both through the upstream and so is "
+            "their plain Envoy: ratios to plain Envoy, ours over the incumbent (rounds' range), "
+            "CPU µs per request (Envoy / webdis or RLS / Redis).", "",
+            "| path | incumbent | ours | incumbent | ours / incumbent | CPU, ours "
+            "| CPU, incumbent |",
+            "|---|---|---|---|---|---|---|", *rows]
+
+
+def admission_lines(scenarios_summary: dict) -> list[str]:
     """What the runs that record their admissions admitted (the incumbent pushed past its
     limit), as its own row and in the rounds of the scenario it ran beside."""
     lines = []
-    for name, sc in scenario_results.items():
-        rows = [(name, sc["summary"])] + [
-            (f"{a['anchor']}, in {name}'s rounds", a["anchor_in_rounds"])
-            for a in sc["summary"].get("anchors", []) if "anchor_in_rounds" in a]
-        for label, s in rows:
-            if "admission" in s:
+    for name, s in scenarios_summary.items():
+        rows = [(name, s)] + [(f"{a['anchor']}, in {name}'s rounds", a)
+                              for a in s.get("anchors", [])]
+        for label, row in rows:
+            if "admission" in row:
                 lines.append(f"Admitted, not checked ({label}): "
-                             f"{', '.join(map(str, s['admission']['admitted_per_run']))} per "
-                             f"run for a limit of {s['admission']['limit']}.")
+                             f"{', '.join(map(str, row['admission']['admitted_per_run']))} per "
+                             f"run for a limit of {row['admission']['limit']}.")
     return lines
 
 
-def open_loop_markdown(open_loop: list[dict], titles: dict,
+def open_loop_markdown(open_loop: list[dict], labels: dict,
                        gateway: list[dict] | None = None) -> list[str]:
-    """The open-loop table: latency each scenario adds over plain Envoy at the same rate, the
-    callouts its Envoy sent and the gateway connections it opened for them; then the gateway's
-    own round trip at each rate."""
+    """The open-loop table, one row per scenario: the latency it adds over plain Envoy at each
+    rate, its goal at 1,000/s, plain Envoy's own p99 and the callouts its Envoy sent to the
+    gateway with the connections it opened to carry them; then the gateway's own round trip."""
     if not open_loop:
         return []
+    rates = list(dict.fromkeys(r["rate"] for e in open_loop for r in e["rates"]))
     lines = ["", f"Open loop (oha `--latency-correction`, {LATENCY_CONNECTIONS} connections, "
-             "the scenario and plain Envoy alternately at the same rate): latency added over "
-             "plain Envoy, ms, and plain Envoy's own; the callouts the scenario's Envoy sent "
-             "to the gateway at that rate and the connections it opened to carry them.", "",
-             "| scenario | rate/s | adds p50 / p99 / p99.9 | goal at 1000/s (p50 / p99) "
-             "| plain p50 / p99 / p99.9 | callouts / gateway connections opened |",
-             "|---|---|---|---|---|---|"]
+             "the scenario and plain Envoy alternately at the same rate): the latency added "
+             "over plain Envoy at each rate, p50 / p99 / p99.9 ms; plain Envoy's own p99 and "
+             "the callouts the scenario's Envoy sent to the gateway / the connections it opened "
+             f"for them, at {', '.join(map(str, rates))}/s.", "",
+             "| scenario | " + " | ".join(f"adds at {r}/s" for r in rates)
+             + " | goal at 1000/s (p50 / p99) | plain p99 | callouts / connections |",
+             "|---|" + "---|" * (len(rates) + 3)]
     for entry in open_loop:
         name = entry["scenario"]
-        for r in entry["rates"]:
-            a, p = r["added_ms"], r["plain"]
-            goal = ""
-            if r["rate"] == 1000 and name in LATENCY_GOALS:
+        by_rate = {r["rate"]: r for r in entry["rates"]}
+        cells, goal = [], ""
+        for rate in rates:
+            r = by_rate.get(rate)
+            cells.append("-" if r is None else " / ".join(f"{v:.2f}" for v in r["added_ms"]))
+            if r and rate == 1000 and name in LATENCY_GOALS:
                 g50, g99 = LATENCY_GOALS[name]
-                met = a["p50_ms"] < g50 and a["p99_ms"] < g99
+                met = r["added_ms"][0] < g50 and r["added_ms"][1] < g99
                 goal = f"< {g50} / < {g99} {'met' if met else 'missed'}"
-            gw = r.get("gateway")
-            carried = f"{gw['callouts']} / {gw['connections']}" if gw else "-"
-            lines.append(f"| {titles.get(name, name)} | {r['rate']} | {a['p50_ms']:.2f} / "
-                         f"{a['p99_ms']:.2f} / {a['p999_ms']:.2f} | {goal} | "
-                         f"{fmt(p['p50_ms'], '.2f')} / {fmt(p['p99_ms'], '.2f')} / "
-                         f"{fmt(p['p999_ms'], '.2f')} | {carried} |")
+        plain = ", ".join(fmt(by_rate[rate]["plain_ms"][1], ".2f") if rate in by_rate else "-"
+                          for rate in rates)
+        carried = ", ".join(f"{by_rate[rate]['gateway'][0]} / {by_rate[rate]['gateway'][1]}"
+                            if by_rate.get(rate, {}).get("gateway") else "-" for rate in rates)
+        lines.append(f"| {labels.get(name, name)} | {' | '.join(cells)} | {goal} | {plain} | "
+                     f"{carried} |")
     if gateway:
         each = "; ".join(f"{g['rate']}/s {fmt(g['p50_ms'], '.2f')} / {fmt(g['p99_ms'], '.2f')} / "
                          f"{fmt(g['p999_ms'], '.2f')}" for g in gateway)
@@ -1697,7 +1891,7 @@ def open_loop_markdown(open_loop: list[dict], titles: dict,
     return lines
 
 
-def write_perf_doc(results: dict) -> bool:
+def write_perf_doc(summary: dict) -> bool:
     """Replaces the results section of docs/performance.md; False if its markers are missing."""
     if not PERF_DOC.exists():
         return False
@@ -1706,8 +1900,16 @@ def write_perf_doc(results: dict) -> bool:
         return False
     head, rest = text.split(RESULTS_BEGIN, 1)
     tail = rest.split(RESULTS_END, 1)[1]
-    PERF_DOC.write_text(f"{head}{RESULTS_BEGIN}\n{markdown_results(results)}\n{RESULTS_END}{tail}")
+    PERF_DOC.write_text(f"{head}{RESULTS_BEGIN}\n{markdown_results(summary)}\n{RESULTS_END}{tail}")
     return True
+
+
+def perf_doc_results() -> str | None:
+    """The results section docs/performance.md holds now (None without its markers)."""
+    text = PERF_DOC.read_text()
+    if RESULTS_BEGIN not in text or RESULTS_END not in text:
+        return None
+    return text.split(RESULTS_BEGIN, 1)[1].split(RESULTS_END, 1)[0].strip("\n")
 
 
 # The incumbent's rate limit service takes webdis's place in its rows.
@@ -1715,17 +1917,19 @@ CPU_PARTS = (("envoy", "#1565c0"), ("webdis", "#ef6c00"), ("rls", "#2e7d32"),
              ("redis", "#6a1b9a"))
 
 
-def svg_chart(results: dict) -> str:
+def svg_chart(summary: dict) -> str:
     """Two panels: the ratio to plain Envoy per scenario with its goal marked, and the CPU
     seconds per 10k requests of Envoy, webdis (or the incumbent's rate limit service) and Redis
-    (stacked)."""
-    entries = [("plain", 1.0, None, None, results["plain"]["cpu_seconds_per_10k_requests"], "")]
-    for name, sc in results["scenarios"].items():
-        s = sc["summary"]
-        mark = " *" if sc.get("plain_routed") else ""
-        entries.append((name, s["ratio_to_plain"], s.get("goal"), s["ratio_per_round"],
-                        s["cpu_seconds_per_10k_requests"], mark))
-    for name in results["skipped"]:
+    (stacked); from the summary alone."""
+    def per_10k(cpu_us: dict) -> dict:
+        return {k: v / 100 for k, v in cpu_us.items()}
+
+    entries = [("plain", 1.0, None, None, per_10k(summary["plain"]["cpu_us"]), "")]
+    for name, s in summary["scenarios"].items():
+        mark = " *" if s.get("plain_routed") else ""
+        entries.append((name, s["ratio"], s.get("goal"), s["rounds"], per_10k(s["cpu_us"]),
+                        mark))
+    for name in summary["skipped"]:
         entries.append((name, None, GOALS.get(name), None, None, ""))
     left, bar_w, row_h, top = 170, 520, 30, 78
     width = left + bar_w + 110
@@ -1736,7 +1940,7 @@ def svg_chart(results: dict) -> str:
     top_cpu = max([sum((e[4] or {}).get(n) or 0 for n, _ in CPU_PARTS) for e in entries] + [0.1])
     x = lambda r: left + bar_w * r / top_ratio  # noqa: E731
     xc = lambda c: left + bar_w * c / (top_cpu * 1.1)  # noqa: E731
-    meta = results["meta"]
+    meta = summary["meta"]
     rounds = f'{meta["rounds"]} round{"s" if meta["rounds"] != 1 else ""}'
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
@@ -1829,6 +2033,22 @@ def _nice_step(span: float) -> float:
 
 def _xml(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def git_revision() -> tuple[str | None, bool]:
+    """The short sha of HEAD, and whether tracked files outside the docs and the benchmark's
+    committed outputs differ from it (the build measured is then not HEAD's)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True, timeout=30, stdin=subprocess.DEVNULL).stdout.strip()
+    try:
+        sha = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs",
+                      ":!README.md", f":!{SUMMARY.relative_to(ROOT)}",
+                      f":!{CHART.relative_to(ROOT)}")
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+    return sha or None, bool(changed)
 
 
 def tool_version(argv: list[str]) -> str:
@@ -1952,8 +2172,11 @@ def main() -> int:
 
     envoy_version = tool_version([envoy_bin, "--version"])
     short = re.search(r"/(\d+\.\d+\.\d+)/", envoy_version)
+    revision, dirty = git_revision()
     meta = {
         "command": "make bench" if os.environ.get("MAKELEVEL") else shlex.join(sys.argv),
+        "revision": revision,
+        "dirty": dirty,
         "argv": sys.argv,
         "env": {k: v for k, v in os.environ.items() if k.startswith("BENCH_") or k == "ENVOY_BIN"},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -2052,14 +2275,19 @@ def main() -> int:
                    if "correctness" in sc["summary"].get("compare", {})})
     results["correctness"] = checks
 
-    # A partial run (BENCH_SCENARIOS) writes beside the stack, under bench/work: the committed
-    # results, chart and docs stay those of the last full run.
-    results_path, chart_path = (WORK / RESULTS.name, WORK / CHART.name) if wanted else (RESULTS,
-                                                                                     CHART)
+    # A full run writes its raw rounds to bench/results.json (a build output, not committed)
+    # and its summary to bench/summary.json (committed), and renders the chart and the docs'
+    # results section from the summary. A partial run (BENCH_SCENARIOS) writes all but the docs
+    # beside the stack, under bench/work: the committed summary, chart and docs stay those of
+    # the last full run.
+    out = WORK if wanted else BENCH
+    results_path, summary_path = out / RESULTS.name, out / SUMMARY.name
     results_path.write_text(json.dumps(results, indent=2) + "\n")
-    chart_path.write_text(svg_chart(results))
-    # A partial run (BENCH_SCENARIOS) does not overwrite the documented full run.
-    if not wanted and write_perf_doc(results):
+    summary = summary_of(results)
+    summary_path.write_text(dump_summary(summary))
+    chart_path = out / CHART.name
+    chart_path.write_text(svg_chart(summary))
+    if not wanted and write_perf_doc(summary):
         print(f"wrote the results section of {PERF_DOC.relative_to(ROOT)}")
 
     print()
@@ -2072,7 +2300,7 @@ def main() -> int:
         verdict = "ok" if c["ok"] else "FAILED"
         print(f"correctness ({name}): admitted per run {c['admitted_per_run']}, "
               f"limit {c['limit']}: {verdict}")
-    for line in admission_lines(scenario_results):
+    for line in admission_lines(summary["scenarios"]):
         print(line)
     foreign = _median([r["foreign_cpu_cores"] for sc in scenario_results.values()
                        for r in sc["runs"]])
@@ -2085,7 +2313,8 @@ def main() -> int:
               f"{fmt(_median([r['utilisation'] for r in runs]), '.2f')} "
               f"(rounds {', '.join(fmt(r['utilisation'], '.2f') for r in runs)}), "
               f"{sum(r['refused'] for r in runs)} refused")
-    print(f"wrote {results_path.relative_to(ROOT)} and {chart_path.relative_to(ROOT)}")
+    print(f"wrote {results_path.relative_to(ROOT)}, {summary_path.relative_to(ROOT)} and "
+          f"{chart_path.relative_to(ROOT)}")
     if results["errors"]:
         print("\nbench FAILED:", file=sys.stderr)
         for error in results["errors"]:
@@ -2094,10 +2323,49 @@ def main() -> int:
     return 0
 
 
+def render(summary: dict) -> None:
+    """The committed picture of a full run from its summary: bench/report.svg and the results
+    section of docs/performance.md."""
+    CHART.write_text(svg_chart(summary))
+    print(f"wrote {CHART.relative_to(ROOT)}")
+    if write_perf_doc(summary):
+        print(f"wrote the results section of {PERF_DOC.relative_to(ROOT)}")
+    else:
+        print(f"{PERF_DOC.relative_to(ROOT)} has no results markers: left alone", file=sys.stderr)
+
+
+def offline(argv: list[str]) -> int:
+    """`--summarize [RESULTS] [--revision REV]`: bench/summary.json from a run's raw results
+    (default bench/results.json), then the chart and the docs from it; `--render`: the chart and
+    the docs from the committed bench/summary.json alone (a fresh clone has no raw results)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="bench/run.py", description=offline.__doc__)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--summarize", nargs="?", const=str(RESULTS), metavar="RESULTS",
+                      help="a run's raw results (default bench/results.json)")
+    mode.add_argument("--render", action="store_true",
+                      help="render bench/report.svg and the docs from bench/summary.json")
+    parser.add_argument("--revision", help="the build measured, for results that do not "
+                        "record it")
+    args = parser.parse_args(argv)
+    if args.render:
+        render(json.loads(SUMMARY.read_text()))
+        return 0
+    results = json.loads(Path(args.summarize).read_text())
+    summary = summary_of(results, args.revision)
+    SUMMARY.write_text(dump_summary(summary))
+    print(f"wrote {SUMMARY.relative_to(ROOT)} ({SUMMARY.stat().st_size:,} bytes)")
+    render(summary)
+    return 0
+
+
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through main's finally: the stack is stopped
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:
+        sys.exit(offline(sys.argv[1:]))
     signal.signal(signal.SIGTERM, _terminate)
     sys.exit(main())

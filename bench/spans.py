@@ -8,7 +8,7 @@ BENCH_SECONDS default to 1 and 5) and prints, per scenario, the median over its 
 span's mean wall time in µs. The filter logs one report per worker every 10,000 guarded
 requests (`spans:` warnings in the scenario Envoy's log, under bench/work/stack), and how many
 times each span ran per guarded request (`x1.00`: once each). The partial
-run writes under bench/work, never the committed results.
+run writes under bench/work, never the committed summary, chart or docs.
 
 Wall time, not CPU time: a span a worker was descheduled in counts the wait too, and the spans'
 own clock reads (about 0.5 µs per span) are in them. Compare spans of one run.

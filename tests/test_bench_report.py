@@ -58,17 +58,21 @@ def test_the_performance_doc_gets_the_run_between_its_markers(tmp_path, monkeypa
                         "envoy_version_short": "1.40.0", "rounds": 1, "seconds": 5,
                         "wrk": {"threads": 2, "connections": 16},
                         "loadavg_at_start": ["0.1", "0.2", "0.3"], "wasm_size_bytes": 1000}}
+    summary = bench.summary_of(results, revision="abc1234")
     doc = tmp_path / "performance.md"
     doc.write_text(f"# Performance\nmethod\n{bench.RESULTS_BEGIN}\nold table\n{bench.RESULTS_END}\nbounds\n")
     monkeypatch.setattr(bench, "PERF_DOC", doc)
-    assert bench.write_perf_doc(results)
+    assert bench.write_perf_doc(summary)
     text = doc.read_text()
     assert text.startswith("# Performance\nmethod\n") and text.endswith("\nbounds\n")
     assert "old table" not in text
+    assert "Measured by `make bench` of abc1234 on 2026-11-30" in text
     assert "| rate limit rejected, 1 tenant, limit 10/1h | 60 | 0.60 (0.60) |" in text
     assert "busy 0.85 of the time (rounds 0.80, 0.90)" in text
+    assert bench.perf_doc_results() == bench.markdown_results(summary)
     doc.write_text("no markers\n")
-    assert not bench.write_perf_doc(results) and doc.read_text() == "no markers\n"
+    assert not bench.write_perf_doc(summary) and doc.read_text() == "no markers\n"
+    assert bench.perf_doc_results() is None
 
 
 def test_a_scenario_is_measured_against_its_anchor_in_the_same_run():
@@ -105,7 +109,10 @@ def test_each_goal_is_shown_beside_the_least_a_filter_with_its_features_does():
                  fake_run("anchor:wasm_floor_429_keyed", r, keyed), fake_run("scenario", r, mine)]
     results = {"rl_rejected": {"summary": bench.summarize(ours, runs), "runs": runs}}
     bench.add_anchor_ratios(results)
-    lines = bench.goal_lines(results, {"rl_rejected": "rejected"})
+    summary = {"scenarios": {"rl_rejected": bench.scenario_summary(results["rl_rejected"])},
+               "feature_minimal": bench.feature_minimal(results)}
+    assert summary["feature_minimal"] == {"rl_rejected": {"wasm_floor_429_keyed": [0.95, 0.9, 1.0]}}
+    lines = bench.goal_lines(summary, {"rl_rejected": "rejected"})
     # The keyed anchor x the floor: 0.95, 0.9, 1.0; the path x the floor: 0.875, 0.8889,
     # 0.8571; the path x the keyed anchor: 0.9211, 0.9877, 0.8571.
     assert lines[-1] == ("| rejected | 0.95 x `wasm_floor_429` | `wasm_floor_429_keyed` 0.95 "
@@ -115,7 +122,9 @@ def test_each_goal_is_shown_beside_the_least_a_filter_with_its_features_does():
     alone = [fake_run("plain", 1, 100), fake_run("scenario", 1, 60)]
     partial = {"rl_rejected": {"summary": bench.summarize(ours, alone), "runs": alone}}
     bench.add_anchor_ratios(partial)
-    assert bench.goal_lines(partial, {}) == []
+    assert bench.feature_minimal(partial) == {}
+    assert bench.goal_lines({"scenarios": {"rl_rejected": bench.scenario_summary(
+        partial["rl_rejected"])}, "feature_minimal": {}}, {}) == []
 
 
 def test_open_loop_rows_say_what_the_filter_adds_at_each_rate():
@@ -127,16 +136,20 @@ def test_open_loop_rows_say_what_the_filter_adds_at_each_rate():
          "plain": {"p50_ms": 0.2, "p99_ms": 0.8, "p999_ms": 2.0}}]}
     gateway = [{"rate": 500, "p50_ms": 0.16, "p99_ms": 0.33, "p999_ms": 1.2},
                {"rate": 1000, "p50_ms": 0.17, "p99_ms": 0.39, "p999_ms": None}]
-    lines = bench.open_loop_markdown([entry], {"rl_allowed": "exact"}, gateway)
+    summary = bench.summary_of({"meta": {}, "plain": {}, "scenarios": {}, "open_loop": [entry],
+                                "open_loop_gateway": gateway})
+    lines = bench.open_loop_markdown(summary["open_loop"], {"rl_allowed": "exact"},
+                                     summary["open_loop_gateway"])
+    assert "| scenario | adds at 1000/s | adds at 500/s | goal at 1000/s (p50 / p99) |" in lines[3]
     rows = [ln for ln in lines if ln.startswith("| exact |")]
-    assert rows == ["| exact | 1000 | 0.40 / 2.50 / 6.00 | < 0.5 / < 2.0 missed | "
-                    "0.20 / 0.90 / 3.00 | 5000 / 9 |",
-                    # A run recorded before the gateway's counters were: no figure, not zeros.
-                    "| exact | 500 | 0.30 / 1.50 / 4.00 |  | 0.20 / 0.80 / 2.00 | - |"]
+    # One row per scenario, a column per rate; a run recorded before the gateway's counters
+    # were has no figure there, not zeros.
+    assert rows == ["| exact | 0.40 / 2.50 / 6.00 | 0.30 / 1.50 / 4.00 | < 0.5 / < 2.0 missed | "
+                    "0.90, 0.80 | 5000 / 9, - |"]
     assert lines[-1].startswith("The gateway alone (")
     assert "500/s 0.16 / 0.33 / 1.20; 1000/s 0.17 / 0.39 / -." in lines[-1]
     # Without the gateway's own runs, the table ends the section.
-    assert bench.open_loop_markdown([entry], {})[-1].endswith("| - |")
+    assert bench.open_loop_markdown(summary["open_loop"], {})[-1].endswith("| 5000 / 9, - |")
 
 
 def test_an_open_loop_run_fails_on_an_answer_or_error_of_its_target():
@@ -321,7 +334,10 @@ def test_the_incumbent_pushed_past_its_limit_has_what_it_admitted_recorded_not_c
     bench.add_anchor_ratios(results)
     assert results["rl_rejected_routed"]["summary"]["anchors"][0]["ratio"] == 4.0
     assert "admission" not in summary and summary["correctness"]["ok"]
-    assert bench.admission_lines(results) == [
+    kept = {"rl_rejected_routed": bench.scenario_summary(results["rl_rejected_routed"])}
+    # The incumbent's own ratio to plain in those rounds, kept for the table beside it.
+    assert kept["rl_rejected_routed"]["anchors"][0]["its_ratio"] == 0.5
+    assert bench.admission_lines(kept) == [
         "Admitted, not checked (envoy_rls_rejected, in rl_rejected_routed's rounds): 16, 19 "
         "per run for a limit of 10."]
 
@@ -457,3 +473,20 @@ def test_footprint_reads_where_llvm_symbolizer_says_code_comes_from():
         ("decimal", "src/text.rs:0"),
         ("??", "??:0"),
     ]
+
+
+def test_the_committed_summary_is_small_and_the_docs_and_chart_are_rendered_from_it():
+    """bench/summary.json is what a full run commits (bench/results.json, its raw rounds, is a
+    build output): a few KiB, and docs/performance.md's results section and bench/report.svg
+    are exactly what bench/run.py renders from it, so neither can drift from the summary."""
+    import json
+
+    assert bench.SUMMARY.stat().st_size < 64 * 1024
+    text = bench.SUMMARY.read_text()
+    summary = json.loads(text)
+    assert summary["format"] == bench.SUMMARY_FORMAT
+    assert summary["meta"]["revision"] and summary["meta"]["date"]
+    assert summary["plain"]["rps"] and summary["plain"]["cpu_us"]["envoy"]
+    assert bench.dump_summary(summary) == text
+    assert bench.perf_doc_results() == bench.markdown_results(summary)
+    assert bench.CHART.read_text() == bench.svg_chart(summary)
