@@ -140,11 +140,17 @@ def tour(printed: str) -> list[tuple[str, list[str]]]:
     return steps
 
 
-def paste(cwd: Path, steps: list[tuple[str, list[str]]]) -> dict[str, list[str]]:
-    """Every command, in order, in one shell: their outputs by the caption's first word(s)."""
+def paste(cwd: Path, steps: list[tuple[str, list[str]]], pause: float = 0) -> dict[str, list[str]]:
+    """Every command, in order, in one shell, `pause` seconds apart (a human's pace): their
+    outputs by caption."""
     shell = Shell(cwd)
+    outputs: dict[str, list[str]] = {}
     try:
-        return {caption: [shell.run(c) for c in commands] for caption, commands in steps}
+        for caption, commands in steps:
+            for command in commands:
+                time.sleep(pause)
+                outputs.setdefault(caption, []).append(shell.run(command))
+        return outputs
     finally:
         shell.close()
 
@@ -162,7 +168,8 @@ def status(output: str) -> int:
 
 
 def check_rate_limit(out: list[str]) -> None:
-    loop, last = out
+    (both,) = out
+    loop, last = both.split("\n", 1)
     codes = loop.split()
     assert codes[0] == "200" and codes[-1] == "429", loop
     assert status(last) == 429, last
@@ -172,7 +179,7 @@ def check_rate_limit(out: list[str]) -> None:
 
 
 def check_lease(out: list[str], header: str = "x-fencing-token") -> None:
-    _, second, fence = out
+    second, fence = out
     assert status(second) == 409 and "resource_locked" in second, second
     assert re.search(rf'"{header}": "\d+"', fence), fence
 
@@ -200,7 +207,8 @@ def outputs_text(outputs: list[str]) -> str:
     return "".join(outputs)
 
 
-def run_readme(cwd: Path, *args: str, again: str | None = None) -> tuple[str, dict[str, list[str]]]:
+def run_readme(cwd: Path, *args: str, again: str | None = None,
+               pause: float = 0) -> tuple[str, dict[str, list[str]]]:
     """`make run ARGS`, then the tour as pasted; with `again`, the commands of the step whose
     caption starts so are pasted once more at the end (under the caption `again:`)."""
     demo = Demo(cwd, *args)
@@ -214,14 +222,16 @@ def run_readme(cwd: Path, *args: str, again: str | None = None) -> tuple[str, di
         if again is not None:
             steps.append(("again:", next(cmds for caption, cmds in steps
                                          if caption.startswith(again))))
-        return printed, paste(cwd, steps)
+        return printed, paste(cwd, steps, pause)
     finally:
         demo.stop()
 
 
-@pytest.mark.parametrize("args", [(), ("CLUSTER=1",)], ids=["single", "cluster"])
-def test_make_run_then_every_printed_command_as_pasted(clone, args):
-    printed, outputs = run_readme(clone, *args, again="Idempotency")
+@pytest.mark.parametrize("args,pause", [((), 0), ((), 2.0), (("CLUSTER=1",), 0)],
+                         ids=["at-once", "a-human's-pace", "cluster"])
+def test_make_run_then_every_printed_command_as_pasted(clone, args, pause):
+    """Pasted at once, or 2 s apart (every limit of the demo refills in that time)."""
+    printed, outputs = run_readme(clone, *args, again="Idempotency", pause=pause)
     assert "LOGS=" not in printed, "the default needs no variable in what a user pastes"
     check_rate_limit(step(outputs, "Rate limit (create-order"))
     first, replay, other, executed = step(outputs, "Idempotency (create-order)")

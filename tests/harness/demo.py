@@ -222,10 +222,9 @@ def examples(plugin: dict, envoy: str, upstream: str, make_logs: str) -> list[st
             call = f"-X {method} {who('rate')} {envoy}{path}"
             out.append(f"Rate limit ({policy['name']}, {smallest} at once): {smallest + 1} requests, "
                        f"the last ones get 429; one more, shown whole, has Retry-After and the "
-                       f"RateLimit headers:\n"
+                       f"RateLimit headers (one line, so that it runs at once):\n"
                        f"  for i in $(seq 1 {smallest + 1}); do curl -s -o /dev/null -w '%{{http_code}} ' "
-                       f"{call}; done; echo\n"
-                       f"  curl -s -i -w '\\n' {call}")
+                       f"{call}; done; echo; curl -s -i -w '\\n' {call}")
     idem = next((p for p in policies if p.get("idempotency")), None)
     if idem:
         cfg = idem["idempotency"]
@@ -248,8 +247,8 @@ def examples(plugin: dict, envoy: str, upstream: str, make_logs: str) -> list[st
         out.append(f"Lease ({lease['name']}): a slow request holds the resource, a second one on "
                    f"it gets 409 resource_locked; once the first is done, the fencing token the "
                    f"service got in {header}:\n"
-                   f"  curl -s -o /dev/null -X {method} {who('lease')} -H 'x-upstream-delay-ms: 3000' {envoy}{path} &\n"
-                   f"  sleep 0.5; curl -s -i -w '\\n' -X {method} {who('lease')} {envoy}{path}\n"
+                   f"  curl -s -o /dev/null -X {method} {who('lease')} -H 'x-upstream-delay-ms: 3000' {envoy}{path} & "
+                   f"sleep 0.5; curl -s -i -w '\\n' -X {method} {who('lease')} {envoy}{path}\n"
                    f"  wait; curl -s {upstream}/__upstream/stats | grep -o '\"{header}\": \"[0-9]*\"'")
     guarded = next((p for p in policies if p.get("rate_limits") or p.get("lease")), None)
     if guarded:
