@@ -10,6 +10,9 @@ redis-server, the counting upstream.
   the gateway sees exactly one call per request, `complete_failed` stays 0, and the warnings
   are rate-limited. With a gateway that never answers (the outcome is unknown) the release is
   sent, and retried a bounded number of times.
+- A request that waits (`in_progress: wait`, `on_busy: wait`) and whose poll fails answers the
+  conflict it saw (`idempotency_key_in_use`, `resource_locked`) under either failure mode: it
+  is never forwarded beside the request that holds the record or the lease.
 
 Every stack is the test's own (these tests pause or stop Redis). Load is bounded and goes to
 loopback only; timing assertions are loose.
@@ -24,6 +27,8 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from harness.concurrency import wait_for
 from harness.envoy import Envoy, Response
@@ -393,3 +398,113 @@ def test_acquires_given_up_on_take_no_concurrency_slot(stack_factory):
             "POST", f"/jobs/{uid()}", headers={TENANT_HEADER: tenant, "x-upstream-delay-ms": "300"}))
             for _ in range(4)]
         assert [f.result(timeout=10).status for f in slow] == [200] * 4
+
+
+# --- a waiter whose poll fails never fails open -------------------------------------------------
+
+WAIT_TIMEOUT = "100ms"
+WRITE_PAUSE_MS = 800
+
+
+def wait_plugin(stack: Stack, prefix: str, failure_mode: str) -> dict:
+    """`pay`: duplicates wait for the first request; `act`: requests wait for a busy lease."""
+    return {"redis": stack.redis_section(key_prefix=prefix, timeout=WAIT_TIMEOUT),
+            "identity": {"tenant_header": TENANT_HEADER, "missing_tenant": "reject"},
+            "policies": [
+                {"name": "pay", "match": {"methods": ["POST"], "path_prefix": "/pay"},
+                 "failure_mode": failure_mode,
+                 "idempotency": {"processing_ttl": "2m", "in_progress": "wait",
+                                 "max_wait": "10s", "fingerprint": ["method", "path"]}},
+                {"name": "act", "match": {"methods": ["POST"], "path_prefix": "/act"},
+                 "failure_mode": failure_mode,
+                 "lease": {"resource": ["tenant", "path_segment:2"], "ttl": "10s",
+                           "on_busy": "wait", "max_wait": "10s"}}]}
+
+
+def pay(envoy: Envoy, tenant: str, key: str, path: str, delay_ms: int = 0) -> Response:
+    return envoy.request("POST", path, headers={TENANT_HEADER: tenant, "idempotency-key": key,
+                                                "x-upstream-delay-ms": str(delay_ms)},
+                         timeout=20)
+
+
+def act(envoy: Envoy, tenant: str, path: str, delay_ms: int = 0) -> Response:
+    return envoy.request("POST", path, headers={TENANT_HEADER: tenant,
+                                                "x-upstream-delay-ms": str(delay_ms)}, timeout=20)
+
+
+def assert_problem_slug(resp: Response, status: int, slug: str) -> None:
+    assert resp.status == status, resp
+    assert resp.headers.get("content-type") == "application/problem+json", resp
+    assert resp.json()["type"].endswith(":" + slug), resp
+
+
+@pytest.mark.parametrize("failure_mode", ["fail_open", "fail_closed"])
+def test_a_waiting_duplicate_whose_poll_fails_answers_in_progress_never_runs(stack_factory,
+                                                                            failure_mode):
+    """`in_progress: wait`: the first request runs 3 s, five duplicates wait for it, then Redis
+    refuses writes for 800 ms (`CLIENT PAUSE WRITE`, longer than the 100 ms timeout) and their
+    polls fail. Each had seen the record PROCESSING: it answers `409 idempotency_key_in_use`
+    (Retry-After: 1) whatever the failure mode; fail_open once forwarded all five into the
+    operation that was running (POST /pay ran 6 times for one key). A request that meets the
+    pause on its first acquire (it never saw the record) still follows the failure mode."""
+    stack = stack_factory(None, envoys=0)
+    prefix = f"cg:e2e-fail:{uid()}"
+    envoy = stack.add_envoy(wait_plugin(stack, prefix, failure_mode))
+    tenant, key, path = f"tenant-{uid()}", f"key-{uid()}", f"/pay/{uid()}"
+    assert pay(envoy, tenant, f"warm-{uid()}", f"/pay/{uid()}").status == 200
+    with ThreadPoolExecutor(8) as pool:
+        first = pool.submit(pay, envoy, tenant, key, path, 3000)
+        assert wait_for(lambda: len(stack.upstream.in_flight()) == 1, 5.0), "the first never ran"
+        waiters = [pool.submit(pay, envoy, tenant, key, path) for _ in range(5)]
+        time.sleep(0.5)  # every duplicate found the record PROCESSING and polls
+        assert not any(w.done() for w in waiters), [w.result() for w in waiters if w.done()]
+        stack.redis.client_pause(WRITE_PAUSE_MS, all=False)  # write commands (every script) wait
+        fresh = pay(envoy, tenant, key, path)  # meets the pause on its first acquire
+        answers = [w.result(timeout=10) for w in waiters]
+        assert first.result(timeout=10).status == 200
+    for r in answers:
+        assert_problem_slug(r, 409, "idempotency_key_in_use")
+        assert r.headers.get("retry-after") == "1", r
+        assert r.elapsed < 1.5, r  # answered at the failed poll, not at max_wait
+    if failure_mode == "fail_open":
+        assert fresh.status == 200, fresh  # never saw the record: fails open, as documented
+    else:
+        assert_problem_slug(fresh, 503, "guard_unavailable")
+    ran = stack.upstream.count("POST", path)
+    assert ran == (2 if failure_mode == "fail_open" else 1), ran
+    assert policy_stat(envoy, "pay", "failed_closed") == (5 if failure_mode == "fail_open" else 6)
+    assert policy_stat(envoy, "pay", "failed_open") == (1 if failure_mode == "fail_open" else 0)
+    # The key is still guarded: its stored answer is replayed.
+    again = pay(envoy, tenant, key, path)
+    assert again.status == 200 and again.headers.get("idempotent-replayed") == "true", again
+
+
+@pytest.mark.parametrize("failure_mode", ["fail_open", "fail_closed"])
+def test_a_lease_waiter_whose_poll_fails_answers_locked_never_runs_beside_the_holder(
+        stack_factory, failure_mode):
+    """`on_busy: wait`: the holder runs 3 s, four requests for the same resource wait, then
+    Redis refuses writes for 800 ms and their polls fail. Each had seen the lease busy: it
+    answers `409 resource_locked` whatever the failure mode; fail_open once forwarded all four
+    without a lease while the holder ran."""
+    stack = stack_factory(None, envoys=0)
+    prefix = f"cg:e2e-fail:{uid()}"
+    envoy = stack.add_envoy(wait_plugin(stack, prefix, failure_mode))
+    tenant, path = f"tenant-{uid()}", f"/act/{uid()}"
+    assert act(envoy, tenant, f"/act/{uid()}").status == 200
+    with ThreadPoolExecutor(6) as pool:
+        holder = pool.submit(act, envoy, tenant, path, 3000)
+        assert wait_for(lambda: len(stack.upstream.in_flight()) == 1, 5.0), "the holder never ran"
+        waiters = [pool.submit(act, envoy, tenant, path) for _ in range(4)]
+        time.sleep(0.5)
+        assert not any(w.done() for w in waiters), [w.result() for w in waiters if w.done()]
+        stack.redis.client_pause(WRITE_PAUSE_MS, all=False)
+        answers = [w.result(timeout=10) for w in waiters]
+        assert holder.result(timeout=10).status == 200
+    for r in answers:
+        assert_problem_slug(r, 409, "resource_locked")
+        assert int(r.headers.get("retry-after", "0")) >= 1, r
+        assert r.elapsed < 1.5, r
+    served = [e for e in stack.upstream.requests() if e["path"] == path]
+    assert len(served) == 1, served
+    assert policy_stat(envoy, "act", "failed_closed") == 4
+    assert policy_stat(envoy, "act", "failed_open") == 0

@@ -270,10 +270,21 @@ impl Flow {
                     }
                 )
             });
+        // A waiter that already saw the record in progress or the lease busy knows another
+        // request is running the operation: it answers what it saw, whatever the failure mode
+        // (forwarding it would run the operation beside the first request).
+        let seen = self.seen_busy(at);
         // A record, lease or slot acquired by a call that did answer is given back either way.
         self.release_record(at);
         self.release_lease(at);
         self.release_slots(at);
+        if let Some(mut response) = seen {
+            at.m.increment(at.pm.failed_closed);
+            response
+                .headers
+                .extend(std::mem::take(&mut self.response_headers));
+            return self.answer(response);
+        }
         match policy.failure_mode {
             FailureMode::Open => {
                 at.m.increment(at.pm.failed_open);
@@ -289,5 +300,16 @@ impl Flow {
                 ))
             }
         }
+    }
+
+    /// The answer of a waiter whose poll failed: the in-progress answer if it waited for the
+    /// record, else the busy answer if it waited for the lease; `None` for a request that never
+    /// waited (its failure mode applies).
+    fn seen_busy(&self, at: &Pcx<'_>) -> Option<respond::LocalResponse> {
+        let grpc = self.kind.grpc;
+        self.idem
+            .as_ref()
+            .and_then(|i| i.waiting_answer(at, grpc))
+            .or_else(|| self.lease.as_ref().and_then(|l| l.waiting_answer(at)))
     }
 }

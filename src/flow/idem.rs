@@ -176,6 +176,16 @@ impl IdemGuard {
         }
     }
 
+    /// The answer of a duplicate that waited for the record (found it in progress) and does
+    /// not hold it, when its poll failed: the in-progress answer it would give at `max_wait`.
+    pub fn waiting_answer(&self, at: &Pcx<'_>, grpc: bool) -> Option<LocalResponse> {
+        if !self.wait.waited() || self.owned {
+            return None;
+        }
+        let (cfg, im) = (at.policy.idempotency.as_ref()?, at.pm.idem.as_ref()?);
+        Some(self.local_answer(at, cfg, im, IdemAnswer::InProgress { pttl_ms: 0 }, grpc))
+    }
+
     /// The local answer for a record this request cannot take: in progress, a conflict, an
     /// unreadable record (answered as a conflict), or a replay of the stored response.
     fn local_answer(

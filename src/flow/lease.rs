@@ -26,6 +26,8 @@ pub struct LeaseGuard {
     /// The answer of an acquire that rode with the rate limits, until they are decided.
     pub answer: Option<LeaseAnswer>,
     wait: Backoff,
+    /// The busy lease's remaining time at the last busy answer (for the answer of a waiter).
+    busy_pttl_ms: i64,
     /// When to extend the lease next (`extend: true`).
     next_extend_ms: Option<u64>,
     /// A release Redis confirmed, until the waiters of this worker are woken.
@@ -79,6 +81,7 @@ impl LeaseGuard {
             held: false,
             answer: None,
             wait: Backoff::new(LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS, owner),
+            busy_pttl_ms: 0,
             next_extend_ms: None,
             freed: false,
         }))
@@ -103,10 +106,23 @@ impl LeaseGuard {
                 LeaseDecision::Forward(Some((cfg.fencing_header.clone(), token.to_string())))
             }
             LeaseAnswer::Busy { pttl_ms } => match self.next_poll(cfg, at.now_ms) {
-                Some(at_ms) => LeaseDecision::PollAt(at_ms),
+                Some(at_ms) => {
+                    self.busy_pttl_ms = pttl_ms;
+                    LeaseDecision::PollAt(at_ms)
+                }
                 None => LeaseDecision::Busy(busy(lm, pttl_ms, at)),
             },
         }
+    }
+
+    /// The answer of a request that waited for the lease (found it busy) and does not hold
+    /// it, when its poll failed: the busy answer it would give at `max_wait`.
+    pub fn waiting_answer(&self, at: &Pcx<'_>) -> Option<LocalResponse> {
+        if !self.wait.waited() || self.held {
+            return None;
+        }
+        let lm = at.pm.lease.as_ref()?;
+        Some(busy(lm, self.busy_pttl_ms, at))
     }
 
     /// With `on_busy: wait` and time left: when to poll again (the last poll lands exactly

@@ -1301,6 +1301,49 @@ fn busy_lease_gives_up_after_max_wait() {
 }
 
 #[test]
+fn a_lease_waiter_whose_poll_fails_answers_busy_even_failing_open() {
+    let rec = Recorder::default();
+    let json = LEASE_CONFIG.replace(
+        r#""match": {"path_prefix": "/wait"},"#,
+        r#""match": {"path_prefix": "/wait"}, "failure_mode": "fail_open","#,
+    );
+    let config = Config::parse(json.as_bytes()).expect("valid");
+    let metrics = rec.metrics(&config);
+    let rt = Runtime::new(config, metrics, None);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &Cx::new(&rt, 0, &rec),
+        req("POST", "/wait/9/x", Some("acme")),
+        "n",
+        "own",
+        true,
+    ));
+    let step = flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"2500")));
+    assert_eq!(step, Step::Wait, "busy: it waits");
+    let now = flow.deadline_ms().expect("a poll is scheduled");
+    dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
+    // The gateway fails the poll (Redis down): the holder still runs.
+    let step = flow.on_reply(
+        &Cx::new(&rt, now + 1, &rec),
+        0,
+        Err(crate::redis::CallError::Gateway(503)),
+    );
+    let Step::Respond(r) = step else {
+        panic!("expected 409, got {step:?}");
+    };
+    assert_eq!(r.status, 409);
+    assert!(String::from_utf8_lossy(&r.body).contains("resource_locked"));
+    assert!(r
+        .headers
+        .iter()
+        .any(|(n, v)| n == "retry-after" && v == "3"));
+    assert_eq!(rec.count("cg.policy.wait.failed_open"), 0);
+    assert_eq!(rec.count("cg.policy.wait.failed_closed"), 1);
+    assert_eq!(rec.count("cg.policy.wait.lease.busy"), 1);
+    assert!(flow.upstream_headers().is_empty(), "no fencing token");
+}
+
+#[test]
 fn missing_resource_is_400() {
     let rec = Recorder::default();
     let rt = lease_runtime(&rec);

@@ -179,3 +179,44 @@ fn a_settlement_on_this_worker_wakes_its_waiters() {
     let out = dispatched(flow.on_tick(&Cx::new(&rt, 10, &rec)));
     assert_eq!(out.len(), 1);
 }
+
+fn fail_open_runtime(rec: &Recorder) -> Runtime {
+    let json = CONFIG.replace(
+        r#""match": {"path_prefix": "/pay"},"#,
+        r#""match": {"path_prefix": "/pay"}, "failure_mode": "fail_open","#,
+    );
+    let config = Config::parse(json.as_bytes()).expect("valid");
+    let metrics = rec.metrics(&config);
+    Runtime::new(config, metrics, None)
+}
+
+#[test]
+fn a_waiting_duplicate_whose_poll_fails_answers_in_progress_even_failing_open() {
+    let rec = Recorder::default();
+    let rt = fail_open_runtime(&rec);
+    let mut flow = Flow::default();
+    let poll_at = waiting(&mut flow, &rt, &rec);
+    dispatched(flow.on_tick(&Cx::new(&rt, poll_at, &rec)));
+    // The poll is not answered within the timeout (Redis paused): the watchdog decides.
+    let step = flow.on_tick(&Cx::new(&rt, poll_at + 60, &rec));
+    let Step::Respond(r) = step else {
+        panic!("expected the in-progress answer, got {step:?}");
+    };
+    assert_eq!(r.status, 425, "in_progress_status, never forwarded");
+    assert!(String::from_utf8_lossy(&r.body).contains("idempotency_key_in_use"));
+    assert_eq!(rec.count("cg.policy.pay.failed_open"), 0);
+    assert_eq!(rec.count("cg.policy.pay.failed_closed"), 1);
+    assert_eq!(rec.count("cg.policy.pay.idem.in_progress"), 1);
+    // The poll may still run once Redis answers: what it could take is given back.
+    assert_eq!(
+        flow.take_background().len(),
+        1,
+        "a release with the owner's marker"
+    );
+
+    // A request whose first acquire fails never saw the record: it fails open.
+    let mut fresh = Flow::default();
+    dispatched(fresh.on_request(&Cx::new(&rt, 0, &rec), req(), "n2", "o2", true));
+    assert_eq!(fresh.on_tick(&Cx::new(&rt, 60, &rec)), Step::Continue);
+    assert_eq!(rec.count("cg.policy.pay.failed_open"), 1);
+}
