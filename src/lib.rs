@@ -9,6 +9,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+pub mod claims;
 pub mod config;
 pub mod flow;
 pub mod grpc;

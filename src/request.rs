@@ -1,5 +1,6 @@
 //! The parts of an HTTP request the filter looks at, copied out of the host once.
 
+use crate::claims::Claim;
 use crate::config::{HeaderTest, IdSource, Identity, Match, MissingTenant, Policy, Selector};
 use crate::headers::Headers;
 use crate::normalize::{normalize_path, query_pairs, trim_slash, PathForm};
@@ -29,9 +30,9 @@ pub struct Request {
     /// [`Normal`] range of its text stays valid.
     pub(crate) headers: Headers,
     /// The tenant and principal read from the request's metadata (a verified token's claims),
-    /// for an identity whose source is `metadata`; `None` when absent or not usable.
-    pub tenant_claim: Option<String>,
-    pub principal_claim: Option<String>,
+    /// for an identity whose source is `metadata`.
+    pub tenant_claim: Claim,
+    pub principal_claim: Claim,
 }
 
 /// A pseudo-header's normal form (the path, the host): where it stands in the request's own
@@ -511,17 +512,26 @@ pub struct Caller {
     pub principal: Cow<'static, str>,
 }
 
-pub const ANONYMOUS: &str = "anonymous";
+/// The tenant of requests without one (`missing_tenant: anonymous`), and the principal of
+/// requests without one: a name no request can give (no header value or claim holds a NUL,
+/// see [`identify`]), so no real tenant or principal shares their counters.
+pub const ANONYMOUS: &str = "\0anonymous";
 
 /// Why a request has no usable identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TenantError {
     /// Absent or empty, and `missing_tenant: reject`.
     Missing,
+    /// Present, but it names no one tenant (a claim that is a fraction, a number a double
+    /// cannot hold exactly, a boolean, a map, a list or null; a value with a NUL): refused
+    /// whatever `missing_tenant` says.
+    Unusable,
     /// The tenant header appears more than once: which tenant is calling is ambiguous.
     Repeated,
     /// The principal header appears more than once.
     PrincipalRepeated,
+    /// The principal is present but names no one principal (as [`TenantError::Unusable`]).
+    PrincipalUnusable,
 }
 
 /// Resolves the caller from its identity sources: headers, or claims read from the request's
@@ -531,9 +541,10 @@ pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, TenantErro
         IdSource::Header(h) => req
             .single_header(h)
             .map_err(|Repeated| TenantError::Repeated)?,
-        IdSource::Metadata(_) => req.tenant_claim.as_deref(),
+        IdSource::Metadata(_) => claim(&req.tenant_claim).ok_or(TenantError::Unusable)?,
     };
     let tenant = match tenant.filter(|t| !t.is_empty()) {
+        Some(t) if t.contains('\0') => return Err(TenantError::Unusable),
         Some(t) => t.to_string(),
         None if identity.missing_tenant == MissingTenant::Anonymous => ANONYMOUS.to_string(),
         None => return Err(TenantError::Missing),
@@ -542,28 +553,25 @@ pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, TenantErro
         IdSource::Header(h) => req
             .single_header(h)
             .map_err(|Repeated| TenantError::PrincipalRepeated)?,
-        IdSource::Metadata(_) => req.principal_claim.as_deref(),
+        IdSource::Metadata(_) => {
+            claim(&req.principal_claim).ok_or(TenantError::PrincipalUnusable)?
+        }
     };
     let principal = match principal.filter(|p| !p.is_empty()) {
+        Some(p) if p.contains('\0') => return Err(TenantError::PrincipalUnusable),
         Some(p) => Cow::Owned(p.to_string()),
         None => Cow::Borrowed(ANONYMOUS),
     };
     Ok(Caller { tenant, principal })
 }
 
-/// A metadata leaf as the host hands it over, as an identity: a string as it is, a number
-/// (8 bytes, a little-endian double) that is an integer as its decimal text; anything else
-/// (a map, a list, a fraction, an empty or unprintable value) is no identity.
-pub fn claim_text(bytes: &[u8]) -> Option<String> {
-    if let Ok(text) = std::str::from_utf8(bytes) {
-        if !text.is_empty() && !text.chars().any(char::is_control) {
-            return Some(text.to_string());
-        }
+/// A claim as an identity's text (`Ok(None)`: absent); `None` when it names no one identity.
+fn claim(claim: &Claim) -> Option<Option<&str>> {
+    match claim {
+        Claim::Absent => Some(None),
+        Claim::Text(t) => Some(Some(t.as_str())),
+        Claim::Unusable => None,
     }
-    let n = f64::from_le_bytes(bytes.try_into().ok()?);
-    // Integers up to 2^53 are exact in a double.
-    (n.is_finite() && n.fract() == 0.0 && n.abs() <= 9_007_199_254_740_992.0)
-        .then(|| format!("{}", n as i64))
 }
 
 /// The value a selector takes for this request; `None` when the request does not carry it.
@@ -1030,19 +1038,15 @@ mod tests {
             identify(&id, &without).expect("anonymous").tenant,
             ANONYMOUS
         );
-    }
-
-    #[test]
-    fn claims_as_identities() {
-        assert_eq!(claim_text(b"tenant-a").as_deref(), Some("tenant-a"));
-        assert_eq!(claim_text(&42f64.to_le_bytes()).as_deref(), Some("42"));
-        assert_eq!(claim_text(&(-7f64).to_le_bytes()).as_deref(), Some("-7"));
-        assert_eq!(claim_text(&1.5f64.to_le_bytes()), None, "a fraction");
-        assert_eq!(claim_text(&f64::NAN.to_le_bytes()), None);
-        assert_eq!(claim_text(b""), None);
-        assert_eq!(claim_text(&[0, 0, 0, 2, 1, 0]), None, "a map or list");
-        // An 8-character string stays a string.
-        assert_eq!(claim_text(b"abcdefgh").as_deref(), Some("abcdefgh"));
+        // No tenant a request names is the anonymous bucket.
+        let mut named = with.clone();
+        named.headers.retain(|n, _| n != "x-tenant-id");
+        named.headers.push("x-tenant-id", "anonymous");
+        assert_eq!(identify(&id, &named).expect("a tenant").tenant, "anonymous");
+        assert_ne!(ANONYMOUS, "anonymous");
+        named.headers.retain(|n, _| n != "x-tenant-id");
+        named.headers.push("x-tenant-id", ANONYMOUS);
+        assert_eq!(identify(&id, &named), Err(TenantError::Unusable));
     }
 
     #[test]
@@ -1060,14 +1064,32 @@ mod tests {
             Err(TenantError::Missing),
             "no claim, header ignored"
         );
-        r.tenant_claim = Some("tenant-a".into());
+        r.tenant_claim = Claim::Text("tenant-a".into());
         let caller = identify(&claims, &r).expect("from the claim");
         assert_eq!(
             (caller.tenant.as_str(), caller.principal.as_ref()),
             ("tenant-a", ANONYMOUS)
         );
-        r.principal_claim = Some("alice".into());
+        r.principal_claim = Claim::Text("alice".into());
         assert_eq!(identify(&claims, &r).expect("claims").principal, "alice");
+        r.principal_claim = Claim::Unusable;
+        assert_eq!(identify(&claims, &r), Err(TenantError::PrincipalUnusable));
+        r.principal_claim = Claim::Absent;
+        // A claim that names no one tenant is refused, even where a missing one is anonymous.
+        let mut anonymous = claims.clone();
+        anonymous.missing_tenant = MissingTenant::Anonymous;
+        r.tenant_claim = Claim::Unusable;
+        assert_eq!(identify(&anonymous, &r), Err(TenantError::Unusable));
+        r.tenant_claim = Claim::Absent;
+        assert_eq!(
+            identify(&anonymous, &r).expect("anonymous").tenant,
+            ANONYMOUS
+        );
+        r.tenant_claim = Claim::Text("anonymous".into());
+        assert_ne!(
+            identify(&anonymous, &r).expect("a tenant").tenant,
+            ANONYMOUS
+        );
     }
 
     #[test]

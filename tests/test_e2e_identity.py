@@ -5,6 +5,10 @@ Istio's `RequestAuthentication` does it (`payload_in_metadata: "payload"`, so a 
 `envoy.filters.http.jwt_authn` -> `payload` -> claim), with a local JWKS inline; tokens are
 HS256 JWTs signed in the test with an `oct` key. Real redis-server behind webdis and the counting
 upstream, as everywhere.
+
+A claim is read with its type: numeric, string, huge, fractional and other claims each get the
+answer docs/configuration.md gives them (see "claims read with their type" below), and the
+bucket of callers without a tenant is no real tenant's.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import base64
 import hashlib
 import hmac
 import json
+import struct
 import time
 import uuid
 
@@ -66,10 +71,11 @@ def limit(name: str, n: int, by=("tenant",)) -> dict:
             "window": "1m"}
 
 
-def plugin(stack: Stack, prefix: str, policies: list[dict]) -> dict:
+def plugin(stack: Stack, prefix: str, policies: list[dict],
+           missing_tenant: str = "reject", principal: str = "sub") -> dict:
     return {"redis": stack.redis_section(key_prefix=prefix, timeout="500ms"),
-            "identity": {"tenant": claim("tid"), "principal": claim("sub"),
-                         "missing_tenant": "reject"},
+            "identity": {"tenant": claim("tid"), "principal": claim(principal),
+                         "missing_tenant": missing_tenant},
             "policies": policies}
 
 
@@ -82,9 +88,9 @@ def shared(tmp_path_factory):
 
 @pytest.fixture
 def guard(shared, sidecars):
-    def make(policies: list[dict]) -> Envoy:
+    def make(policies: list[dict], missing_tenant: str = "reject", principal: str = "sub") -> Envoy:
         prefix = f"cg:identity:{uuid.uuid4().hex[:8]}"
-        return sidecars(shared, plugin(shared, prefix, policies), prefix,
+        return sidecars(shared, plugin(shared, prefix, policies, missing_tenant, principal), prefix,
                         pre_filters=[jwt_filter()])
 
     return make
@@ -203,3 +209,74 @@ def test_policies_match_on_headers(shared, guard):
         conn.close()
     assert rl_stat(envoy, "gold", "tenant", "allowed") == 3
     assert rl_stat(envoy, "rest", "tenant", "allowed") == 2
+
+
+# --- claims read with their type ----------------------------------------------------------------
+
+MAX_SAFE = 2**53 - 1  # the largest integer a double (as jwt_authn keeps a JSON number) holds exactly
+
+
+def api_policy(n: int, by=("tenant",)) -> list[dict]:
+    return [{"name": "api", "match": {"path_prefix": "/api"}, "rate_limits": [limit("tenant", n, by)]}]
+
+
+def test_a_numeric_claim_is_its_number_never_its_bytes_read_as_text(shared, guard):
+    """The 8 bytes of the double 5419773080977729 spell "AAAAAA3C": the filter read the bytes
+    as that string when they were printable, so the numeric tenant and the tenant "AAAAAA3C"
+    shared one counter. Now the claim's type comes from the host: two tenants."""
+    envoy = guard(api_policy(1))
+    number, text = 5419773080977729, "AAAAAA3C"
+    assert struct.pack("<d", float(number)) == text.encode()
+    assert call(envoy, jwt=token({"tid": number, "sub": "u"})).status == 200
+    assert call(envoy, jwt=token({"tid": text, "sub": "u"})).status == 200, "a tenant of its own"
+    assert call(envoy, jwt=token({"tid": number, "sub": "u"})).status == 429
+    assert call(envoy, jwt=token({"tid": text, "sub": "u"})).status == 429
+    # An integer is its decimal text, whatever its spelling in the token.
+    assert call(envoy, jwt=token({"tid": str(number), "sub": "u"})).status == 429
+    for edge in (MAX_SAFE, -MAX_SAFE, 0):
+        assert call(envoy, jwt=token({"tid": edge, "sub": "u"})).status == 200, edge
+
+
+@pytest.mark.parametrize("missing_tenant", ["reject", "anonymous"])
+def test_a_claim_that_names_no_one_tenant_is_refused(shared, guard, missing_tenant):
+    """A number a double cannot hold exactly (2^53 and 2^53+1 arrive as one double; a 64-bit
+    snowflake id loses its last digits), a fraction, a boolean, a map, a list or null is not a
+    tenant: 401 missing_tenant, even under `missing_tenant: anonymous` (they once shared the
+    bucket of unauthenticated callers, or each other's), and nothing reaches the service."""
+    envoy = guard(api_policy(100), missing_tenant=missing_tenant)
+    mark = len(shared.upstream.requests())
+    for tid in (2**53, 2**53 + 1, 1_234_567_890_123_456_789, -(2**53), 1.5, 1e300, True,
+                {"id": "acme"}, ["acme"], None, "acme\u0001"):
+        r = call(envoy, jwt=token({"tid": tid, "sub": "u"}))
+        assert r.status == 401 and r.headers.get("content-type") == PROBLEM, (tid, r)
+        body = r.json()
+        assert body["type"].endswith(":missing_tenant"), (tid, body)
+        assert "tid claim" in body["detail"], (tid, body)
+        assert r.headers.get("www-authenticate") == "Bearer", (tid, r)
+    assert len(shared.upstream.requests()) == mark, "nothing reached the service"
+    assert envoy.stat("wasmcustom.cg.policy.api.missing_tenant") == 11
+
+
+def test_a_principal_claim_that_names_no_one_principal_is_refused(shared, guard):
+    """The same for the principal (a numeric `uid` claim; jwt_authn itself refuses a `sub`
+    that is not a string): a uid of 2^53 + 1 would share a per-principal counter with 2^53, a
+    boolean one with every caller that has no principal."""
+    envoy = guard(api_policy(100, by=("tenant", "principal")), principal="uid")
+    for uid_claim in (2**53 + 1, 2.5, False, {"a": 1}):
+        r = call(envoy, jwt=token({"tid": "t-uid", "uid": uid_claim}))
+        assert r.status == 400 and r.headers.get("content-type") == PROBLEM, (uid_claim, r)
+        body = r.json()
+        assert body["type"].endswith(":ambiguous_principal"), (uid_claim, body)
+        assert "uid claim" in body["detail"], (uid_claim, body)
+    assert call(envoy, jwt=token({"tid": "t-uid", "uid": 7})).status == 200
+    assert call(envoy, jwt=token({"tid": "t-uid"})).status == 200, "no principal: anonymous"
+
+
+def test_a_real_tenant_named_anonymous_is_not_the_anonymous_bucket(shared, guard):
+    """Under `missing_tenant: anonymous`, callers without a tenant share one bucket, which no
+    real tenant can name: a token whose tid is "anonymous" has a counter of its own."""
+    envoy = guard(api_policy(1), missing_tenant="anonymous")
+    assert call(envoy).status == 200, "no token: the anonymous bucket"
+    assert call(envoy).status == 429
+    assert call(envoy, jwt=token({"tid": "anonymous", "sub": "u"})).status == 200
+    assert call(envoy, jwt=token({"tid": "anonymous", "sub": "u"})).status == 429

@@ -350,7 +350,7 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
         id.principal.describe(),
         match id.missing_tenant {
             MissingTenant::Reject => "401",
-            MissingTenant::Anonymous => "tenant \"anonymous\"",
+            MissingTenant::Anonymous => "the anonymous bucket",
         }
     );
     let _ = writeln!(

@@ -23,9 +23,17 @@ pub fn ambiguous_path() -> LocalResponse {
 pub fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
     let identity = &at.rt.config.identity;
     match err {
-        TenantError::Missing => {
+        TenantError::Missing | TenantError::Unusable => {
             at.m.increment(at.pm.missing_tenant);
-            let detail = format!("this operation requires {}", identity.tenant.describe());
+            let tenant = identity.tenant.describe();
+            let detail = if err == TenantError::Missing {
+                format!("this operation requires {tenant}")
+            } else {
+                format!(
+                    "{tenant} names no one tenant: it must be a string or an integer from \
+                     -(2^53 - 1) to 2^53 - 1"
+                )
+            };
             // A 401 carries a challenge (RFC 9110): the scheme names what is missing.
             let challenge = match &identity.tenant {
                 IdSource::Header(header) => format!("Tenant header=\"{header}\""),
@@ -46,6 +54,15 @@ pub fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
         TenantError::PrincipalRepeated => {
             at.m.increment(at.pm.ambiguous_input);
             let detail = format!("{} must appear once", identity.principal.describe());
+            respond::problem(Problem::AmbiguousPrincipal, &detail, &[], Vec::new())
+        }
+        TenantError::PrincipalUnusable => {
+            at.m.increment(at.pm.ambiguous_input);
+            let detail = format!(
+                "{} names no one principal: it must be a string or an integer from -(2^53 - 1) \
+                 to 2^53 - 1",
+                identity.principal.describe()
+            );
             respond::problem(Problem::AmbiguousPrincipal, &detail, &[], Vec::new())
         }
     }

@@ -12,6 +12,7 @@
 //! SipHash table and trait objects cost every callback of every request about 1.5 µs of
 //! Envoy's CPU: `make bench`'s `wasm_floor_raw` anchor beside `wasm_floor`).
 
+use crate::claims::metadata_claim;
 use crate::config::{Config, ConfigError, IdSource, RedisConfig};
 use crate::flow::worker::{Action, Callout, Dir, Effects, ResponseHead, StreamEffects, Worker};
 use crate::flow::{Cx, Runtime};
@@ -21,7 +22,7 @@ use crate::local::overlimit::SharedStore;
 use crate::lograte::WarnKind;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::redis::{webdis, CallError};
-use crate::request::{claim_text, policy_index, Probe, Request, Selected};
+use crate::request::{policy_index, Probe, Request, Selected};
 use abi::{BufferType, MapType, MetricType};
 use spans::Span;
 mod abi;
@@ -495,14 +496,6 @@ fn header_pairs(map: MapType) -> Vec<(String, String)> {
     header_map(map).to_pairs()
 }
 
-/// A leaf of the request's dynamic metadata (`metadata.filter_metadata.<path...>`) as an
-/// identity (see [`claim_text`]).
-fn metadata_text(path: &[String]) -> Option<String> {
-    let mut full = vec!["metadata", "filter_metadata"];
-    full.extend(path.iter().map(String::as_str));
-    claim_text(&abi::property(&full)?)
-}
-
 fn property(path: &[&str]) -> Option<String> {
     String::from_utf8(abi::property(path)?).ok()
 }
@@ -546,13 +539,17 @@ impl Filter {
         let mut req = Request::from_probed(headers, address.as_deref(), probed);
         parse.end(Span::HeadersParse);
         // Claims Envoy verified (jwt_authn's payload in the request's metadata), read only for
-        // the roles configured to come from there.
+        // the roles configured to come from there: the whole metadata, whose serialization
+        // (protobuf) says each value's type, where a leaf's bytes do not (crate::claims).
         let identity = &vm.runtime.config.identity;
-        if let IdSource::Metadata(path) = &identity.tenant {
-            req.tenant_claim = metadata_text(path);
-        }
-        if let IdSource::Metadata(path) = &identity.principal {
-            req.principal_claim = metadata_text(path);
+        if identity.uses_metadata() {
+            let metadata = abi::property(&["metadata"]).unwrap_or_default();
+            if let IdSource::Metadata(path) = &identity.tenant {
+                req.tenant_claim = metadata_claim(&metadata, path);
+            }
+            if let IdSource::Metadata(path) = &identity.principal {
+                req.principal_claim = metadata_claim(&metadata, path);
+            }
         }
         began.end(Span::Headers);
         self.event_in(Some((Span::Decide, Span::Send)), |w, cx, s| {
