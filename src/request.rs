@@ -3,7 +3,7 @@
 use crate::claims::Claim;
 use crate::config::{HeaderTest, IdSource, Identity, Match, MissingTenant, Policy, Selector};
 use crate::headers::Headers;
-use crate::normalize::{normalize_path, query_pairs, trim_slash, PathForm};
+use crate::normalize::{normalize_path, query_pairs, query_pairs_semicolon, trim_slash, PathForm};
 use crate::text;
 use std::borrow::Cow;
 use std::ops::Range;
@@ -594,16 +594,40 @@ pub fn selector_value<'a>(sel: &Selector, caller: &'a Caller, req: &'a Request) 
     }
 }
 
-/// The first of `selectors` whose input the request carries more than once (a header or a
-/// query parameter): which value names the scope is ambiguous.
-pub fn repeated_input<'s>(
+/// Why a selector's input has more than one reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ambiguity {
+    /// The request carries it more than once (a service may read the first, another the last).
+    Repeated,
+    /// A service that also splits the query on `;` reads another value of the parameter (or
+    /// none, or more): `?id=8;` is `8;` here and `8` there.
+    Semicolon,
+}
+
+/// The first of `selectors` whose input has more than one reading (a header or a query
+/// parameter the request carries more than once, a query parameter a `;` changes), and why:
+/// which value names the scope is ambiguous.
+pub fn ambiguous_input<'s>(
     selectors: impl IntoIterator<Item = &'s Selector>,
     req: &Request,
-) -> Option<&'s Selector> {
-    selectors.into_iter().find(|sel| match sel {
-        Selector::Header(h) => req.single_header(h).is_err(),
-        Selector::Query(q) => req.single_param(q).is_err(),
-        _ => false,
+) -> Option<(&'s Selector, Ambiguity)> {
+    // The `;` reading, made once and only for a query that holds one.
+    let mut semicolon: Option<Vec<(String, String)>> = None;
+    selectors.into_iter().find_map(|sel| match sel {
+        Selector::Header(h) if req.single_header(h).is_err() => Some((sel, Ambiguity::Repeated)),
+        Selector::Query(q) if req.single_param(q).is_err() => Some((sel, Ambiguity::Repeated)),
+        Selector::Query(q) if req.query.contains(';') => {
+            let other = semicolon.get_or_insert_with(|| query_pairs_semicolon(&req.query));
+            let values = |pairs: &[(String, String)]| -> Vec<String> {
+                pairs
+                    .iter()
+                    .filter(|(n, _)| n == q)
+                    .map(|(_, v)| v.clone())
+                    .collect()
+            };
+            (values(&req.params) != values(other)).then_some((sel, Ambiguity::Semicolon))
+        }
+        _ => None,
     })
 }
 
@@ -987,20 +1011,50 @@ mod tests {
         r.headers.push("x-b", "1");
         let q = Selector::Query("id".into());
         let a = Selector::Header("x-a".into());
-        let cases: [(&[Selector], Option<&Selector>); 6] = [
+        type Found<'s> = Option<(&'s Selector, Ambiguity)>;
+        let repeated = |s| Some((s, Ambiguity::Repeated));
+        let cases: [(&[Selector], Found<'_>); 6] = [
             (&[Selector::Tenant, Selector::PathSegment(2)], None),
             (&[Selector::Query("one".into())], None),
             (&[Selector::Header("x-b".into())], None),
-            (&[Selector::Tenant, q.clone()], Some(&q)),
-            (std::slice::from_ref(&a), Some(&a)),
+            (&[Selector::Tenant, q.clone()], repeated(&q)),
+            (std::slice::from_ref(&a), repeated(&a)),
             (&[Selector::Query("absent".into())], None),
         ];
         for (sels, want) in cases {
-            assert_eq!(repeated_input(sels, &r), want, "{sels:?}");
+            assert_eq!(ambiguous_input(sels, &r), want, "{sels:?}");
         }
         // Repeated once decoded: `i%64` is `id`.
         let r = req("POST", "/orders/1?id=1&i%64=1", "h");
-        assert_eq!(repeated_input(std::slice::from_ref(&q), &r), Some(&q));
+        assert_eq!(ambiguous_input(std::slice::from_ref(&q), &r), repeated(&q));
+    }
+
+    #[test]
+    fn a_semicolon_that_changes_a_query_selector_is_ambiguous() {
+        let q = Selector::Query("id".into());
+        let semicolon = Some((&q, Ambiguity::Semicolon));
+        for (query, want) in [
+            ("id=8;", semicolon),
+            ("id=8;id=9", semicolon),
+            ("x=1;id=9", semicolon),
+            ("id=8;x=1", semicolon),
+            ("id=8&x=1;id=9", semicolon),
+            ("x=a;b&id=8", None),
+            ("id=8&x=a;b", None),
+            ("id=8%3B", None),
+            ("x=a;b", None),
+            ("id=8&id=8;", Some((&q, Ambiguity::Repeated))),
+        ] {
+            let r = req("POST", &format!("/orders/1?{query}"), "h");
+            assert_eq!(
+                ambiguous_input(std::slice::from_ref(&q), &r),
+                want,
+                "{query}"
+            );
+        }
+        // Other selectors never mind a `;`.
+        let r = req("POST", "/orders/1?id=8;", "h");
+        assert_eq!(ambiguous_input(&[Selector::PathSegment(2)], &r), None);
     }
 
     #[test]

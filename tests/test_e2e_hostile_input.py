@@ -257,6 +257,34 @@ def test_repeated_inputs_are_refused(shared, guard, path, headers, slug, member)
     assert keys(shared, envoy) == []
 
 
+@pytest.mark.parametrize("query", ["id=8;", "id=8;id=9", "x=1;id=9", "id=8;x=1", "id=8&x=1;id=9"])
+def test_a_semicolon_that_changes_what_a_selector_reads_is_refused(shared, guard, query):
+    """A service that also splits the query on `;` (HTML 4, older frameworks) reads `?id=8;` as
+    `id=8`, where the filter reads the value `8;`, another resource (and `?x=1;id=9` has an id
+    only there): the same ambiguity as `;` in a path. 400 ambiguous_selector naming the
+    selector; the request never runs and nothing is written. Before, the lease was taken on
+    `8;` and the request ran."""
+    envoy = guard()
+    mark = len(shared.upstream.requests())
+    resp = raw(envoy, "POST", f"/by-query?{query}", [(TENANT_HEADER, "acme")])
+    body = problem(resp, 400, "ambiguous_selector")
+    assert body["selector"] == "query:id", body
+    assert "';'" in body["detail"], body
+    assert ledger_since(shared, mark) == []
+    assert keys(shared, envoy) == []
+    assert envoy.stat("wasmcustom.cg.policy.by-query.ambiguous_input") == 1
+
+
+def test_a_semicolon_that_changes_no_selector_passes(shared, guard):
+    """`;` elsewhere in the query reads the same `id` either way, and an encoded `%3B` is data
+    to every service: guarded as usual."""
+    envoy = guard()
+    for query in ("x=a;b&id=8", "id=8&x=a;b", "id=8%3B"):
+        resp = raw(envoy, "POST", f"/by-query?{query}", [(TENANT_HEADER, "acme")])
+        assert resp.status == 200, (query, resp.status, resp.body)
+        assert resp.headers.get("content-type") != PROBLEM, query
+
+
 def test_a_repeated_header_a_rate_limit_reads_is_refused(shared, guard):
     envoy = guard()
     mark = len(shared.upstream.requests())

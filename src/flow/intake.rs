@@ -3,7 +3,7 @@
 
 use super::context::Pcx;
 use crate::config::IdSource;
-use crate::request::{repeated_input, Request, TenantError};
+use crate::request::{ambiguous_input, Ambiguity, Request, TenantError};
 use crate::respond::{self, LocalResponse, Member, Problem};
 
 /// A request whose path reads more than one way: refused, since the service may read it the
@@ -76,17 +76,24 @@ pub fn repeated_selector(at: &Pcx<'_>, req: &Request) -> Option<LocalResponse> {
         .iter()
         .flat_map(|l| &l.by)
         .chain(at.policy.lease.iter().flat_map(|l| &l.resource));
-    let sel = repeated_input(selectors, req)?;
-    Some(ambiguous_selector(at, &sel.spelling()))
+    let (sel, why) = ambiguous_input(selectors, req)?;
+    Some(ambiguous_selector(at, &sel.spelling(), why))
 }
 
-/// The `400` for an input (`spelling`, e.g. `header:x-cost`) that appears more than once,
+/// The `400` for an input (`spelling`, e.g. `header:x-cost`) that has more than one reading,
 /// counted.
-fn ambiguous_selector(at: &Pcx<'_>, spelling: &str) -> LocalResponse {
+fn ambiguous_selector(at: &Pcx<'_>, spelling: &str, why: Ambiguity) -> LocalResponse {
     at.m.increment(at.pm.ambiguous_input);
+    let detail = match why {
+        Ambiguity::Repeated => format!("{spelling} must appear at most once in the request"),
+        Ambiguity::Semicolon => format!(
+            "{spelling} reads otherwise where ';' separates query parameters too; send the \
+             query without ';' (or encode it as %3B)"
+        ),
+    };
     respond::problem(
         Problem::AmbiguousSelector,
-        &format!("{spelling} must appear at most once in the request"),
+        &detail,
         &[("selector", Member::Str(spelling))],
         Vec::new(),
     )
@@ -121,9 +128,10 @@ pub fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
             costs.push(1);
             continue;
         };
-        let value = req
-            .single_header(&cost.header)
-            .map_err(|_| ambiguous_selector(at, &format!("header:{}", cost.header)))?;
+        let value = req.single_header(&cost.header).map_err(|_| {
+            let spelling = format!("header:{}", cost.header);
+            ambiguous_selector(at, &spelling, Ambiguity::Repeated)
+        })?;
         match value.map(|v| parse_units(v.trim())) {
             None => costs.push(cost.default),
             Some(Some(n)) if (cost.min..=cost.max).contains(&n) => costs.push(n),
