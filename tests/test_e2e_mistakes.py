@@ -4,6 +4,8 @@ real Envoy running the filter, real webdis and Redis (with the gateway's ACL use
 A mistake in the plugin configuration itself is the filter's own field-path message at start
 (`tests/test_check.py`, `tests/test_demo.py`); these are the ones that only show once requests
 flow: the client's `503` problem detail names the failing part, and the Envoy log says more.
+Except the limits a field has for the sake of Redis's load (`max_wait`), refused by real Envoy
+at start here too.
 """
 
 from __future__ import annotations
@@ -114,3 +116,27 @@ def test_a_gateway_that_cannot_authenticate_to_redis_is_named_in_words(tmp_path)
             assert len(lines) <= stack.concurrency, lines
     finally:
         stack.stop()
+
+
+@pytest.mark.parametrize("block,field", [
+    ({"idempotency": {"in_progress": "wait", "max_wait": "31s"}}, "idempotency.max_wait"),
+    ({"lease": {"resource": ["tenant"], "on_busy": "wait", "max_wait": "1h"}}, "lease.max_wait"),
+])
+def test_a_max_wait_over_30s_is_refused_at_load(shared, block, field):
+    """Every waiting request polls Redis several times a second: `max_wait` is capped at
+    30 s, and Envoy refuses the plugin with the field named (it once took any duration). 30 s
+    itself loads."""
+    policy = {"name": "api", "match": {"path_prefix": "/api"}, **block}
+    config = {"redis": redis_block(shared), "policies": [policy]}
+    code, log = shared.envoy_expect_failure(config)
+    assert code is not None, "Envoy started with the plugin"
+    want = f"invalid plugin configuration: policies[0].{field}: "
+    assert want in log and "longer than the maximum of 30s" in log, log[-2000:]
+    inner = next(iter(block.values()))
+    inner["max_wait"] = "30s"
+    envoy = shared.add_envoy(config)
+    try:
+        assert envoy.request("GET", "/other").status == 200
+    finally:
+        envoy.stop()
+        shared.envoys.remove(envoy)

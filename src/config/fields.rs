@@ -137,6 +137,22 @@ pub fn duration(o: &mut Obj<'_>, field: &'static str) -> Result<Option<u64>> {
     }
 }
 
+/// `max_wait` (`field`), at most [`super::MAX_WAIT_MS`].
+pub fn max_wait(o: &mut Obj<'_>, field: &'static str) -> Result<Option<u64>> {
+    let path = o.field_path(field);
+    match duration(o, field)? {
+        Some(ms) if ms > super::MAX_WAIT_MS => Err(ConfigError::new(
+            path,
+            format!(
+                "{ms}ms is longer than the maximum of {}s (a waiting request polls Redis \
+                 several times a second and holds its connection meanwhile)",
+                super::MAX_WAIT_MS / 1000
+            ),
+        )),
+        other => Ok(other),
+    }
+}
+
 pub fn failure_mode(o: &mut Obj<'_>, field: &'static str) -> Result<Option<FailureMode>> {
     one_of(
         o,

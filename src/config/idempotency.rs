@@ -1,7 +1,7 @@
 //! `idempotency`: the Idempotency-Key record of a policy, its fingerprint and its replay.
 
 use super::fields::{
-    duration, env_value, header_list, header_name, is_header_name, methods, one_of, size,
+    duration, env_value, header_list, header_name, is_header_name, max_wait, methods, one_of, size,
 };
 use super::reader::{index, Obj, Result};
 use super::{
@@ -272,7 +272,7 @@ fn in_progress(o: &mut Obj<'_>) -> Result<(InProgress, u64)> {
     )?
     .unwrap_or(InProgress::Reject);
     let path = o.field_path("max_wait");
-    match (mode, duration(o, "max_wait")?) {
+    match (mode, max_wait(o, "max_wait")?) {
         (InProgress::Reject, Some(_)) => Err(ConfigError::new(
             path,
             "only applies to in_progress: \"wait\"",

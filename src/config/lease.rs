@@ -1,7 +1,7 @@
 //! `lease`: the resource a request holds alone, and how it waits for it.
 
 use super::fields::selectors;
-use super::fields::{duration, header_name, one_of};
+use super::fields::{duration, header_name, max_wait, one_of};
 use super::reader::{Obj, Result};
 use super::{ConfigError, Lease, OnBusy, MAX_FENCE_TTL_MS};
 use serde_json::Value;
@@ -32,7 +32,7 @@ pub fn lease(v: &Value, path: &str) -> Result<Lease> {
         &[("reject", OnBusy::Reject), ("wait", OnBusy::Wait)],
     )?
     .unwrap_or(OnBusy::Reject);
-    let max_wait_ms = duration(&mut o, "max_wait")?.unwrap_or(2_000);
+    let max_wait_ms = max_wait(&mut o, "max_wait")?.unwrap_or(2_000);
     let fencing_header = header_name(&mut o, "fencing_header")?.unwrap_or("x-fencing-token".into());
     let extend = o.opt_bool("extend")?.unwrap_or(true);
     let fence_ttl_ms = match duration(&mut o, "fence_ttl")? {

@@ -394,6 +394,11 @@ pub struct Lease {
     pub fence_ttl_ms: u64,
 }
 
+/// The longest `max_wait` (idempotency and lease): every waiting request polls Redis several
+/// times a second (up to 5 for a record, 10 for a lease), and holds its connection, for this
+/// long at most.
+pub const MAX_WAIT_MS: u64 = 30_000;
+
 /// The longest `lease.fence_ttl`: a year (the script does arithmetic on it in Lua doubles,
 /// and a fence key costs memory per resource name for this long after its last lease).
 pub const MAX_FENCE_TTL_MS: u64 = 365 * 86_400_000;

@@ -356,6 +356,9 @@ fn bad_idempotency_names_the_field() {
          "policies[0].idempotency.ttl: unknown field (known here: complete, completed_ttl, conflict_status, encryption, fingerprint, header, in_progress, in_progress_status, max_request_body, max_response_body, max_wait, methods, processing_ttl, replay, replay_headers, replay_trailers, required, retryable_grpc_codes, retryable_statuses)"),
         ("header", json!({"header": ""}),
          "policies[0].idempotency.header: \"\" is not an HTTP header name"),
+        ("max_wait_too_long", json!({"in_progress": "wait", "max_wait": "30001ms"}),
+         "policies[0].idempotency.max_wait: 30001ms is longer than the maximum of 30s (a waiting request polls Redis several times a second and holds its connection meanwhile)"),
+        ("max_wait_30s", json!({"in_progress": "wait", "max_wait": "30s"}), "OK"),
     ];
     for (name, idem, want) in cases {
         let got = match with_idempotency(idem.clone()) {
@@ -388,6 +391,8 @@ fn lease_config() {
          "policies[0].lease.ttl: \"10\" is not a duration (use e.g. \"250ms\", \"2s\", \"1m\", \"24h\")"),
         ("unknown", json!({"resource": ["tenant"], "fence": true}),
          "policies[0].lease.fence: unknown field (known here: extend, fence_ttl, fencing_header, max_wait, on_busy, resource, ttl)"),
+        ("max_wait_too_long", json!({"resource": ["tenant"], "on_busy": "wait", "max_wait": "1h"}),
+         "policies[0].lease.max_wait: 3600000ms is longer than the maximum of 30s (a waiting request polls Redis several times a second and holds its connection meanwhile)"),
     ];
     for (name, lease, want) in cases {
         let mut v = base();
