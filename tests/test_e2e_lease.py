@@ -10,15 +10,6 @@ stop Redis get a stack of their own. Timing assertions are loose: they only sepa
 parallel" from "ran one after the other", and "answered at once" from "waited".
 
 Requests carry no body unless a test is about bodies (see `act`).
-
-Known failures (each shows a filter bug; the test's docstring has the cause and a fix):
-- test_a_body_that_arrives_after_the_lease_answer_does_not_crash_the_filter (VM panic)
-- test_a_waiting_request_stays_held_when_its_body_arrives (mutual exclusion broken)
-- test_the_next_request_after_a_response_finds_the_resource_free
-- test_a_waiter_polls_once_more_at_max_wait_before_giving_up
-- test_extension_keeps_up_when_the_redis_timeout_makes_the_tick_coarse
-- test_a_rate_limit_in_another_slot_rejects_before_any_lease_is_taken
-- test_fail_open_does_not_forward_a_client_supplied_fencing_token
 """
 
 from __future__ import annotations
@@ -390,12 +381,11 @@ def test_on_busy_wait_gives_up_with_409_after_about_max_wait(shared, guard):
 
 
 def test_a_waiter_polls_once_more_at_max_wait_before_giving_up(shared, guard):
-    """BUG: `on_busy: wait` gives up at the last backoff poll *before* max_wait (up to 400 ms
-    early) instead of polling once more at max_wait. README: "poll ... until the lease is free or
-    max_wait passes". With max_wait 1.5 s the polls fall at ~25, 75, 175, 375, 775, 1175 ms;
-    the next would be at ~1575 > 1500, so it answers 409 at ~1.2-1.3 s, although the holder
-    (1.4 s upstream) has released the lease before max_wait passes. Fix: clamp the next poll to
-    wait_until and reject only after a poll at (or after) wait_until."""
+    """`on_busy: wait` polls once more at max_wait before it gives up (README: "poll ... until
+    the lease is free or max_wait passes"). With max_wait 1.5 s the backoff polls fall at ~25,
+    75, 175, 375, 775, 1175 ms; the last is clamped to 1500 ms, after the holder (1.4 s
+    upstream) released the lease. (It once answered 409 at the poll before, up to 400 ms
+    early.)"""
     envoy = guard(lease_policy(on_busy="wait", max_wait="1500ms"), timeout="50ms")
     tenant, order = new_tenant(), new_order()
     lease_key, _ = order_keys(envoy, tenant, order)
@@ -508,13 +498,10 @@ def test_without_extension_the_lease_expires_and_the_stale_release_spares_the_ne
 
 
 def test_extension_keeps_up_when_the_redis_timeout_makes_the_tick_coarse(shared, guard):
-    """BUG: extensions ride the root tick, whose period is redis.timeout / 2 (clamped to 1 s),
-    and go out only on the tick *after* the one that finds them due (the outbox). With
-    redis.timeout 1s (tick 500 ms) and lease ttl 1s, the extension due at 500 ms is sent at
-    ~1000-1500 ms: the lease has expired, a concurrent request acquires it (200 instead of
-    409) and `lost` counts. The config is accepted without a warning. Fix: tick at most every
-    ttl / 4 for policies with leases (or refuse ttl <= 2 x timeout), and send an extension from
-    the tick that finds it due."""
+    """Extensions keep up with a lease TTL shorter than the Redis timeout makes the root's tick:
+    the tick is at most ttl / 4 for leases with `extend`. (With redis.timeout 1s, tick 500 ms,
+    and ttl 1s, the extension due at 500 ms once went out at ~1000-1500 ms: the lease had
+    expired, a concurrent request got 200 instead of 409 and `lost` counted.)"""
     envoy = guard(lease_policy(ttl="1s", extend=True), timeout="1s")
     tenant, order = new_tenant(), new_order()
     lease_key, _ = order_keys(envoy, tenant, order)
@@ -554,13 +541,10 @@ def test_a_client_that_goes_away_releases_the_lease(shared, guard):
 
 
 def test_the_next_request_after_a_response_finds_the_resource_free(shared, guard):
-    """BUG (surprise of the design "release at the root's next tick"): the client has its
-    answer before the release is even sent (it waits for the next tick, up to redis.timeout/2,
-    then one gateway round trip). A client that acts on the same resource right after its
-    previous call finished gets 409 resource_locked from its own finished request (with
-    `on_busy: wait` it waits instead, see the sequential part of the two-sidecar test). Fix:
-    hold the response headers until the release call answers (as sync idempotency completion
-    does), or at least dispatch the release at once instead of on the next tick."""
+    """A client that acts on the same resource right after its previous call finished finds it
+    free: the response waits for the lease's release (one round trip). (When the release
+    waited for the root's next tick, such a client got 409 resource_locked from its own
+    finished request.)"""
     envoy = guard(lease_policy())
     tenant, order = new_tenant(), new_order()
     statuses = [act(envoy, order, tenant, label=f"n{i}").status for i in range(6)]
@@ -570,17 +554,13 @@ def test_the_next_request_after_a_response_finds_the_resource_free(shared, guard
 
 
 def test_a_body_that_arrives_after_the_lease_answer_does_not_crash_the_filter(shared, guard):
-    """BUG: when a request's body reaches Envoy after the acquire answered (the request was
-    already resumed), on_http_request_body returns Continue and the adapter calls
-    set_upstream_headers again; Envoy refuses to modify request headers at that point
-    (status 2, BadArgument) and proxy-wasm 0.2.5's hostcalls::set_map_value *panics* on any
-    non-Ok status (hostcalls.rs:340). The worker's VM dies: this client gets 503 although the
-    upstream already received the request, the lease is never released (held for its full
-    TTL), and every later request on that worker gets 503 (failure_policy FAIL_CLOSED).
-    urllib/requests send headers and body in two writes, so this is a race every POST with a
-    body runs. Fix: set the upstream headers only when the headers are continued/resumed
-    (never from the body callback), and never call a panicking hostcalls wrapper (handle the
-    status or use the raw ABI)."""
+    """A request whose body reaches Envoy after the acquire answered (the request was already
+    resumed) does not crash the filter: the upstream headers are set only when the headers are
+    continued, never from the body callback, and no host call panics on a refusal. (Setting
+    them again from the body callback once made Envoy refuse, proxy-wasm's wrapper panic and
+    the worker's VM die: 503 for this client after the upstream ran, the lease held for its TTL,
+    503 for every later request on that worker. urllib/requests send headers and body in two
+    writes, so every POST with a body runs this race.)"""
     envoy = guard(lease_policy(ttl="30s"))
     tenant, order = new_tenant(), new_order()
     lease_key, _ = order_keys(envoy, tenant, order)
@@ -599,14 +579,10 @@ def test_a_body_that_arrives_after_the_lease_answer_does_not_crash_the_filter(sh
 
 
 def test_a_waiting_request_stays_held_when_its_body_arrives(shared, guard):
-    """BUG, mutual exclusion broken: a request waiting for a busy lease (`on_busy: wait`,
-    phase LeaseWaiting) whose body arrives meanwhile is let through at once, without the lease
-    and without a fencing token: Flow::on_request_body (and on_request_trailers) handle only
-    Buffering and Acquiring and answer Continue for every other phase, and Continue from the
-    body callback continues the stopped headers too. The upstream runs it concurrently with the
-    holder (observed: waiter ran 0.2 s into the holder's 0.8 s call, no x-fencing-token;
-    lease.acquired 1, waited 0). Fix: answer Wait from the body/trailers callbacks while the
-    request is held (Acquiring and LeaseWaiting, i.e. `holds_request()`)."""
+    """A request waiting for a busy lease (`on_busy: wait`) whose body arrives meanwhile stays
+    held: the body and trailers callbacks answer Wait while the request is held. (They once
+    answered Continue outside Buffering and Acquiring, which let the waiter run beside the
+    holder, without the lease and without a fencing token.)"""
     envoy = guard(lease_policy(on_busy="wait", max_wait="3s"))
     tenant, order = new_tenant(), new_order()
     lease_key, _ = order_keys(envoy, tenant, order)
@@ -785,14 +761,12 @@ def test_a_rate_limited_request_takes_no_lease(shared, guard):
 
 
 def test_a_rate_limit_in_another_slot_rejects_before_any_lease_is_taken(shared, guard):
-    """BUG (README: "A rate-limited request ... takes no lease"): a limit that is not scoped by
-    tenant (here `by: []`, hash tag {p.<policy>}) runs in another script call than the lease
-    (tag {t.<tenant>}); both calls go out in parallel, so a request the global limit rejects
-    with 429 has already SET the lease (and burnt a fencing token) in the tenant's slot. The
-    filter releases it afterwards (`released` counts it), but meanwhile a concurrent legitimate
-    request on that resource gets 409 resource_locked because of a request that never ran.
-    Fix: send the lease-carrying group only after the other groups admitted the request (or
-    do not take the lease in the first round when other slots hold limits)."""
+    """A rate-limited request takes no lease (README), even when the limit is not scoped by
+    tenant (`by: []`, hash tag {p.<policy>}) and so runs in another script call than the lease
+    (tag {t.<tenant>}): the lease-carrying call goes out only once the other calls admitted the
+    request. (Both once went out in parallel: a request the global limit rejected had already
+    set the lease and burnt a fencing token, and a concurrent legitimate request on that
+    resource got 409 meanwhile.)"""
     envoy = guard(lease_policy(rate_limits=[{"name": "global", "by": [], "algorithm": "fixed_window",
                                              "limit": 1, "window": "60s"}]))
     tenant = new_tenant()
@@ -868,13 +842,10 @@ def test_redis_down_fails_closed_or_forwards_without_a_fencing_token(stack_facto
 
 
 def test_fail_open_does_not_forward_a_client_supplied_fencing_token(stack_factory):
-    """BUG (README: "`fail_open` forwards without a lease and without a fencing header"): the
-    filter sets the fencing header only when it holds a lease and never removes one the client
-    sent, so with Redis down a fail_open policy hands the service a token the client made up.
-    A forged huge token makes the service accept this write and refuse every later genuine
-    holder (`:token > fencing_token` fails for ~16-digit Redis-time tokens). Fix: remove the
-    configured fencing header from every request of a lease policy that is forwarded without
-    a lease."""
+    """`fail_open` forwards without a lease and without a fencing header (README): the fencing
+    header a client sends is removed from every request the filter sees. (It was once left in,
+    so with Redis down the service got a token the client made up; a forged huge one made it
+    refuse every later genuine holder.)"""
     stack = start_failure_stack(stack_factory)
     envoy, tenant = stack.envoy, new_tenant()
     stack.stop_redis()

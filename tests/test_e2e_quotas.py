@@ -18,13 +18,6 @@ charge waits until the counter shows it.
 
 One Redis/webdis/upstream stack serves the module (on its topology); each test starts its own
 Envoy(s) with a fresh `key_prefix`, tenant and path, so ledger entries and keys are its own.
-
-Known failures (each shows a filter bug; the test's docstring has the cause and a fix):
-- test_back_to_back_requests_of_one_client_each_find_a_free_slot
-- test_a_cap_above_the_real_concurrency_never_rejects
-- test_extension_keeps_up_when_the_redis_timeout_makes_the_tick_coarse
-- test_a_rejected_expensive_request_does_not_turn_away_cheaper_ones
-- test_a_charge_that_gives_units_back_lets_requests_in_again
 """
 
 from __future__ import annotations
