@@ -3,13 +3,15 @@
 //!
 //! Names (Envoy shows them as `wasmcustom.<name>`):
 //!
-//! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`, and `.charged`
-//!   (units charged after responses) for a limit with `charge`
+//! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`, `.charged`
+//!   (units charged after responses) for a limit with `charge`, and `.slot_orphaned` for a
+//!   concurrency limit
 //! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant|ambiguous_input`
 //! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
 //!   body_too_large|unreadable|sealed_unreadable|released|completed|complete_failed|stale_owner|
 //!   outcome_unknown|waited`
-//! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource`
+//! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource|
+//!   orphaned`
 //! * `cg.redis.calls|errors|timeouts|noscript|retries`, histogram `cg.redis.latency_ms`
 //! * `cg.over_limit_cache.hits`
 
@@ -46,6 +48,9 @@ pub struct LimitMetrics {
     pub shadow_rejected: u32,
     /// Units charged after responses (limits with `charge`).
     pub charged: u32,
+    /// Slots left held, to expire after the window, by requests whose client left after
+    /// they were forwarded and before the response's headers (concurrency limits).
+    pub slot_orphaned: u32,
 }
 
 /// `cg.policy.<policy>.idem.<name>`, defined for policies with `idempotency`.
@@ -82,6 +87,9 @@ pub struct LeaseMetrics {
     pub extended: u32,
     pub lost: u32,
     pub missing_resource: u32,
+    /// Leases left held, to expire after their TTL, by requests whose client left after they
+    /// were forwarded and before the response's headers (the service may still be working).
+    pub orphaned: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,6 +154,11 @@ impl Metrics {
                                 } else {
                                     u32::MAX
                                 },
+                                slot_orphaned: if l.concurrency() {
+                                    counter(format!("{lb}.slot_orphaned"))
+                                } else {
+                                    u32::MAX
+                                },
                             }
                         })
                         .collect(),
@@ -179,6 +192,7 @@ impl Metrics {
                             extended: c("extended"),
                             lost: c("lost"),
                             missing_resource: c("missing_resource"),
+                            orphaned: c("orphaned"),
                         }
                     }),
                 }

@@ -6,8 +6,8 @@ gRPC service.
 
 Concurrency (`algorithm: concurrency`): at most `limit` requests of a scope in flight across
 every sidecar; a slot is taken at admission, extended at half the window while the request
-runs, given back when the stream ends (however it ends), and a crashed sidecar's slots expire
-after the window. Over the limit: `429 concurrency_limited`, `Retry-After: 1`, no `RateLimit`
+runs, given back once the upstream answered (however the stream then ends); a slot whose
+client left before the answer, and a crashed sidecar's slots, expire after the window. Over the limit: `429 concurrency_limited`, `Retry-After: 1`, no `RateLimit`
 headers.
 
 Cost and charge: a request consumes its `cost` (a request header) at admission; after the
@@ -369,23 +369,26 @@ def test_the_slot_is_given_back_however_the_stream_ends(shared, guard, ending):
     assert limit_stat(envoy, "inflight", "rejected") == 0
 
 
-def test_a_client_that_goes_away_gives_its_slot_back(shared, guard):
+def test_a_client_that_goes_away_leaves_its_slot_until_the_window(shared, guard):
+    """The clients leave before the service answered: the service is still busy with their
+    requests, so their slots stay held (not extended) until the window frees them. More in
+    test_e2e_hangups.py."""
     limit = 3
-    (envoy,) = guard(policy(inflight(limit)))
+    (envoy,) = guard(policy(inflight(limit, window="3s")))
     run = Run()
-    conns = [open_request(envoy, run.path, {TENANT: run.tenant, "x-upstream-delay-ms": "4000"})
+    conns = [open_request(envoy, run.path, {TENANT: run.tenant, "x-upstream-delay-ms": "2000"})
              for _ in range(limit)]
     try:
         assert wait_for(lambda: run.running(shared) == limit, 3.0), "never all admitted"
         assert held(shared, envoy.key_prefix) == limit
-        assert_concurrency_limited(run.send(envoy))
     finally:
         for conn in conns:
             conn.close()
-    # The service is still busy with the abandoned requests; their slots are free already.
-    assert wait_for(lambda: held(shared, envoy.key_prefix) == 0, 2.0), \
-        "a client that went away kept its slot"
+    assert wait_for(lambda: limit_stat(envoy, "inflight", "slot_orphaned") == limit, 1.0)
     assert run.running(shared) == limit
+    assert held(shared, envoy.key_prefix) == limit, "a client that went away freed its slot"
+    assert_concurrency_limited(run.send(envoy))
+    assert wait_for(lambda: held(shared, envoy.key_prefix) == 0, 4.0, 0.05), "never expired"
     back = at_once([lambda: run.send(envoy, delay_ms=300)] * limit)
     assert [r.status for r in back] == [200] * limit, back
 

@@ -158,6 +158,13 @@ impl LeaseGuard {
         Some(lease::release(&self.acquire, None))
     }
 
+    /// The client left while the service may still be working: the lease is left to expire
+    /// after its TTL, no longer extended (see `gone.rs`). Whether the request held it.
+    pub fn orphan(&mut self) -> bool {
+        self.next_extend_ms = None;
+        std::mem::take(&mut self.held)
+    }
+
     /// Redis answered our release: `1` gave the lease back (counted either way).
     pub fn released(&mut self, at: &Pcx<'_>, reply: &crate::redis::resp::Reply) {
         if let Some(lm) = at.pm.lease.as_ref() {

@@ -14,6 +14,7 @@ mod calls;
 mod charge;
 mod context;
 mod decide;
+mod gone;
 mod idem;
 mod inflight;
 mod intake;

@@ -89,6 +89,10 @@ fn a_slot_is_taken_extended_and_given_back_at_the_end() {
     assert_eq!(bg[0].purpose, Purpose::SlotExtend);
     assert_eq!(bg[0].call.args, vec!["n1", "30000"]);
     assert_eq!(flow.deadline_ms(), Some(30_005));
+    // An event stream: the slot stays held (and extended) until the stream ends.
+    let h = headers(&[(":status", "200"), ("content-type", "text/event-stream")]);
+    let step = flow.on_response_headers(&Cx::new(&rt, 16_000, &rec), 200, true, "", &h, false);
+    assert_eq!(step, Step::Continue);
     flow.on_done(&Cx::new(&rt, 20_000, &rec));
     let bg = flow.take_background();
     assert_eq!(bg.len(), 1);
@@ -391,4 +395,50 @@ fn an_open_ended_response_keeps_its_slot_until_the_stream_ends() {
         bg.iter().map(|b| b.purpose).collect::<Vec<_>>(),
         vec![Purpose::SlotRelease]
     );
+}
+
+#[test]
+fn a_client_gone_before_the_response_leaves_its_slot_to_expire() {
+    // Forwarded, no response yet: the service may still be working. The slot is neither
+    // given back nor extended any more: it expires after its window. Counted.
+    let rec = Recorder::default();
+    let rt = runtime(&rec);
+    let mut flow = Flow::default();
+    admitted(&mut flow, &rt, &rec);
+    assert_eq!(
+        flow.deadline_ms(),
+        Some(15_005),
+        "extended while the request runs"
+    );
+    flow.on_done(&Cx::new(&rt, 1_000, &rec));
+    assert!(flow.take_background().is_empty(), "nothing given back");
+    assert_eq!(flow.deadline_ms(), None, "no longer extended");
+    assert_eq!(rec.count("cg.policy.run.limit.inflight.slot_orphaned"), 1);
+    assert!(flow.on_tick(&Cx::new(&rt, 15_005, &rec)) == Step::Wait);
+    assert!(flow.take_background().is_empty(), "no extension either");
+}
+
+#[test]
+fn a_client_gone_after_the_response_headers_gives_its_slot_back() {
+    // The service answered (an event stream holds the slot to its end): the client leaving
+    // mid-body gives the slot back at once, not counted as orphaned.
+    let rec = Recorder::default();
+    let rt = runtime(&rec);
+    let mut flow = Flow::default();
+    admitted(&mut flow, &rt, &rec);
+    response(
+        &mut flow,
+        &rt,
+        &rec,
+        &[(":status", "200"), ("content-type", "text/event-stream")],
+    );
+    flow.on_done(&Cx::new(&rt, 1_000, &rec));
+    let bg = flow.take_background();
+    assert_eq!(
+        bg.iter()
+            .map(|b| (b.purpose, b.certain))
+            .collect::<Vec<_>>(),
+        vec![(Purpose::SlotRelease, true)]
+    );
+    assert_eq!(rec.count("cg.policy.run.limit.inflight.slot_orphaned"), 0);
 }

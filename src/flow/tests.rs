@@ -1364,7 +1364,7 @@ fn missing_resource_is_400() {
 }
 
 #[test]
-fn stream_reset_releases_the_lease() {
+fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
     let rec = Recorder::default();
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
@@ -1379,10 +1379,14 @@ fn stream_reset_releases_the_lease() {
         flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"5"))),
         Step::Continue
     );
+    assert!(flow.deadline_ms().is_some(), "extended while held");
+    // Forwarded, no response yet: the service may still be working. The lease is left to
+    // expire after its TTL, no longer extended.
     flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
-    assert_eq!(bg.len(), 1);
-    assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
+    assert!(flow.take_background().is_empty());
+    assert_eq!(flow.deadline_ms(), None);
+    assert_eq!(rec.count("cg.policy.activate.lease.orphaned"), 1);
+    assert_eq!(rec.count("cg.policy.activate.lease.released"), 0);
     // A release still in flight when the stream ends is sent again from the root.
     let mut flow = Flow::default();
     dispatched(flow.on_request(
@@ -2215,6 +2219,9 @@ fn a_release_sent_again_that_finds_its_lease_gone_counts_as_released() {
         let mut flow = Flow::default();
         activate(&mut flow, &rt, &rec);
         flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"9")));
+        // An event stream holds the lease until it ends, and the root gives it back then.
+        let h = headers(&[(":status", "200"), ("content-type", "text/event-stream")]);
+        flow.on_response_headers(&Cx::new(&rt, 2, &rec), 200, true, "", &h, false);
         flow.on_done(&Cx::new(&rt, 2, &rec));
         let bg = flow.take_background();
         assert_eq!(bg.len(), 1);

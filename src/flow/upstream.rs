@@ -251,12 +251,17 @@ impl Flow {
     }
 
     /// The stream is gone. A record we still own is released if the request never left
-    /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise.
+    /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise. A request forwarded with no
+    /// response yet (the client left) keeps its lease and slots until they expire (see
+    /// `gone.rs`); anything else still held is given back.
     pub fn on_done(&mut self, cx: &Cx<'_>) {
         let Some(at) = self.at(cx) else {
             self.phase = Phase::Done;
             return;
         };
+        if matches!(self.phase, Phase::Forwarded) {
+            self.orphan(&at);
+        }
         self.release_lease(&at);
         self.release_slots(&at);
         if self.forwarded() {

@@ -107,6 +107,18 @@ fn assert_both_resumed(fx: &Effects<u32>) {
     );
 }
 
+/// Stream `s`'s response headers: an event stream, which holds its lease and slots until
+/// the stream ends (then the root gives them back).
+fn event_stream(w: &mut Worker<u32>, cx: &Cx<'_>, s: u32) -> Effects<u32> {
+    w.on_response_headers(cx, s, false, || ResponseHead {
+        headers: vec![
+            (":status".to_string(), "200".to_string()),
+            ("content-type".to_string(), "text/event-stream".to_string()),
+        ],
+        details: "via_upstream".to_string(),
+    })
+}
+
 fn unread() -> Result<Reply, CallError> {
     panic!("an answer nobody waits for is not read")
 }
@@ -253,7 +265,8 @@ fn what_a_stream_owes_at_its_end_goes_out_from_the_root() {
     let mut w = worker(&rt);
     let mut next = 0;
     holder_and_waiter(&mut w, &cx, &mut next);
-    // The stream ends without a response: the release goes to the root's outbox.
+    // An event stream holds the lease to its end; then the release goes to the root's outbox.
+    assert!(event_stream(&mut w, &cx, 1).calls.is_empty());
     let fx = w.on_done(&cx, 1);
     assert!(fx.streams.is_empty() && fx.calls.is_empty());
     let fx = w.on_tick(&Cx::new(&rt, 1, &rec));
@@ -348,6 +361,7 @@ fn a_release_handed_to_the_root_wakes_it_once_instead_of_waiting_for_the_tick() 
         let fx = request(&mut w, &cx, s, "POST", "/run");
         let fx = answer(&mut w, &cx, fx, &mut next, ints(&[1, 1, 1, 1_000, 0]));
         assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+        event_stream(&mut w, &cx, s);
     }
     let done = w.on_done(&cx, 1);
     assert!(done.wake, "the slot's release must not wait for the tick");
@@ -650,6 +664,9 @@ fn the_roots_settlements_due_together_share_a_batch() {
     let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[admitted, admitted].concat())));
     assert_both_resumed(&fx);
     // Both streams end in the same turn: their slots' releases go out in one batch call.
+    for s in [1, 2] {
+        event_stream(&mut w, &cx, s);
+    }
     assert!(w.on_done(&cx, 1).wake);
     assert!(w.on_done(&cx, 2).calls.is_empty());
     let fx = w.on_queue_ready(&cx);

@@ -1,0 +1,281 @@
+"""Clients that hang up, end to end (issue 54, item 2): real Envoy running the filter,
+real webdis and redis-server, the counting upstream (whose ledger says when each request ran
+and with which fencing token), over HTTP/1 (the client closes its socket) and HTTP/2 (the
+client sends RST_STREAM, tests/harness/h2.py).
+
+- Forwarded, before the service's response headers: the service may still be working (Envoy
+  resets its request, which it does not notice). The lease and the concurrency slot stay held
+  until they expire after `ttl` / `window`, no longer extended: no second execution runs
+  beside the first, and the fencing token does not change hands. Counted `lease.orphaned`,
+  `limit.<l>.slot_orphaned`.
+- After the response headers (the service answered), a client that leaves mid-body gives the
+  lease and the slot back at once.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+
+from harness.concurrency import wait_for
+from harness.envoy import Envoy
+from harness.h2 import H2
+from harness.stack import Stack
+from harness.upstream import max_overlap
+from test_e2e_lease import lease_keys, redis_now_us
+
+pytestmark = pytest.mark.topologies("single")
+
+TENANT = "x-tenant-id"
+FENCING = "x-fencing-token"
+TRANSPORTS = ["http1", "h2"]
+HANGUP_AFTER = 0.15  # the client's patience, as in the issue
+
+
+def uid() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def plugin(stack: Stack, prefix: str, *policies: dict, timeout: str = "250ms",
+           cluster: str | None = None) -> dict:
+    redis = stack.redis_section(key_prefix=prefix, timeout=timeout)
+    if cluster:
+        redis["cluster"] = cluster
+    return {"redis": redis, "identity": {"tenant_header": TENANT, "missing_tenant": "reject"},
+            "policies": list(policies)}
+
+
+def jobs_policy(limit: int, window: str) -> dict:
+    return {"name": "jobs", "match": {"path_prefix": "/jobs/"},
+            "rate_limits": [{"name": "inflight", "by": ["tenant"], "algorithm": "concurrency",
+                             "limit": limit, "window": window}]}
+
+
+def orders_policy(ttl: str, *, rate_limits: list | None = None, name: str = "activate") -> dict:
+    p = {"name": name, "match": {"methods": ["POST"], "path_prefix": "/orders/"},
+         "failure_mode": "fail_closed",
+         "lease": {"resource": ["tenant", "path_segment:2"], "ttl": ttl, "on_busy": "reject",
+                   "extend": True}}
+    if rate_limits:
+        p["rate_limits"] = rate_limits
+    return p
+
+
+def stat(envoy: Envoy, name: str) -> int:
+    return envoy.stat(f"wasmcustom.cg.{name}")
+
+
+def running(stack: Stack, path: str) -> list[dict]:
+    return [r for r in stack.upstream.in_flight() if r["path"] == path]
+
+
+def executed(stack: Stack, path: str) -> list[dict]:
+    return sorted((r for r in stack.upstream.requests() if r["path"] == path),
+                  key=lambda r: r["started"])
+
+
+def held_slots(stack: Stack, prefix: str) -> list[int]:
+    """The expiry (µs) of every slot that counts now in the concurrency keys under `prefix`."""
+    now = redis_now_us(stack)
+    scores = []
+    for key in stack.redis.scan_iter(match=f"{prefix}:rl:*:cc:*", count=1000):
+        scores += [int(s) for _, s in stack.redis.zrange(key, 0, -1, withscores=True) if s > now]
+    return scores
+
+
+def http1_request(path: str, headers: dict) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "host: x", "content-length: 0"]
+    lines += [f"{n}: {v}" for n, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+class Hangups:
+    """Requests whose client hangs up `after` seconds after sending, over one transport: over
+    HTTP/1 a connection each, closed; over HTTP/2 streams of one connection, reset."""
+
+    def __init__(self, envoy: Envoy, transport: str):
+        self.envoy, self.transport = envoy, transport
+        self.h2 = H2(envoy.port) if transport == "h2" else None
+        self.threads: list[threading.Thread] = []
+
+    def send(self, paths_headers: list[tuple[str, dict]], after: float = HANGUP_AFTER) -> None:
+        """Sends these requests at once; each client hangs up `after` later (in the
+        background: `join` waits)."""
+        if self.h2 is not None:
+            ids = self.h2.requests([("POST", p, h) for p, h in paths_headers])
+            t = threading.Timer(after, self.h2.reset, args=ids)
+        else:
+            conns = []
+            for path, headers in paths_headers:
+                conn = socket.create_connection(("127.0.0.1", self.envoy.port), timeout=10)
+                conn.sendall(http1_request(path, headers))
+                conns.append(conn)
+            t = threading.Timer(after, lambda: [c.close() for c in conns])
+        t.start()
+        self.threads.append(t)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(5)
+
+    def close(self) -> None:
+        self.join()
+        if self.h2 is not None:
+            self.h2.close()
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, topology):
+    stack = Stack(tmp_path_factory.mktemp("hangups-e2e"), None, envoys=0,
+                  **topology.stack_kwargs).start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def guard(shared, sidecars):
+    """`guard(*policies, timeout=..., cluster=...) -> Envoy` with a key_prefix of its own."""
+
+    def make(*policies: dict, timeout: str = "250ms", cluster: str | None = None) -> Envoy:
+        prefix = f"cg:e2e-hangup:{uid()}"
+        return sidecars(shared, plugin(shared, prefix, *policies, timeout=timeout,
+                                       cluster=cluster), prefix)
+
+    return make
+
+
+# --- item 2: forwarded, no response yet: the slot and the lease stay held -----------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_client_that_hangs_up_leaves_its_concurrency_slot_until_the_window(shared, guard,
+                                                                            transport):
+    """Concurrency limit 2, a 2.5 s service, clients that hang up after 150 ms (HTTP/1: 20 of
+    them, one every 60 ms; HTTP/2: ten rounds of two streams, both reset): the service never
+    runs more than 2 at once. The two admitted slots are left to expire after the window (3 s,
+    no extension), then the tenant is admitted again."""
+    envoy = guard(jobs_policy(2, "3s"))
+    tenant, path = f"tenant-{uid()}", f"/jobs/{uid()}"
+    steer = {TENANT: tenant, "x-upstream-delay-ms": "2500"}
+    t0 = redis_now_us(shared)
+    hang = Hangups(envoy, transport)
+    try:
+        if transport == "h2":
+            for _ in range(10):
+                hang.send([(path, steer), (path, steer)])
+                time.sleep(HANGUP_AFTER + 0.02)
+        else:
+            for _ in range(20):
+                hang.send([(path, steer)])
+                time.sleep(0.06)
+        hang.join()
+        # Past the first extension (at half the window) the slots have not been extended.
+        time.sleep(max(0.0, (t0 + 1_700_000 - redis_now_us(shared)) / 1e6))
+        slots = held_slots(shared, envoy.key_prefix)
+        assert wait_for(lambda: not running(shared, path), 5.0, 0.05)
+    finally:
+        hang.close()
+    ran = executed(shared, path)
+    assert max_overlap(ran) <= 2, f"{max_overlap(ran)} of {len(ran)} ran at once (limit 2)"
+    assert len(ran) == 2, [round(r["started"] - ran[0]["started"], 2) for r in ran]
+    assert len(slots) == 2, slots
+    assert max(slots) <= t0 + 3_000_000 + 500_000, ("extended after the client left", slots, t0)
+    assert stat(envoy, "policy.jobs.limit.inflight.slot_orphaned") == 2
+    assert stat(envoy, "policy.jobs.limit.inflight.allowed") == 2
+    # The window frees them, with nobody giving them back; then the tenant is admitted again.
+    assert wait_for(lambda: not held_slots(shared, envoy.key_prefix), 3.0, 0.05)
+    assert redis_now_us(shared) >= t0 + 2_500_000, "freed before the window"
+    again = envoy.request("POST", path, headers={TENANT: tenant})
+    assert again.status == 200, again
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_client_that_hangs_up_leaves_the_lease_until_its_ttl(shared, guard, transport):
+    """A lease on path_segment:2 (ttl 3 s), a 2 s service: five requests on /orders/42 whose
+    clients hang up after 150 ms and one that waits. Only the first runs; the others get 409
+    while the lease, left by its client, is held. It is not extended and expires after its
+    TTL; the next request runs then, with a larger fencing token."""
+    envoy = guard(orders_policy("3s"))
+    tenant, order = f"tenant-{uid()}", f"ord{uid()}"
+    path = f"/orders/{order}/activate"
+    lease_key, _ = lease_keys(envoy.key_prefix, tenant, [("tenant", tenant),
+                                                         ("path_segment:2", order)])
+    steer = {TENANT: tenant, "x-upstream-delay-ms": "2000"}
+    hang = Hangups(envoy, transport)
+    try:
+        for _ in range(5):
+            hang.send([(path, steer)])
+            time.sleep(0.1)
+        hang.join()
+        waited = envoy.request("POST", path, headers=steer)
+        owner = shared.redis.get(lease_key)
+        # Past half the TTL (when it would have been extended): still the first owner's, and
+        # expiring at its TTL.
+        time.sleep(1.2)
+        later = (shared.redis.get(lease_key), shared.redis.pttl(lease_key))
+        assert wait_for(lambda: not running(shared, path), 5.0, 0.05)
+    finally:
+        hang.close()
+    ran = executed(shared, path)
+    tokens = [r["headers"].get(FENCING) for r in ran]
+    assert max_overlap(ran) <= 1, f"{max_overlap(ran)} ran at once on one resource: {tokens}"
+    assert len(ran) == 1, tokens
+    assert waited.status == 409, waited
+    assert owner is not None, "the lease went with its client"
+    assert later[0] == owner and 0 < later[1] <= 1_500, later
+    first = int(ran[0]["headers"][FENCING])
+    counts = {n: stat(envoy, f"policy.activate.lease.{n}")
+              for n in ("acquired", "released", "orphaned", "busy")}
+    assert counts == {"acquired": 1, "released": 0, "orphaned": 1, "busy": 5}, counts
+    assert wait_for(lambda: not shared.redis.exists(lease_key), 2.0, 0.02), "never expired"
+    after = envoy.request("POST", path, headers={TENANT: tenant})
+    assert after.status == 200, after
+    last = executed(shared, path)[-1]
+    assert int(last["headers"][FENCING]) > first
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_client_that_hangs_up_mid_body_gives_the_lease_and_slot_back(shared, guard, transport):
+    """The service answered (an endless event stream, which holds the lease and the slot to
+    its end); the client leaves after the first event: both are given back at once."""
+    p = orders_policy("30s", rate_limits=[{"name": "inflight", "by": ["tenant"],
+                                           "algorithm": "concurrency", "limit": 1,
+                                           "window": "30s"}])
+    envoy = guard(p)
+    tenant, order = f"tenant-{uid()}", f"ord{uid()}"
+    path = f"/orders/{order}/feed"
+    lease_key, _ = lease_keys(envoy.key_prefix, tenant, [("tenant", tenant),
+                                                         ("path_segment:2", order)])
+    steer = {TENANT: tenant, "x-upstream-sse-events": "-1", "x-upstream-sse-interval-ms": "100"}
+    if transport == "h2":
+        conn = H2(envoy.port)
+        sid = conn.request("POST", path, steer)
+        assert conn.wait_headers(sid, 5.0) and conn.wait_data(sid, 5.0)
+        assert shared.redis.exists(lease_key) and len(held_slots(shared, envoy.key_prefix)) == 1
+        conn.reset(sid)
+        gone = time.monotonic()
+        conn.close()
+    else:
+        c = http.client.HTTPConnection("127.0.0.1", envoy.port, timeout=5)
+        c.request("POST", path, headers=steer)
+        resp = c.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        assert shared.redis.exists(lease_key) and len(held_slots(shared, envoy.key_prefix)) == 1
+        c.close()
+        gone = time.monotonic()
+    assert wait_for(lambda: not shared.redis.exists(lease_key)
+                    and not held_slots(shared, envoy.key_prefix), 2.0, 0.01), "kept"
+    assert time.monotonic() - gone < 1.0
+    assert wait_for(lambda: stat(envoy, "policy.activate.lease.released") == 1, 1.0)
+    assert stat(envoy, "policy.activate.lease.orphaned") == 0
+    assert stat(envoy, "policy.activate.limit.inflight.slot_orphaned") == 0
+    again = envoy.request("POST", f"/orders/{order}/activate", headers={TENANT: tenant})
+    assert again.status == 200, again
