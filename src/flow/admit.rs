@@ -201,6 +201,23 @@ impl Admission {
         Ok(verdict)
     }
 
+    /// The answers of a request whose client left before they came (see `gone.rs`): the
+    /// over-limit marks and the slices Redis granted are kept (every unit of a slice stays
+    /// for later requests: this one runs nowhere), the units it took from local slices go
+    /// back, and each limit counts what Redis decided.
+    pub fn gone(&mut self, at: &Pcx<'_>) {
+        let admitted = at
+            .policy
+            .rate_limits
+            .iter()
+            .zip(&self.slots)
+            .all(|(l, s)| l.shadow || s.state.is_some_and(|s| s.allowed));
+        self.keep_slices(at, false);
+        self.refund_local(at);
+        self.mark_over_limit(at);
+        self.count(at, admitted);
+    }
+
     /// Slices granted by Redis: this request uses one unit if it is admitted; the rest (or
     /// all of it) is admitted locally later.
     fn keep_slices(&mut self, at: &Pcx<'_>, admitted: bool) {

@@ -182,6 +182,9 @@ pub struct Flow {
     upstream_headers: Vec<(String, String)>,
     /// Calls for the root to send, until taken.
     background: Vec<Background>,
+    /// The client left while the acquire was in flight, and the flow stays to read its answer
+    /// (see `gone.rs`): it never forwards, answers or sends again.
+    gone: bool,
 }
 
 impl Flow {

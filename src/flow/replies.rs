@@ -11,6 +11,12 @@ use crate::respond::{self, Problem};
 impl Flow {
     /// A gateway answer (or a failure to send) for `slot`.
     pub fn on_reply(&mut self, cx: &Cx<'_>, slot: usize, answer: Result<Reply, CallError>) -> Step {
+        if self.gone {
+            return match self.at(cx) {
+                Some(at) => self.gone_reply(&at, slot, answer),
+                None => Step::Wait,
+            };
+        }
         let accepts = matches!(
             self.phase,
             Phase::Acquiring { .. } | Phase::Completing { .. } | Phase::Response(_)
@@ -42,7 +48,7 @@ impl Flow {
     }
 
     /// The call in `slot` can no longer have left anything this request does not know of.
-    fn settled_call(&mut self, slot: usize) {
+    pub(super) fn settled_call(&mut self, slot: usize) {
         if let Some(c) = self.calls.get_mut(slot) {
             c.tag.record_unsettled = false;
             c.tag.lease_unsettled = false;
@@ -199,6 +205,9 @@ impl Flow {
         let Some(at) = self.at(cx) else {
             return Step::Wait;
         };
+        if self.gone {
+            return self.gone_tick(&at);
+        }
         if let Some(bg) = self
             .lease
             .as_mut()

@@ -43,10 +43,20 @@ struct Entry {
     /// Whether it is in the worker's `waiting` set: a stream that never waits costs the set
     /// nothing.
     waits: bool,
+    /// The stream ended while its acquire was in flight, and the flow stays to read the
+    /// answer ([`Flow::detach`]): the host's end of the stream does not forget it, and nothing
+    /// it does reaches the stream.
+    detached: bool,
 }
 
 /// Boxes of closed streams kept for the next ones, at most.
 const SPARE_ENTRIES: usize = 64;
+
+/// Streams a worker keeps after their end to read their acquire's answer, at most; past it a
+/// stream that ends mid-acquire gives back at once what the acquire may take, with the
+/// owner's cancellation marker, as when its answer cannot come back. Each waits no longer
+/// than the Redis timeout.
+pub const MAX_DETACHED: usize = 1024;
 
 /// The guarded streams by handle. Boxed: a stream's state is large (about 600 bytes in Wasm),
 /// and a map node moves its entries on every insertion and removal; a box moves as a pointer.
@@ -105,6 +115,8 @@ pub struct Worker<S> {
     /// The root was asked to wake (a release or other root call is queued): not again until
     /// it did, or the tick came first.
     woken: bool,
+    /// Streams kept after their end to read their acquire's answer (see [`MAX_DETACHED`]).
+    detached: usize,
 }
 
 impl<S: Copy + Ord> Worker<S> {
@@ -121,6 +133,7 @@ impl<S: Copy + Ord> Worker<S> {
             tick_ms,
             fine_tick: false,
             woken: false,
+            detached: 0,
         }
     }
 
@@ -177,7 +190,16 @@ impl<S: Copy + Ord> Worker<S> {
                 Effects::of_stream(Action::Pause, ops)
             }
             step => {
-                if let Some(old) = self.streams.insert(s, entry) {
+                if let Some(mut old) = self.streams.insert(s, entry) {
+                    if old.detached {
+                        // A stream of this id still waiting for its acquire's answer (the
+                        // host reuses no id; a test may): given up on now.
+                        old.flow.on_done(cx);
+                        old.flow
+                            .take_background()
+                            .into_iter()
+                            .for_each(|bg| self.outbox.add(bg));
+                    }
                     self.forget(s, old);
                 }
                 self.event(cx, s, Some(Dir::Request), step)
@@ -297,10 +319,23 @@ impl<S: Copy + Ord> Worker<S> {
         })
     }
 
-    /// The stream ended: what it still owes goes to the root; the worker forgets it.
+    /// The stream ended: what it still owes goes to the root; the worker forgets it. A
+    /// stream whose acquire is in flight and will be answered (it went out in a batch, from
+    /// the root; a stream's own call ends with it) stays, detached, to read that answer (see
+    /// [`Flow::detach`]), while there is room.
     pub fn on_done(&mut self, cx: &Cx<'_>, s: S) -> Effects<S> {
         let mut fx = Effects::new(Action::Continue);
+        let room = self.detached < MAX_DETACHED;
         if let Some(entry) = self.streams.get_mut(&s) {
+            if entry.detached {
+                return fx;
+            }
+            if room && entry.calls.is_empty() && entry.flow.detach() {
+                entry.detached = true;
+                entry.paused = None;
+                self.detached += 1;
+                return fx;
+            }
             entry.flow.on_done(cx);
             self.settle(cx, s, &mut fx);
         }
@@ -325,15 +360,35 @@ impl<S: Copy + Ord> Worker<S> {
     /// does not know (never guarded, or forgotten already: the host's end of every stream
     /// comes here) has nothing here to forget: a call sent for it after it was forgotten is
     /// dropped with its answer (see [`Worker::on_answer`]).
+    /// A detached stream stays until its flow is settled (see [`Worker::on_done`]).
     pub fn close(&mut self, s: S) {
+        if self.streams.get(&s).is_some_and(|e| e.detached) {
+            return;
+        }
         if let Some(entry) = self.streams.remove(&s) {
             self.forget(s, entry);
+        }
+    }
+
+    /// Forgets a detached stream once its flow has nothing more to wait for.
+    fn forget_if_settled(&mut self, s: S) {
+        let settled = self
+            .streams
+            .get(&s)
+            .is_some_and(|e| e.detached && e.flow.gone_and_settled());
+        if settled {
+            if let Some(entry) = self.streams.remove(&s) {
+                self.forget(s, entry);
+            }
         }
     }
 
     /// What the worker keeps for stream `s` beside `entry`, its box (taken out of the map),
     /// forgotten with it.
     fn forget(&mut self, s: S, mut entry: Box<Entry>) {
+        if entry.detached {
+            self.detached = self.detached.saturating_sub(1);
+        }
         if entry.waits {
             self.waiting.remove(&s);
         }
@@ -353,11 +408,13 @@ impl<S: Copy + Ord> Worker<S> {
                 paused,
                 calls,
                 waits,
+                detached,
             } = &mut *entry;
             flow.recycle();
             *paused = None;
             calls.clear();
             *waits = false;
+            *detached = false;
             self.spare.push(entry);
         }
     }
@@ -573,10 +630,17 @@ impl<S: Copy + Ord> Worker<S> {
                 }
             }
         }
-        if !ops.is_empty() {
+        // A detached stream's host context is gone: nothing of it reaches the host (its flow
+        // neither answers nor resumes nor sends; this is the belt to those braces).
+        let detached = entry.detached;
+        if !ops.is_empty() && !detached {
             fx.streams.push(ops);
         }
         self.settle(cx, s, fx);
+        if detached {
+            self.forget_if_settled(s);
+            return;
+        }
         // A local answer that took nothing: the stream's later events (the answer's own
         // response headers, its end) have nothing to do, so the worker forgets it now.
         if responded

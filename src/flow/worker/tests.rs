@@ -696,3 +696,194 @@ fn the_roots_settlements_due_together_share_a_batch() {
         "one acquire batch, one release batch"
     );
 }
+
+/// A policy whose rate limit and lease share the tenant's script call, batched.
+const GONE: &str = r#"{
+  "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg", "batch": {"max_delay": "1ms"}},
+  "policies": [
+    {"name": "orders", "match": {"path_prefix": "/orders"}, "rate_limits": [
+      {"name": "tenant", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1, "window": "10s"}],
+     "lease": {"resource": ["tenant", "path_segment:2"], "ttl": "10s"}}
+  ]
+}"#;
+
+/// Stream `s` asks for `path`; its acquire goes out in a batch; then its client leaves and the
+/// host deletes its context. The batch's token.
+fn asked_then_gone(w: &mut Worker<u32>, cx: &Cx<'_>, s: u32, path: &str, next: &mut u32) -> u32 {
+    request(w, cx, s, "POST", path);
+    let fx = w.on_queue_ready(cx);
+    let tokens = send_all(w, cx, fx, next);
+    assert_eq!(tokens.len(), 1);
+    let fx = w.on_done(cx, s);
+    assert!(
+        fx.streams.is_empty() && fx.calls.is_empty() && !fx.wake,
+        "nothing given back before the answer says what was taken"
+    );
+    w.close(s);
+    assert!(w.guards(s), "kept to read the answer");
+    tokens[0]
+}
+
+/// A batch of one acquire's reply (`values`).
+fn batch_of_one(values: &[i64]) -> Reply {
+    let len = i64::try_from(values.len()).unwrap_or(0);
+    ints(&[&[len], values].concat())
+}
+
+#[test]
+fn a_rejection_answered_after_the_client_left_feeds_the_over_limit_cache() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, GONE);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
+    // Rejected until 9 s from now; the lease skipped (a rejected request takes none).
+    let fx = w.on_answer(&cx, token, || {
+        Ok(batch_of_one(&[0, 0, 0, 9_000, 9_000, 0, 0]))
+    });
+    assert!(fx.streams.is_empty(), "nothing reaches the gone stream");
+    assert!(
+        fx.calls.is_empty() && !fx.wake,
+        "nothing taken: nothing given back"
+    );
+    assert!(!w.guards(1), "forgotten once answered");
+    assert_eq!(rec.count("cg.policy.orders.limit.tenant.rejected"), 1);
+    // The tenant's next request is answered from the over-limit cache, without a call.
+    let fx = request(&mut w, &Cx::new(&rt, 10, &rec), 2, "POST", "/orders/2");
+    assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(429));
+    assert!(!fx.wake && fx.calls.is_empty());
+    assert_eq!(rec.count("cg.over_limit_cache.hits"), 1);
+    assert_eq!(rec.count("cg.redis.calls"), 1, "the first acquire only");
+}
+
+#[test]
+fn what_an_answer_after_the_client_left_took_goes_back_without_a_marker() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, GONE);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
+    // Admitted, lease acquired (token 42): the request will never run, so it goes back.
+    let fx = w.on_answer(&cx, token, || {
+        Ok(batch_of_one(&[1, 1, 0, 10_000, 0, 1, 42]))
+    });
+    assert!(fx.streams.is_empty(), "nothing reaches the gone stream");
+    assert!(fx.wake, "the release goes out from the root at once");
+    assert!(!w.guards(1));
+    let fx = w.on_queue_ready(&cx);
+    assert_eq!(fx.calls.len(), 1);
+    let body = String::from_utf8_lossy(&fx.calls[0].body).into_owned();
+    assert!(
+        !body.contains("%3Acancel%3A") && !body.contains(":cancel:"),
+        "the answer came: no marker is needed ({body})"
+    );
+    let tokens = send_all(&mut w, &cx, fx, &mut next);
+    let released = Reply::Array(Some(vec![Reply::Int(-2), Reply::Bulk(Some(b"1".to_vec()))]));
+    assert!(w
+        .on_answer(&cx, tokens[0], || Ok(released))
+        .calls
+        .is_empty());
+    // Undoing an acquire the request never used: not a lease acquired, nor released.
+    assert_eq!(rec.count("cg.policy.orders.lease.acquired"), 0);
+    assert_eq!(rec.count("cg.policy.orders.lease.released"), 0);
+    assert_eq!(rec.count("cg.policy.orders.limit.tenant.allowed"), 1);
+}
+
+#[test]
+fn an_acquire_unanswered_after_the_client_left_is_compensated_at_its_deadline() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, GONE);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
+    let fx = w.on_tick(&Cx::new(&rt, 49, &rec));
+    assert!(
+        fx.calls.is_empty() && w.guards(1),
+        "waits until the Redis timeout"
+    );
+    let fx = w.on_tick(&Cx::new(&rt, 50, &rec));
+    assert_eq!(fx.calls.len(), 1, "the compensation");
+    let body = String::from_utf8_lossy(&fx.calls[0].body).into_owned();
+    assert!(
+        body.contains("%3Acancel%3A") || body.contains(":cancel:"),
+        "{body}"
+    );
+    assert!(fx.streams.is_empty());
+    assert!(!w.guards(1));
+    assert_eq!(rec.count("cg.redis.timeouts"), 1);
+    let late = w.on_answer(&cx, token, || {
+        Ok(batch_of_one(&[1, 1, 0, 10_000, 0, 1, 42]))
+    });
+    assert!(
+        late.streams.is_empty() && late.calls.is_empty() && !late.wake,
+        "the late answer goes nowhere (the marker already undid it)"
+    );
+}
+
+#[test]
+fn a_later_round_is_never_sent_for_a_client_that_left() {
+    // A limit in the policy's slot goes first; the tenant's limit and the lease follow only
+    // if it admits. The client leaves during the first round: no lease is asked for.
+    let config = GONE.replace(
+        r#""limit": 1, "window": "10s"}]"#,
+        r#""limit": 1, "window": "10s"},
+        {"name": "all", "by": [], "algorithm": "fixed_window", "limit": 100, "window": "10s"}]"#,
+    );
+    let rec = Recorder::default();
+    let rt = runtime(&rec, &config);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
+    let fx = w.on_answer(&cx, token, || Ok(batch_of_one(&[1, 1, 99, 10_000, 0])));
+    assert!(fx.streams.is_empty() && !fx.wake);
+    assert!(w.on_queue_ready(&cx).calls.is_empty(), "no second round");
+    assert!(!w.guards(1));
+    assert_eq!(rec.count("cg.redis.calls"), 1);
+}
+
+#[test]
+fn without_batches_a_stream_ending_mid_acquire_gives_back_at_once() {
+    // Its own call ends with its context: no answer will come to wait for.
+    let config = GONE.replace(r#""batch": {"max_delay": "1ms"}"#, r#""batch": false"#);
+    let rec = Recorder::default();
+    let rt = runtime(&rec, &config);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    let fx = request(&mut w, &cx, 1, "POST", "/orders/1");
+    send_all(&mut w, &cx, fx, &mut next);
+    assert!(w.on_done(&cx, 1).wake, "the compensation goes out at once");
+    assert!(!w.guards(1));
+    let fx = w.on_queue_ready(&cx);
+    let body = String::from_utf8_lossy(&fx.calls[0].body).into_owned();
+    assert!(
+        body.contains("%3Acancel%3A") || body.contains(":cancel:"),
+        "{body}"
+    );
+}
+
+#[test]
+fn the_streams_kept_after_their_end_are_bounded() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec, GONE);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let n = u32::try_from(MAX_DETACHED).unwrap_or(u32::MAX) + 1;
+    for s in 1..=n {
+        request(&mut w, &cx, s, "POST", &format!("/orders/{s}"));
+    }
+    let _ = w.on_queue_ready(&cx);
+    for s in 1..n {
+        assert!(!w.on_done(&cx, s).wake, "kept to read its answer");
+    }
+    assert!(
+        w.on_done(&cx, n).wake,
+        "past the bound: compensated at once"
+    );
+    assert!(!w.guards(n));
+    assert!(w.guards(n - 1));
+}
