@@ -12,7 +12,8 @@
 //!   outcome_unknown|waited`
 //! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource|
 //!   orphaned`
-//! * `cg.redis.calls|errors|timeouts|noscript|retries`, histogram `cg.redis.latency_ms`
+//! * `cg.redis.calls|errors|timeouts|noscript|retries|retries_dropped`, histogram
+//!   `cg.redis.latency_ms`
 //! * `cg.over_limit_cache.hits`
 
 use crate::config::Config;
@@ -114,6 +115,8 @@ pub struct RedisMetrics {
     pub noscript: u32,
     /// Background calls (releases) sent again after a failure.
     pub retries: u32,
+    /// Releases not sent again after a failure because the worker's retry budget was spent.
+    pub retries_dropped: u32,
     pub latency_ms: u32,
 }
 
@@ -204,6 +207,7 @@ impl Metrics {
             timeouts: counter("cg.redis.timeouts".into()),
             noscript: counter("cg.redis.noscript".into()),
             retries: counter("cg.redis.retries".into()),
+            retries_dropped: counter("cg.redis.retries_dropped".into()),
             latency_ms: define(Kind::Histogram, "cg.redis.latency_ms"),
         };
         let over_limit_cache_hits = define(Kind::Counter, "cg.over_limit_cache.hits");
@@ -291,6 +295,7 @@ mod tests {
                 "cg.redis.timeouts",
                 "cg.redis.noscript",
                 "cg.redis.retries",
+                "cg.redis.retries_dropped",
                 "cg.redis.latency_ms",
                 "cg.over_limit_cache.hits",
             ]

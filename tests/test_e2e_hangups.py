@@ -14,7 +14,8 @@ client sends RST_STREAM, tests/harness/h2.py).
   when the acquire answers in time no cancellation marker is needed.
 - A flood of requests of a tenant over its limit, each reset right after sending: their
   answers feed the over-limit cache, so the flood costs a handful of Redis calls, no releases,
-  no markers and no retries, and another tenant is served throughout.
+  no markers and no retries, and another tenant is served throughout. A gateway that fails
+  every call gets a bounded number of re-sent releases (the worker's retry budget).
 
 Floods are bounded in count and time, loopback only.
 """
@@ -33,7 +34,7 @@ import pytest
 from harness.concurrency import wait_for
 from harness.envoy import Envoy
 from harness.h2 import H2
-from harness.stack import Stack
+from harness.stack import BLACKHOLE_CLUSTER, Stack
 from harness.upstream import max_overlap
 from test_e2e_lease import lease_keys, redis_now_us
 
@@ -403,3 +404,24 @@ def test_a_flood_of_aborted_requests_is_answered_locally_and_spares_other_tenant
     errors = [s for s in during if s != 200]
     assert len(errors) <= 0.02 * len(during), (errors, report)
     assert after and all(s == 200 for s in after), (after, report)
+
+
+def test_a_gateway_that_fails_every_call_gets_a_bounded_number_of_resent_releases(shared, guard):
+    """A gateway that never answers: 80 requests fail closed, each leaving a compensation that
+    fails too. Each worker re-sends at most 30 of them at once and 10 a second after that; the
+    rest are counted as dropped (and expire at their TTL). Unbudgeted, that would be 400."""
+    envoy = guard(orders_policy("10s"), timeout="50ms", cluster=BLACKHOLE_CLUSTER)
+    tenant = f"tenant-{uid()}"
+    n = 80
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: envoy.request(
+            "POST", f"/orders/o{uid()}/activate", headers={TENANT: tenant}), range(n)))
+    assert all(r.status == 503 for r in answers), [r.status for r in answers]
+    time.sleep(4.0)  # every retry chain has run its course (3.1 s of backoff)
+    elapsed = time.monotonic() - started
+    retries, dropped = stat(envoy, "redis.retries"), stat(envoy, "redis.retries_dropped")
+    workers = 2
+    assert retries <= workers * (30 + 10 * elapsed), (retries, dropped, elapsed)
+    assert dropped > 0, (retries, dropped)
+    assert retries + dropped <= n * 5, (retries, dropped)

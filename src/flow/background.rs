@@ -6,7 +6,10 @@
 //! timeout, a lost or refused gateway connection) is sent again, with backoff
 //! ([`RETRY_FIRST_MS`], doubling up to [`RETRY_MAX_BACKOFF_MS`]), at most [`MAX_SENDS`] times
 //! and not after [`RETRY_WINDOW_MS`] from the first send. The [`Outbox`] decides when; the
-//! root sends what is due on its tick ([`Outbox::take_due`]).
+//! root sends what is due on its tick ([`Outbox::take_due`]). Every re-send of a worker draws
+//! on one budget ([`RETRY_BUDGET`] at once, [`RETRY_BUDGET_PER_S`] a second after that): a
+//! gateway that fails every call is not sent five more of each, and what is not re-sent
+//! expires (a lease at its TTL, a record at its processing TTL, a slot at its window).
 
 use super::calls::{count_failure, Answer, Call, Calls};
 use super::context::{Cx, Outgoing, Purpose, Runtime};
@@ -24,6 +27,10 @@ pub const RETRY_MAX_BACKOFF_MS: u64 = 1600;
 pub const MAX_SENDS: u32 = 6;
 /// No release is sent again later than this after its first send.
 pub const RETRY_WINDOW_MS: u64 = 10_000;
+/// Re-sends a worker may make at once (the budget when full)...
+pub const RETRY_BUDGET: u64 = 30;
+/// ...and the rate at which its budget fills again.
+pub const RETRY_BUDGET_PER_S: u64 = 10;
 
 /// A call a request hands to the root: what to send and how to read its answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,6 +136,34 @@ pub struct Settled {
 #[derive(Debug, Default)]
 pub struct Outbox {
     calls: Calls<Tag>,
+    budget: RetryBudget,
+}
+
+/// The worker's budget of re-sends: a token bucket of [`RETRY_BUDGET`] re-sends, filled at
+/// [`RETRY_BUDGET_PER_S`], full at first. In thousandths of a re-send.
+#[derive(Debug, Default)]
+struct RetryBudget {
+    level: u64,
+    /// When `level` was last updated; `None`: never drawn on (full).
+    at_ms: Option<u64>,
+}
+
+impl RetryBudget {
+    /// Draws one re-send at `now_ms`; `false` when the budget is spent.
+    fn take(&mut self, now_ms: u64) -> bool {
+        let full = RETRY_BUDGET.saturating_mul(1000);
+        let level = match self.at_ms {
+            None => full,
+            Some(at) => self
+                .level
+                .saturating_add(now_ms.saturating_sub(at).saturating_mul(RETRY_BUDGET_PER_S))
+                .min(full),
+        };
+        self.at_ms = Some(now_ms.max(self.at_ms.unwrap_or(0)));
+        let drawn = level >= 1000;
+        self.level = if drawn { level - 1000 } else { level };
+        drawn
+    }
 }
 
 /// `due_ms` of a call in flight: not due again until its answer says so.
@@ -203,7 +238,7 @@ impl Outbox {
                 settled(cx.rt, &tag, &reply, cx.m);
                 None
             }
-            Err(e) => failed(cx, &tag, &e, attempts, first_ms),
+            Err(e) => failed(cx, &tag, &e, (attempts, first_ms), &mut self.budget),
         };
         match (retry_at, self.calls.get_mut(slot)) {
             (Some(at), Some(c)) => {
@@ -296,20 +331,26 @@ fn quota_call(purpose: Purpose) -> Option<&'static str> {
     }
 }
 
-/// After a failed send: when to send it again, if at all (see the module's rustdoc); when
-/// given up, the warning that it is.
+/// After a failed send (`sends`: how many so far, and when the first was): when to send it
+/// again, if at all and if the worker's budget allows (see the module's rustdoc); when given
+/// up, the warning that it is.
 fn failed(
     cx: &Cx<'_>,
     tag: &Tag,
     e: &CallError,
-    attempts: u32,
-    first_ms: Option<u64>,
+    (attempts, first_ms): (u32, Option<u64>),
+    budget: &mut RetryBudget,
 ) -> Option<u64> {
     let (rt, now_ms, m) = (cx.rt, cx.now_ms, cx.m);
     count_failure(rt, e, m);
+    let mut dropped = false;
     if let Some(at) = retry_at(tag.purpose, e, attempts, first_ms, now_ms) {
-        m.increment(rt.metrics.redis.retries);
-        return Some(at);
+        if budget.take(now_ms) {
+            m.increment(rt.metrics.redis.retries);
+            return Some(at);
+        }
+        m.increment(rt.metrics.redis.retries_dropped);
+        dropped = true;
     }
     let (Some(policy), Some(pm)) = (
         rt.config.policies.get(tag.policy),
@@ -317,10 +358,10 @@ fn failed(
     ) else {
         return None;
     };
-    let tries = if attempts > 1 {
-        format!(", {attempts} attempts")
-    } else {
-        String::new()
+    let tries = match (attempts > 1, dropped) {
+        (_, true) => format!(", {attempts} sent, the worker's retry budget spent"),
+        (true, false) => format!(", {attempts} attempts"),
+        (false, false) => String::new(),
     };
     let lease = matches!(tag.purpose, Purpose::LeaseRelease | Purpose::LeaseExtend);
     if let Some(what) = quota_call(tag.purpose) {

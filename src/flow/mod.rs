@@ -25,7 +25,9 @@ mod upstream;
 mod wait;
 pub mod worker;
 
-pub use background::{Background, Outbox, Settled, MAX_SENDS, RETRY_WINDOW_MS};
+pub use background::{
+    Background, Outbox, Settled, MAX_SENDS, RETRY_BUDGET, RETRY_BUDGET_PER_S, RETRY_WINDOW_MS,
+};
 pub use context::{
     Cx, Outgoing, Pcx, Purpose, Runtime, Step, BODY_IDLE_TIMEOUT_MS, FINGERPRINT_HEADER,
     MARKER_MIN_TTL_MS,

@@ -2969,3 +2969,42 @@ fn a_lease_is_released_with_the_record_when_the_body_passes() {
     assert_eq!(rec.count("cg.policy.both.lease.released"), 1);
     assert_eq!(rec.count("cg.policy.both.idem.completed"), 1);
 }
+
+#[test]
+fn every_resend_of_a_worker_draws_on_one_budget() {
+    // 100 compensations fail at once, each would be re-sent: the worker re-sends
+    // RETRY_BUDGET of them, then RETRY_BUDGET_PER_S a second; the others are given up on,
+    // counted and warned about (they expire at their TTL).
+    let rec = Recorder::default();
+    let rt = idem_runtime(&rec);
+    let (_, bg, _) = acquire_fails(Err(CallError::Timeout));
+    let bg = bg.into_iter().next().expect("a compensation");
+    let mut outbox = Outbox::default();
+    for _ in 0..100 {
+        outbox.add(bg.clone());
+    }
+    let sent = outbox.take_due(1_000);
+    assert_eq!(sent.len(), 100);
+    let cx = Cx::new(&rt, 1_050, &rec);
+    for out in &sent {
+        outbox.on_answer(&cx, out.slot, Err(CallError::Timeout));
+    }
+    assert_eq!(rec.count("cg.redis.retries"), RETRY_BUDGET);
+    assert_eq!(rec.count("cg.redis.retries_dropped"), 100 - RETRY_BUDGET);
+    assert_eq!(
+        rec.count("cg.policy.orders.idem.complete_failed"),
+        100 - RETRY_BUDGET
+    );
+    assert_eq!(outbox.len() as u64, RETRY_BUDGET);
+    // A second later the budget holds RETRY_BUDGET_PER_S re-sends again.
+    let resent = outbox.take_due(10_000);
+    let cx = Cx::new(&rt, 2_050, &rec);
+    for out in &resent {
+        outbox.on_answer(&cx, out.slot, Err(CallError::Timeout));
+    }
+    assert_eq!(
+        rec.count("cg.redis.retries"),
+        RETRY_BUDGET + RETRY_BUDGET_PER_S
+    );
+    assert_eq!(outbox.len() as u64, RETRY_BUDGET_PER_S);
+}

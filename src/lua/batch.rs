@@ -384,6 +384,7 @@ mod tests {
             timeouts: 3,
             noscript: 4,
             retries: 5,
+            retries_dropped: 7,
             latency_ms: 6,
         }
     }
