@@ -36,6 +36,7 @@ from harness.envoy import Envoy
 from harness.h2 import H2
 from harness.stack import BLACKHOLE_CLUSTER, Stack
 from harness.upstream import max_overlap
+from test_e2e_idempotency import record_key
 from test_e2e_lease import lease_keys, redis_now_us
 
 pytestmark = pytest.mark.topologies("single")
@@ -298,22 +299,30 @@ def test_a_client_that_hangs_up_mid_body_gives_the_lease_and_slot_back(shared, g
 
 
 def test_a_client_that_hangs_up_while_its_acquire_is_in_flight_leaves_nothing(shared, guard):
-    """Redis pauses 400 ms (the filter waits up to 1 s); three clients hang up 50 ms after
-    sending. Their acquires answer once Redis runs again: each took a lease, which is given
-    back at once, without a cancellation marker (the answer says what was taken). The service
-    never ran them."""
-    envoy = guard(orders_policy("30s"), timeout="1000ms")
+    """Redis pauses 400 ms (the filter waits up to 1 s); six clients (three on a lease, three
+    with an idempotency key) hang up 50 ms after sending. Their acquires answer once Redis runs
+    again: each took a lease or a record, which is given back at once, without a cancellation
+    marker (the answer says what was taken). The service never ran them, and a retry with the
+    same key runs."""
+    pay = {"name": "pay", "match": {"methods": ["POST"], "path_prefix": "/pay/"},
+           "idempotency": {"header": "idempotency-key", "required": True,
+                           "processing_ttl": "2m", "fingerprint": ["method", "path"]}}
+    envoy = guard(orders_policy("30s"), pay, timeout="1000ms")
     tenant = f"tenant-{uid()}"
     orders = [f"ord{uid()}" for _ in range(3)]
+    payments = [(f"/pay/{uid()}", f"key-{uid()}") for _ in range(3)]
     keys = [lease_keys(envoy.key_prefix, tenant, [("tenant", tenant), ("path_segment:2", o)])[0]
             for o in orders]
+    keys += [record_key(envoy.key_prefix, tenant, "pay", k) for _, k in payments]
     warm = envoy.request("POST", f"/orders/warm{uid()}/activate", headers={TENANT: tenant})
     assert warm.status == 200, warm
     hang = Hangups(envoy, "http1")
     shared.redis.client_pause(400)
     paused = time.monotonic()
     try:
-        hang.send([(f"/orders/{o}/activate", {TENANT: tenant}) for o in orders], after=0.05)
+        hang.send([(f"/orders/{o}/activate", {TENANT: tenant}) for o in orders]
+                  + [(p, {TENANT: tenant, "idempotency-key": k}) for p, k in payments],
+                  after=0.05)
         hang.join()
         assert time.monotonic() - paused < 0.4, "the clients left while Redis was paused"
     finally:
@@ -322,15 +331,19 @@ def test_a_client_that_hangs_up_while_its_acquire_is_in_flight_leaves_nothing(sh
     assert wait_for(lambda: not any(shared.redis.exists(k) for k in keys), 2.0, 0.02), \
         [k for k in keys if shared.redis.exists(k)]
     time.sleep(0.5)
-    assert not any(shared.redis.exists(k) for k in keys), "a lease came back later"
+    assert not any(shared.redis.exists(k) for k in keys), "a lease or record came back later"
     assert markers(shared, envoy.key_prefix) == 0, "a marker for an acquire that answered"
-    for o in orders:
-        assert not executed(shared, f"/orders/{o}/activate")
+    for path in [f"/orders/{o}/activate" for o in orders] + [p for p, _ in payments]:
+        assert not executed(shared, path), path
     counts = {n: stat(envoy, f"policy.activate.lease.{n}") for n in ("acquired", "released")}
     assert counts == {"acquired": 1, "released": 1}, counts  # the warm-up's only
     for o in orders:
         r = envoy.request("POST", f"/orders/{o}/activate", headers={TENANT: tenant})
         assert r.status == 200, (o, r)
+    for p, k in payments:
+        r = envoy.request("POST", p, headers={TENANT: tenant, "idempotency-key": k})
+        assert r.status == 200 and "idempotent-replayed" not in r.headers, (p, r)
+        assert len(executed(shared, p)) == 1, p
 
 
 # --- item 6: a flood of aborted requests does not amplify ----------------------------------------

@@ -887,3 +887,49 @@ fn the_streams_kept_after_their_end_are_bounded() {
     assert!(!w.guards(n));
     assert!(w.guards(n - 1));
 }
+
+#[test]
+fn a_lease_poll_answered_after_the_client_left_gives_the_lease_back() {
+    // The lease was busy and the request waits (`on_busy: wait`); its client leaves while a
+    // poll is in flight, and the poll takes the lease: it goes back at once, uncounted.
+    let config = GONE.replace(r#""ttl": "10s"}"#, r#""ttl": "10s", "on_busy": "wait"}"#);
+    let rec = Recorder::default();
+    let rt = runtime(&rec, &config);
+    let cx = Cx::new(&rt, 0, &rec);
+    let mut w = worker(&rt);
+    let mut next = 0;
+    request(&mut w, &cx, 1, "POST", "/orders/1");
+    let fx = w.on_queue_ready(&cx);
+    let tokens = send_all(&mut w, &cx, fx, &mut next);
+    let busy = batch_of_one(&[1, 1, 0, 10_000, 0, 2, 800]);
+    let fx = w.on_answer(&cx, tokens[0], || Ok(busy));
+    assert!(fx.streams.is_empty(), "waits for the lease");
+    // The poll goes out on the tick when it is due, in a batch.
+    let mut now = 0;
+    let poll = loop {
+        now += 5;
+        let fx = w.on_tick(&Cx::new(&rt, now, &rec));
+        let fx = if fx.calls.is_empty() {
+            w.on_queue_ready(&Cx::new(&rt, now, &rec))
+        } else {
+            fx
+        };
+        if !fx.calls.is_empty() {
+            break send_all(&mut w, &cx, fx, &mut next)[0];
+        }
+        assert!(now < 1_000, "never polled");
+    };
+    let at = Cx::new(&rt, now, &rec);
+    assert!(!w.on_done(&at, 1).wake, "kept to read the poll's answer");
+    let fx = w.on_answer(&at, poll, || Ok(batch_of_one(&[1, 1, 9])));
+    assert!(fx.streams.is_empty());
+    assert!(fx.wake, "the lease goes back from the root");
+    assert!(!w.guards(1));
+    let fx = w.on_queue_ready(&at);
+    let body = String::from_utf8_lossy(&fx.calls[0].body).into_owned();
+    assert!(
+        !body.contains("%3Acancel%3A") && !body.contains(":cancel:"),
+        "{body}"
+    );
+    assert_eq!(rec.count("cg.policy.orders.lease.acquired"), 0);
+}
