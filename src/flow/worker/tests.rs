@@ -933,3 +933,33 @@ fn a_lease_poll_answered_after_the_client_left_gives_the_lease_back() {
     );
     assert_eq!(rec.count("cg.policy.orders.lease.acquired"), 0);
 }
+
+#[test]
+fn a_gone_streams_call_that_provably_did_not_run_leaves_nothing_to_give_back() {
+    // The acquire's batch is refused by the gateway (webdis' own 503: no Redis): nothing ran,
+    // so nothing is released and no marker written; a Redis error may have run: the marker.
+    for (answer, compensated) in [
+        (Err(CallError::Gateway(503)), false),
+        (Err(CallError::Timeout), true),
+        (Ok(Reply::Error("ERR boom".into())), true),
+    ] {
+        let rec = Recorder::default();
+        let rt = runtime(&rec, GONE);
+        let cx = Cx::new(&rt, 0, &rec);
+        let mut w = worker(&rt);
+        let mut next = 0;
+        let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
+        let fx = w.on_answer(&cx, token, || answer.clone());
+        assert!(fx.streams.is_empty());
+        assert!(!w.guards(1), "{answer:?}: forgotten");
+        let out = w.on_queue_ready(&cx);
+        assert_eq!(out.calls.len(), usize::from(compensated), "{answer:?}");
+        if compensated {
+            let body = String::from_utf8_lossy(&out.calls[0].body).into_owned();
+            assert!(
+                body.contains("%3Acancel%3A") || body.contains(":cancel:"),
+                "{body}"
+            );
+        }
+    }
+}
