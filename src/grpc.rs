@@ -103,6 +103,8 @@ pub fn encode_message(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn names_and_numbers() {

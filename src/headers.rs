@@ -253,6 +253,8 @@ pub fn encode(pairs: &[(&[u8], &[u8])]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     /// A named case: the host's pairs, raw, and what they read as.
     type Case<'a> = (

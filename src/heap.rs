@@ -173,6 +173,8 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Classes<A> {
 mod tests {
     use super::*;
     use std::alloc::System;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn layout(size: usize, align: usize) -> Layout {
         Layout::from_size_align(size, align).expect("a valid layout")

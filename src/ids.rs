@@ -94,6 +94,8 @@ impl Hasher for TokenHasher {
 mod tests {
     use super::*;
     use std::collections::HashSet;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn call_tokens_hash_apart_in_the_low_and_the_high_bits() {

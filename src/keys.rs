@@ -269,6 +269,8 @@ fn tagged_key(prefix: &str, kind: &str, tenant_tag: &str, policy: &str, last: &s
 mod tests {
     use super::*;
     use crate::config::{FailureMode, Match, Selector};
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn policy() -> Policy {
         Policy {

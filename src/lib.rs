@@ -37,7 +37,9 @@ mod alloc_count;
 #[cfg(test)]
 mod robustness_tests;
 
-#[cfg(target_arch = "wasm32")]
+// The proxy-wasm adapter, in the filter's build (wasm32-wasip1) only: the core's tests also
+// build for wasm32-unknown-unknown (`make unit-wasm`), where there is no proxy host.
+#[cfg(all(target_arch = "wasm32", target_os = "wasi"))]
 mod wasm;
 
 // The filter's heap in the VM: every request allocates a few dozen small blocks, which size

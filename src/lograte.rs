@@ -124,6 +124,8 @@ impl Warnings {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn one_line_per_kind_per_second_with_the_suppressed_count() {

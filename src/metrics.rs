@@ -269,6 +269,8 @@ pub mod testing {
 mod tests {
     use super::testing::Recorder;
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn names_are_bounded_by_config() {

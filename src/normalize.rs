@@ -332,6 +332,8 @@ pub fn trim_slash(path: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn form(raw: &str) -> (String, Vec<String>, bool) {
         let f = normalize_path(raw);

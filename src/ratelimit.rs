@@ -376,6 +376,8 @@ fn push_names(out: &mut String, names: &[&str]) {
 pub(crate) mod tests {
     use super::*;
     use crate::config::Config;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     /// A policy with one limit of each algorithm (one of them shadow), and one keyed by the
     /// client address only; the unit tests of this module and of `acquire` share it.

@@ -635,6 +635,8 @@ pub fn ambiguous_input<'s>(
 mod tests {
     use super::*;
     use crate::config::Config;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     pub fn req(method: &str, path: &str, host: &str) -> Request {
         Request::from_headers(

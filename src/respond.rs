@@ -336,6 +336,8 @@ pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
 mod tests {
     use super::*;
     use serde_json::{json, Map, Value};
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     /// Every problem's gRPC code, with the HTTP status it replaces (table-driven: one row per
     /// problem kind, so a new kind must be added here).

@@ -8,6 +8,8 @@ use crate::idempotency::record::{base64_decode, Record, StoredResponse};
 use crate::idempotency::seal::{record_aad, Keyring, RecordKey};
 use crate::ids::TokenSource;
 use crate::redis::resp;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 /// Deterministic pseudo-random bytes.
 struct Bytes(TokenSource);

@@ -1,5 +1,7 @@
 use super::*;
 use serde_json::json;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 fn base() -> Value {
     json!({

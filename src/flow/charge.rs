@@ -164,6 +164,8 @@ fn json_units(v: &serde_json::Value) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::config::Config;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn policy(charge: &str) -> Policy {
         let text = format!(

@@ -7,6 +7,8 @@ use crate::metrics::testing::Recorder;
 use crate::redis::resp::Reply;
 use crate::redis::CallError;
 use crate::request::Request;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const CONFIG: &str = r#"{
   "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},

@@ -8,6 +8,8 @@ use crate::metrics::NoMetrics;
 use crate::redis::{resp::Reply, CallError};
 use crate::request::Request;
 use response::{response_shape, Shape};
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 /// What became of a background call's answer, as the tests read it.
 #[derive(Debug, PartialEq, Eq)]

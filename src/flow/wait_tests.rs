@@ -6,6 +6,8 @@ use crate::config::Config;
 use crate::metrics::testing::Recorder;
 use crate::redis::resp::Reply;
 use crate::request::Request;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const CONFIG: &str = r#"{
   "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},

@@ -261,6 +261,8 @@ fn write_string(out: &mut Vec<u8>, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn canon(s: &str) -> Option<String> {
         canonicalize(s.as_bytes()).map(|b| String::from_utf8(b).expect("utf8"))

@@ -61,6 +61,8 @@ impl Fingerprint {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn fp(body: &[u8], json: bool) -> String {
         let mut f = Fingerprint::default();

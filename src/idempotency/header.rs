@@ -85,6 +85,8 @@ fn sf_string(inner: &str) -> Result<String, KeyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn keys() {

@@ -30,6 +30,8 @@
 //! unreadable to it, never replayed as something else.
 
 use super::seal::{Keyring, OpenError, Sealed, NONCE_LEN};
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -243,86 +245,22 @@ impl Record {
     }
 }
 
-const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
+/// Standard base64 with padding (the `base64` crate's standard engine).
 pub fn base64_encode(data: &[u8]) -> String {
-    let mut out = Vec::with_capacity(data.len().div_ceil(3) * 4);
-    let mut chunks = data.chunks_exact(3);
-    for c in &mut chunks {
-        out.extend_from_slice(&characters([c[0], c[1], c[2]]));
-    }
-    let rest = chunks.remainder();
-    if !rest.is_empty() {
-        let mut last = [0u8; 3];
-        last[..rest.len()].copy_from_slice(rest);
-        let keep = rest.len() + 1;
-        out.extend_from_slice(&characters(last)[..keep]);
-        out.extend_from_slice(&b"=="[..4 - keep]);
-    }
-    // Only alphabet bytes and '=' were written: always UTF-8.
-    String::from_utf8(out).unwrap_or_default()
+    STANDARD.encode(data)
 }
 
-/// Three bytes as four base64 characters.
-fn characters(bytes: [u8; 3]) -> [u8; 4] {
-    let n = (u32::from(bytes[0]) << 16) | (u32::from(bytes[1]) << 8) | u32::from(bytes[2]);
-    [18, 12, 6, 0].map(|shift| B64[(n >> shift) as usize & 63])
-}
-
-/// Each byte's sextet, or `INVALID` for a byte outside the alphabet.
-const B64_DECODE: [u8; 256] = {
-    let mut table = [INVALID; 256];
-    let mut i = 0;
-    while i < 64 {
-        table[B64[i] as usize] = i as u8;
-        i += 1;
-    }
-    table
-};
-const INVALID: u8 = 0xff;
-
-/// Standard base64 with padding (`=` only at the end); `None` for anything else.
+/// Standard base64 with padding, canonical (`=` only at the end, no stray bits); `None` for
+/// anything else.
 pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
-    let bytes = text.as_bytes();
-    if !bytes.len().is_multiple_of(4) {
-        return None;
-    }
-    let Some(split) = bytes.len().checked_sub(4) else {
-        return Some(Vec::new());
-    };
-    let (body, last) = bytes.split_at(split);
-    let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
-    for quad in body.chunks_exact(4) {
-        let n = sextets([quad[0], quad[1], quad[2], quad[3]])?;
-        out.extend_from_slice(&[(n >> 16) as u8, (n >> 8) as u8, n as u8]);
-    }
-    let (quad, pad) = match *last {
-        [a, b, b'=', b'='] => ([a, b, b'A', b'A'], 2),
-        [a, b, c, b'='] => ([a, b, c, b'A'], 1),
-        [a, b, c, d] => ([a, b, c, d], 0),
-        _ => return None,
-    };
-    let n = sextets(quad)?;
-    out.extend_from_slice(&[(n >> 16) as u8, (n >> 8) as u8, n as u8][..3 - pad]);
-    Some(out)
-}
-
-/// Four base64 characters as 24 bits.
-fn sextets(quad: [u8; 4]) -> Option<u32> {
-    let mut n = 0u32;
-    for c in quad {
-        let v = B64_DECODE[usize::from(c)];
-        if v == INVALID {
-            return None;
-        }
-        n = (n << 6) | u32::from(v);
-    }
-    Some(n)
+    STANDARD.decode(text).ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn base64_round_trip() {

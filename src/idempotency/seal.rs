@@ -250,6 +250,8 @@ impl Eq for Keyring {}
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const A: [u8; KEY_LEN] = [0x11; KEY_LEN];
     const B: [u8; KEY_LEN] = [0x22; KEY_LEN];

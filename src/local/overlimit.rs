@@ -174,6 +174,8 @@ mod tests {
     use std::cell::RefCell;
     use std::collections::HashMap;
     use std::rc::Rc;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     /// The host's shared data: values with versions, set only at the version given (0: any).
     /// `race` appends a mark of its own before the next set, once: another worker's append

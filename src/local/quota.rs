@@ -73,6 +73,8 @@ impl LeasedQuota {
 mod tests {
     use super::*;
     use crate::local::slots::text_hash;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn slices_are_spent_then_expire() {

@@ -68,6 +68,8 @@ impl<T> SlotTable<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn bounded_lazy_and_replacing() {

@@ -358,6 +358,8 @@ mod tests {
     use crate::keys;
     use crate::ratelimit::tests::config;
     use crate::request::{Caller, Request};
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn request() -> (Caller, Request) {
         let req = Request::from_headers(

@@ -348,6 +348,8 @@ pub fn split(reply: &Reply, n: usize) -> Result<Vec<Result<Reply, CallError>>, C
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     /// A member: a request and its call's slot.
     type M = (&'static str, usize);

@@ -31,6 +31,8 @@ pub fn call(corrections: &[Correction<'_>]) -> ScriptCall {
 mod tests {
     use super::*;
     use crate::config::Config;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn arguments() {

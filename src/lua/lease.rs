@@ -27,6 +27,8 @@ pub fn extend(acquire: &LeaseAcquire) -> ScriptCall {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn arguments() {

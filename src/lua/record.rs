@@ -69,6 +69,8 @@ pub fn outcome(reply: &Reply) -> Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn acquire() -> IdemAcquire {
         IdemAcquire {

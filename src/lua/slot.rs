@@ -28,6 +28,8 @@ pub fn extend(key: &str, nonce: &str, window_ms: u64) -> ScriptCall {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn arguments() {

@@ -252,6 +252,8 @@ pub fn resend_by_eval(
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn the_clients_503_names_the_cause() {

@@ -118,6 +118,8 @@ fn parse_at(input: &[u8], pos: &mut usize, depth: usize) -> Result<Reply, String
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn parses_replies() {

@@ -147,6 +147,8 @@ pub fn decode(status: Option<u32>, from_gateway: bool, body: &[u8]) -> Result<Re
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn encodes_arguments() {

@@ -164,6 +164,8 @@ impl<S: AsRef<str>> PartialEq<Vec<S>> for Words {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     #[test]
     fn words_keep_their_bounds() {

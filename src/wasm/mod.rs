@@ -1,16 +1,12 @@
 //! The proxy-wasm adapter: the only module that talks to the host. It copies what the core
 //! needs out of the host, hands each event to this worker's [`Worker`], and carries out the
 //! [`Effects`] it returns: host calls and nothing else. It never holds a `RefCell` borrow
-//! across a host call that can call back into the filter (a local reply runs the response
-//! path at once); the worker is borrowed only to take an event, with reads of the host's
-//! buffers, which cannot.
+//! across a host call; the worker is borrowed only to take an event, with reads of the
+//! host's buffers.
 //!
-//! It speaks the proxy-wasm ABI itself, without the Rust SDK: the host calls in `abi.rs`
-//! return the host's status (the SDK's panic on one they do not expect, and a panic aborts the
-//! VM for every request of the worker), and the entry points in `exports.rs` find the context
-//! a callback is for in a table keyed by the host's ids, without the SDK's dispatcher (its
-//! SipHash table and trait objects cost every callback of every request about 1.5 µs of
-//! Envoy's CPU: `make bench`'s `wasm_floor_raw` anchor beside `wasm_floor`).
+//! The host is reached through the proxy-wasm SDK: its dispatcher calls the contexts in
+//! `contexts.rs`, and every host call goes through `host.rs`, which keeps the SDK's
+//! `hostcalls` from meeting a status they would panic on.
 
 use crate::claims::metadata_claim;
 use crate::config::{Config, ConfigError, IdSource, RedisConfig};
@@ -23,10 +19,10 @@ use crate::lograte::WarnKind;
 use crate::metrics::{Kind, MetricSink, Metrics};
 use crate::redis::{webdis, CallError};
 use crate::request::{policy_index, Probe, Request, Selected};
-use abi::{BufferType, MapType, MetricType};
+use host::{BufferType, MapType, MetricType};
 use spans::Span;
-mod abi;
-mod exports;
+mod contexts;
+mod host;
 mod spans;
 
 use std::cell::RefCell;
@@ -93,7 +89,7 @@ impl Vm {
     fn carry_out(&self, fx: Effects<u32>, current: Option<u32>) -> Action {
         let mut action = fx.action;
         for ops in fx.streams {
-            if Some(ops.stream) != current && abi::set_effective_context(ops.stream).is_err() {
+            if Some(ops.stream) != current && host::set_effective_context(ops.stream).is_err() {
                 continue;
             }
             if let Some(a) = self.on_stream(ops, current) {
@@ -104,10 +100,10 @@ impl Vm {
             self.send(call, current);
         }
         if let Some(ms) = fx.tick_ms {
-            abi::set_tick_period(ms);
+            host::set_tick_period(ms);
         }
         if let (true, Some(q)) = (fx.wake, self.wake_queue) {
-            let _ = abi::enqueue(q, b"1");
+            let _ = host::enqueue(q, b"1");
         }
         action
     }
@@ -115,10 +111,10 @@ impl Vm {
     /// What to do on the effective context's stream; the answer of a refused call, if any.
     fn on_stream(&self, ops: StreamEffects<u32>, current: Option<u32>) -> Option<Action> {
         for (name, value) in &ops.add_response_headers {
-            let _ = abi::add_header(MapType::ResponseHeaders, name, value);
+            let _ = host::add_header(MapType::HttpResponseHeaders, name, value);
         }
         for (name, value) in &ops.set_request_headers {
-            let _ = abi::set_header(MapType::RequestHeaders, name, value);
+            let _ = host::set_header(MapType::HttpRequestHeaders, name, value);
         }
         let mut action = None;
         for call in ops.calls {
@@ -128,7 +124,7 @@ impl Vm {
             send_local(r);
         }
         if let Some(dir) = ops.resume {
-            let _ = abi::resume(dir == Dir::Response);
+            let _ = host::resume(dir == Dir::Response);
         }
         action
     }
@@ -149,10 +145,10 @@ struct HostShared;
 
 impl SharedStore for HostShared {
     fn get(&self, name: &str) -> Option<(Vec<u8>, u32)> {
-        abi::shared_data(name)
+        host::shared_data(name)
     }
     fn set(&self, name: &str, value: &[u8], version: u32) -> bool {
-        abi::set_shared_data(name, value, version).is_ok()
+        host::set_shared_data(name, value, version).is_ok()
     }
 }
 
@@ -161,24 +157,24 @@ struct HostMetrics;
 impl MetricSink for HostMetrics {
     fn increment(&self, id: u32) {
         if id != u32::MAX {
-            abi::increment_metric(id, 1);
+            host::increment_metric(id, 1);
         }
     }
     fn add(&self, id: u32, n: u64) {
         if id != u32::MAX {
-            abi::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+            host::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
     fn record(&self, id: u32, value: u64) {
         if id != u32::MAX {
-            abi::record_metric(id, value);
+            host::record_metric(id, value);
         }
     }
 }
 
 /// The host's time since the epoch (zero if the host cannot say).
 fn since_epoch() -> Duration {
-    abi::now().unwrap_or_default()
+    host::now().unwrap_or_default()
 }
 
 fn now_ms() -> u64 {
@@ -197,9 +193,9 @@ fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
     if let Some(auth) = &redis.authorization {
         headers.push(("authorization", auth.as_str()));
     }
-    abi::http_call(
+    host::http_call(
         &redis.cluster,
-        &headers,
+        headers,
         body,
         // The watchdog decides at `timeout` (within a tick); the host's own timer is a backstop
         // set later, so a slow gateway is counted as a timeout, not as Envoy's 504.
@@ -207,7 +203,7 @@ fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
     )
     .map_err(|status| {
         // Envoy refuses a callout to a cluster it does not know with BadArgument.
-        let err = if status == abi::Refused(abi::BAD_ARGUMENT) {
+        let err = if status == host::Refused(host::Status::BadArgument) {
             CallError::NoSuchCluster
         } else {
             CallError::NotSent
@@ -224,27 +220,32 @@ fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
 }
 
 /// [`call_answer`], timed.
-fn read_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError> {
+fn read_answer(headers: usize, body_size: usize) -> Result<crate::redis::resp::Reply, CallError> {
     let _span = spans::enter(Span::AnswerRead);
-    call_answer(body_size)
+    call_answer(headers, body_size)
 }
 
 /// The answer of the callout whose response callback is running: its body, and its status
 /// only when the body alone does not show that Redis ran the command (see
-/// [`webdis::decode_array`]).
-fn call_answer(body_size: usize) -> Result<crate::redis::resp::Reply, CallError> {
-    let body = abi::buffer(BufferType::HttpCallResponseBody, body_size);
+/// [`webdis::decode_array`]). A callout that failed (its connection reset) has no headers
+/// (`headers` is 0), and the host no map to read them from.
+fn call_answer(headers: usize, body_size: usize) -> Result<crate::redis::resp::Reply, CallError> {
+    let body = host::buffer(BufferType::HttpCallResponseBody, body_size);
     if let Some(reply) = webdis::decode_array(&body) {
         return Ok(reply);
     }
-    let status = abi::header_value(MapType::CallResponseHeaders, ":status")
-        .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+    let header = |name: &str| {
+        (headers > 0)
+            .then(|| host::header_value(MapType::HttpCallResponseHeaders, name))
+            .flatten()
+    };
+    let status = header(":status").and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
     // The gateway's own answer (not Envoy's on its behalf): it names itself, or Envoy's router
     // timed it. Only a failure needs telling apart (a 200 is always the gateway's).
     let from_gateway = status == Some(200)
         || ["server", "x-envoy-upstream-service-time"]
             .iter()
-            .any(|h| abi::header_value(MapType::CallResponseHeaders, h).is_some());
+            .any(|h| header(h).is_some());
     webdis::decode(status, from_gateway, &body)
 }
 
@@ -267,16 +268,16 @@ impl Root {
                 Kind::Counter => MetricType::Counter,
                 Kind::Histogram => MetricType::Histogram,
             };
-            abi::define_metric(t, name).unwrap_or(u32::MAX)
+            host::define_metric(t, name).unwrap_or(u32::MAX)
         });
         // A queue of this worker's own (a random name: the host keys queues by VM and name,
         // and every worker runs the same VM): a stream enqueues to wake the root, which sends
         // the releases it handed over (and the batches) at once instead of at the next tick.
         let name = format!("cg.wake.{}", TokenSource::from_entropy(now_ms()).token());
-        let wake_queue = abi::register_queue(&name).ok();
+        let wake_queue = host::register_queue(&name).ok();
         // The watchdog's resolution; batches ride on the tick only without a wake queue.
         let tick = config.tick_ms(config.redis.batch.is_some() && wake_queue.is_none());
-        abi::set_tick_period(tick);
+        host::set_tick_period(tick);
         let batch = config.redis.batch;
         let worker = Worker::new(TokenSource::from_entropy(now_ms()), batch, tick);
         self.vm = Some(Rc::new(Vm {
@@ -305,22 +306,16 @@ impl Root {
     }
 
     /// An answer to a callout the root sent.
-    fn on_http_call_response(&self, token: u32, body_size: usize) {
+    fn on_http_call_response(&self, token: u32, headers: usize, body_size: usize) {
         self.event_in(Some((Span::Answer, Span::Resume)), |w, cx| {
-            w.on_answer(cx, token, || read_answer(body_size))
+            w.on_answer(cx, token, || read_answer(headers, body_size))
         });
     }
 
     /// Reads and loads the plugin's configuration; whether it is valid (the host refuses the
     /// plugin otherwise).
     fn on_configure(&mut self, size: usize) -> bool {
-        let bytes = match abi::buffer_or_refusal(BufferType::PluginConfiguration, size) {
-            Ok(b) => b,
-            Err(status) => {
-                log::error!("cannot read the plugin configuration: {status:?}");
-                return false;
-            }
-        };
+        let bytes = host::buffer(BufferType::PluginConfiguration, size);
         match self.configure(&bytes) {
             Ok(()) => {
                 log::info!("configuration loaded");
@@ -337,7 +332,7 @@ impl Root {
         if self.vm.is_none() {
             return;
         }
-        while abi::dequeue(queue_id).is_some() {}
+        while host::dequeue(queue_id).is_some() {}
         self.event(|w, cx| w.on_queue_ready(cx));
     }
 
@@ -367,7 +362,7 @@ fn send_local(r: &crate::respond::LocalResponse) {
         .grpc_status
         .and_then(|c| i32::try_from(c).ok())
         .unwrap_or(-1);
-    if let Err(status) = abi::send_local_response(r.status, &headers, &r.body, grpc_status) {
+    if let Err(status) = host::send_local_response(r.status, &headers, &r.body, grpc_status) {
         log::error!("cannot send a local response: {status:?}");
     }
 }
@@ -438,15 +433,15 @@ impl Filter {
         };
         self.event(|w, cx, s| {
             w.on_body(cx, s, dir, body_size, end_of_stream, || {
-                abi::buffer(kind, body_size)
+                host::buffer(kind, body_size)
             })
         })
     }
 
     /// An answer to a callout this stream sent.
-    fn on_http_call_response(&self, token: u32, body_size: usize) {
+    fn on_http_call_response(&self, token: u32, headers: usize, body_size: usize) {
         self.event_in(Some((Span::Answer, Span::Resume)), |w, cx, _| {
-            w.on_answer(cx, token, || read_answer(body_size))
+            w.on_answer(cx, token, || read_answer(headers, body_size))
         });
     }
 
@@ -479,7 +474,7 @@ fn strip(reserved: &[String], headers: &mut Headers) {
     let mut sent = false;
     for name in reserved {
         if headers.values(name).next().is_some() {
-            let _ = abi::remove_header(MapType::RequestHeaders, name);
+            let _ = host::remove_header(MapType::HttpRequestHeaders, name);
             sent = true;
         }
     }
@@ -489,7 +484,11 @@ fn strip(reserved: &[String], headers: &mut Headers) {
 }
 
 fn header_map(map: MapType) -> Headers {
-    Headers::decode(abi::header_map_bytes(map)).unwrap_or_default()
+    let mut headers = Headers::default();
+    for (name, value) in host::header_pairs(map) {
+        headers.push(&name, &String::from_utf8_lossy(&value));
+    }
+    headers
 }
 
 fn header_pairs(map: MapType) -> Vec<(String, String)> {
@@ -497,7 +496,7 @@ fn header_pairs(map: MapType) -> Vec<(String, String)> {
 }
 
 fn property(path: &[&str]) -> Option<String> {
-    String::from_utf8(abi::property(path)?).ok()
+    String::from_utf8(host::property(path)?).ok()
 }
 
 impl Filter {
@@ -510,7 +509,7 @@ impl Filter {
         // from it. Headers only the filter may set never come from the client, whatever the
         // request: they are invisible to the matchers and removed from the request.
         let reserved = &vm.runtime.reserved_headers;
-        let mut headers = header_map(MapType::RequestHeaders);
+        let mut headers = header_map(MapType::HttpRequestHeaders);
         strip(reserved, &mut headers);
         began.end(Span::HeadersMap);
         let matching = spans::mark();
@@ -543,7 +542,7 @@ impl Filter {
         // (protobuf) says each value's type, where a leaf's bytes do not (crate::claims).
         let identity = &vm.runtime.config.identity;
         if identity.uses_metadata() {
-            let metadata = abi::property(&["metadata"]).unwrap_or_default();
+            let metadata = host::property(&["metadata"]).unwrap_or_default();
             if let IdSource::Metadata(path) = &identity.tenant {
                 req.tenant_claim = metadata_claim(&metadata, path);
             }
@@ -569,7 +568,7 @@ impl Filter {
         }
         self.event(|w, cx, s| {
             w.on_request_trailers(cx, s, || {
-                abi::buffer(BufferType::HttpRequestBody, usize::MAX >> 1)
+                host::buffer(BufferType::HttpRequestBody, usize::MAX >> 1)
             })
         })
     }
@@ -587,7 +586,7 @@ impl Filter {
         }
         self.event(|w, cx, s| {
             w.on_response_headers(cx, s, end_of_stream, || ResponseHead {
-                headers: header_pairs(MapType::ResponseHeaders),
+                headers: header_pairs(MapType::HttpResponseHeaders),
                 details: property(&["response", "code_details"]).unwrap_or_default(),
             })
         })
@@ -602,7 +601,7 @@ impl Filter {
             return Action::Continue;
         }
         self.event(|w, cx, s| {
-            w.on_response_trailers(cx, s, || header_pairs(MapType::ResponseTrailers))
+            w.on_response_trailers(cx, s, || header_pairs(MapType::HttpResponseTrailers))
         })
     }
 }

@@ -121,7 +121,7 @@ impl Drop for Guard {
 
 #[cfg(feature = "spans")]
 mod on {
-    use super::super::abi::{self, LogLevel};
+    use super::super::host::{self, LogLevel};
     use super::{Span, REPORT_EVERY, SPANS};
     use std::cell::RefCell;
 
@@ -161,7 +161,7 @@ mod on {
             Some(format!("spans: {}", parts.join(" ")))
         });
         if let Some(line) = line {
-            abi::log(LogLevel::Warn, &line);
+            host::log(LogLevel::Warn, &line);
         }
     }
 }

@@ -11,6 +11,8 @@ use crate::headers::{self, Headers};
 use crate::metrics::NoMetrics;
 use crate::redis::webdis;
 use crate::request::{policy_index, Probe, Request, Selected};
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 fn runtime(mode: &str) -> Runtime {
     Runtime::per_tenant_benchmark(mode).expect("valid")

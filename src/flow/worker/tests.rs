@@ -3,6 +3,8 @@ use crate::config::Config;
 use crate::flow::test_support::ints;
 use crate::flow::Runtime;
 use crate::metrics::testing::Recorder;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const CONFIG: &str = r#"{
   "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg", "batch": false},

@@ -1,0 +1,136 @@
+//! The proxy-wasm SDK's entry: `main!` sets up the log and what a panic says, and the SDK's
+//! dispatcher hands every callback to this plugin's root context ([`RootCtx`]) or to one of
+//! its streams ([`StreamCtx`]). Both only translate: the work is the adapter's ([`Root`],
+//! [`Filter`]), which hands it to the worker.
+//!
+//! The module exports no `proxy_on_log` of its own use: the SDK's default does nothing.
+
+use super::host::{self, LogLevel};
+use super::{Filter, Root};
+use crate::flow::worker::Action;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action as HostAction, ContextType};
+
+proxy_wasm::main! {{
+    if log::set_logger(&HostLog).is_ok() {
+        log::set_max_level(log::LevelFilter::Info);
+    }
+    std::panic::set_hook(Box::new(|info| {
+        host::log(LogLevel::Critical, &format!("panicked: {info}"));
+    }));
+    proxy_wasm::set_root_context(|_| Box::new(RootCtx(Root::default())));
+}}
+
+/// A root context: one per plugin sharing this VM.
+struct RootCtx(Root);
+
+impl Context for RootCtx {
+    /// An answer to a callout the root sent.
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _: usize) {
+        self.0.on_http_call_response(token, headers, body_size);
+    }
+}
+
+impl RootContext for RootCtx {
+    fn on_configure(&mut self, size: usize) -> bool {
+        self.0.on_configure(size)
+    }
+
+    fn on_tick(&mut self) {
+        self.0.on_tick();
+    }
+
+    fn on_queue_ready(&mut self, queue: u32) {
+        self.0.on_queue_ready(queue);
+    }
+
+    fn create_http_context(&self, context: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(StreamCtx(self.0.stream(context))))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// One HTTP stream of the plugin.
+struct StreamCtx(Filter);
+
+/// The worker's action as the host's.
+fn host_action(action: Action) -> HostAction {
+    match action {
+        Action::Continue => HostAction::Continue,
+        Action::Pause => HostAction::Pause,
+    }
+}
+
+impl Context for StreamCtx {
+    /// An answer to a callout this stream sent.
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body_size: usize, _: usize) {
+        self.0.on_http_call_response(token, headers, body_size);
+    }
+
+    /// The stream is done: the host may delete it at once.
+    fn on_done(&mut self) -> bool {
+        self.0.on_done();
+        true
+    }
+}
+
+impl HttpContext for StreamCtx {
+    fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> HostAction {
+        host_action(self.0.on_request_headers(end_of_stream))
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> HostAction {
+        host_action(self.0.on_request_body(body_size, end_of_stream))
+    }
+
+    fn on_http_request_trailers(&mut self, _: usize) -> HostAction {
+        host_action(self.0.on_request_trailers())
+    }
+
+    fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> HostAction {
+        host_action(self.0.on_response_headers(end_of_stream))
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> HostAction {
+        host_action(self.0.on_response_body(body_size, end_of_stream))
+    }
+
+    fn on_http_response_trailers(&mut self, _: usize) -> HostAction {
+        host_action(self.0.on_response_trailers())
+    }
+}
+
+/// The host deleted the stream's context (the SDK drops it): the worker forgets it.
+impl Drop for StreamCtx {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+/// The `log` crate's records, written to the host's log.
+struct HostLog;
+
+impl log::Log for HostLog {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        metadata.level() <= log::max_level()
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        let level = match record.level() {
+            log::Level::Error => LogLevel::Error,
+            log::Level::Warn => LogLevel::Warn,
+            log::Level::Info => LogLevel::Info,
+            log::Level::Debug => LogLevel::Debug,
+            log::Level::Trace => LogLevel::Trace,
+        };
+        host::log(level, &record.args().to_string());
+    }
+
+    fn flush(&self) {}
+}
