@@ -19,39 +19,13 @@
 //! * Tenants, principals, client addresses and header values only appear hashed.
 
 use crate::config::{Algorithm, Policy, RateLimit, Selector};
+pub use crate::hashing::short_hash;
+use crate::hashing::{domain_hasher, push_short_digest, push_short_hash};
 use crate::local::slots::text_hash;
-use crate::text::{hex, push, push_hex, push_u64, split_once_byte};
+use crate::text::{hex, push, push_u64, split_once_byte};
 use sha2::{Digest, Sha256};
 use std::ops::Range;
 use std::rc::Rc;
-
-/// A 64-bit (16 hex digit) SHA-256 digest of `value`, separated by `domain` so that a tenant
-/// and a header with the same text do not hash alike.
-pub fn short_hash(domain: &str, value: &[u8]) -> String {
-    let mut out = String::with_capacity(16);
-    push_short_hash(&mut out, domain, value);
-    out
-}
-
-/// Appends [`short_hash`] to `out`.
-fn push_short_hash(out: &mut String, domain: &str, value: &[u8]) {
-    let mut h = domain_hasher(domain);
-    h.update(value);
-    push_short_digest(out, h);
-}
-
-/// A hasher fed with `domain` and a 0 byte: what every short hash starts from.
-fn domain_hasher(domain: &str) -> Sha256 {
-    let mut h = Sha256::new();
-    h.update(domain.as_bytes());
-    h.update([0u8]);
-    h
-}
-
-/// Appends the first 64 bits of `h`'s digest in hex.
-fn push_short_digest(out: &mut String, h: Sha256) {
-    push_hex(out, &h.finalize()[..8]);
-}
 
 /// The hash tag of everything a tenant owns.
 pub fn tenant_tag(tenant: &str) -> String {

@@ -13,6 +13,7 @@ pub mod claims;
 pub mod config;
 pub mod flow;
 pub mod grpc;
+pub mod hashing;
 pub mod headers;
 pub mod heap;
 pub mod idempotency;

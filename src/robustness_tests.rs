@@ -4,10 +4,11 @@
 use crate::config::Config;
 use crate::idempotency::canonical::canonicalize;
 use crate::idempotency::header::parse_key;
-use crate::idempotency::record::{base64_decode, Record, StoredResponse};
+use crate::idempotency::record::{Record, StoredResponse};
 use crate::idempotency::seal::{record_aad, Keyring, RecordKey};
 use crate::ids::TokenSource;
 use crate::redis::resp;
+use crate::text::base64_decode;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -1,6 +1,9 @@
 //! Text building blocks shared by keys, headers and bodies: decimal numbers and hex, written
 //! into an existing buffer (no intermediate strings on the request path).
 
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
+
 /// Appends `text`. Not inlined: a request writes its keys, arguments and headers in dozens
 /// of places, and inlined each would be a copy of the growth and the copy (what a request
 /// costs in Envoy follows the distinct code it runs, not the calls).
@@ -105,6 +108,17 @@ pub fn push_hex(out: &mut String, bytes: &[u8]) {
         }
         out.push_str(ascii(&text[..2 * chunk.len()]));
     }
+}
+
+/// Standard base64 with padding (the `base64` crate's standard engine).
+pub fn base64_encode(data: &[u8]) -> String {
+    STANDARD.encode(data)
+}
+
+/// Standard base64 with padding, canonical (`=` only at the end, no stray bits); `None` for
+/// anything else.
+pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
+    STANDARD.decode(text).ok()
 }
 
 #[cfg(test)]

@@ -531,7 +531,7 @@ fn answers_by_stored_state() {
 /// `IDEM_CONFIG` with `encryption` on the `orders` policy: `current` (and `previous`) are
 /// the record keys' bytes, handed in through the environment as the VM would.
 fn sealed_runtime(rec: &Recorder, current: u8, previous: Option<u8>) -> Runtime {
-    use crate::idempotency::record::base64_encode;
+    use crate::text::base64_encode;
     let mut v: serde_json::Value = serde_json::from_str(IDEM_CONFIG).expect("json");
     let mut encryption = serde_json::json!({"key_env": "CG_RECORD_KEY"});
     if previous.is_some() {

@@ -30,8 +30,7 @@
 //! unreadable to it, never replayed as something else.
 
 use super::seal::{Keyring, OpenError, Sealed, NONCE_LEN};
-use base64::engine::general_purpose::STANDARD;
-use base64::Engine as _;
+use crate::text::{base64_decode, base64_encode};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -243,17 +242,6 @@ impl Record {
         }
         Some(r)
     }
-}
-
-/// Standard base64 with padding (the `base64` crate's standard engine).
-pub fn base64_encode(data: &[u8]) -> String {
-    STANDARD.encode(data)
-}
-
-/// Standard base64 with padding, canonical (`=` only at the end, no stray bits); `None` for
-/// anything else.
-pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
-    STANDARD.decode(text).ok()
 }
 
 #[cfg(test)]

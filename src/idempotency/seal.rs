@@ -20,8 +20,8 @@
 //! Opening never panics: an unknown key id, a tag that does not match (tampered, moved, or
 //! another key), bad base64 or another algorithm are each an [`OpenError`].
 
-use crate::idempotency::record::{base64_decode, base64_encode};
-use crate::keys::short_hash;
+use crate::hashing::short_hash;
+use crate::text::{base64_decode, base64_encode};
 use aes_gcm::aead::generic_array::GenericArray;
 use aes_gcm::aead::{Aead, KeyInit, Payload};
 use aes_gcm::Aes256Gcm;
