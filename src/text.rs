@@ -97,16 +97,16 @@ pub fn hex(bytes: &[u8]) -> String {
     out
 }
 
-/// Appends the lower-case hex of `bytes`.
+/// Appends the lower-case hex of `bytes` (const-hex, 32 bytes of hex at a time).
 pub fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut text = [0u8; 64];
     for chunk in bytes.chunks(text.len() / 2) {
-        for (pair, b) in text.chunks_exact_mut(2).zip(chunk) {
-            pair[0] = DIGITS[usize::from(b >> 4)];
-            pair[1] = DIGITS[usize::from(b & 0x0f)];
+        let Some(dst) = text.get_mut(..2 * chunk.len()) else {
+            return;
+        };
+        if const_hex::encode_to_slice(chunk, dst).is_ok() {
+            out.push_str(ascii(dst));
         }
-        out.push_str(ascii(&text[..2 * chunk.len()]));
     }
 }
 
