@@ -4,7 +4,7 @@
 //! The SDK's `hostcalls` return `Result` for the statuses each call documents and panic on any
 //! other (a panic aborts the VM for every request of the worker). Each call below is one whose
 //! other statuses Envoy 1.40 never answers (its `source/extensions/common/wasm/context.cc`),
-//! except two kinds, which go through the host's own functions here:
+//! except three kinds, which go through the host's own functions here:
 //!
 //! - a change to a header map (`add`, `replace`, `remove`): Envoy answers `BadArgument` when
 //!   the map is no longer there (a request's headers once they went on), which the SDK's
@@ -12,7 +12,9 @@
 //! - a local reply with both an HTTP and a gRPC status: the SDK's `send_http_response` sends no
 //!   gRPC status and its `send_grpc_response` no HTTP status, and a gRPC client is answered
 //!   with an explicit code (`429` -> `RESOURCE_EXHAUSTED`, where Envoy would map `429` to
-//!   `UNAVAILABLE`).
+//!   `UNAVAILABLE`);
+//! - the read of a whole header map, on every request: the SDK's readers allocate two buffers
+//!   per header (the host hands the map over as one, which `Headers::decode` keeps as one).
 //!
 //! A callout's answer headers are read only when the host handed some: on a failed callout
 //! (connection reset) Envoy has no such map and answers `BadArgument`.
@@ -54,6 +56,11 @@ extern "C" {
         key_size: usize,
         value: *const u8,
         value_size: usize,
+    ) -> Status;
+    fn proxy_get_header_map_pairs(
+        map: MapType,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
     ) -> Status;
     fn proxy_send_local_response(
         status_code: u32,
@@ -134,10 +141,21 @@ fn serialize(map: &[(&str, &str)]) -> Vec<u8> {
     out
 }
 
-/// A header map's pairs (values as bytes). Called only in the callback of that map (request
-/// headers, response headers, response trailers), where Envoy has it: `Ok`.
-pub fn header_pairs(map: MapType) -> Vec<(String, Vec<u8>)> {
-    hostcalls::get_map_bytes(map).unwrap_or_default()
+/// A header map in the host's encoding (see [`crate::headers::Headers::decode`]), as one
+/// buffer; empty when the host has none to give. The host's own import: the SDK's `get_map`
+/// and `get_map_bytes` decode every name and value into buffers of their own (two per
+/// header), on every request, and panic on a name that is not UTF-8.
+pub fn header_map_bytes(map: MapType) -> Vec<u8> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the two return slots outlive the call.
+    let status = unsafe { proxy_get_header_map_pairs(map, &mut data, &mut size) };
+    if status != Status::Ok || data.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: the host wrote `data`, which it allocated through the SDK's
+    // proxy_on_memory_allocate(size): a boxed slice of `size` bytes, all of it filled.
+    unsafe { Vec::from_raw_parts(data, size, size) }
 }
 
 /// One header's value; `None` when the map has no such header. Envoy answers `Ok`,

@@ -484,11 +484,7 @@ fn strip(reserved: &[String], headers: &mut Headers) {
 }
 
 fn header_map(map: MapType) -> Headers {
-    let mut headers = Headers::default();
-    for (name, value) in host::header_pairs(map) {
-        headers.push(&name, &String::from_utf8_lossy(&value));
-    }
-    headers
+    Headers::decode(host::header_map_bytes(map)).unwrap_or_default()
 }
 
 fn header_pairs(map: MapType) -> Vec<(String, String)> {
