@@ -17,6 +17,7 @@ pub mod headers;
 pub mod heap;
 pub mod idempotency;
 pub mod ids;
+pub mod jsonscan;
 pub mod keys;
 pub mod local;
 pub mod lograte;
