@@ -139,7 +139,7 @@ fn bad_configs_name_the_field() {
         ("empty_limit_name", "/policies/0/rate_limits/1/name", json!(""),
          "policies[0].rate_limits[1].name: must not be empty"),
         ("unknown_top", "/rate_limit", json!(1),
-         "rate_limit: unknown field (known here: envoy_buffer_limit, failure_mode, identity, over_limit_cache, policies, redis, response_headers)"),
+         "rate_limit: unknown field (known here: envoy_buffer_limit, failure_mode, identity, memory_budget, over_limit_cache, policies, redis, response_headers)"),
         ("unknown_in_limit", "/policies/0/rate_limits/0/windw", json!("1s"),
          "policies[0].rate_limits[0].windw: unknown field (did you mean `window`?)"),
         ("path_with_double_slash", "/policies/0/match/path_prefix", json!("/orders//x"),
@@ -848,13 +848,17 @@ fn concurrency_cost_and_charge() {
             default: 0,
             min: 0,
             max: 10_000
-        })
+        }),
+        "min: 0 with a default of 0"
     );
     assert_eq!(
         l[1].charge,
-        Some(Charge::Json {
-            pointer: "/usage/total_tokens".into(),
-            max_body: CHARGE_MAX_BODY
+        Some(Charge {
+            source: ChargeSource::Json {
+                pointer: Pointer::parse("/usage/total_tokens").expect("a pointer"),
+                max_body: CHARGE_MAX_BODY
+            },
+            unreadable: Fallback::Max(10_000),
         })
     );
     assert_eq!(
@@ -862,7 +866,18 @@ fn concurrency_cost_and_charge() {
         Some((1, 50)),
         "max: the burst"
     );
-    assert_eq!(l[2].charge, Some(Charge::Trailer("x-used".into())));
+    assert_eq!(
+        l[2].cost.as_ref().map(|c| c.min),
+        Some(1),
+        "min: 1 unless given, so a client cannot declare its requests free"
+    );
+    assert_eq!(
+        l[2].charge,
+        Some(Charge {
+            source: ChargeSource::Trailer("x-used".into()),
+            unreadable: Fallback::Max(50),
+        })
+    );
 }
 
 #[test]
@@ -890,7 +905,7 @@ fn cost_and_charge_errors_name_the_field() {
         (json!({"cost": {"header": "x-c", "max": 101}}),
          format!("{at}.cost.max: 101 is more than the limit can ever admit (100)")),
         (json!({"cost": {"header": "x-c", "default": 5, "max": 4}}),
-         format!("{at}.cost.default: 5 is not between min (0) and max (4)")),
+         format!("{at}.cost.default: 5 is not between min (1) and max (4)")),
         (json!({"cost": {"header": "x-c", "min": 2}}),
          format!("{at}.cost.default: 1 is not between min (2) and max (100)")),
         (json!({"cost": {"header": "x-c", "default": -1}}),

@@ -212,9 +212,18 @@ pub fn add_header(map: MapType, name: &str, value: &str) -> Result<(), Refused> 
 /// The host's allocations of what it hands over: a `Vec<u8>`'s buffer of capacity `size`,
 /// which [`Returned::take`] owns again. (A zero size gets a dangling pointer, which the host
 /// writes nothing to.)
+///
+/// A large one is asked fallibly: when the VM's memory cannot take it (or may not grow for
+/// it, see [`crate::heap`]) the host gets a null pointer and fails the call that asked, which
+/// the caller sees as a refusal, never an abort of the VM. A small one may always grow it.
 #[no_mangle]
 pub extern "C" fn proxy_on_memory_allocate(size: usize) -> *mut u8 {
-    let mut buf = Vec::<u8>::with_capacity(size);
+    let mut buf = Vec::<u8>::new();
+    if size <= crate::memory::SMALL {
+        buf.reserve_exact(size);
+    } else if crate::heap::fallibly(|| buf.try_reserve_exact(size)).is_err() {
+        return std::ptr::null_mut();
+    }
     let ptr = buf.as_mut_ptr();
     std::mem::forget(buf);
     ptr
