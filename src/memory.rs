@@ -13,7 +13,7 @@
 //!
 //! Small allocations (a request's keys, headers, calls) are not checked, nor is a short-lived
 //! copy of up to [`SMALL`] bytes (a small answer, a small body read to be hashed or scanned):
-//! the budget sits well below what the VM can grow to (at most half of it), and they fit in
+//! the budget sits well below what the VM can grow to (at most a quarter of it), and they fit in
 //! the rest. What accumulates while streams run (a body copied for its record) is always
 //! checked.
 

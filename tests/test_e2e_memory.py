@@ -297,8 +297,8 @@ def test_past_the_budget_a_fingerprint_or_a_replay_is_refused_and_runs_nothing(g
 REFUSED = {
     "budget_too_small": ({"memory_budget": "1MiB"}, "memory_budget: 1048576 bytes is less than "
                          "the smallest budget, 4194304 bytes (4MiB)"),
-    "budget_too_large": ({"memory_budget": "1024MiB"}, 'memory_budget: "1024MiB" is larger than '
-                         "the maximum of 536870912 bytes"),
+    "budget_too_large": ({"memory_budget": "512MiB"}, 'memory_budget: "512MiB" is larger than '
+                         "the maximum of 268435456 bytes"),
     "body_over_an_eighth": ({"envoy_buffer_limit": "32MiB", "policies": [
         {"name": "orders", "idempotency": {"max_request_body": "16MiB"}}]},
         "policies[0].idempotency.max_request_body: 16777216 bytes is more than an eighth of "

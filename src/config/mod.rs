@@ -498,9 +498,11 @@ pub const MAX_ENVOY_BUFFER_LIMIT: u64 = 1 << 30;
 pub const DEFAULT_MEMORY_BUDGET: u64 = 64 << 20;
 /// The smallest `memory_budget` accepted.
 pub const MIN_MEMORY_BUDGET: u64 = 4 << 20;
-/// The largest `memory_budget` accepted: half of the 1 GiB a V8 Wasm VM can grow to, so that
-/// what the budget does not see (the host's copies, the allocator's spare room) still fits.
-pub const MAX_MEMORY_BUDGET: u64 = 512 << 20;
+/// The largest `memory_budget` accepted: a quarter of the 1 GiB a V8 Wasm VM in Envoy can grow
+/// to. The budget's copies may grow the VM's memory to twice the budget (the allocator's spare
+/// room and fragments); what the budget does not see (small allocations, the copies that are
+/// always made) must still fit in the rest.
+pub const MAX_MEMORY_BUDGET: u64 = 256 << 20;
 /// A body limit (`max_request_body`, `max_response_body`) may be at most this fraction of
 /// `memory_budget`: fingerprinting or storing one such body takes several copies of it.
 pub const BODY_SHARE_OF_BUDGET: u64 = 8;
