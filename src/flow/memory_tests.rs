@@ -257,3 +257,29 @@ fn a_charge_piece_the_budget_cannot_hold_is_charged_the_fallback() {
     assert_eq!(&bg[0].call.args[4], "9993", "10000 (max) instead of 7");
     assert_eq!(rec.count("cg.policy.llm.limit.tokens.charge_unreadable"), 1);
 }
+
+#[test]
+fn a_settlement_whose_answer_was_not_read_ran_and_is_neither_retried_nor_failed() {
+    // A release the root sends, whose batch came back too large to read: it ran in Redis.
+    let rec = Recorder::default();
+    let rt = runtime(&rec);
+    pretend_held(0);
+    let mut flow = buffering(&rt, &rec);
+    dispatched(flow.on_request_body(&Cx::new(&rt, 1, &rec), 2, true, || b"{}".to_vec()));
+    flow.on_reply(&Cx::new(&rt, 2, &rec), 0, Err(CallError::Timeout));
+    let release = flow
+        .take_background()
+        .into_iter()
+        .next()
+        .expect("a compensation");
+    let mut outbox = Outbox::default();
+    outbox.add(release);
+    let sent = outbox.take_due(10);
+    assert_eq!(sent.len(), 1);
+    let cx = Cx::new(&rt, 10, &rec);
+    outbox.on_answer(&cx, sent[0].slot, Err(CallError::OverBudget));
+    assert!(outbox.is_empty(), "not sent again");
+    assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 0);
+    assert_eq!(rec.count("cg.redis.retries"), 0);
+    assert_eq!(rec.count("cg.redis.errors"), 0);
+}
