@@ -10,9 +10,23 @@
 //!
 //! A list keeps at most [`MAX_FREE_BYTES`] of its class (the rest goes back to the general
 //! allocator), so a burst of one size leaves at most that much idle per class.
+//!
+//! The heap counts what it holds: the bytes the general allocator gave it and it did not give
+//! back (class blocks idle in their lists included). [`held`] reads it; the worker's memory
+//! budget ([`crate::memory`]) is checked against it before any large copy. An allocation the
+//! general allocator cannot make (the VM's memory cannot grow) is reported through the hook
+//! set with [`on_failure`] before the null goes back, unless it was asked for in [`fallibly`]
+//! (a `try_reserve` whose caller handles the refusal): otherwise Rust aborts the VM next, and
+//! the log must say why.
+//!
+//! The VM's memory (what Talc takes from `memory.grow`, [`Growing`]) grows for an allocation
+//! asked in [`fallibly`] only up to [`Classes::cap_growth`]'s cap: past it that allocation
+//! fails (its caller handles it: a record stored by reference, a body not read), so a
+//! fragmented heap does not grow without end for the big copies the budget already checks. An
+//! allocation asked otherwise always may grow it (failing it would abort the VM).
 
 use std::alloc::{GlobalAlloc, Layout};
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::ptr;
 
 /// The largest block served by class.
@@ -53,10 +67,21 @@ const EMPTY: FreeList = FreeList {
     len: 0,
 };
 
+/// What is told of an allocation that failed outside [`fallibly`]: its size and what the heap
+/// held then.
+pub type FailureHook = fn(size: usize, held: usize);
+
 /// Size classes over `A`, the general allocator.
 pub struct Classes<A> {
     general: A,
     lists: UnsafeCell<[FreeList; SIZES.len()]>,
+    /// Bytes taken from the general allocator and not given back.
+    held: Cell<usize>,
+    /// Inside [`fallibly`]: a failure is the caller's to handle.
+    fallible: Cell<bool>,
+    hook: Cell<Option<FailureHook>>,
+    /// The VM memory's size past which a fallible allocation may not grow it (0: no cap).
+    growth_cap: Cell<usize>,
 }
 
 impl<A> Classes<A> {
@@ -64,7 +89,42 @@ impl<A> Classes<A> {
         Classes {
             general,
             lists: UnsafeCell::new([EMPTY; SIZES.len()]),
+            held: Cell::new(0),
+            fallible: Cell::new(false),
+            hook: Cell::new(None),
+            growth_cap: Cell::new(0),
         }
+    }
+
+    /// Whether a fallible allocation may grow the VM's memory from `size` bytes by `more`.
+    pub fn may_grow(&self, size: usize, more: usize) -> bool {
+        let cap = self.growth_cap.get();
+        !self.fallible.get() || cap == 0 || size.saturating_add(more) <= cap
+    }
+
+    /// From now on a fallible allocation does not grow the VM's memory past `bytes` (0: no
+    /// cap).
+    pub fn cap_growth(&self, bytes: usize) {
+        self.growth_cap.set(bytes);
+    }
+
+    /// Bytes the general allocator gave this heap and did not get back.
+    pub fn held(&self) -> usize {
+        self.held.get()
+    }
+
+    /// `f`'s result; an allocation that fails inside it is not reported (the caller asked
+    /// with `try_reserve` and handles the refusal).
+    pub fn fallibly<T>(&self, f: impl FnOnce() -> T) -> T {
+        let was = self.fallible.replace(true);
+        let out = f();
+        self.fallible.set(was);
+        out
+    }
+
+    /// Reports a failed allocation to `hook` from now on.
+    pub fn on_failure(&self, hook: FailureHook) {
+        self.hook.set(Some(hook));
     }
 }
 
@@ -74,6 +134,47 @@ impl<A> Classes<A> {
 unsafe impl<A: Sync> Sync for Classes<A> {}
 
 impl<A: GlobalAlloc> Classes<A> {
+    /// A block of the general allocator, counted (a failure reported).
+    ///
+    /// # Safety
+    /// `layout` has a non-zero size.
+    unsafe fn general_alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract, passed on.
+        let block = unsafe { self.general.alloc(layout) };
+        self.counted(block, 0, layout.size())
+    }
+
+    /// # Safety
+    /// `block` came from [`Classes::general_alloc`] (or `general_realloc`) with `layout`.
+    unsafe fn general_dealloc(&self, block: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.general.dealloc(block, layout) };
+        self.held.set(self.held.get().saturating_sub(layout.size()));
+    }
+
+    /// # Safety
+    /// `block` came from the general allocator with `layout`; `new_size` is non-zero.
+    unsafe fn general_realloc(&self, block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the caller's contract, passed on.
+        let moved = unsafe { self.general.realloc(block, layout, new_size) };
+        self.counted(moved, layout.size(), new_size)
+    }
+
+    /// After the general allocator answered a request that turns `old` held bytes into `new`:
+    /// the count follows a success; a failure (null) is reported unless it was asked for
+    /// fallibly.
+    fn counted(&self, block: *mut u8, old: usize, new: usize) -> *mut u8 {
+        if block.is_null() {
+            if let (false, Some(hook)) = (self.fallible.get(), self.hook.get()) {
+                hook(new, self.held.get());
+            }
+        } else {
+            self.held
+                .set(self.held.get().saturating_sub(old).saturating_add(new));
+        }
+        block
+    }
+
     /// The layout the general allocator gives a block of class `c`.
     fn class_layout(c: usize) -> Option<Layout> {
         Layout::from_size_align(*SIZES.get(c)?, CLASS_ALIGN).ok()
@@ -87,7 +188,7 @@ impl<A: GlobalAlloc> Classes<A> {
         if list.head.is_null() {
             return match Self::class_layout(c) {
                 // SAFETY: a non-zero size.
-                Some(layout) => unsafe { self.general.alloc(layout) },
+                Some(layout) => unsafe { self.general_alloc(layout) },
                 None => ptr::null_mut(),
             };
         }
@@ -110,7 +211,7 @@ impl<A: GlobalAlloc> Classes<A> {
         };
         if list.len * layout.size() >= MAX_FREE_BYTES {
             // SAFETY: the block came from the general allocator with this layout.
-            unsafe { self.general.dealloc(block, layout) };
+            unsafe { self.general_dealloc(block, layout) };
             return;
         }
         // SAFETY: the block is ours, at least 16 bytes, aligned to 16.
@@ -130,7 +231,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Classes<A> {
             // SAFETY: a class index; the lists are not borrowed elsewhere.
             Some(c) => unsafe { self.take(c) },
             // SAFETY: the caller's contract, passed on.
-            None => unsafe { self.general.alloc(layout) },
+            None => unsafe { self.general_alloc(layout) },
         }
     }
 
@@ -140,7 +241,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Classes<A> {
             // SAFETY: allocated with this layout, so from `take(c)`.
             Some(c) => unsafe { self.give(c, block) },
             // SAFETY: the caller's contract, passed on.
-            None => unsafe { self.general.dealloc(block, layout) },
+            None => unsafe { self.general_dealloc(block, layout) },
         }
     }
 
@@ -152,7 +253,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Classes<A> {
         match (class_of(layout), class_of(new_layout)) {
             (Some(a), Some(b)) if a == b => block,
             // SAFETY: the caller's contract, passed on (neither block is a class's).
-            (None, None) => unsafe { self.general.realloc(block, layout, new_size) },
+            (None, None) => unsafe { self.general_realloc(block, layout, new_size) },
             _ => {
                 // SAFETY: `new_layout` is valid and non-zero (the caller's contract).
                 let moved = unsafe { self.alloc(new_layout) };
@@ -168,6 +269,118 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Classes<A> {
         }
     }
 }
+
+/// What this VM's heap holds (see [`Classes::held`]). Off the VM (tests, host tools) there is
+/// no such heap: what [`pretend_held`] last set on this thread.
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
+pub fn held() -> usize {
+    crate::ALLOCATOR.held()
+}
+
+/// `f`'s result, an allocation failure inside it left to the caller (see [`Classes::fallibly`]).
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
+pub fn fallibly<T>(f: impl FnOnce() -> T) -> T {
+    crate::ALLOCATOR.fallibly(f)
+}
+
+/// Reports this VM's failed allocations to `hook` (see [`Classes::on_failure`]).
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
+pub fn on_failure(hook: FailureHook) {
+    crate::ALLOCATOR.on_failure(hook);
+}
+
+/// Caps the VM memory's growth for fallible allocations (see [`Classes::cap_growth`]).
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
+pub fn cap_growth(bytes: usize) {
+    crate::ALLOCATOR.cap_growth(bytes);
+}
+
+/// The Wasm memory as Talc's source of heap: grown by whole pages when Talc runs out, the new
+/// pages added to the end of the heap (or claimed as a heap of their own if they do not
+/// follow it), unless [`Classes::may_grow`] says no for the allocation asking.
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
+#[derive(Debug, Default)]
+pub struct Growing {
+    end: Option<ptr::NonNull<u8>>,
+}
+
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
+impl Growing {
+    pub const fn new() -> Growing {
+        Growing { end: None }
+    }
+}
+
+/// A Wasm page.
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
+const PAGE: usize = 64 << 10;
+
+// SAFETY: it allocates nothing (no Rust allocator, no container); the memory it hands Talc is
+// fresh Wasm memory, claimed once, never touched by anything else.
+#[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
+unsafe impl talc::source::Source for Growing {
+    fn acquire<B: talc::base::binning::Binning>(
+        talc: &mut talc::base::Talc<Self, B>,
+        layout: Layout,
+    ) -> Result<(), ()> {
+        // Room for the block, its alignment and Talc's bookkeeping around it, in pages.
+        let bytes = layout
+            .size()
+            .saturating_add(layout.align())
+            .saturating_add(4096);
+        let pages = bytes.div_ceil(PAGE);
+        let size = core::arch::wasm32::memory_size(0).saturating_mul(PAGE);
+        if !crate::ALLOCATOR.may_grow(size, pages.saturating_mul(PAGE)) {
+            return Err(());
+        }
+        let old_pages = core::arch::wasm32::memory_grow(0, pages);
+        if old_pages == usize::MAX {
+            return Err(());
+        }
+        let base = (old_pages * PAGE) as *mut u8;
+        let end = base.wrapping_add(pages * PAGE);
+        match talc.source.end.take() {
+            // SAFETY: the heap ends where the new pages begin: they extend it.
+            Some(old) if old.as_ptr() == base => {
+                talc.source.end = Some(unsafe { talc.extend(old, end) });
+            }
+            // SAFETY: fresh pages of the VM's memory, Talc's alone from now on.
+            _ => talc.source.end = unsafe { talc.claim(base, pages * PAGE) },
+        }
+        Ok(())
+    }
+}
+
+#[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
+thread_local! {
+    static PRETEND_HELD: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Off the VM: what [`pretend_held`] last set on this thread (0 by default).
+#[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
+pub fn held() -> usize {
+    PRETEND_HELD.with(Cell::get)
+}
+
+/// Off the VM: what [`held`] says on this thread from now on (a test's heap).
+#[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
+pub fn pretend_held(bytes: usize) {
+    PRETEND_HELD.with(|h| h.set(bytes));
+}
+
+/// Off the VM: `f`'s result.
+#[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
+pub fn fallibly<T>(f: impl FnOnce() -> T) -> T {
+    f()
+}
+
+/// Off the VM: nothing to report to.
+#[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
+pub fn on_failure(_hook: FailureHook) {}
+
+/// Off the VM: no memory to cap.
+#[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
+pub fn cap_growth(_bytes: usize) {}
 
 #[cfg(test)]
 mod tests {
@@ -265,6 +478,74 @@ mod tests {
             }
             heap.dealloc(p, l);
         }
+    }
+
+    #[test]
+    fn the_heap_counts_what_the_general_allocator_gave_it() {
+        let heap = Classes::new(System);
+        unsafe {
+            let small = heap.alloc(layout(40, 8));
+            assert_eq!(heap.held(), 48, "a class block: its class's size");
+            heap.dealloc(small, layout(40, 8));
+            assert_eq!(heap.held(), 48, "idle in its list, still held");
+            let big = heap.alloc(layout(5000, 8));
+            assert_eq!(heap.held(), 5048);
+            let bigger = heap.realloc(big, layout(5000, 8), 9000);
+            assert_eq!(heap.held(), 9048);
+            let small_again = heap.realloc(bigger, layout(9000, 8), 100);
+            assert_eq!(heap.held(), 48 + 112, "moved into a class");
+            heap.dealloc(small_again, layout(100, 8));
+        }
+    }
+
+    /// A general allocator that refuses everything.
+    struct Full;
+
+    unsafe impl GlobalAlloc for Full {
+        unsafe fn alloc(&self, _: Layout) -> *mut u8 {
+            ptr::null_mut()
+        }
+        unsafe fn dealloc(&self, _: *mut u8, _: Layout) {}
+    }
+
+    thread_local! {
+        static REPORTED: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
+    }
+
+    #[test]
+    fn a_failure_is_reported_unless_asked_for_fallibly() {
+        fn hook(size: usize, held: usize) {
+            REPORTED.with(|r| r.set(Some((size, held))));
+        }
+        let heap = Classes::new(Full);
+        heap.on_failure(hook);
+        unsafe {
+            assert!(heap.fallibly(|| heap.alloc(layout(4096, 8))).is_null());
+            assert_eq!(REPORTED.with(Cell::get), None, "the caller handles it");
+            assert!(heap.alloc(layout(4096, 8)).is_null());
+        }
+        assert_eq!(REPORTED.with(Cell::get), Some((4096, 0)));
+        assert_eq!(heap.held(), 0);
+    }
+
+    #[test]
+    fn only_a_fallible_allocation_is_kept_under_the_growth_cap() {
+        let heap = Classes::new(System);
+        assert!(
+            heap.fallibly(|| heap.may_grow(usize::MAX / 2, 1)),
+            "no cap set"
+        );
+        heap.cap_growth(100);
+        assert!(
+            heap.may_grow(50, 60),
+            "an allocation that cannot fail may always grow it"
+        );
+        assert!(heap.fallibly(|| heap.may_grow(50, 50)));
+        assert!(!heap.fallibly(|| heap.may_grow(50, 51)));
+        assert!(
+            !heap.fallibly(|| heap.may_grow(usize::MAX, 1)),
+            "no overflow"
+        );
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod headers;
 pub mod heap;
 pub mod idempotency;
 pub mod ids;
+pub mod jsonscan;
 pub mod keys;
 pub mod local;
 pub mod lograte;
@@ -25,6 +26,7 @@ pub mod lua;
 /// The plugin configurations in what a user deploys (WasmPlugin, Envoy YAML): host tools only.
 #[cfg(not(target_arch = "wasm32"))]
 pub mod manifest;
+pub mod memory;
 pub mod metrics;
 pub mod normalize;
 pub mod ratelimit;
@@ -45,9 +47,11 @@ mod wasm;
 
 // The filter's heap in the VM: every request allocates a few dozen small blocks, which size
 // classes serve from the blocks the requests before it freed; the rest comes from Talc, whose
-// allocations and frees cost less than wasi-libc's malloc (docs/performance.md). The test
-// build counts allocations instead (alloc_count).
+// allocations and frees cost less than wasi-libc's malloc (docs/performance.md), over the
+// Wasm memory (`heap::Growing`: grown as Talc needs, capped for the big copies the memory
+// budget checks). The test build counts allocations instead (alloc_count).
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
 #[global_allocator]
-static ALLOCATOR: heap::Classes<talc::wasm::WasmDynamicTalc> =
-    heap::Classes::new(talc::wasm::new_wasm_dynamic_allocator());
+pub(crate) static ALLOCATOR: heap::Classes<
+    talc::cell::TalcSyncCell<heap::Growing, talc::wasm::WasmBinning>,
+> = heap::Classes::new(talc::cell::TalcSyncCell::new_wasm(heap::Growing::new()));

@@ -23,6 +23,8 @@ pub enum WarnKind {
     Dispatch,
     /// A stored response could not be opened (e.g. its key is gone: every replay fails).
     RecordUnopened,
+    /// The worker's memory budget refused a copy (a record stored by reference, a `503`).
+    MemoryBudget,
 }
 
 /// What to do with one warning.

@@ -3,9 +3,9 @@
 //!
 //! Names (Envoy shows them as `wasmcustom.<name>`):
 //!
-//! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`, `.charged`
-//!   (units charged after responses) for a limit with `charge`, and `.slot_orphaned` for a
-//!   concurrency limit
+//! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`, `.charged` (units
+//!   charged after responses) and `.charge_unreadable` (responses charged the `unreadable`
+//!   fallback) for a limit with `charge`, and `.slot_orphaned` for a concurrency limit
 //! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant|ambiguous_input`
 //! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
 //!   body_too_large|unreadable|sealed_unreadable|released|completed|complete_failed|stale_owner|
@@ -15,6 +15,8 @@
 //! * `cg.redis.calls|errors|timeouts|noscript|retries|retries_dropped`, histogram
 //!   `cg.redis.latency_ms`
 //! * `cg.over_limit_cache.hits`
+//! * `cg.memory.by_reference|refused`: the worker's memory budget at work (records stored by
+//!   reference, requests answered `503 guard_overloaded`)
 
 use crate::config::Config;
 
@@ -52,6 +54,8 @@ pub struct LimitMetrics {
     /// Slots left held, to expire after the window, by requests whose client left after
     /// they were forwarded and before the response's headers (concurrency limits).
     pub slot_orphaned: u32,
+    /// Responses whose charge could not be read, charged the `unreadable` fallback.
+    pub charge_unreadable: u32,
 }
 
 /// `cg.policy.<policy>.idem.<name>`, defined for policies with `idempotency`.
@@ -120,6 +124,16 @@ pub struct RedisMetrics {
     pub latency_ms: u32,
 }
 
+/// `cg.memory.<name>`: what the worker's memory budget refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryMetrics {
+    /// Records stored by reference because their body could not be held.
+    pub by_reference: u32,
+    /// Requests answered `503 guard_overloaded`: a body to fingerprint or a gateway answer
+    /// the budget could not hold.
+    pub refused: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Metrics {
     /// One entry per policy, in config order.
@@ -127,6 +141,7 @@ pub struct Metrics {
     pub redis: RedisMetrics,
     /// Requests rejected by the over-limit cache, without a Redis call.
     pub over_limit_cache_hits: u32,
+    pub memory: MemoryMetrics,
 }
 
 impl Metrics {
@@ -159,6 +174,11 @@ impl Metrics {
                                 },
                                 slot_orphaned: if l.concurrency() {
                                     counter(format!("{lb}.slot_orphaned"))
+                                } else {
+                                    u32::MAX
+                                },
+                                charge_unreadable: if l.charge.is_some() {
+                                    counter(format!("{lb}.charge_unreadable"))
                                 } else {
                                     u32::MAX
                                 },
@@ -211,10 +231,15 @@ impl Metrics {
             latency_ms: define(Kind::Histogram, "cg.redis.latency_ms"),
         };
         let over_limit_cache_hits = define(Kind::Counter, "cg.over_limit_cache.hits");
+        let memory = MemoryMetrics {
+            by_reference: define(Kind::Counter, "cg.memory.by_reference"),
+            refused: define(Kind::Counter, "cg.memory.refused"),
+        };
         Metrics {
             policies,
             redis,
             over_limit_cache_hits,
+            memory,
         }
     }
 }
@@ -300,6 +325,8 @@ mod tests {
                 "cg.redis.retries_dropped",
                 "cg.redis.latency_ms",
                 "cg.over_limit_cache.hits",
+                "cg.memory.by_reference",
+                "cg.memory.refused",
             ]
         );
     }

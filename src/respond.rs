@@ -37,6 +37,8 @@ pub enum Problem {
     /// A rate limit's cost header is not a non-negative integer, or is above its max (400).
     InvalidCost,
     GuardUnavailable,
+    /// The worker cannot hold what the request needs now (its memory budget): 503.
+    GuardOverloaded,
     MissingTenant,
     AmbiguousTenant,
     /// The principal header appears more than once (400).
@@ -68,7 +70,7 @@ impl Problem {
         match self {
             Problem::RateLimited | Problem::ConcurrencyLimited => 429,
             Problem::InvalidCost => 400,
-            Problem::GuardUnavailable => 503,
+            Problem::GuardUnavailable | Problem::GuardOverloaded => 503,
             Problem::MissingTenant => 401,
             Problem::AmbiguousTenant
             | Problem::AmbiguousPrincipal
@@ -90,6 +92,7 @@ impl Problem {
             Problem::ConcurrencyLimited => "concurrency_limited",
             Problem::InvalidCost => "invalid_cost",
             Problem::GuardUnavailable => "guard_unavailable",
+            Problem::GuardOverloaded => "guard_overloaded",
             Problem::MissingTenant => "missing_tenant",
             Problem::AmbiguousTenant => "ambiguous_tenant",
             Problem::AmbiguousPrincipal => "ambiguous_principal",
@@ -110,7 +113,7 @@ impl Problem {
         match self {
             Problem::RateLimited | Problem::ConcurrencyLimited => "Too Many Requests",
             Problem::InvalidCost => "Invalid Cost",
-            Problem::GuardUnavailable => "Service Unavailable",
+            Problem::GuardUnavailable | Problem::GuardOverloaded => "Service Unavailable",
             Problem::MissingTenant => "Unauthorized",
             Problem::AmbiguousTenant => "Ambiguous Tenant",
             Problem::AmbiguousPrincipal => "Ambiguous Principal",
@@ -137,7 +140,7 @@ impl Problem {
             Problem::RateLimited | Problem::ConcurrencyLimited | Problem::RequestBodyTooLarge => {
                 grpc::RESOURCE_EXHAUSTED
             }
-            Problem::GuardUnavailable => grpc::UNAVAILABLE,
+            Problem::GuardUnavailable | Problem::GuardOverloaded => grpc::UNAVAILABLE,
             Problem::MissingTenant => grpc::UNAUTHENTICATED,
             Problem::AmbiguousTenant
             | Problem::AmbiguousPrincipal
@@ -346,6 +349,7 @@ mod tests {
         let cases = [
             (Problem::RateLimited, 429, grpc::RESOURCE_EXHAUSTED),
             (Problem::GuardUnavailable, 503, grpc::UNAVAILABLE),
+            (Problem::GuardOverloaded, 503, grpc::UNAVAILABLE),
             (Problem::MissingTenant, 401, grpc::UNAUTHENTICATED),
             (Problem::AmbiguousTenant, 400, grpc::INVALID_ARGUMENT),
             (Problem::AmbiguousPrincipal, 400, grpc::INVALID_ARGUMENT),

@@ -185,6 +185,30 @@ def test_a_wasmplugin_variable_not_in_vmconfig_env_is_warned_about(tmp_path):
             "bytes, not 32") in r.stderr, r.stderr
 
 
+def test_a_cost_the_client_declares_with_nothing_to_correct_it_is_warned_about(tmp_path):
+    """Issue 54: a `cost` read from the client's header and no `charge`: the client pays what
+    it says. The check says so (the configuration is valid: a trusted layer may set the
+    header), and summarises what a charge falls back to."""
+    limit = {"name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000,
+             "window": "1m", "cost": {"header": "x-request-cost", "max": 10000}}
+    charged = {**limit, "name": "charged", "charge": {"response_json": "/usage/total_tokens"}}
+    config = {"redis": {"cluster": "gw"},
+              "policies": [{"name": "llm", "rate_limits": [limit, charged]}]}
+    path = tmp_path / "plugin.json"
+    path.write_text(json.dumps(config))
+    r = make_check(str(path))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"{path}: warning: policies[0].rate_limits[0] (llm/tokens): the client declares its own "
+        "cost in x-request-cost and no charge corrects it, so a client pays what it says (at "
+        "least min, 1): add a charge read from the response, or let a layer the client cannot "
+        "bypass set x-request-cost"], r.stderr
+    assert ("limit charged: 100000 per 1m by tenant (fixed window, cost from header "
+            "x-request-cost (default 1, max 10000), charged from the JSON body at "
+            "/usage/total_tokens (up to 1048576 bytes), unreadable: 10000 (max))") in r.stdout, r.stdout
+    assert "memory: 67108864 bytes per worker (memory_budget)" in r.stdout, r.stdout
+
+
 def test_an_envoy_config_with_two_filters_checks_and_summarises_each(tmp_path):
     cfg = yaml.safe_load(render(TEMPLATES[0], tmp_path).read_text())
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]

@@ -512,29 +512,33 @@ def test_the_response_header_charge_spends_the_budget(shared, guard, algorithm):
 
 
 def test_the_charge_moves_the_counter_to_the_real_amount_both_ways(shared, guard):
-    (envoy,) = guard(policy(tokens(charge=CHARGED_BY_HEADER)))
+    """A response without a readable charge is charged `unreadable` (100 here), never its
+    admitted cost silently."""
+    (envoy,) = guard(policy(tokens(charge={**CHARGED_BY_HEADER, "unreadable": 100},
+                                   cost={"header": COST, "default": 1, "min": 0})))
     run = Run()
     key_prefix = envoy.key_prefix
 
     def settled(count: int) -> bool:
         return wait_for(lambda: fw_count(shared, only_key(shared, key_prefix, "fw")) == count, 2.0)
 
-    assert run.send(envoy, cost="7").status == 200  # no charge in the response: 7 stay
-    time.sleep(0.3)  # a charge would have landed by now
-    assert settled(7), "a response without a charge must leave the admitted cost"
+    assert run.send(envoy, cost="7").status == 200  # no charge in the response: 100
+    assert settled(100), "a response without a charge is charged the fallback"
     assert run.send(envoy, cost="300", used=50).status == 200  # charged less than admitted
-    assert settled(57)
-    assert run.send(envoy, cost="5", used="abc").status == 200  # unreadable: the cost stays
-    time.sleep(0.3)
-    assert settled(62)
+    assert settled(150)
+    assert run.send(envoy, cost="5", used="abc").status == 200  # unreadable: 100
+    assert settled(250)
     assert run.send(envoy, cost="0", used=38).status == 200
-    assert settled(100)
-    assert limit_stat(envoy, "tokens", "charged") == 50 + 38
+    assert settled(288)
+    assert limit_stat(envoy, "tokens", "charged") == 100 + 50 + 100 + 38
+    assert limit_stat(envoy, "tokens", "charge_unreadable") == 2
     assert limit_stat(envoy, "tokens", "allowed") == 4
 
 
 def test_a_cost_of_zero_admits_only_while_the_counter_is_below_the_limit(shared, guard):
-    (envoy,) = guard(policy(tokens(charge=CHARGED_BY_HEADER)))
+    """(A configuration that lets a cost of 0 in says so: `min: 0`.)"""
+    (envoy,) = guard(policy(tokens(charge={**CHARGED_BY_HEADER, "unreadable": "cost"},
+                                   cost={"header": COST, "default": 1, "min": 0})))
     run = Run()
     assert run.send(envoy, cost="999").status == 200
     zero = run.send(envoy, cost="0", used=300)
@@ -621,7 +625,7 @@ def test_a_rejected_expensive_request_does_not_turn_away_cheaper_ones(shared, gu
                                 f"{fits}; cache hits "
                                 f"{envoy.stat('wasmcustom.cg.over_limit_cache.hits')}")
     assert remaining(fits) == 0
-    assert_problem(run.send(envoy, cost="0"), 429, "rate_limited")
+    assert_problem(run.send(envoy, cost="1"), 429, "rate_limited")
 
 
 def test_a_charge_that_gives_units_back_lets_requests_in_again(shared, guard):
@@ -642,8 +646,11 @@ def test_a_charge_that_gives_units_back_lets_requests_in_again(shared, guard):
 
 
 def test_the_charge_is_read_from_the_json_body(shared, guard):
+    """With `unreadable: cost` a response whose usage cannot be read keeps its admitted cost
+    (counted `charge_unreadable`): the pointer is missing, the value is not a plain whole
+    number, the body is over `max_body` or is not JSON."""
     (envoy,) = guard(policy(tokens(charge={"response_json": "/usage/total_tokens",
-                                           "max_body": "1KiB"})))
+                                           "max_body": "1KiB", "unreadable": "cost"})))
     run = Run()
     key_prefix = envoy.key_prefix
     usage = json.dumps({"id": "r1", "usage": {"prompt_tokens": 100, "total_tokens": 300}})
@@ -653,8 +660,6 @@ def test_the_charge_is_read_from_the_json_body(shared, guard):
     assert wait_for(lambda: fw_count(shared, key) == 300, 2.0), fw_count(shared, key)
     assert limit_stat(envoy, "tokens", "charged") == 300
 
-    # No charge: the pointer is missing, not a whole number, or the body is over max_body or
-    # not JSON. Each leaves its admitted unit.
     no_charge = [json.dumps({"usage": {}}), json.dumps({"usage": {"total_tokens": "300"}}),
                  json.dumps({"usage": {"total_tokens": 2.5}}),
                  json.dumps({"usage": {"total_tokens": 300}, "pad": "x" * 2000})]
@@ -663,7 +668,111 @@ def test_the_charge_is_read_from_the_json_body(shared, guard):
     assert run.send(envoy, headers={"x-upstream-body-bytes": "64"}).status == 200  # text/plain
     time.sleep(0.3)
     assert wait_for(lambda: fw_count(shared, key) == 300 + 5, 2.0), fw_count(shared, key)
-    assert limit_stat(envoy, "tokens", "charged") == 300
+    assert limit_stat(envoy, "tokens", "charge_unreadable") == 5
+    assert limit_stat(envoy, "tokens", "charged") == 300 + 5
+
+
+# The README's LLM limit: 100,000 tokens a minute, a declared cost up to 10,000, the usage read
+# from the response's JSON.
+LLM_COST = {"header": COST, "default": 1, "max": 10000}
+LLM_CHARGE = {"response_json": "/usage/total_tokens"}
+
+
+def llm_tokens(**charge) -> dict:
+    return tokens(limit=100000, window="1m", cost=LLM_COST, charge={**LLM_CHARGE, **charge})
+
+
+def usage(n: int) -> str:
+    return json.dumps({"usage": {"total_tokens": n}})
+
+
+def test_a_usage_the_client_hides_is_charged_the_most_a_request_costs(shared, guard):
+    """Issue 54: after one request each, JSON with usage 5000 left r=95000, but the same usage
+    in an event stream, a gzip-compressed body or a body over `max_body` left r=99999 (the
+    admitted estimate), and an event stream with `x-request-cost: 0` left r=100000: the
+    client chooses streaming and compression itself. A usage that cannot be read is charged
+    `unreadable` (by default `max`: the limit's cost.max, 10000), counted; a cost of 0 is
+    refused (`cost.min` is 1 unless set)."""
+    (envoy,) = guard(policy(llm_tokens()))
+    run = Run()
+    resp = run.send(envoy, headers={"x-upstream-json": usage(5000)})
+    assert resp.status == 200, resp
+    key = only_key(shared, envoy.key_prefix, "fw")
+    assert wait_for(lambda: fw_count(shared, key) == 5000, 3.0), fw_count(shared, key)
+    used = 5000
+    hidden = {
+        "an event stream": {"x-upstream-sse-events": "1", "x-upstream-sse-data": usage(5000)},
+        "a gzip-compressed body": {"x-upstream-json": usage(5000),
+                                   "x-upstream-content-encoding": "gzip"},
+        "a body over max_body": {"x-upstream-json-raw": usage(5000),
+                                 "x-upstream-json-filler": "160000"},
+    }
+    for how, steer in hidden.items():
+        resp = run.send(envoy, headers=steer)
+        assert resp.status == 200, (how, resp)
+        used += 10000
+        assert wait_for(lambda: fw_count(shared, key) == used, 3.0), (how, fw_count(shared, key))
+    sse_free = run.send(envoy, cost="0", headers=hidden["an event stream"])
+    body = assert_problem(sse_free, 400, "invalid_cost")
+    assert "from 1 to 10000" in body["detail"], body
+    assert len(run.executed(shared)) == 4
+    resp = run.send(envoy, headers={"x-upstream-json": usage(0)})
+    assert remaining(resp) == 100000 - used - 1, resp
+    assert limit_stat(envoy, "tokens", "charge_unreadable") == 3
+    assert wait_for(lambda: limit_stat(envoy, "tokens", "charged") == 5000 + 30000 + 0, 3.0)
+
+
+@SINGLE_ONLY
+def test_unreadable_can_be_the_admitted_cost_or_a_fixed_charge(shared, guard):
+    """`unreadable: cost` keeps the admitted estimate, `unreadable: <n>` charges n; either is
+    counted in `charge_unreadable`, never silent."""
+    stream = {"x-upstream-sse-events": "1", "x-upstream-sse-data": usage(5000)}
+    for unreadable, charged in (("cost", 7), (250, 250)):
+        (envoy,) = guard(policy(llm_tokens(unreadable=unreadable)))
+        run = Run()
+        assert run.send(envoy, cost="7", headers=stream).status == 200
+        key = only_key(shared, envoy.key_prefix, "fw")
+        assert wait_for(lambda: fw_count(shared, key) == charged, 3.0), \
+            (unreadable, fw_count(shared, key))
+        assert limit_stat(envoy, "tokens", "charge_unreadable") == 1, unreadable
+        assert limit_stat(envoy, "tokens", "charged") == charged, unreadable
+
+
+@SINGLE_ONLY
+def test_a_json_charge_takes_plain_digits_once_as_a_header_charge_does(shared, guard):
+    """Issue 54: JSON charges accepted `5.0`, `0.5e1` and `1e30` (a header charge takes plain
+    digits only), and a repeated member on the pointer's path is ambiguous (a reader keeping
+    the first and one keeping the last disagree). One rule for both: anything but plain
+    digits, once, is unreadable and charged the fallback (10000 here)."""
+    (envoy,) = guard(policy(llm_tokens()))
+    run = Run()
+    unreadable = ['{"usage":{"total_tokens":5.0}}', '{"usage":{"total_tokens":0.5e1}}',
+                  '{"usage":{"total_tokens":1e30}}',
+                  '{"usage":{"total_tokens":5,"total_tokens":9000}}',
+                  '{"usage":{"total_tokens":5},"usage":{"total_tokens":9000}}']
+    expected = 0
+    for raw in unreadable + ['{"usage":{"total_tokens":5}}']:
+        assert run.send(envoy, headers={"x-upstream-json-raw": raw}).status == 200, raw
+        expected += 10000 if raw in unreadable else 5
+        key = only_key(shared, envoy.key_prefix, "fw")
+        assert wait_for(lambda: fw_count(shared, key) == expected, 3.0), \
+            (raw, fw_count(shared, key), expected)
+    assert limit_stat(envoy, "tokens", "charge_unreadable") == len(unreadable)
+
+
+@SINGLE_ONLY
+def test_a_client_cannot_declare_its_requests_free(shared, guard):
+    """Issue 54: 30 requests with `x-request-cost: 0` against a limit of 5 all passed (`min`
+    defaulted to 0). Now `min` is 1 unless set: each is refused, nothing runs or is counted.
+    A configuration that allows free requests says so (`min: 0`)."""
+    (envoy,) = guard(policy(tokens(limit=5, cost={"header": COST})))
+    run = Run()
+    statuses = [run.send(envoy, cost="0").status for _ in range(30)]
+    assert statuses == [400] * 30, statuses
+    assert run.executed(shared) == []
+    assert not list(shared.redis.scan_iter(match=f"{envoy.key_prefix}:*", count=1000))
+    (free,) = guard(policy(tokens(limit=5, cost={"header": COST, "min": 0})))
+    assert run.send(free, cost="0").status == 200
 
 
 @SINGLE_ONLY
@@ -712,6 +821,16 @@ REFUSED = {
     "max_over_limit": (tokens(limit=1000, cost={"header": COST, "default": 1, "max": 10000}),
                        "policies[0].rate_limits[0].cost.max: 10000 is more than the limit can "
                        "ever admit (1000)"),
+    "max_body_over_buffer": (tokens(charge={"response_json": "/usage/total_tokens",
+                                            "max_body": "2MiB"}),
+                             "policies[0].rate_limits[0].charge.max_body: 2097152 bytes is above "
+                             "envoy_buffer_limit (1048576 bytes)"),
+    "unreadable": (tokens(charge={"response_header": USED, "unreadable": "maximum"}),
+                   'policies[0].rate_limits[0].charge.unreadable: "maximum" is not "cost", "max" '
+                   'or a whole number of units from 0 to 1000000000'),
+    "pointer": (tokens(charge={"response_json": "/usage/a~2"}),
+                'policies[0].rate_limits[0].charge.response_json: "/usage/a~2" is not a JSON '
+                "pointer (RFC 6901)"),
 }
 
 

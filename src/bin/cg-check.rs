@@ -18,8 +18,8 @@
 #![cfg_attr(target_arch = "wasm32", allow(dead_code, unused_imports))]
 
 use coordination_guard::config::{
-    Algorithm, Charge, Completion, Config, FailureMode, FingerprintPart, MissingTenant, OnBusy,
-    Policy, RateLimit, Replay, Selector,
+    Algorithm, ChargeSource, Completion, Config, FailureMode, Fallback, FingerprintPart,
+    MissingTenant, OnBusy, Policy, RateLimit, Replay, Selector,
 };
 use serde_json::Value;
 use std::fmt::Write;
@@ -196,7 +196,29 @@ fn check(bytes: &[u8], env: &Environment<'_>) -> Result<(String, Vec<String>), S
             ))
         })
         .collect();
-    Ok((describe(&config, &credential, &sealing), env.warnings(&raw)))
+    let mut warnings = env.warnings(&raw);
+    warnings.extend(self_declared_costs(&config));
+    Ok((describe(&config, &credential, &sealing), warnings))
+}
+
+/// A limit whose cost the client declares (`cost`) and nothing corrects (no `charge`): the
+/// client pays what it says, so it can always say `min`.
+fn self_declared_costs(c: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, p) in c.policies.iter().enumerate() {
+        for (j, l) in p.rate_limits.iter().enumerate() {
+            if let (Some(cost), None) = (&l.cost, &l.charge) {
+                out.push(format!(
+                    "policies[{i}].rate_limits[{j}] ({}/{}): the client declares its own cost in \
+                     {} and no charge corrects it, so a client pays what it says (at least min, \
+                     {}): add a charge read from the response, or let a layer the client cannot \
+                     bypass set {}",
+                    p.name, l.name, cost.header, cost.min, cost.header
+                ));
+            }
+        }
+    }
+    out
 }
 
 fn mode(m: FailureMode) -> &'static str {
@@ -277,17 +299,27 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
             c.header, c.default, c.max
         );
     }
-    match &l.charge {
-        Some(Charge::Header(h)) => {
-            let _ = write!(line, ", charged from response header {h}");
+    if let Some(c) = &l.charge {
+        match &c.source {
+            ChargeSource::Header(h) => {
+                let _ = write!(line, ", charged from response header {h}");
+            }
+            ChargeSource::Trailer(t) => {
+                let _ = write!(line, ", charged from trailer {t}");
+            }
+            ChargeSource::Json { pointer, max_body } => {
+                let _ = write!(
+                    line,
+                    ", charged from the JSON body at {} (up to {max_body} bytes)",
+                    pointer.as_str()
+                );
+            }
         }
-        Some(Charge::Trailer(t)) => {
-            let _ = write!(line, ", charged from trailer {t}");
-        }
-        Some(Charge::Json { pointer, .. }) => {
-            let _ = write!(line, ", charged from the JSON body at {pointer}");
-        }
-        None => {}
+        let _ = match c.unreadable {
+            Fallback::Cost => write!(line, ", unreadable: the admitted cost"),
+            Fallback::Max(n) => write!(line, ", unreadable: {n} (max)"),
+            Fallback::Units(n) => write!(line, ", unreadable: {n}"),
+        };
     }
     if l.algorithm == Algorithm::TokenBucket {
         let _ = write!(line, ", burst {}", l.burst);
@@ -359,6 +391,11 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
         mode(c.failure_mode),
         c.over_limit_cache_entries,
         if c.response_headers { "yes" } else { "no" }
+    );
+    let _ = writeln!(
+        s,
+        "memory: {} bytes per worker (memory_budget); Envoy's buffer limit {} bytes",
+        c.memory_budget, c.envoy_buffer_limit
     );
     if c.policies.is_empty() {
         s.push_str("no policies: every request passes untouched\n");
@@ -473,6 +510,37 @@ mod tests {
             assert!(summary.contains(want), "{want:?} in\n{summary}");
         }
         assert!(summary.lines().count() < 25, "one screen:\n{summary}");
+    }
+
+    #[test]
+    fn a_cost_the_client_declares_with_no_charge_is_warned_about() {
+        let config = br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "llm", "rate_limits": [
+            {"name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000,
+             "window": "1m", "cost": {"header": "x-request-cost", "max": 10000}},
+            {"name": "charged", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000,
+             "window": "1m", "cost": {"header": "x-request-cost", "max": 10000},
+             "charge": {"response_json": "/usage/total_tokens"}}]}]}"#;
+        let (summary, warnings) = check(config, &Environment(None)).expect("valid");
+        assert_eq!(
+            warnings,
+            [
+                "policies[0].rate_limits[0] (llm/tokens): the client declares its own cost in \
+              x-request-cost and no charge corrects it, so a client pays what it says (at least \
+              min, 1): add a charge read from the response, or let a layer the client cannot \
+              bypass set x-request-cost"
+            ]
+        );
+        assert!(
+            summary.contains(
+                "charged from the JSON body at /usage/total_tokens (up to 1048576 bytes), \
+                 unreadable: 10000 (max)"
+            ),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("memory: 67108864 bytes per worker"),
+            "{summary}"
+        );
     }
 
     #[test]

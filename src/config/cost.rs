@@ -3,22 +3,26 @@
 
 use super::fields::{header_name, size};
 use super::reader::{kind, Obj, Result};
-use super::{Charge, ConfigError, Cost};
+use super::{Charge, ChargeSource, ConfigError, Cost, Fallback, Pointer};
 use serde_json::Value;
 
-/// The body a `response_json` charge reads at most, unless `max_body` says otherwise.
+/// The body a `response_json` charge reads at most, unless `max_body` says otherwise (or
+/// `envoy_buffer_limit` is smaller).
 pub const CHARGE_MAX_BODY: u64 = 1024 * 1024;
-/// The largest `max_body` of a `response_json` charge (it is copied as it passes).
+/// The largest `max_body` of a `response_json` charge.
 const CHARGE_MAX_BODY_LIMIT: u64 = 16 * 1024 * 1024;
+/// The largest number of units anything is charged (the scripts count in Lua doubles).
+const MAX_UNITS: u64 = 1_000_000_000;
 
 /// `{"header": "<name>", "default": n, "min": n, "max": n}`; `capacity` is the most the limit can ever
-/// admit at once (a larger cost could never be admitted).
+/// admit at once (a larger cost could never be admitted). `min` is 1 unless given (0 when
+/// `default` is 0): a client must not make its requests free by declaring them so.
 pub fn cost(v: &Value, path: &str, capacity: u64) -> Result<Cost> {
     let mut o = Obj::new(v, path, &["header", "default", "min", "max"])?;
     let header = header_name(&mut o, "header")?
         .ok_or_else(|| ConfigError::new(o.field_path("header"), "is required"))?;
     let default = units(&mut o, "default")?.unwrap_or(1);
-    let min = units(&mut o, "min")?.unwrap_or(0);
+    let min = units(&mut o, "min")?.unwrap_or(default.min(1));
     let max_path = o.field_path("max");
     let max = units(&mut o, "max")?.unwrap_or(capacity);
     if max > capacity {
@@ -42,9 +46,17 @@ pub fn cost(v: &Value, path: &str, capacity: u64) -> Result<Cost> {
 }
 
 /// Exactly one of `{"response_header": "<name>"}`, `{"trailer": "<name>"}`,
-/// `{"response_json": "/json/pointer", "max_body": "1MiB"}`.
-pub fn charge(v: &Value, path: &str) -> Result<Charge> {
-    let known = &["response_header", "trailer", "response_json", "max_body"];
+/// `{"response_json": "/json/pointer", "max_body": "1MiB"}`, with `"unreadable"`: `"cost"`,
+/// `"max"` (the default: `max_cost`, the most a request of the limit is admitted at) or a
+/// number of units. `max_body` is at most `envoy_buffer_limit`.
+pub fn charge(v: &Value, path: &str, max_cost: u64, envoy_buffer_limit: u64) -> Result<Charge> {
+    let known = &[
+        "response_header",
+        "trailer",
+        "response_json",
+        "max_body",
+        "unreadable",
+    ];
     let mut o = Obj::new(v, path, known)?;
     let header = header_name(&mut o, "response_header")?;
     let trailer = header_name(&mut o, "trailer")?;
@@ -52,36 +64,78 @@ pub fn charge(v: &Value, path: &str) -> Result<Charge> {
     let pointer = o.opt_str("response_json")?;
     let max_body_path = o.field_path("max_body");
     let max_body = size(&mut o, "max_body", CHARGE_MAX_BODY_LIMIT)?;
-    if let Some(p) = pointer {
-        if !p.starts_with('/') {
+    let unreadable = fallback(&mut o, "unreadable", max_cost)?;
+    if let Some(n) = max_body.filter(|&n| n > envoy_buffer_limit) {
+        return Err(ConfigError::new(
+            max_body_path,
+            format!(
+                "{n} bytes is above envoy_buffer_limit ({envoy_buffer_limit} bytes): lower it, \
+                 or raise Envoy's per_connection_buffer_limit_bytes and envoy_buffer_limit \
+                 together"
+            ),
+        ));
+    }
+    let pointer = match pointer {
+        Some(p) if !p.starts_with('/') => {
             return Err(ConfigError::new(
                 pointer_path,
                 format!("{p:?} is not a JSON pointer (RFC 6901), e.g. \"/usage/total_tokens\""),
-            ));
+            ))
         }
-    } else if max_body.is_some() {
-        return Err(ConfigError::new(
-            max_body_path,
-            "only applies to response_json",
-        ));
-    }
-    let json = pointer.map(|p| Charge::Json {
-        pointer: p.to_string(),
-        max_body: max_body.unwrap_or(CHARGE_MAX_BODY),
+        Some(p) => Some(Pointer::parse(p).map_err(|why| {
+            ConfigError::new(
+                pointer_path,
+                format!("{p:?} is not a JSON pointer (RFC 6901): {why}"),
+            )
+        })?),
+        None if max_body.is_some() => {
+            return Err(ConfigError::new(
+                max_body_path,
+                "only applies to response_json",
+            ))
+        }
+        None => None,
+    };
+    let json = pointer.map(|pointer| ChargeSource::Json {
+        pointer,
+        max_body: max_body.unwrap_or(CHARGE_MAX_BODY.min(envoy_buffer_limit)),
     });
     let mut sources = [
-        header.map(Charge::Header),
-        trailer.map(Charge::Trailer),
+        header.map(ChargeSource::Header),
+        trailer.map(ChargeSource::Trailer),
         json,
     ]
     .into_iter()
     .flatten();
     match (sources.next(), sources.next()) {
-        (Some(charge), None) => Ok(charge),
+        (Some(source), None) => Ok(Charge { source, unreadable }),
         _ => Err(ConfigError::new(
             path,
             "must have exactly one of response_header, trailer, response_json",
         )),
+    }
+}
+
+/// `unreadable`: `"cost"`, `"max"` (the default, `max_cost`) or a number of units.
+fn fallback(o: &mut Obj<'_>, field: &'static str, max_cost: u64) -> Result<Fallback> {
+    let path = o.field_path(field);
+    let refused = |shown: String| {
+        ConfigError::new(
+            path.clone(),
+            format!(
+                "{shown} is not \"cost\", \"max\" or a whole number of units from 0 to {MAX_UNITS}"
+            ),
+        )
+    };
+    match o.get(field) {
+        None => Ok(Fallback::Max(max_cost)),
+        Some(Value::String(s)) if s == "cost" => Ok(Fallback::Cost),
+        Some(Value::String(s)) if s == "max" => Ok(Fallback::Max(max_cost)),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(u) if u <= MAX_UNITS => Ok(Fallback::Units(u)),
+            _ => Err(refused(n.to_string())),
+        },
+        Some(other) => Err(refused(other.to_string())),
     }
 }
 
@@ -91,7 +145,7 @@ fn units(o: &mut Obj<'_>, field: &'static str) -> Result<Option<u64>> {
     match o.get(field) {
         None => Ok(None),
         Some(Value::Number(n)) => match n.as_u64() {
-            Some(u) if u <= 1_000_000_000 => Ok(Some(u)),
+            Some(u) if u <= MAX_UNITS => Ok(Some(u)),
             _ => Err(ConfigError::new(
                 path,
                 format!("{n} is not an integer between 0 and 1000000000"),

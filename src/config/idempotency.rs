@@ -5,7 +5,8 @@ use super::fields::{
 };
 use super::reader::{index, Obj, Result};
 use super::{
-    Completion, ConfigError, Env, FingerprintPart, Idempotency, InProgress, Replay, StatusMatch,
+    Completion, ConfigError, Env, FingerprintPart, Idempotency, InProgress, Limits, Replay,
+    StatusMatch, BODY_SHARE_OF_BUDGET,
 };
 use crate::grpc;
 use crate::idempotency::seal::{Keyring, RecordKey};
@@ -19,17 +20,43 @@ pub const MAX_RESPONSE_BODY: u64 = 4 << 20;
 /// What the filter buffers must stay below Envoy's buffer limit, else Envoy answers itself
 /// (`413` for a request body, `500` for a response body) before the filter can. Half of it by
 /// default, so that the piece of body that crosses the filter's limit cannot also cross Envoy's.
+/// And a worker must be able to hold what copying one such body takes: at most an eighth of
+/// `memory_budget` (see [`BODY_SHARE_OF_BUDGET`]).
 fn below_envoy_limit(
     o: &mut Obj<'_>,
     field: &'static str,
     max: u64,
     default: u64,
-    envoy_buffer_limit: u64,
+    limits: Limits,
 ) -> Result<u64> {
     let path = o.field_path(field);
+    let envoy_buffer_limit = limits.envoy_buffer;
+    let budget = limits.memory_budget;
     match size(o, field, max)? {
-        None => Ok(default.min(envoy_buffer_limit / 2).max(1)),
-        Some(n) if n < envoy_buffer_limit => Ok(n),
+        None => Ok(default
+            .min(envoy_buffer_limit / 2)
+            .min(budget / BODY_SHARE_OF_BUDGET)
+            .max(1)),
+        Some(n) if n < envoy_buffer_limit && n.saturating_mul(BODY_SHARE_OF_BUDGET) <= budget => {
+            Ok(n)
+        }
+        Some(n) if n < envoy_buffer_limit => {
+            let (what, refused) = if field == "max_request_body" {
+                ("fingerprinting", "answers 503 guard_overloaded")
+            } else {
+                ("storing", "stores it by reference")
+            };
+            Err(ConfigError::new(
+                path,
+                format!(
+                    "{n} bytes is more than an eighth of memory_budget ({budget} bytes): \
+                     {what} one such body takes several copies of it, and a worker that cannot \
+                     hold them {refused}; lower it, or raise memory_budget to at least \
+                     {} bytes",
+                    n.saturating_mul(BODY_SHARE_OF_BUDGET)
+                ),
+            ))
+        }
         Some(n) => {
             let (what, answer, setting) = if field == "max_request_body" {
                 ("request", "413", "the listener's")
@@ -71,12 +98,7 @@ const IDEMPOTENCY_FIELDS: &[&str] = &[
     "encryption",
 ];
 
-pub fn idempotency(
-    v: &Value,
-    path: &str,
-    envoy_buffer_limit: u64,
-    env: Env<'_>,
-) -> Result<Idempotency> {
+pub fn idempotency(v: &Value, path: &str, limits: Limits, env: Env<'_>) -> Result<Idempotency> {
     let mut o = Obj::new(v, path, IDEMPOTENCY_FIELDS)?;
     let header = header_name(&mut o, "header")?.unwrap_or("idempotency-key".into());
     let required = o.opt_bool("required")?.unwrap_or(true);
@@ -84,7 +106,7 @@ pub fn idempotency(
     let processing_ttl_ms = duration(&mut o, "processing_ttl")?.unwrap_or(120_000);
     let completed_ttl_ms = duration(&mut o, "completed_ttl")?.unwrap_or(86_400_000);
     let fingerprint = fingerprint(&mut o, "fingerprint")?;
-    let limit = envoy_buffer_limit;
+    let limit = limits;
     let max_request_body =
         below_envoy_limit(&mut o, "max_request_body", MAX_REQUEST_BODY, 1 << 20, limit)?;
     let replay = one_of(&mut o, "replay", REPLAY)?.unwrap_or(Replay::Full);

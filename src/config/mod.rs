@@ -19,6 +19,7 @@ pub use reader::ConfigError;
 use reader::{index, Obj, Result};
 
 use crate::idempotency::seal::Keyring;
+pub use crate::jsonscan::Pointer;
 use serde_json::Value;
 
 /// What a policy does when Redis cannot answer (unreachable, error, or too slow).
@@ -243,16 +244,47 @@ pub struct Cost {
     pub max: u64,
 }
 
-/// `charge`: where the response says what the request really cost.
+/// `charge`: where the response says what the request really cost, and what a response
+/// whose charge cannot be read is charged.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Charge {
+pub struct Charge {
+    pub source: ChargeSource,
+    pub unreadable: Fallback,
+}
+
+/// Where the response says what the request really cost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChargeSource {
     /// A response header.
     Header(String),
     /// A response trailer.
     Trailer(String),
     /// A JSON pointer (RFC 6901) into an `application/json` response body of at most
-    /// `max_body` bytes.
-    Json { pointer: String, max_body: u64 },
+    /// `max_body` bytes, read as it passes.
+    Json { pointer: Pointer, max_body: u64 },
+}
+
+/// `charge.unreadable`: the charge of a response whose own cannot be read (no header, a body
+/// that is not plain JSON, too large, cut short, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// The cost the request was admitted at.
+    Cost,
+    /// The most a request can be admitted at: the limit's `cost.max` (without `cost`, its
+    /// capacity), resolved at load.
+    Max(u64),
+    /// A fixed number of units.
+    Units(u64),
+}
+
+impl Fallback {
+    /// What a request admitted at `admitted` is charged.
+    pub fn units(self, admitted: u64) -> u64 {
+        match self {
+            Fallback::Cost => admitted,
+            Fallback::Max(n) | Fallback::Units(n) => n,
+        }
+    }
 }
 
 impl RateLimit {
@@ -440,6 +472,9 @@ pub struct Config {
     /// Envoy's `per_connection_buffer_limit_bytes` (listener and upstream cluster), as the
     /// operator declares it: the filter cannot read it, and never buffers that much.
     pub envoy_buffer_limit: u64,
+    /// The most heap a worker's VM holds (`memory_budget`): a copy that would take it past
+    /// this is not made (see [`crate::memory`]).
+    pub memory_budget: u64,
 }
 
 /// The fields of the configuration's top level.
@@ -449,6 +484,7 @@ const ROOT_FIELDS: &[&str] = &[
     "failure_mode",
     "response_headers",
     "envoy_buffer_limit",
+    "memory_budget",
     "policies",
     "over_limit_cache",
 ];
@@ -457,6 +493,19 @@ const ROOT_FIELDS: &[&str] = &[
 pub const DEFAULT_ENVOY_BUFFER_LIMIT: u64 = 1 << 20;
 /// The largest `envoy_buffer_limit` accepted.
 pub const MAX_ENVOY_BUFFER_LIMIT: u64 = 1 << 30;
+
+/// The default `memory_budget` of a worker.
+pub const DEFAULT_MEMORY_BUDGET: u64 = 64 << 20;
+/// The smallest `memory_budget` accepted.
+pub const MIN_MEMORY_BUDGET: u64 = 4 << 20;
+/// The largest `memory_budget` accepted: a quarter of the 1 GiB a V8 Wasm VM in Envoy can grow
+/// to. The budget's copies may grow the VM's memory to twice the budget (the allocator's spare
+/// room and fragments); what the budget does not see (small allocations, the copies that are
+/// always made) must still fit in the rest.
+pub const MAX_MEMORY_BUDGET: u64 = 256 << 20;
+/// A body limit (`max_request_body`, `max_response_body`) may be at most this fraction of
+/// `memory_budget`: fingerprinting or storing one such body takes several copies of it.
+pub const BODY_SHARE_OF_BUDGET: u64 = 8;
 
 /// Default size of the over-limit cache: 16 bytes a slot, per worker.
 pub const DEFAULT_OVER_LIMIT_CACHE_ENTRIES: usize = 10_000;
@@ -503,7 +552,12 @@ impl Config {
         let envoy_buffer_limit =
             fields::size(&mut root, "envoy_buffer_limit", MAX_ENVOY_BUFFER_LIMIT)?
                 .unwrap_or(DEFAULT_ENVOY_BUFFER_LIMIT);
-        let policies = policies(&mut root, failure_mode, envoy_buffer_limit, env)?;
+        let memory_budget = memory_budget(&mut root)?;
+        let limits = Limits {
+            envoy_buffer: envoy_buffer_limit,
+            memory_budget,
+        };
+        let policies = policies(&mut root, failure_mode, limits, env)?;
         let over_limit_cache_entries = match root.get("over_limit_cache") {
             None => DEFAULT_OVER_LIMIT_CACHE_ENTRIES,
             Some(v) => over_limit_cache(v, "over_limit_cache")?,
@@ -516,6 +570,7 @@ impl Config {
             policies,
             over_limit_cache_entries,
             envoy_buffer_limit,
+            memory_budget,
         })
     }
 
@@ -544,11 +599,31 @@ impl Config {
     }
 }
 
+/// What bounds the bodies a policy copies: Envoy's buffer limit and the worker's memory budget.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    pub envoy_buffer: u64,
+    pub memory_budget: u64,
+}
+
+/// `memory_budget`: a size from [`MIN_MEMORY_BUDGET`] to [`MAX_MEMORY_BUDGET`].
+fn memory_budget(root: &mut Obj<'_>) -> Result<u64> {
+    let path = root.field_path("memory_budget");
+    match fields::size(root, "memory_budget", MAX_MEMORY_BUDGET)? {
+        None => Ok(DEFAULT_MEMORY_BUDGET),
+        Some(n) if n < MIN_MEMORY_BUDGET => Err(ConfigError::new(
+            path,
+            format!("{n} bytes is less than the smallest budget, {MIN_MEMORY_BUDGET} bytes (4MiB)"),
+        )),
+        Some(n) => Ok(n),
+    }
+}
+
 /// `policies`: each one read, names unique.
 fn policies(
     root: &mut Obj<'_>,
     failure_mode: FailureMode,
-    envoy_buffer_limit: u64,
+    limits: Limits,
     env: Env<'_>,
 ) -> Result<Vec<Policy>> {
     let mut policies: Vec<Policy> = Vec::new();
@@ -558,7 +633,7 @@ fn policies(
     };
     for (i, item) in items.iter().enumerate() {
         let path = index(&policies_path, i);
-        let p = policy::policy(item, &path, failure_mode, envoy_buffer_limit, env)?;
+        let p = policy::policy(item, &path, failure_mode, limits, env)?;
         if policies.iter().any(|q| q.name == p.name) {
             return Err(ConfigError::new(
                 format!("{path}.name"),

@@ -4,7 +4,7 @@ use super::fields::{duration, failure_mode, header_name, methods, name, one_of, 
 use super::reader::{index, Obj, Result};
 use super::{
     cost, idempotency::idempotency, lease::lease, Algorithm, Charge, ConfigError, Cost, Env,
-    FailureMode, HeaderMatch, HeaderTest, IdSource, Identity, Match, MissingTenant, Policy,
+    FailureMode, HeaderMatch, HeaderTest, IdSource, Identity, Limits, Match, MissingTenant, Policy,
     RateLimit, Selector,
 };
 use serde_json::Value;
@@ -107,7 +107,7 @@ pub fn policy(
     v: &Value,
     path: &str,
     default_failure: FailureMode,
-    envoy_buffer_limit: u64,
+    limits: Limits,
     env: Env<'_>,
 ) -> Result<Policy> {
     let mut o = Obj::new(v, path, POLICY_FIELDS)?;
@@ -117,14 +117,9 @@ pub fn policy(
         None => Match::default(),
     };
     let failure_mode = failure_mode(&mut o, "failure_mode")?.unwrap_or(default_failure);
-    let rate_limits = rate_limits(&mut o, "rate_limits")?;
+    let rate_limits = rate_limits(&mut o, "rate_limits", limits)?;
     let idempotency = match o.get("idempotency") {
-        Some(v) => Some(idempotency(
-            v,
-            &o.field_path("idempotency"),
-            envoy_buffer_limit,
-            env,
-        )?),
+        Some(v) => Some(idempotency(v, &o.field_path("idempotency"), limits, env)?),
         None => None,
     };
     let lease = match o.get("lease") {
@@ -154,13 +149,13 @@ pub fn policy(
 }
 
 /// A policy's `rate_limits`, names unique within it.
-fn rate_limits(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<RateLimit>> {
+fn rate_limits(o: &mut Obj<'_>, field: &'static str, limits: Limits) -> Result<Vec<RateLimit>> {
     let mut rate_limits: Vec<RateLimit> = Vec::new();
     let limits_path = o.field_path(field);
     if let Some(items) = o.opt_array(field)? {
         for (i, item) in items.iter().enumerate() {
             let lpath = index(&limits_path, i);
-            let limit = rate_limit(item, &lpath)?;
+            let limit = rate_limit(item, &lpath, limits)?;
             if rate_limits.iter().any(|l| l.name == limit.name) {
                 return Err(ConfigError::new(
                     format!("{lpath}.name"),
@@ -256,7 +251,7 @@ fn request_path(o: &mut Obj<'_>, field: &'static str) -> Result<Option<String>> 
     }
 }
 
-fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
+fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
     let mut o = Obj::new(v, path, RATE_LIMIT_FIELDS)?;
     let name = name(&mut o, "name")?;
     let by = selectors(&mut o, "by")?;
@@ -291,7 +286,7 @@ fn rate_limit(v: &Value, path: &str) -> Result<RateLimit> {
             "\"leased\" needs algorithm fixed_window and no shadow",
         ));
     }
-    let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased)?;
+    let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased, limits)?;
     Ok(RateLimit {
         policy_item: crate::respond::policy_item(&name, limit, window_ms),
         name,
@@ -314,13 +309,21 @@ fn cost_and_charge(
     algorithm: Algorithm,
     capacity: u64,
     leased: bool,
+    limits: Limits,
 ) -> Result<(Option<Cost>, Option<Charge>)> {
     let cost = match o.get("cost") {
         Some(v) => Some(cost::cost(v, &o.field_path("cost"), capacity)?),
         None => None,
     };
+    // The most a request of this limit is ever admitted at: what `unreadable: max` charges.
+    let max_cost = cost.as_ref().map_or(capacity, |c| c.max);
     let charge = match o.get("charge") {
-        Some(v) => Some(cost::charge(v, &o.field_path("charge"))?),
+        Some(v) => Some(cost::charge(
+            v,
+            &o.field_path("charge"),
+            max_cost,
+            limits.envoy_buffer,
+        )?),
         None => None,
     };
     let refused = match algorithm {

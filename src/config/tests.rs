@@ -141,7 +141,7 @@ fn bad_configs_name_the_field() {
         ("empty_limit_name", "/policies/0/rate_limits/1/name", json!(""),
          "policies[0].rate_limits[1].name: must not be empty"),
         ("unknown_top", "/rate_limit", json!(1),
-         "rate_limit: unknown field (known here: envoy_buffer_limit, failure_mode, identity, over_limit_cache, policies, redis, response_headers)"),
+         "rate_limit: unknown field (known here: envoy_buffer_limit, failure_mode, identity, memory_budget, over_limit_cache, policies, redis, response_headers)"),
         ("unknown_in_limit", "/policies/0/rate_limits/0/windw", json!("1s"),
          "policies[0].rate_limits[0].windw: unknown field (did you mean `window`?)"),
         ("path_with_double_slash", "/policies/0/match/path_prefix", json!("/orders//x"),
@@ -850,13 +850,17 @@ fn concurrency_cost_and_charge() {
             default: 0,
             min: 0,
             max: 10_000
-        })
+        }),
+        "min: 0 with a default of 0"
     );
     assert_eq!(
         l[1].charge,
-        Some(Charge::Json {
-            pointer: "/usage/total_tokens".into(),
-            max_body: CHARGE_MAX_BODY
+        Some(Charge {
+            source: ChargeSource::Json {
+                pointer: Pointer::parse("/usage/total_tokens").expect("a pointer"),
+                max_body: CHARGE_MAX_BODY
+            },
+            unreadable: Fallback::Max(10_000),
         })
     );
     assert_eq!(
@@ -864,7 +868,18 @@ fn concurrency_cost_and_charge() {
         Some((1, 50)),
         "max: the burst"
     );
-    assert_eq!(l[2].charge, Some(Charge::Trailer("x-used".into())));
+    assert_eq!(
+        l[2].cost.as_ref().map(|c| c.min),
+        Some(1),
+        "min: 1 unless given, so a client cannot declare its requests free"
+    );
+    assert_eq!(
+        l[2].charge,
+        Some(Charge {
+            source: ChargeSource::Trailer("x-used".into()),
+            unreadable: Fallback::Max(50),
+        })
+    );
 }
 
 #[test]
@@ -892,7 +907,7 @@ fn cost_and_charge_errors_name_the_field() {
         (json!({"cost": {"header": "x-c", "max": 101}}),
          format!("{at}.cost.max: 101 is more than the limit can ever admit (100)")),
         (json!({"cost": {"header": "x-c", "default": 5, "max": 4}}),
-         format!("{at}.cost.default: 5 is not between min (0) and max (4)")),
+         format!("{at}.cost.default: 5 is not between min (1) and max (4)")),
         (json!({"cost": {"header": "x-c", "min": 2}}),
          format!("{at}.cost.default: 1 is not between min (2) and max (100)")),
         (json!({"cost": {"header": "x-c", "default": -1}}),
@@ -1148,4 +1163,92 @@ fn the_nearest_name_is_suggested_only_when_close() {
     }
     // A tie goes to the first name.
     assert_eq!(reader::nearest("ab", &["ax", "ay"]), Some("ax"));
+}
+
+#[test]
+fn the_memory_budget_bounds_the_body_limits() {
+    let with = |top: Value, idem: Value| {
+        let mut v = base();
+        for (k, val) in top.as_object().expect("object") {
+            v[k] = val.clone();
+        }
+        v["policies"] = json!([{"name": "p", "idempotency": idem}]);
+        Config::from_value(&v)
+    };
+    let c = with(json!({}), json!({})).expect("valid");
+    assert_eq!(c.memory_budget, DEFAULT_MEMORY_BUDGET);
+    let c = with(json!({"memory_budget": "4MiB"}), json!({})).expect("valid");
+    let i = c.policies[0].idempotency.as_ref().expect("idempotency");
+    assert_eq!(
+        (i.max_request_body, i.max_response_body),
+        (512 << 10, 64 << 10),
+        "defaults within an eighth of the budget"
+    );
+    for (top, idem, want) in [
+        (json!({"memory_budget": "1MiB"}), json!({}),
+         "memory_budget: 1048576 bytes is less than the smallest budget, 4194304 bytes (4MiB)"),
+        (json!({"memory_budget": "512MiB"}), json!({}),
+         "memory_budget: \"512MiB\" is larger than the maximum of 268435456 bytes"),
+        (json!({"memory_budget": "8MiB", "envoy_buffer_limit": "4MiB"}),
+         json!({"max_response_body": "2MiB"}),
+         "policies[0].idempotency.max_response_body: 2097152 bytes is more than an eighth of memory_budget (8388608 bytes): storing one such body takes several copies of it, and a worker that cannot hold them stores it by reference; lower it, or raise memory_budget to at least 16777216 bytes"),
+        (json!({"envoy_buffer_limit": "32MiB"}), json!({"max_request_body": "16MiB"}),
+         "policies[0].idempotency.max_request_body: 16777216 bytes is more than an eighth of memory_budget (67108864 bytes): fingerprinting one such body takes several copies of it, and a worker that cannot hold them answers 503 guard_overloaded; lower it, or raise memory_budget to at least 134217728 bytes"),
+    ] {
+        assert_eq!(with(top, idem).expect_err("refused").to_string(), want);
+    }
+    // Envoy's limit is named first when a body limit breaks both.
+    let err = with(
+        json!({"memory_budget": "4MiB"}),
+        json!({"max_request_body": "1MiB"}),
+    )
+    .expect_err("refused")
+    .to_string();
+    assert!(err.contains("is not below envoy_buffer_limit"), "{err}");
+}
+
+#[test]
+fn a_charge_body_is_no_larger_than_envoys_buffer() {
+    let limit = |charge: Value, top: Value| {
+        let mut v = base();
+        for (k, val) in top.as_object().expect("object") {
+            v[k] = val.clone();
+        }
+        v["policies"][1]["rate_limits"] = json!([{ "name": "l", "by": ["tenant"],
+            "algorithm": "fixed_window", "limit": 100, "window": "1m", "charge": charge }]);
+        Config::from_value(&v)
+    };
+    let at = "policies[1].rate_limits[0].charge";
+    let err = limit(
+        json!({"response_json": "/u", "max_body": "2MiB"}),
+        json!({}),
+    )
+    .expect_err("refused");
+    assert_eq!(err.to_string(), format!("{at}.max_body: 2097152 bytes is above envoy_buffer_limit (1048576 bytes): lower it, or raise Envoy's per_connection_buffer_limit_bytes and envoy_buffer_limit together"));
+    let c = limit(
+        json!({"response_json": "/u"}),
+        json!({"envoy_buffer_limit": "256KiB"}),
+    )
+    .expect("valid");
+    assert!(
+        matches!(
+            c.policies[1].rate_limits[0]
+                .charge
+                .as_ref()
+                .map(|c| &c.source),
+            Some(ChargeSource::Json {
+                max_body: 262_144,
+                ..
+            })
+        ),
+        "the default follows a smaller buffer limit"
+    );
+    for (charge, want) in [
+        (json!({"response_json": "/a~2"}), format!("{at}.response_json: \"/a~2\" is not a JSON pointer (RFC 6901): \"a~2\" has a '~' not followed by 0 or 1 (write ~0 for '~', ~1 for '/')")),
+        (json!({"response_header": "x-u", "unreadable": "maximum"}), format!("{at}.unreadable: \"maximum\" is not \"cost\", \"max\" or a whole number of units from 0 to 1000000000")),
+        (json!({"response_header": "x-u", "unreadable": -1}), format!("{at}.unreadable: -1 is not \"cost\", \"max\" or a whole number of units from 0 to 1000000000")),
+        (json!({"response_header": "x-u", "unreadable": 1.5}), format!("{at}.unreadable: 1.5 is not \"cost\", \"max\" or a whole number of units from 0 to 1000000000")),
+    ] {
+        assert_eq!(limit(charge, json!({})).expect_err("refused").to_string(), want);
+    }
 }

@@ -343,6 +343,19 @@ fn failed(
 ) -> Option<u64> {
     let (rt, now_ms, m) = (cx.rt, cx.now_ms, cx.m);
     count_failure(rt, e, m);
+    if *e == CallError::OverBudget {
+        // It ran in Redis; only its answer was not read (it shared a batch with a large one
+        // the worker could not hold): nothing to send again, nothing failed.
+        rt.warnings
+            .warn(WarnKind::MemoryBudget, tag.policy, now_ms, || {
+                format!(
+                    "a {:?} call's answer was not read (it came with one larger than this \
+                     worker's memory budget can hold now); it ran in Redis",
+                    tag.purpose
+                )
+            });
+        return None;
+    }
     let mut dropped = false;
     if let Some(at) = retry_at(tag.purpose, e, attempts, first_ms, now_ms) {
         if budget.take(now_ms) {

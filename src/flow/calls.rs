@@ -201,11 +201,12 @@ impl<T> Calls<T> {
     }
 }
 
-/// Counts a failed call as a timeout or an error.
+/// Counts a failed call as a timeout or an error (an answer the memory budget could not hold
+/// is neither: Redis answered; it is counted where the request is refused).
 pub fn count_failure(rt: &Runtime, err: &CallError, m: &dyn MetricSink) {
-    m.increment(if *err == CallError::Timeout {
-        rt.metrics.redis.timeouts
-    } else {
-        rt.metrics.redis.errors
-    });
+    match err {
+        CallError::OverBudget => {}
+        CallError::Timeout => m.increment(rt.metrics.redis.timeouts),
+        _ => m.increment(rt.metrics.redis.errors),
+    }
 }

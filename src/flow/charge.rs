@@ -1,26 +1,64 @@
 //! The charge of one request: what the response says it really cost (a response header, a
-//! trailer, or a number in its JSON body), and the correction of the counters it consumed
-//! from, sent from the root once the stream ends (nothing waits for it).
+//! trailer, or a number in its JSON body, read by a streaming scan that keeps nothing of the
+//! body), or, when that cannot be read, the limit's `unreadable` fallback; and the correction
+//! of the counters it consumed from, sent from the root once the stream ends (nothing waits
+//! for it).
 
 use super::admit::Admission;
 use super::background::Background;
 use super::context::{Pcx, Purpose};
-use crate::config::{Charge, Policy};
+use crate::config::{ChargeSource, Policy};
 use crate::flow::intake::parse_units;
 use crate::idempotency::fingerprint::is_json;
+use crate::jsonscan::Scan;
 use crate::lua::charge::{self, Correction};
 
 /// Charges are capped here (the scripts count in Lua doubles).
 const MAX_CHARGE: u64 = 1_000_000_000;
 
+/// What a limit's charge came to, as far as the response has said.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Reading {
+    /// Nothing to charge: no `charge` on the limit, or the request never reached the upstream
+    /// (Envoy answered itself before sending it), so its admitted cost stands.
+    #[default]
+    Nothing,
+    /// Still to come: a trailer, or a JSON body still passing. At the stream's end it is
+    /// unreadable.
+    Pending,
+    Read(u64),
+    /// The response does not say (or not in a way that can be read): the fallback applies.
+    Unreadable,
+}
+
+/// A `response_json` charge's scan of the body passing.
+#[derive(Debug)]
+struct BodyScan {
+    limit: usize,
+    max_body: u64,
+    scan: Scan,
+}
+
 /// What the response said, per limit (policy order).
 #[derive(Debug, Default)]
 pub struct Meter {
-    charges: Vec<Option<u64>>,
-    /// The JSON body copied for `response_json` charges, while it is within their largest
-    /// `max_body`.
-    body: Option<Vec<u8>>,
-    max_body: u64,
+    readings: Vec<Reading>,
+    /// The scans of the `response_json` charges still reading the body.
+    scans: Vec<BodyScan>,
+    /// Body bytes seen so far.
+    body: u64,
+}
+
+/// How the response came about, as the charge needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// The upstream's own response.
+    Upstream,
+    /// Envoy's answer for a request it never sent upstream: nothing was used.
+    NeverSent,
+    /// Envoy's answer after the request went upstream (a timeout, a reset): what it cost
+    /// cannot be read.
+    Failed,
 }
 
 /// The value of `name` in `pairs` (any case), if it appears exactly once: a repeated one is
@@ -33,6 +71,18 @@ fn single<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
     crate::request::single(values).ok().flatten()
 }
 
+/// Whether the body is sent as it is (no `content-encoding`, or `identity` only): a
+/// compressed body is not read.
+fn plain_coding(headers: &[(String, String)]) -> bool {
+    headers
+        .iter()
+        .filter(|(n, _)| n.eq_ignore_ascii_case("content-encoding"))
+        .all(|(_, v)| {
+            v.split(',')
+                .all(|c| c.trim().eq_ignore_ascii_case("identity"))
+        })
+}
+
 impl Meter {
     /// Whether any limit of `policy` is charged from the response.
     pub fn wanted(policy: &Policy) -> bool {
@@ -41,85 +91,162 @@ impl Meter {
 
     /// Whether the response's trailers are read for a charge.
     pub fn wants_trailers(policy: &Policy) -> bool {
-        policy
-            .rate_limits
-            .iter()
-            .any(|l| matches!(l.charge, Some(Charge::Trailer(_))))
+        policy.rate_limits.iter().any(|l| {
+            l.charge
+                .as_ref()
+                .is_some_and(|c| matches!(c.source, ChargeSource::Trailer(_)))
+        })
     }
 
-    /// Whether the response body is being copied.
-    pub fn copying(&self) -> bool {
-        self.body.is_some()
+    /// Whether the response body is being read (a JSON charge's scan).
+    pub fn scanning(&self) -> bool {
+        !self.scans.is_empty()
     }
 
-    /// The response's headers: header charges are read; a JSON body is copied if it can fit.
-    pub fn on_headers(&mut self, policy: &Policy, headers: &[(String, String)], end: bool) {
-        self.charges = vec![None; policy.rate_limits.len()];
-        let json = is_json(single(headers, "content-type"));
+    /// The response's headers: header charges are read, a JSON body is scanned if it can be
+    /// read (JSON, not compressed, within `max_body`), and a response that ends here has its
+    /// trailer charges in its headers (a trailers-only answer).
+    pub fn on_headers(
+        &mut self,
+        policy: &Policy,
+        headers: &[(String, String)],
+        end: bool,
+        origin: Origin,
+    ) {
+        self.readings.clear();
+        self.scans.clear();
+        self.body = 0;
+        let json = is_json(single(headers, "content-type")) && plain_coding(headers);
         let length = single(headers, "content-length").and_then(|v| v.trim().parse::<u64>().ok());
-        self.max_body = 0;
-        for (limit, charge) in policy.rate_limits.iter().zip(self.charges.iter_mut()) {
-            match &limit.charge {
-                Some(Charge::Header(name)) => *charge = single(headers, name).and_then(units),
-                Some(Charge::Json { max_body, .. }) if json && !end => {
-                    self.max_body = self.max_body.max(*max_body);
+        for (i, limit) in policy.rate_limits.iter().enumerate() {
+            let Some(charge) = &limit.charge else {
+                self.readings.push(Reading::Nothing);
+                continue;
+            };
+            let reading = match (&charge.source, origin) {
+                (_, Origin::NeverSent) => Reading::Nothing,
+                (_, Origin::Failed) => Reading::Unreadable,
+                (ChargeSource::Header(name), _) => read(single(headers, name)),
+                (ChargeSource::Trailer(name), _) if end => read(single(headers, name)),
+                (ChargeSource::Trailer(_), _) => Reading::Pending,
+                (ChargeSource::Json { max_body, .. }, _) => {
+                    if json && !end && length.is_none_or(|l| l <= *max_body) {
+                        self.scans.push(BodyScan {
+                            limit: i,
+                            max_body: *max_body,
+                            scan: Scan::new(),
+                        });
+                        Reading::Pending
+                    } else {
+                        Reading::Unreadable
+                    }
                 }
-                _ => {}
-            }
-        }
-        let fits = length.is_none_or(|l| l <= self.max_body);
-        self.body = (self.max_body > 0 && fits).then(Vec::new);
-    }
-
-    /// A piece of the response body (copied while within the largest `max_body`); at its end
-    /// the JSON charges are read.
-    pub fn on_body(&mut self, policy: &Policy, piece: &[u8], end: bool) {
-        let Some(body) = self.body.as_mut() else {
-            return;
-        };
-        if body.len().saturating_add(piece.len()) as u64 > self.max_body {
-            self.body = None;
-            return;
-        }
-        body.extend_from_slice(piece);
-        if !end {
-            return;
-        }
-        let body = self.body.take().unwrap_or_default();
-        let Ok(doc) = serde_json::from_slice::<serde_json::Value>(&body) else {
-            return;
-        };
-        for (limit, charge) in policy.rate_limits.iter().zip(self.charges.iter_mut()) {
-            if let Some(Charge::Json { pointer, max_body }) = &limit.charge {
-                if body.len() as u64 <= *max_body {
-                    *charge = doc.pointer(pointer).and_then(json_units);
-                }
-            }
+            };
+            self.readings.push(reading);
         }
     }
 
-    /// The response's trailers: trailer charges are read.
+    /// A piece of the response body (`None`: one that could not be read, so the scans give
+    /// up); at its end the JSON charges are read.
+    pub fn on_body(&mut self, policy: &Policy, piece: Option<&[u8]>, end: bool) {
+        if self.scans.is_empty() {
+            return;
+        }
+        let Some(piece) = piece else {
+            return self.give_up();
+        };
+        self.body = self.body.saturating_add(piece.len() as u64);
+        let body = self.body;
+        let readings = &mut self.readings;
+        self.scans.retain_mut(|s| {
+            let pointer =
+                policy
+                    .rate_limits
+                    .get(s.limit)
+                    .and_then(|l| match &l.charge.as_ref()?.source {
+                        ChargeSource::Json { pointer, .. } => Some(pointer),
+                        _ => None,
+                    });
+            let (Some(pointer), Some(reading)) = (pointer, readings.get_mut(s.limit)) else {
+                return false;
+            };
+            if body > s.max_body {
+                *reading = Reading::Unreadable;
+                return false;
+            }
+            s.scan.feed(pointer, piece);
+            if s.scan.failed() {
+                *reading = Reading::Unreadable;
+                return false;
+            }
+            true
+        });
+        if end {
+            self.body_ended();
+        }
+    }
+
+    /// The body ended: each scan's reading.
+    fn body_ended(&mut self) {
+        for s in self.scans.drain(..) {
+            if let Some(reading) = self.readings.get_mut(s.limit) {
+                *reading = match s.scan.finish() {
+                    Ok(number) => read(Some(number)),
+                    Err(_) => Reading::Unreadable,
+                };
+            }
+        }
+    }
+
+    /// The body cannot be read any further (the worker's memory budget): the JSON charges
+    /// are unreadable.
+    pub fn give_up(&mut self) {
+        for s in self.scans.drain(..) {
+            if let Some(reading) = self.readings.get_mut(s.limit) {
+                *reading = Reading::Unreadable;
+            }
+        }
+    }
+
+    /// The response's trailers (its body has ended): trailer charges are read.
     pub fn on_trailers(&mut self, policy: &Policy, trailers: &[(String, String)]) {
-        for (limit, charge) in policy.rate_limits.iter().zip(self.charges.iter_mut()) {
-            if let Some(Charge::Trailer(name)) = &limit.charge {
-                if let Some(v) = single(trailers, name) {
-                    *charge = units(v);
+        self.body_ended();
+        for (limit, reading) in policy.rate_limits.iter().zip(self.readings.iter_mut()) {
+            if let Some(ChargeSource::Trailer(name)) = limit.charge.as_ref().map(|c| &c.source) {
+                if *reading == Reading::Pending {
+                    *reading = read(single(trailers, name));
                 }
             }
         }
     }
 
     /// The corrections of the counters this request consumed from, one call per hash tag,
-    /// counted: a limit without a charge keeps its admitted cost.
+    /// counted: a charge still pending (the response did not end, or said nothing) is
+    /// unreadable and charged the limit's fallback; a limit without a charge keeps its
+    /// admitted cost.
     pub fn corrections(&mut self, at: &Pcx<'_>, admission: &Admission) -> Vec<Background> {
-        let charges = std::mem::take(&mut self.charges);
+        let readings = std::mem::take(&mut self.readings);
+        self.scans.clear();
         let mut by_tag: Vec<(&str, Vec<Correction<'_>>)> = Vec::new();
         let limits = at.policy.rate_limits.iter().zip(admission.all());
-        for (i, ((limit, slot), charge)) in limits.zip(charges).enumerate() {
-            let Some(charge) = charge.filter(|_| slot.consumed && !slot.local) else {
+        for (i, (limit, slot)) in limits.enumerate() {
+            let (Some(c), true) = (&limit.charge, slot.consumed && !slot.local) else {
                 continue;
             };
-            if let Some(lm) = at.pm.limits.get(i) {
+            // No reading at all: the response's headers never came.
+            let reading = readings.get(i).copied().unwrap_or(Reading::Pending);
+            let lm = at.pm.limits.get(i);
+            let charge = match reading {
+                Reading::Nothing => continue,
+                Reading::Read(n) => n,
+                Reading::Pending | Reading::Unreadable => {
+                    if let Some(lm) = lm {
+                        at.m.increment(lm.charge_unreadable);
+                    }
+                    c.unreadable.units(slot.cost)
+                }
+            };
+            if let Some(lm) = lm {
                 at.m.add(lm.charged, charge);
             }
             let delta = i64::try_from(charge).unwrap_or(i64::MAX)
@@ -146,18 +273,14 @@ impl Meter {
     }
 }
 
-/// A charge spelled as a header or trailer value: plain decimal digits, capped.
-fn units(v: &str) -> Option<u64> {
-    parse_units(v.trim()).map(|n| n.min(MAX_CHARGE))
-}
-
-/// A charge in the JSON body: a non-negative whole number, capped.
-fn json_units(v: &serde_json::Value) -> Option<u64> {
-    if let Some(n) = v.as_u64() {
-        return Some(n.min(MAX_CHARGE));
+/// A charge as the response spells it, in a header, a trailer or a JSON number alike: plain
+/// decimal digits (at most 10, capped at 10⁹); anything else (a sign, a fraction, an
+/// exponent, a repeated header) is unreadable.
+fn read(value: Option<&str>) -> Reading {
+    match value.and_then(|v| parse_units(v.trim())) {
+        Some(n) => Reading::Read(n.min(MAX_CHARGE)),
+        None => Reading::Unreadable,
     }
-    let f = v.as_f64()?;
-    (f >= 0.0 && f.fract() == 0.0 && f.is_finite()).then(|| (f as u64).min(MAX_CHARGE))
 }
 
 #[cfg(test)]
@@ -184,79 +307,198 @@ mod tests {
             .collect()
     }
 
+    const JSON: &[(&str, &str)] = &[("content-type", "application/json; charset=utf-8")];
+
+    /// What `body` (in one piece, then its end) reads as under `p`.
+    fn json_reading(p: &Policy, headers: &[(&str, &str)], body: &[u8]) -> Vec<Reading> {
+        let mut m = Meter::default();
+        m.on_headers(p, &h(headers), false, Origin::Upstream);
+        m.on_body(p, Some(body), true);
+        m.readings
+    }
+
     #[test]
     fn header_charge_is_read_once_and_strictly() {
         let p = policy(r#"{"response_header": "x-tokens-used"}"#);
         let mut m = Meter::default();
         for (value, want) in [
-            ("300", Some(300)),
-            (" 7 ", Some(7)),
-            ("-1", None),
-            ("1e3", None),
-            ("", None),
-            ("99999999999", None),
+            ("300", Reading::Read(300)),
+            (" 7 ", Reading::Read(7)),
+            ("9999999999", Reading::Read(MAX_CHARGE)),
+            ("-1", Reading::Unreadable),
+            ("1e3", Reading::Unreadable),
+            ("5.0", Reading::Unreadable),
+            ("", Reading::Unreadable),
+            ("99999999999", Reading::Unreadable),
         ] {
-            m.on_headers(&p, &h(&[("x-tokens-used", value)]), false);
-            assert_eq!(m.charges, vec![want], "{value:?}");
+            m.on_headers(&p, &h(&[("x-tokens-used", value)]), false, Origin::Upstream);
+            assert_eq!(m.readings, vec![want], "{value:?}");
         }
         m.on_headers(
             &p,
             &h(&[("x-tokens-used", "1"), ("x-tokens-used", "2")]),
             false,
+            Origin::Upstream,
         );
-        assert_eq!(m.charges, vec![None], "a repeated header is ambiguous");
-        m.on_headers(&p, &h(&[]), false);
-        assert_eq!(m.charges, vec![None]);
+        assert_eq!(
+            m.readings,
+            vec![Reading::Unreadable],
+            "a repeated header is ambiguous"
+        );
+        m.on_headers(&p, &h(&[]), false, Origin::Upstream);
+        assert_eq!(m.readings, vec![Reading::Unreadable]);
+        m.on_headers(&p, &h(&[("x-tokens-used", "3")]), false, Origin::NeverSent);
+        assert_eq!(
+            m.readings,
+            vec![Reading::Nothing],
+            "never sent: nothing used"
+        );
+        m.on_headers(&p, &h(&[("x-tokens-used", "3")]), false, Origin::Failed);
+        assert_eq!(m.readings, vec![Reading::Unreadable]);
     }
 
     #[test]
-    fn json_charge_reads_the_pointer_within_max_body() {
+    fn json_charge_follows_the_header_rule() {
         let p = policy(r#"{"response_json": "/usage/total_tokens", "max_body": 64}"#);
         let mut m = Meter::default();
-        let json = h(&[("content-type", "application/json; charset=utf-8")]);
-        m.on_headers(&p, &json, false);
-        assert!(m.copying());
-        m.on_body(&p, br#"{"usage": {"total_"#, false);
-        m.on_body(&p, br#"tokens": 300}}"#, true);
-        assert_eq!(m.charges, vec![Some(300)]);
-        // Too large, not JSON, not a number, negative: no charge.
-        m.on_headers(&p, &json, false);
-        m.on_body(&p, &[b' '; 65], true);
-        assert_eq!(m.charges, vec![None]);
-        m.on_headers(&p, &h(&[("content-type", "text/plain")]), false);
-        assert!(!m.copying());
-        for body in [
-            &br#"{"usage": {"total_tokens": "300"}}"#[..],
-            br#"{"usage": {"total_tokens": -3}}"#,
-            b"{",
+        m.on_headers(&p, &h(JSON), false, Origin::Upstream);
+        assert!(m.scanning());
+        m.on_body(&p, Some(br#"{"usage": {"total_"#), false);
+        m.on_body(&p, Some(br#"tokens": 300}}"#), true);
+        assert_eq!(m.readings, vec![Reading::Read(300)]);
+        assert!(!m.scanning());
+        for (body, want) in [
+            (&br#"{"usage":{"total_tokens":0}}"#[..], Reading::Read(0)),
+            (
+                br#"{"usage":{"total_tokens":9999999999}}"#,
+                Reading::Read(MAX_CHARGE),
+            ),
+            (br#"{"usage":{"total_tokens":"300"}}"#, Reading::Unreadable),
+            (br#"{"usage":{"total_tokens":-3}}"#, Reading::Unreadable),
+            (br#"{"usage":{"total_tokens":5.0}}"#, Reading::Unreadable),
+            (br#"{"usage":{"total_tokens":0.5e1}}"#, Reading::Unreadable),
+            (br#"{"usage":{"total_tokens":1e30}}"#, Reading::Unreadable),
+            (
+                br#"{"usage":{"total_tokens":99999999999}}"#,
+                Reading::Unreadable,
+            ),
+            (
+                br#"{"usage":{"total_tokens":5,"total_tokens":5}}"#,
+                Reading::Unreadable,
+            ),
+            (br#"{"usage":{}}"#, Reading::Unreadable),
+            (b"{", Reading::Unreadable),
+            (&[b' '; 65], Reading::Unreadable),
         ] {
-            m.on_headers(&p, &json, false);
-            m.on_body(&p, body, true);
-            assert_eq!(m.charges, vec![None]);
+            assert_eq!(
+                json_reading(&p, JSON, body),
+                vec![want],
+                "{:?}",
+                String::from_utf8_lossy(body)
+            );
         }
-        m.on_headers(
-            &p,
-            &h(&[
+    }
+
+    #[test]
+    fn a_body_the_scan_cannot_read_is_unreadable_at_once() {
+        let p = policy(r#"{"response_json": "/usage/total_tokens", "max_body": 64}"#);
+        let body = br#"{"usage":{"total_tokens":3}}"#;
+        for headers in [
+            &[("content-type", "text/event-stream")][..],
+            &[("content-type", "text/plain")],
+            &[],
+            &[
+                ("content-type", "application/json"),
+                ("content-encoding", "gzip"),
+            ],
+            &[
+                ("content-type", "application/json"),
+                ("content-encoding", "identity, br"),
+            ],
+            &[
                 ("content-type", "application/json"),
                 ("content-length", "65"),
-            ]),
-            false,
-        );
-        assert!(!m.copying(), "content-length over max_body: not copied");
+            ],
+            &[
+                ("content-type", "application/json"),
+                ("content-type", "application/json"),
+            ],
+        ] {
+            let mut m = Meter::default();
+            m.on_headers(&p, &h(headers), false, Origin::Upstream);
+            assert!(!m.scanning(), "{headers:?}");
+            assert_eq!(m.readings, vec![Reading::Unreadable], "{headers:?}");
+        }
+        let identity = [
+            ("content-type", "application/json"),
+            ("content-encoding", "Identity"),
+        ];
+        assert_eq!(json_reading(&p, &identity, body), vec![Reading::Read(3)]);
+        // The response ended at its headers: no body to read.
+        let mut m = Meter::default();
+        m.on_headers(&p, &h(JSON), true, Origin::Upstream);
+        assert_eq!(m.readings, vec![Reading::Unreadable]);
+        // Past max_body while it passes, or a piece the worker could not read.
+        let mut m = Meter::default();
+        m.on_headers(&p, &h(JSON), false, Origin::Upstream);
+        m.on_body(&p, Some(&[b' '; 60]), false);
+        assert!(m.scanning());
+        m.on_body(&p, Some(&[b' '; 5]), false);
+        assert!(!m.scanning());
+        assert_eq!(m.readings, vec![Reading::Unreadable]);
+        m.on_headers(&p, &h(JSON), false, Origin::Upstream);
+        m.on_body(&p, None, false);
+        assert_eq!(m.readings, vec![Reading::Unreadable]);
+        // Cut short: still pending when the stream ends.
+        m.on_headers(&p, &h(JSON), false, Origin::Upstream);
+        m.on_body(&p, Some(br#"{"usage":{"total_tokens":3}}"#), false);
+        assert_eq!(m.readings, vec![Reading::Pending]);
     }
 
     #[test]
     fn trailer_charge() {
         let p = policy(r#"{"trailer": "x-cost"}"#);
         let mut m = Meter::default();
-        m.on_headers(&p, &h(&[("x-cost", "5")]), false);
+        m.on_headers(&p, &h(&[("x-cost", "5")]), false, Origin::Upstream);
         assert_eq!(
-            m.charges,
-            vec![None],
+            m.readings,
+            vec![Reading::Pending],
             "a trailer charge ignores the headers"
         );
         m.on_trailers(&p, &h(&[("x-cost", "12")]));
-        assert_eq!(m.charges, vec![Some(12)]);
+        assert_eq!(m.readings, vec![Reading::Read(12)]);
         assert!(Meter::wants_trailers(&p));
+        m.on_headers(&p, &h(&[]), false, Origin::Upstream);
+        m.on_trailers(&p, &h(&[("x-other", "12")]));
+        assert_eq!(m.readings, vec![Reading::Unreadable]);
+        // A trailers-only answer (it ends at its headers) has its trailers there.
+        m.on_headers(&p, &h(&[("x-cost", "5")]), true, Origin::Upstream);
+        assert_eq!(m.readings, vec![Reading::Read(5)]);
+    }
+
+    #[test]
+    fn fallbacks() {
+        use crate::config::Fallback;
+        let unreadable = |spelling: &str| {
+            let p = policy(&format!(
+                r#"{{"response_header": "x-used", "unreadable": {spelling}}}"#
+            ));
+            p.rate_limits[0].charge.as_ref().map(|c| c.unreadable)
+        };
+        assert_eq!(unreadable(r#""cost""#), Some(Fallback::Cost));
+        assert_eq!(
+            unreadable(r#""max""#),
+            Some(Fallback::Max(1000)),
+            "no cost: the limit"
+        );
+        assert_eq!(unreadable("7"), Some(Fallback::Units(7)));
+        let p = policy(r#"{"response_header": "x-used"}"#);
+        assert_eq!(
+            p.rate_limits[0].charge.as_ref().map(|c| c.unreadable),
+            Some(Fallback::Max(1000))
+        );
+        assert_eq!(Fallback::Cost.units(3), 3);
+        assert_eq!(Fallback::Max(10).units(3), 10);
+        assert_eq!(Fallback::Units(0).units(3), 0);
     }
 }

@@ -8,6 +8,7 @@ use crate::local::overlimit::{OverLimitCache, SharedStore};
 use crate::local::quota::{LeasedQuota, QUOTA_SLOTS};
 use crate::lograte::Warnings;
 use crate::lua::{ScriptId, Scripts};
+use crate::memory::Budget;
 use crate::metrics::{MetricSink, Metrics, PolicyMetrics};
 use crate::ratelimit::{KeyMemo, RejectionMemo, KEY_MEMO_SLOTS};
 use crate::redis::ScriptCall;
@@ -30,6 +31,8 @@ pub struct Runtime {
     pub reserved_headers: std::rc::Rc<[String]>,
     /// This worker's rate limiter of repeated warnings.
     pub warnings: Warnings,
+    /// This worker's memory budget.
+    pub memory: Budget,
 }
 
 impl Runtime {
@@ -43,6 +46,7 @@ impl Runtime {
             }
         }
         let rejections = RejectionMemo::new(config.policies.len());
+        let memory = Budget::new(config.memory_budget);
         Runtime {
             reserved_headers: reserved_headers.into(),
             config,
@@ -52,6 +56,7 @@ impl Runtime {
             quota: LeasedQuota::new(QUOTA_SLOTS),
             keys: KeyMemo::new(KEY_MEMO_SLOTS),
             rejections,
+            memory,
             warnings: Warnings::default(),
         }
     }

@@ -254,8 +254,16 @@ impl Flow {
         processing.max(lease).max(MARKER_MIN_TTL_MS)
     }
 
-    /// The one place a failed acquire becomes the policy's answer.
+    /// The one place a failed acquire becomes the policy's answer. An answer the worker could
+    /// not hold is no Redis failure: whatever the failure mode, the request is refused (a
+    /// replay it may have been must not run the operation again), with what it took given back.
     pub(super) fn fail(&mut self, at: &Pcx<'_>, err: &CallError) -> Step {
+        if *err == CallError::OverBudget {
+            self.release_record(at);
+            self.release_lease(at);
+            self.release_slots(at);
+            return self.overloaded(at, "the coordination store's answer");
+        }
         let policy = at.policy;
         at.rt
             .warnings
@@ -311,5 +319,29 @@ impl Flow {
             .as_ref()
             .and_then(|i| i.waiting_answer(at, grpc))
             .or_else(|| self.lease.as_ref().and_then(|l| l.waiting_answer(at)))
+    }
+
+    /// The worker's memory budget cannot hold `what` the request needs now: `503
+    /// guard_overloaded`, counted and warned about (the request took nothing it keeps).
+    pub(super) fn overloaded(&mut self, at: &Pcx<'_>, what: &str) -> Step {
+        at.m.increment(at.rt.metrics.memory.refused);
+        let memory = &at.rt.memory;
+        at.rt
+            .warnings
+            .warn(WarnKind::MemoryBudget, at.index, at.now_ms, || {
+                format!(
+                    "policy {}: {what} does not fit this worker's memory budget ({} of {} bytes \
+                     held); answering 503 guard_overloaded",
+                    at.policy.name,
+                    memory.held(),
+                    memory.limit()
+                )
+            });
+        self.answer(respond::problem(
+            Problem::GuardOverloaded,
+            &format!("this proxy cannot hold {what} now; retry shortly"),
+            &[],
+            vec![("retry-after".into(), "1".into())],
+        ))
     }
 }

@@ -8,7 +8,7 @@ use super::response::Assembly;
 use super::wait::Backoff;
 use crate::config::{Completion, FingerprintPart, Idempotency, InProgress, Replay};
 use crate::grpc;
-use crate::idempotency::fingerprint::{canonical_body, is_json, Fingerprint};
+use crate::idempotency::fingerprint::{canonical_body, canonical_need, is_json, Fingerprint};
 use crate::idempotency::header::{parse_key, KeyError};
 use crate::idempotency::record::{Record, StoredResponse};
 use crate::idempotency::seal::{fresh_nonce, record_aad, OpenError};
@@ -102,6 +102,34 @@ impl IdemGuard {
             wait: Backoff::new(RECORD_POLL_FIRST_MS, RECORD_POLL_MAX_MS, owner),
             freed: false,
         }))
+    }
+
+    /// What fingerprinting `body` takes besides the body itself (its canonical JSON's copies,
+    /// when it is JSON and the fingerprint covers it).
+    pub fn fingerprint_need(cfg: &Idempotency, req: &Request, body: &[u8]) -> usize {
+        if cfg.needs_body() {
+            canonical_need(body, is_json(req.header("content-type")))
+        } else {
+            0
+        }
+    }
+
+    /// The response body could not be held within the worker's memory budget: the record is
+    /// stored by reference (warned about, rate-limited).
+    pub fn over_budget(&self, at: &Pcx<'_>) {
+        let memory = &at.rt.memory;
+        at.rt
+            .warnings
+            .warn(WarnKind::MemoryBudget, at.index, at.now_ms, || {
+                format!(
+                    "idempotency record of policy {} key {}: the response body does not fit \
+                     this worker's memory budget ({} of {} bytes held); storing it by reference",
+                    at.policy.name,
+                    self.key_hash,
+                    memory.held(),
+                    memory.limit()
+                )
+            });
     }
 
     /// Fingerprints the request (with its whole body, if the fingerprint covers it).

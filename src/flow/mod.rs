@@ -53,8 +53,13 @@ enum Phase {
     /// Nothing to do (no policy, or not decided yet).
     #[default]
     Idle,
-    /// Buffering the request body to fingerprint it; answered `408` if it stalls.
-    Buffering { held: Box<Held>, until_ms: u64 },
+    /// Buffering the request body to fingerprint it; answered `408` if it stalls. `size`:
+    /// what Envoy holds of it so far.
+    Buffering {
+        held: Box<Held>,
+        until_ms: u64,
+        size: usize,
+    },
     /// Acquire calls are outstanding; the request is paused. `deferred` is the record/lease
     /// call, sent once the rate limits of the other slots admitted.
     Acquiring {
@@ -189,6 +194,16 @@ pub struct Flow {
     gone: bool,
 }
 
+impl Phase {
+    /// How the record takes the response body in, while it does.
+    fn intake(&self) -> Option<Intake> {
+        match self {
+            Phase::Response(intake) => Some(*intake),
+            _ => None,
+        }
+    }
+}
+
 impl Flow {
     /// The context of an event for this request's policy.
     fn at<'a>(&self, cx: &Cx<'a>) -> Option<Pcx<'a>> {
@@ -292,6 +307,7 @@ impl Flow {
                             self.phase = Phase::Buffering {
                                 held: Box::new(held),
                                 until_ms,
+                                size: 0,
                             };
                             return Step::Wait;
                         }
@@ -326,11 +342,12 @@ impl Flow {
         if body_size as u64 > cfg.max_request_body {
             return self.answer(idem::body_too_large(&at, cfg));
         }
-        if !end_of_stream {
-            if let Phase::Buffering { until_ms, .. } = &mut self.phase {
+        if let Phase::Buffering { until_ms, size, .. } = &mut self.phase {
+            *size = body_size;
+            if !end_of_stream {
                 *until_ms = at.now_ms.saturating_add(BODY_IDLE_TIMEOUT_MS);
+                return Step::Wait;
             }
-            return Step::Wait;
         }
         self.request_complete(&at, read)
     }
@@ -346,9 +363,31 @@ impl Flow {
         }
     }
 
-    /// The whole body is here: fingerprint it and acquire.
+    /// The whole body is here: fingerprint it and acquire. The body is read, and its
+    /// canonical form made, only within the worker's memory budget: otherwise the request is
+    /// refused (`503 guard_overloaded`) before anything is asked of Redis.
     fn request_complete(&mut self, at: &Pcx<'_>, read: impl FnOnce() -> Vec<u8>) -> Step {
+        let size = match &self.phase {
+            Phase::Buffering { size, .. } => *size,
+            _ => return Step::Continue,
+        };
+        if !at.rt.memory.admits_brief(size) {
+            return self.overloaded(at, "the request body to fingerprint");
+        }
         let body = read();
+        if body.len() < size {
+            // The host could not hand it over (the VM's memory could not take it).
+            return self.overloaded(at, "the request body to fingerprint");
+        }
+        let need = match (&self.phase, at.policy.idempotency.as_ref()) {
+            (Phase::Buffering { held, .. }, Some(cfg)) => {
+                IdemGuard::fingerprint_need(cfg, &held.req, &body)
+            }
+            _ => 0,
+        };
+        if !at.rt.memory.admits_brief(need) {
+            return self.overloaded(at, "the request body to fingerprint");
+        }
         match std::mem::take(&mut self.phase) {
             Phase::Buffering { held, .. } => self.start_acquire(at, *held, &body),
             _ => Step::Continue,
@@ -420,7 +459,7 @@ impl Flow {
     /// The response body is taken in (a record copying it, a completion it waits for, a
     /// charge read from it).
     pub fn wants_response_body(&self) -> bool {
-        matches!(self.phase, Phase::Response(_) | Phase::Completing { .. }) || self.meter.copying()
+        matches!(self.phase, Phase::Response(_) | Phase::Completing { .. }) || self.meter.scanning()
     }
 
     /// This flow as a fresh one for the next stream, but for the room of its limits' and
@@ -549,6 +588,8 @@ impl Flow {
     }
 }
 
+#[cfg(test)]
+mod memory_tests;
 #[cfg(test)]
 mod quota_tests;
 #[cfg(test)]

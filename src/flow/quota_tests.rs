@@ -275,12 +275,59 @@ fn the_charge_corrects_the_counter_after_the_response() {
     let rec = Recorder::default();
     assert!(charged("7", &[("x-tokens-used", "7")], &rec).is_empty());
     assert_eq!(rec.count("cg.policy.llm.limit.tokens.charged"), 7);
-    // No charge, or one that is not a number: the admitted cost stands.
-    for response in [&[][..], &[("x-tokens-used", "lots")]] {
+    // No charge, or one that is not a number: the limit's `unreadable` fallback (by default
+    // the most a request is admitted at, cost.max 500), counted; never the admitted estimate
+    // silently.
+    for response in [
+        &[][..],
+        &[("x-tokens-used", "lots")],
+        &[("x-tokens-used", "5.0")],
+    ] {
         let rec = Recorder::default();
-        assert!(charged("7", response, &rec).is_empty());
-        assert_eq!(rec.count("cg.policy.llm.limit.tokens.charged"), 0);
+        let bg = charged("7", response, &rec);
+        assert_eq!(&bg[0].call.args[4], "493", "{response:?}");
+        assert_eq!(rec.count("cg.policy.llm.limit.tokens.charged"), 500);
+        assert_eq!(rec.count("cg.policy.llm.limit.tokens.charge_unreadable"), 1);
     }
+}
+
+#[test]
+fn a_response_that_never_came_is_charged_the_fallback_and_one_never_sent_is_not() {
+    let forwarded = |details: Option<&str>, rec: &Recorder| {
+        let rt = runtime(rec);
+        let mut flow = Flow::default();
+        let step = flow.on_request(
+            &Cx::new(&rt, 0, rec),
+            req("/llm", &[("x-cost", "7")]),
+            "n",
+            "o",
+            true,
+        );
+        let out = dispatched(step);
+        let step = flow.on_reply(
+            &Cx::new(&rt, 5, rec),
+            out[0].slot,
+            Ok(ints(&[1, 1, 900, 60_000, 0])),
+        );
+        assert_eq!(step, Step::Continue);
+        if let Some(details) = details {
+            let headers = vec![(":status".to_string(), "503".to_string())];
+            flow.on_response_headers(&Cx::new(&rt, 6, rec), 503, false, details, &headers, true);
+        }
+        flow.on_done(&Cx::new(&rt, 7, rec));
+        flow.take_background()
+    };
+    // The client left before the response's headers; the upstream timed out.
+    for details in [None, Some("upstream_response_timeout")] {
+        let rec = Recorder::default();
+        let bg = forwarded(details, &rec);
+        assert_eq!(&bg[0].call.args[4], "493", "{details:?}");
+        assert_eq!(rec.count("cg.policy.llm.limit.tokens.charge_unreadable"), 1);
+    }
+    // Envoy could not send it: nothing was used, the admitted cost stands.
+    let rec = Recorder::default();
+    assert!(forwarded(Some("no_healthy_upstream"), &rec).is_empty());
+    assert_eq!(rec.count("cg.policy.llm.limit.tokens.charge_unreadable"), 0);
 }
 
 #[test]

@@ -7,6 +7,7 @@
 
 use crate::config::{Completion, Idempotency, Replay};
 use crate::grpc;
+use crate::memory::Budget;
 use crate::text;
 
 /// The response being stored.
@@ -23,6 +24,8 @@ pub struct Assembly {
     passed: u64,
     /// The trailers stored with the response (gRPC status, `replay_trailers`).
     pub trailers: Vec<(String, String)>,
+    /// The worker's memory budget could not hold the body: stored by reference (counted once).
+    over_budget: bool,
 }
 
 /// How the response body is taken in for the record.
@@ -75,7 +78,7 @@ pub enum Shape {
 
 /// Envoy's `response.code_details` for local replies where the request never reached an
 /// upstream, so a retry cannot repeat a side effect: the record is released.
-const NEVER_SENT: &[&str] = &[
+pub(super) const NEVER_SENT: &[&str] = &[
     "no_healthy_upstream",
     "cluster_not_found",
     "route_not_found",
@@ -166,35 +169,98 @@ impl Assembly {
         };
     }
 
-    /// A piece of the response body (`body_size`: this chunk; `read` returns it). A body over
-    /// `max_response_body` is not taken in any further: it streams, and a reference record is
-    /// stored when its end is seen.
+    /// Whether a piece of `body_size` bytes is copied for the record (in `intake`): it is
+    /// within `max_response_body`, and the memory budget can hold the piece read and the room
+    /// the body grows by.
+    pub fn takes(
+        &self,
+        cfg: &Idempotency,
+        intake: Intake,
+        body_size: usize,
+        memory: &Budget,
+    ) -> bool {
+        let cap = usize::try_from(cfg.max_response_body).unwrap_or(usize::MAX);
+        let room = crate::memory::growth(&self.body, body_size, cap);
+        let held = if room == 0 {
+            // Room taken already (the declared length): only the piece's brief copy.
+            memory.admits_brief(body_size)
+        } else {
+            memory.admits(body_size.saturating_add(room))
+        };
+        self.fits(cfg, intake, body_size) && held
+    }
+
+    /// Whether a piece of `body_size` bytes is within `max_response_body` (in `intake`).
+    fn fits(&self, cfg: &Idempotency, intake: Intake, body_size: usize) -> bool {
+        intake == Intake::Copy
+            && (self.body.len().saturating_add(body_size)) as u64 <= cfg.max_response_body
+    }
+
+    /// A piece of the response body (`body_size`: this chunk; `piece` is it, read if
+    /// [`Assembly::takes`] it, `None` if it could not be read). A body over
+    /// `max_response_body`, or one the worker's memory budget cannot hold (`memory`), is not
+    /// taken in any further: it streams, and a reference record is stored when its end is seen.
     pub fn on_response_body(
         &mut self,
         cfg: &Idempotency,
         intake: Intake,
         body_size: usize,
         end_of_stream: bool,
-        read: impl FnOnce() -> Vec<u8>,
+        piece: Option<&[u8]>,
+        memory: &Budget,
     ) -> Record {
-        let max = cfg.max_response_body;
         match intake {
             Intake::Copy => {
-                let fits = (self.body.len() + body_size) as u64 <= max;
-                if fits {
-                    self.body.extend(read());
-                } else {
-                    // Too large to store: stored by reference once the body has ended.
+                let fits = self.fits(cfg, intake, body_size);
+                let kept = fits && piece.is_some_and(|p| self.keep(cfg, p, memory));
+                if !kept {
+                    // Too large to store, or to hold: stored by reference once the body has
+                    // ended.
+                    self.over_budget = fits;
                     self.too_large = true;
                     self.body = Vec::new();
                 }
                 match self.stream(cfg, body_size, end_of_stream) {
-                    Record::Pass if !fits => Record::Take(Intake::Stream),
+                    Record::Pass if !kept => Record::Take(Intake::Stream),
                     settle => settle,
                 }
             }
             Intake::Stream => self.stream(cfg, body_size, end_of_stream),
         }
+    }
+
+    /// Appends `piece` to the body within the memory budget (the first piece of a body whose
+    /// length is declared takes room for all of it at once); whether it could.
+    fn keep(&mut self, cfg: &Idempotency, piece: &[u8], memory: &Budget) -> bool {
+        let cap = usize::try_from(cfg.max_response_body).unwrap_or(usize::MAX);
+        if self.body.capacity() == 0 {
+            if let Some(n) = self.declared.and_then(|n| usize::try_from(n).ok()) {
+                // Within max_response_body (a larger one is never copied).
+                memory.reserve(&mut self.body, n.min(cap));
+            }
+        }
+        memory.append(&mut self.body, piece, cap)
+    }
+
+    /// The body was dropped because the worker's memory budget could not hold it (once).
+    pub fn take_over_budget(&mut self) -> bool {
+        std::mem::take(&mut self.over_budget)
+    }
+
+    /// Drops the body if writing the record with it would take the worker past its memory
+    /// budget (`sealed`: with encryption): the record is then stored by reference. Whether
+    /// it did.
+    pub fn drop_body_over_budget(&mut self, sealed: bool, memory: &Budget) -> bool {
+        if self.too_large || self.body.is_empty() {
+            return false;
+        }
+        let need = crate::idempotency::record::completion_need(&self.body, sealed);
+        if memory.admits_brief(need) {
+            return false;
+        }
+        self.too_large = true;
+        self.body = Vec::new();
+        true
     }
 
     /// A piece of the response body passes (`body_size` bytes more). The response is stored

@@ -459,7 +459,7 @@ fn acquire_then_complete_sync() {
         "the headers go on; the body is copied as it passes and only its end waits"
     );
     let out = dispatched(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 9, true, || {
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 8, true, || {
             b"{\"id\":7}".to_vec()
         }),
     );
@@ -589,7 +589,7 @@ fn completed_response(rt: &Runtime, rec: &Recorder, mut flow: Flow) -> String {
         &headers,
         false,
     );
-    let out = dispatched(flow.on_response_body(&Cx::new(rt, 5, rec), 24, true, || {
+    let out = dispatched(flow.on_response_body(&Cx::new(rt, 5, rec), 23, true, || {
         br#"{"id":"MARKER-in-body"}"#.to_vec()
     }));
     assert_eq!(out[0].script, ScriptId::Complete);

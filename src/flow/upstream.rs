@@ -2,7 +2,8 @@
 //! that outlive the request's decision: the record to settle, the lease to give back.
 
 use super::background::Background;
-use super::response::{response_shape, Assembly, Intake, Record, ResponseHead, Shape};
+use super::charge::Origin;
+use super::response::{response_shape, Assembly, Intake, Record, ResponseHead, Shape, NEVER_SENT};
 use super::{Cx, Flow, Meter, Outgoing, Pcx, Pending, Phase, Purpose, Step};
 use crate::config::{Completion, Idempotency};
 use crate::redis::ScriptCall;
@@ -49,7 +50,15 @@ impl Flow {
             shape,
         };
         if self.forwarded() && Meter::wanted(at.policy) {
-            self.meter.on_headers(at.policy, headers, end_of_stream);
+            let origin = if via_upstream {
+                Origin::Upstream
+            } else if NEVER_SENT.iter().any(|d| details.contains(d)) {
+                Origin::NeverSent
+            } else {
+                Origin::Failed
+            };
+            self.meter
+                .on_headers(at.policy, headers, end_of_stream, origin);
         }
         let step = self.record_response_headers(&at, &head);
         let release = self.held_at_response(&at, async_idem);
@@ -127,9 +136,11 @@ impl Flow {
         self.apply_record(at, record, head.details)
     }
 
-    /// A piece of the response body (`body_size`: this chunk), copied as it passes; a body
-    /// over `max_response_body` is not copied any further: it streams, and a reference record
-    /// is stored when its end is seen. With sync completion the final chunk waits for it.
+    /// A piece of the response body (`body_size`: this chunk), copied as it passes for the
+    /// record and scanned for a JSON charge, each only as far as the worker's memory budget
+    /// lets it be read; a body over `max_response_body` (or one the budget cannot hold) is not
+    /// copied any further: it streams, and a reference record is stored when its end is seen.
+    /// With sync completion the final chunk waits for it.
     pub fn on_response_body(
         &mut self,
         cx: &Cx<'_>,
@@ -137,18 +148,44 @@ impl Flow {
         end_of_stream: bool,
         read: impl FnOnce() -> Vec<u8>,
     ) -> Step {
-        if !self.meter.copying() {
-            return self.record_piece(cx, |stored, cfg, intake, _| {
-                stored.on_response_body(cfg, intake, body_size, end_of_stream, read)
-            });
+        let Some(at) = self.at(cx) else {
+            return Step::Continue;
+        };
+        let copies = match (
+            self.phase.intake(),
+            self.idem.as_ref(),
+            at.policy.idempotency.as_ref(),
+        ) {
+            (Some(intake), Some(idem), Some(cfg)) => {
+                idem.stored.takes(cfg, intake, body_size, &at.rt.memory)
+            }
+            _ => false,
+        };
+        let piece = if (copies || self.meter.scanning()) && at.rt.memory.admits_brief(body_size) {
+            Some(read()).filter(|p| p.len() == body_size)
+        } else {
+            None
+        };
+        self.meter
+            .on_body(at.policy, piece.as_deref(), end_of_stream);
+        let memory = &at.rt.memory;
+        let step = self.record_piece(cx, |stored, cfg, intake, _| {
+            stored.on_response_body(
+                cfg,
+                intake,
+                body_size,
+                end_of_stream,
+                piece.as_deref(),
+                memory,
+            )
+        });
+        if let Some(idem) = self.idem.as_mut() {
+            if idem.stored.take_over_budget() {
+                at.m.increment(at.rt.metrics.memory.by_reference);
+                idem.over_budget(&at);
+            }
         }
-        let piece = read();
-        if let Some(at) = self.at(cx) {
-            self.meter.on_body(at.policy, &piece, end_of_stream);
-        }
-        self.record_piece(cx, |stored, cfg, intake, _| {
-            stored.on_response_body(cfg, intake, body_size, end_of_stream, || piece)
-        })
+        step
     }
 
     /// The response's trailers (`trailers`): its body has ended (without a body callback that
@@ -196,12 +233,19 @@ impl Flow {
                 Step::Continue
             }
             Record::Complete | Record::Release => {
-                let (Some(idem), Some(cfg)) = (self.idem.as_ref(), at.policy.idempotency.as_ref())
+                let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref())
                 else {
                     return Step::Continue;
                 };
                 let (purpose, call) = match record {
-                    Record::Complete => idem.completion_call(cfg),
+                    Record::Complete => {
+                        let sealed = cfg.encryption.is_some();
+                        if idem.stored.drop_body_over_budget(sealed, &at.rt.memory) {
+                            at.m.increment(at.rt.metrics.memory.by_reference);
+                            idem.over_budget(at);
+                        }
+                        idem.completion_call(cfg)
+                    }
                     _ => idem.release_call(),
                 };
                 self.settle_record(at, purpose, call)

@@ -11,6 +11,18 @@ use std::borrow::Cow;
 /// Nesting deeper than this is refused rather than recursed into.
 const MAX_DEPTH: usize = 128;
 
+/// The most [`canonicalize`] holds on the heap at once for `input`, at most: its output (no
+/// longer than the input: whitespace goes, escapes only shrink), one object's values moved
+/// aside (no more than the output), member names it had to unescape (no more than the input),
+/// and the member lists of the objects open at once, each at most twice as large as its
+/// members need, three times while it grows (the old list and the new one): every member
+/// takes a `:` of the input, so no more than `:` bytes are in them.
+pub fn peak_need(input: &[u8]) -> usize {
+    let colons = input.iter().filter(|&&b| b == b':').count();
+    let member = std::mem::size_of::<(Cow<'_, str>, std::ops::Range<usize>)>();
+    3 * input.len() + 3 * member * colons + 256
+}
+
 /// The canonical form of `input`, or `None` if it is not JSON (or repeats a member name).
 pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
     let mut p = Parser { s: input, i: 0 };
@@ -266,6 +278,57 @@ mod tests {
 
     fn canon(s: &str) -> Option<String> {
         canonicalize(s.as_bytes()).map(|b| String::from_utf8(b).expect("utf8"))
+    }
+
+    /// The memory bound the worker checks before fingerprinting holds for the shapes that
+    /// cost the most per byte: many tiny members in one object, deep nesting, escaped names,
+    /// objects in arrays, long strings.
+    #[test]
+    fn what_canonicalize_holds_at_once_is_within_peak_need() {
+        let flat = format!(
+            "{{{}\"z\":0}}",
+            (0..20_000)
+                .map(|i| format!("\"{i:x}\":0,"))
+                .collect::<String>()
+        );
+        let deep = format!("{}1{}", r#"{"a":"#.repeat(120), "}".repeat(120));
+        let escaped = format!(
+            "{{{}\"z\":0}}",
+            (0..5_000)
+                .map(|i| format!("\"\\u00{:02x}{i}\":1,", 0x41 + i % 20))
+                .collect::<String>()
+        );
+        let in_arrays = format!(
+            "[{}{{}}]",
+            r#"{"b":[1,2],"a":{"d":0,"c":"x"}},"#.repeat(5_000)
+        );
+        let strings = format!(
+            r#"{{"s":"{}","t":["{}"]}}"#,
+            "x".repeat(100_000),
+            "\\n".repeat(20_000)
+        );
+        let spaced = format!(
+            "{{ {} \"z\" : 0 }}",
+            (0..5_000)
+                .map(|i| format!("\"k{i}\" :  [ 1 , 2 ] , "))
+                .collect::<String>()
+        );
+        for (name, doc) in [
+            ("flat", flat),
+            ("deep", deep),
+            ("escaped", escaped),
+            ("in arrays", in_arrays),
+            ("strings", strings),
+            ("spaced", spaced),
+        ] {
+            let (out, peak) = crate::alloc_count::peak_bytes(|| canonicalize(doc.as_bytes()));
+            assert!(out.is_some(), "{name} is JSON");
+            let need = peak_need(doc.as_bytes());
+            assert!(
+                peak <= need,
+                "{name}: {peak} bytes held at once, more than {need}"
+            );
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 use crate::text::{media_type, push_hex};
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 
 /// True for `application/json` and `application/*+json` (parameters ignored).
 pub fn is_json(content_type: Option<&str>) -> bool {
@@ -18,14 +19,24 @@ pub fn is_json(content_type: Option<&str>) -> bool {
 }
 
 /// The body as it enters the fingerprint: canonical JSON when it is JSON and parses, else
-/// the raw bytes.
-pub fn canonical_body(body: &[u8], json: bool) -> Vec<u8> {
+/// the raw bytes (not copied).
+pub fn canonical_body(body: &[u8], json: bool) -> Cow<'_, [u8]> {
     if json {
         if let Some(canonical) = super::canonical::canonicalize(body) {
-            return canonical;
+            return Cow::Owned(canonical);
         }
     }
-    body.to_vec()
+    Cow::Borrowed(body)
+}
+
+/// The most [`canonical_body`] allocates for `body` at once (see
+/// [`super::canonical::peak_need`]); nothing when it is not JSON.
+pub fn canonical_need(body: &[u8], json: bool) -> usize {
+    if json {
+        super::canonical::peak_need(body)
+    } else {
+        0
+    }
 }
 
 /// Accumulates named parts; each is length-prefixed so no two part lists collide.
@@ -98,16 +109,13 @@ mod tests {
         ];
         for (input, want) in cases {
             assert_eq!(
-                String::from_utf8(canonical_body(input, true)).expect("utf8"),
+                String::from_utf8(canonical_body(input, true).into_owned()).expect("utf8"),
                 *want
             );
         }
         // Not JSON, or not declared JSON: bytes as they are.
-        assert_eq!(
-            canonical_body(b"{ \"b\": 2 }", false),
-            b"{ \"b\": 2 }".to_vec()
-        );
-        assert_eq!(canonical_body(b"{oops", true), b"{oops".to_vec());
+        assert_eq!(&*canonical_body(b"{ \"b\": 2 }", false), b"{ \"b\": 2 }");
+        assert_eq!(&*canonical_body(b"{oops", true), b"{oops");
     }
 
     #[test]

@@ -93,6 +93,9 @@ pub enum CallError {
     Timeout,
     /// The host refused to dispatch: `redis.cluster` names no cluster of this proxy.
     NoSuchCluster,
+    /// The answer came, but this worker's memory budget cannot hold it now (a stored response
+    /// to replay, say): it was not read. Redis ran the call.
+    OverBudget,
 }
 
 impl CallError {
@@ -129,6 +132,11 @@ impl CallError {
             CallError::NoSuchCluster => {
                 "redis.cluster is not a cluster of this proxy (check its spelling)".into()
             }
+            CallError::OverBudget => {
+                "its answer is larger than this worker's memory budget can hold now \
+                 (memory_budget)"
+                    .into()
+            }
         }
     }
 
@@ -157,6 +165,7 @@ impl CallError {
             CallError::Malformed(_) | CallError::UnexpectedReply(_) => {
                 "Redis answered with an error".into()
             }
+            CallError::OverBudget => "this proxy cannot hold its answer now".into(),
             CallError::Timeout => {
                 let mut t = String::from("it did not answer within ");
                 crate::text::push_u64(&mut t, timeout_ms);
@@ -213,7 +222,8 @@ impl CallError {
             | CallError::Malformed(_)
             | CallError::Redis(_)
             | CallError::UnexpectedReply(_)
-            | CallError::Timeout => true,
+            | CallError::Timeout
+            | CallError::OverBudget => true,
         }
     }
 

@@ -10,6 +10,7 @@ use super::{Filter, Root};
 use crate::flow::worker::Action;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action as HostAction, ContextType};
+use std::fmt::Write;
 
 proxy_wasm::main! {{
     if log::set_logger(&HostLog).is_ok() {
@@ -18,8 +19,78 @@ proxy_wasm::main! {{
     std::panic::set_hook(Box::new(|info| {
         host::log(LogLevel::Critical, &format!("panicked: {info}"));
     }));
+    crate::heap::on_failure(out_of_memory);
     proxy_wasm::set_root_context(|_| Box::new(RootCtx(Root::default())));
 }}
+
+thread_local! {
+    /// This VM's `memory_budget`, for the line an allocation failure logs (0: not configured).
+    static BUDGET: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Remembers the budget the configuration set, for [`out_of_memory`].
+pub(super) fn set_budget(bytes: u64) {
+    BUDGET.with(|b| b.set(bytes));
+}
+
+/// An allocation failed outside a `try_reserve`: the VM's memory could not grow (the SDK's
+/// `proxy_on_memory_allocate`, which copies a host buffer in, is one: it cannot fail softly).
+/// On a stable toolchain Rust aborts the VM right after (an `unreachable` trap); this says so
+/// first, at error level and with the cause, without allocating (there is no memory to
+/// allocate).
+fn out_of_memory(size: usize, held: usize) {
+    let budget = BUDGET.try_with(std::cell::Cell::get).unwrap_or(0);
+    let mut line = StackLine::default();
+    let _ = write!(
+        line,
+        "out of memory: cannot allocate {size} bytes with {held} bytes held on the heap \
+         (memory_budget {budget}); this worker's Wasm VM aborts now, and Envoy answers its \
+         requests as the filter's failure_policy says (FAIL_CLOSED: 503 until Envoy restarts, \
+         FAIL_RELOAD: a new VM)"
+    );
+    host::log(LogLevel::Error, line.as_str());
+}
+
+/// A log line written on the stack, cut at its capacity.
+struct StackLine {
+    buf: [u8; 400],
+    len: usize,
+}
+
+impl Default for StackLine {
+    fn default() -> StackLine {
+        StackLine {
+            buf: [0; 400],
+            len: 0,
+        }
+    }
+}
+
+impl StackLine {
+    fn as_str(&self) -> &str {
+        let bytes = self.buf.get(..self.len).unwrap_or_default();
+        match std::str::from_utf8(bytes) {
+            Ok(s) => s,
+            Err(e) => std::str::from_utf8(bytes.get(..e.valid_up_to()).unwrap_or_default())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+impl std::fmt::Write for StackLine {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let room = self.buf.len() - self.len;
+        let n = s.len().min(room);
+        if let (Some(to), Some(from)) = (
+            self.buf.get_mut(self.len..self.len + n),
+            s.as_bytes().get(..n),
+        ) {
+            to.copy_from_slice(from);
+            self.len += n;
+        }
+        Ok(())
+    }
+}
 
 /// A root context: one per plugin sharing this VM.
 struct RootCtx(Root);

@@ -219,9 +219,25 @@ fn dispatch(rt: &Runtime, body: &[u8]) -> Result<u32, CallError> {
     })
 }
 
-/// [`call_answer`], timed.
-fn read_answer(headers: usize, body_size: usize) -> Result<crate::redis::resp::Reply, CallError> {
+/// What reading an answer of `n` bytes takes at most (its copy, the reply decoded, a stored
+/// response parsed, its body decoded or opened, the replay's body).
+const ANSWER_COPIES: usize = 6;
+
+/// [`call_answer`], timed; not read when the worker's memory budget cannot hold what reading it
+/// takes (`CallError::OverBudget`: Redis ran the call, its answer is dropped).
+fn read_answer(
+    cx: &Cx<'_>,
+    headers: usize,
+    body_size: usize,
+) -> Result<crate::redis::resp::Reply, CallError> {
     let _span = spans::enter(Span::AnswerRead);
+    if !cx
+        .rt
+        .memory
+        .admits_brief(body_size.saturating_mul(ANSWER_COPIES))
+    {
+        return Err(CallError::OverBudget);
+    }
     call_answer(headers, body_size)
 }
 
@@ -278,6 +294,12 @@ impl Root {
         // The watchdog's resolution; batches ride on the tick only without a wake queue.
         let tick = config.tick_ms(config.redis.batch.is_some() && wake_queue.is_none());
         host::set_tick_period(tick);
+        contexts::set_budget(config.memory_budget);
+        // Big copies may grow the VM's memory to twice the budget (room for the allocator's
+        // spare and its fragments), never more: past it they are refused as over budget.
+        crate::heap::cap_growth(
+            usize::try_from(config.memory_budget.saturating_mul(2)).unwrap_or(usize::MAX),
+        );
         let batch = config.redis.batch;
         let worker = Worker::new(TokenSource::from_entropy(now_ms()), batch, tick);
         self.vm = Some(Rc::new(Vm {
@@ -308,7 +330,7 @@ impl Root {
     /// An answer to a callout the root sent.
     fn on_http_call_response(&self, token: u32, headers: usize, body_size: usize) {
         self.event_in(Some((Span::Answer, Span::Resume)), |w, cx| {
-            w.on_answer(cx, token, || read_answer(headers, body_size))
+            w.on_answer(cx, token, || read_answer(cx, headers, body_size))
         });
     }
 
@@ -441,7 +463,7 @@ impl Filter {
     /// An answer to a callout this stream sent.
     fn on_http_call_response(&self, token: u32, headers: usize, body_size: usize) {
         self.event_in(Some((Span::Answer, Span::Resume)), |w, cx, _| {
-            w.on_answer(cx, token, || read_answer(headers, body_size))
+            w.on_answer(cx, token, || read_answer(cx, headers, body_size))
         });
     }
 

@@ -20,6 +20,14 @@ Request headers that steer the answer:
   leaves. The ledger entry counts `events_sent` and the time of the last (`last_event`).
 - `x-upstream-json: <JSON text>`  answer this JSON document (`application/json`) instead of
   the usual one
+- `x-upstream-json-raw: <text>`  answer this text as it is, as `application/json` (repeated
+  members, numbers spelled `5.0` or `1e30` survive, where `x-upstream-json` re-serialises)
+- `x-upstream-json-filler: N`  with either of those (an object), append a member `"x"` holding
+  N objects `{"":0}` (7 bytes each) before its closing brace: a big body of many small values
+- `x-upstream-content-encoding: gzip`  gzip the JSON body and say so (`Content-Encoding`)
+- `x-upstream-sse-data: <text>`  with `x-upstream-sse-events`, every event's data is this text
+- `x-upstream-pause-after-bytes: M`, `x-upstream-pause-ms: T`  send the first M bytes of the
+  body (big or JSON), flush, wait T ms, then the rest: many responses can be held mid-body at once
 
 Every ledger entry has `started` (when the request reached the service, after its body) and
 `time` (when it was recorded, after the delay, just before the answer goes out): the interval
@@ -30,6 +38,7 @@ being served right now are in the stats' `in_flight`.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
@@ -48,9 +57,26 @@ ADMIN_PREFIX = "/__upstream/"
 BODY_PATTERN = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_\n"
 
 
+@functools.lru_cache(maxsize=8)
 def big_body(n: int) -> bytes:
-    """The body of `x-upstream-body-bytes: n`: n bytes of a 64-byte text pattern."""
+    """The body of `x-upstream-body-bytes: n`: n bytes of a 64-byte text pattern (one copy per
+    size, however many requests are sending it at once)."""
     return (BODY_PATTERN * (n // len(BODY_PATTERN) + 1))[:n]
+
+
+@functools.lru_cache(maxsize=8)
+def json_body(text: bytes, filler: int, gzipped: bool) -> bytes:
+    """`text` (a JSON object) with `filler` objects `{"":0}` in a member "x" appended, gzipped
+    if asked (one copy per variant, however many requests are sending it at once)."""
+    if filler:
+        end = text.rstrip()[:-1]  # the object without its closing brace
+        items = b'{"":0},' * filler
+        text = end + (b"," if end.strip() != b"{" else b"") + b'"x":[' + items[:-1] + b"]}"
+    if gzipped:
+        import gzip
+
+        text = gzip.compress(text)
+    return text
 
 
 def max_overlap(entries: list[dict]) -> int:
@@ -166,17 +192,31 @@ class Handler(BaseHTTPRequestHandler):
         size = self.headers.get("x-upstream-body-bytes")
         if size is not None:
             return self._send_big(status, int(size), extra)
+        raw = self.headers.get("x-upstream-json-raw")
         payload = self.headers.get("x-upstream-json")
-        if payload is not None:
-            return self._send(status, json.loads(payload), extra)
+        if raw is not None or payload is not None:
+            text = raw.encode() if raw is not None else json.dumps(json.loads(payload)).encode()
+            return self._send_json(status, text, extra)
         self._send(status, {"served": served, "method": self.command, "path": path}, extra)
 
-    def _send_big(self, status: int, size: int, extra: dict) -> None:
-        body = big_body(size)
+    def _send_json(self, status: int, text: bytes, extra: dict) -> None:
+        filler = int(self.headers.get("x-upstream-json-filler") or 0)
+        gzipped = self.headers.get("x-upstream-content-encoding") == "gzip"
+        text = json_body(text, filler, gzipped)
+        extra = dict(extra)
+        if gzipped:
+            extra["Content-Encoding"] = "gzip"
+        self._send_big(status, len(text), extra, body=text, content_type="application/json")
+
+    def _send_big(self, status: int, size: int, extra: dict, body: bytes | None = None,
+                  content_type: str = "text/plain") -> None:
+        body = big_body(size) if body is None else body
         chunked = self.headers.get("x-upstream-chunked") == "1"
         reset_after = self.headers.get("x-upstream-reset-after-bytes")
+        pause_after = int(self.headers.get("x-upstream-pause-after-bytes") or -1)
+        pause_s = int(self.headers.get("x-upstream-pause-ms") or 0) / 1000
         self.send_response(status)
-        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Type", content_type)
         if chunked:
             self.send_header("Transfer-Encoding", "chunked")
         else:
@@ -186,9 +226,20 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if reset_after is not None:
             body = body[:int(reset_after)]
-        for i in range(0, len(body), 16384):
-            piece = body[i:i + 16384]
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        pieces = [(0, len(body))]
+        if 0 <= pause_after < len(body):
+            pieces = [(0, pause_after), (pause_after, len(body))]
+        try:
+            for n, (start, end) in enumerate(pieces):
+                if n:
+                    self.wfile.flush()
+                    time.sleep(pause_s)
+                for i in range(start, end, 16384):
+                    piece = body[i:min(i + 16384, end)]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        except OSError:  # the client (or Envoy) left
+            self.close_connection = True
+            return
         if reset_after is not None:
             self.wfile.flush()
             time.sleep(0.2)  # let the bytes go out before the reset
@@ -214,7 +265,8 @@ class Handler(BaseHTTPRequestHandler):
             while count < 0 or i < count:
                 if i:
                     time.sleep(interval)
-                event = b"data: %d\n\n" % i
+                data = self.headers.get("x-upstream-sse-data")
+                event = b"data: %s\n\n" % (data.encode() if data is not None else b"%d" % i)
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
                 self.wfile.flush()
                 i += 1
