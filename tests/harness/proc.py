@@ -106,9 +106,10 @@ def connectable(port: int) -> bool:
         return False
 
 
-def _listener_inodes(port: int) -> set[str]:
-    """The socket inodes listening on `port` (any address), from /proc/net/tcp and tcp6."""
-    inodes = set()
+def _listening() -> list[tuple[str, str]]:
+    """Every listening socket of the machine, as (its local address in /proc/net/tcp{,6}'s hex
+    `ADDR:PORT`, its inode)."""
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             rows = Path(table).read_text().splitlines()[1:]
@@ -116,9 +117,14 @@ def _listener_inodes(port: int) -> set[str]:
             continue
         for row in rows:
             f = row.split()
-            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f[9])
-    return inodes
+            if len(f) > 9 and f[3] == "0A":
+                found.append((f[1], f[9]))
+    return found
+
+
+def _listener_inodes(port: int) -> set[str]:
+    """The socket inodes listening on `port` (any address)."""
+    return {inode for address, inode in _listening() if int(address.rsplit(":", 1)[1], 16) == port}
 
 
 def _tree(pid: int) -> list[int]:
@@ -176,16 +182,7 @@ def _is_loopback(address: str) -> bool:
 
 def listen_addresses(pid: int) -> list[str]:
     """Every address `pid` (or a process it started) listens on, as `host:port`."""
-    by_inode = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            f = row.split()
-            if len(f) > 9 and f[3] == "0A":
-                by_inode[f[9]] = _socket_address(f[1])
+    by_inode = {inode: _socket_address(address) for address, inode in _listening()}
     return sorted({by_inode[inode] for inode in _socket_inodes(pid) if inode in by_inode})
 
 
