@@ -184,12 +184,7 @@ impl Admission {
         if !rejected_early && self.slots.iter().any(|s| s.state.is_none()) {
             return Err(CallError::UnexpectedReply("missing limit state".into()));
         }
-        let admitted = at
-            .policy
-            .rate_limits
-            .iter()
-            .zip(&self.slots)
-            .all(|(l, s)| l.shadow || s.state.is_some_and(|s| s.allowed));
+        let admitted = self.admitted(at);
         self.keep_slices(at, admitted);
         if !admitted {
             self.refund_local(at);
@@ -206,16 +201,20 @@ impl Admission {
     /// for later requests: this one runs nowhere), the units it took from local slices go
     /// back, and each limit counts what Redis decided.
     pub fn gone(&mut self, at: &Pcx<'_>) {
-        let admitted = at
-            .policy
-            .rate_limits
-            .iter()
-            .zip(&self.slots)
-            .all(|(l, s)| l.shadow || s.state.is_some_and(|s| s.allowed));
+        let admitted = self.admitted(at);
         self.keep_slices(at, false);
         self.refund_local(at);
         self.mark_over_limit(at);
         self.count(at, admitted);
+    }
+
+    /// Whether every enforced limit's answer admits the request (shadow limits never reject).
+    fn admitted(&self, at: &Pcx<'_>) -> bool {
+        at.policy
+            .rate_limits
+            .iter()
+            .zip(&self.slots)
+            .all(|(l, s)| l.shadow || s.state.is_some_and(|s| s.allowed))
     }
 
     /// Slices granted by Redis: this request uses one unit if it is admitted; the rest (or

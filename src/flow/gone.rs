@@ -113,13 +113,7 @@ impl Flow {
             self.admission
                 .answered(at, limits, read.states, read.admitted);
         }
-        self.settled_call(slot);
-        if let (Some(answer), Some(i)) = (read.idem, self.idem.as_mut()) {
-            i.answered(answer);
-        }
-        if let (Some(answer), Some(l)) = (read.lease, self.lease.as_mut()) {
-            l.answered(answer);
-        }
+        self.settled_with(slot, read.idem, read.lease);
         Ok(())
     }
 

@@ -4,7 +4,7 @@
 use super::calls::{count_failure, Answer};
 use super::{Cx, Flow, Pcx, Phase, Purpose, Step, BODY_IDLE_TIMEOUT_MS};
 use crate::lograte::WarnKind;
-use crate::lua::acquire::{self, LeaseAnswer};
+use crate::lua::acquire::{self, IdemAnswer, LeaseAnswer};
 use crate::redis::{resp::Reply, CallError};
 use crate::respond::{self, Problem};
 
@@ -47,6 +47,23 @@ impl Flow {
         }
     }
 
+    /// The call in `slot` was read: it is settled, and the record's and the lease's answers it
+    /// carried go to their guards.
+    pub(super) fn settled_with(
+        &mut self,
+        slot: usize,
+        idem: Option<IdemAnswer>,
+        lease: Option<LeaseAnswer>,
+    ) {
+        self.settled_call(slot);
+        if let (Some(answer), Some(i)) = (idem, self.idem.as_mut()) {
+            i.answered(answer);
+        }
+        if let (Some(answer), Some(l)) = (lease, self.lease.as_mut()) {
+            l.answered(answer);
+        }
+    }
+
     /// The call in `slot` can no longer have left anything this request does not know of.
     pub(super) fn settled_call(&mut self, slot: usize) {
         if let Some(c) = self.calls.get_mut(slot) {
@@ -79,13 +96,7 @@ impl Flow {
                     Ok(r) => r,
                     Err(e) => return self.unreadable(at, slot, &e),
                 };
-                self.settled_call(slot);
-                if let (Some(answer), Some(i)) = (read.idem, self.idem.as_mut()) {
-                    i.answered(answer);
-                }
-                if let (Some(answer), Some(l)) = (read.lease, self.lease.as_mut()) {
-                    l.answered(answer);
-                }
+                self.settled_with(slot, read.idem, read.lease);
                 let headers = std::mem::take(&mut self.response_headers);
                 self.guards_decide(at, headers)
             }
@@ -97,13 +108,7 @@ impl Flow {
                 };
                 self.admission
                     .answered(at, limits, read.states, read.admitted);
-                self.settled_call(slot);
-                if let (Some(answer), Some(i)) = (read.idem, self.idem.as_mut()) {
-                    i.answered(answer);
-                }
-                if let (Some(answer), Some(l)) = (read.lease, self.lease.as_mut()) {
-                    l.answered(answer);
-                }
+                self.settled_with(slot, read.idem, read.lease);
                 self.acquire_answered(at)
             }
             Purpose::LeaseRelease => {
