@@ -544,20 +544,12 @@ impl Scan {
         match self.escape {
             Escape::Backslash => {
                 self.escape = Escape::None;
-                let c = match b {
-                    b'"' => '"',
-                    b'\\' => '\\',
-                    b'/' => '/',
-                    b'b' => '\u{8}',
-                    b'f' => '\u{c}',
-                    b'n' => '\n',
-                    b'r' => '\r',
-                    b't' => '\t',
-                    b'u' => {
-                        self.escape = Escape::Unicode { digits: 0, code: 0 };
-                        return;
-                    }
-                    _ => return self.fail(Unreadable::Invalid),
+                if b == b'u' {
+                    self.escape = Escape::Unicode { digits: 0, code: 0 };
+                    return;
+                }
+                let Some(c) = crate::text::json_escape(b) else {
+                    return self.fail(Unreadable::Invalid);
                 };
                 if self.high != 0 {
                     return self.fail(Unreadable::Invalid);

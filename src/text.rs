@@ -110,6 +110,22 @@ pub fn push_hex(out: &mut String, bytes: &[u8]) {
     }
 }
 
+/// The character a JSON string's escape `\<b>` stands for, for every escape but `\u` (which
+/// the caller reads on: four hex digits follow); `None` for `u` and for a byte no escape has.
+pub fn json_escape(b: u8) -> Option<char> {
+    Some(match b {
+        b'"' => '"',
+        b'\\' => '\\',
+        b'/' => '/',
+        b'b' => '\u{8}',
+        b'f' => '\u{c}',
+        b'n' => '\n',
+        b'r' => '\r',
+        b't' => '\t',
+        _ => return None,
+    })
+}
+
 /// Standard base64 with padding (the `base64` crate's standard engine).
 pub fn base64_encode(data: &[u8]) -> String {
     STANDARD.encode(data)

@@ -205,16 +205,8 @@ impl<'a> Parser<'a> {
                     let e = self.peek()?;
                     self.i += 1;
                     let c = match e {
-                        b'"' => '"',
-                        b'\\' => '\\',
-                        b'/' => '/',
-                        b'b' => '\u{8}',
-                        b'f' => '\u{c}',
-                        b'n' => '\n',
-                        b'r' => '\r',
-                        b't' => '\t',
                         b'u' => self.unicode_escape()?,
-                        _ => return None,
+                        _ => crate::text::json_escape(e)?,
                     };
                     let mut buf = [0u8; 4];
                     out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
