@@ -223,7 +223,11 @@ def test_a_flood_of_json_responses_to_charge_holds_nothing_of_them(guard):
     assert vm_failures(envoy) == []
     charged = "wasmcustom.cg.policy.llm.limit.tokens.charged"
     assert wait_for(lambda: envoy.stat(charged) == 2 * n, 10.0), envoy.stat(charged)
-    assert grown < 64 * MiB, f"the guarded flood took {grown / MiB:.0f} MiB more"
+    # Envoy's RSS after the guarded flood, beside the same flood unguarded, moves by tens of
+    # MiB from run to run on a busy 2-core machine (26 to 127 MiB measured on one build), so
+    # the bound is the budget's stated one (each VM at most twice its budget), which the build
+    # before issue 54 broke by an order of magnitude (its VM aborted at 887 MB).
+    assert grown < VM_BOUND, f"the guarded flood took {grown / MiB:.0f} MiB more"
 
 
 def idem_keys(stack: Stack, prefix: str) -> int:
