@@ -420,7 +420,7 @@ def naive_rl(stack: Stack) -> dict:
     return {"callout": {**callout, "body": body}, "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT}}
 
 
-ACQUIRE_LUA = ROOT / "src" / "lua" / "acquire.lua"
+ACQUIRE_LUA = ROOT / "src" / "redis" / "scripts" / "acquire.lua"
 # acquire.lua's arguments for rl_allowed's one limit (a fixed window of an hour).
 ACQUIRE_ARGS = ("1", "-", "fw", str(HUGE_LIMIT), "3600000", str(HUGE_LIMIT), "0", "1", "0", "0")
 # A key of the exact path's key shape (the tenant in its hash tag, the policy, the limit and

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Micro-benchmark of src/lua/acquire.lua and complete.lua inside Redis: the working tree's
+"""Micro-benchmark of src/redis/scripts/acquire.lua and complete.lua inside Redis: the working tree's
 version against the one at git HEAD, case by case, side by side.
 
 Starts its own redis-server on a free port (tests/harness/proc.py; stopped by its pid on exit,
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from harness.proc import RedisServer, stop_all  # noqa: E402
 
-SCRIPTS = ("src/lua/acquire.lua", "src/lua/complete.lua")
+SCRIPTS = ("src/redis/scripts/acquire.lua", "src/redis/scripts/complete.lua")
 PIPELINE = 1000  # calls per round trip
 HOUR_MS = 3_600_000
 BIG = 1_000_000_000  # a limit no case reaches
@@ -49,7 +49,7 @@ class Case:
     setup: Callable[[object, str], None] | None = None  # (client, sha) before RESETSTAT
     acquired: tuple[int, ...] = ()  # reply indexes (from the end) that must be 1 ACQUIRED
     expect: tuple[tuple[int, object], ...] = ()  # (reply index, value) pairs it must hold
-    script: str = "src/lua/acquire.lua"  # the script measured
+    script: str = "src/redis/scripts/acquire.lua"  # the script measured
     # complete.lua's reply instead of acquire.lua's: this integer
     returns: int | None = None
     max_calls: int | None = None  # at most this many calls, whatever N (one record each)
@@ -95,7 +95,7 @@ def completed(client, sha: str) -> None:
     keys, argv = idem_only(0)
     if client.evalsha(sha, len(keys), *keys, *argv)[-3] != 1:
         raise AssertionError("idem_replay: the record was not acquired")
-    complete = (ROOT / "src/lua/complete.lua").read_text()
+    complete = (ROOT / "src/redis/scripts/complete.lua").read_text()
     if client.eval(complete, 1, keys[0], OWNER, FINGERPRINT, 600_000, RESPONSE) != 1:
         raise AssertionError("idem_replay: the record was not completed")
 

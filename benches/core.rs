@@ -15,18 +15,20 @@
 //! `CORE_COUNT`), the working tree beside a git revision: a measure no noise moves.
 
 use coordination_guard::config::Config;
-use coordination_guard::flow::worker::{Dir, Effects, ResponseHead, Worker};
-use coordination_guard::flow::{Cx, Flow, Runtime, Step};
-use coordination_guard::headers::{self, Headers};
-use coordination_guard::idempotency::fingerprint::{canonical_body, Fingerprint};
-use coordination_guard::idempotency::record::{Record, RecordResponse, StoredResponse};
-use coordination_guard::idempotency::seal::{fresh_nonce, record_aad, Keyring, RecordKey};
-use coordination_guard::ids::TokenSource;
-use coordination_guard::keys;
-use coordination_guard::metrics::{Metrics, NoMetrics};
-use coordination_guard::ratelimit;
+use coordination_guard::engine::flow::{Cx, Flow, Runtime, Step};
+use coordination_guard::engine::worker::{Dir, Effects, ResponseHead, Worker};
+use coordination_guard::guards::idempotency::fingerprint::{canonical_body, Fingerprint};
+use coordination_guard::guards::idempotency::record::{Record, RecordResponse, StoredResponse};
+use coordination_guard::guards::idempotency::seal::{fresh_nonce, record_aad, Keyring, RecordKey};
+use coordination_guard::guards::ratelimit;
+use coordination_guard::http::headers::{self, Headers};
+use coordination_guard::http::request::{
+    policy_index, select_policy, Caller, Probe, Request, Selected,
+};
+use coordination_guard::redis::keys;
 use coordination_guard::redis::webdis;
-use coordination_guard::request::{policy_index, select_policy, Caller, Probe, Request, Selected};
+use coordination_guard::support::ids::TokenSource;
+use coordination_guard::support::metrics::{Metrics, NoMetrics};
 use std::collections::VecDeque;
 use std::hint::black_box;
 use std::time::{Duration, Instant};

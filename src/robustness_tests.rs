@@ -2,13 +2,13 @@
 //! operator gets thousands of random and mutated inputs. (A panic would abort the VM.)
 
 use crate::config::Config;
-use crate::idempotency::canonical::canonicalize;
-use crate::idempotency::header::parse_key;
-use crate::idempotency::record::{Record, StoredResponse};
-use crate::idempotency::seal::{record_aad, Keyring, RecordKey};
-use crate::ids::TokenSource;
+use crate::guards::idempotency::canonical::canonicalize;
+use crate::guards::idempotency::header::parse_key;
+use crate::guards::idempotency::record::{Record, StoredResponse};
+use crate::guards::idempotency::seal::{record_aad, Keyring, RecordKey};
 use crate::redis::resp;
-use crate::text::base64_decode;
+use crate::support::ids::TokenSource;
+use crate::support::text::base64_decode;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -62,7 +62,7 @@ def test_the_footprints_regions_are_found_in_the_builds_line_tables(wasm):
     raw = wasm.read_bytes()
     _, names, _, _ = footprint.instrument(raw)
     names = footprint.demangle(names)
-    key = [f for f, n in names.items() if n == "coordination_guard::ratelimit::key"]
+    key = [f for f, n in names.items() if n == "coordination_guard::guards::ratelimit::key"]
     assert len(key) == 1, "the limit's key is its own function in the core benchmark"
     _, _, _, spans = footprint.instrument(raw, set(key))
     where = footprint.symbolize(wasm, [address for _, _, address in spans[key[0]]])
@@ -70,5 +70,5 @@ def test_the_footprints_regions_are_found_in_the_builds_line_tables(wasm):
     assert all(place != "??:0" for _, place in where), where
     # Its own lines, and what it inlines (the digests, the standard library's vectors).
     files = {place.rsplit(":", 1)[0] for _, place in where}
-    assert "src/ratelimit.rs" in files, files
+    assert "src/guards/ratelimit/mod.rs" in files, files
     assert any(f.startswith("alloc/") or f.startswith("core/") for f in files), files

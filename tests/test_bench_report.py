@@ -461,7 +461,7 @@ def test_footprint_reads_where_llvm_symbolizer_says_code_comes_from():
         "sha2::sha256::compress256\n"
         "/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/sha2-0.10.9/src/sha256.rs:38:5\n"
         "\n"
-        f"decimal\n{root}/src/text.rs:0:0\n\n"
+        f"decimal\n{root}/src/support/text.rs:0:0\n\n"
         "??\n??:0:0\n\n")
     assert footprint.short_name("coordination_guard::flow::worker::Worker<S>::settle") == (
         "Worker<S>::settle")
@@ -470,7 +470,7 @@ def test_footprint_reads_where_llvm_symbolizer_says_code_comes_from():
     assert footprint.symbolized(output) == [
         ("<alloc::raw_vec::RawVec<T,A>>::reserve", "alloc/src/raw_vec/mod.rs:673"),
         ("sha2::sha256::compress256", "sha2-0.10.9/src/sha256.rs:38"),
-        ("decimal", "src/text.rs:0"),
+        ("decimal", "src/support/text.rs:0"),
         ("??", "??:0"),
     ]
 

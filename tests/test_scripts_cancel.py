@@ -18,7 +18,7 @@ import pytest
 
 from harness.scripts import Limit, batch_source, limits_argv, owner
 
-LUA = Path(__file__).resolve().parents[1] / "src" / "lua"
+LUA = Path(__file__).resolve().parents[1] / "src" / "redis" / "scripts"
 
 IDEM = "idem:{t1}:op:k1"
 LEASE = "lease:{t1}:op:r1"

@@ -1,4 +1,4 @@
-"""The idempotency state machine of src/lua/{acquire,complete,release}.lua against a real
+"""The idempotency state machine of src/redis/scripts/{acquire,complete,release}.lua against a real
 redis-server: every transition, the owner checks, unreadable values, the combined rate-limit +
 idempotency call and TTLs.
 
@@ -24,7 +24,7 @@ import pytest
 from harness.scripts import Limit, limits_argv, owner
 import redis
 
-LUA = Path(__file__).parents[1] / "src/lua"
+LUA = Path(__file__).parents[1] / "src/redis/scripts"
 
 SKIPPED, ACQUIRED, IN_PROGRESS, COMPLETED, CONFLICT, UNREADABLE = range(6)
 MISSING, NOT_OWNER, DONE = 0, -1, 1  # complete.lua / release.lua replies (DONE: 1)

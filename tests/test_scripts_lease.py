@@ -1,4 +1,4 @@
-"""The lease section of src/lua/acquire.lua and src/lua/lease_{release,extend}.lua against a
+"""The lease section of src/redis/scripts/acquire.lua and src/redis/scripts/lease_{release,extend}.lua against a
 real redis-server: owner checks, fencing tokens, expiry, the combined rate-limit + idempotency
 + lease call, arguments and TTLs.
 
@@ -24,7 +24,7 @@ import pytest
 from harness.scripts import Limit, limits_argv, owner
 import redis
 
-LUA = Path(__file__).parents[1] / "src/lua"
+LUA = Path(__file__).parents[1] / "src/redis/scripts"
 
 SKIPPED, ACQUIRED, BUSY = 0, 1, 2  # acquire.lua, lease section
 RELEASED = EXTENDED = 1  # lease_release.lua / lease_extend.lua

@@ -1,4 +1,4 @@
-"""The rate-limit part of src/lua/acquire.lua against a real redis-server (idempotency off;
+"""The rate-limit part of src/redis/scripts/acquire.lua against a real redis-server (idempotency off;
 the idempotency section is tested in test_scripts_idempotency.py).
 
 Timing tests use short windows, generous margins and, where an exact expectation depends on
@@ -16,7 +16,7 @@ import pytest
 
 from harness.scripts import Verdict, limits_argv, raw_state, redis_now_us
 
-SCRIPT = Path(__file__).parents[1] / "src/lua/acquire.lua"
+SCRIPT = Path(__file__).parents[1] / "src/redis/scripts/acquire.lua"
 MARGIN_S = 0.03  # added to every sleep the script told us to take
 
 
@@ -436,7 +436,7 @@ def test_leased_quota_slices_never_exceed_the_limit(redis_client):
     """algo "lq": each admitted call takes an eighth of what is left (at least the cost), and
     reports the slice as `remaining`; the slices of a window add up to at most the limit."""
     script = redis_client.register_script(
-        (Path(__file__).resolve().parents[1] / "src/lua/acquire.lua").read_text())
+        (Path(__file__).resolve().parents[1] / "src/redis/scripts/acquire.lua").read_text())
     key = "cg:{t}:lq"
     slices = []
     for i in range(40):

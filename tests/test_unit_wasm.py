@@ -9,7 +9,7 @@ import re
 from harness.proc import ROOT
 
 # Built for the host only (they read YAML files): no Wasm build to run them in.
-HOST_ONLY = {"src/bin/cg-check.rs", "src/manifest.rs"}
+HOST_ONLY = {"src/bin/cg-check.rs", "src/config/manifest.rs"}
 SHADOW = "use wasm_bindgen_test::wasm_bindgen_test as test;"
 
 

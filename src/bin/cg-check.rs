@@ -1,5 +1,5 @@
 //! `cg-check FILE`: checks a plugin configuration with the filter's own validation, without
-//! Envoy, in any of the shapes a user deploys it in ([`coordination_guard::manifest`]): the
+//! Envoy, in any of the shapes a user deploys it in ([`coordination_guard::config::manifest`]): the
 //! plugin JSON, an Istio `WasmPlugin` (its `spec.pluginConfig`), or an Envoy config (every Wasm
 //! filter of this module in it, an `EnvoyFilter`'s patches too), YAML or JSON, one document or
 //! several. Each plugin found is checked and summarised under a header naming where it is.
@@ -33,7 +33,7 @@ fn main() -> ExitCode {
 
 #[cfg(not(target_arch = "wasm32"))]
 fn main() -> ExitCode {
-    use coordination_guard::manifest::{self, Configuration};
+    use coordination_guard::config::manifest::{self, Configuration};
 
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [path] = args.as_slice() else {
@@ -112,13 +112,13 @@ const STAND_IN: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
 /// The Wasm VM's environment as the file declares it; `None`: the file says nothing of it
 /// (the plugin JSON).
 #[cfg(not(target_arch = "wasm32"))]
-struct Environment<'a>(Option<&'a coordination_guard::manifest::VmEnv>);
+struct Environment<'a>(Option<&'a coordination_guard::config::manifest::VmEnv>);
 
 #[cfg(not(target_arch = "wasm32"))]
 impl Environment<'_> {
     /// What the filter would find in the variable (the stand-in when it is not in the file).
     fn value(&self, name: &str) -> String {
-        use coordination_guard::manifest::EnvValue;
+        use coordination_guard::config::manifest::EnvValue;
         match self.0.and_then(|env| env.vars.get(name)) {
             Some(EnvValue::Inline(v)) => v.clone(),
             _ => STAND_IN.to_string(),
@@ -127,7 +127,7 @@ impl Environment<'_> {
 
     /// How the summary qualifies the variable.
     fn origin(&self, name: &str) -> String {
-        use coordination_guard::manifest::EnvValue;
+        use coordination_guard::config::manifest::EnvValue;
         match self.0 {
             None => "(not checked here)".into(),
             Some(env) => match env.vars.get(name) {
@@ -146,7 +146,7 @@ impl Environment<'_> {
         let Some(env) = self.0 else {
             return Vec::new();
         };
-        coordination_guard::manifest::env_references(raw)
+        coordination_guard::config::manifest::env_references(raw)
             .into_iter()
             .filter(|(_, name)| !env.vars.contains_key(name))
             .map(|(field, name)| {
@@ -563,7 +563,7 @@ mod tests {
 #[cfg(test)]
 mod environment_tests {
     use super::*;
-    use coordination_guard::manifest::{EnvValue, VmEnv};
+    use coordination_guard::config::manifest::{EnvValue, VmEnv};
 
     const CONFIG: &str = r#"{"redis": {"cluster": "gw", "authorization_env": "CG_AUTH"},
         "policies": [{"name": "p", "idempotency": {"encryption":

@@ -1,9 +1,9 @@
 //! A rate limit's `cost` (units a request consumes at admission, from a request header) and
 //! `charge` (the real amount, from the response once it is known).
 
-use super::fields::{header_name, size};
-use super::reader::{kind, Obj, Result};
-use super::{Charge, ChargeSource, ConfigError, Cost, Fallback, Pointer};
+use crate::config::fields::{header_name, size};
+use crate::config::reader::{kind, Obj, Result};
+use crate::config::{Charge, ChargeSource, ConfigError, Cost, Fallback, Pointer};
 use serde_json::Value;
 
 /// The body a `response_json` charge reads at most, unless `max_body` says otherwise (or

@@ -1,8 +1,8 @@
 //! Field readers shared by the sections: names, header names, durations, sizes, one-of
 //! choices, method lists and values from the VM's environment, each with its one error message.
 
-use super::reader::{index, kind, Obj, Result};
-use super::{units, ConfigError, Env, FailureMode, Selector};
+use crate::config::reader::{index, kind, Obj, Result};
+use crate::config::{units, ConfigError, Env, FailureMode, Selector};
 use serde_json::Value;
 
 /// The value of the Wasm VM's environment variable `name` (set and not empty), for the field
@@ -137,16 +137,16 @@ pub fn duration(o: &mut Obj<'_>, field: &'static str) -> Result<Option<u64>> {
     }
 }
 
-/// `max_wait` (`field`), at most [`super::MAX_WAIT_MS`].
+/// `max_wait` (`field`), at most [`crate::config::MAX_WAIT_MS`].
 pub fn max_wait(o: &mut Obj<'_>, field: &'static str) -> Result<Option<u64>> {
     let path = o.field_path(field);
     match duration(o, field)? {
-        Some(ms) if ms > super::MAX_WAIT_MS => Err(ConfigError::new(
+        Some(ms) if ms > crate::config::MAX_WAIT_MS => Err(ConfigError::new(
             path,
             format!(
                 "{ms}ms is longer than the maximum of {}s (a waiting request polls Redis \
                  several times a second and holds its connection meanwhile)",
-                super::MAX_WAIT_MS / 1000
+                crate::config::MAX_WAIT_MS / 1000
             ),
         )),
         other => Ok(other),

@@ -1,15 +1,15 @@
 //! `idempotency`: the Idempotency-Key record of a policy, its fingerprint and its replay.
 
-use super::fields::{
+use crate::config::fields::{
     duration, env_value, header_list, header_name, is_header_name, max_wait, methods, one_of, size,
 };
-use super::reader::{index, Obj, Result};
-use super::{
+use crate::config::reader::{index, Obj, Result};
+use crate::config::{
     Completion, ConfigError, Env, FingerprintPart, Idempotency, InProgress, Limits, Replay,
     StatusMatch, BODY_SHARE_OF_BUDGET,
 };
-use crate::grpc;
-use crate::idempotency::seal::{Keyring, RecordKey};
+use crate::guards::idempotency::seal::{Keyring, RecordKey};
+use crate::http::grpc;
 use serde_json::Value;
 
 /// The largest request body the filter buffers to fingerprint.

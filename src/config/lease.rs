@@ -1,9 +1,9 @@
 //! `lease`: the resource a request holds alone, and how it waits for it.
 
-use super::fields::selectors;
-use super::fields::{duration, header_name, max_wait, one_of};
-use super::reader::{Obj, Result};
-use super::{ConfigError, Lease, OnBusy, MAX_FENCE_TTL_MS};
+use crate::config::fields::selectors;
+use crate::config::fields::{duration, header_name, max_wait, one_of};
+use crate::config::reader::{Obj, Result};
+use crate::config::{ConfigError, Lease, OnBusy, MAX_FENCE_TTL_MS};
 use serde_json::Value;
 
 const LEASE_FIELDS: &[&str] = &[

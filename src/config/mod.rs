@@ -7,6 +7,9 @@ mod cost;
 mod fields;
 mod idempotency;
 mod lease;
+/// The plugin configurations in what a user deploys (WasmPlugin, Envoy YAML): host tools only.
+#[cfg(not(target_arch = "wasm32"))]
+pub mod manifest;
 mod policy;
 mod reader;
 mod redis;
@@ -18,8 +21,8 @@ pub use idempotency::{MAX_REQUEST_BODY, MAX_RESPONSE_BODY};
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};
 
-use crate::idempotency::seal::Keyring;
-pub use crate::jsonscan::Pointer;
+use crate::guards::idempotency::seal::Keyring;
+pub use crate::support::jsonscan::Pointer;
 use serde_json::Value;
 
 /// What a policy does when Redis cannot answer (unreachable, error, or too slow).
@@ -226,7 +229,7 @@ pub struct RateLimit {
     pub cost: Option<Cost>,
     /// The real amount, read from the response once it is known.
     pub charge: Option<Charge>,
-    /// Its `RateLimit-Policy` item ([`crate::respond::policy_item`] of its name, limit and
+    /// Its `RateLimit-Policy` item ([`crate::http::local_reply::policy_item`] of its name, limit and
     /// window), written here once rather than on every response.
     pub policy_item: String,
 }
@@ -473,7 +476,7 @@ pub struct Config {
     /// operator declares it: the filter cannot read it, and never buffers that much.
     pub envoy_buffer_limit: u64,
     /// The most heap a worker's VM holds (`memory_budget`): a copy that would take it past
-    /// this is not made (see [`crate::memory`]).
+    /// this is not made (see [`crate::support::memory`]).
     pub memory_budget: u64,
 }
 

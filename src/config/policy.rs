@@ -1,8 +1,10 @@
 //! A policy: its match, its rate limits and their selectors, and the caller's identity.
 
-use super::fields::{duration, failure_mode, header_name, methods, name, one_of, selectors};
-use super::reader::{index, Obj, Result};
-use super::{
+use crate::config::fields::{
+    duration, failure_mode, header_name, methods, name, one_of, selectors,
+};
+use crate::config::reader::{index, Obj, Result};
+use crate::config::{
     cost, idempotency::idempotency, lease::lease, Algorithm, Charge, ConfigError, Cost, Env,
     FailureMode, HeaderMatch, HeaderTest, IdSource, Identity, Limits, Match, MissingTenant, Policy,
     RateLimit, Selector,
@@ -230,7 +232,7 @@ fn request_path(o: &mut Obj<'_>, field: &'static str) -> Result<Option<String>> 
             format!("{p:?} must start with '/'"),
         )),
         Some(p) => {
-            let form = crate::normalize::normalize_path(p);
+            let form = crate::http::normalize::normalize_path(p);
             if form.ambiguous || form.canonical != p {
                 let hint = if form.ambiguous {
                     "spell it without encoded '/', '\\', NUL, ';' or '..'".to_string()
@@ -288,7 +290,7 @@ fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
     }
     let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased, limits)?;
     Ok(RateLimit {
-        policy_item: crate::respond::policy_item(&name, limit, window_ms),
+        policy_item: crate::http::local_reply::policy_item(&name, limit, window_ms),
         name,
         by,
         algorithm,

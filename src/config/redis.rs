@@ -1,8 +1,8 @@
 //! `redis`: the gateway the filter reaches Redis through, and its credential.
 
-use super::fields::{duration, env_value};
-use super::reader::{Obj, Result};
-use super::{Batch, ConfigError, Env, RedisConfig, DEFAULT_TIMEOUT_MS};
+use crate::config::fields::{duration, env_value};
+use crate::config::reader::{Obj, Result};
+use crate::config::{Batch, ConfigError, Env, RedisConfig, DEFAULT_TIMEOUT_MS};
 use serde_json::Value;
 
 const REDIS_FIELDS: &[&str] = &[

@@ -1,4 +1,4 @@
-use super::*;
+use crate::config::*;
 use serde_json::json;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -623,8 +623,8 @@ fn authorization_env_reads_the_vm_environment() {
 
 #[test]
 fn encryption_reads_its_keys_from_the_vm_environment() {
-    use crate::idempotency::seal::RecordKey;
-    use crate::text::base64_encode;
+    use crate::guards::idempotency::seal::RecordKey;
+    use crate::support::text::base64_encode;
     let key_a = base64_encode(&[0xa1; 32]);
     let key_b = base64_encode(&[0xb2; 32]);
     let kid = |text: &str| RecordKey::from_base64(text).map(|k| k.kid().to_string());

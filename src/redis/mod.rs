@@ -1,11 +1,13 @@
 //! Redis access as data: a script call's keys and arguments as the gateway's request, and
 //! what can go wrong. No I/O happens here; the adapter sends the encoded request and hands back the answer.
 
+pub mod keys;
 pub mod resp;
+pub mod scripts;
 pub mod webdis;
 mod words;
 
-use crate::metrics::{MetricSink, RedisMetrics};
+use crate::support::metrics::{MetricSink, RedisMetrics};
 use resp::Reply;
 use sha1::{Digest, Sha1};
 
@@ -24,7 +26,7 @@ pub struct Script {
 
 impl Script {
     pub fn new(name: &'static str, source: &'static str) -> Script {
-        let sha1 = crate::text::hex(&Sha1::digest(source.as_bytes()));
+        let sha1 = crate::support::text::hex(&Sha1::digest(source.as_bytes()));
         let by_sha = webdis::encode_words([&b"EVALSHA"[..], sha1.as_bytes()]);
         Script {
             name,
@@ -54,7 +56,7 @@ impl ScriptCall {
     /// `EVAL <source> ...` after a `NOSCRIPT` answer.
     pub fn encode(&self, script: &Script, by_sha: bool) -> Vec<u8> {
         let mut digits = [0u8; 20];
-        let numkeys = crate::text::decimal(self.keys.len() as u64, &mut digits);
+        let numkeys = crate::support::text::decimal(self.keys.len() as u64, &mut digits);
         let rest = || {
             [numkeys]
                 .into_iter()
@@ -168,7 +170,7 @@ impl CallError {
             CallError::OverBudget => "this proxy cannot hold its answer now".into(),
             CallError::Timeout => {
                 let mut t = String::from("it did not answer within ");
-                crate::text::push_u64(&mut t, timeout_ms);
+                crate::support::text::push_u64(&mut t, timeout_ms);
                 t.push_str(" ms");
                 t
             }

@@ -1,8 +1,8 @@
 //! The webdis gateway: a Redis command becomes an HTTP `POST /` whose body is
 //! `COMMAND/arg1/.../argN.raw`, every argument percent-encoded; the answer is raw RESP.
 
-use super::resp::{self, Reply};
-use super::CallError;
+use crate::redis::resp::{self, Reply};
+use crate::redis::CallError;
 
 /// Bytes sent unencoded: ASCII letters and digits, `-` and `_`; the rest, `.` and `/`
 /// included (they are webdis syntax), are `%XX`. A table, looked up instead of compared: the

@@ -25,14 +25,14 @@ impl Words {
     /// Not inlined: a call's words are pushed in dozens of places, and this is one copy.
     #[inline(never)]
     pub fn push(&mut self, word: &str) {
-        crate::text::push(&mut self.text, word);
+        crate::support::text::push(&mut self.text, word);
         self.ends.push(self.text.len());
     }
 
     /// A number, in decimal (one copy, as [`Words::push`]).
     #[inline(never)]
     pub fn push_u64(&mut self, n: u64) {
-        crate::text::push_u64(&mut self.text, n);
+        crate::support::text::push_u64(&mut self.text, n);
         self.ends.push(self.text.len());
     }
 

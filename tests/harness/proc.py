@@ -391,7 +391,7 @@ class Service:
 
 
 # The commands the gateway user may run: EVAL/EVALSHA (all the filter sends through webdis)
-# and every command the scripts in src/lua/ call (tests/test_scripts_acl.py keeps this list
+# and every command the scripts in src/redis/scripts/ call (tests/test_scripts_acl.py keeps this list
 # equal to them). webdis 0.1.9 sends only AUTH on connect (database 0: no SELECT, no PING),
 # which every user may run.
 GATEWAY_COMMANDS = (

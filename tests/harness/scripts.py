@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-LUA = Path(__file__).resolve().parents[2] / "src" / "lua"
+LUA = Path(__file__).resolve().parents[2] / "src" / "redis" / "scripts"
 
 
 def owner() -> str:
@@ -71,7 +71,7 @@ BATCHED = ("acquire", "complete", "release", "lease_release", "slot_release", "c
 
 
 def batch_source() -> str:
-    """batch.lua as src/lua/mod.rs assembles it: the head, each script of BATCHED as a local
+    """batch.lua as src/redis/scripts/mod.rs assembles it: the head, each script of BATCHED as a local
     function `<name>_one(KEYS, ARGV)`, the tail."""
     parts = [(LUA / "batch_head.lua").read_text()]
     for name in BATCHED:

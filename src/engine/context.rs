@@ -1,0 +1,192 @@
+//! What every event of the flow brings and what it answers: the VM's [`Runtime`], the
+//! event's context ([`Cx`], and [`Pcx`] for the request's policy), the [`Step`] the adapter
+//! carries out, and why a call was made ([`Purpose`]). The guards and the call tables read
+//! these and nothing else of the flow, so the module graph only runs down.
+
+use crate::config::{Config, ConfigError, Policy};
+use crate::guards::ratelimit::leased::{LeasedQuota, QUOTA_SLOTS};
+use crate::guards::ratelimit::overlimit::{OverLimitCache, SharedStore};
+use crate::guards::ratelimit::{KeyMemo, RejectionMemo, KEY_MEMO_SLOTS};
+use crate::http::local_reply::LocalResponse;
+use crate::redis::scripts::{ScriptId, Scripts};
+use crate::redis::ScriptCall;
+use crate::support::lograte::Warnings;
+use crate::support::memory::Budget;
+use crate::support::metrics::{MetricSink, Metrics, PolicyMetrics};
+use std::rc::Rc;
+
+/// Everything a VM keeps after `on_configure`.
+pub struct Runtime {
+    pub config: Config,
+    pub scripts: Scripts,
+    pub metrics: Metrics,
+    pub over_limit: OverLimitCache,
+    pub quota: LeasedQuota,
+    pub keys: KeyMemo,
+    /// The over-limit cache's last 429 per policy.
+    pub rejections: RejectionMemo,
+    /// Request headers only the filter may set (the fingerprint, every lease's fencing
+    /// header): removed from every request the filter sees, guarded or not, so a client can
+    /// never hand the service a value of its own.
+    pub reserved_headers: std::rc::Rc<[String]>,
+    /// This worker's rate limiter of repeated warnings.
+    pub warnings: Warnings,
+    /// This worker's memory budget.
+    pub memory: Budget,
+}
+
+impl Runtime {
+    /// `shared` mirrors the over-limit cache across the proxy's workers.
+    pub fn new(config: Config, metrics: Metrics, shared: Option<Box<dyn SharedStore>>) -> Runtime {
+        let over_limit = OverLimitCache::new(config.over_limit_cache_entries, shared);
+        let mut reserved_headers = vec![FINGERPRINT_HEADER.to_string()];
+        for lease in config.policies.iter().filter_map(|p| p.lease.as_ref()) {
+            if !reserved_headers.contains(&lease.fencing_header) {
+                reserved_headers.push(lease.fencing_header.clone());
+            }
+        }
+        let rejections = RejectionMemo::new(config.policies.len());
+        let memory = Budget::new(config.memory_budget);
+        Runtime {
+            reserved_headers: reserved_headers.into(),
+            config,
+            scripts: Scripts::load(),
+            metrics,
+            over_limit,
+            quota: LeasedQuota::new(QUOTA_SLOTS),
+            keys: KeyMemo::new(KEY_MEMO_SLOTS),
+            rejections,
+            memory,
+            warnings: Warnings::default(),
+        }
+    }
+
+    /// The benchmarks' runtime: one policy on `/api` that limits each tenant to a billion
+    /// requests an hour in `mode` (`exact` or `leased`), with no host behind its metrics. The
+    /// core benchmark and the allocation tests share it, so both measure the same request.
+    #[doc(hidden)]
+    pub fn per_tenant_benchmark(mode: &str) -> Result<Runtime, ConfigError> {
+        let json = format!(
+            r#"{{"redis": {{"cluster": "gw"}}, "policies": [{{"name": "api",
+            "match": {{"path_prefix": "/api"}}, "rate_limits": [{{"name": "tenant",
+            "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000000000, "window": "1h",
+            "mode": "{mode}"}}]}}]}}"#
+        );
+        let config = Config::parse(json.as_bytes())?;
+        let metrics = Metrics::define(&config, |_, _| 0);
+        Ok(Runtime::new(config, metrics, None))
+    }
+}
+
+/// The header that carries the request fingerprint to the upstream.
+pub const FINGERPRINT_HEADER: &str = "x-idempotency-fingerprint";
+
+/// How long the filter waits for the next piece of a request body it must fingerprint.
+pub const BODY_IDLE_TIMEOUT_MS: u64 = 10_000;
+
+/// The least TTL of a cancellation marker (see [`Flow::marker_ttl_ms`]): longer than the
+/// whole retry window of a release, so every retry finds the marker of the ones before.
+pub const MARKER_MIN_TTL_MS: u64 = 60_000;
+
+/// What every event brings: the VM's runtime, the time, where metrics go.
+#[derive(Clone, Copy)]
+pub struct Cx<'a> {
+    pub rt: &'a Runtime,
+    pub now_ms: u64,
+    pub m: &'a dyn MetricSink,
+}
+
+impl<'a> Cx<'a> {
+    pub fn new(rt: &'a Runtime, now_ms: u64, m: &'a dyn MetricSink) -> Cx<'a> {
+        Cx { rt, now_ms, m }
+    }
+}
+
+/// An event's context for the request's policy: what the guards read.
+#[derive(Clone, Copy)]
+pub struct Pcx<'a> {
+    pub rt: &'a Runtime,
+    pub now_ms: u64,
+    pub m: &'a dyn MetricSink,
+    pub index: usize,
+    pub policy: &'a Policy,
+    pub pm: &'a PolicyMetrics,
+}
+
+impl<'a> Pcx<'a> {
+    /// The event's context, without the policy.
+    pub fn cx(&self) -> Cx<'a> {
+        Cx::new(self.rt, self.now_ms, self.m)
+    }
+
+    /// When a call sent now has timed out.
+    pub fn call_deadline(&self) -> u64 {
+        self.now_ms.saturating_add(self.rt.config.redis.timeout_ms)
+    }
+}
+
+/// What the adapter does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Let the stream go on (resume it if it is paused).
+    Continue,
+    /// Send these calls and keep the stream paused.
+    Dispatch(Vec<Outgoing>),
+    /// Keep the stream paused.
+    Wait,
+    /// Answer the client locally (shared: a memoised answer is not copied).
+    Respond(Rc<LocalResponse>),
+}
+
+/// Why a call was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    Acquire,
+    /// A lease-only acquire while waiting for a busy lease.
+    LeaseRetry,
+    /// A record-only acquire while waiting for a duplicate still in progress.
+    RecordRetry,
+    Complete,
+    Release,
+    LeaseRelease,
+    LeaseExtend,
+    /// A concurrency slot given back, or kept alive.
+    SlotRelease,
+    SlotExtend,
+    /// Counters corrected by the response's charge.
+    Charge,
+}
+
+impl Purpose {
+    /// The script a call of this purpose runs.
+    pub fn script(self) -> ScriptId {
+        match self {
+            Purpose::Acquire | Purpose::LeaseRetry | Purpose::RecordRetry => ScriptId::Acquire,
+            Purpose::Complete => ScriptId::Complete,
+            Purpose::Release => ScriptId::Release,
+            Purpose::LeaseRelease => ScriptId::LeaseRelease,
+            Purpose::LeaseExtend => ScriptId::LeaseExtend,
+            Purpose::SlotRelease => ScriptId::SlotRelease,
+            Purpose::SlotExtend => ScriptId::SlotExtend,
+            Purpose::Charge => ScriptId::Charge,
+        }
+    }
+}
+
+/// One gateway request to send: `slot` comes back with the answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    pub slot: usize,
+    pub script: ScriptId,
+    /// The call as its table keeps it (shared, not copied).
+    pub call: Rc<ScriptCall>,
+    /// `EVALSHA` (else `EVAL` with the source, after `NOSCRIPT`).
+    pub by_sha: bool,
+}
+
+impl Outgoing {
+    /// The gateway request body.
+    pub fn encode(&self, scripts: &Scripts) -> Vec<u8> {
+        self.call.encode(scripts.get(self.script), self.by_sha)
+    }
+}

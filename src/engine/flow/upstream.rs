@@ -1,0 +1,357 @@
+//! The upstream's response (headers, body, trailers) and the stream's end, for the guards
+//! that outlive the request's decision: the record to settle, the lease to give back.
+
+use crate::config::{Completion, Idempotency};
+use crate::engine::flow::{Cx, Flow, Meter, Outgoing, Pcx, Pending, Phase, Purpose, Step};
+use crate::engine::outbox::Background;
+use crate::guards::idempotency::capture::{
+    response_shape, Assembly, Intake, Record, ResponseHead, Shape, NEVER_SENT,
+};
+use crate::guards::ratelimit::charge::Origin;
+use crate::redis::ScriptCall;
+
+impl Flow {
+    /// The response's headers. `via_upstream` is false for Envoy's own local replies, with
+    /// `details` its `response.code_details`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_response_headers(
+        &mut self,
+        cx: &Cx<'_>,
+        status: u32,
+        via_upstream: bool,
+        details: &str,
+        headers: &[(String, String)],
+        end_of_stream: bool,
+    ) -> Step {
+        let Some(at) = self.at(cx) else {
+            return Step::Continue;
+        };
+        let shape = response_shape(
+            status,
+            via_upstream,
+            self.kind.connect,
+            headers,
+            end_of_stream,
+        );
+        // An accepted upgrade or tunnel, or an event stream: the operation goes on for as long
+        // as the stream is open, so a held lease stays held (the watchdog extends it) and is
+        // released when the stream ends (`on_done`).
+        self.kind.open_ended = shape != Shape::Plain;
+        let async_idem = self.idem.as_ref().is_some_and(|i| i.owned)
+            && at
+                .policy
+                .idempotency
+                .as_ref()
+                .is_some_and(|c| c.complete == Completion::Async);
+        let head = ResponseHead {
+            status,
+            via_upstream,
+            details,
+            headers,
+            end_of_stream,
+            shape,
+        };
+        if self.forwarded() && Meter::wanted(at.policy) {
+            let origin = if via_upstream {
+                Origin::Upstream
+            } else if NEVER_SENT.iter().any(|d| details.contains(d)) {
+                Origin::NeverSent
+            } else {
+                Origin::Failed
+            };
+            self.meter
+                .on_headers(at.policy, headers, end_of_stream, origin);
+        }
+        let step = self.record_response_headers(&at, &head);
+        let release = self.held_at_response(&at, async_idem);
+        if matches!(self.phase, Phase::Forwarded) {
+            self.phase = Phase::Responded;
+        }
+        self.with_release(&at, release, step)
+    }
+
+    /// The lease and the concurrency slots once the response's headers are in. An
+    /// open-ended response keeps them. Otherwise the upstream answered: the protected
+    /// operation is over and the request no longer in flight there. The response waits for
+    /// the releases (one round trip; the calls are returned), so the client's next request
+    /// finds them free. When the record settles off the response path (async) the root
+    /// releases them; when the body passes while the record takes it in (pausing the headers
+    /// would hold the body), they are released with the record at the body's end (see
+    /// `settle_record`).
+    fn held_at_response(&mut self, at: &Pcx<'_>, async_idem: bool) -> Vec<Outgoing> {
+        let body_passes = matches!(self.phase, Phase::Response(_));
+        if self.kind.open_ended || (body_passes && !async_idem) {
+            Vec::new()
+        } else if async_idem {
+            self.release_lease(at);
+            self.release_slots(at);
+            Vec::new()
+        } else {
+            let mut out: Vec<Outgoing> = self.lease_release_now(at).into_iter().collect();
+            out.extend(self.slots_release_now(at));
+            out
+        }
+    }
+
+    /// The record's step at the response headers, with the releases the response waits
+    /// for, if any.
+    fn with_release(&mut self, at: &Pcx<'_>, release: Vec<Outgoing>, step: Step) -> Step {
+        if release.is_empty() {
+            return step;
+        }
+        match step {
+            Step::Continue => {
+                self.phase = Phase::Completing {
+                    deadline_ms: at.call_deadline(),
+                };
+                Step::Dispatch(release)
+            }
+            Step::Wait => Step::Dispatch(release),
+            Step::Dispatch(mut calls) => {
+                calls.extend(release);
+                Step::Dispatch(calls)
+            }
+            step => step,
+        }
+    }
+
+    /// The lease release the response waits for.
+    fn lease_release_now(&mut self, at: &Pcx<'_>) -> Option<Outgoing> {
+        let call = self.lease.as_mut()?.release_now()?;
+        let tag = Pending::of(Purpose::LeaseRelease);
+        self.calls
+            .push_and_send(tag, Purpose::LeaseRelease.script(), call, at.now_ms)
+    }
+
+    /// The record's side of the response headers: complete, release, or take the body first.
+    fn record_response_headers(&mut self, at: &Pcx<'_>, head: &ResponseHead<'_>) -> Step {
+        if !matches!(self.phase, Phase::Forwarded) {
+            return Step::Continue;
+        }
+        let (Some(idem), Some(cfg)) = (
+            self.idem.as_mut().filter(|i| i.owned),
+            at.policy.idempotency.as_ref(),
+        ) else {
+            return Step::Continue;
+        };
+        let record = idem.stored.on_response_headers(cfg, head, self.kind.grpc);
+        self.apply_record(at, record, head.details)
+    }
+
+    /// A piece of the response body (`body_size`: this chunk), copied as it passes for the
+    /// record and scanned for a JSON charge, each only as far as the worker's memory budget
+    /// lets it be read; a body over `max_response_body` (or one the budget cannot hold) is not
+    /// copied any further: it streams, and a reference record is stored when its end is seen.
+    /// With sync completion the final chunk waits for it.
+    pub fn on_response_body(
+        &mut self,
+        cx: &Cx<'_>,
+        body_size: usize,
+        end_of_stream: bool,
+        read: impl FnOnce() -> Vec<u8>,
+    ) -> Step {
+        let Some(at) = self.at(cx) else {
+            return Step::Continue;
+        };
+        let copies = match (
+            self.phase.intake(),
+            self.idem.as_ref(),
+            at.policy.idempotency.as_ref(),
+        ) {
+            (Some(intake), Some(idem), Some(cfg)) => {
+                idem.stored.takes(cfg, intake, body_size, &at.rt.memory)
+            }
+            _ => false,
+        };
+        let piece = if (copies || self.meter.scanning()) && at.rt.memory.admits_brief(body_size) {
+            Some(read()).filter(|p| p.len() == body_size)
+        } else {
+            None
+        };
+        self.meter
+            .on_body(at.policy, piece.as_deref(), end_of_stream);
+        let memory = &at.rt.memory;
+        let step = self.record_piece(cx, |stored, cfg, intake, _| {
+            stored.on_response_body(
+                cfg,
+                intake,
+                body_size,
+                end_of_stream,
+                piece.as_deref(),
+                memory,
+            )
+        });
+        if let Some(idem) = self.idem.as_mut() {
+            if idem.stored.take_over_budget() {
+                at.m.increment(at.rt.metrics.memory.by_reference);
+                idem.over_budget(&at);
+            }
+        }
+        step
+    }
+
+    /// The response's trailers (`trailers`): its body has ended (without a body callback that
+    /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
+    /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
+    pub fn on_response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Step {
+        if let Some(at) = self.at(cx).filter(|_| self.forwarded()) {
+            self.meter.on_trailers(at.policy, trailers);
+        }
+        self.record_piece(cx, |stored, cfg, _, grpc| {
+            stored.on_response_trailers(cfg, trailers, grpc)
+        })
+    }
+
+    /// A piece of the response the record takes in (`piece` reads it into the assembly):
+    /// while a sync completion is outstanding the stream waits; with no record taking the
+    /// response in it goes on.
+    fn record_piece(
+        &mut self,
+        cx: &Cx<'_>,
+        piece: impl FnOnce(&mut Assembly, &Idempotency, Intake, bool) -> Record,
+    ) -> Step {
+        let intake = match self.phase {
+            Phase::Response(intake) => intake,
+            Phase::Completing { .. } => return Step::Wait,
+            _ => return Step::Continue,
+        };
+        let Some(at) = self.at(cx) else {
+            return Step::Continue;
+        };
+        let grpc = self.kind.grpc;
+        let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) else {
+            return Step::Continue;
+        };
+        let record = piece(&mut idem.stored, cfg, intake, grpc);
+        self.apply_record(&at, record, "")
+    }
+
+    /// Carries out what the record decided at a piece of the response.
+    fn apply_record(&mut self, at: &Pcx<'_>, record: Record, details: &str) -> Step {
+        match record {
+            Record::Pass => Step::Continue,
+            Record::Take(intake) => {
+                self.phase = Phase::Response(intake);
+                Step::Continue
+            }
+            Record::Complete | Record::Release => {
+                let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref())
+                else {
+                    return Step::Continue;
+                };
+                let (purpose, call) = match record {
+                    Record::Complete => {
+                        let sealed = cfg.encryption.is_some();
+                        if idem.stored.drop_body_over_budget(sealed, &at.rt.memory) {
+                            at.m.increment(at.rt.metrics.memory.by_reference);
+                            idem.over_budget(at);
+                        }
+                        idem.completion_call(cfg)
+                    }
+                    _ => idem.release_call(),
+                };
+                self.settle_record(at, purpose, call)
+            }
+            Record::Unknown => {
+                self.outcome_unknown(at, details);
+                Step::Continue
+            }
+        }
+    }
+
+    /// Sends a complete/release now (sync: the response waits) or hands it to the root.
+    fn settle_record(&mut self, at: &Pcx<'_>, purpose: Purpose, call: ScriptCall) -> Step {
+        let Some(cfg) = at.policy.idempotency.as_ref() else {
+            return Step::Continue;
+        };
+        if !crate::engine::flow::IdemGuard::sync(cfg) {
+            if let Some(i) = self.idem.as_mut() {
+                let bg = i.settle_later(at.index, (purpose, call));
+                self.background.push(bg);
+            }
+            self.phase = Phase::Done;
+            return Step::Continue;
+        }
+        let mut out: Vec<_> = self
+            .calls
+            .push_and_send(Pending::of(purpose), purpose.script(), call, at.now_ms)
+            .into_iter()
+            .collect();
+        // A lease or slot still held (its response's body passed) is released with the
+        // record.
+        if !self.kind.open_ended {
+            out.extend(self.lease_release_now(at));
+            out.extend(self.slots_release_now(at));
+        }
+        self.phase = Phase::Completing {
+            deadline_ms: at.call_deadline(),
+        };
+        Step::Dispatch(out)
+    }
+
+    fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
+        if let Some(i) = self.idem.as_mut() {
+            i.outcome_unknown(at, details);
+        }
+        self.phase = Phase::Done;
+    }
+
+    /// The stream is gone. A record we still own is released if the request never left
+    /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise. A request forwarded with no
+    /// response yet (the client left) keeps its lease and slots until they expire (see
+    /// `gone.rs`); anything else still held is given back.
+    pub fn on_done(&mut self, cx: &Cx<'_>) {
+        let Some(at) = self.at(cx) else {
+            self.phase = Phase::Done;
+            return;
+        };
+        if matches!(self.phase, Phase::Forwarded) {
+            self.orphan(&at);
+        }
+        self.release_lease(&at);
+        self.release_slots(&at);
+        if self.forwarded() {
+            let corrections = self.meter.corrections(&at, &self.admission);
+            self.background.extend(corrections);
+        }
+        // Response-side calls still outstanding may be cancelled with the stream: the root
+        // sends them again (an answer that arrives twice is counted twice, nothing worse).
+        let key_hash = self
+            .idem
+            .as_ref()
+            .map_or(String::new(), |i| i.key_hash.clone());
+        let unfinished: Vec<Background> = self
+            .calls
+            .open()
+            .filter(|c| {
+                matches!(
+                    c.tag.purpose,
+                    Purpose::Complete
+                        | Purpose::Release
+                        | Purpose::LeaseRelease
+                        | Purpose::SlotRelease
+                )
+            })
+            .map(|c| {
+                // The first call may have done it already: "not ours" is then expected.
+                Background::new(at.index, c.tag.purpose, c.call.clone(), key_hash.clone())
+                    .uncertain()
+            })
+            .collect();
+        self.background.extend(unfinished);
+        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
+        match self.phase {
+            Phase::Acquiring { .. } => self.release_record(&at),
+            _ if !owned => {}
+            Phase::Completing { .. } => {}
+            _ if !self.forwarded() => self.release_record(&at),
+            Phase::Forwarded => self.outcome_unknown(&at, ""),
+            // Never stored as completed: the client did not get the whole response either.
+            Phase::Response(_) => {
+                self.outcome_unknown(&at, "the response ended before its end of stream")
+            }
+            _ => {}
+        }
+        self.phase = Phase::Done;
+    }
+}

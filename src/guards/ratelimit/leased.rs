@@ -1,0 +1,102 @@
+//! Leased quota (`mode: leased`): slices of a fixed window's quota that this worker took from
+//! Redis and admits from locally, without a Redis call.
+//!
+//! Memory is a fixed table of slots indexed by a hash of the Redis key; a key that collides
+//! with another loses its slice (those units go unused until the window ends: under-admission,
+//! never over-admission).
+
+use crate::support::slots::SlotTable;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slice {
+    hash: u64,
+    tokens: u64,
+    expires_ms: u64,
+}
+
+/// Keys are given by their hash ([`crate::redis::keys::LimitKey::hash`]), computed once per request.
+pub struct LeasedQuota {
+    slots: SlotTable<Slice>,
+}
+
+/// Slots of the local slice table.
+pub const QUOTA_SLOTS: usize = 4096;
+
+impl LeasedQuota {
+    pub fn new(capacity: usize) -> LeasedQuota {
+        LeasedQuota {
+            slots: SlotTable::new(capacity),
+        }
+    }
+
+    /// Takes one unit of the key's local slice: `(units left, expiry)` if there was one.
+    pub fn take(&self, hash: u64, now_ms: u64) -> Option<(u64, u64)> {
+        self.slots
+            .update(hash, |slot| {
+                let s = slot
+                    .as_mut()
+                    .filter(|s| s.hash == hash && s.tokens > 0 && now_ms < s.expires_ms)?;
+                s.tokens -= 1;
+                Some((s.tokens, s.expires_ms))
+            })
+            .flatten()
+    }
+
+    /// Gives back a unit taken for a request that was then rejected.
+    pub fn refund(&self, hash: u64) {
+        self.slots.update(hash, |slot| {
+            if let Some(s) = slot.as_mut().filter(|s| s.hash == hash) {
+                s.tokens += 1;
+            }
+        });
+    }
+
+    /// Adds `tokens` granted by Redis, valid until the window ends at `expires_ms`.
+    pub fn add(&self, hash: u64, tokens: u64, expires_ms: u64, now_ms: u64) {
+        self.slots.update(hash, |slot| match slot {
+            Some(s) if s.hash == hash && now_ms < s.expires_ms => {
+                s.tokens += tokens;
+                s.expires_ms = s.expires_ms.min(expires_ms);
+            }
+            _ => {
+                *slot = Some(Slice {
+                    hash,
+                    tokens,
+                    expires_ms,
+                })
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::support::slots::text_hash;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn slices_are_spent_then_expire() {
+        let q = LeasedQuota::new(16);
+        assert_eq!(q.take(text_hash("k"), 0), None, "nothing granted yet");
+        q.add(text_hash("k"), 2, 1_000, 0);
+        assert_eq!(q.take(text_hash("k"), 10), Some((1, 1_000)));
+        q.refund(text_hash("k"));
+        assert_eq!(q.take(text_hash("k"), 20), Some((1, 1_000)));
+        assert_eq!(q.take(text_hash("k"), 30), Some((0, 1_000)));
+        assert_eq!(q.take(text_hash("k"), 40), None, "spent");
+        q.add(text_hash("k"), 5, 1_000, 50);
+        assert_eq!(q.take(text_hash("k"), 1_000), None, "the window ended");
+        assert_eq!(q.take(text_hash("other"), 60), None);
+    }
+
+    #[test]
+    fn a_colliding_key_loses_its_slice_but_never_gains_one() {
+        let q = LeasedQuota::new(1);
+        q.add(text_hash("a"), 5, 1_000, 0);
+        q.add(text_hash("b"), 1, 1_000, 0);
+        assert_eq!(q.take(text_hash("a"), 1), None);
+        assert_eq!(q.take(text_hash("b"), 1), Some((0, 1_000)));
+    }
+}

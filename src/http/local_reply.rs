@@ -1,0 +1,531 @@
+//! What the filter answers by itself: `application/problem+json` bodies (RFC 9457) and the
+//! `Retry-After`, `RateLimit-Policy` and `RateLimit` headers
+//! (draft-ietf-httpapi-ratelimit-headers-10).
+
+use crate::http::grpc;
+use crate::support::text::{push, push_u64, push_u64_bytes};
+use std::rc::Rc;
+
+/// A response the filter sends instead of forwarding the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalResponse {
+    pub status: u32,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    /// The problem this answer reports (none for a replay).
+    pub problem: Option<Problem>,
+    /// The gRPC status the host is told to answer a gRPC request with (none: the host maps
+    /// the HTTP status itself).
+    pub grpc_status: Option<u32>,
+}
+
+impl LocalResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// The problem types the filter emits; `type` is `urn:coordination-guard:problem:<slug>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Problem {
+    RateLimited,
+    /// A limit on requests in flight is full (429).
+    ConcurrencyLimited,
+    /// A rate limit's cost header is not a non-negative integer, or is above its max (400).
+    InvalidCost,
+    GuardUnavailable,
+    /// The worker cannot hold what the request needs now (its memory budget): 503.
+    GuardOverloaded,
+    MissingTenant,
+    AmbiguousTenant,
+    /// The principal header appears more than once (400).
+    AmbiguousPrincipal,
+    /// The path has more than one reading and one of them is guarded (400).
+    AmbiguousPath,
+    /// A header or query parameter a selector reads appears more than once (400).
+    AmbiguousSelector,
+    IdempotencyKeyMissing,
+    IdempotencyKeyInvalid,
+    RequestBodyTooLarge,
+    RequestBodyTimeout,
+    /// The same request is still being processed (409, or 425 by configuration).
+    IdempotencyKeyInUse {
+        status: u32,
+    },
+    /// The key was used for a different request (422, or 409 by configuration).
+    IdempotencyKeyConflict {
+        status: u32,
+    },
+    /// Another request holds the lease on this resource (409).
+    ResourceLocked,
+    /// The request does not carry the lease's resource selector (400).
+    LeaseResourceMissing,
+}
+
+impl Problem {
+    pub fn status(self) -> u32 {
+        match self {
+            Problem::RateLimited | Problem::ConcurrencyLimited => 429,
+            Problem::InvalidCost => 400,
+            Problem::GuardUnavailable | Problem::GuardOverloaded => 503,
+            Problem::MissingTenant => 401,
+            Problem::AmbiguousTenant
+            | Problem::AmbiguousPrincipal
+            | Problem::AmbiguousPath
+            | Problem::AmbiguousSelector => 400,
+            Problem::IdempotencyKeyMissing | Problem::IdempotencyKeyInvalid => 400,
+            Problem::RequestBodyTooLarge => 413,
+            Problem::RequestBodyTimeout => 408,
+            Problem::IdempotencyKeyInUse { status } => status,
+            Problem::IdempotencyKeyConflict { status } => status,
+            Problem::ResourceLocked => 409,
+            Problem::LeaseResourceMissing => 400,
+        }
+    }
+
+    pub fn slug(self) -> &'static str {
+        match self {
+            Problem::RateLimited => "rate_limited",
+            Problem::ConcurrencyLimited => "concurrency_limited",
+            Problem::InvalidCost => "invalid_cost",
+            Problem::GuardUnavailable => "guard_unavailable",
+            Problem::GuardOverloaded => "guard_overloaded",
+            Problem::MissingTenant => "missing_tenant",
+            Problem::AmbiguousTenant => "ambiguous_tenant",
+            Problem::AmbiguousPrincipal => "ambiguous_principal",
+            Problem::AmbiguousPath => "ambiguous_path",
+            Problem::AmbiguousSelector => "ambiguous_selector",
+            Problem::IdempotencyKeyMissing => "idempotency_key_missing",
+            Problem::IdempotencyKeyInvalid => "idempotency_key_invalid",
+            Problem::RequestBodyTooLarge => "request_body_too_large",
+            Problem::RequestBodyTimeout => "request_body_timeout",
+            Problem::IdempotencyKeyInUse { .. } => "idempotency_key_in_use",
+            Problem::IdempotencyKeyConflict { .. } => "idempotency_key_conflict",
+            Problem::ResourceLocked => "resource_locked",
+            Problem::LeaseResourceMissing => "lease_resource_missing",
+        }
+    }
+
+    pub fn title(self) -> &'static str {
+        match self {
+            Problem::RateLimited | Problem::ConcurrencyLimited => "Too Many Requests",
+            Problem::InvalidCost => "Invalid Cost",
+            Problem::GuardUnavailable | Problem::GuardOverloaded => "Service Unavailable",
+            Problem::MissingTenant => "Unauthorized",
+            Problem::AmbiguousTenant => "Ambiguous Tenant",
+            Problem::AmbiguousPrincipal => "Ambiguous Principal",
+            Problem::AmbiguousPath => "Ambiguous Path",
+            Problem::AmbiguousSelector => "Ambiguous Request",
+            Problem::IdempotencyKeyMissing => "Idempotency-Key Missing",
+            Problem::IdempotencyKeyInvalid => "Idempotency-Key Invalid",
+            Problem::RequestBodyTooLarge => "Content Too Large",
+            Problem::RequestBodyTimeout => "Request Timeout",
+            Problem::IdempotencyKeyInUse { .. } => "Request In Progress",
+            Problem::IdempotencyKeyConflict { .. } => "Idempotency-Key Reused",
+            Problem::ResourceLocked => "Resource Locked",
+            Problem::LeaseResourceMissing => "Lease Resource Missing",
+        }
+    }
+
+    /// The gRPC status a gRPC client gets for this problem. Not the host's mapping of the HTTP
+    /// status (429, 409 and 503 would all be `UNAVAILABLE`, which gRPC clients retry at once):
+    /// a rejection a client should back off from is `RESOURCE_EXHAUSTED`, a call that
+    /// conflicts with one in flight is `ABORTED` (retry later, at a higher level), a key
+    /// reused for another request is `FAILED_PRECONDITION` (not retryable as it is).
+    pub fn grpc_code(self) -> u32 {
+        match self {
+            Problem::RateLimited | Problem::ConcurrencyLimited | Problem::RequestBodyTooLarge => {
+                grpc::RESOURCE_EXHAUSTED
+            }
+            Problem::GuardUnavailable | Problem::GuardOverloaded => grpc::UNAVAILABLE,
+            Problem::MissingTenant => grpc::UNAUTHENTICATED,
+            Problem::AmbiguousTenant
+            | Problem::AmbiguousPrincipal
+            | Problem::AmbiguousPath
+            | Problem::AmbiguousSelector
+            | Problem::IdempotencyKeyMissing
+            | Problem::IdempotencyKeyInvalid
+            | Problem::InvalidCost
+            | Problem::LeaseResourceMissing => grpc::INVALID_ARGUMENT,
+            Problem::RequestBodyTimeout => grpc::DEADLINE_EXCEEDED,
+            Problem::IdempotencyKeyInUse { .. } | Problem::ResourceLocked => grpc::ABORTED,
+            Problem::IdempotencyKeyConflict { .. } => grpc::FAILED_PRECONDITION,
+        }
+    }
+}
+
+/// The same answer for a gRPC client: a trailers-only response (the host sends HTTP 200 with
+/// `content-type: application/grpc` for any local reply to a gRPC request) whose
+/// `grpc-status` is the problem's [`Problem::grpc_code`] and whose `grpc-message` is the
+/// problem's `detail` (not the JSON). The other headers (`retry-after`, `ratelimit*`,
+/// `www-authenticate`) stay; the body is dropped (the host would put it in `grpc-message`).
+/// An answer that is no problem (a replay) is returned as it is.
+pub fn for_grpc(response: Rc<LocalResponse>) -> Rc<LocalResponse> {
+    let Some(kind) = response.problem else {
+        return response;
+    };
+    let mut response = Rc::unwrap_or_clone(response);
+    let detail = serde_json::from_slice::<serde_json::Value>(&response.body)
+        .ok()
+        .and_then(|v| v.get("detail")?.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let code = kind.grpc_code();
+    response
+        .headers
+        .retain(|(n, _)| n != "content-type" && n != grpc::STATUS && n != grpc::MESSAGE);
+    let mut status = String::with_capacity(2);
+    push_u64(&mut status, u64::from(code));
+    response.headers.push((grpc::STATUS.into(), status));
+    if !detail.is_empty() {
+        response
+            .headers
+            .push((grpc::MESSAGE.into(), grpc::encode_message(&detail)));
+    }
+    response.body = Vec::new();
+    response.grpc_status = Some(code);
+    Rc::new(response)
+}
+
+/// An extra member of a problem body: a string or a list of strings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Member<'a> {
+    Str(&'a str),
+    Strs(&'a [&'a str]),
+}
+
+/// A problem+json response. `extra` members are added to the body (e.g. `violated-policies`).
+///
+/// The body is written directly, members sorted by name as serde_json's `Map` keeps them (an
+/// `extra` member named like a standard one replaces it): this runs for every rejected
+/// request, and building a `Value` tree for five members costs more than the rest of it.
+pub fn problem(
+    kind: Problem,
+    detail: &str,
+    extra: &[(&str, Member<'_>)],
+    headers: Vec<(String, String)>,
+) -> LocalResponse {
+    let slug = kind.slug();
+    let standard = [
+        ("detail", JsonText::Str(detail)),
+        ("status", JsonText::Int(u64::from(kind.status()))),
+        ("title", JsonText::Str(kind.title())),
+        ("type", JsonText::TypeUri(slug)),
+    ];
+    let mut members: Vec<(&str, JsonText<'_>)> = Vec::with_capacity(standard.len() + extra.len());
+    members.extend(
+        standard
+            .into_iter()
+            .filter(|(name, _)| !extra.iter().any(|(n, _)| n == name)),
+    );
+    members.extend(extra.iter().map(|&(k, v)| (k, JsonText::Member(v))));
+    // A stable sort: of an extra member named twice, the first one counts.
+    members.sort_by(|a, b| a.0.cmp(b.0));
+    members.dedup_by(|later, first| later.0 == first.0);
+    let mut body = Vec::with_capacity(256);
+    body.push(b'{');
+    for (i, (name, value)) in members.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        write_json_str(&mut body, name);
+        body.push(b':');
+        match value {
+            JsonText::Str(s) | JsonText::Member(Member::Str(s)) => write_json_str(&mut body, s),
+            JsonText::Int(n) => push_u64_bytes(&mut body, *n),
+            JsonText::TypeUri(slug) => {
+                // Slugs are lower-case ASCII words: nothing to escape.
+                body.extend_from_slice(b"\"urn:coordination-guard:problem:");
+                body.extend_from_slice(slug.as_bytes());
+                body.push(b'"');
+            }
+            JsonText::Member(Member::Strs(list)) => {
+                body.push(b'[');
+                for (j, s) in list.iter().enumerate() {
+                    if j > 0 {
+                        body.push(b',');
+                    }
+                    write_json_str(&mut body, s);
+                }
+                body.push(b']');
+            }
+        }
+    }
+    body.push(b'}');
+    let mut all = Vec::with_capacity(headers.len() + 1);
+    all.push((
+        "content-type".to_string(),
+        "application/problem+json".to_string(),
+    ));
+    all.extend(headers);
+    LocalResponse {
+        status: kind.status(),
+        headers: all,
+        body,
+        problem: Some(kind),
+        grpc_status: None,
+    }
+}
+
+/// A member value of a problem body: a string to escape, a number, the type URI of a
+/// slug, or an extra member.
+enum JsonText<'a> {
+    Str(&'a str),
+    Int(u64),
+    TypeUri(&'a str),
+    Member(Member<'a>),
+}
+
+fn write_json_str(out: &mut Vec<u8>, s: &str) {
+    // Escaping a str into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
+/// `ms` in whole seconds, rounded up, at least 1: `Retry-After`'s delta-seconds, a window's
+/// `w=` and the over-limit cache's memo of a rejection (a wait is never shown as 0 s).
+pub fn whole_secs(ms: u64) -> u64 {
+    ms.div_ceil(1000).max(1)
+}
+
+/// One limit as the RateLimit headers show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaView<'a> {
+    pub name: &'a str,
+    /// The limit's `RateLimit-Policy` item ([`policy_item`]).
+    pub policy: &'a str,
+    pub remaining: u64,
+    pub reset_ms: u64,
+}
+
+/// A limit's `RateLimit-Policy` item, `"<name>";q=<quota>;w=<window in s>`: the same on every
+/// response, so the configuration writes it once per limit and each response copies it.
+pub fn policy_item(name: &str, quota: u64, window_ms: u64) -> String {
+    let mut item = String::with_capacity(name.len() + 32);
+    item.push('"');
+    item.push_str(name);
+    item.push_str("\";q=");
+    push_u64(&mut item, quota);
+    item.push_str(";w=");
+    push_u64(&mut item, whole_secs(window_ms));
+    item
+}
+
+/// `RateLimit-Policy` and `RateLimit` values for `views`, in the order given (callers put the
+/// most restrictive, or the violated, limit first). Names are sf-strings: config validation
+/// restricts them to `[A-Za-z0-9_-]`, so no escaping is needed.
+pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
+    // Room for the usual view (its policy item; a short name and two numbers), so no growing.
+    let mut policy = String::with_capacity(40 * views.len());
+    let mut state = String::with_capacity(40 * views.len());
+    for (i, v) in views.iter().enumerate() {
+        if i > 0 {
+            push(&mut policy, ", ");
+            push(&mut state, ", ");
+        }
+        push(&mut policy, v.policy);
+        push(&mut state, "\"");
+        push(&mut state, v.name);
+        push(&mut state, "\";r=");
+        push_u64(&mut state, v.remaining);
+        push(&mut state, ";t=");
+        push_u64(&mut state, v.reset_ms.div_ceil(1000));
+    }
+    (policy, state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Map, Value};
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// Every problem's gRPC code, with the HTTP status it replaces (table-driven: one row per
+    /// problem kind, so a new kind must be added here).
+    #[test]
+    fn grpc_codes() {
+        let cases = [
+            (Problem::RateLimited, 429, grpc::RESOURCE_EXHAUSTED),
+            (Problem::GuardUnavailable, 503, grpc::UNAVAILABLE),
+            (Problem::GuardOverloaded, 503, grpc::UNAVAILABLE),
+            (Problem::MissingTenant, 401, grpc::UNAUTHENTICATED),
+            (Problem::AmbiguousTenant, 400, grpc::INVALID_ARGUMENT),
+            (Problem::AmbiguousPrincipal, 400, grpc::INVALID_ARGUMENT),
+            (Problem::AmbiguousPath, 400, grpc::INVALID_ARGUMENT),
+            (Problem::AmbiguousSelector, 400, grpc::INVALID_ARGUMENT),
+            (Problem::IdempotencyKeyMissing, 400, grpc::INVALID_ARGUMENT),
+            (Problem::IdempotencyKeyInvalid, 400, grpc::INVALID_ARGUMENT),
+            (Problem::RequestBodyTooLarge, 413, grpc::RESOURCE_EXHAUSTED),
+            (Problem::RequestBodyTimeout, 408, grpc::DEADLINE_EXCEEDED),
+            (
+                Problem::IdempotencyKeyInUse { status: 409 },
+                409,
+                grpc::ABORTED,
+            ),
+            (
+                Problem::IdempotencyKeyConflict { status: 422 },
+                422,
+                grpc::FAILED_PRECONDITION,
+            ),
+            (
+                Problem::IdempotencyKeyConflict { status: 409 },
+                409,
+                grpc::FAILED_PRECONDITION,
+            ),
+            (Problem::ResourceLocked, 409, grpc::ABORTED),
+            (Problem::LeaseResourceMissing, 400, grpc::INVALID_ARGUMENT),
+        ];
+        for (kind, status, code) in cases {
+            assert_eq!(kind.status(), status, "{kind:?}");
+            assert_eq!(kind.grpc_code(), code, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn grpc_answer() {
+        let http = problem(
+            Problem::RateLimited,
+            "rate limit \"t\" exceeded; retry after 3 s (100%)",
+            &[("violated-policies", Member::Strs(&["t"]))],
+            vec![
+                ("retry-after".into(), "3".into()),
+                ("ratelimit".into(), "\"t\";r=0;t=3".into()),
+            ],
+        );
+        let g = Rc::unwrap_or_clone(for_grpc(Rc::new(http.clone())));
+        assert_eq!(g.status, 429);
+        assert_eq!(g.grpc_status, Some(grpc::RESOURCE_EXHAUSTED));
+        assert!(g.body.is_empty());
+        assert_eq!(
+            g.headers,
+            vec![
+                ("retry-after".to_string(), "3".to_string()),
+                ("ratelimit".to_string(), "\"t\";r=0;t=3".to_string()),
+                ("grpc-status".to_string(), "8".to_string()),
+                (
+                    "grpc-message".to_string(),
+                    "rate limit \"t\" exceeded; retry after 3 s (100%25)".to_string()
+                ),
+            ]
+        );
+        // The HTTP answer is untouched by it, and a replay is no problem: as it is.
+        assert_eq!(http.grpc_status, None);
+        assert_eq!(
+            http.header("content-type"),
+            Some("application/problem+json")
+        );
+        let replay = LocalResponse {
+            status: 201,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: b"{}".to_vec(),
+            problem: None,
+            grpc_status: None,
+        };
+        let same = Rc::new(replay);
+        assert!(Rc::ptr_eq(&for_grpc(Rc::clone(&same)), &same), "no copy");
+    }
+
+    #[test]
+    fn whole_secs_rounds_up_to_at_least_one() {
+        for (ms, want) in [(0, 1), (1, 1), (999, 1), (1000, 1), (1001, 2), (16_200, 17)] {
+            assert_eq!(whole_secs(ms), want, "{ms}");
+        }
+    }
+
+    #[test]
+    fn header_syntax() {
+        let views = [
+            QuotaView {
+                name: "tenant",
+                policy: &policy_item("tenant", 100, 60_000),
+                remaining: 0,
+                reset_ms: 16_200,
+            },
+            QuotaView {
+                name: "user-burst",
+                policy: &policy_item("user-burst", 10, 250),
+                remaining: 7,
+                reset_ms: 0,
+            },
+        ];
+        let (policy, state) = ratelimit_headers(&views);
+        assert_eq!(policy, "\"tenant\";q=100;w=60, \"user-burst\";q=10;w=1");
+        assert_eq!(state, "\"tenant\";r=0;t=17, \"user-burst\";r=7;t=0");
+        assert_eq!(ratelimit_headers(&[]), (String::new(), String::new()));
+    }
+
+    #[test]
+    fn problem_body() {
+        let r = problem(
+            Problem::RateLimited,
+            "limit exceeded",
+            &[("violated-policies", Member::Strs(&["tenant"]))],
+            vec![("retry-after".into(), "17".into())],
+        );
+        assert_eq!(r.status, 429);
+        assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        assert_eq!(r.header("retry-after"), Some("17"));
+        let body: Value = serde_json::from_slice(&r.body).expect("json");
+        assert_eq!(
+            body,
+            json!({
+                "type": "urn:coordination-guard:problem:rate_limited",
+                "title": "Too Many Requests",
+                "status": 429,
+                "detail": "limit exceeded",
+                "violated-policies": ["tenant"]
+            })
+        );
+    }
+
+    /// The body is byte for byte what serializing the members as a serde_json `Map` gives
+    /// (sorted members, compact, the same escaping), also with characters that need escaping
+    /// and an extra member that replaces a standard one.
+    #[test]
+    fn problem_body_bytes() {
+        type Extra<'a> = Vec<(&'a str, Member<'a>)>;
+        let cases: Vec<(Problem, &str, Extra<'_>)> = vec![
+            (Problem::RateLimited, "plain", vec![]),
+            (
+                Problem::MissingTenant,
+                "needs \"x-tenant\"\n\t\u{1} and \\ ü \u{2028}",
+                vec![],
+            ),
+            (
+                Problem::LeaseResourceMissing,
+                "d",
+                vec![
+                    ("missing-selector", Member::Str("path_segment:2")),
+                    ("a-first", Member::Strs(&["z\"", "", "ü\u{7}"])),
+                    ("status", Member::Str("499")),
+                    ("violated-policies", Member::Strs(&[])),
+                ],
+            ),
+        ];
+        for (kind, detail, extra) in cases {
+            let mut want = Map::new();
+            want.insert(
+                "type".into(),
+                json!(format!("urn:coordination-guard:problem:{}", kind.slug())),
+            );
+            want.insert("title".into(), json!(kind.title()));
+            want.insert("status".into(), json!(kind.status()));
+            want.insert("detail".into(), json!(detail));
+            for &(name, member) in &extra {
+                let value = match member {
+                    Member::Str(s) => json!(s),
+                    Member::Strs(list) => json!(list),
+                };
+                want.insert(name.to_string(), value);
+            }
+            let got = problem(kind, detail, &extra, Vec::new()).body;
+            assert_eq!(
+                String::from_utf8(got).expect("utf-8"),
+                Value::Object(want).to_string(),
+                "{kind:?}"
+            );
+        }
+    }
+}

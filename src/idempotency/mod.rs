@@ -1,8 +1,0 @@
-//! Idempotency-Key semantics: header parsing, the canonical fingerprint, the stored record
-//! and its sealed response.
-
-pub mod canonical;
-pub mod fingerprint;
-pub mod header;
-pub mod record;
-pub mod seal;
