@@ -21,6 +21,7 @@ use coordination_guard::config::{
     Algorithm, ChargeSource, Completion, Config, FailureMode, Fallback, FingerprintPart,
     MissingTenant, OnBusy, Policy, RateLimit, Replay, Selector,
 };
+use coordination_guard::redis::keys;
 use serde_json::Value;
 use std::fmt::Write;
 use std::process::ExitCode;
@@ -340,7 +341,7 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
         line,
         "\n        key {prefix}:rl:{tag}:{policy}:{}:{}:…",
         l.name,
-        l.code()
+        keys::limit_code(l)
     );
     line
 }

@@ -3,8 +3,64 @@
 
 use crate::config::fields::{header_name, size};
 use crate::config::reader::{kind, Obj, Result};
-use crate::config::{Charge, ChargeSource, ConfigError, Cost, Fallback, Pointer};
+use crate::config::{ConfigError, Pointer};
 use serde_json::Value;
+
+/// `cost`: the units a request consumes at admission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cost {
+    /// The request header holding a non-negative integer.
+    pub header: String,
+    /// Units of a request without the header.
+    pub default: u64,
+    /// The smallest cost accepted (a client must not make its requests free).
+    pub min: u64,
+    /// The largest cost accepted (a larger one is refused with `400`).
+    pub max: u64,
+}
+
+/// `charge`: where the response says what the request really cost, and what a response
+/// whose charge cannot be read is charged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Charge {
+    pub source: ChargeSource,
+    pub unreadable: Fallback,
+}
+
+/// Where the response says what the request really cost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChargeSource {
+    /// A response header.
+    Header(String),
+    /// A response trailer.
+    Trailer(String),
+    /// A JSON pointer (RFC 6901) into an `application/json` response body of at most
+    /// `max_body` bytes, read as it passes.
+    Json { pointer: Pointer, max_body: u64 },
+}
+
+/// `charge.unreadable`: the charge of a response whose own cannot be read (no header, a body
+/// that is not plain JSON, too large, cut short, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// The cost the request was admitted at.
+    Cost,
+    /// The most a request can be admitted at: the limit's `cost.max` (without `cost`, its
+    /// capacity), resolved at load.
+    Max(u64),
+    /// A fixed number of units.
+    Units(u64),
+}
+
+impl Fallback {
+    /// What a request admitted at `admitted` is charged.
+    pub fn units(self, admitted: u64) -> u64 {
+        match self {
+            Fallback::Cost => admitted,
+            Fallback::Max(n) | Fallback::Units(n) => n,
+        }
+    }
+}
 
 /// The body a `response_json` charge reads at most, unless `max_body` says otherwise (or
 /// `envoy_buffer_limit` is smaller).

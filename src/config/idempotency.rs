@@ -4,13 +4,112 @@ use crate::config::fields::{
     duration, env_value, header_list, header_name, is_header_name, max_wait, methods, one_of, size,
 };
 use crate::config::reader::{index, Obj, Result};
-use crate::config::{
-    Completion, ConfigError, Env, FingerprintPart, Idempotency, InProgress, Limits, Replay,
-    StatusMatch, BODY_SHARE_OF_BUDGET,
-};
-use crate::guards::idempotency::seal::{Keyring, RecordKey};
-use crate::http::grpc;
+use crate::config::{ConfigError, Env, Keyring, Limits, RecordKey, BODY_SHARE_OF_BUDGET};
+use crate::support::grpc_status as grpc;
 use serde_json::Value;
+
+/// `idempotency.in_progress`: a duplicate of a request still running is answered at once, or
+/// waits for the first one's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InProgress {
+    Reject,
+    Wait,
+}
+
+/// A part of the request that enters the idempotency fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FingerprintPart {
+    Method,
+    Path,
+    Query,
+    Principal,
+    Body,
+    Header(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replay {
+    /// Store status, replay headers and body (when it fits `max_response_body`).
+    Full,
+    /// Store status and replay headers only (a reference record).
+    Reference,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// The client gets the response once the record is written.
+    Sync,
+    /// The response goes out at once; the record is written right after.
+    Async,
+}
+
+/// A status or a class of statuses (`"5xx"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusMatch {
+    Exact(u32),
+    Class(u32),
+}
+
+impl StatusMatch {
+    pub fn matches(self, status: u32) -> bool {
+        match self {
+            StatusMatch::Exact(s) => s == status,
+            StatusMatch::Class(c) => status / 100 == c,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Idempotency {
+    /// Lower-case header name.
+    pub header: String,
+    pub required: bool,
+    /// Upper-case methods the key applies to.
+    pub methods: Vec<String>,
+    pub processing_ttl_ms: u64,
+    pub completed_ttl_ms: u64,
+    pub fingerprint: Vec<FingerprintPart>,
+    pub max_request_body: u64,
+    pub replay: Replay,
+    pub max_response_body: u64,
+    /// Lower-case names of the response headers stored and replayed.
+    pub replay_headers: Vec<String>,
+    /// Lower-case names of the response trailers stored and replayed besides `grpc-status`
+    /// and `grpc-message`, which a gRPC response always stores.
+    pub replay_trailers: Vec<String>,
+    pub conflict_status: u32,
+    /// What a duplicate of a request still in progress gets.
+    pub in_progress: InProgress,
+    /// How long a duplicate waits (`in_progress: wait`) before the reject answer.
+    pub max_wait_ms: u64,
+    /// The status of that answer: 409 or 425.
+    pub in_progress_status: u32,
+    pub retryable_statuses: Vec<StatusMatch>,
+    /// gRPC status codes after which the record of a gRPC call is released.
+    pub retryable_grpc_codes: Vec<u32>,
+    pub complete: Completion,
+    /// `encryption`: completed records' responses are sealed with these keys.
+    pub encryption: Option<Keyring>,
+}
+
+impl Idempotency {
+    pub fn applies_to(&self, method: &str) -> bool {
+        self.methods.iter().any(|m| m == method)
+    }
+
+    pub fn retryable(&self, status: u32) -> bool {
+        self.retryable_statuses.iter().any(|s| s.matches(status))
+    }
+
+    /// A gRPC call that ended with `code` is released (its retry runs again).
+    pub fn retryable_grpc(&self, code: u32) -> bool {
+        self.retryable_grpc_codes.contains(&code)
+    }
+
+    pub fn needs_body(&self) -> bool {
+        self.fingerprint.contains(&FingerprintPart::Body)
+    }
+}
 
 /// The largest request body the filter buffers to fingerprint.
 pub const MAX_REQUEST_BODY: u64 = 64 << 20;

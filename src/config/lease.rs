@@ -3,8 +3,43 @@
 use crate::config::fields::selectors;
 use crate::config::fields::{duration, header_name, max_wait, one_of};
 use crate::config::reader::{Obj, Result};
-use crate::config::{ConfigError, Lease, OnBusy, MAX_FENCE_TTL_MS};
+use crate::config::{ConfigError, Selector};
 use serde_json::Value;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnBusy {
+    /// `409 resource_locked` at once.
+    Reject,
+    /// Poll (with backoff) until the lease is free or `max_wait` passes.
+    Wait,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// What is serialized; leases are always scoped by tenant too.
+    pub resource: Vec<Selector>,
+    pub ttl_ms: u64,
+    pub on_busy: OnBusy,
+    pub max_wait_ms: u64,
+    /// Lower-case header that carries the fencing token to the upstream.
+    pub fencing_header: String,
+    pub extend: bool,
+    /// TTL of the resource's fence key (`fence_ttl`), set again at every acquire.
+    pub fence_ttl_ms: u64,
+}
+
+/// The longest `lease.fence_ttl`: a year (the script does arithmetic on it in Lua doubles,
+/// and a fence key costs memory per resource name for this long after its last lease).
+pub const MAX_FENCE_TTL_MS: u64 = 365 * 86_400_000;
+
+impl Lease {
+    /// The default TTL of the fencing counter: far beyond any lease (100 x `ttl`, at least 7
+    /// days). Tokens stay increasing even if the counter is lost (they never fall below Redis
+    /// time in microseconds).
+    pub fn default_fence_ttl_ms(ttl_ms: u64) -> u64 {
+        ttl_ms.saturating_mul(100).max(7 * 86_400_000)
+    }
+}
 
 const LEASE_FIELDS: &[&str] = &[
     "resource",

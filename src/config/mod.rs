@@ -2,26 +2,41 @@
 //! the runtime [`Config`]. Validation never half-applies: either every field is valid and a
 //! complete `Config` comes out, or the first problem comes back as a [`ConfigError`] naming the
 //! field path.
+//!
+//! Each section's types live beside its reader (`redis.rs`, `policy.rs` for the identity and
+//! the match, `rate_limit.rs`, `cost.rs`, `idempotency.rs`, `lease.rs`); this module holds the
+//! whole [`Config`], the [`Policy`] and what several sections share, and names every type
+//! here, so users write `config::RateLimit` whichever file it is in.
 
 mod cost;
 mod fields;
 mod idempotency;
+mod keyring;
 mod lease;
 /// The plugin configurations in what a user deploys (WasmPlugin, Envoy YAML): host tools only.
 #[cfg(not(target_arch = "wasm32"))]
 pub mod manifest;
+mod metrics;
 mod policy;
+mod rate_limit;
 mod reader;
 mod redis;
 pub mod units;
 
-pub use cost::CHARGE_MAX_BODY;
+pub use cost::{Charge, ChargeSource, Cost, Fallback, CHARGE_MAX_BODY};
 pub use fields::selector;
-pub use idempotency::{MAX_REQUEST_BODY, MAX_RESPONSE_BODY};
+pub use idempotency::{
+    Completion, FingerprintPart, Idempotency, InProgress, Replay, StatusMatch, MAX_REQUEST_BODY,
+    MAX_RESPONSE_BODY,
+};
+pub use keyring::{KeyProblem, Keyring, RecordKey, KEY_LEN};
+pub use lease::{Lease, OnBusy, MAX_FENCE_TTL_MS};
+pub use policy::{HeaderMatch, HeaderTest, IdSource, Identity, Match, MissingTenant};
+pub use rate_limit::{policy_item, Algorithm, RateLimit};
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};
+pub use redis::{Batch, RedisConfig};
 
-use crate::guards::idempotency::seal::Keyring;
 pub use crate::support::jsonscan::Pointer;
 use serde_json::Value;
 
@@ -32,14 +47,6 @@ pub enum FailureMode {
     Open,
     /// Answer `503` problem+json with `Retry-After: 1` and count `failed_closed`.
     Closed,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MissingTenant {
-    /// `401` problem+json.
-    Reject,
-    /// The request is treated as tenant `anonymous`.
-    Anonymous,
 }
 
 /// A value taken from the request that scopes a counter (rate limits) or names a resource.
@@ -82,370 +89,10 @@ impl Selector {
     }
 }
 
-/// `idempotency.in_progress`: a duplicate of a request still running is answered at once, or
-/// waits for the first one's answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InProgress {
-    Reject,
-    Wait,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Algorithm {
-    FixedWindow,
-    SlidingWindow,
-    SlidingLog,
-    TokenBucket,
-    /// At most `limit` requests in flight; `window` is a holder's lifetime unless extended.
-    Concurrency,
-}
-
-impl Algorithm {
-    /// The short code used in Redis keys and script arguments.
-    pub fn code(self) -> &'static str {
-        match self {
-            Algorithm::FixedWindow => "fw",
-            Algorithm::SlidingWindow => "sw",
-            Algorithm::SlidingLog => "sl",
-            Algorithm::TokenBucket => "tb",
-            Algorithm::Concurrency => "cc",
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RedisConfig {
-    pub cluster: String,
-    pub authority: String,
-    pub timeout_ms: u64,
-    pub authorization: Option<String>,
-    pub key_prefix: String,
-    pub batch: Option<Batch>,
-}
-
-/// Callout coalescing: acquire calls of one worker sent together from the root context.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Batch {
-    /// How long a call may wait for others (the root's tick).
-    pub max_delay_ms: u64,
-    pub max_requests: usize,
-    /// Batch calls of different hash slots together once a probe shows that Redis runs such a
-    /// batch (a single Redis; a Redis Cluster refuses it with `CROSSSLOT`).
-    pub cross_slot: bool,
-}
-
-impl Default for Batch {
-    /// On unless `redis.batch` is `false`: every decision is the one the call would get alone.
-    fn default() -> Batch {
-        Batch {
-            max_delay_ms: 1,
-            max_requests: 32,
-            cross_slot: true,
-        }
-    }
-}
-
-/// Where a role of the caller (tenant, principal) comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum IdSource {
-    /// A request header (lower case), which something the operator trusts sets.
-    Header(String),
-    /// A leaf of the request's dynamic metadata, e.g. a claim of the payload Envoy's
-    /// `jwt_authn` verified: `[filter, key, claim...]`. The header of the same role is then
-    /// ignored entirely.
-    Metadata(Vec<String>),
-}
-
-impl IdSource {
-    /// How a message to the client names it: "the x-tenant-id header", "the tid claim".
-    pub fn describe(&self) -> String {
-        match self {
-            IdSource::Header(h) => format!("the {h} header"),
-            IdSource::Metadata(path) => format!(
-                "the {} claim of a verified token",
-                path.last().map_or("", String::as_str)
-            ),
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Identity {
-    pub tenant: IdSource,
-    pub principal: IdSource,
-    pub missing_tenant: MissingTenant,
-}
-
-impl Identity {
-    /// The metadata paths the request must be read at (the adapter reads them only then).
-    pub fn uses_metadata(&self) -> bool {
-        matches!(self.tenant, IdSource::Metadata(_))
-            || matches!(self.principal, IdSource::Metadata(_))
-    }
-}
-
-/// A condition on a request header of `match.headers`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HeaderMatch {
-    /// Lower case.
-    pub name: String,
-    pub test: HeaderTest,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HeaderTest {
-    Exact(String),
-    Prefix(String),
-    /// `true`: the header is there (once or more); `false`: it is not.
-    Present(bool),
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Match {
-    /// Upper-case methods; empty = any.
-    pub methods: Vec<String>,
-    pub path_prefix: Option<String>,
-    pub path_exact: Option<String>,
-    /// Lower-case host without port.
-    pub host: Option<String>,
-    /// Conditions on request headers, all of which must hold.
-    pub headers: Vec<HeaderMatch>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RateLimit {
-    pub name: String,
-    pub by: Vec<Selector>,
-    pub algorithm: Algorithm,
-    pub limit: u64,
-    pub window_ms: u64,
-    /// Token bucket capacity; equals `limit` for the other algorithms.
-    pub burst: u64,
-    pub shadow: bool,
-    /// `mode: leased`: a worker takes slices of the window's quota and admits from them
-    /// locally (fixed windows only).
-    pub leased: bool,
-    /// Units a request consumes at admission, read from a request header (1 when absent).
-    pub cost: Option<Cost>,
-    /// The real amount, read from the response once it is known.
-    pub charge: Option<Charge>,
-    /// Its `RateLimit-Policy` item ([`crate::http::local_reply::policy_item`] of its name, limit and
-    /// window), written here once rather than on every response.
-    pub policy_item: String,
-}
-
-/// `cost`: the units a request consumes at admission.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Cost {
-    /// The request header holding a non-negative integer.
-    pub header: String,
-    /// Units of a request without the header.
-    pub default: u64,
-    /// The smallest cost accepted (a client must not make its requests free).
-    pub min: u64,
-    /// The largest cost accepted (a larger one is refused with `400`).
-    pub max: u64,
-}
-
-/// `charge`: where the response says what the request really cost, and what a response
-/// whose charge cannot be read is charged.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Charge {
-    pub source: ChargeSource,
-    pub unreadable: Fallback,
-}
-
-/// Where the response says what the request really cost.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ChargeSource {
-    /// A response header.
-    Header(String),
-    /// A response trailer.
-    Trailer(String),
-    /// A JSON pointer (RFC 6901) into an `application/json` response body of at most
-    /// `max_body` bytes, read as it passes.
-    Json { pointer: Pointer, max_body: u64 },
-}
-
-/// `charge.unreadable`: the charge of a response whose own cannot be read (no header, a body
-/// that is not plain JSON, too large, cut short, ...).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fallback {
-    /// The cost the request was admitted at.
-    Cost,
-    /// The most a request can be admitted at: the limit's `cost.max` (without `cost`, its
-    /// capacity), resolved at load.
-    Max(u64),
-    /// A fixed number of units.
-    Units(u64),
-}
-
-impl Fallback {
-    /// What a request admitted at `admitted` is charged.
-    pub fn units(self, admitted: u64) -> u64 {
-        match self {
-            Fallback::Cost => admitted,
-            Fallback::Max(n) | Fallback::Units(n) => n,
-        }
-    }
-}
-
-impl RateLimit {
-    /// The script's algorithm code, also part of the key: `lq` for a leased fixed window, so
-    /// it never shares a counter with an exact one.
-    pub fn code(&self) -> &'static str {
-        if self.leased {
-            "lq"
-        } else {
-            self.algorithm.code()
-        }
-    }
-
-    /// True for a limit on requests in flight (a slot held until the response ends).
-    pub fn concurrency(&self) -> bool {
-        self.algorithm == Algorithm::Concurrency
-    }
-
-    /// True when the counter is scoped by tenant, so its key is hash-tagged by the tenant.
-    pub fn tenant_scoped(&self) -> bool {
-        self.by.contains(&Selector::Tenant)
-    }
-}
-
-/// A part of the request that enters the idempotency fingerprint.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FingerprintPart {
-    Method,
-    Path,
-    Query,
-    Principal,
-    Body,
-    Header(String),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Replay {
-    /// Store status, replay headers and body (when it fits `max_response_body`).
-    Full,
-    /// Store status and replay headers only (a reference record).
-    Reference,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Completion {
-    /// The client gets the response once the record is written.
-    Sync,
-    /// The response goes out at once; the record is written right after.
-    Async,
-}
-
-/// A status or a class of statuses (`"5xx"`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StatusMatch {
-    Exact(u32),
-    Class(u32),
-}
-
-impl StatusMatch {
-    pub fn matches(self, status: u32) -> bool {
-        match self {
-            StatusMatch::Exact(s) => s == status,
-            StatusMatch::Class(c) => status / 100 == c,
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Idempotency {
-    /// Lower-case header name.
-    pub header: String,
-    pub required: bool,
-    /// Upper-case methods the key applies to.
-    pub methods: Vec<String>,
-    pub processing_ttl_ms: u64,
-    pub completed_ttl_ms: u64,
-    pub fingerprint: Vec<FingerprintPart>,
-    pub max_request_body: u64,
-    pub replay: Replay,
-    pub max_response_body: u64,
-    /// Lower-case names of the response headers stored and replayed.
-    pub replay_headers: Vec<String>,
-    /// Lower-case names of the response trailers stored and replayed besides `grpc-status`
-    /// and `grpc-message`, which a gRPC response always stores.
-    pub replay_trailers: Vec<String>,
-    pub conflict_status: u32,
-    /// What a duplicate of a request still in progress gets.
-    pub in_progress: InProgress,
-    /// How long a duplicate waits (`in_progress: wait`) before the reject answer.
-    pub max_wait_ms: u64,
-    /// The status of that answer: 409 or 425.
-    pub in_progress_status: u32,
-    pub retryable_statuses: Vec<StatusMatch>,
-    /// gRPC status codes after which the record of a gRPC call is released.
-    pub retryable_grpc_codes: Vec<u32>,
-    pub complete: Completion,
-    /// `encryption`: completed records' responses are sealed with these keys.
-    pub encryption: Option<Keyring>,
-}
-
-impl Idempotency {
-    pub fn applies_to(&self, method: &str) -> bool {
-        self.methods.iter().any(|m| m == method)
-    }
-
-    pub fn retryable(&self, status: u32) -> bool {
-        self.retryable_statuses.iter().any(|s| s.matches(status))
-    }
-
-    /// A gRPC call that ended with `code` is released (its retry runs again).
-    pub fn retryable_grpc(&self, code: u32) -> bool {
-        self.retryable_grpc_codes.contains(&code)
-    }
-
-    pub fn needs_body(&self) -> bool {
-        self.fingerprint.contains(&FingerprintPart::Body)
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnBusy {
-    /// `409 resource_locked` at once.
-    Reject,
-    /// Poll (with backoff) until the lease is free or `max_wait` passes.
-    Wait,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lease {
-    /// What is serialized; leases are always scoped by tenant too.
-    pub resource: Vec<Selector>,
-    pub ttl_ms: u64,
-    pub on_busy: OnBusy,
-    pub max_wait_ms: u64,
-    /// Lower-case header that carries the fencing token to the upstream.
-    pub fencing_header: String,
-    pub extend: bool,
-    /// TTL of the resource's fence key (`fence_ttl`), set again at every acquire.
-    pub fence_ttl_ms: u64,
-}
-
 /// The longest `max_wait` (idempotency and lease): every waiting request polls Redis several
 /// times a second (up to 5 for a record, 10 for a lease), and holds its connection, for this
 /// long at most.
 pub const MAX_WAIT_MS: u64 = 30_000;
-
-/// The longest `lease.fence_ttl`: a year (the script does arithmetic on it in Lua doubles,
-/// and a fence key costs memory per resource name for this long after its last lease).
-pub const MAX_FENCE_TTL_MS: u64 = 365 * 86_400_000;
-
-impl Lease {
-    /// The default TTL of the fencing counter: far beyond any lease (100 x `ttl`, at least 7
-    /// days). Tokens stay increasing even if the counter is lost (they never fall below Redis
-    /// time in microseconds).
-    pub fn default_fence_ttl_ms(ttl_ms: u64) -> u64 {
-        ttl_ms.saturating_mul(100).max(7 * 86_400_000)
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {

@@ -1,15 +1,88 @@
-//! A policy: its match, its rate limits and their selectors, and the caller's identity.
+//! A policy: its match and its sections (rate limits, idempotency, lease), and the caller's
+//! identity.
 
-use crate::config::fields::{
-    duration, failure_mode, header_name, methods, name, one_of, selectors,
-};
+use crate::config::fields::{failure_mode, header_name, methods, name, one_of};
 use crate::config::reader::{index, Obj, Result};
 use crate::config::{
-    cost, idempotency::idempotency, lease::lease, Algorithm, Charge, ConfigError, Cost, Env,
-    FailureMode, HeaderMatch, HeaderTest, IdSource, Identity, Limits, Match, MissingTenant, Policy,
-    RateLimit, Selector,
+    idempotency::idempotency, lease::lease, rate_limit::rate_limits, Algorithm, ConfigError, Env,
+    FailureMode, Limits, Policy, Selector,
 };
 use serde_json::Value;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissingTenant {
+    /// `401` problem+json.
+    Reject,
+    /// The request is treated as tenant `anonymous`.
+    Anonymous,
+}
+
+/// Where a role of the caller (tenant, principal) comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdSource {
+    /// A request header (lower case), which something the operator trusts sets.
+    Header(String),
+    /// A leaf of the request's dynamic metadata, e.g. a claim of the payload Envoy's
+    /// `jwt_authn` verified: `[filter, key, claim...]`. The header of the same role is then
+    /// ignored entirely.
+    Metadata(Vec<String>),
+}
+
+impl IdSource {
+    /// How a message to the client names it: "the x-tenant-id header", "the tid claim".
+    pub fn describe(&self) -> String {
+        match self {
+            IdSource::Header(h) => format!("the {h} header"),
+            IdSource::Metadata(path) => format!(
+                "the {} claim of a verified token",
+                path.last().map_or("", String::as_str)
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub tenant: IdSource,
+    pub principal: IdSource,
+    pub missing_tenant: MissingTenant,
+}
+
+impl Identity {
+    /// The metadata paths the request must be read at (the adapter reads them only then).
+    pub fn uses_metadata(&self) -> bool {
+        matches!(self.tenant, IdSource::Metadata(_))
+            || matches!(self.principal, IdSource::Metadata(_))
+    }
+}
+
+/// A condition on a request header of `match.headers`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderMatch {
+    /// Lower case.
+    pub name: String,
+    pub test: HeaderTest,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderTest {
+    Exact(String),
+    Prefix(String),
+    /// `true`: the header is there (once or more); `false`: it is not.
+    Present(bool),
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Match {
+    /// Upper-case methods; empty = any.
+    pub methods: Vec<String>,
+    pub path_prefix: Option<String>,
+    pub path_exact: Option<String>,
+    /// Lower-case host without port.
+    pub host: Option<String>,
+    /// Conditions on request headers, all of which must hold.
+    pub headers: Vec<HeaderMatch>,
+}
 
 const IDENTITY_FIELDS: &[&str] = &[
     "tenant",
@@ -26,19 +99,6 @@ const POLICY_FIELDS: &[&str] = &[
     "rate_limits",
     "idempotency",
     "lease",
-];
-
-const RATE_LIMIT_FIELDS: &[&str] = &[
-    "name",
-    "by",
-    "algorithm",
-    "limit",
-    "window",
-    "burst",
-    "shadow",
-    "mode",
-    "cost",
-    "charge",
 ];
 
 pub fn identity(v: &Value, path: &str) -> Result<Identity> {
@@ -150,26 +210,6 @@ pub fn policy(
     })
 }
 
-/// A policy's `rate_limits`, names unique within it.
-fn rate_limits(o: &mut Obj<'_>, field: &'static str, limits: Limits) -> Result<Vec<RateLimit>> {
-    let mut rate_limits: Vec<RateLimit> = Vec::new();
-    let limits_path = o.field_path(field);
-    if let Some(items) = o.opt_array(field)? {
-        for (i, item) in items.iter().enumerate() {
-            let lpath = index(&limits_path, i);
-            let limit = rate_limit(item, &lpath, limits)?;
-            if rate_limits.iter().any(|l| l.name == limit.name) {
-                return Err(ConfigError::new(
-                    format!("{lpath}.name"),
-                    format!("duplicate rate limit name {:?} in this policy", limit.name),
-                ));
-            }
-            rate_limits.push(limit);
-        }
-    }
-    Ok(rate_limits)
-}
-
 fn matcher(v: &Value, path: &str) -> Result<Match> {
     let known = &["methods", "path_prefix", "path_exact", "host", "headers"];
     let mut o = Obj::new(v, path, known)?;
@@ -232,7 +272,7 @@ fn request_path(o: &mut Obj<'_>, field: &'static str) -> Result<Option<String>> 
             format!("{p:?} must start with '/'"),
         )),
         Some(p) => {
-            let form = crate::http::normalize::normalize_path(p);
+            let form = crate::support::normalize::normalize_path(p);
             if form.ambiguous || form.canonical != p {
                 let hint = if form.ambiguous {
                     "spell it without encoded '/', '\\', NUL, ';' or '..'".to_string()
@@ -250,133 +290,5 @@ fn request_path(o: &mut Obj<'_>, field: &'static str) -> Result<Option<String>> 
             Ok(Some(p.to_string()))
         }
         None => Ok(None),
-    }
-}
-
-fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
-    let mut o = Obj::new(v, path, RATE_LIMIT_FIELDS)?;
-    let name = name(&mut o, "name")?;
-    let by = selectors(&mut o, "by")?;
-    let algorithm = algorithm(&mut o, "algorithm")?;
-    let limit = limit_value(&mut o, "limit")?
-        .ok_or_else(|| ConfigError::new(o.field_path("limit"), "is required"))?;
-    let window_ms = duration(&mut o, "window")?
-        .ok_or_else(|| ConfigError::new(o.field_path("window"), "is required"))?;
-    let burst = match limit_value(&mut o, "burst")? {
-        Some(_) if algorithm != Algorithm::TokenBucket => {
-            return Err(ConfigError::new(
-                o.field_path("burst"),
-                "only applies to algorithm token_bucket",
-            ))
-        }
-        Some(b) => b,
-        None => limit,
-    };
-    if algorithm == Algorithm::TokenBucket && window_ms < limit {
-        // One token per less than a millisecond cannot be represented by the script.
-        return Err(ConfigError::new(
-            o.field_path("window"),
-            format!("token_bucket needs window >= limit milliseconds ({limit}ms)"),
-        ));
-    }
-    let shadow = o.opt_bool("shadow")?.unwrap_or(false);
-    let mode_path = o.field_path("mode");
-    let leased = one_of(&mut o, "mode", &[("exact", false), ("leased", true)])?.unwrap_or(false);
-    if leased && (algorithm != Algorithm::FixedWindow || shadow) {
-        return Err(ConfigError::new(
-            mode_path,
-            "\"leased\" needs algorithm fixed_window and no shadow",
-        ));
-    }
-    let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased, limits)?;
-    Ok(RateLimit {
-        policy_item: crate::http::local_reply::policy_item(&name, limit, window_ms),
-        name,
-        by,
-        algorithm,
-        limit,
-        window_ms,
-        burst,
-        shadow,
-        leased,
-        cost,
-        charge,
-    })
-}
-
-/// `cost` and `charge`, on the counting algorithms that can take any amount: not on
-/// sliding_log (one entry per unit), concurrency (a slot per request) or a leased limit.
-fn cost_and_charge(
-    o: &mut Obj<'_>,
-    algorithm: Algorithm,
-    capacity: u64,
-    leased: bool,
-    limits: Limits,
-) -> Result<(Option<Cost>, Option<Charge>)> {
-    let cost = match o.get("cost") {
-        Some(v) => Some(cost::cost(v, &o.field_path("cost"), capacity)?),
-        None => None,
-    };
-    // The most a request of this limit is ever admitted at: what `unreadable: max` charges.
-    let max_cost = cost.as_ref().map_or(capacity, |c| c.max);
-    let charge = match o.get("charge") {
-        Some(v) => Some(cost::charge(
-            v,
-            &o.field_path("charge"),
-            max_cost,
-            limits.envoy_buffer,
-        )?),
-        None => None,
-    };
-    let refused = match algorithm {
-        _ if leased => Some("mode \"leased\""),
-        Algorithm::SlidingLog => Some("algorithm sliding_log"),
-        Algorithm::Concurrency => Some("algorithm concurrency"),
-        _ => None,
-    };
-    if let Some(what) = refused {
-        for (field, given) in [("cost", cost.is_some()), ("charge", charge.is_some())] {
-            if given {
-                return Err(ConfigError::new(
-                    o.field_path(field),
-                    format!(
-                        "is not supported with {what}: use fixed_window, sliding_window or \
-                         token_bucket"
-                    ),
-                ));
-            }
-        }
-    }
-    Ok((cost, charge))
-}
-
-fn algorithm(o: &mut Obj<'_>, field: &'static str) -> Result<Algorithm> {
-    Ok(match o.req_str(field)? {
-        "fixed_window" => Algorithm::FixedWindow,
-        "sliding_window" => Algorithm::SlidingWindow,
-        "sliding_log" => Algorithm::SlidingLog,
-        "token_bucket" => Algorithm::TokenBucket,
-        "concurrency" => Algorithm::Concurrency,
-        other => {
-            return Err(ConfigError::new(
-                o.field_path(field),
-                format!(
-                    "{other:?} is not one of fixed_window, sliding_window, sliding_log, \
-                     token_bucket, concurrency"
-                ),
-            ))
-        }
-    })
-}
-
-/// Limits and bursts: integers in 1..=1_000_000_000 (the scripts count in Lua doubles).
-fn limit_value(o: &mut Obj<'_>, field: &'static str) -> Result<Option<u64>> {
-    let path = o.field_path(field);
-    match o.opt_positive(field)? {
-        Some(n) if n > 1_000_000_000 => Err(ConfigError::new(
-            path,
-            format!("{n} is too large (at most 1000000000)"),
-        )),
-        n => Ok(n),
     }
 }

@@ -2,8 +2,40 @@
 
 use crate::config::fields::{duration, env_value};
 use crate::config::reader::{Obj, Result};
-use crate::config::{Batch, ConfigError, Env, RedisConfig, DEFAULT_TIMEOUT_MS};
+use crate::config::{ConfigError, Env, DEFAULT_TIMEOUT_MS};
 use serde_json::Value;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    pub cluster: String,
+    pub authority: String,
+    pub timeout_ms: u64,
+    pub authorization: Option<String>,
+    pub key_prefix: String,
+    pub batch: Option<Batch>,
+}
+
+/// Callout coalescing: acquire calls of one worker sent together from the root context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batch {
+    /// How long a call may wait for others (the root's tick).
+    pub max_delay_ms: u64,
+    pub max_requests: usize,
+    /// Batch calls of different hash slots together once a probe shows that Redis runs such a
+    /// batch (a single Redis; a Redis Cluster refuses it with `CROSSSLOT`).
+    pub cross_slot: bool,
+}
+
+impl Default for Batch {
+    /// On unless `redis.batch` is `false`: every decision is the one the call would get alone.
+    fn default() -> Batch {
+        Batch {
+            max_delay_ms: 1,
+            max_requests: 32,
+            cross_slot: true,
+        }
+    }
+}
 
 const REDIS_FIELDS: &[&str] = &[
     "protocol",

@@ -838,7 +838,7 @@ fn concurrency_cost_and_charge() {
     let c = Config::from_value(&v).expect("valid");
     let l = &c.policies[1].rate_limits;
     assert!(l[0].concurrency() && l[0].cost.is_none());
-    assert_eq!(l[0].code(), "cc");
+    assert_eq!(crate::redis::keys::limit_code(&l[0]), "cc");
     assert!(
         c.policies[1].needs_tokens,
         "a slot's member is the request's nonce"

@@ -1,4 +1,5 @@
-//! Durations (`"250ms"`, `"2s"`, `"1m"`, `"24h"`) and byte sizes (`"64KiB"`, `"1MiB"`).
+//! Durations (`"250ms"`, `"2s"`, `"1m"`, `"24h"`) and byte sizes (`"64KiB"`, `"1MiB"`), and a
+//! duration in the whole seconds the headers show.
 
 /// Parses a duration string into milliseconds. Whole numbers only, one unit, > 0.
 pub fn parse_duration_ms(s: &str) -> Option<u64> {
@@ -37,6 +38,12 @@ pub fn parse_size(s: &str) -> Option<u64> {
     };
     let bytes = n.checked_mul(factor)?;
     (bytes > 0).then_some(bytes)
+}
+
+/// `ms` in whole seconds, rounded up, at least 1: `Retry-After`'s delta-seconds, a window's
+/// `w=` and the over-limit cache's memo of a rejection (a wait is never shown as 0 s).
+pub fn whole_secs(ms: u64) -> u64 {
+    ms.div_ceil(1000).max(1)
 }
 
 #[cfg(test)]
@@ -83,6 +90,13 @@ mod tests {
         ];
         for (input, want) in cases {
             assert_eq!(parse_size(input), want, "{input:?}");
+        }
+    }
+
+    #[test]
+    fn whole_secs_rounds_up_to_at_least_one() {
+        for (ms, want) in [(0, 1), (1, 1), (999, 1), (1000, 1), (1001, 2), (16_200, 17)] {
+            assert_eq!(whole_secs(ms), want, "{ms}");
         }
     }
 }

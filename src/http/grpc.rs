@@ -1,58 +1,18 @@
 //! gRPC over the guard: which requests are gRPC, how a response's outcome is read from its
 //! `grpc-status`, and which status code the filter's own answers carry. Pure logic.
+//!
+//! The status codes are `support::grpc_status`'s (the configuration reads their names too);
+//! the ones the filter answers with are named here as well.
 
-/// gRPC status codes by number (`grpc/status.h`), index = code.
-const NAMES: [&str; 17] = [
-    "OK",
-    "CANCELLED",
-    "UNKNOWN",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
-    "NOT_FOUND",
-    "ALREADY_EXISTS",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION",
-    "ABORTED",
-    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",
-    "INTERNAL",
-    "UNAVAILABLE",
-    "DATA_LOSS",
-    "UNAUTHENTICATED",
-];
-
-pub const OK: u32 = 0;
-pub const INVALID_ARGUMENT: u32 = 3;
-pub const DEADLINE_EXCEEDED: u32 = 4;
-pub const ALREADY_EXISTS: u32 = 6;
-pub const RESOURCE_EXHAUSTED: u32 = 8;
-pub const FAILED_PRECONDITION: u32 = 9;
-pub const ABORTED: u32 = 10;
-pub const UNAVAILABLE: u32 = 14;
-pub const UNAUTHENTICATED: u32 = 16;
+pub use crate::support::grpc_status::{
+    ABORTED, ALREADY_EXISTS, DEADLINE_EXCEEDED, FAILED_PRECONDITION, INVALID_ARGUMENT, OK,
+    RESOURCE_EXHAUSTED, UNAUTHENTICATED, UNAVAILABLE,
+};
 
 /// The response trailer (or trailers-only header) holding the status code.
 pub const STATUS: &str = "grpc-status";
 /// The response trailer (or trailers-only header) holding the status message.
 pub const MESSAGE: &str = "grpc-message";
-
-/// The name of a code (`UNAVAILABLE`), if it is one of the 17.
-pub fn code_name(code: u32) -> Option<&'static str> {
-    NAMES.get(usize::try_from(code).ok()?).copied()
-}
-
-/// A code written as a name (`"UNAVAILABLE"`, any case) or its number (`"14"`).
-pub fn parse_code(text: &str) -> Option<u32> {
-    let t = text.trim();
-    if let Ok(n) = t.parse::<u32>() {
-        return code_name(n).map(|_| n);
-    }
-    NAMES
-        .iter()
-        .position(|n| n.eq_ignore_ascii_case(t))
-        .and_then(|i| u32::try_from(i).ok())
-}
 
 /// Whether a request is gRPC the way Envoy decides it (and so answers it with gRPC local
 /// replies): `content-type` is `application/grpc`, or starts with `application/grpc+` or
@@ -105,27 +65,6 @@ mod tests {
     use super::*;
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-
-    #[test]
-    fn names_and_numbers() {
-        for (text, want) in [
-            ("UNAVAILABLE", Some(14)),
-            ("unavailable", Some(14)),
-            ("14", Some(14)),
-            (" 4 ", Some(4)),
-            ("OK", Some(0)),
-            ("UNAUTHENTICATED", Some(16)),
-            ("16", Some(16)),
-            ("17", None),
-            ("-1", None),
-            ("UNAVAILABLE_", None),
-            ("", None),
-        ] {
-            assert_eq!(parse_code(text), want, "{text:?}");
-        }
-        assert_eq!(code_name(8), Some("RESOURCE_EXHAUSTED"));
-        assert_eq!(code_name(17), None);
-    }
 
     #[test]
     fn grpc_content_types() {

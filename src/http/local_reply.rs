@@ -2,6 +2,9 @@
 //! `Retry-After`, `RateLimit-Policy` and `RateLimit` headers
 //! (draft-ietf-httpapi-ratelimit-headers-10).
 
+// The wait in whole seconds that `Retry-After` and the memo of a 429 show: the configuration's
+// unit, as a limit's `w=` is.
+pub use crate::config::units::whole_secs;
 use crate::http::grpc;
 use crate::support::text::{push, push_u64, push_u64_bytes};
 use std::rc::Rc;
@@ -283,33 +286,14 @@ fn write_json_str(out: &mut Vec<u8>, s: &str) {
     let _ = serde_json::to_writer(&mut *out, s);
 }
 
-/// `ms` in whole seconds, rounded up, at least 1: `Retry-After`'s delta-seconds, a window's
-/// `w=` and the over-limit cache's memo of a rejection (a wait is never shown as 0 s).
-pub fn whole_secs(ms: u64) -> u64 {
-    ms.div_ceil(1000).max(1)
-}
-
 /// One limit as the RateLimit headers show it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuotaView<'a> {
     pub name: &'a str,
-    /// The limit's `RateLimit-Policy` item ([`policy_item`]).
+    /// The limit's `RateLimit-Policy` item ([`crate::config::policy_item`]).
     pub policy: &'a str,
     pub remaining: u64,
     pub reset_ms: u64,
-}
-
-/// A limit's `RateLimit-Policy` item, `"<name>";q=<quota>;w=<window in s>`: the same on every
-/// response, so the configuration writes it once per limit and each response copies it.
-pub fn policy_item(name: &str, quota: u64, window_ms: u64) -> String {
-    let mut item = String::with_capacity(name.len() + 32);
-    item.push('"');
-    item.push_str(name);
-    item.push_str("\";q=");
-    push_u64(&mut item, quota);
-    item.push_str(";w=");
-    push_u64(&mut item, whole_secs(window_ms));
-    item
 }
 
 /// `RateLimit-Policy` and `RateLimit` values for `views`, in the order given (callers put the
@@ -338,6 +322,7 @@ pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::policy_item;
     use serde_json::{json, Map, Value};
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -425,13 +410,6 @@ mod tests {
         };
         let same = Rc::new(replay);
         assert!(Rc::ptr_eq(&for_grpc(Rc::clone(&same)), &same), "no copy");
-    }
-
-    #[test]
-    fn whole_secs_rounds_up_to_at_least_one() {
-        for (ms, want) in [(0, 1), (1, 1), (999, 1), (1000, 1), (1001, 2), (16_200, 17)] {
-            assert_eq!(whole_secs(ms), want, "{ms}");
-        }
     }
 
     #[test]

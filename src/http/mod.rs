@@ -5,5 +5,8 @@ pub mod claims;
 pub mod grpc;
 pub mod headers;
 pub mod local_reply;
-pub mod normalize;
 pub mod request;
+
+/// The path and query normalisation the request reads: it lives in `support` because the
+/// configuration checks its paths with it too.
+pub use crate::support::normalize;

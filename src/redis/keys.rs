@@ -16,6 +16,8 @@
 //! * `<tag>` is `t.<tenant hash>` for limits scoped by tenant, else `p.<policy>`.
 //! * `<scope>` is a short hash of the selected request values (`_` for `by: []`).
 //! * The algorithm's parameters are part of the key, so a config change starts a fresh counter.
+//! * `<algo>` is the limit's code ([`algorithm_code`], [`limit_code`]), which the scripts are
+//!   also called with: it picks the algorithm `acquire.lua` and `charge.lua` count with.
 //! * Tenants, principals, client addresses and header values only appear hashed.
 
 use crate::config::{Algorithm, Policy, RateLimit, Selector};
@@ -130,6 +132,27 @@ impl std::fmt::Write for HashText {
     }
 }
 
+/// The short code of an algorithm, in Redis keys and script arguments.
+pub fn algorithm_code(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::FixedWindow => "fw",
+        Algorithm::SlidingWindow => "sw",
+        Algorithm::SlidingLog => "sl",
+        Algorithm::TokenBucket => "tb",
+        Algorithm::Concurrency => "cc",
+    }
+}
+
+/// The code a limit's scripts are called with, also part of its key: `lq` for a leased fixed
+/// window, so it never shares a counter with an exact one.
+pub fn limit_code(limit: &RateLimit) -> &'static str {
+    if limit.leased {
+        "lq"
+    } else {
+        algorithm_code(limit.algorithm)
+    }
+}
+
 /// A rate-limit key with a known tag and scope (see [`write_rate_limit_key`]).
 pub fn rate_limit_key(
     prefix: &str,
@@ -171,8 +194,8 @@ pub fn write_rate_limit_key(
     push(
         &mut k,
         match limit.algorithm {
-            Algorithm::TokenBucket => limit.algorithm.code(),
-            _ => limit.code(),
+            Algorithm::TokenBucket => algorithm_code(limit.algorithm),
+            _ => limit_code(limit),
         },
     );
     push(&mut k, ":");
@@ -271,7 +294,7 @@ mod tests {
             leased: false,
             cost: None,
             charge: None,
-            policy_item: crate::http::local_reply::policy_item("tenant", 100, 60_000),
+            policy_item: crate::config::policy_item("tenant", 100, 60_000),
         }
     }
 

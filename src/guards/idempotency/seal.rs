@@ -20,18 +20,17 @@
 //! Opening never panics: an unknown key id, a tag that does not match (tampered, moved, or
 //! another key), bad base64 or another algorithm are each an [`OpenError`].
 
-use crate::support::hashing::short_hash;
+// The key material is the configuration's, read once at load; named here too, beside the seal
+// that uses it.
+pub use crate::config::{KeyProblem, Keyring, RecordKey, KEY_LEN};
 use crate::support::text::{base64_decode, base64_encode};
 use aes_gcm::aead::generic_array::GenericArray;
-use aes_gcm::aead::{Aead, KeyInit, Payload};
-use aes_gcm::Aes256Gcm;
+use aes_gcm::aead::{Aead, Payload};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// The only algorithm: AES-256-GCM, 96-bit nonce, 128-bit tag.
 pub const ALG: &str = "A256GCM";
-/// Bytes of a key.
-pub const KEY_LEN: usize = 32;
 /// Bytes of a nonce.
 pub const NONCE_LEN: usize = 12;
 /// Hex digits of a key id.
@@ -46,66 +45,6 @@ pub struct Sealed {
     pub kid: String,
     pub nonce: String,
     pub ct: String,
-}
-
-/// One AES-256 key and its id.
-#[derive(Clone)]
-pub struct RecordKey {
-    kid: String,
-    cipher: Aes256Gcm,
-}
-
-/// Why a key's text is not a key (the configuration names the variable).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeyProblem {
-    NotBase64,
-    /// It decodes to this many bytes, not [`KEY_LEN`].
-    Length(usize),
-}
-
-impl fmt::Display for KeyProblem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            KeyProblem::NotBase64 => f.write_str("is not base64 (standard alphabet, with padding)"),
-            KeyProblem::Length(n) => write!(f, "holds {n} bytes, not {KEY_LEN}"),
-        }
-    }
-}
-
-impl RecordKey {
-    /// A key from its base64 text (white space around it, e.g. a file's newline, is ignored).
-    pub fn from_base64(text: &str) -> Result<RecordKey, KeyProblem> {
-        let bytes = base64_decode(text.trim()).ok_or(KeyProblem::NotBase64)?;
-        RecordKey::from_bytes(&bytes)
-    }
-
-    pub fn from_bytes(bytes: &[u8]) -> Result<RecordKey, KeyProblem> {
-        let cipher =
-            Aes256Gcm::new_from_slice(bytes).map_err(|_| KeyProblem::Length(bytes.len()))?;
-        Ok(RecordKey {
-            kid: short_hash("cg.record-key.id", bytes),
-            cipher,
-        })
-    }
-
-    /// The key's id: 64 bits of a domain-separated SHA-256 of the key. It tells keys apart;
-    /// it reveals nothing usable about a random 256-bit key.
-    pub fn kid(&self) -> &str {
-        &self.kid
-    }
-}
-
-impl fmt::Debug for RecordKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "RecordKey({})", self.kid)
-    }
-}
-
-/// The keys of a policy: responses are sealed with `current` and open with either key.
-#[derive(Clone)]
-pub struct Keyring {
-    current: RecordKey,
-    previous: Option<RecordKey>,
 }
 
 /// Why a sealed response does not open.
@@ -164,27 +103,15 @@ pub fn record_aad(record_key: &str, fingerprint: &str) -> Vec<u8> {
     aad
 }
 
+/// Sealing and opening with the configuration's keys (the key material is read and held by
+/// `config::keyring`; what a seal writes and how it opens is this module's).
 impl Keyring {
-    pub fn new(current: RecordKey, previous: Option<RecordKey>) -> Keyring {
-        Keyring { current, previous }
-    }
-
-    /// The id new records are sealed with.
-    pub fn current_kid(&self) -> &str {
-        self.current.kid()
-    }
-
-    /// The previous key's id, if there is one.
-    pub fn previous_kid(&self) -> Option<&str> {
-        self.previous.as_ref().map(RecordKey::kid)
-    }
-
     /// Seals `plaintext` with the current key and `nonce`, which must never have been used
     /// with this key before ([`fresh_nonce`]). `None` only for a plaintext over 64 GiB.
     pub fn seal(&self, aad: &[u8], plaintext: &[u8], nonce: [u8; NONCE_LEN]) -> Option<Sealed> {
         let ct = self
-            .current
-            .cipher
+            .current()
+            .cipher()
             .encrypt(
                 &GenericArray::from(nonce),
                 Payload {
@@ -195,7 +122,7 @@ impl Keyring {
             .ok()?;
         Some(Sealed {
             alg: ALG.to_string(),
-            kid: self.current.kid.clone(),
+            kid: self.current_kid().to_string(),
             nonce: base64_encode(&nonce),
             ct: base64_encode(&ct),
         })
@@ -214,38 +141,19 @@ impl Keyring {
         if !kid_ok {
             return Err(OpenError::Malformed);
         }
-        let key = [Some(&self.current), self.previous.as_ref()]
-            .into_iter()
-            .flatten()
-            .find(|k| k.kid == sealed.kid)
+        let key = self
+            .keys()
+            .find(|k| k.kid() == sealed.kid)
             .ok_or_else(|| OpenError::UnknownKey(sealed.kid.clone()))?;
         let nonce: [u8; NONCE_LEN] = base64_decode(&sealed.nonce)
             .and_then(|n| n.try_into().ok())
             .ok_or(OpenError::Malformed)?;
         let ct = base64_decode(&sealed.ct).ok_or(OpenError::Malformed)?;
-        key.cipher
+        key.cipher()
             .decrypt(&GenericArray::from(nonce), Payload { msg: &ct, aad })
             .map_err(|_| OpenError::Rejected)
     }
 }
-
-impl fmt::Debug for Keyring {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Keyring")
-            .field("current", &self.current.kid)
-            .field("previous", &self.previous_kid())
-            .finish()
-    }
-}
-
-/// Two keyrings are equal when they hold the same keys (by id).
-impl PartialEq for Keyring {
-    fn eq(&self, other: &Keyring) -> bool {
-        self.current_kid() == other.current_kid() && self.previous_kid() == other.previous_kid()
-    }
-}
-
-impl Eq for Keyring {}
 
 #[cfg(test)]
 mod tests {
@@ -297,25 +205,6 @@ mod tests {
             .seal(&aad(), plaintext, [8; NONCE_LEN])
             .expect("sealed");
         assert_ne!(other.ct, sealed.ct);
-    }
-
-    #[test]
-    fn key_ids_name_keys_not_their_bytes() {
-        let (a, b) = (key(A), key(B));
-        assert_eq!(a.kid().len(), 16);
-        assert!(a.kid().bytes().all(|c| c.is_ascii_hexdigit()));
-        assert_ne!(a.kid(), b.kid());
-        assert_eq!(a.kid(), key(A).kid(), "stable across VMs");
-        assert!(!a.kid().contains("1111"), "not the key's bytes");
-        let debug = format!("{:?}", ring(A, Some(B)));
-        assert_eq!(
-            debug,
-            format!(
-                "Keyring {{ current: {:?}, previous: Some({:?}) }}",
-                a.kid(),
-                b.kid()
-            )
-        );
     }
 
     #[test]
@@ -442,52 +331,8 @@ mod tests {
         }
         // A key with the same id cannot be made up; another key under the right id fails
         // the tag all the same.
-        let wrong_key = Keyring::new(
-            RecordKey {
-                kid: keys.current_kid().to_string(),
-                cipher: key(B).cipher,
-            },
-            None,
-        );
+        let wrong_key = Keyring::new(key(B).named(keys.current_kid()), None);
         assert_eq!(wrong_key.open(&aad(), &good), Err(OpenError::Rejected));
-    }
-
-    #[test]
-    fn key_text() {
-        let b64 = base64_encode(&A);
-        assert_eq!(b64.len(), 44);
-        let cases: Vec<(&str, String, Result<String, KeyProblem>)> = vec![
-            ("exact", b64.clone(), Ok(key(A).kid().to_string())),
-            (
-                "trailing_newline",
-                format!("{b64}\n"),
-                Ok(key(A).kid().to_string()),
-            ),
-            (
-                "short",
-                base64_encode(&[1; 16]),
-                Err(KeyProblem::Length(16)),
-            ),
-            ("long", base64_encode(&[1; 33]), Err(KeyProblem::Length(33))),
-            ("empty", String::new(), Err(KeyProblem::Length(0))),
-            (
-                "unpadded",
-                b64.trim_end_matches('=').to_string(),
-                Err(KeyProblem::NotBase64),
-            ),
-            (
-                "url_alphabet",
-                base64_encode(&[0xfb; 32])
-                    .replace('+', "-")
-                    .replace('/', "_"),
-                Err(KeyProblem::NotBase64),
-            ),
-        ];
-        for (name, text, want) in cases {
-            let got = RecordKey::from_base64(&text).map(|k| k.kid().to_string());
-            assert_eq!(got, want, "case {name}");
-        }
-        assert_eq!(KeyProblem::Length(16).to_string(), "holds 16 bytes, not 32");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Rate limits of one request: which script calls to make, and what their replies mean.
 //!
-//! Keys, script arguments and the verdict. The calls themselves are planned by
+//! Keys and the verdict. The calls themselves, with each limit's arguments, are planned by
 //! [`crate::redis::scripts::acquire`], which groups limits by hash tag.
 
 pub mod admission;
@@ -12,7 +12,9 @@ use crate::config::{Policy, RateLimit};
 use crate::http::local_reply::{self, LocalResponse, Member, Problem, QuotaView};
 use crate::http::request::{selector_value, Caller, Request};
 use crate::redis::keys::{self, LimitKey};
-use crate::redis::Words;
+/// Each limit's answer: what `acquire.lua` says of it (the script's contract reads it), or
+/// what a local slice or the over-limit cache knows.
+pub use crate::redis::scripts::acquire::LimitState;
 use crate::support::slots::SlotTable;
 use crate::support::text::push_u64;
 use std::cell::RefCell;
@@ -168,25 +170,6 @@ impl MemoInput {
         }
         self.bytes.get(..self.len)
     }
-}
-
-/// The six per-limit arguments of `acquire.lua`; `cost`: this request's units.
-pub fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
-    args.push(limit.code());
-    args.push_u64(limit.limit);
-    args.push_u64(limit.window_ms);
-    args.push_u64(limit.burst);
-    args.push(if limit.shadow { "1" } else { "0" });
-    args.push_u64(cost);
-}
-
-/// One limit's answer for this request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LimitState {
-    pub allowed: bool,
-    pub remaining: u64,
-    pub reset_ms: u64,
-    pub retry_after_ms: u64,
 }
 
 fn view<'a>((l, s): &(&'a RateLimit, &LimitState)) -> QuotaView<'a> {
@@ -388,18 +371,18 @@ pub(crate) mod tests {
     /// client address only; the unit tests of this module and of `acquire` share it.
     pub(crate) fn config() -> Config {
         Config::parse(
-            br#"{"redis": {"cluster": "gw", "key_prefix": "cg:demo"}, "policies": [
-            {"name": "create-order", "rate_limits": [
-              {"name": "tenant", "by": ["tenant"], "algorithm": "sliding_window", "limit": 100, "window": "1m"},
-              {"name": "user-burst", "by": ["tenant", "principal"], "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 20},
-              {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h", "shadow": true},
-              {"name": "global", "by": [], "algorithm": "sliding_log", "limit": 5, "window": "250ms"}
-            ]},
-            {"name": "ip-only", "rate_limits": [
-              {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h"}
-            ]}]}"#,
-        )
-        .expect("valid")
+                br#"{"redis": {"cluster": "gw", "key_prefix": "cg:demo"}, "policies": [
+                {"name": "create-order", "rate_limits": [
+                  {"name": "tenant", "by": ["tenant"], "algorithm": "sliding_window", "limit": 100, "window": "1m"},
+                  {"name": "user-burst", "by": ["tenant", "principal"], "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 20},
+                  {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h", "shadow": true},
+                  {"name": "global", "by": [], "algorithm": "sliding_log", "limit": 5, "window": "250ms"}
+                ]},
+                {"name": "ip-only", "rate_limits": [
+                  {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h"}
+                ]}]}"#,
+            )
+            .expect("valid")
     }
 
     fn st(allowed: bool, remaining: u64, reset_ms: u64, retry_after_ms: u64) -> LimitState {

@@ -7,8 +7,9 @@
 //! another has consumed from the first (and the filter releases a record it acquired).
 
 use crate::config::{Policy, RateLimit};
+// The record's stored form belongs to the idempotency guard's domain, a layer below the
+// scripts' contracts: acquire.lua answers a completed record, read here.
 use crate::guards::idempotency::record::Record;
-use crate::guards::ratelimit::{self, LimitState};
 use crate::redis::keys::{self, LimitKey};
 use crate::redis::{resp::Reply, CallError, ScriptCall, Words};
 
@@ -72,6 +73,26 @@ impl Asker<'_> {
     pub fn marker(&self, policy: &Policy, tag: &str) -> String {
         keys::cancel_key(self.prefix, tag, &policy.name, self.owner)
     }
+}
+
+/// The six per-limit arguments of `acquire.lua`: the limit's code (its key's, see
+/// [`keys::limit_code`]), limit, window, burst, shadow flag, and `cost`, this request's units.
+fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
+    args.push(keys::limit_code(limit));
+    args.push_u64(limit.limit);
+    args.push_u64(limit.window_ms);
+    args.push_u64(limit.burst);
+    args.push(if limit.shadow { "1" } else { "0" });
+    args.push_u64(cost);
+}
+
+/// One limit's answer for this request: four of the script's reply values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitState {
+    pub allowed: bool,
+    pub remaining: u64,
+    pub reset_ms: u64,
+    pub retry_after_ms: u64,
 }
 
 /// Plans the calls: tenant-tagged group first. `asks[i]` is limit `i`'s key and cost, or
@@ -173,7 +194,7 @@ fn group_call<'p>(
     args.push_u64(n as u64);
     args.push(nonce);
     for (limit, cost) in limit_args {
-        ratelimit::push_limit_args(&mut args, limit, cost);
+        push_limit_args(&mut args, limit, cost);
     }
     match sections.idem {
         Some(d) => {
@@ -355,7 +376,7 @@ pub fn read_reply(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::guards::ratelimit::tests::config;
+    use crate::guards::ratelimit::{self, tests::config};
     use crate::http::request::{Caller, Request};
     use crate::redis::keys;
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]

@@ -3,7 +3,7 @@
 //! admission (never below zero).
 
 use crate::config::RateLimit;
-use crate::redis::{ScriptCall, Words};
+use crate::redis::{keys, ScriptCall, Words};
 
 /// One counter to correct: its key, its limit, and `charge - cost` (may be negative).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,7 +18,7 @@ pub fn call(corrections: &[Correction<'_>]) -> ScriptCall {
     let mut args = Words::with_capacity(1 + 4 * corrections.len(), 48 * corrections.len());
     args.push_u64(corrections.len() as u64);
     for c in corrections {
-        args.push(c.limit.code());
+        args.push(keys::limit_code(c.limit));
         args.push_u64(c.limit.limit);
         args.push_u64(c.limit.window_ms);
         args.push_i64(c.delta);

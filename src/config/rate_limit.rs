@@ -1,0 +1,229 @@
+//! `rate_limits`: a policy's limits, each a counter of one algorithm scoped by selectors, and
+//! what a request costs it.
+
+use crate::config::fields::{duration, name, one_of, selectors};
+use crate::config::reader::{index, Obj, Result};
+use crate::config::units::whole_secs;
+use crate::config::{cost, Charge, ConfigError, Cost, Limits, Selector};
+use crate::support::text::push_u64;
+use serde_json::Value;
+
+/// How a limit counts (`algorithm`). Its code in Redis keys and script arguments is the key
+/// contract's (`redis::keys::algorithm_code`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    FixedWindow,
+    SlidingWindow,
+    SlidingLog,
+    TokenBucket,
+    /// At most `limit` requests in flight; `window` is a holder's lifetime unless extended.
+    Concurrency,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateLimit {
+    pub name: String,
+    pub by: Vec<Selector>,
+    pub algorithm: Algorithm,
+    pub limit: u64,
+    pub window_ms: u64,
+    /// Token bucket capacity; equals `limit` for the other algorithms.
+    pub burst: u64,
+    pub shadow: bool,
+    /// `mode: leased`: a worker takes slices of the window's quota and admits from them
+    /// locally (fixed windows only).
+    pub leased: bool,
+    /// Units a request consumes at admission, read from a request header (1 when absent).
+    pub cost: Option<Cost>,
+    /// The real amount, read from the response once it is known.
+    pub charge: Option<Charge>,
+    /// Its `RateLimit-Policy` item ([`policy_item`] of its name, limit and window), written
+    /// here once rather than on every response.
+    pub policy_item: String,
+}
+
+impl RateLimit {
+    /// True for a limit on requests in flight (a slot held until the response ends).
+    pub fn concurrency(&self) -> bool {
+        self.algorithm == Algorithm::Concurrency
+    }
+
+    /// True when the counter is scoped by tenant, so its key is hash-tagged by the tenant.
+    pub fn tenant_scoped(&self) -> bool {
+        self.by.contains(&Selector::Tenant)
+    }
+}
+
+/// A limit's `RateLimit-Policy` item, `"<name>";q=<quota>;w=<window in s>`: the same on every
+/// response, so the configuration writes it once per limit and each response copies it.
+pub fn policy_item(name: &str, quota: u64, window_ms: u64) -> String {
+    let mut item = String::with_capacity(name.len() + 32);
+    item.push('"');
+    item.push_str(name);
+    item.push_str("\";q=");
+    push_u64(&mut item, quota);
+    item.push_str(";w=");
+    push_u64(&mut item, whole_secs(window_ms));
+    item
+}
+
+const RATE_LIMIT_FIELDS: &[&str] = &[
+    "name",
+    "by",
+    "algorithm",
+    "limit",
+    "window",
+    "burst",
+    "shadow",
+    "mode",
+    "cost",
+    "charge",
+];
+
+/// A policy's `rate_limits`, names unique within it.
+pub fn rate_limits(o: &mut Obj<'_>, field: &'static str, limits: Limits) -> Result<Vec<RateLimit>> {
+    let mut rate_limits: Vec<RateLimit> = Vec::new();
+    let limits_path = o.field_path(field);
+    if let Some(items) = o.opt_array(field)? {
+        for (i, item) in items.iter().enumerate() {
+            let lpath = index(&limits_path, i);
+            let limit = rate_limit(item, &lpath, limits)?;
+            if rate_limits.iter().any(|l| l.name == limit.name) {
+                return Err(ConfigError::new(
+                    format!("{lpath}.name"),
+                    format!("duplicate rate limit name {:?} in this policy", limit.name),
+                ));
+            }
+            rate_limits.push(limit);
+        }
+    }
+    Ok(rate_limits)
+}
+
+fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
+    let mut o = Obj::new(v, path, RATE_LIMIT_FIELDS)?;
+    let name = name(&mut o, "name")?;
+    let by = selectors(&mut o, "by")?;
+    let algorithm = algorithm(&mut o, "algorithm")?;
+    let limit = limit_value(&mut o, "limit")?
+        .ok_or_else(|| ConfigError::new(o.field_path("limit"), "is required"))?;
+    let window_ms = duration(&mut o, "window")?
+        .ok_or_else(|| ConfigError::new(o.field_path("window"), "is required"))?;
+    let burst = match limit_value(&mut o, "burst")? {
+        Some(_) if algorithm != Algorithm::TokenBucket => {
+            return Err(ConfigError::new(
+                o.field_path("burst"),
+                "only applies to algorithm token_bucket",
+            ))
+        }
+        Some(b) => b,
+        None => limit,
+    };
+    if algorithm == Algorithm::TokenBucket && window_ms < limit {
+        // One token per less than a millisecond cannot be represented by the script.
+        return Err(ConfigError::new(
+            o.field_path("window"),
+            format!("token_bucket needs window >= limit milliseconds ({limit}ms)"),
+        ));
+    }
+    let shadow = o.opt_bool("shadow")?.unwrap_or(false);
+    let mode_path = o.field_path("mode");
+    let leased = one_of(&mut o, "mode", &[("exact", false), ("leased", true)])?.unwrap_or(false);
+    if leased && (algorithm != Algorithm::FixedWindow || shadow) {
+        return Err(ConfigError::new(
+            mode_path,
+            "\"leased\" needs algorithm fixed_window and no shadow",
+        ));
+    }
+    let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased, limits)?;
+    Ok(RateLimit {
+        policy_item: policy_item(&name, limit, window_ms),
+        name,
+        by,
+        algorithm,
+        limit,
+        window_ms,
+        burst,
+        shadow,
+        leased,
+        cost,
+        charge,
+    })
+}
+
+/// `cost` and `charge`, on the counting algorithms that can take any amount: not on
+/// sliding_log (one entry per unit), concurrency (a slot per request) or a leased limit.
+fn cost_and_charge(
+    o: &mut Obj<'_>,
+    algorithm: Algorithm,
+    capacity: u64,
+    leased: bool,
+    limits: Limits,
+) -> Result<(Option<Cost>, Option<Charge>)> {
+    let cost = match o.get("cost") {
+        Some(v) => Some(cost::cost(v, &o.field_path("cost"), capacity)?),
+        None => None,
+    };
+    // The most a request of this limit is ever admitted at: what `unreadable: max` charges.
+    let max_cost = cost.as_ref().map_or(capacity, |c| c.max);
+    let charge = match o.get("charge") {
+        Some(v) => Some(cost::charge(
+            v,
+            &o.field_path("charge"),
+            max_cost,
+            limits.envoy_buffer,
+        )?),
+        None => None,
+    };
+    let refused = match algorithm {
+        _ if leased => Some("mode \"leased\""),
+        Algorithm::SlidingLog => Some("algorithm sliding_log"),
+        Algorithm::Concurrency => Some("algorithm concurrency"),
+        _ => None,
+    };
+    if let Some(what) = refused {
+        for (field, given) in [("cost", cost.is_some()), ("charge", charge.is_some())] {
+            if given {
+                return Err(ConfigError::new(
+                    o.field_path(field),
+                    format!(
+                        "is not supported with {what}: use fixed_window, sliding_window or \
+                         token_bucket"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok((cost, charge))
+}
+
+fn algorithm(o: &mut Obj<'_>, field: &'static str) -> Result<Algorithm> {
+    Ok(match o.req_str(field)? {
+        "fixed_window" => Algorithm::FixedWindow,
+        "sliding_window" => Algorithm::SlidingWindow,
+        "sliding_log" => Algorithm::SlidingLog,
+        "token_bucket" => Algorithm::TokenBucket,
+        "concurrency" => Algorithm::Concurrency,
+        other => {
+            return Err(ConfigError::new(
+                o.field_path(field),
+                format!(
+                    "{other:?} is not one of fixed_window, sliding_window, sliding_log, \
+                     token_bucket, concurrency"
+                ),
+            ))
+        }
+    })
+}
+
+/// Limits and bursts: integers in 1..=1_000_000_000 (the scripts count in Lua doubles).
+fn limit_value(o: &mut Obj<'_>, field: &'static str) -> Result<Option<u64>> {
+    let path = o.field_path(field);
+    match o.opt_positive(field)? {
+        Some(n) if n > 1_000_000_000 => Err(ConfigError::new(
+            path,
+            format!("{n} is too large (at most 1000000000)"),
+        )),
+        n => Ok(n),
+    }
+}
