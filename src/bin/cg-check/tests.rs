@@ -1,0 +1,91 @@
+//! cg-check's checks of plugin JSON: summaries and the errors the filter would log.
+
+use super::*;
+// As in every test module: built for wasm32-unknown-unknown, tests run under
+// wasm_bindgen_test (this host-only tool's are never built there).
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+/// The plugin JSON's check: no environment declared.
+fn check_json(bytes: &[u8]) -> Result<String, String> {
+    check(bytes, &Environment(None)).map(|(summary, warnings)| {
+        assert!(warnings.is_empty(), "{warnings:?}");
+        summary
+    })
+}
+
+#[test]
+fn a_valid_config_is_summarised() {
+    let summary = check_json(
+            br#"{"redis": {"cluster": "gw", "authorization_env": "CG_AUTH", "key_prefix": "cg:x"},
+                 "policies": [
+                   {"name": "orders", "match": {"methods": ["POST"], "path_prefix": "/orders"},
+                    "rate_limits": [{"name": "t", "by": ["tenant"], "algorithm": "token_bucket",
+                                     "limit": 10, "window": "1s", "burst": 20}],
+                    "idempotency": {"encryption": {"key_env": "CG_KEY", "previous_key_env": "CG_OLD"}}},
+                   {"name": "act", "match": {"path_exact": "/act"}, "failure_mode": "fail_open",
+                    "lease": {"resource": ["path_segment:1"], "on_busy": "wait"}}]}"#,
+        )
+        .expect("valid");
+    for want in [
+            "credential from $CG_AUTH in the VM's environment",
+            "policy 1 orders: POST, path /orders*",
+            "limit t: 10 per 1s by tenant (token bucket, burst 20)",
+            "key cg:x:rl:{t.<tenant>}:orders:t:tb:",
+            "idempotency: idempotency-key on POST|PATCH (required)",
+            "responses sealed (AES-256-GCM) with the key in $CG_KEY, opened also with $CG_OLD (not checked here)",
+            "policy 2 act: path = /act",
+            "fail_open",
+            "lease on path_segment:1 (per tenant) for 10s, busy: wait up to 2s",
+        ] {
+            assert!(summary.contains(want), "{want:?} in\n{summary}");
+        }
+    assert!(summary.lines().count() < 25, "one screen:\n{summary}");
+}
+
+#[test]
+fn a_cost_the_client_declares_with_no_charge_is_warned_about() {
+    let config = br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "llm", "rate_limits": [
+            {"name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000,
+             "window": "1m", "cost": {"header": "x-request-cost", "max": 10000}},
+            {"name": "charged", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000,
+             "window": "1m", "cost": {"header": "x-request-cost", "max": 10000},
+             "charge": {"response_json": "/usage/total_tokens"}}]}]}"#;
+    let (summary, warnings) = check(config, &Environment(None)).expect("valid");
+    assert_eq!(
+        warnings,
+        [
+            "policies[0].rate_limits[0] (llm/tokens): the client declares its own cost in \
+              x-request-cost and no charge corrects it, so a client pays what it says (at least \
+              min, 1): add a charge read from the response, or let a layer the client cannot \
+              bypass set x-request-cost"
+        ]
+    );
+    assert!(
+        summary.contains(
+            "charged from the JSON body at /usage/total_tokens (up to 1048576 bytes), \
+                 unreadable: 10000 (max)"
+        ),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("memory: 67108864 bytes per worker"),
+        "{summary}"
+    );
+}
+
+#[test]
+fn an_invalid_config_gives_the_filters_error() {
+    for (config, want) in [
+        (
+            r#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p", "rate_limits": [
+                    {"name": "t", "by": [], "algorithm": "fixed_window", "limit": 1, "window": "5x"}]}]}"#,
+            "policies[0].rate_limits[0].window: \"5x\" is not a duration",
+        ),
+        (r#"{"policies": []}"#, "redis: is required"),
+        ("{", "configuration is not valid JSON"),
+    ] {
+        let err = check_json(config.as_bytes()).expect_err("invalid");
+        assert!(err.contains(want), "{want:?} in {err}");
+    }
+}

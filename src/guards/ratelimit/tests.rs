@@ -1,0 +1,232 @@
+use super::*;
+use crate::config::Config;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+/// A policy with one limit of each algorithm (one of them shadow), and one keyed by the
+/// client address only; the unit tests of this module and of `acquire` share it.
+pub(crate) fn config() -> Config {
+    Config::parse(
+            br#"{"redis": {"cluster": "gw", "key_prefix": "cg:demo"}, "policies": [
+            {"name": "create-order", "rate_limits": [
+              {"name": "tenant", "by": ["tenant"], "algorithm": "sliding_window", "limit": 100, "window": "1m"},
+              {"name": "user-burst", "by": ["tenant", "principal"], "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 20},
+              {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h", "shadow": true},
+              {"name": "global", "by": [], "algorithm": "sliding_log", "limit": 5, "window": "250ms"}
+            ]},
+            {"name": "ip-only", "rate_limits": [
+              {"name": "per-ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1000, "window": "1h"}
+            ]}]}"#,
+        )
+        .expect("valid")
+}
+
+fn st(allowed: bool, remaining: u64, reset_ms: u64, retry_after_ms: u64) -> LimitState {
+    LimitState {
+        allowed,
+        remaining,
+        reset_ms,
+        retry_after_ms,
+    }
+}
+
+/// The memo answers what [`key`] builds: for every limit of the fixture (tenant,
+/// tenant + principal, client address, none), for inputs that would run together
+/// without length prefixes or are too long to memoise, and with one slot, so every other
+/// lookup collides.
+#[test]
+fn key_memo_gives_the_built_key() {
+    let c = config();
+    let policy = &c.policies[0];
+    let request = |ip: Option<&str>| {
+        Request::from_headers(
+            vec![
+                (":method".into(), "POST".into()),
+                (":path".into(), "/o".into()),
+            ],
+            ip,
+        )
+    };
+    // Too long to memoise: built each time.
+    let long = "t".repeat(MAX_MEMO_INPUT);
+    let inputs = [
+        (long.as_str(), "c", None),
+        ("ab", "c", Some("10.0.0.1:1")),
+        ("a", "bc", Some("10.0.0.1:1")),
+        ("ab", "c", None),
+        ("", "", Some("10.0.0.2:2")),
+        ("ab", "c", Some("10.0.0.1:1")),
+    ];
+    for slots in [0, 1, 256] {
+        let memo = KeyMemo::new(slots);
+        for round in 0..2 {
+            for (tenant, principal, ip) in inputs {
+                let caller = Caller {
+                    tenant: tenant.into(),
+                    principal: principal.into(),
+                };
+                let req = request(ip);
+                for (i, limit) in policy.rate_limits.iter().enumerate() {
+                    assert_eq!(
+                        memo.key("cg", (0, policy), (i, limit), &caller, &req),
+                        key("cg", policy, limit, &caller, &req),
+                        "slots {slots}, round {round}, {tenant:?}/{principal:?}/{ip:?}, limit {i}"
+                    );
+                }
+            }
+        }
+    }
+    // Two keys of different limits never share a memo entry.
+    let memo = KeyMemo::new(256);
+    let caller = Caller {
+        tenant: "t".into(),
+        principal: "p".into(),
+    };
+    let req = request(None);
+    let keys: Vec<String> = policy
+        .rate_limits
+        .iter()
+        .enumerate()
+        .map(|l| {
+            memo.key("cg", (0, policy), l, &caller, &req)
+                .text()
+                .to_string()
+        })
+        .collect();
+    let mut unique = keys.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), keys.len(), "{keys:?}");
+}
+
+#[test]
+fn allow_lists_most_restrictive_first_and_hides_shadow() {
+    let c = config();
+    let verdict = decide(
+        &c.policies[0],
+        &[
+            Some(st(true, 50, 30_000, 0)),
+            Some(st(true, 3, 700, 0)),
+            Some(st(false, 0, 10, 10)),
+            Some(st(true, 4, 250, 0)),
+        ],
+    );
+    assert_eq!(
+        verdict,
+        Verdict::Allow(vec![
+            (
+                "ratelimit-policy".into(),
+                "\"user-burst\";q=10;w=1, \"global\";q=5;w=1, \"tenant\";q=100;w=60".into()
+            ),
+            (
+                "ratelimit".into(),
+                "\"user-burst\";r=3;t=1, \"global\";r=4;t=1, \"tenant\";r=50;t=30".into()
+            ),
+        ])
+    );
+}
+
+#[test]
+fn reject_names_violated_limits() {
+    let c = config();
+    let verdict = decide(
+        &c.policies[0],
+        &[
+            Some(st(false, 0, 16_200, 16_200)),
+            Some(st(true, 3, 700, 0)),
+            Some(st(true, 1, 10, 0)),
+            Some(st(false, 0, 200, 120)),
+        ],
+    );
+    let Verdict::Reject(r) = verdict else {
+        panic!("expected a rejection");
+    };
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), Some("17"));
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"tenant\";q=100;w=60, \"global\";q=5;w=1, \"user-burst\";q=10;w=1")
+    );
+    assert_eq!(
+        r.header("ratelimit"),
+        Some("\"tenant\";r=0;t=17, \"global\";r=0;t=1, \"user-burst\";r=3;t=1")
+    );
+    let body: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(
+        body["violated-policies"],
+        serde_json::json!(["tenant", "global"])
+    );
+    assert_eq!(body["status"], serde_json::json!(429));
+}
+
+#[test]
+fn shadow_over_limit_never_rejects() {
+    let c = config();
+    let verdict = decide(
+        &c.policies[0],
+        &[
+            Some(st(true, 1, 1, 0)),
+            Some(st(true, 1, 1, 0)),
+            Some(st(false, 0, 5, 5)),
+            Some(st(true, 1, 1, 0)),
+        ],
+    );
+    assert!(matches!(verdict, Verdict::Allow(_)));
+}
+
+/// The memo answers exactly what the verdict would say, for every combination of limits
+/// known to reject and waits around whole seconds (within a second, across one, a limit
+/// joining or leaving, the shadow limit, a second policy): a stale `Retry-After` or
+/// `RateLimit` never goes out. Within one second of every wait the answer is shared.
+#[test]
+fn rejection_memo_answers_what_the_verdict_says() {
+    let c = config();
+    let memo = RejectionMemo::new(c.policies.len());
+    let waits_ms = [
+        1, 999, 1000, 1001, 1999, 2000, 2001, 59_999, 60_000, 3_600_000,
+    ];
+    let mut cases: Vec<(usize, Vec<Option<u64>>)> = Vec::new();
+    for &a in &waits_ms {
+        for &b in &waits_ms {
+            cases.push((0, vec![Some(a), None, None, Some(b)]));
+            cases.push((0, vec![None, Some(a), None, None]));
+            cases.push((0, vec![Some(a), Some(b), Some(a), None]));
+            cases.push((1, vec![Some(b)]));
+        }
+        cases.push((0, vec![None, None, Some(a), None]));
+    }
+    for (index, waits) in cases.iter().chain(cases.iter().rev()) {
+        let policy = &c.policies[*index];
+        let fresh = match decide(policy, &rejecting(waits)) {
+            Verdict::Reject(r) => Some(r),
+            Verdict::Allow(_) => None,
+        };
+        let memoised = memo.cached(*index, policy, waits);
+        assert_eq!(
+            memoised.as_deref(),
+            fresh.as_ref(),
+            "policy {index}, waits {waits:?}"
+        );
+    }
+    let policy = &c.policies[0];
+    let first = memo.cached(0, policy, &[Some(1_001), None, None, None]);
+    let same_second = memo.cached(0, policy, &[Some(1_999), None, None, None]);
+    let next_second = memo.cached(0, policy, &[Some(2_001), None, None, None]);
+    let (Some(first), Some(same), Some(next)) = (first, same_second, next_second) else {
+        panic!("each rejects");
+    };
+    assert!(Rc::ptr_eq(&first, &same), "one answer within a second");
+    assert_eq!(next.header("retry-after"), Some("3"));
+    assert_eq!(first.header("retry-after"), Some("2"));
+    assert!(
+        memo.cached(0, policy, &[None, None, Some(5), None])
+            .is_none(),
+        "the shadow limit alone admits"
+    );
+    assert!(
+        RejectionMemo::new(0)
+            .cached(0, policy, &[Some(5), None, None, None])
+            .is_some(),
+        "a policy beyond the memo is answered unmemoised"
+    );
+}

@@ -1,0 +1,411 @@
+//! The acquire contract's tests: planned calls and replies read.
+
+use super::*;
+use crate::guards::ratelimit::{self, tests::config};
+use crate::http::request::{Caller, Request};
+use crate::redis::keys;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+fn request() -> (Caller, Request) {
+    let req = Request::from_headers(
+        vec![
+            (":method".into(), "POST".into()),
+            (":path".into(), "/orders".into()),
+        ],
+        Some("10.0.0.9:1234"),
+    );
+    let caller = Caller {
+        tenant: "acme".into(),
+        principal: "alice".into(),
+    };
+    (caller, req)
+}
+
+/// Every limit's key, or `None` where `skip` says so.
+fn keys(
+    prefix: &str,
+    policy: &Policy,
+    caller: &Caller,
+    req: &Request,
+    skip: &[bool],
+) -> Vec<Option<LimitKey>> {
+    policy
+        .rate_limits
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            (!skip.get(i).copied().unwrap_or(false))
+                .then(|| ratelimit::key(prefix, policy, l, caller, req))
+        })
+        .collect()
+}
+
+fn refs(keys: &[Option<LimitKey>]) -> Vec<Option<Ask<'_>>> {
+    keys.iter()
+        .map(|k| k.as_ref().map(|key| Ask { key, cost: 1 }))
+        .collect()
+}
+
+fn asker(nonce: &str) -> Asker<'_> {
+    Asker {
+        nonce,
+        prefix: "cg:demo",
+        owner: "o1",
+    }
+}
+
+fn idem() -> IdemAcquire {
+    IdemAcquire {
+        key: "cg:demo:idem:{t.d2e79529ba2c46b2}:create-order:k".into(),
+        tag: keys::tenant_tag("acme"),
+        fingerprint: "sha256:ff".into(),
+        owner: "o1".into(),
+        processing_ttl_ms: 120_000,
+        cancel_key: "cg:demo:cancel:{t.d2e79529ba2c46b2}:create-order:o1".into(),
+    }
+}
+
+#[test]
+fn groups_by_hash_tag() {
+    let c = config();
+    let (caller, req) = request();
+    let groups = plan(
+        &c.policies[0],
+        &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
+        &asker("n1"),
+        None,
+        None,
+    );
+    assert_eq!(groups.len(), 2);
+    assert_eq!(groups[0].tag, "t.d2e79529ba2c46b2");
+    assert_eq!(groups[0].limits, vec![0, 1]);
+    assert_eq!(groups[1].tag, "p.create-order");
+    assert_eq!(groups[1].limits, vec![2, 3]);
+    let g = &groups[0].call;
+    assert!(
+        g.keys[0].starts_with("cg:demo:rl:{t.d2e79529ba2c46b2}:create-order:tenant:sw:100/60000:")
+    );
+    assert!(g.keys[1]
+        .starts_with("cg:demo:rl:{t.d2e79529ba2c46b2}:create-order:user-burst:tb:10/1000/20:"));
+    assert_eq!(
+        g.args,
+        vec![
+            "2", "n1", "sw", "100", "60000", "100", "0", "1", "tb", "10", "1000", "20", "0", "1",
+            "0", "0"
+        ]
+    );
+    assert_eq!(
+        &groups[1].call.keys[1],
+        "cg:demo:rl:{p.create-order}:create-order:global:sl:5/250:_"
+    );
+    assert_eq!(
+        &groups[1].call.args.from_index(2)[..6],
+        &["fw", "1000", "3600000", "1000", "1", "1"]
+    );
+    for g in &groups {
+        for k in g.call.keys.iter() {
+            assert!(
+                !k.contains("acme") && !k.contains("alice") && !k.contains("10.0.0.9"),
+                "{k}"
+            );
+        }
+    }
+}
+
+#[test]
+fn idempotency_rides_with_the_tenant_group() {
+    let c = config();
+    let (caller, req) = request();
+    let groups = plan(
+        &c.policies[0],
+        &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
+        &asker("n1"),
+        Some(&idem()),
+        None,
+    );
+    assert_eq!(groups.len(), 2);
+    assert!(groups[0].idem && !groups[1].idem);
+    assert_eq!(groups[0].call.keys.len(), 4);
+    assert_eq!(groups[0].call.keys[2], idem().key);
+    assert_eq!(groups[0].call.keys[3], idem().cancel_key);
+    assert_eq!(
+        groups[1].call.keys.len(),
+        2,
+        "no marker without a record or lease"
+    );
+    let args = &groups[0].call.args;
+    assert_eq!(
+        &args.from_index(args.len() - 5)[..],
+        &["1", "sha256:ff", "o1", "120000", "0"]
+    );
+    assert_eq!(
+        &groups[1]
+            .call
+            .args
+            .from_index(groups[1].call.args.len() - 2)[..],
+        &["0", "0"]
+    );
+    // No tenant-scoped limit: the record gets a group of its own.
+    let alone = plan(
+        &c.policies[1],
+        &refs(&keys("cg:demo", &c.policies[1], &caller, &req, &[])),
+        &asker("n1"),
+        Some(&idem()),
+        None,
+    );
+    assert_eq!(alone.len(), 2);
+    assert_eq!(alone[0].tag, "t.d2e79529ba2c46b2");
+    assert_eq!(alone[0].limits, Vec::<usize>::new());
+    assert_eq!(
+        alone[0].call.args,
+        vec!["0", "n1", "1", "sha256:ff", "o1", "120000", "0"]
+    );
+}
+
+#[test]
+fn lease_rides_with_the_tenant_group() {
+    let c = config();
+    let (caller, req) = request();
+    let lease = LeaseAcquire {
+        key: "cg:lease:{t.d2e79529ba2c46b2}:create-order:r".into(),
+        fence_key: "cg:fence:{t.d2e79529ba2c46b2}:create-order:r".into(),
+        tag: keys::tenant_tag("acme"),
+        owner: "o2".into(),
+        ttl_ms: 10_000,
+        fence_ttl_ms: 604_800_000,
+        cancel_key: "cg:cancel:{t.d2e79529ba2c46b2}:create-order:o1".into(),
+    };
+    let groups = plan(
+        &c.policies[0],
+        &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
+        &asker("n1"),
+        Some(&idem()),
+        Some(&lease),
+    );
+    assert!(groups[0].idem && groups[0].lease);
+    // The record's marker (the same as the lease's: one owner token per request) last.
+    assert_eq!(
+        &groups[0].call.keys.from_index(2)[..],
+        &[
+            idem().key,
+            lease.key.clone(),
+            lease.fence_key.clone(),
+            idem().cancel_key
+        ]
+    );
+    let args = &groups[0].call.args;
+    assert_eq!(
+        &args.from_index(args.len() - 8)[..],
+        &[
+            "1",
+            "sha256:ff",
+            "o1",
+            "120000",
+            "1",
+            "o2",
+            "10000",
+            "604800000"
+        ]
+    );
+    let reply = Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(1),
+        Reply::Int(0),
+        Reply::Bulk(Some(vec![])),
+        Reply::Int(1),
+        Reply::Bulk(Some(b"1795987737970123".to_vec())),
+    ]));
+    let got = read_reply(&reply, 0, true, true).expect("valid");
+    assert_eq!(
+        got.lease,
+        Some(LeaseAnswer::Acquired {
+            token: 1_795_987_737_970_123
+        })
+    );
+    let busy = Reply::Array(Some(vec![Reply::Int(1), Reply::Int(2), Reply::Int(4200)]));
+    assert_eq!(
+        read_reply(&busy, 0, false, true).expect("valid").lease,
+        Some(LeaseAnswer::Busy { pttl_ms: 4200 })
+    );
+    let bad = Reply::Array(Some(vec![Reply::Int(1), Reply::Int(1), Reply::Int(0)]));
+    assert!(
+        read_reply(&bad, 0, false, true).is_err(),
+        "an acquired lease needs a token"
+    );
+    // A cancelled acquire (its owner's marker exists) is never an answer to act on.
+    let cancelled = Reply::Array(Some(vec![Reply::Int(1), Reply::Int(3), Reply::Int(0)]));
+    assert!(read_reply(&cancelled, 0, false, true).is_err());
+    let cancelled = Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(6),
+        Reply::Int(-2),
+        Reply::Bulk(Some(vec![])),
+    ]));
+    assert!(read_reply(&cancelled, 0, true, false).is_err());
+}
+
+#[test]
+fn a_lease_poll_is_a_lease_only_acquire() {
+    let lease = LeaseAcquire {
+        key: "cg:lease:{t.x}:p:r".into(),
+        fence_key: "cg:fence:{t.x}:p:r".into(),
+        tag: "t.x".into(),
+        owner: "o2".into(),
+        ttl_ms: 10_000,
+        fence_ttl_ms: 604_800_000,
+        cancel_key: "cg:cancel:{t.x}:p:o2".into(),
+    };
+    let call = lease_poll(&lease, "n1");
+    assert_eq!(
+        call.keys,
+        vec![
+            lease.key.clone(),
+            lease.fence_key.clone(),
+            lease.cancel_key.clone()
+        ]
+    );
+    assert_eq!(
+        call.args,
+        vec!["0", "n1", "0", "1", "o2", "10000", "604800000"]
+    );
+}
+
+#[test]
+fn skipped_limits_are_left_out() {
+    let c = config();
+    let (caller, req) = request();
+    let groups = plan(
+        &c.policies[0],
+        &refs(&keys("cg", &c.policies[0], &caller, &req, &[true, true])),
+        &asker("n"),
+        None,
+        None,
+    );
+    assert_eq!(groups.len(), 1, "the tenant group has nothing left to ask");
+    assert_eq!(groups[0].limits, vec![2, 3]);
+    let none = plan(
+        &c.policies[0],
+        &refs(&keys("cg", &c.policies[0], &caller, &req, &[true; 4])),
+        &asker("n"),
+        None,
+        None,
+    );
+    assert!(none.is_empty());
+}
+
+#[test]
+fn scopes_separate_callers() {
+    let c = config();
+    let (caller, req) = request();
+    let other = Caller {
+        tenant: "globex".into(),
+        principal: "alice".into(),
+    };
+    let a = plan(
+        &c.policies[0],
+        &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
+        &asker("n"),
+        None,
+        None,
+    );
+    let b = plan(
+        &c.policies[0],
+        &refs(&keys("cg", &c.policies[0], &other, &req, &[])),
+        &asker("n"),
+        None,
+        None,
+    );
+    assert_ne!(a[0].call.keys, b[0].call.keys, "tenant-scoped keys differ");
+    assert_eq!(
+        a[1].call.keys, b[1].call.keys,
+        "ip and global keys are shared"
+    );
+}
+
+fn reply(values: &[i64]) -> Reply {
+    Reply::Array(Some(values.iter().map(|v| Reply::Int(*v)).collect()))
+}
+
+#[test]
+fn reads_replies() {
+    let got = read_reply(
+        &reply(&[1, 1, 99, 60000, 0, 0, 0, 400, 250]),
+        2,
+        false,
+        false,
+    )
+    .expect("valid");
+    assert!(got.admitted);
+    assert_eq!(
+        got.states[1],
+        LimitState {
+            allowed: false,
+            remaining: 0,
+            reset_ms: 400,
+            retry_after_ms: 250
+        }
+    );
+    assert_eq!(got.idem, None);
+    let bad = [
+        (reply(&[1, 1, 2, 3]), 1usize),
+        (reply(&[2, 1, 2, 3, 4]), 1),
+        (reply(&[1, 1, -2, 3, 4]), 1),
+        (Reply::Int(1), 1),
+        (Reply::Array(Some(vec![Reply::Status("OK".into())])), 0),
+    ];
+    for (r, n) in bad {
+        assert!(
+            matches!(
+                read_reply(&r, n, false, false),
+                Err(CallError::UnexpectedReply(_))
+            ),
+            "{r:?}"
+        );
+    }
+    assert_eq!(
+        read_reply(&Reply::Error("ERR boom".into()), 1, false, false),
+        Err(CallError::Redis("ERR boom".into()))
+    );
+}
+
+fn idem_reply(code: i64, record: &[u8]) -> Reply {
+    Reply::Array(Some(vec![
+        Reply::Int(1),
+        Reply::Int(code),
+        Reply::Int(5000),
+        Reply::Bulk(Some(record.to_vec())),
+    ]))
+}
+
+#[test]
+fn reads_idempotency_answers() {
+    let completed = br#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ff","created_ms":1,"updated_ms":2,"response":{"status":201,"headers":[],"body":"x"}}"#;
+    let cases: Vec<(i64, &[u8], IdemAnswer)> = vec![
+        (0, b"", IdemAnswer::Skipped),
+        (1, b"", IdemAnswer::Acquired),
+        (2, b"", IdemAnswer::InProgress { pttl_ms: 5000 }),
+        (4, b"", IdemAnswer::Conflict),
+        (5, b"", IdemAnswer::Unreadable),
+        (3, b"garbage", IdemAnswer::Unreadable),
+    ];
+    for (code, record, want) in cases {
+        let got = read_reply(&idem_reply(code, record), 0, true, false).expect("valid");
+        assert_eq!(got.idem, Some(want), "code {code}");
+    }
+    let got = read_reply(&idem_reply(3, completed), 0, true, false).expect("valid");
+    let Some(IdemAnswer::Completed(r)) = got.idem else {
+        panic!("expected a completed record");
+    };
+    assert_eq!(
+        r.response
+            .as_ref()
+            .and_then(|r| r.plain())
+            .map(|r| r.status),
+        Some(201)
+    );
+    assert!(matches!(
+        read_reply(&idem_reply(9, b""), 0, true, false),
+        Err(CallError::UnexpectedReply(_))
+    ));
+}
