@@ -14,7 +14,8 @@ use crate::engine::worker::{Action, Callout, Dir, Effects, ResponseHead, StreamE
 use crate::guards::ratelimit::overlimit::SharedStore;
 use crate::http::claims::metadata_claim;
 use crate::http::headers::Headers;
-use crate::http::request::{policy_index, Probe, Request, Selected};
+use crate::http::matching::{policy_index, Probe, Selected};
+use crate::http::request::Request;
 use crate::redis::{webdis, CallError};
 use crate::support::ids::TokenSource;
 use crate::support::lograte::WarnKind;

@@ -9,8 +9,10 @@ pub mod leased;
 pub mod overlimit;
 
 use crate::config::{Policy, RateLimit};
+use crate::http::identity::Caller;
 use crate::http::local_reply::{self, LocalResponse, Member, Problem, QuotaView};
-use crate::http::request::{selector_value, Caller, Request};
+use crate::http::request::Request;
+use crate::http::selectors::selector_value;
 use crate::redis::keys::{self, LimitKey};
 use crate::redis::Words;
 use crate::support::slots::SlotTable;
