@@ -2,6 +2,7 @@
 //! calling, what its selectors read, its normalised path and query, its headers and claims,
 //! gRPC, and the answers the filter gives by itself.
 
+pub mod arrival;
 pub mod claims;
 pub mod grpc;
 pub mod headers;
