@@ -22,9 +22,9 @@ use coordination_guard::guards::idempotency::record::{Record, RecordResponse, St
 use coordination_guard::guards::idempotency::seal::{fresh_nonce, record_aad, Keyring, RecordKey};
 use coordination_guard::guards::ratelimit;
 use coordination_guard::http::headers::{self, Headers};
-use coordination_guard::http::request::{
-    policy_index, select_policy, Caller, Probe, Request, Selected,
-};
+use coordination_guard::http::identity::Caller;
+use coordination_guard::http::matching::{policy_index, select_policy, Probe, Selected};
+use coordination_guard::http::request::Request;
 use coordination_guard::redis::keys;
 use coordination_guard::redis::webdis;
 use coordination_guard::support::ids::TokenSource;

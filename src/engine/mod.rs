@@ -1,10 +1,12 @@
 //! The engine: one worker's streams and the root's calls ([`worker`]), the per-request state
 //! machine that orders the guards ([`flow`]), what every event brings and answers
-//! ([`context`]), the table of script calls in flight ([`calls`]) and the calls that outlive
-//! a request ([`outbox`]). It does no I/O: the host adapter carries out what it returns.
+//! ([`context`]), the table of script calls in flight ([`calls`]), the calls that outlive a
+//! request ([`outbox`]) and the worker as the adapter shares it ([`shared`]). It does no I/O:
+//! the host adapter carries out what it returns.
 
 pub mod calls;
 pub mod context;
 pub mod flow;
 pub mod outbox;
+pub mod shared;
 pub mod worker;

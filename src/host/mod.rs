@@ -1,20 +1,21 @@
 //! The proxy-wasm adapter: the only module that talks to the host. It copies what the core
 //! needs out of the host, hands each event to this worker's [`Worker`], and carries out the
-//! [`Effects`] it returns: host calls and nothing else. It never holds a `RefCell` borrow
-//! across a host call; the worker is borrowed only to take an event, with reads of the
-//! host's buffers.
+//! [`Effects`] it returns: host calls and nothing else. The core decides what is read: a
+//! request's headers are read through [`crate::http::arrival::HostReads`] (`reads.rs`), and
+//! whether a stream needs an event is the [`SharedWorker`]'s answer. The worker is borrowed
+//! only to take an event, with reads of the host's buffers, never across another host call.
 //!
 //! The host is reached through the proxy-wasm SDK: its dispatcher calls the contexts in
-//! `contexts.rs`, and every host call goes through `host.rs`, which keeps the SDK's
+//! `contexts.rs`, and every host call goes through `sdk.rs`, which keeps the SDK's
 //! `hostcalls` from meeting a status they would panic on.
 
-use crate::config::{Config, ConfigError, IdSource, RedisConfig};
+use crate::config::{Config, ConfigError, RedisConfig};
 use crate::engine::flow::{Cx, Runtime};
+use crate::engine::shared::SharedWorker;
 use crate::engine::worker::{Action, Callout, Dir, Effects, ResponseHead, StreamEffects, Worker};
 use crate::guards::ratelimit::overlimit::SharedStore;
-use crate::http::claims::metadata_claim;
+use crate::http::arrival::{arrive, Arrival};
 use crate::http::headers::Headers;
-use crate::http::request::{policy_index, Probe, Request, Selected};
 use crate::redis::{webdis, CallError};
 use crate::support::ids::TokenSource;
 use crate::support::lograte::WarnKind;
@@ -22,10 +23,10 @@ use crate::support::metrics::{Kind, MetricSink, Metrics};
 use sdk::{BufferType, MapType, MetricType};
 use spans::Span;
 mod contexts;
+mod reads;
 mod sdk;
 mod spans;
 
-use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -33,7 +34,7 @@ use std::time::Duration;
 struct Vm {
     runtime: Runtime,
     /// This worker's streams and calls (keyed by context id).
-    worker: RefCell<Worker<u32>>,
+    worker: SharedWorker<u32>,
     /// This worker's shared queue: an HTTP context enqueues to wake the root, which the host
     /// does on the worker's next event-loop turn, so every acquire raised in this turn shares
     /// one batch without waiting for a timer.
@@ -59,8 +60,7 @@ impl Vm {
     /// none: see [`Filter::untimed`]).
     fn event_at<T>(&self, now: u64, f: impl FnOnce(&mut Worker<u32>, &Cx<'_>) -> T) -> Option<T> {
         let cx = Cx::new(&self.runtime, now, &HostMetrics);
-        let mut worker = self.worker.try_borrow_mut().ok()?;
-        Some(f(&mut worker, &cx))
+        self.worker.event(|w| f(w, &cx))
     }
 
     /// [`Vm::event`] and the carrying out of its effects (see [`Vm::carry_out`]), the two timed
@@ -304,7 +304,7 @@ impl Root {
         let worker = Worker::new(TokenSource::from_entropy(now_ms()), batch, tick);
         self.vm = Some(Rc::new(Vm {
             runtime: Runtime::new(config, metrics, Some(Box::new(HostShared))),
-            worker: RefCell::new(worker),
+            worker: SharedWorker::new(worker),
             wake_queue,
             now_ms: std::cell::Cell::new(now_ms()),
         }));
@@ -428,14 +428,11 @@ impl Filter {
         Some(vm.carry_out(fx, Some(self.ctx)))
     }
 
-    /// Whether the worker guards this stream (an unguarded one needs no event, so no clock).
+    /// Whether the worker follows this stream (an unguarded one needs no event, so no clock).
     fn guarded(&self) -> bool {
         self.vm
             .as_ref()
-            .is_some_and(|vm| match vm.worker.try_borrow() {
-                Ok(w) => w.guards(self.ctx),
-                Err(_) => true, // the event will say
-            })
+            .is_some_and(|vm| vm.worker.follows(self.ctx))
     }
 
     /// A piece of the body in direction `dir`, read from the host only if the flow asks (and
@@ -443,10 +440,8 @@ impl Filter {
     fn body(&self, dir: Dir, body_size: usize, end_of_stream: bool) -> Action {
         if let Some(vm) = &self.vm {
             let _span = spans::enter(Span::Idle);
-            if let Ok(w) = vm.worker.try_borrow() {
-                if !w.wants_body(self.ctx, dir) {
-                    return Action::Continue;
-                }
+            if !vm.worker.takes_body(self.ctx, dir) {
+                return Action::Continue;
             }
         }
         let kind = match dir {
@@ -481,27 +476,8 @@ impl Filter {
     fn close(&self) {
         let _span = spans::enter(Span::Drop);
         if let Some(vm) = &self.vm {
-            if let Ok(mut worker) = vm.worker.try_borrow_mut() {
-                worker.close(self.ctx);
-            }
+            vm.worker.close(self.ctx);
         }
-    }
-}
-
-/// Removes the reserved headers the client sent from the request and from `headers`, its map.
-/// Only those it sent: Envoy clears the stream's route cache on every change to the
-/// request's headers, a removal of an absent header included, so the router would match the
-/// route again for every request.
-fn strip(reserved: &[String], headers: &mut Headers) {
-    let mut sent = false;
-    for name in reserved {
-        if headers.values(name).next().is_some() {
-            let _ = sdk::remove_header(MapType::HttpRequestHeaders, name);
-            sent = true;
-        }
-    }
-    if sent {
-        headers.retain(|n, _| !reserved.iter().any(|r| r == n));
     }
 }
 
@@ -518,60 +494,26 @@ fn property(path: &[&str]) -> Option<String> {
 }
 
 impl Filter {
+    /// The request's headers: what the core makes of them (see [`arrive`]), read through
+    /// the host's calls, handed to the worker.
     fn on_request_headers(&self, end_of_stream: bool) -> Action {
-        let Some(vm) = self.vm.clone() else {
+        let Some(vm) = &self.vm else {
             return Action::Continue;
         };
         let began = spans::mark();
-        // One read of the whole map: the matchers, the reserved headers and the request come
-        // from it. Headers only the filter may set never come from the client, whatever the
-        // request: they are invisible to the matchers and removed from the request.
-        let reserved = &vm.runtime.reserved_headers;
-        let mut headers = header_map(MapType::HttpRequestHeaders);
-        strip(reserved, &mut headers);
-        began.end(Span::HeadersMap);
-        let matching = spans::mark();
-        let policies = &vm.runtime.config.policies;
-        let mut probe = Probe::new(&headers);
-        let selected = policy_index(policies, &mut probe);
-        let probed = probe.into_probed();
-        matching.end(Span::HeadersMatch);
-        let (index, policy) = match selected {
-            None => return Action::Continue,
-            Some(Selected::AmbiguousPath(i)) => {
-                let content_type = headers.values("content-type").next();
-                return self.event(|w, cx, s| w.on_ambiguous_path(cx, s, i, content_type));
+        let rt = &vm.runtime;
+        match arrive(&rt.config, &rt.reserved_headers, &mut reads::SdkReads) {
+            Arrival::Unguarded => Action::Continue,
+            Arrival::AmbiguousPath(a) => {
+                self.event(|w, cx, s| w.on_ambiguous_path(cx, s, a.index, a.content_type()))
             }
-            Some(Selected::Policy(i)) => match policies.get(i) {
-                Some(p) => (i, p),
-                None => return Action::Continue,
-            },
-        };
-        let address = if policy.uses_client_ip {
-            property(&["source", "address"])
-        } else {
-            None
-        };
-        let parse = spans::mark();
-        let mut req = Request::from_probed(headers, address.as_deref(), probed);
-        parse.end(Span::HeadersParse);
-        // Claims Envoy verified (jwt_authn's payload in the request's metadata), read only for
-        // the roles configured to come from there: the whole metadata, whose serialization
-        // (protobuf) says each value's type, where a leaf's bytes do not (crate::http::claims).
-        let identity = &vm.runtime.config.identity;
-        if identity.uses_metadata() {
-            let metadata = sdk::property(&["metadata"]).unwrap_or_default();
-            if let IdSource::Metadata(path) = &identity.tenant {
-                req.tenant_claim = metadata_claim(&metadata, path);
-            }
-            if let IdSource::Metadata(path) = &identity.principal {
-                req.principal_claim = metadata_claim(&metadata, path);
+            Arrival::Guarded { index, request } => {
+                began.end(Span::Headers);
+                self.event_in(Some((Span::Decide, Span::Send)), |w, cx, s| {
+                    w.on_request_headers(cx, s, index, request, end_of_stream)
+                })
             }
         }
-        began.end(Span::Headers);
-        self.event_in(Some((Span::Decide, Span::Send)), |w, cx, s| {
-            w.on_request_headers(cx, s, index, req, end_of_stream)
-        })
     }
 
     fn on_request_body(&self, body_size: usize, end_of_stream: bool) -> Action {

@@ -1,11 +1,16 @@
-//! The HTTP side: the request as the filter reads it, its normalised path and query, its
-//! headers and claims, gRPC, and the answers the filter gives by itself.
+//! The HTTP side: the request as the filter reads it, which policy guards it and who is
+//! calling, what its selectors read, its normalised path and query, its headers and claims,
+//! gRPC, and the answers the filter gives by itself.
 
+pub mod arrival;
 pub mod claims;
 pub mod grpc;
 pub mod headers;
+pub mod identity;
 pub mod local_reply;
+pub mod matching;
 pub mod request;
+pub mod selectors;
 
 /// The path and query normalisation the request reads: it lives in `support` because the
 /// configuration checks its paths with it too.

@@ -3,8 +3,10 @@
 
 use crate::config::IdSource;
 use crate::engine::context::Pcx;
+use crate::http::identity::TenantError;
 use crate::http::local_reply::{self, LocalResponse, Member, Problem};
-use crate::http::request::{ambiguous_input, Ambiguity, Request, TenantError};
+use crate::http::request::Request;
+use crate::http::selectors::{ambiguous_input, Ambiguity};
 
 /// A request whose path reads more than one way: refused, since the service may read it the
 /// way the guard did not.

@@ -7,7 +7,8 @@
 use crate::engine::flow::Runtime;
 use crate::engine::worker::*;
 use crate::http::headers::{self, Headers};
-use crate::http::request::{policy_index, Probe, Request, Selected};
+use crate::http::matching::{policy_index, Probe, Selected};
+use crate::http::request::Request;
 use crate::redis::webdis;
 use crate::support::alloc_count::allocations;
 use crate::support::metrics::NoMetrics;

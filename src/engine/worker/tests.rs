@@ -48,8 +48,8 @@ fn req(method: &str, path: &str) -> Request {
 /// The policy index a request of `method` to `path` matches.
 fn request(w: &mut Worker<u32>, cx: &Cx<'_>, s: u32, method: &str, path: &str) -> Effects<u32> {
     let req = req(method, path);
-    let Some(crate::http::request::Selected::Policy(index)) =
-        crate::http::request::parsed_policy_index(&cx.rt.config.policies, &req)
+    let Some(crate::http::matching::Selected::Policy(index)) =
+        crate::http::matching::parsed_policy_index(&cx.rt.config.policies, &req)
     else {
         panic!("no policy for {method} {path}");
     };

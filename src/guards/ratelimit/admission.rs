@@ -4,8 +4,9 @@
 
 use crate::engine::context::Pcx;
 use crate::guards::ratelimit::{self, LimitState, Verdict};
+use crate::http::identity::Caller;
 use crate::http::local_reply::LocalResponse;
-use crate::http::request::{Caller, Request};
+use crate::http::request::Request;
 use crate::redis::keys::LimitKey;
 use crate::redis::scripts::acquire::Ask;
 use crate::redis::CallError;

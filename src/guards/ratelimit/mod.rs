@@ -9,8 +9,10 @@ pub mod leased;
 pub mod overlimit;
 
 use crate::config::{Policy, RateLimit};
+use crate::http::identity::Caller;
 use crate::http::local_reply::{self, LocalResponse, Member, Problem, QuotaView};
-use crate::http::request::{selector_value, Caller, Request};
+use crate::http::request::Request;
+use crate::http::selectors::selector_value;
 use crate::redis::keys::{self, LimitKey};
 /// Each limit's answer: what `acquire.lua` says of it (the script's contract reads it), or
 /// what a local slice or the over-limit cache knows.

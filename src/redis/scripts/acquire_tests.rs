@@ -2,7 +2,8 @@
 
 use super::*;
 use crate::guards::ratelimit::{self, tests::config};
-use crate::http::request::{Caller, Request};
+use crate::http::identity::Caller;
+use crate::http::request::Request;
 use crate::redis::keys;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
