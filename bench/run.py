@@ -104,7 +104,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from harness.envoy import DEFAULT_WASM, Envoy, envoy_binary  # noqa: E402
 from harness.proc import (ADMIN_USER, PrerequisiteMissing, Service, free_port,  # noqa: E402
                           require_binary, stop_all)
-from harness.scripts import BATCHED, batch_source  # noqa: E402
+from harness.scripts import BATCHED, batch_source, script_source  # noqa: E402
 from harness.stack import Stack  # noqa: E402
 
 BENCH = ROOT / "bench"
@@ -420,7 +420,8 @@ def naive_rl(stack: Stack) -> dict:
     return {"callout": {**callout, "body": body}, "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT}}
 
 
-ACQUIRE_LUA = ROOT / "src" / "redis" / "scripts" / "acquire.lua"
+# acquire.lua as the filter runs it (its pieces before it: src/redis/scripts/mod.rs).
+ACQUIRE_LUA = script_source("acquire")
 # acquire.lua's arguments for rl_allowed's one limit (a fixed window of an hour).
 ACQUIRE_ARGS = ("1", "-", "fw", str(HUGE_LIMIT), "3600000", str(HUGE_LIMIT), "0", "1", "0", "0")
 # A key of the exact path's key shape (the tenant in its hash tag, the policy, the limit and
@@ -434,7 +435,7 @@ def naive_script(stack: Stack) -> dict:
     tenant in its hash tag, the policy, the limit and the scope after it), its answer's
     remaining and reset read. Beside `wasm_naive_rl`, what the script call costs (Redis, the
     gateway, the bytes both ways); beside rl_allowed, what the filter costs in Envoy."""
-    sha = stack.redis.script_load(ACQUIRE_LUA.read_text())
+    sha = stack.redis.script_load(ACQUIRE_LUA)
     key = SCRIPT_KEY % ("naive_script", HUGE_LIMIT)
     body = webdis_path("EVALSHA", sha, "1", key, *ACQUIRE_ARGS)
     callout = naive(stack)["callout"]

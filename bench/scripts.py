@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Micro-benchmark of src/redis/scripts/acquire.lua and complete.lua inside Redis: the working tree's
-version against the one at git HEAD, case by case, side by side.
+version against the one at git HEAD, case by case, side by side. Each is the script as the
+filter runs it, assembled by the recipe src/redis/scripts/mod.rs holds at that version
+(tests/harness/scripts.py: sources).
 
 Starts its own redis-server on a free port (tests/harness/proc.py; stopped by its pid on exit,
 also on failure), loads both scripts and, for every case, runs N pipelined EVALSHA calls of
@@ -33,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness.proc import RedisServer, stop_all  # noqa: E402
+from harness.scripts import LUA, script_source, sources  # noqa: E402
 
-SCRIPTS = ("src/redis/scripts/acquire.lua", "src/redis/scripts/complete.lua")
+SCRIPTS = ("acquire", "complete")  # by name, as src/redis/scripts/mod.rs loads them
 PIPELINE = 1000  # calls per round trip
 HOUR_MS = 3_600_000
 BIG = 1_000_000_000  # a limit no case reaches
@@ -49,7 +52,7 @@ class Case:
     setup: Callable[[object, str], None] | None = None  # (client, sha) before RESETSTAT
     acquired: tuple[int, ...] = ()  # reply indexes (from the end) that must be 1 ACQUIRED
     expect: tuple[tuple[int, object], ...] = ()  # (reply index, value) pairs it must hold
-    script: str = "src/redis/scripts/acquire.lua"  # the script measured
+    script: str = "acquire"  # the script measured
     # complete.lua's reply instead of acquire.lua's: this integer
     returns: int | None = None
     max_calls: int | None = None  # at most this many calls, whatever N (one record each)
@@ -95,7 +98,7 @@ def completed(client, sha: str) -> None:
     keys, argv = idem_only(0)
     if client.evalsha(sha, len(keys), *keys, *argv)[-3] != 1:
         raise AssertionError("idem_replay: the record was not acquired")
-    complete = (ROOT / "src/redis/scripts/complete.lua").read_text()
+    complete = script_source("complete")
     if client.eval(complete, 1, keys[0], OWNER, FINGERPRINT, 600_000, RESPONSE) != 1:
         raise AssertionError("idem_replay: the record was not completed")
 
@@ -107,7 +110,7 @@ def replay(i: int) -> tuple[list, list]:
 def processing_records(client, sha: str) -> None:
     """A PROCESSING record for each call of the complete case, acquired by acquire.lua (by
     EVAL: only complete.lua's EVALSHA calls are counted)."""
-    acquire = (ROOT / SCRIPTS[0]).read_text()
+    acquire = script_source(SCRIPTS[0])
     pipe = client.pipeline(transaction=False)
     for i in range(COMPLETE_N):
         keys, argv = idem_only(i)
@@ -198,13 +201,19 @@ def main() -> int:
     env = " ".join(f"{k}={shlex.quote(os.environ[k])}"
                    for k in ("N", "ROUNDS", "CASES", "REV") if k in os.environ)
     print(f"reproduce: cd {ROOT} && {env + ' ' if env else ''}.venv/bin/python bench/scripts.py")
-    head_src = {path: subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
-                                     capture_output=True, text=True).stdout
-                for path in SCRIPTS}
-    cur_src = {path: (ROOT / path).read_text() for path in SCRIPTS}
-    for path in SCRIPTS:
-        same = " (identical)" if head_src[path] == cur_src[path] else ""
-        print(f"{path}: {rev} vs working tree{same}")
+    lua = LUA.relative_to(ROOT).as_posix()
+    # Revisions before the scripts moved under src/redis/ kept them in src/lua/.
+    at_rev = subprocess.run(["git", "cat-file", "-e", f"{rev}:{lua}/mod.rs"], cwd=ROOT,
+                            capture_output=True).returncode == 0
+    rev_lua = lua if at_rev else "src/lua"
+    head_all = sources(lambda name: subprocess.run(
+        ["git", "show", f"{rev}:{rev_lua}/{name}"], cwd=ROOT, check=True, capture_output=True,
+        text=True).stdout)
+    head_src = {name: head_all[name] for name in SCRIPTS}
+    cur_src = {name: script_source(name) for name in SCRIPTS}
+    for name in SCRIPTS:
+        same = " (identical)" if head_src[name] == cur_src[name] else ""
+        print(f"{lua}/{name}.lua as run: {rev} vs working tree{same}")
     print(f"{n} pipelined EVALSHA per case and version (complete: at most {COMPLETE_N}), "
           f"{rounds} rounds")
     print(f"us = INFO commandstats usec_per_call, median of the rounds; ratio = {rev} / now, "

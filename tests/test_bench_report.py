@@ -363,7 +363,7 @@ def test_the_script_anchor_sends_the_exact_paths_own_call():
     body = config["callout"]["body"].replace("{tenant}", "tenant-7")
     assert body.endswith(".raw")
     words = [urllib.parse.unquote(w) for w in body[:-len(".raw")].split("/")]
-    sha = hashlib.sha1(bench.ACQUIRE_LUA.read_bytes()).hexdigest()
+    sha = hashlib.sha1(bench.ACQUIRE_LUA.encode()).hexdigest()
     huge = str(bench.HUGE_LIMIT)
     assert words == ["EVALSHA", sha, "1",
                      f"cg:bench:naive_script:rl:{{t.tenant-7}}:api:tenant:fw:{huge}/3600000:"

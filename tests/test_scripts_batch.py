@@ -3,12 +3,12 @@ a real redis-server: sub-calls answer exactly as separate calls would."""
 
 import pytest
 
-from harness.scripts import LUA, batch_source
+from harness.scripts import batch_source, script_source
 
 
 @pytest.fixture
 def scripts(redis_client):
-    return (redis_client.register_script((LUA / "acquire.lua").read_text()),
+    return (redis_client.register_script(script_source("acquire")),
             redis_client.register_script(batch_source()))
 
 

@@ -12,13 +12,9 @@ keys do (`<prefix>:cancel:{t.<tenant hash>}:<policy>:<owner>`).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from harness.scripts import Limit, batch_source, limits_argv, owner
-
-LUA = Path(__file__).resolve().parents[1] / "src" / "redis" / "scripts"
+from harness.scripts import Limit, batch_source, limits_argv, owner, script_source
 
 IDEM = "idem:{t1}:op:k1"
 LEASE = "lease:{t1}:op:r1"
@@ -36,8 +32,8 @@ def marker(own: str) -> str:
     return f"cancel:{{t1}}:op:{own}"
 
 
-def load(r, *names):
-    return r.register_script("".join((LUA / n).read_text() for n in names))
+def load(r, name):
+    return r.register_script(script_source(name))
 
 
 class S:

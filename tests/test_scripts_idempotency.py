@@ -17,14 +17,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from harness.scripts import Limit, limits_argv, owner
+from harness.scripts import Limit, limits_argv, owner, script_source
 import redis
 
-LUA = Path(__file__).parents[1] / "src/redis/scripts"
 
 SKIPPED, ACQUIRED, IN_PROGRESS, COMPLETED, CONFLICT, UNREADABLE = range(6)
 MISSING, NOT_OWNER, DONE = 0, -1, 1  # complete.lua / release.lua replies (DONE: 1)
@@ -50,9 +48,9 @@ class Scripts:
     def __init__(self, client):
         self.r = client
         # redis-py's Script: EVALSHA, falling back to EVAL on NOSCRIPT.
-        self._acquire = client.register_script((LUA / "acquire.lua").read_text())
-        self._complete = client.register_script((LUA / "complete.lua").read_text())
-        self._release = client.register_script((LUA / "release.lua").read_text())
+        self._acquire = client.register_script(script_source("acquire"))
+        self._complete = client.register_script(script_source("complete"))
+        self._release = client.register_script(script_source("release"))
 
     def acquire(self, key: str = KEY, fp: str = FP, own: str | None = None,
                 ttl_ms: int = PROCESSING_TTL, limits: list[tuple[str, Limit]] = (),

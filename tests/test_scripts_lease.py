@@ -17,14 +17,12 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from harness.scripts import Limit, limits_argv, owner
+from harness.scripts import Limit, limits_argv, owner, script_source
 import redis
 
-LUA = Path(__file__).parents[1] / "src/redis/scripts"
 
 SKIPPED, ACQUIRED, BUSY = 0, 1, 2  # acquire.lua, lease section
 RELEASED = EXTENDED = 1  # lease_release.lua / lease_extend.lua
@@ -69,9 +67,9 @@ class Scripts:
     def __init__(self, client):
         self.r = client
         # redis-py's Script: EVALSHA, falling back to EVAL on NOSCRIPT.
-        self._acquire = client.register_script((LUA / "acquire.lua").read_text())
-        self._release = client.register_script((LUA / "lease_release.lua").read_text())
-        self._extend = client.register_script((LUA / "lease_extend.lua").read_text())
+        self._acquire = client.register_script(script_source("acquire"))
+        self._release = client.register_script(script_source("lease_release"))
+        self._extend = client.register_script(script_source("lease_extend"))
 
     def acquire(self, own: str | None = None, ttl_ms: int = LEASE_TTL,
                 fence_ttl_ms: int = FENCE_TTL, lease: str = LEASE, fence: str = FENCE,

@@ -4,10 +4,13 @@ it."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 LUA = Path(__file__).resolve().parents[2] / "src" / "redis" / "scripts"
 
@@ -70,23 +73,113 @@ def redis_now_us(r) -> int:
 BATCHED = ("acquire", "complete", "release", "lease_release", "slot_release", "charge")
 
 
+# A token of src/redis/scripts/mod.rs, as far as the scripts' recipe needs: a comment (dropped), a string
+# literal, a char literal or lifetime (whole, so a quote in one opens no string), a word, or
+# any other character.
+_TOKEN = re.compile(r"""//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\])*"|'(?:\\.|[^\\'])'|'\w+|\w+|\S""", re.S)
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", '"': '"', "'": "'"}
+
+
+def _unescape(literal: str) -> str:
+    """A Rust string literal's value."""
+    def one(m: re.Match) -> str:
+        e = m.group(1)
+        if e[0] in "\r\n":  # a line continuation: the newline and the blanks after it go
+            return ""
+        if e[0] == "x":
+            return chr(int(e[1:], 16))
+        if e[0] == "u":
+            return chr(int(e[2:-1], 16))
+        return _ESCAPES[e]
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]+\}|\r?\n\s*|.)", one, literal[1:-1],
+                  flags=re.S)
+
+
+def _group(tokens: list[str], i: int) -> int:
+    """The index just after the bracket group that opens at tokens[i]."""
+    depth = 0
+    for j in range(i, len(tokens)):
+        depth += tokens[j] in ("(", "[", "{")
+        depth -= tokens[j] in (")", "]", "}")
+        if depth == 0:
+            return j + 1
+    raise ValueError("mod.rs: a bracket is not closed")
+
+
+def sources(read: Callable[[str], str] | None = None) -> dict[str, str]:
+    """Every script as the filter runs it, by name ("acquire", ..., "batch"), assembled by the
+    recipe src/redis/scripts/mod.rs itself holds (Scripts::load), not by a copy of it: each
+    `Script::new("<name>", <text>)`, where a text is a string literal, `include_str!("<file>")`,
+    `concat!(<text>, ...)`, or `m!()` of a macro of mod.rs `macro_rules! m { () => { <text> }; }`.
+    `read(file name)` reads a file of src/redis/scripts/: by default the working tree's (bench/scripts.py
+    reads a git revision's)."""
+    read = read or (lambda name: (LUA / name).read_text())
+    tokens = [t for t in _TOKEN.findall(read("mod.rs")) if not t.startswith(("//", "/*"))]
+
+    macros: dict[str, list[str]] = {}
+    for i, tok in enumerate(tokens):
+        if tok == "macro_rules" and tokens[i + 1] == "!":  # m { ( ) => { <text> } ; }
+            if tokens[i + 4:i + 9] != ["(", ")", "=", ">", "{"]:
+                raise ValueError(f"mod.rs: macro {tokens[i + 2]} is not () => {{ <text> }}")
+            macros[tokens[i + 2]] = tokens[i + 9:_group(tokens, i + 8) - 1]
+
+    def text(ts: list[str]) -> str:
+        parts, i = [], 0
+        while i < len(ts):
+            tok = ts[i]
+            if tok.startswith('"'):
+                parts.append(_unescape(tok))
+                i += 1
+            elif tok == ",":
+                i += 1
+            elif ts[i + 1:i + 3] == ["!", "("]:
+                end = _group(ts, i + 2)
+                args = ts[i + 3:end - 1]
+                if tok == "include_str" and len(args) == 1:
+                    parts.append(read(_unescape(args[0])))
+                elif tok == "concat":
+                    parts.append(text(args))
+                elif tok in macros and not args:
+                    parts.append(text(macros[tok]))
+                else:
+                    raise ValueError(f"mod.rs: {tok}!({' '.join(args)}) in a script's text")
+                i = end
+            else:
+                raise ValueError(f"mod.rs: {tok!r} in a script's text")
+        return "".join(parts)
+
+    out = {}
+    for i in range(len(tokens)):
+        if tokens[i:i + 5] == ["Script", ":", ":", "new", "("] and tokens[i + 5][0] == '"':
+            call = tokens[i + 5:_group(tokens, i + 4) - 1]  # "<name>" , <text>
+            out[_unescape(call[0])] = text(call[2:])
+    if not out:
+        raise ValueError('mod.rs: no Script::new("<name>", <text>)')
+    return out
+
+
+@functools.cache
+def _working_tree() -> dict[str, str]:
+    return sources()
+
+
+def script_source(name: str) -> str:
+    """The script `name` ("acquire" or "acquire.lua") as the filter runs it: `sources()`."""
+    return _working_tree()[name.removesuffix(".lua")]
+
+
 def batch_source() -> str:
-    """batch.lua as src/redis/scripts/mod.rs assembles it: the head, each script of BATCHED as a local
-    function `<name>_one(KEYS, ARGV)`, the tail."""
-    parts = [(LUA / "batch_head.lua").read_text()]
-    for name in BATCHED:
-        parts.append(f"local function {name}_one(KEYS, ARGV)\n{(LUA / f'{name}.lua').read_text()}end\n")
-    parts.append((LUA / "batch_tail.lua").read_text())
-    return "".join(parts)
+    """batch.lua as the filter runs it."""
+    return script_source("batch")
 
 
 class Script:
     """A script called the way the filter calls it: EVAL, then EVALSHA once Redis has it (the
     gateway user may not run SCRIPT LOAD, which redis-py's register_script would)."""
 
-    def __init__(self, client, *names: str, source: str | None = None):
+    def __init__(self, client, name: str | None = None, source: str | None = None):
         self.client = client
-        self.source = source if source is not None else "".join((LUA / n).read_text() for n in names)
+        self.source = source if source is not None else script_source(name)
         self.sha = None
 
     def __call__(self, keys: list, args: list):

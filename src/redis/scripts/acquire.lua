@@ -106,10 +106,12 @@
 --
 -- Cost: every rate-limited request runs this script, so a call pays only for what it uses.
 -- No closures or tables per algorithm, limit or section: each algorithm is inline code in
--- an if-chain, phase 1 writes each verdict straight into the reply and keeps what phase 2
--- needs in one flat table, and the idempotency and lease code runs only when that section
--- is on. fw skips PTTL for a counter that GET found absent (PTTL would say -2). The usual call
--- of the exact path, one fixed-window limit and nothing else, takes the fast path first.
+-- an if-chain (but sw's roll-over: window_roll, shared with charge.lua, is
+-- piece_window_roll.lua, put before this file), phase 1 writes each verdict straight into
+-- the reply and keeps what phase 2 needs in one flat table, and the idempotency and lease
+-- code runs only when that section is on. fw skips PTTL for a counter that GET found absent
+-- (PTTL would say -2). The usual call of the exact path, one fixed-window limit and nothing
+-- else, takes the fast path first.
 
 -- Fast path: the exact path's usual call, one fixed-window limit at a cost of at least 1, not
 -- a shadow, with nothing else (no idempotency, no lease, no cancellation marker). Its reply
@@ -295,15 +297,7 @@ for i = 1, n do
     -- the current one has hits (they then fade out as "previous"), the end of the current
     -- one if only the previous has hits, else 0. Never more than 2 windows, the key's TTL.
     -- saved: cur, prev (after rolling over to the current window).
-    local w = window_ms * 1000
-    local idx = math.floor(now / w)
-    local h = redis.call('HMGET', key, 'w', 'c', 'p')
-    local stored, cur, prev = tonumber(h[1]), tonumber(h[2]) or 0, tonumber(h[3]) or 0
-    if stored == idx - 1 then
-      prev, cur = cur, 0
-    elseif stored ~= idx then
-      prev, cur = 0, 0
-    end
+    local w, idx, cur, prev = window_roll(key, window_ms, now) -- piece_window_roll.lua
     local elapsed = now - idx * w
     local left = w - elapsed
     local est = prev * (1 - elapsed / w) + cur

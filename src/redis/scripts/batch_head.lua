@@ -3,8 +3,9 @@
 -- charge) its root sends.
 --
 -- Built by concatenation: this head, then each script's body as a local function
--- (acquire_one(KEYS, ARGV) for acquire.lua, and so on), then batch_tail.lua. Each sub-call
--- runs exactly as it would alone, one after the other, inside one atomic script.
+-- (acquire_one(KEYS, ARGV) for acquire.lua, and so on; a body is the script as it runs
+-- alone, the piece_*.lua it calls first), then batch_tail.lua. Each sub-call runs exactly as
+-- it would alone, one after the other, inside one atomic script.
 --
 -- KEYS       the keys of every sub-call, in order
 -- ARGV[1]    count: number of sub-calls

@@ -18,8 +18,9 @@
 -- Where the difference lands:
 --   fw  the counter's current window; a positive delta opens a window (PX window_ms) if none
 --       is open, so a request admitted at cost 0 still counts.
---   sw  the current aligned window's count (rolled over as acquire.lua does); the key is
---       written only when that count moves, so a negative delta never creates one.
+--   sw  the current aligned window's count (rolled over as acquire.lua does, by the same
+--       window_roll: piece_window_roll.lua); the key is written only when that count moves,
+--       so a negative delta never creates one.
 --   tb  the theoretical arrival time moves by delta * (window / limit): never before now (a
 --       full bucket); the key lives until the bucket is full again.
 -- So a charge that arrives after the request's window ended counts in the window it arrives
@@ -78,15 +79,7 @@ for i = 1, n do
     end
 
   elseif algo == 'sw' then
-    local w = window_ms * 1000
-    local idx = math.floor(now / w)
-    local h = redis.call('HMGET', key, 'w', 'c', 'p')
-    local stored, cur, prev = tonumber(h[1]), tonumber(h[2]) or 0, tonumber(h[3]) or 0
-    if stored == idx - 1 then
-      prev, cur = cur, 0
-    elseif stored ~= idx then
-      prev, cur = 0, 0
-    end
+    local _, idx, cur, prev = window_roll(key, window_ms, now) -- piece_window_roll.lua
     moved = math.max(delta, -cur)
     if moved ~= 0 then -- else nothing to write: acquire.lua rolls the windows over itself
       redis.call('HSET', key, 'w', int(idx), 'c', int(cur + moved), 'p', int(prev))

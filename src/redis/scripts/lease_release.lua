@@ -23,14 +23,8 @@ if owner == nil or owner == '' then bad('ARGV[1] (owner) is missing') end
 
 local RELEASED, MISSING, NOT_OWNER = 1, 0, -1
 
-if KEYS[2] then
-  local ttl = tonumber(ARGV[2])
-  if ttl == nil or ttl % 1 ~= 0 or ttl < 1 then
-    bad('ARGV[2] (marker_ttl_ms) must be an integer >= 1, got ' .. tostring(ARGV[2]))
-  end
-  if KEYS[2] == key then bad('the marker and the lease are the same key') end
-  redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
-end
+-- The marker, if KEYS[2] is given (piece_cancel_marker.lua, before this file).
+set_cancel_marker(bad, key, 'lease')
 
 local kind = redis.call('TYPE', key)
 kind = type(kind) == 'table' and kind.ok or kind

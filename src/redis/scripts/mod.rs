@@ -8,6 +8,20 @@
 //! * [`charge`]: `charge.lua` (a response's real cost);
 //! * [`batch`]: `batch.lua` (`batch_head.lua`, each batched script as a local function,
 //!   `batch_tail.lua`), several acquires or settlements in one call.
+//!
+//! Code two scripts share is a piece of its own, `piece_*.lua`, a `local function` that
+//! [`Scripts::load`] puts before each script that calls it (so inside `batch.lua` each
+//! sub-call's function defines it again):
+//!
+//! * `piece_window_roll.lua`: `window_roll`, a sliding-window counter rolled over to the
+//!   current window (`acquire.lua`, `charge.lua`);
+//! * `piece_cancel_marker.lua`: `set_cancel_marker`, the cancellation marker a release sets
+//!   (`release.lua`, `lease_release.lua`, `slot_release.lua`).
+//!
+//! A script's text is this module's to assemble: whoever runs a script outside the filter
+//! (tests/harness/scripts.py, the benchmarks) reads its recipe here, in the macros below and
+//! [`Scripts::load`]. So a script's text stays in the forms that reader knows: string
+//! literals, `include_str!`, `concat!`, and macros `() => { <text> };` of this file.
 
 pub mod acquire;
 pub mod batch;
@@ -17,6 +31,49 @@ pub mod record;
 pub mod slot;
 
 use crate::redis::Script;
+
+// Each script that includes a piece, as it runs: its pieces, then its own file. Each is used
+// twice, alone and as a sub-call's body in batch.lua.
+macro_rules! acquire_lua {
+    () => {
+        concat!(
+            include_str!("piece_window_roll.lua"),
+            include_str!("acquire.lua")
+        )
+    };
+}
+macro_rules! release_lua {
+    () => {
+        concat!(
+            include_str!("piece_cancel_marker.lua"),
+            include_str!("release.lua")
+        )
+    };
+}
+macro_rules! lease_release_lua {
+    () => {
+        concat!(
+            include_str!("piece_cancel_marker.lua"),
+            include_str!("lease_release.lua")
+        )
+    };
+}
+macro_rules! slot_release_lua {
+    () => {
+        concat!(
+            include_str!("piece_cancel_marker.lua"),
+            include_str!("slot_release.lua")
+        )
+    };
+}
+macro_rules! charge_lua {
+    () => {
+        concat!(
+            include_str!("piece_window_roll.lua"),
+            include_str!("charge.lua")
+        )
+    };
+}
 
 /// Which script a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,30 +144,30 @@ pub struct Scripts {
 impl Scripts {
     pub fn load() -> Scripts {
         Scripts {
-            acquire: Script::new("acquire", include_str!("acquire.lua")),
+            acquire: Script::new("acquire", acquire_lua!()),
             complete: Script::new("complete", include_str!("complete.lua")),
-            release: Script::new("release", include_str!("release.lua")),
-            lease_release: Script::new("lease_release", include_str!("lease_release.lua")),
+            release: Script::new("release", release_lua!()),
+            lease_release: Script::new("lease_release", lease_release_lua!()),
             lease_extend: Script::new("lease_extend", include_str!("lease_extend.lua")),
-            slot_release: Script::new("slot_release", include_str!("slot_release.lua")),
+            slot_release: Script::new("slot_release", slot_release_lua!()),
             slot_extend: Script::new("slot_extend", include_str!("slot_extend.lua")),
-            charge: Script::new("charge", include_str!("charge.lua")),
+            charge: Script::new("charge", charge_lua!()),
             batch: Script::new(
                 "batch",
                 concat!(
                     include_str!("batch_head.lua"),
                     "local function acquire_one(KEYS, ARGV)\n",
-                    include_str!("acquire.lua"),
+                    acquire_lua!(),
                     "end\nlocal function complete_one(KEYS, ARGV)\n",
                     include_str!("complete.lua"),
                     "end\nlocal function release_one(KEYS, ARGV)\n",
-                    include_str!("release.lua"),
+                    release_lua!(),
                     "end\nlocal function lease_release_one(KEYS, ARGV)\n",
-                    include_str!("lease_release.lua"),
+                    lease_release_lua!(),
                     "end\nlocal function slot_release_one(KEYS, ARGV)\n",
-                    include_str!("slot_release.lua"),
+                    slot_release_lua!(),
                     "end\nlocal function charge_one(KEYS, ARGV)\n",
-                    include_str!("charge.lua"),
+                    charge_lua!(),
                     "end\n",
                     include_str!("batch_tail.lua")
                 ),
@@ -130,5 +187,159 @@ impl Scripts {
             ScriptId::SlotExtend => &self.slot_extend,
             ScriptId::Charge => &self.charge,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    const ALL: [ScriptId; 9] = [
+        ScriptId::Acquire,
+        ScriptId::Complete,
+        ScriptId::Release,
+        ScriptId::LeaseRelease,
+        ScriptId::LeaseExtend,
+        ScriptId::Batch,
+        ScriptId::SlotRelease,
+        ScriptId::SlotExtend,
+        ScriptId::Charge,
+    ];
+
+    /// A piece two scripts share: its file, lines of the code it holds that no other file may
+    /// write out (each was once written out in every script that now includes the piece), and
+    /// those scripts.
+    struct Piece {
+        file: &'static str,
+        text: &'static str,
+        lines: &'static [&'static str],
+        scripts: &'static [ScriptId],
+    }
+
+    const PIECES: [Piece; 2] = [
+        Piece {
+            file: "piece_window_roll.lua",
+            text: include_str!("piece_window_roll.lua"),
+            lines: &[
+                "local function window_roll(",
+                "redis.call('HMGET', key, 'w', 'c', 'p')",
+                "prev, cur = cur, 0",
+                "prev, cur = 0, 0",
+            ],
+            scripts: &[ScriptId::Acquire, ScriptId::Charge],
+        },
+        Piece {
+            file: "piece_cancel_marker.lua",
+            text: include_str!("piece_cancel_marker.lua"),
+            lines: &[
+                "local function set_cancel_marker(",
+                "bad('ARGV[2] (marker_ttl_ms) must be an integer >= 1, got '",
+                "redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])",
+            ],
+            scripts: &[
+                ScriptId::Release,
+                ScriptId::LeaseRelease,
+                ScriptId::SlotRelease,
+            ],
+        },
+    ];
+
+    /// How often `piece` is in the script `id` as loaded: once in each script that includes
+    /// it, in batch.lua once per batched script that does, nowhere else.
+    fn expected(piece: &Piece, id: ScriptId) -> usize {
+        if id == ScriptId::Batch {
+            piece
+                .scripts
+                .iter()
+                .filter(|s| s.batched().is_some())
+                .count()
+        } else {
+            usize::from(piece.scripts.contains(&id))
+        }
+    }
+
+    #[test]
+    fn each_script_holds_its_pieces_once_and_their_code_nowhere_else() {
+        let scripts = Scripts::load();
+        for piece in &PIECES {
+            for id in ALL {
+                let script = scripts.get(id);
+                let want = expected(piece, id);
+                assert_eq!(
+                    script.source.matches(piece.text).count(),
+                    want,
+                    "{} in {}",
+                    piece.file,
+                    script.name
+                );
+                // No script writes the piece's code out beside it.
+                for line in piece.lines {
+                    assert_eq!(
+                        script.source.matches(line).count(),
+                        want,
+                        "{line:?} in {}",
+                        script.name
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_runs_each_batched_script_as_it_runs_alone() {
+        let scripts = Scripts::load();
+        for id in ALL.into_iter().filter(|id| id.batched().is_some()) {
+            let script = scripts.get(id);
+            let body = format!(
+                "local function {}_one(KEYS, ARGV)\n{}end\n",
+                script.name, script.source
+            );
+            assert_eq!(
+                scripts.batch.source.matches(&body).count(),
+                1,
+                "{}",
+                script.name
+            );
+        }
+    }
+
+    /// No `.lua` file next to this module but a piece itself writes out a piece's code, and
+    /// every `piece_*.lua` file is one of [`PIECES`]. Reads the directory: not under Wasm.
+    #[cfg(not(target_arch = "wasm32"))]
+    #[test]
+    fn no_lua_file_but_the_piece_writes_its_code_out() {
+        let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file!());
+        let dir = here.parent().expect("this module's directory");
+        let mut seen = Vec::new();
+        for entry in std::fs::read_dir(dir).expect("this module's directory") {
+            let path = entry.expect("a directory entry").path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if !name.ends_with(".lua") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("a .lua file");
+            for piece in &PIECES {
+                if name == piece.file {
+                    assert_eq!(text, piece.text, "{name} as included");
+                    continue;
+                }
+                for line in piece.lines {
+                    assert!(!text.contains(line), "{name} writes {line:?} out");
+                }
+            }
+            if name.starts_with("piece_") {
+                assert!(
+                    PIECES.iter().any(|p| p.file == name),
+                    "{name} is not in PIECES"
+                );
+            }
+            seen.push(name);
+        }
+        for piece in &PIECES {
+            assert!(seen.contains(&piece.file.to_string()), "{}", piece.file);
+        }
+        assert!(seen.len() > PIECES.len(), "only {seen:?}");
     }
 }
