@@ -11,51 +11,6 @@ use crate::support::metrics::NoMetrics;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
-/// What became of a background call's answer, as the tests read it.
-#[derive(Debug, PartialEq, Eq)]
-enum Next {
-    /// Settled or given up: the outbox let it go.
-    Done,
-    /// Kept, to be sent again at this time.
-    Retry(u64),
-    /// Sent again at once (by `EVAL`).
-    Resend,
-}
-
-/// Hands `answer` at `now` to the one call the outbox holds.
-fn settle(
-    outbox: &mut Outbox,
-    rt: &Runtime,
-    slot: usize,
-    answer: Result<Reply, CallError>,
-    now: u64,
-    rec: &Recorder,
-) -> Next {
-    let settled = outbox.on_answer(&Cx::new(rt, now, rec), slot, answer);
-    if settled.resend.is_some() {
-        Next::Resend
-    } else if let Some(due) = outbox.next_due_ms() {
-        Next::Retry(due)
-    } else {
-        Next::Done
-    }
-}
-
-/// Sends `bg` alone at `now` and hands it `answer` then.
-fn answer_once(
-    rt: &Runtime,
-    bg: Background,
-    answer: Result<Reply, CallError>,
-    now: u64,
-    rec: &Recorder,
-) -> Next {
-    let mut outbox = Outbox::default();
-    outbox.add(bg);
-    let sent = outbox.take_due(now);
-    assert_eq!(sent.len(), 1);
-    settle(&mut outbox, rt, sent[0].slot, answer, now, rec)
-}
-
 const CONFIG: &str = r#"{
   "redis": {"cluster": "gw", "timeout": "50ms", "key_prefix": "cg"},
   "identity": {"missing_tenant": "reject"},
@@ -73,21 +28,14 @@ const CONFIG: &str = r#"{
 }"#;
 
 fn runtime(rec: &Recorder) -> Runtime {
-    let config = Config::parse(CONFIG.as_bytes()).expect("valid");
-    let metrics = rec.metrics(&config);
-    Runtime::new(config, metrics, None)
+    runtime_of(rec, CONFIG)
 }
 
-fn req(method: &str, path: &str, tenant: Option<&str>) -> Request {
-    let mut headers = vec![
-        (":method".to_string(), method.to_string()),
-        (":path".to_string(), path.to_string()),
-        (":authority".to_string(), "api".to_string()),
-    ];
-    if let Some(t) = tenant {
-        headers.push(("x-tenant-id".into(), t.into()));
-    }
-    Request::from_headers(headers, Some("127.0.0.1:4000"))
+/// A request of `method` to `path` from the client the `ip` limit counts, `127.0.0.1`.
+fn req(method: &str, path: &str) -> RequestBuilder {
+    request(method, path)
+        .authority("api")
+        .peer("127.0.0.1:4000")
 }
 
 #[test]
@@ -98,7 +46,7 @@ fn unmatched_request_passes_untouched() {
     assert_eq!(
         flow.on_request(
             &Cx::new(&rt, 0, &rec),
-            req("DELETE", "/x", None),
+            req("DELETE", "/x").build(),
             "n",
             "o",
             true
@@ -116,7 +64,7 @@ fn policy_without_limits_forwards() {
     assert_eq!(
         flow.on_request(
             &Cx::new(&rt, 0, &rec),
-            req("PUT", "/x", Some("t")),
+            req("PUT", "/x").tenant("t").build(),
             "n",
             "o",
             true
@@ -132,7 +80,7 @@ fn missing_tenant_is_401() {
     let mut flow = Flow::default();
     let Step::Respond(r) = flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders", None),
+        req("POST", "/orders").build(),
         "n",
         "o",
         true,
@@ -155,7 +103,7 @@ fn allowed_request_continues_with_headers() {
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
         &Cx::new(&rt, 1_000, &rec),
-        req("POST", "/orders", Some("acme")),
+        req("POST", "/orders").tenant("acme").build(),
         "n",
         "o",
         true,
@@ -167,7 +115,7 @@ fn allowed_request_continues_with_headers() {
         flow.on_reply(
             &Cx::new(&rt, 1_010, &rec),
             0,
-            Ok(ints(&[1, 1, 1, 59_000, 0]))
+            Ok(acquire().limit_ok(1, 59_000).reply())
         ),
         Step::Wait
     );
@@ -175,7 +123,7 @@ fn allowed_request_continues_with_headers() {
         flow.on_reply(
             &Cx::new(&rt, 1_020, &rec),
             1,
-            Ok(ints(&[1, 0, 0, 1_000, 1_000]))
+            Ok(acquire().shadow_over(0, 1_000, 1_000).reply())
         ),
         Step::Continue
     );
@@ -194,7 +142,11 @@ fn allowed_request_continues_with_headers() {
     assert_eq!(rec.samples.borrow().len(), 2, "latency recorded per answer");
     // A late duplicate answer changes nothing.
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1_030, &rec), 0, Ok(ints(&[0, 0, 0, 0, 1]))),
+        flow.on_reply(
+            &Cx::new(&rt, 1_030, &rec),
+            0,
+            Ok(acquire().limit_over(0, 0, 1).reply())
+        ),
         Step::Wait
     );
     assert_eq!(
@@ -211,19 +163,23 @@ fn rejected_request_gets_429() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders", Some("acme")),
+        req("POST", "/orders").tenant("acme").build(),
         "n",
         "o",
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 1, Ok(ints(&[1, 1, 99, 1, 0]))),
+        flow.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            1,
+            Ok(acquire().limit_ok(99, 1).reply())
+        ),
         Step::Wait
     );
     let Step::Respond(r) = flow.on_reply(
         &Cx::new(&rt, 2, &rec),
         0,
-        Ok(ints(&[0, 0, 0, 30_000, 30_000])),
+        Ok(acquire().limit_over(0, 30_000, 30_000).reply()),
     ) else {
         panic!("expected 429");
     };
@@ -245,12 +201,12 @@ fn noscript_retries_with_eval_once() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("GET", "/r", Some("acme")),
+        req("GET", "/r").tenant("acme").build(),
         "n",
         "o",
         true,
     ));
-    let noscript = Reply::Error("NOSCRIPT No matching script. Please use EVAL.".into());
+    let noscript = noscript();
     let again = dispatched(flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(noscript.clone())));
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].slot, 0);
@@ -276,7 +232,7 @@ fn errors_follow_the_failure_mode() {
         let mut closed = Flow::default();
         dispatched(closed.on_request(
             &Cx::new(&rt, 0, &rec),
-            req("POST", "/orders", Some("a")),
+            req("POST", "/orders").tenant("a").build(),
             "n",
             "o",
             true,
@@ -288,14 +244,18 @@ fn errors_follow_the_failure_mode() {
         assert_eq!(r.header("retry-after"), Some("1"));
         assert_eq!(rec.count("cg.policy.orders.failed_closed"), 1);
         assert_eq!(
-            closed.on_reply(&Cx::new(&rt, 2, &rec), 1, Ok(ints(&[1, 1, 1, 1, 0]))),
+            closed.on_reply(
+                &Cx::new(&rt, 2, &rec),
+                1,
+                Ok(acquire().limit_ok(1, 1).reply())
+            ),
             Step::Wait
         );
 
         let mut open = Flow::default();
         dispatched(open.on_request(
             &Cx::new(&rt, 0, &rec),
-            req("GET", "/r", Some("a")),
+            req("GET", "/r").tenant("a").build(),
             "n",
             "o",
             true,
@@ -316,7 +276,7 @@ fn watchdog_times_out_per_failure_mode() {
     let mut closed = Flow::default();
     dispatched(closed.on_request(
         &Cx::new(&rt, 100, &rec),
-        req("POST", "/orders", Some("a")),
+        req("POST", "/orders").tenant("a").build(),
         "n",
         "o",
         true,
@@ -329,14 +289,18 @@ fn watchdog_times_out_per_failure_mode() {
     assert_eq!(rec.count("cg.redis.timeouts"), 1);
     // The late answer is ignored.
     assert_eq!(
-        closed.on_reply(&Cx::new(&rt, 200, &rec), 0, Ok(ints(&[1, 1, 1, 1, 0]))),
+        closed.on_reply(
+            &Cx::new(&rt, 200, &rec),
+            0,
+            Ok(acquire().limit_ok(1, 1).reply())
+        ),
         Step::Wait
     );
 
     let mut open = Flow::default();
     dispatched(open.on_request(
         &Cx::new(&rt, 100, &rec),
-        req("GET", "/r", Some("a")),
+        req("GET", "/r").tenant("a").build(),
         "n",
         "o",
         true,
@@ -357,47 +321,22 @@ const IDEM_CONFIG: &str = r#"{
   ]
 }"#;
 
+/// The runtime of [`IDEM_CONFIG`].
 fn idem_runtime(rec: &Recorder) -> Runtime {
-    let config = Config::parse(IDEM_CONFIG.as_bytes()).expect("valid");
-    let metrics = rec.metrics(&config);
-    Runtime::new(config, metrics, None)
+    runtime_of(rec, IDEM_CONFIG)
 }
 
-fn idem_req(path: &str, key: Option<&str>, extra: &[(&str, &str)]) -> Request {
-    let mut headers = vec![
-        (":method".to_string(), "POST".to_string()),
-        (":path".to_string(), path.to_string()),
-        ("x-tenant-id".to_string(), "acme".to_string()),
-        ("content-type".to_string(), "application/json".to_string()),
-    ];
-    if let Some(k) = key {
-        headers.push(("idempotency-key".into(), k.into()));
-    }
-    for (n, v) in extra {
-        headers.push((n.to_string(), v.to_string()));
-    }
-    Request::from_headers(headers, None)
-}
-
-/// An acquire reply: one fixed-window limit (admitted) plus the idempotency section.
-fn acquire_reply(code: i64, record: &str) -> Reply {
-    Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(1),
-        Reply::Int(4),
-        Reply::Int(60_000),
-        Reply::Int(0),
-        Reply::Int(code),
-        Reply::Int(100_000),
-        Reply::Bulk(Some(record.as_bytes().to_vec())),
-    ]))
+/// The acquire answer of the `orders` policy so far: its tenant limit admits (4 left, the
+/// window ends in a minute). The record's section follows.
+fn orders_admitted() -> AcquireReply {
+    acquire().limit_ok(4, 60_000)
 }
 
 /// Headers, then the body in two chunks: returns the acquire dispatch.
 fn start_with_body(flow: &mut Flow, rt: &Runtime, rec: &Recorder, body: &[u8]) -> Vec<Outgoing> {
     let step = flow.on_request(
         &Cx::new(rt, 0, rec),
-        idem_req("/orders", Some("\"k-1\""), &[]),
+        json_post("/orders").idempotency_key("\"k-1\"").build(),
         "n",
         "owner-1",
         false,
@@ -424,7 +363,11 @@ fn acquire_then_complete_sync() {
     );
     assert!(!body.contains("k-1"), "the client's key never appears raw");
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(1, ""))),
+        flow.on_reply(
+            &Cx::new(&rt, 3, &rec),
+            0,
+            Ok(orders_admitted().record_new().reply())
+        ),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.acquired"), 1);
@@ -436,7 +379,11 @@ fn acquire_then_complete_sync() {
     // The same body with keys in another order has the same fingerprint.
     let mut again = Flow::default();
     start_with_body(&mut again, &rt, &rec, br#"{"a":1,"b":2}"#);
-    again.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(1, "")));
+    again.on_reply(
+        &Cx::new(&rt, 3, &rec),
+        0,
+        Ok(orders_admitted().record_new().reply()),
+    );
     assert_eq!(again.upstream_headers(), &fp[..]);
 
     let headers = vec![
@@ -475,7 +422,7 @@ fn acquire_then_complete_sync() {
         "the completion is bounded by the timeout"
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 6, &rec), out[0].slot, Ok(Reply::Int(1))),
+        flow.on_reply(&Cx::new(&rt, 6, &rec), out[0].slot, Ok(settled())),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
@@ -487,25 +434,48 @@ fn acquire_then_complete_sync() {
 fn answers_by_stored_state() {
     let completed = r#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab","created_ms":1,"updated_ms":2,
         "response":{"status":201,"headers":[["location","/orders/7"]],"body":"{\"id\":7}"}}"#;
-    let cases: Vec<(i64, &str, u32, &str)> = vec![
-        (2, "", 409, "cg.policy.orders.idem.in_progress"),
-        (4, "", 422, "cg.policy.orders.idem.conflict"),
-        (5, "", 422, "cg.policy.orders.idem.unreadable"),
-        (3, "not json", 422, "cg.policy.orders.idem.unreadable"),
-        (3, completed, 201, "cg.policy.orders.idem.replayed"),
+    let cases: Vec<(&str, AcquireReply, u32, &str)> = vec![
+        (
+            "in progress",
+            orders_admitted().record_in_progress(),
+            409,
+            "cg.policy.orders.idem.in_progress",
+        ),
+        (
+            "conflict",
+            orders_admitted().record_conflict(),
+            422,
+            "cg.policy.orders.idem.conflict",
+        ),
+        (
+            "unreadable",
+            orders_admitted().record_unreadable(),
+            422,
+            "cg.policy.orders.idem.unreadable",
+        ),
+        (
+            "completed, not JSON",
+            orders_admitted().record_completed("not json"),
+            422,
+            "cg.policy.orders.idem.unreadable",
+        ),
+        (
+            "completed",
+            orders_admitted().record_completed(completed),
+            201,
+            "cg.policy.orders.idem.replayed",
+        ),
     ];
-    for (code, record, status, metric) in cases {
+    for (case, answer, status, metric) in cases {
         let rec = Recorder::default();
         let rt = idem_runtime(&rec);
         let mut flow = Flow::default();
         start_with_body(&mut flow, &rt, &rec, b"{}");
-        let Step::Respond(r) =
-            flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(code, record)))
-        else {
-            panic!("code {code}: expected a local answer");
+        let Step::Respond(r) = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(answer.reply())) else {
+            panic!("{case}: expected a local answer");
         };
-        assert_eq!(r.status, status, "code {code}");
-        assert_eq!(rec.count(metric), 1, "code {code}");
+        assert_eq!(r.status, status, "{case}");
+        assert_eq!(rec.count(metric), 1, "{case}");
         match status {
             409 => assert_eq!(r.header("retry-after"), Some("1")),
             201 => {
@@ -552,7 +522,10 @@ fn sealed_runtime(rec: &Recorder, current: u8, previous: Option<u8>) -> Runtime 
 /// fingerprint the acquire sent.
 fn acquired(rt: &Runtime, rec: &Recorder, key: &str) -> (Flow, String) {
     let mut flow = Flow::default();
-    let req = idem_req("/orders", Some(key), &[("content-length", "2")]);
+    let req = json_post("/orders")
+        .idempotency_key(key)
+        .content_length(2)
+        .build();
     let held = flow.on_request(&Cx::new(rt, 0, rec), req, "n", "owner-1", false);
     assert_eq!(held, Step::Wait, "the body is fingerprinted");
     let out = dispatched(flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec()));
@@ -564,10 +537,17 @@ fn acquired(rt: &Runtime, rec: &Recorder, key: &str) -> (Flow, String) {
 /// What a request with client key `key` is answered when the acquire finds `record`.
 fn answer_to(rt: &Runtime, rec: &Recorder, key: &str, record: &str) -> LocalResponse {
     let mut flow = Flow::default();
-    let req = idem_req("/orders", Some(key), &[("content-length", "2")]);
+    let req = json_post("/orders")
+        .idempotency_key(key)
+        .content_length(2)
+        .build();
     flow.on_request(&Cx::new(rt, 0, rec), req, "n", "owner-2", false);
     flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec());
-    match flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(3, record))) {
+    match flow.on_reply(
+        &Cx::new(rt, 3, rec),
+        0,
+        Ok(orders_admitted().record_completed(record).reply()),
+    ) {
         Step::Respond(r) => Rc::unwrap_or_clone(r),
         other => panic!("expected a local answer, got {other:?}"),
     }
@@ -575,8 +555,12 @@ fn answer_to(rt: &Runtime, rec: &Recorder, key: &str, record: &str) -> LocalResp
 
 /// Runs a response through an acquired flow: the `response` argument of its complete call.
 fn completed_response(rt: &Runtime, rec: &Recorder, mut flow: Flow) -> String {
-    flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, "")));
-    let headers = pairs(&[
+    flow.on_reply(
+        &Cx::new(rt, 3, rec),
+        0,
+        Ok(orders_admitted().record_new().reply()),
+    );
+    let headers = headers(&[
         (":status", "201"),
         ("content-type", "application/json"),
         ("location", "/orders/MARKER-location"),
@@ -730,22 +714,27 @@ fn bad_keys_and_bodies() {
     let rt = idem_runtime(&rec);
     let cases: Vec<(Request, u32, &str)> = vec![
         (
-            idem_req("/orders", None, &[]),
+            json_post("/orders").build(),
             400,
             "cg.policy.orders.idem.missing_key",
         ),
         (
-            idem_req("/orders", Some("\"open"), &[]),
+            json_post("/orders").idempotency_key("\"open").build(),
             400,
             "cg.policy.orders.idem.invalid_key",
         ),
         (
-            idem_req("/orders", Some(&"x".repeat(256)), &[]),
+            json_post("/orders")
+                .idempotency_key(&"x".repeat(256))
+                .build(),
             400,
             "cg.policy.orders.idem.invalid_key",
         ),
         (
-            idem_req("/orders", Some("k"), &[("content-length", "2048")]),
+            json_post("/orders")
+                .idempotency_key("k")
+                .content_length(2048)
+                .build(),
             413,
             "cg.policy.orders.idem.body_too_large",
         ),
@@ -764,7 +753,7 @@ fn bad_keys_and_bodies() {
     assert_eq!(
         flow.on_request(
             &Cx::new(&rt, 0, &rec),
-            idem_req("/orders", Some("k"), &[]),
+            json_post("/orders").idempotency_key("k").build(),
             "n",
             "o",
             false
@@ -781,7 +770,7 @@ fn bad_keys_and_bodies() {
     assert_eq!(
         flow.on_request(
             &Cx::new(&rt, 0, &rec),
-            idem_req("/async", None, &[]),
+            json_post("/async").build(),
             "n",
             "o",
             false
@@ -798,7 +787,7 @@ fn body_that_never_comes_times_out() {
     assert_eq!(
         flow.on_request(
             &Cx::new(&rt, 0, &rec),
-            idem_req("/orders", Some("k"), &[]),
+            json_post("/orders").idempotency_key("k").build(),
             "n",
             "o",
             false
@@ -816,11 +805,16 @@ fn body_that_never_comes_times_out() {
     assert_eq!(r.status, 408);
 }
 
+/// A keyed `POST /orders` whose record was acquired: forwarded, its response to come.
 fn forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
     let mut flow = Flow::default();
     start_with_body(&mut flow, rt, rec, b"{}");
     assert_eq!(
-        flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, ""))),
+        flow.on_reply(
+            &Cx::new(rt, 3, rec),
+            0,
+            Ok(orders_admitted().record_new().reply())
+        ),
         Step::Continue
     );
     flow
@@ -846,7 +840,7 @@ fn retryable_statuses_release() {
             "status {status} releases"
         );
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(1))),
+            flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(settled())),
             Step::Continue
         );
         assert_eq!(rec.count("cg.policy.orders.idem.released"), 1);
@@ -882,7 +876,7 @@ fn stale_owner_and_failed_completion_are_counted() {
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(-1))),
+        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(another_owner())),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
@@ -989,18 +983,13 @@ fn async_completion_goes_to_the_root() {
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        idem_req("/async", Some("k"), &[]),
+        json_post("/async").idempotency_key("k").build(),
         "n",
         "o",
         true,
     ));
     assert_eq!(out.len(), 1);
-    let reply = Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(1),
-        Reply::Int(-2),
-        Reply::Bulk(Some(vec![])),
-    ]));
+    let reply = acquire().record_new().reply();
     assert_eq!(
         flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(reply)),
         Step::Continue
@@ -1037,19 +1026,17 @@ fn async_completion_goes_to_the_root() {
 #[test]
 fn rate_limits_of_other_slots_go_before_the_record() {
     // The record is acquired in the tenant group while another group rejects.
-    let config = Config::parse(
-        br#"{"redis": {"cluster": "gw"}, "over_limit_cache": {"entries": 0}, "policies": [{"name": "p",
+    let rec = Recorder::default();
+    let rt = runtime_of(
+        &rec,
+        r#"{"redis": {"cluster": "gw"}, "over_limit_cache": {"entries": 0}, "policies": [{"name": "p",
           "rate_limits": [{"name": "ip", "by": ["client_ip"], "algorithm": "fixed_window", "limit": 1, "window": "1m"}],
           "idempotency": {"fingerprint": ["method"]}}]}"#,
-    )
-    .expect("valid");
-    let rec = Recorder::default();
-    let metrics = rec.metrics(&config);
-    let rt = Runtime::new(config, metrics, None);
+    );
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        idem_req("/x", Some("k"), &[]),
+        json_post("/x").idempotency_key("k").build(),
         "n",
         "own",
         true,
@@ -1060,7 +1047,7 @@ fn rate_limits_of_other_slots_go_before_the_record() {
     let Step::Respond(r) = flow.on_reply(
         &Cx::new(&rt, 2, &rec),
         out[0].slot,
-        Ok(ints(&[0, 0, 0, 100, 100])),
+        Ok(acquire().limit_over(0, 100, 100).reply()),
     ) else {
         panic!("expected 429");
     };
@@ -1080,7 +1067,7 @@ fn rate_limits_of_other_slots_go_before_the_record() {
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        idem_req("/x", Some("k"), &[]),
+        json_post("/x").idempotency_key("k").build(),
         "n",
         "own",
         true,
@@ -1088,15 +1075,10 @@ fn rate_limits_of_other_slots_go_before_the_record() {
     let second = dispatched(flow.on_reply(
         &Cx::new(&rt, 1, &rec),
         out[0].slot,
-        Ok(ints(&[1, 1, 0, 100, 0])),
+        Ok(acquire().limit_ok(0, 100).reply()),
     ));
     assert!(String::from_utf8_lossy(&second[0].encode(&rt.scripts)).contains("%3Aidem%3A"));
-    let acquired = Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(1),
-        Reply::Int(-2),
-        Reply::Bulk(Some(vec![])),
-    ]));
+    let acquired = acquire().record_new().reply();
     assert_eq!(
         flow.on_reply(&Cx::new(&rt, 2, &rec), second[0].slot, Ok(acquired)),
         Step::Continue
@@ -1115,29 +1097,20 @@ const LEASE_CONFIG: &str = r#"{
   ]
 }"#;
 
+/// The runtime of [`LEASE_CONFIG`].
 fn lease_runtime(rec: &Recorder) -> Runtime {
-    let config = Config::parse(LEASE_CONFIG.as_bytes()).expect("valid");
-    let metrics = rec.metrics(&config);
-    Runtime::new(config, metrics, None)
+    runtime_of(rec, LEASE_CONFIG)
 }
 
 /// Sends a lease request of [`LEASE_CONFIG`] (`POST /orders/123/activate`) at 0: its acquire.
 fn activate(flow: &mut Flow, rt: &Runtime, rec: &Recorder) -> Vec<Outgoing> {
     dispatched(flow.on_request(
         &Cx::new(rt, 0, rec),
-        req("POST", "/orders/123/activate", Some("acme")),
+        req("POST", "/orders/123/activate").tenant("acme").build(),
         "n",
         "own",
         true,
     ))
-}
-
-fn lease_reply(code: i64, value: &[u8]) -> Reply {
-    Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(code),
-        Reply::Bulk(Some(value.to_vec())),
-    ]))
 }
 
 #[test]
@@ -1159,7 +1132,7 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
     let step = flow.on_reply(
         &Cx::new(&rt, 1, &rec),
         0,
-        Ok(lease_reply(1, b"1795988269215845")),
+        Ok(acquire().lease_granted(1_795_988_269_215_845).reply()),
     );
     assert_eq!(step, Step::Continue);
     assert_eq!(
@@ -1199,7 +1172,7 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
         "bounded by the Redis timeout"
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 6_001, &rec), out[0].slot, Ok(Reply::Int(1))),
+        flow.on_reply(&Cx::new(&rt, 6_001, &rec), out[0].slot, Ok(settled())),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.activate.lease.released"), 1);
@@ -1214,8 +1187,11 @@ fn busy_lease_rejects_with_retry_after() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     activate(&mut flow, &rt, &rec);
-    let Step::Respond(r) = flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"4200")))
-    else {
+    let Step::Respond(r) = flow.on_reply(
+        &Cx::new(&rt, 1, &rec),
+        0,
+        Ok(acquire().lease_busy(4200).reply()),
+    ) else {
         panic!("expected 409");
     };
     assert_eq!(r.status, 409);
@@ -1236,13 +1212,17 @@ fn busy_lease_waits_then_runs() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/wait/9/x", Some("acme")),
+        req("POST", "/wait/9/x").tenant("acme").build(),
         "n",
         "own",
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"900"))),
+        flow.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().lease_busy(900).reply())
+        ),
         Step::Wait
     );
     let poll_at = flow.deadline_ms().expect("a poll is scheduled");
@@ -1258,7 +1238,11 @@ fn busy_lease_waits_then_runs() {
         "a lease-only acquire, with the owner's cancellation marker: {body}"
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 30, &rec), 0, Ok(lease_reply(1, b"77"))),
+        flow.on_reply(
+            &Cx::new(&rt, 30, &rec),
+            0,
+            Ok(acquire().lease_granted(77).reply())
+        ),
         Step::Continue
     );
     assert_eq!(
@@ -1276,19 +1260,27 @@ fn busy_lease_gives_up_after_max_wait() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/wait/9/x", Some("acme")),
+        req("POST", "/wait/9/x").tenant("acme").build(),
         "n",
         "own",
         true,
     ));
     let mut now = 1;
-    let mut step = flow.on_reply(&Cx::new(&rt, now, &rec), 0, Ok(lease_reply(2, b"1500")));
+    let mut step = flow.on_reply(
+        &Cx::new(&rt, now, &rec),
+        0,
+        Ok(acquire().lease_busy(1500).reply()),
+    );
     let mut polls = 0;
     while step == Step::Wait {
         now = flow.deadline_ms().expect("a poll is scheduled");
         dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
         polls += 1;
-        step = flow.on_reply(&Cx::new(&rt, now + 1, &rec), 0, Ok(lease_reply(2, b"1500")));
+        step = flow.on_reply(
+            &Cx::new(&rt, now + 1, &rec),
+            0,
+            Ok(acquire().lease_busy(1500).reply()),
+        );
     }
     let Step::Respond(r) = step else {
         panic!("expected 409, got {step:?}");
@@ -1309,18 +1301,20 @@ fn a_lease_waiter_whose_poll_fails_answers_busy_even_failing_open() {
         r#""match": {"path_prefix": "/wait"},"#,
         r#""match": {"path_prefix": "/wait"}, "failure_mode": "fail_open","#,
     );
-    let config = Config::parse(json.as_bytes()).expect("valid");
-    let metrics = rec.metrics(&config);
-    let rt = Runtime::new(config, metrics, None);
+    let rt = runtime_of(&rec, &json);
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/wait/9/x", Some("acme")),
+        req("POST", "/wait/9/x").tenant("acme").build(),
         "n",
         "own",
         true,
     ));
-    let step = flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"2500")));
+    let step = flow.on_reply(
+        &Cx::new(&rt, 1, &rec),
+        0,
+        Ok(acquire().lease_busy(2500).reply()),
+    );
     assert_eq!(step, Step::Wait, "busy: it waits");
     let now = flow.deadline_ms().expect("a poll is scheduled");
     dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
@@ -1352,7 +1346,7 @@ fn missing_resource_is_400() {
     let mut flow = Flow::default();
     let Step::Respond(r) = flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders", Some("acme")),
+        req("POST", "/orders").tenant("acme").build(),
         "n",
         "o",
         true,
@@ -1372,13 +1366,17 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders/1/a", Some("acme")),
+        req("POST", "/orders/1/a").tenant("acme").build(),
         "n",
         "own",
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"5"))),
+        flow.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().lease_granted(5).reply())
+        ),
         Step::Continue
     );
     assert!(flow.deadline_ms().is_some(), "extended while held");
@@ -1393,13 +1391,17 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders/1/a", Some("acme")),
+        req("POST", "/orders/1/a").tenant("acme").build(),
         "n",
         "own",
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"5"))),
+        flow.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().lease_granted(5).reply())
+        ),
         Step::Continue
     );
     dispatched(flow.on_response_headers(
@@ -1418,7 +1420,7 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders/1/a", Some("acme")),
+        req("POST", "/orders/1/a").tenant("acme").build(),
         "n",
         "own",
         true,
@@ -1434,19 +1436,23 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
     let mut first = Flow::default();
     dispatched(first.on_request(
         &Cx::new(&rt, 1_000, &rec),
-        req("POST", "/orders", Some("acme")),
+        req("POST", "/orders").tenant("acme").build(),
         "n",
         "o",
         true,
     ));
     assert_eq!(
-        first.on_reply(&Cx::new(&rt, 1_001, &rec), 1, Ok(ints(&[1, 1, 99, 1, 0]))),
+        first.on_reply(
+            &Cx::new(&rt, 1_001, &rec),
+            1,
+            Ok(acquire().limit_ok(99, 1).reply())
+        ),
         Step::Wait
     );
     let Step::Respond(r) = first.on_reply(
         &Cx::new(&rt, 1_002, &rec),
         0,
-        Ok(ints(&[0, 0, 0, 30_000, 30_000])),
+        Ok(acquire().limit_over(0, 30_000, 30_000).reply()),
     ) else {
         panic!("expected 429");
     };
@@ -1456,7 +1462,7 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
     let mut second = Flow::default();
     let Step::Respond(r) = second.on_request(
         &Cx::new(&rt, 11_002, &rec),
-        req("POST", "/orders", Some("acme")),
+        req("POST", "/orders").tenant("acme").build(),
         "n",
         "o",
         true,
@@ -1473,7 +1479,7 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
     let mut other = Flow::default();
     dispatched(other.on_request(
         &Cx::new(&rt, 11_002, &rec),
-        req("POST", "/orders", Some("globex")),
+        req("POST", "/orders").tenant("globex").build(),
         "n",
         "o",
         true,
@@ -1481,7 +1487,7 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
     let mut later = Flow::default();
     dispatched(later.on_request(
         &Cx::new(&rt, 31_002, &rec),
-        req("POST", "/orders", Some("acme")),
+        req("POST", "/orders").tenant("acme").build(),
         "n",
         "o",
         true,
@@ -1490,26 +1496,28 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
 
 #[test]
 fn leased_quota_admits_from_local_slices() {
-    let config = Config::parse(
-        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p", "rate_limits": [
-          {"name": "t", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100, "window": "1m", "mode": "leased"}]}]}"#,
-    )
-    .expect("valid");
     let rec = Recorder::default();
-    let metrics = rec.metrics(&config);
-    let rt = Runtime::new(config, metrics, None);
+    let rt = runtime_of(
+        &rec,
+        r#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p", "rate_limits": [
+          {"name": "t", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100, "window": "1m", "mode": "leased"}]}]}"#,
+    );
     // The first request asks Redis, which grants a slice of 12 (an eighth of 100).
     let mut first = Flow::default();
     let out = dispatched(first.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("GET", "/", Some("acme")),
+        req("GET", "/").tenant("acme").build(),
         "n",
         "o",
         true,
     ));
     assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("/lq/"));
     assert_eq!(
-        first.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(ints(&[1, 1, 12, 60_000, 0]))),
+        first.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().limit_ok(12, 60_000).reply())
+        ),
         Step::Continue
     );
     assert_eq!(first.response_headers()[1].1, "\"t\";r=11;t=60");
@@ -1523,7 +1531,7 @@ fn leased_quota_admits_from_local_slices() {
         assert_eq!(
             f.on_request(
                 &Cx::new(&rt, 2 + i, &rec),
-                req("GET", "/", Some("acme")),
+                req("GET", "/").tenant("acme").build(),
                 "n",
                 "o",
                 true
@@ -1536,7 +1544,7 @@ fn leased_quota_admits_from_local_slices() {
     let mut again = Flow::default();
     match again.on_request(
         &Cx::new(&rt, 20, &rec),
-        req("GET", "/", Some("acme")),
+        req("GET", "/").tenant("acme").build(),
         "n",
         "o",
         true,
@@ -1549,7 +1557,7 @@ fn leased_quota_admits_from_local_slices() {
     let mut other = Flow::default();
     dispatched(other.on_request(
         &Cx::new(&rt, 20, &rec),
-        req("GET", "/", Some("globex")),
+        req("GET", "/").tenant("globex").build(),
         "n",
         "o",
         true,
@@ -1557,13 +1565,17 @@ fn leased_quota_admits_from_local_slices() {
     // After the window the slice is gone.
     let mut late = Flow::default();
     assert_eq!(
-        late.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(ints(&[1, 1, 1, 1, 0]))),
+        late.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().limit_ok(1, 1).reply())
+        ),
         Step::Wait,
         "idle flow ignores answers"
     );
     dispatched(late.on_request(
         &Cx::new(&rt, 61_000, &rec),
-        req("GET", "/", Some("acme")),
+        req("GET", "/").tenant("acme").build(),
         "n",
         "o",
         true,
@@ -1581,7 +1593,7 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     let bg = flow.take_background();
     assert!(!bg[0].certain);
     assert_eq!(
-        answer_once(&rt, bg[0].clone(), Ok(Reply::Int(0)), 5, &rec),
+        answer_once(&rt, bg[0].clone(), Ok(missing()), 5, &rec),
         Next::Done
     );
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 0);
@@ -1599,19 +1611,16 @@ fn expected_not_ours_answers_are_not_stale_owners() {
         "h".into(),
     );
     assert!(owned.certain);
-    answer_once(&rt, owned, Ok(Reply::Int(-1)), 5, &rec);
+    answer_once(&rt, owned, Ok(another_owner()), 5, &rec);
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
 }
 
-fn never_read() -> Vec<u8> {
-    panic!("a body over max_response_body must not be read")
-}
-
+/// A plain-text response's headers, declaring a body of `n` bytes.
 fn cl(n: u64) -> Vec<(String, String)> {
-    vec![
-        ("content-type".to_string(), "text/plain".to_string()),
-        ("content-length".to_string(), n.to_string()),
-    ]
+    headers(&[
+        ("content-type", "text/plain"),
+        ("content-length", &n.to_string()),
+    ])
 }
 
 /// The complete call of `out` stores a reference: status and replay headers, no body.
@@ -1655,7 +1664,7 @@ fn sync_response_declared_too_large_streams_and_holds_only_its_last_piece() {
         Step::Wait
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 8, &rec), out[0].slot, Ok(Reply::Int(1))),
+        flow.on_reply(&Cx::new(&rt, 8, &rec), out[0].slot, Ok(settled())),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
@@ -1669,7 +1678,7 @@ fn sync_response_copies_its_body_and_streams_past_max_response_body() {
     let rec = Recorder::default();
     let rt = idem_runtime(&rec);
     let mut flow = forwarded(&rt, &rec);
-    let chunked = vec![("content-type".to_string(), "text/plain".to_string())];
+    let chunked = headers(&[("content-type", "text/plain")]);
     assert_eq!(
         flow.on_response_headers(
             &Cx::new(&rt, 4, &rec),
@@ -1703,7 +1712,7 @@ fn sync_response_copies_its_body_and_streams_past_max_response_body() {
     let out = dispatched(flow.on_response_body(&Cx::new(&rt, 8, &NoMetrics), 10, true, never_read));
     assert_reference(&out);
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 9, &rec), out[0].slot, Ok(Reply::Int(1))),
+        flow.on_reply(&Cx::new(&rt, 9, &rec), out[0].slot, Ok(settled())),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
@@ -1714,7 +1723,7 @@ fn response_trailers_end_a_streaming_body() {
     let rec = Recorder::default();
     let rt = idem_runtime(&rec);
     let mut flow = forwarded(&rt, &rec);
-    let chunked = vec![("content-type".to_string(), "text/plain".to_string())];
+    let chunked = headers(&[("content-type", "text/plain")]);
     flow.on_response_headers(
         &Cx::new(&rt, 4, &rec),
         201,
@@ -1789,17 +1798,12 @@ fn a_response_that_never_ends_is_never_stored_completed() {
     let mut copying = Flow::default();
     dispatched(copying.on_request(
         &Cx::new(&rt, 0, &rec),
-        idem_req("/async", Some("k"), &[]),
+        json_post("/async").idempotency_key("k").build(),
         "n",
         "o",
         true,
     ));
-    let acquired = Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(1),
-        Reply::Int(-2),
-        Reply::Bulk(Some(vec![])),
-    ]));
+    let acquired = acquire().record_new().reply();
     assert_eq!(
         copying.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
         Step::Continue
@@ -1828,17 +1832,12 @@ fn async_response_over_max_is_stored_by_reference_at_its_end() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        idem_req("/async", Some("k"), &[]),
+        json_post("/async").idempotency_key("k").build(),
         "n",
         "o",
         true,
     ));
-    let acquired = Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(1),
-        Reply::Int(-2),
-        Reply::Bulk(Some(vec![])),
-    ]));
+    let acquired = acquire().record_new().reply();
     assert_eq!(
         flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
         Step::Continue
@@ -1911,18 +1910,14 @@ fn ambiguous_inputs_are_400_before_any_call() {
         ),
     ];
     for (path, extra, slug) in cases {
-        let mut headers = vec![
-            (":method".to_string(), "POST".to_string()),
-            (":path".to_string(), path.to_string()),
-        ];
+        let mut sent = request("POST", path);
         if extra.iter().all(|(n, _)| *n != "x-tenant-id") {
-            headers.push(("x-tenant-id".into(), "acme".into()));
+            sent = sent.tenant("acme");
         }
-        headers.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
         let mut flow = Flow::default();
         let step = flow.on_request(
             &Cx::new(&rt, 0, &rec),
-            Request::from_headers(headers, None),
+            sent.headers(extra).build(),
             "n",
             "o",
             true,
@@ -1939,13 +1934,11 @@ fn ambiguous_inputs_are_400_before_any_call() {
     assert_eq!(rec.count("cg.policy.activate.ambiguous_input"), 4);
 
     // A repeated query parameter a lease resource reads.
-    let config = Config::parse(
-        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "q", "lease":
+    let rt = runtime_of(
+        &rec,
+        r#"{"redis": {"cluster": "gw"}, "policies": [{"name": "q", "lease":
             {"resource": ["query:id"], "ttl": "1s"}}]}"#,
-    )
-    .expect("valid");
-    let metrics = rec.metrics(&config);
-    let rt = Runtime::new(config, metrics, None);
+    );
     for (path, status) in [
         ("/x?id=1&id=2", 400),
         ("/x?id=1&i%64=1", 400),
@@ -1954,7 +1947,7 @@ fn ambiguous_inputs_are_400_before_any_call() {
         let mut flow = Flow::default();
         let step = flow.on_request(
             &Cx::new(&rt, 0, &rec),
-            req("POST", path, Some("t")),
+            req("POST", path).tenant("t").build(),
             "n",
             "o",
             true,
@@ -1972,18 +1965,16 @@ fn ambiguous_inputs_are_400_before_any_call() {
 
 #[test]
 fn fail_open_sends_no_fingerprint() {
-    let config = Config::parse(
-        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "o", "failure_mode": "fail_open",
-            "idempotency": {"fingerprint": ["method", "path"]}}]}"#,
-    )
-    .expect("valid");
     let rec = Recorder::default();
-    let metrics = rec.metrics(&config);
-    let rt = Runtime::new(config, metrics, None);
+    let rt = runtime_of(
+        &rec,
+        r#"{"redis": {"cluster": "gw"}, "policies": [{"name": "o", "failure_mode": "fail_open",
+            "idempotency": {"fingerprint": ["method", "path"]}}]}"#,
+    );
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        idem_req("/o", Some("\"k\""), &[]),
+        json_post("/o").idempotency_key("\"k\"").build(),
         "n",
         "o",
         true,
@@ -2061,7 +2052,7 @@ fn a_timed_out_acquire_is_compensated_with_the_marker() {
         flow.on_reply(
             &Cx::new(&rt, deadline + 900, &rec),
             0,
-            Ok(acquire_reply(1, ""))
+            Ok(orders_admitted().record_new().reply())
         ),
         Step::Wait
     );
@@ -2091,7 +2082,7 @@ fn a_late_lease_is_compensated_and_never_counted_released() {
     assert!(bg[0].call.keys[1].contains(":cancel:{t."));
     // The late acquire took the lease and the compensation gave it back: not "released".
     assert_eq!(
-        answer_once(&rt, bg[0].clone(), Ok(Reply::Int(1)), deadline + 10, &rec),
+        answer_once(&rt, bg[0].clone(), Ok(settled()), deadline + 10, &rec),
         Next::Done
     );
     assert_eq!(rec.count("cg.policy.activate.lease.released"), 0);
@@ -2215,12 +2206,16 @@ fn the_root_sends_only_what_is_due() {
 fn a_release_sent_again_that_finds_its_lease_gone_counts_as_released() {
     // The first send's answer is lost (a timeout) after Redis deleted the lease: the second
     // finds nothing (`0`) or another owner's lease (`-1`). That is the first send's release.
-    for gone in [0, -1] {
+    for gone in [missing(), another_owner()] {
         let rec = Recorder::default();
         let rt = lease_runtime(&rec);
         let mut flow = Flow::default();
         activate(&mut flow, &rt, &rec);
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"9")));
+        flow.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().lease_granted(9).reply()),
+        );
         // An event stream holds the lease until it ends, and the root gives it back then.
         let h = headers(&[(":status", "200"), ("content-type", "text/event-stream")]);
         flow.on_response_headers(&Cx::new(&rt, 2, &rec), 200, true, "", &h, false);
@@ -2244,21 +2239,22 @@ fn a_release_sent_again_that_finds_its_lease_gone_counts_as_released() {
         };
         let sent = outbox.take_due(due);
         assert_eq!(sent.len(), 1);
-        let settled = outbox.on_answer(
-            &Cx::new(&rt, due + 1, &rec),
-            sent[0].slot,
-            Ok(Reply::Int(gone)),
-        );
+        let settled =
+            outbox.on_answer(&Cx::new(&rt, due + 1, &rec), sent[0].slot, Ok(gone.clone()));
         assert!(settled.freed.is_some(), "waiters may poll");
         assert!(outbox.is_empty());
-        assert_eq!(rec.count("cg.policy.activate.lease.released"), 1, "{gone}");
-        assert_eq!(rec.count("cg.policy.activate.lease.lost"), 0, "{gone}");
+        assert_eq!(
+            rec.count("cg.policy.activate.lease.released"),
+            1,
+            "{gone:?}"
+        );
+        assert_eq!(rec.count("cg.policy.activate.lease.lost"), 0, "{gone:?}");
 
         // Sent once, the same answer is a lost lease.
         let rec = Recorder::default();
         let rt = lease_runtime(&rec);
         assert_eq!(
-            answer_once(&rt, bg[0].clone(), Ok(Reply::Int(gone)), 5, &rec),
+            answer_once(&rt, bg[0].clone(), Ok(gone), 5, &rec),
             Next::Done
         );
         assert_eq!(rec.count("cg.policy.activate.lease.released"), 0);
@@ -2269,18 +2265,16 @@ fn a_release_sent_again_that_finds_its_lease_gone_counts_as_released() {
 #[test]
 fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
     let rec = Recorder::default();
-    let config = Config::parse(
-        br#"{"redis": {"cluster": "gw"}, "policies": [
+    let rt = runtime_of(
+        &rec,
+        r#"{"redis": {"cluster": "gw"}, "policies": [
           {"name": "wait", "lease": {"resource": ["path_segment:2"], "ttl": "2s", "on_busy": "wait",
                                      "fence_ttl": "1h"}}]}"#,
-    )
-    .expect("valid");
-    let metrics = rec.metrics(&config);
-    let rt = Runtime::new(config, metrics, None);
+    );
     let mut flow = Flow::default();
     let out = dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/wait/9/x", Some("acme")),
+        req("POST", "/wait/9/x").tenant("acme").build(),
         "n",
         "own",
         true,
@@ -2293,7 +2287,11 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
         vec!["own".to_string(), "2000".to_string(), "3600000".to_string()]
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"1500"))),
+        flow.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().lease_busy(1500).reply())
+        ),
         Step::Wait
     );
     let now = flow.deadline_ms().expect("a poll is scheduled");
@@ -2307,24 +2305,26 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
 #[test]
 fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
     let rec = Recorder::default();
-    let config = Config::parse(
-        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "wait", "lease":
+    let rt = runtime_of(
+        &rec,
+        r#"{"redis": {"cluster": "gw"}, "policies": [{"name": "wait", "lease":
             {"resource": ["path_segment:2"], "ttl": "10s", "on_busy": "wait", "max_wait": "5s"}}]}"#,
-    )
-    .expect("valid");
-    let metrics = rec.metrics(&config);
-    let rt = Runtime::new(config, metrics, None);
+    );
     let waiter = |owner: &str| {
         let mut flow = Flow::default();
         dispatched(flow.on_request(
             &Cx::new(&rt, 0, &rec),
-            req("POST", "/wait/9/x", Some("acme")),
+            req("POST", "/wait/9/x").tenant("acme").build(),
             "n",
             owner,
             true,
         ));
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 0, &rec), 0, Ok(lease_reply(2, b"5000"))),
+            flow.on_reply(
+                &Cx::new(&rt, 0, &rec),
+                0,
+                Ok(acquire().lease_busy(5000).reply())
+            ),
             Step::Wait
         );
         flow
@@ -2353,7 +2353,11 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
         now = next;
         dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, now, &rec), 0, Ok(lease_reply(2, b"5000"))),
+            flow.on_reply(
+                &Cx::new(&rt, now, &rec),
+                0,
+                Ok(acquire().lease_busy(5000).reply())
+            ),
             Step::Wait
         );
     }
@@ -2373,13 +2377,17 @@ fn a_holder_reports_the_lease_it_freed() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders/5/act", Some("acme")),
+        req("POST", "/orders/5/act").tenant("acme").build(),
         "n",
         "own",
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"9"))),
+        flow.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().lease_granted(9).reply())
+        ),
         Step::Continue
     );
     let out = dispatched(flow.on_response_headers(
@@ -2391,7 +2399,7 @@ fn a_holder_reports_the_lease_it_freed() {
         true,
     ));
     assert_eq!(flow.take_freed(), None, "not before Redis said so");
-    flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(Reply::Int(1)));
+    flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(settled()));
     let freed = flow.take_freed().expect("freed");
     assert!(freed.contains(":lease:"), "{freed}");
     assert_eq!(flow.take_freed(), None, "once");
@@ -2399,14 +2407,11 @@ fn a_holder_reports_the_lease_it_freed() {
 
 /// A gRPC request with an Idempotency-Key.
 fn grpc_req(content_type: &str) -> Request {
-    let headers = pairs(&[
-        (":method", "POST"),
-        (":path", "/orders"),
-        ("x-tenant-id", "acme"),
-        ("content-type", content_type),
-        ("idempotency-key", "\"k-1\""),
-    ]);
-    Request::from_headers(headers, None)
+    request("POST", "/orders")
+        .tenant("acme")
+        .content_type(content_type)
+        .idempotency_key("\"k-1\"")
+        .build()
 }
 
 /// A gRPC request (`content-type: application/grpc`) that acquired its record.
@@ -2422,16 +2427,14 @@ fn grpc_forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
     assert_eq!(step, Step::Wait);
     dispatched(flow.on_request_body(&Cx::new(rt, 2, rec), 7, true, || b"\0\0\0\0\x02hi".to_vec()));
     assert_eq!(
-        flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, ""))),
+        flow.on_reply(
+            &Cx::new(rt, 3, rec),
+            0,
+            Ok(orders_admitted().record_new().reply())
+        ),
         Step::Continue
     );
     flow
-}
-
-fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
-    list.iter()
-        .map(|(n, v)| (n.to_string(), v.to_string()))
-        .collect()
 }
 
 #[test]
@@ -2441,14 +2444,14 @@ fn grpc_outcome_is_read_from_grpc_status() {
     let cases: Vec<(Pairs, Option<Pairs>, bool, &str)> = vec![
         // Trailers-only, retryable: released (an HTTP 200 says nothing).
         (
-            pairs(&[("content-type", "application/grpc"), ("grpc-status", "14")]),
+            headers(&[("content-type", "application/grpc"), ("grpc-status", "14")]),
             None,
             true,
             "",
         ),
         // Trailers-only, not retryable: completed with its status and message.
         (
-            pairs(&[
+            headers(&[
                 ("content-type", "application/grpc"),
                 ("grpc-status", "5"),
                 ("grpc-message", "no%20such%20order"),
@@ -2459,14 +2462,14 @@ fn grpc_outcome_is_read_from_grpc_status() {
         ),
         // Status in the trailers after a message.
         (
-            pairs(&[("content-type", "application/grpc")]),
-            Some(pairs(&[("grpc-status", "10"), ("grpc-message", "x")])),
+            headers(&[("content-type", "application/grpc")]),
+            Some(headers(&[("grpc-status", "10"), ("grpc-message", "x")])),
             true,
             "",
         ),
         (
-            pairs(&[("content-type", "application/grpc")]),
-            Some(pairs(&[
+            headers(&[("content-type", "application/grpc")]),
+            Some(headers(&[
                 ("grpc-status", "0"),
                 ("x-checksum", "abc"),
                 ("x-other", "dropped"),
@@ -2517,7 +2520,7 @@ fn grpc_outcome_is_read_from_grpc_status() {
             assert!(!json.contains("x-other"), "{json}");
         }
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 7, &rec), out[0].slot, Ok(Reply::Int(1))),
+            flow.on_reply(&Cx::new(&rt, 7, &rec), out[0].slot, Ok(settled())),
             Step::Continue
         );
         let metric = if released { "released" } else { "completed" };
@@ -2533,29 +2536,38 @@ fn grpc_replays_and_local_replies() {
     let with_message = r#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ab",
         "response":{"status":200,"headers":[["content-type","application/grpc"]],
         "body_base64":"AAAAAAJoaQ==","trailers":[["grpc-status","0"]]}}"#;
-    // (acquire code, record, grpc-status, grpc-message)
-    let cases: Vec<(i64, &str, u32, &str)> = vec![
-        (3, trailers_only, 5, "no%20such%20order"),
+    // (case, acquire answer, a replay, grpc-status, grpc-message)
+    let cases: Vec<(&str, AcquireReply, bool, u32, &str)> = vec![
         (
-            3,
-            with_message,
+            "completed, trailers only",
+            orders_admitted().record_completed(trailers_only),
+            true,
+            5,
+            "no%20such%20order",
+        ),
+        (
+            "completed with a message",
+            orders_admitted().record_completed(with_message),
+            true,
             6,
             "the call with this idempotency key already completed with OK; its response message cannot be replayed to a gRPC client",
         ),
         (
-            2,
-            "",
+            "in progress",
+            orders_admitted().record_in_progress(),
+            false,
             10,
             "a request with this Idempotency-Key is still being processed; retry later",
         ),
         (
-            4,
-            "",
+            "conflict",
+            orders_admitted().record_conflict(),
+            false,
             9,
             "this Idempotency-Key was already used for a different request",
         ),
     ];
-    for (code, record, status, message) in cases {
+    for (case, answer, replay, status, message) in cases {
         let rec = Recorder::default();
         let rt = idem_runtime(&rec);
         let mut flow = Flow::default();
@@ -2567,24 +2579,22 @@ fn grpc_replays_and_local_replies() {
             false,
         );
         flow.on_request_body(&Cx::new(&rt, 1, &rec), 2, true, || b"hi".to_vec());
-        let Step::Respond(r) =
-            flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(code, record)))
-        else {
-            panic!("code {code}: expected a local answer");
+        let Step::Respond(r) = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(answer.reply())) else {
+            panic!("{case}: expected a local answer");
         };
-        assert_eq!(r.grpc_status, Some(status), "code {code}");
+        assert_eq!(r.grpc_status, Some(status), "{case}");
         assert_eq!(r.header("grpc-status"), Some(status.to_string().as_str()));
         assert_eq!(
             r.header("grpc-message").map(|m| m.replace("%20", " ")),
             Some(message.replace("%20", " ")),
-            "code {code}"
+            "{case}"
         );
         assert!(
             r.body.is_empty(),
-            "code {code}: the host would turn a body into the message"
+            "{case}: the host would turn a body into the message"
         );
         assert_ne!(r.header("content-type"), Some("application/problem+json"));
-        if code == 3 {
+        if replay {
             assert_eq!(r.header(REPLAYED_HEADER), Some("true"));
         }
     }
@@ -2592,22 +2602,19 @@ fn grpc_replays_and_local_replies() {
 
 // --- upgrades and streams ----------------------------------------------------------------------
 
+/// An upgrade (to a WebSocket, or a `CONNECT`) of tenant `acme`, with an Idempotency-Key.
 fn upgrade_req(method: &str, path: &str) -> Request {
-    let mut h = headers(&[
-        (":method", method),
-        (":path", path),
-        (":authority", "api"),
-        ("x-tenant-id", "acme"),
-        ("content-type", "application/json"),
-        ("idempotency-key", "k-up"),
-    ]);
-    if method != "CONNECT" {
-        h.extend(headers(&[
-            ("connection", "upgrade"),
-            ("upgrade", "websocket"),
-        ]));
+    let req = request(method, path)
+        .authority("api")
+        .tenant("acme")
+        .json()
+        .idempotency_key("k-up");
+    if method == "CONNECT" {
+        return req.build();
     }
-    Request::from_headers(h, None)
+    req.header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .build()
 }
 
 #[test]
@@ -2654,7 +2661,11 @@ fn an_upgrade_holds_its_lease_until_the_stream_ends_and_keeps_extending_it() {
     ));
     assert_eq!(out.len(), 1);
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"42"))),
+        flow.on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().lease_granted(42).reply())
+        ),
         Step::Continue
     );
     // The 101 goes on at once and the lease stays held.
@@ -2704,7 +2715,11 @@ fn an_upgrade_holds_its_lease_until_the_stream_ends_and_keeps_extending_it() {
         "own",
         false,
     ));
-    declined.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"43")));
+    declined.on_reply(
+        &Cx::new(&rt, 1, &rec),
+        0,
+        Ok(acquire().lease_granted(43).reply()),
+    );
     let out = dispatched(declined.on_response_headers(
         &Cx::new(&rt, 2, &rec),
         426,
@@ -2723,12 +2738,16 @@ fn an_event_stream_holds_its_lease_until_it_ends() {
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders/9/feed", Some("acme")),
+        req("POST", "/orders/9/feed").tenant("acme").build(),
         "n",
         "own",
         true,
     ));
-    flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"9")));
+    flow.on_reply(
+        &Cx::new(&rt, 1, &rec),
+        0,
+        Ok(acquire().lease_granted(9).reply()),
+    );
     let sse = headers(&[("content-type", "text/event-stream")]);
     assert_eq!(
         flow.on_response_headers(
@@ -2768,7 +2787,11 @@ fn an_upgrade_is_acquired_without_waiting_for_a_body_and_its_record_released_at_
         ));
         assert_eq!(out.len(), 1, "{method}");
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquire_reply(1, ""))),
+            flow.on_reply(
+                &Cx::new(&rt, 1, &rec),
+                0,
+                Ok(orders_admitted().record_new().reply())
+            ),
             Step::Continue
         );
         let status = if method == "CONNECT" { 200 } else { 101 };
@@ -2783,7 +2806,7 @@ fn an_upgrade_is_acquired_without_waiting_for_a_body_and_its_record_released_at_
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].script, ScriptId::Release, "{method}: never stored");
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(Reply::Int(1))),
+            flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(settled())),
             Step::Continue
         );
         assert_eq!(
@@ -2903,30 +2926,21 @@ fn replay_reference_is_stored_only_once_the_body_ended() {
 #[test]
 fn a_lease_is_released_with_the_record_when_the_body_passes() {
     let rec = Recorder::default();
-    let config = Config::parse(
-        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "both",
+    let rt = runtime_of(
+        &rec,
+        r#"{"redis": {"cluster": "gw"}, "policies": [{"name": "both",
             "idempotency": {"fingerprint": ["method", "path"]},
             "lease": {"resource": ["tenant"], "ttl": "10s", "extend": false}}]}"#,
-    )
-    .expect("valid");
-    let metrics = rec.metrics(&config);
-    let rt = Runtime::new(config, metrics, None);
+    );
     let mut flow = Flow::default();
     dispatched(flow.on_request(
         &Cx::new(&rt, 0, &rec),
-        idem_req("/x", Some("\"k\""), &[]),
+        json_post("/x").idempotency_key("\"k\"").build(),
         "n",
         "own",
         true,
     ));
-    let acquired = Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(1),
-        Reply::Int(100_000),
-        Reply::Bulk(Some(vec![])),
-        Reply::Int(1),
-        Reply::Bulk(Some(b"77".to_vec())),
-    ]));
+    let acquired = acquire().record_new().lease_granted(77).reply();
     assert_eq!(
         flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
         Step::Continue
@@ -2961,11 +2975,11 @@ fn a_lease_is_released_with_the_record_when_the_body_passes() {
         &out[0].call.args[3]
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(1))),
+        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(settled())),
         Step::Wait
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 6, &rec), out[1].slot, Ok(Reply::Int(1))),
+        flow.on_reply(&Cx::new(&rt, 6, &rec), out[1].slot, Ok(settled())),
         Step::Continue
     );
     assert_eq!(rec.count("cg.policy.both.lease.released"), 1);
