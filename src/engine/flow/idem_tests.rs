@@ -37,12 +37,7 @@ pub(super) fn orders_admitted() -> AcquireReply {
 }
 
 /// Headers, then the body in two chunks: returns the acquire dispatch.
-pub(super) fn start_with_body(
-    flow: &mut Flow,
-    rt: &Runtime,
-    rec: &Recorder,
-    body: &[u8],
-) -> Vec<Outgoing> {
+fn start_with_body(flow: &mut Flow, rt: &Runtime, rec: &Recorder, body: &[u8]) -> Vec<Outgoing> {
     let step = flow.on_request(
         &Cx::new(rt, 0, rec),
         json_post("/orders").idempotency_key("\"k-1\"").build(),
