@@ -1,11 +1,9 @@
 //! The worker's memory budget through the flow: what is refused, stored by reference or
 //! charged the fallback when the heap (as [`crate::support::heap::pretend_held`] says) is nearly full.
 
-use crate::config::Config;
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
-use crate::http::request::Request;
-use crate::redis::{resp::Reply, CallError};
+use crate::redis::CallError;
 use crate::support::heap::pretend_held;
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
@@ -28,20 +26,7 @@ const CONFIG: &str = r#"{
 }"#;
 
 fn runtime(rec: &Recorder) -> Runtime {
-    let config = Config::parse(CONFIG.as_bytes()).expect("valid");
-    let metrics = rec.metrics(&config);
-    Runtime::new(config, metrics, None)
-}
-
-fn request(path: &str, extra: &[(&str, &str)]) -> Request {
-    let mut headers = vec![
-        (":method".to_string(), "POST".to_string()),
-        (":path".to_string(), path.to_string()),
-        ("x-tenant-id".to_string(), "acme".to_string()),
-        ("content-type".to_string(), "application/json".to_string()),
-    ];
-    headers.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
-    Request::from_headers(headers, None)
+    runtime_of(rec, CONFIG)
 }
 
 /// A keyed request whose headers came; its body is still to come.
@@ -49,7 +34,7 @@ fn buffering(rt: &Runtime, rec: &Recorder) -> Flow {
     let mut flow = Flow::default();
     let step = flow.on_request(
         &Cx::new(rt, 0, rec),
-        request("/orders", &[("idempotency-key", "\"k-1\"")]),
+        json_post("/orders").idempotency_key("\"k-1\"").build(),
         "n",
         "owner-1",
         false,
@@ -117,16 +102,7 @@ fn responding(rt: &Runtime, rec: &Recorder) -> Flow {
     pretend_held(0);
     let mut flow = buffering(rt, rec);
     dispatched(flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec()));
-    let reply = Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(1),
-        Reply::Int(4),
-        Reply::Int(60_000),
-        Reply::Int(0),
-        Reply::Int(1),
-        Reply::Int(100_000),
-        Reply::Bulk(Some(Vec::new())),
-    ]));
+    let reply = acquire().limit_ok(4, 60_000).record_new().reply();
     assert_eq!(
         flow.on_reply(&Cx::new(rt, 2, rec), 0, Ok(reply)),
         Step::Continue
@@ -224,14 +200,14 @@ fn a_charge_piece_the_budget_cannot_hold_is_charged_the_fallback() {
     pretend_held(0);
     let mut flow = Flow::default();
     let cx = Cx::new(&rt, 0, &rec);
-    let out = dispatched(flow.on_request(&cx, request("/llm", &[("x-cost", "7")]), "n", "o", true));
-    let admitted = Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(1),
-        Reply::Int(99_993),
-        Reply::Int(60_000),
-        Reply::Int(0),
-    ]));
+    let out = dispatched(flow.on_request(
+        &cx,
+        json_post("/llm").header("x-cost", "7").build(),
+        "n",
+        "o",
+        true,
+    ));
+    let admitted = acquire().limit_ok(99_993, 60_000).reply();
     assert_eq!(
         flow.on_reply(&cx, out[0].slot, Ok(admitted)),
         Step::Continue

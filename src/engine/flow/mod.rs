@@ -581,9 +581,17 @@ impl Flow {
 }
 
 #[cfg(test)]
+mod idem_tests;
+#[cfg(test)]
+mod lease_tests;
+#[cfg(test)]
 mod memory_tests;
 #[cfg(test)]
+mod outbox_tests;
+#[cfg(test)]
 mod quota_tests;
+#[cfg(test)]
+mod response_tests;
 #[cfg(test)]
 pub(crate) mod test_support;
 #[cfg(test)]

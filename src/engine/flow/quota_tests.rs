@@ -1,10 +1,7 @@
 //! Concurrency slots, costs and charges through the flow.
 
-use crate::config::Config;
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
-use crate::http::request::Request;
-use crate::redis::resp::Reply;
 use crate::redis::CallError;
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
@@ -29,25 +26,20 @@ const CONFIG: &str = r#"{
 }"#;
 
 fn runtime(rec: &Recorder) -> Runtime {
-    let config = Config::parse(CONFIG.as_bytes()).expect("valid");
-    let metrics = rec.metrics(&config);
-    Runtime::new(config, metrics, None)
+    runtime_of(rec, CONFIG)
 }
 
-fn req(path: &str, extra: &[(&str, &str)]) -> Request {
-    let mut headers = vec![
-        (":method".to_string(), "POST".to_string()),
-        (":path".to_string(), path.to_string()),
-        (":authority".to_string(), "api".to_string()),
-        ("x-tenant-id".to_string(), "acme".to_string()),
-    ];
-    headers.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
-    Request::from_headers(headers, Some("127.0.0.1:4000"))
+/// A `POST` of tenant `acme` to `path`.
+fn req(path: &str) -> RequestBuilder {
+    request("POST", path)
+        .authority("api")
+        .tenant("acme")
+        .peer("127.0.0.1:4000")
 }
 
 /// A request of `path` sent; its acquire calls.
 fn start(flow: &mut Flow, rt: &Runtime, rec: &Recorder, path: &str) -> Vec<Outgoing> {
-    let step = flow.on_request(&Cx::new(rt, 0, rec), req(path, &[]), "n1", "o1", true);
+    let step = flow.on_request(&Cx::new(rt, 0, rec), req(path).build(), "n1", "o1", true);
     dispatched(step)
 }
 
@@ -72,7 +64,7 @@ fn a_slot_is_taken_extended_and_given_back_at_the_end() {
     let step = flow.on_reply(
         &Cx::new(&rt, 5, &rec),
         out[0].slot,
-        Ok(ints(&[1, 1, 1, 30_000, 0])),
+        Ok(acquire().limit_ok(1, 30_000).reply()),
     );
     assert_eq!(step, Step::Continue);
     assert!(
@@ -116,7 +108,7 @@ fn a_full_limit_is_429_concurrency_limited_and_holds_nothing() {
     let step = flow.on_reply(
         &Cx::new(&rt, 5, &rec),
         out[0].slot,
-        Ok(ints(&[0, 0, 0, 30_000, 1000])),
+        Ok(acquire().limit_over(0, 30_000, 1_000).reply()),
     );
     let r = respond_with(step);
     assert_eq!(r.status, 429);
@@ -168,14 +160,14 @@ fn a_slot_taken_in_one_hash_slot_is_given_back_when_another_rejects() {
         flow.on_reply(
             &Cx::new(&rt, 5, &rec),
             out[tenant].slot,
-            Ok(ints(&[1, 1, 1, 30_000, 0]))
+            Ok(acquire().limit_ok(1, 30_000).reply())
         ),
         Step::Wait
     );
     let step = flow.on_reply(
         &Cx::new(&rt, 6, &rec),
         out[other].slot,
-        Ok(ints(&[0, 0, 0, 9_000, 9_000])),
+        Ok(acquire().limit_over(0, 9_000, 9_000).reply()),
     );
     let r = respond_with(step);
     assert!(String::from_utf8_lossy(&r.body).contains("rate_limited"));
@@ -198,17 +190,29 @@ fn the_cost_header_is_read_strictly() {
     let rt = runtime(&rec);
     let cx = Cx::new(&rt, 0, &rec);
     let mut flow = Flow::default();
-    let out = dispatched(flow.on_request(&cx, req("/llm", &[("x-cost", "42")]), "n", "o", true));
+    let out = dispatched(flow.on_request(
+        &cx,
+        req("/llm").header("x-cost", "42").build(),
+        "n",
+        "o",
+        true,
+    ));
     assert_eq!(
         &out[0].call.args.from_index(2)[..6],
         &["fw", "1000", "60000", "1000", "0", "42"]
     );
     let mut flow = Flow::default();
-    let out = dispatched(flow.on_request(&cx, req("/llm", &[]), "n", "o", true));
+    let out = dispatched(flow.on_request(&cx, req("/llm").build(), "n", "o", true));
     assert_eq!(&out[0].call.args[7], "1", "the default");
     for bad in ["501", "0", "-1", "1e3", "abc", "4 2", "+3", ""] {
         let mut flow = Flow::default();
-        let r = respond_with(flow.on_request(&cx, req("/llm", &[("x-cost", bad)]), "n", "o", true));
+        let r = respond_with(flow.on_request(
+            &cx,
+            req("/llm").header("x-cost", bad).build(),
+            "n",
+            "o",
+            true,
+        ));
         assert_eq!(r.status, 400, "{bad:?}");
         assert!(
             String::from_utf8_lossy(&r.body).contains("invalid_cost"),
@@ -216,7 +220,10 @@ fn the_cost_header_is_read_strictly() {
         );
     }
     let mut flow = Flow::default();
-    let twice = req("/llm", &[("x-cost", "1"), ("x-cost", "2")]);
+    let twice = req("/llm")
+        .header("x-cost", "1")
+        .header("x-cost", "2")
+        .build();
     let r = respond_with(flow.on_request(&cx, twice, "n", "o", true));
     assert_eq!(r.status, 400);
     assert!(String::from_utf8_lossy(&r.body).contains("ambiguous_selector"));
@@ -228,7 +235,7 @@ fn charged(cost: &str, response: &[(&str, &str)], rec: &Recorder) -> Vec<Backgro
     let mut flow = Flow::default();
     let step = flow.on_request(
         &Cx::new(&rt, 0, rec),
-        req("/llm", &[("x-cost", cost)]),
+        req("/llm").header("x-cost", cost).build(),
         "n",
         "o",
         true,
@@ -237,7 +244,7 @@ fn charged(cost: &str, response: &[(&str, &str)], rec: &Recorder) -> Vec<Backgro
     let step = flow.on_reply(
         &Cx::new(&rt, 5, rec),
         out[0].slot,
-        Ok(ints(&[1, 1, 900, 60_000, 0])),
+        Ok(acquire().limit_ok(900, 60_000).reply()),
     );
     assert_eq!(step, Step::Continue);
     assert!(flow.wants_response(&Cx::new(&rt, 6, rec)));
@@ -298,7 +305,7 @@ fn a_response_that_never_came_is_charged_the_fallback_and_one_never_sent_is_not(
         let mut flow = Flow::default();
         let step = flow.on_request(
             &Cx::new(&rt, 0, rec),
-            req("/llm", &[("x-cost", "7")]),
+            req("/llm").header("x-cost", "7").build(),
             "n",
             "o",
             true,
@@ -307,7 +314,7 @@ fn a_response_that_never_came_is_charged_the_fallback_and_one_never_sent_is_not(
         let step = flow.on_reply(
             &Cx::new(&rt, 5, rec),
             out[0].slot,
-            Ok(ints(&[1, 1, 900, 60_000, 0])),
+            Ok(acquire().limit_ok(900, 60_000).reply()),
         );
         assert_eq!(step, Step::Continue);
         if let Some(details) = details {
@@ -335,12 +342,12 @@ fn a_rejected_request_is_never_charged() {
     let rec = Recorder::default();
     let rt = runtime(&rec);
     let mut flow = Flow::default();
-    let step = flow.on_request(&Cx::new(&rt, 0, &rec), req("/llm", &[]), "n", "o", true);
+    let step = flow.on_request(&Cx::new(&rt, 0, &rec), req("/llm").build(), "n", "o", true);
     let out = dispatched(step);
     let step = flow.on_reply(
         &Cx::new(&rt, 5, &rec),
         out[0].slot,
-        Ok(ints(&[0, 0, 0, 60_000, 60_000])),
+        Ok(acquire().limit_over(0, 60_000, 60_000).reply()),
     );
     assert_eq!(respond_with(step).status, 429);
     assert!(!flow.wants_response(&Cx::new(&rt, 6, &rec)));
@@ -354,7 +361,7 @@ fn admitted(flow: &mut Flow, rt: &Runtime, rec: &Recorder) {
     let step = flow.on_reply(
         &Cx::new(rt, 5, rec),
         out[0].slot,
-        Ok(ints(&[1, 1, 1, 30_000, 0])),
+        Ok(acquire().limit_ok(1, 30_000).reply()),
     );
     assert_eq!(step, Step::Continue);
 }
@@ -386,7 +393,7 @@ fn the_response_waits_for_the_slot_release_so_the_next_request_finds_it_free() {
         Some(10 + 50),
         "no longer extended; the call's deadline"
     );
-    let step = flow.on_reply(&Cx::new(&rt, 12, &rec), out[0].slot, Ok(Reply::Int(1)));
+    let step = flow.on_reply(&Cx::new(&rt, 12, &rec), out[0].slot, Ok(settled()));
     assert_eq!(step, Step::Continue);
     flow.on_done(&Cx::new(&rt, 13, &rec));
     assert!(flow.take_background().is_empty(), "given back once");

@@ -1,10 +1,8 @@
 //! Duplicates that wait for the first request's answer (`in_progress: wait`).
 
-use crate::config::Config;
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
 use crate::http::request::Request;
-use crate::redis::resp::Reply;
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -22,42 +20,26 @@ const COMPLETED: &str = r#"{"schema_version":1,"state":"COMPLETED","fingerprint"
     "response":{"status":201,"headers":[["location","/pay/7"]],"body":"{\"id\":7}"}}"#;
 
 fn runtime(rec: &Recorder) -> Runtime {
-    let config = Config::parse(CONFIG.as_bytes()).expect("valid");
-    let metrics = rec.metrics(&config);
-    Runtime::new(config, metrics, None)
+    runtime_of(rec, CONFIG)
 }
 
+/// The keyed `POST /pay` every test here sends.
 fn req() -> Request {
-    let headers = [
-        (":method", "POST"),
-        (":path", "/pay"),
-        (":authority", "api"),
-        ("x-tenant-id", "acme"),
-        ("idempotency-key", "\"k-1\""),
-    ];
-    Request::from_headers(
-        headers
-            .iter()
-            .map(|(n, v)| (n.to_string(), v.to_string()))
-            .collect(),
-        None,
-    )
-}
-
-/// A record-only acquire reply: admitted, then the record's code, PTTL and value.
-fn record_reply(code: i64, record: &str) -> Reply {
-    Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(code),
-        Reply::Int(100_000),
-        Reply::Bulk(Some(record.as_bytes().to_vec())),
-    ]))
+    request("POST", "/pay")
+        .authority("api")
+        .tenant("acme")
+        .idempotency_key("\"k-1\"")
+        .build()
 }
 
 /// A duplicate that met the record in progress: it waits, returning when it polls first.
 fn waiting(flow: &mut Flow, rt: &Runtime, rec: &Recorder) -> u64 {
     let out = dispatched(flow.on_request(&Cx::new(rt, 0, rec), req(), "n1", "o1", true));
-    let step = flow.on_reply(&Cx::new(rt, 5, rec), out[0].slot, Ok(record_reply(2, "")));
+    let step = flow.on_reply(
+        &Cx::new(rt, 5, rec),
+        out[0].slot,
+        Ok(acquire().record_in_progress().reply()),
+    );
     assert_eq!(step, Step::Wait);
     assert_eq!(
         rec.count("cg.policy.pay.idem.in_progress"),
@@ -93,7 +75,7 @@ fn a_waiting_duplicate_gets_the_stored_response() {
     let step = flow.on_reply(
         &Cx::new(&rt, poll_at + 3, &rec),
         out[0].slot,
-        Ok(record_reply(3, COMPLETED)),
+        Ok(acquire().record_completed(COMPLETED).reply()),
     );
     let Step::Respond(r) = step else {
         panic!("expected the replay, got {step:?}");
@@ -117,7 +99,7 @@ fn a_waiting_duplicate_runs_when_the_record_is_released() {
     let step = flow.on_reply(
         &Cx::new(&rt, poll_at + 3, &rec),
         out[0].slot,
-        Ok(record_reply(1, "")),
+        Ok(acquire().record_new().reply()),
     );
     assert_eq!(step, Step::Continue);
     assert!(
@@ -145,7 +127,7 @@ fn a_duplicate_waits_at_most_max_wait_then_gets_the_reject_answer() {
         match flow.on_reply(
             &Cx::new(&rt, now + 2, &rec),
             out[0].slot,
-            Ok(record_reply(2, "")),
+            Ok(acquire().record_in_progress().reply()),
         ) {
             Step::Wait => now = flow.deadline_ms().expect("next poll"),
             Step::Respond(r) => break r,
@@ -187,9 +169,7 @@ fn fail_open_runtime(rec: &Recorder) -> Runtime {
         r#""match": {"path_prefix": "/pay"},"#,
         r#""match": {"path_prefix": "/pay"}, "failure_mode": "fail_open","#,
     );
-    let config = Config::parse(json.as_bytes()).expect("valid");
-    let metrics = rec.metrics(&config);
-    Runtime::new(config, metrics, None)
+    runtime_of(rec, &json)
 }
 
 #[test]

@@ -1,5 +1,4 @@
-use crate::config::Config;
-use crate::engine::flow::test_support::ints;
+use crate::engine::flow::test_support::{self, acquire, batch, noscript, settled};
 use crate::engine::flow::Runtime;
 use crate::engine::worker::*;
 use crate::support::metrics::testing::Recorder;
@@ -26,9 +25,7 @@ const CONFIG: &str = r#"{
 const TICK_MS: u64 = 25;
 
 fn runtime(rec: &Recorder, config: &str) -> Runtime {
-    let config = Config::parse(config.as_bytes()).expect("valid");
-    let metrics = rec.metrics(&config);
-    Runtime::new(config, metrics, None)
+    test_support::runtime_of(rec, config)
 }
 
 fn worker(rt: &Runtime) -> Worker<u32> {
@@ -36,13 +33,11 @@ fn worker(rt: &Runtime) -> Worker<u32> {
 }
 
 fn req(method: &str, path: &str) -> Request {
-    let headers = vec![
-        (":method".to_string(), method.to_string()),
-        (":path".to_string(), path.to_string()),
-        (":authority".to_string(), "api".to_string()),
-        ("x-tenant-id".to_string(), "acme".to_string()),
-    ];
-    Request::from_headers(headers, Some("127.0.0.1:4000"))
+    test_support::request(method, path)
+        .authority("api")
+        .tenant("acme")
+        .peer("127.0.0.1:4000")
+        .build()
 }
 
 /// The policy index a request of `method` to `path` matches.
@@ -78,19 +73,11 @@ fn answer(
     cx: &Cx<'_>,
     fx: Effects<u32>,
     next: &mut u32,
-    reply: Reply,
+    reply: impl Into<Reply>,
 ) -> Effects<u32> {
     let tokens = send_all(w, cx, fx, next);
     assert_eq!(tokens.len(), 1, "one call");
-    w.on_answer(cx, tokens[0], || Ok(reply))
-}
-
-fn lease_reply(code: i64, value: &[u8]) -> Reply {
-    Reply::Array(Some(vec![
-        Reply::Int(1),
-        Reply::Int(code),
-        Reply::Bulk(Some(value.to_vec())),
-    ]))
+    w.on_answer(cx, tokens[0], || Ok(reply.into()))
 }
 
 /// Streams 1 and 2, and only they, resumed their requests with no reply of the filter's own.
@@ -140,7 +127,7 @@ fn an_answer_goes_back_to_its_stream_and_resumes_it() {
     let mut next = 100;
     let tokens = send_all(&mut w, &cx, fx, &mut next);
     assert!(w.on_answer(&cx, 999, unread).streams.is_empty());
-    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    let fx = w.on_answer(&cx, tokens[0], || Ok(acquire().limit_ok(4, 1_000).reply()));
     assert_eq!(fx.streams.len(), 1);
     assert_eq!(
         fx.streams[0].resume,
@@ -207,10 +194,10 @@ fn holder_and_waiter(
 ) -> (Effects<u32>, Effects<u32>) {
     let fx = request(w, cx, 1, "POST", "/wait/9/a");
     let t1 = send_all(w, cx, fx, next);
-    let held = w.on_answer(cx, t1[0], || Ok(lease_reply(1, b"77")));
+    let held = w.on_answer(cx, t1[0], || Ok(acquire().lease_granted(77).reply()));
     let fx = request(w, cx, 2, "POST", "/wait/9/b");
     let t2 = send_all(w, cx, fx, next);
-    let waits = w.on_answer(cx, t2[0], || Ok(lease_reply(2, b"1500")));
+    let waits = w.on_answer(cx, t2[0], || Ok(acquire().lease_busy(1500).reply()));
     (held, waits)
 }
 
@@ -241,7 +228,7 @@ fn a_lease_given_back_wakes_its_waiters_and_the_fine_tick_follows_them() {
     let fx = w.on_response_headers(&Cx::new(&rt, 2, &rec), 1, true, head);
     assert_eq!(fx.action, Action::Pause);
     let t3 = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&Cx::new(&rt, 3, &rec), t3[0], || Ok(Reply::Int(1)));
+    let fx = w.on_answer(&Cx::new(&rt, 3, &rec), t3[0], || Ok(settled()));
     assert_eq!(fx.streams[0].resume, Some(Dir::Response));
     // Stream 2 polls at the next tick, not at the end of its backoff.
     let fx = w.on_tick(&Cx::new(&rt, 3, &rec));
@@ -250,7 +237,9 @@ fn a_lease_given_back_wakes_its_waiters_and_the_fine_tick_follows_them() {
     assert_eq!(fx.streams[0].calls.len(), 1, "the lease-only acquire");
     assert_eq!(fx.tick_ms, Some(TICK_MS), "nobody waits any more");
     let t4 = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&Cx::new(&rt, 4, &rec), t4[0], || Ok(lease_reply(1, b"78")));
+    let fx = w.on_answer(&Cx::new(&rt, 4, &rec), t4[0], || {
+        Ok(acquire().lease_granted(78).reply())
+    });
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     assert_eq!(
         w.on_tick(&Cx::new(&rt, 5, &rec)).tick_ms,
@@ -275,7 +264,7 @@ fn what_a_stream_owes_at_its_end_goes_out_from_the_root() {
     assert!(fx.streams.is_empty());
     assert_eq!(fx.calls.len(), 1, "the release, from the root");
     let t3 = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&Cx::new(&rt, 2, &rec), t3[0], || Ok(Reply::Int(1)));
+    let fx = w.on_answer(&Cx::new(&rt, 2, &rec), t3[0], || Ok(settled()));
     assert!(fx.streams.is_empty());
     assert_eq!(rec.count("cg.policy.wait.lease.released"), 1);
     let fx = w.on_tick(&Cx::new(&rt, 2, &rec));
@@ -313,7 +302,7 @@ fn a_closed_or_restarted_stream_forgets_its_calls() {
     assert!(w.guards(4) && w.waiting.contains(&4));
     assert_eq!(w.routes.len(), 1);
     assert!(w.on_answer(&cx, first[0], unread).streams.is_empty());
-    let fx = w.on_answer(&cx, second[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    let fx = w.on_answer(&cx, second[0], || Ok(acquire().limit_ok(4, 1_000).reply()));
     assert_eq!(fx.streams[0].resume, Some(Dir::Request), "{fx:?}");
 }
 
@@ -334,7 +323,7 @@ fn acquires_wait_for_a_batch_and_each_gets_its_answer() {
     assert_eq!(fx.calls.len(), 1, "one batch");
     let tokens = send_all(&mut w, &cx, fx, &mut 0);
     // batch.lua's flat reply: each sub-call's length, then its reply.
-    let part = ints(&[5, 1, 1, 4, 1_000, 0, 5, 1, 1, 3, 1_000, 0]);
+    let part = batch([acquire().limit_ok(4, 1_000), acquire().limit_ok(3, 1_000)]);
     let fx = w.on_answer(&cx, tokens[0], || Ok(part));
     assert_both_resumed(&fx);
     // A batch the host refuses: every member gets the refusal.
@@ -361,7 +350,7 @@ fn a_release_handed_to_the_root_wakes_it_once_instead_of_waiting_for_the_tick() 
     let mut next = 0;
     for s in [1, 2] {
         let fx = request(&mut w, &cx, s, "POST", "/run");
-        let fx = answer(&mut w, &cx, fx, &mut next, ints(&[1, 1, 1, 1_000, 0]));
+        let fx = answer(&mut w, &cx, fx, &mut next, acquire().limit_ok(1, 1_000));
         assert_eq!(fx.streams[0].resume, Some(Dir::Request));
         event_stream(&mut w, &cx, s);
     }
@@ -396,7 +385,7 @@ fn only_guarded_streams_and_bodies_the_flow_takes_need_events() {
         w.wants_body(1, Dir::Request),
         "held while the limit is decided"
     );
-    let _ = answer(&mut w, &cx, fx, &mut next, ints(&[1, 1, 4, 1_000, 0]));
+    let _ = answer(&mut w, &cx, fx, &mut next, acquire().limit_ok(4, 1_000));
     assert!(!w.wants_body(1, Dir::Request), "forwarded: the body passes");
     assert!(
         !w.wants_body(1, Dir::Response),
@@ -415,7 +404,13 @@ fn a_local_answer_that_took_nothing_forgets_its_stream_and_one_after_a_call_does
     let mut next = 0;
     // Redis says the limit rejects for the next second: the over-limit cache learns it.
     let fx = request(&mut w, &cx, 1, "PUT", "/x");
-    let fx = answer(&mut w, &cx, fx, &mut next, ints(&[0, 0, 0, 1_000, 1_000]));
+    let fx = answer(
+        &mut w,
+        &cx,
+        fx,
+        &mut next,
+        acquire().limit_over(0, 1_000, 1_000),
+    );
     assert_eq!(fx.streams[0].reply.as_ref().map(|r| r.status), Some(429));
     assert!(
         w.guards(1),
@@ -459,7 +454,7 @@ fn a_forwarded_request_that_owes_nothing_is_forgotten_at_its_response_headers() 
     let mut next = 0;
     // Rate limits only: admitted by Redis, forwarded.
     let fx = request(&mut w, &cx, 1, "PUT", "/x");
-    let fx = answer(&mut w, &cx, fx, &mut next, ints(&[1, 1, 4, 1_000, 0]));
+    let fx = answer(&mut w, &cx, fx, &mut next, acquire().limit_ok(4, 1_000));
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     assert!(
         w.guards(1),
@@ -481,7 +476,7 @@ fn a_forwarded_request_that_owes_nothing_is_forgotten_at_its_response_headers() 
     assert!(w.on_done(&cx, 1).calls.is_empty());
     // A request holding a lease is followed to its end, which gives the lease back.
     let fx = request(&mut w, &cx, 2, "POST", "/wait/9/a");
-    let fx = answer(&mut w, &cx, fx, &mut next, lease_reply(1, b"17"));
+    let fx = answer(&mut w, &cx, fx, &mut next, acquire().lease_granted(17));
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     assert!(
         w.on_response_headers_untimed(&untimed, 2).is_none(),
@@ -515,10 +510,10 @@ fn a_closed_streams_box_carries_nothing_to_the_next_stream() {
         // Their clients go away: stream 1 holding a lease, stream 2 admitted with its
         // rate-limit headers not yet added, stream 3 with its call in flight.
         let fx = request(w, &cx, 1, "GET", "/wait/r1");
-        let fx = answer(w, &cx, fx, &mut next, lease_reply(1, b"7"));
+        let fx = answer(w, &cx, fx, &mut next, acquire().lease_granted(7));
         assert_eq!(fx.action, Action::Continue, "{fx:?}");
         let fx = request(w, &cx, 2, "PUT", "/orders");
-        let fx = answer(w, &cx, fx, &mut next, ints(&[1, 1, 4, 1_000, 0]));
+        let fx = answer(w, &cx, fx, &mut next, acquire().limit_ok(4, 1_000));
         assert_eq!(fx.streams[0].resume, Some(Dir::Request), "{fx:?}");
         let fx = request(w, &cx, 3, "PUT", "/orders");
         send_all(w, &cx, fx, &mut next);
@@ -593,7 +588,7 @@ fn a_stream_closes_without_touching_other_streams_calls() {
     let tokens = three_in_flight(&mut w, &cx, &mut next);
     assert_eq!(w.routes.len(), 3);
     // Answered, then closed: nothing of its own is left to forget.
-    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    let fx = w.on_answer(&cx, tokens[0], || Ok(acquire().limit_ok(4, 1_000).reply()));
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     // Its deadline went with its call; the others still wait on theirs.
     assert_eq!(w.waiting.iter().copied().collect::<Vec<_>>(), [2, 3]);
@@ -603,7 +598,7 @@ fn a_stream_closes_without_touching_other_streams_calls() {
     w.close(2);
     assert_eq!(w.routes.len(), 1);
     assert!(w.on_answer(&cx, tokens[1], unread).streams.is_empty());
-    let fx = w.on_answer(&cx, tokens[2], || Ok(ints(&[1, 1, 4, 1_000, 0])));
+    let fx = w.on_answer(&cx, tokens[2], || Ok(acquire().limit_ok(4, 1_000).reply()));
     assert_eq!(fx.streams[0].stream, 3);
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     w.close(3);
@@ -624,7 +619,7 @@ fn a_stream_forgets_the_calls_it_resent_and_only_those() {
     let mut next = 0;
     let tokens = three_in_flight(&mut w, &cx, &mut next);
     // Stream 2's call answered NOSCRIPT: its EVAL goes out under a new token.
-    let noscript = Reply::Error("NOSCRIPT No matching script. Please use EVAL.".into());
+    let noscript = noscript();
     let fx = w.on_answer(&cx, tokens[1], || Ok(noscript));
     let again = send_all(&mut w, &cx, fx, &mut next);
     assert_eq!(again.len(), 1, "the EVAL");
@@ -635,7 +630,7 @@ fn a_stream_forgets_the_calls_it_resent_and_only_those() {
     assert!(!w.routes.contains_key(&again[0]));
     assert!(w.on_answer(&cx, again[0], unread).streams.is_empty());
     for (s, token) in [(1, tokens[0]), (3, tokens[2])] {
-        let fx = w.on_answer(&cx, token, || Ok(ints(&[1, 1, 4, 1_000, 0])));
+        let fx = w.on_answer(&cx, token, || Ok(acquire().limit_ok(4, 1_000).reply()));
         assert_eq!(fx.streams[0].stream, s);
         assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     }
@@ -662,8 +657,9 @@ fn the_roots_settlements_due_together_share_a_batch() {
         "both acquires in one batch (one hash tag: no probe)"
     );
     let tokens = send_all(&mut w, &cx, fx, &mut next);
-    let admitted = [5, 1, 1, 1, 1_000, 0];
-    let fx = w.on_answer(&cx, tokens[0], || Ok(ints(&[admitted, admitted].concat())));
+    let admitted = acquire().limit_ok(1, 1_000);
+    let both = batch([admitted.clone(), admitted]);
+    let fx = w.on_answer(&cx, tokens[0], || Ok(both));
     assert_both_resumed(&fx);
     // Both streams end in the same turn: their slots' releases go out in one batch call.
     for s in [1, 2] {
@@ -681,12 +677,7 @@ fn the_roots_settlements_due_together_share_a_batch() {
     );
     let tokens = send_all(&mut w, &cx, fx, &mut next);
     // Each sub-call's integer reply comes back as -2 then the value (webdis 0.1.9: a string).
-    let released = Reply::Array(Some(vec![
-        Reply::Int(-2),
-        Reply::Bulk(Some(b"1".to_vec())),
-        Reply::Int(-2),
-        Reply::Bulk(Some(b"1".to_vec())),
-    ]));
+    let released = batch([settled(), settled()]);
     let fx = w.on_answer(&cx, tokens[0], || Ok(released));
     assert!(fx.calls.is_empty(), "nothing sent again");
     assert_eq!(rec.count("cg.redis.errors"), 0);
@@ -726,12 +717,6 @@ fn asked_then_gone(w: &mut Worker<u32>, cx: &Cx<'_>, s: u32, path: &str, next: &
     tokens[0]
 }
 
-/// A batch of one acquire's reply (`values`).
-fn batch_of_one(values: &[i64]) -> Reply {
-    let len = i64::try_from(values.len()).unwrap_or(0);
-    ints(&[&[len], values].concat())
-}
-
 #[test]
 fn a_rejection_answered_after_the_client_left_feeds_the_over_limit_cache() {
     let rec = Recorder::default();
@@ -741,9 +726,8 @@ fn a_rejection_answered_after_the_client_left_feeds_the_over_limit_cache() {
     let mut next = 0;
     let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
     // Rejected until 9 s from now; the lease skipped (a rejected request takes none).
-    let fx = w.on_answer(&cx, token, || {
-        Ok(batch_of_one(&[0, 0, 0, 9_000, 9_000, 0, 0]))
-    });
+    let rejected = acquire().limit_over(0, 9_000, 9_000).lease_skipped();
+    let fx = w.on_answer(&cx, token, || Ok(batch([rejected])));
     assert!(fx.streams.is_empty(), "nothing reaches the gone stream");
     assert!(
         fx.calls.is_empty() && !fx.wake,
@@ -768,9 +752,8 @@ fn what_an_answer_after_the_client_left_took_goes_back_without_a_marker() {
     let mut next = 0;
     let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
     // Admitted, lease acquired (token 42): the request will never run, so it goes back.
-    let fx = w.on_answer(&cx, token, || {
-        Ok(batch_of_one(&[1, 1, 0, 10_000, 0, 1, 42]))
-    });
+    let leased = acquire().limit_ok(0, 10_000).lease_granted(42);
+    let fx = w.on_answer(&cx, token, || Ok(batch([leased])));
     assert!(fx.streams.is_empty(), "nothing reaches the gone stream");
     assert!(fx.wake, "the release goes out from the root at once");
     assert!(!w.guards(1));
@@ -782,7 +765,7 @@ fn what_an_answer_after_the_client_left_took_goes_back_without_a_marker() {
         "the answer came: no marker is needed ({body})"
     );
     let tokens = send_all(&mut w, &cx, fx, &mut next);
-    let released = Reply::Array(Some(vec![Reply::Int(-2), Reply::Bulk(Some(b"1".to_vec()))]));
+    let released = batch([settled()]);
     assert!(w
         .on_answer(&cx, tokens[0], || Ok(released))
         .calls
@@ -816,9 +799,8 @@ fn an_acquire_unanswered_after_the_client_left_is_compensated_at_its_deadline() 
     assert!(fx.streams.is_empty());
     assert!(!w.guards(1));
     assert_eq!(rec.count("cg.redis.timeouts"), 1);
-    let late = w.on_answer(&cx, token, || {
-        Ok(batch_of_one(&[1, 1, 0, 10_000, 0, 1, 42]))
-    });
+    let leased = acquire().limit_ok(0, 10_000).lease_granted(42);
+    let late = w.on_answer(&cx, token, || Ok(batch([leased])));
     assert!(
         late.streams.is_empty() && late.calls.is_empty() && !late.wake,
         "the late answer goes nowhere (the marker already undid it)"
@@ -840,7 +822,7 @@ fn a_later_round_is_never_sent_for_a_client_that_left() {
     let mut w = worker(&rt);
     let mut next = 0;
     let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
-    let fx = w.on_answer(&cx, token, || Ok(batch_of_one(&[1, 1, 99, 10_000, 0])));
+    let fx = w.on_answer(&cx, token, || Ok(batch([acquire().limit_ok(99, 10_000)])));
     assert!(fx.streams.is_empty() && !fx.wake);
     assert!(w.on_queue_ready(&cx).calls.is_empty(), "no second round");
     assert!(!w.guards(1));
@@ -903,7 +885,7 @@ fn a_lease_poll_answered_after_the_client_left_gives_the_lease_back() {
     request(&mut w, &cx, 1, "POST", "/orders/1");
     let fx = w.on_queue_ready(&cx);
     let tokens = send_all(&mut w, &cx, fx, &mut next);
-    let busy = batch_of_one(&[1, 1, 0, 10_000, 0, 2, 800]);
+    let busy = batch([acquire().limit_ok(0, 10_000).lease_busy(800)]);
     let fx = w.on_answer(&cx, tokens[0], || Ok(busy));
     assert!(fx.streams.is_empty(), "waits for the lease");
     // The poll goes out on the tick when it is due, in a batch.
@@ -923,7 +905,7 @@ fn a_lease_poll_answered_after_the_client_left_gives_the_lease_back() {
     };
     let at = Cx::new(&rt, now, &rec);
     assert!(!w.on_done(&at, 1).wake, "kept to read the poll's answer");
-    let fx = w.on_answer(&at, poll, || Ok(batch_of_one(&[1, 1, 9])));
+    let fx = w.on_answer(&at, poll, || Ok(batch([acquire().lease_granted(9)])));
     assert!(fx.streams.is_empty());
     assert!(fx.wake, "the lease goes back from the root");
     assert!(!w.guards(1));
