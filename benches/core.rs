@@ -15,7 +15,7 @@
 //! `CORE_COUNT`), the working tree beside a git revision: a measure no noise moves.
 
 use coordination_guard::config::Config;
-use coordination_guard::engine::flow::{Cx, Flow, Runtime, Step};
+use coordination_guard::engine::flow::{Cx, Flow, Move, Runtime, Step};
 use coordination_guard::engine::worker::{Dir, Effects, ResponseHead, Worker};
 use coordination_guard::guards::idempotency::fingerprint::{canonical_body, Fingerprint};
 use coordination_guard::guards::idempotency::record::{Record, RecordResponse, StoredResponse};
@@ -328,14 +328,14 @@ fn whole_requests() {
         let mut flow = Flow::default();
         let req = Request::from_headers(headers(tenant), None);
         let mut step = flow.on_request(&Cx::new(rt, 1_000, &NoMetrics), req, "-", "-", true);
-        if let (Step::Dispatch(out), Some(answer)) = (step.clone(), answer) {
+        if let (Move::Dispatch(out), Some(answer)) = (step.next.clone(), answer) {
             for o in out {
                 black_box(o.encode(&rt.scripts));
                 let reply = webdis::decode(Some(200), true, answer);
                 step = flow.on_reply(&Cx::new(rt, 1_001, &NoMetrics), o.slot, reply);
             }
         }
-        black_box(flow.response_headers().to_vec());
+        black_box(step.out.response_headers.to_vec());
         flow.on_done(&Cx::new(rt, 1_002, &NoMetrics));
         step
     };
@@ -344,7 +344,7 @@ fn whole_requests() {
     let granted: &[u8] = b"*5\r\n:1\r\n:1\r\n:999999999\r\n:3600000\r\n:0\r\n";
 
     let exact = config("exact");
-    assert_eq!(run(&exact, "t", Some(allowed)), Step::Continue);
+    assert_eq!(run(&exact, "t", Some(allowed)).next, Move::Continue);
     report("request, exact, allowed (1 Redis answer)", || {
         black_box(run(&exact, "tenant-4711", Some(allowed)));
     });
@@ -355,16 +355,16 @@ fn whole_requests() {
         black_box(run(&exact, &format!("tenant-{n}"), Some(allowed)));
     });
     assert!(matches!(
-        run(&exact, "over", Some(rejected)),
-        Step::Respond(_)
+        run(&exact, "over", Some(rejected)).next,
+        Move::Respond(_)
     ));
-    assert!(matches!(run(&exact, "over", None), Step::Respond(_)));
+    assert!(matches!(run(&exact, "over", None).next, Move::Respond(_)));
     report("request, rejected by the over-limit cache", || {
         black_box(run(&exact, "over", None));
     });
     let leased = config("leased");
-    assert_eq!(run(&leased, "t", Some(granted)), Step::Continue);
-    assert_eq!(run(&leased, "t", None), Step::Continue);
+    assert_eq!(run(&leased, "t", Some(granted)).next, Move::Continue);
+    assert_eq!(run(&leased, "t", None).next, Move::Continue);
     report("request, admitted from a leased slice", || {
         black_box(run(&leased, "t", None));
     });

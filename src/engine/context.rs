@@ -1,13 +1,13 @@
-//! What every event of the flow brings and what it answers: the VM's [`Runtime`], the
-//! event's context ([`Cx`], and [`Pcx`] for the request's policy), the [`Step`] the adapter
-//! carries out, and why a call was made ([`Purpose`]). The guards and the call tables read
-//! these and nothing else of the flow, so the module graph only runs down.
+//! What every event of the flow brings, and the calls it makes: the VM's [`Runtime`], the
+//! event's context ([`Cx`], and [`Pcx`] for the request's policy), why a call was made
+//! ([`Purpose`]) and a call to send ([`Outgoing`]). The guards and the call tables read these
+//! and nothing else of the flow, so the module graph only runs down. (What an event answers,
+//! its step, is the flow's own: see `flow/step.rs`.)
 
 use crate::config::{Config, ConfigError, Policy};
 use crate::guards::ratelimit::leased::{LeasedQuota, QUOTA_SLOTS};
 use crate::guards::ratelimit::overlimit::{OverLimitCache, SharedStore};
 use crate::guards::ratelimit::{KeyMemo, RejectionMemo, KEY_MEMO_SLOTS};
-use crate::http::local_reply::LocalResponse;
 use crate::redis::scripts::{ScriptId, Scripts};
 use crate::redis::ScriptCall;
 use crate::support::lograte::Warnings;
@@ -123,19 +123,6 @@ impl<'a> Pcx<'a> {
     pub fn call_deadline(&self) -> u64 {
         self.now_ms.saturating_add(self.rt.config.redis.timeout_ms)
     }
-}
-
-/// What the adapter does next.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
-    /// Let the stream go on (resume it if it is paused).
-    Continue,
-    /// Send these calls and keep the stream paused.
-    Dispatch(Vec<Outgoing>),
-    /// Keep the stream paused.
-    Wait,
-    /// Answer the client locally (shared: a memoised answer is not copied).
-    Respond(Rc<LocalResponse>),
 }
 
 /// Why a call was made.

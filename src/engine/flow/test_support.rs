@@ -1,6 +1,6 @@
 //! What the flow's tests share: replies as the gateway gives them, and steps read back.
 
-use crate::engine::flow::{Outgoing, Step};
+use crate::engine::flow::{Move, Outgoing, Step};
 use crate::http::local_reply::LocalResponse;
 use crate::redis::resp::Reply;
 
@@ -11,16 +11,16 @@ pub fn ints(v: &[i64]) -> Reply {
 
 /// The calls of a `Dispatch` step (any other step fails the test).
 pub fn dispatched(step: Step) -> Vec<Outgoing> {
-    match step {
-        Step::Dispatch(out) => out,
+    match step.next {
+        Move::Dispatch(out) => out,
         other => panic!("expected Dispatch, got {other:?}"),
     }
 }
 
 /// The local answer of a `Respond` step (any other step fails the test).
 pub fn respond_with(step: Step) -> LocalResponse {
-    match step {
-        Step::Respond(r) => std::rc::Rc::unwrap_or_clone(r),
+    match step.next {
+        Move::Respond(r) => std::rc::Rc::unwrap_or_clone(r),
         other => panic!("expected Respond, got {other:?}"),
     }
 }

@@ -102,8 +102,9 @@ fn unmatched_request_passes_untouched() {
             "n",
             "o",
             true
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(flow.deadline_ms(), None);
 }
@@ -120,8 +121,9 @@ fn policy_without_limits_forwards() {
             "n",
             "o",
             true
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
 }
 
@@ -130,13 +132,16 @@ fn missing_tenant_is_401() {
     let rec = Recorder::default();
     let rt = runtime(&rec);
     let mut flow = Flow::default();
-    let Step::Respond(r) = flow.on_request(
-        &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders", None),
-        "n",
-        "o",
-        true,
-    ) else {
+    let Move::Respond(r) = flow
+        .on_request(
+            &Cx::new(&rt, 0, &rec),
+            req("POST", "/orders", None),
+            "n",
+            "o",
+            true,
+        )
+        .next
+    else {
         panic!("expected a local response");
     };
     assert_eq!(r.status, 401);
@@ -168,19 +173,18 @@ fn allowed_request_continues_with_headers() {
             &Cx::new(&rt, 1_010, &rec),
             0,
             Ok(ints(&[1, 1, 1, 59_000, 0]))
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
-    assert_eq!(
-        flow.on_reply(
-            &Cx::new(&rt, 1_020, &rec),
-            1,
-            Ok(ints(&[1, 0, 0, 1_000, 1_000]))
-        ),
-        Step::Continue
+    let step = flow.on_reply(
+        &Cx::new(&rt, 1_020, &rec),
+        1,
+        Ok(ints(&[1, 0, 0, 1_000, 1_000])),
     );
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(
-        flow.response_headers(),
+        step.out.response_headers,
         &[
             (
                 "ratelimit-policy".to_string(),
@@ -194,12 +198,13 @@ fn allowed_request_continues_with_headers() {
     assert_eq!(rec.samples.borrow().len(), 2, "latency recorded per answer");
     // A late duplicate answer changes nothing.
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1_030, &rec), 0, Ok(ints(&[0, 0, 0, 0, 1]))),
-        Step::Wait
+        flow.on_reply(&Cx::new(&rt, 1_030, &rec), 0, Ok(ints(&[0, 0, 0, 0, 1])))
+            .next,
+        Move::Wait
     );
     assert_eq!(
-        flow.on_tick(&Cx::new(&rt, 5_000, &rec)),
-        Step::Wait,
+        flow.on_tick(&Cx::new(&rt, 5_000, &rec)).next,
+        Move::Wait,
         "decided requests never time out"
     );
 }
@@ -217,14 +222,18 @@ fn rejected_request_gets_429() {
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 1, Ok(ints(&[1, 1, 99, 1, 0]))),
-        Step::Wait
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 1, Ok(ints(&[1, 1, 99, 1, 0])))
+            .next,
+        Move::Wait
     );
-    let Step::Respond(r) = flow.on_reply(
-        &Cx::new(&rt, 2, &rec),
-        0,
-        Ok(ints(&[0, 0, 0, 30_000, 30_000])),
-    ) else {
+    let Move::Respond(r) = flow
+        .on_reply(
+            &Cx::new(&rt, 2, &rec),
+            0,
+            Ok(ints(&[0, 0, 0, 30_000, 30_000])),
+        )
+        .next
+    else {
         panic!("expected 429");
     };
     assert_eq!(r.status, 429);
@@ -258,7 +267,7 @@ fn noscript_retries_with_eval_once() {
     assert_eq!(rec.count("cg.redis.noscript"), 1);
     // A second NOSCRIPT (EVAL cannot produce one) is an error, not a loop.
     let step = flow.on_reply(&Cx::new(&rt, 2, &rec), 0, Ok(noscript));
-    assert_eq!(step, Step::Continue, "reads policy fails open");
+    assert_eq!(step.next, Move::Continue, "reads policy fails open");
     assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
 }
 
@@ -281,15 +290,20 @@ fn errors_follow_the_failure_mode() {
             "o",
             true,
         ));
-        let Step::Respond(r) = closed.on_reply(&Cx::new(&rt, 1, &rec), 0, answer.clone()) else {
+        let Move::Respond(r) = closed
+            .on_reply(&Cx::new(&rt, 1, &rec), 0, answer.clone())
+            .next
+        else {
             panic!("fail_closed answers locally for {answer:?}");
         };
         assert_eq!(r.status, 503);
         assert_eq!(r.header("retry-after"), Some("1"));
         assert_eq!(rec.count("cg.policy.orders.failed_closed"), 1);
         assert_eq!(
-            closed.on_reply(&Cx::new(&rt, 2, &rec), 1, Ok(ints(&[1, 1, 1, 1, 0]))),
-            Step::Wait
+            closed
+                .on_reply(&Cx::new(&rt, 2, &rec), 1, Ok(ints(&[1, 1, 1, 1, 0])))
+                .next,
+            Move::Wait
         );
 
         let mut open = Flow::default();
@@ -301,8 +315,8 @@ fn errors_follow_the_failure_mode() {
             true,
         ));
         assert_eq!(
-            open.on_reply(&Cx::new(&rt, 1, &rec), 0, answer),
-            Step::Continue
+            open.on_reply(&Cx::new(&rt, 1, &rec), 0, answer).next,
+            Move::Continue
         );
         assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
         assert_eq!(rec.count("cg.redis.errors"), 2);
@@ -321,16 +335,18 @@ fn watchdog_times_out_per_failure_mode() {
         "o",
         true,
     ));
-    assert_eq!(closed.on_tick(&Cx::new(&rt, 149, &rec)), Step::Wait);
-    let Step::Respond(r) = closed.on_tick(&Cx::new(&rt, 150, &rec)) else {
+    assert_eq!(closed.on_tick(&Cx::new(&rt, 149, &rec)).next, Move::Wait);
+    let Move::Respond(r) = closed.on_tick(&Cx::new(&rt, 150, &rec)).next else {
         panic!("expected 503");
     };
     assert_eq!(r.status, 503);
     assert_eq!(rec.count("cg.redis.timeouts"), 1);
     // The late answer is ignored.
     assert_eq!(
-        closed.on_reply(&Cx::new(&rt, 200, &rec), 0, Ok(ints(&[1, 1, 1, 1, 0]))),
-        Step::Wait
+        closed
+            .on_reply(&Cx::new(&rt, 200, &rec), 0, Ok(ints(&[1, 1, 1, 1, 0])))
+            .next,
+        Move::Wait
     );
 
     let mut open = Flow::default();
@@ -341,7 +357,7 @@ fn watchdog_times_out_per_failure_mode() {
         "o",
         true,
     ));
-    assert_eq!(open.on_tick(&Cx::new(&rt, 151, &rec)), Step::Continue);
+    assert_eq!(open.on_tick(&Cx::new(&rt, 151, &rec)).next, Move::Continue);
     assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
     assert_eq!(open.deadline_ms(), None);
 }
@@ -402,10 +418,15 @@ fn start_with_body(flow: &mut Flow, rt: &Runtime, rec: &Recorder, body: &[u8]) -
         "owner-1",
         false,
     );
-    assert_eq!(step, Step::Wait, "headers are held while the body is read");
     assert_eq!(
-        flow.on_request_body(&Cx::new(rt, 1, rec), 3, false, Vec::new),
-        Step::Wait
+        step.next,
+        Move::Wait,
+        "headers are held while the body is read"
+    );
+    assert_eq!(
+        flow.on_request_body(&Cx::new(rt, 1, rec), 3, false, Vec::new)
+            .next,
+        Move::Wait
     );
     dispatched(flow.on_request_body(&Cx::new(rt, 2, rec), body.len(), true, || body.to_vec()))
 }
@@ -423,12 +444,10 @@ fn acquire_then_complete_sync() {
         "{body}"
     );
     assert!(!body.contains("k-1"), "the client's key never appears raw");
-    assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(1, ""))),
-        Step::Continue
-    );
+    let step = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(1, "")));
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(rec.count("cg.policy.orders.idem.acquired"), 1);
-    let fp = flow.upstream_headers().to_vec();
+    let fp = step.out.upstream_headers;
     assert_eq!(fp.len(), 1);
     assert_eq!(fp[0].0, FINGERPRINT_HEADER);
     assert!(fp[0].1.starts_with("sha256:") && fp[0].1.len() == 71);
@@ -436,8 +455,8 @@ fn acquire_then_complete_sync() {
     // The same body with keys in another order has the same fingerprint.
     let mut again = Flow::default();
     start_with_body(&mut again, &rt, &rec, br#"{"a":1,"b":2}"#);
-    again.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(1, "")));
-    assert_eq!(again.upstream_headers(), &fp[..]);
+    let step = again.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(1, "")));
+    assert_eq!(step.out.upstream_headers, fp);
 
     let headers = vec![
         (":status".to_string(), "201".to_string()),
@@ -454,8 +473,8 @@ fn acquire_then_complete_sync() {
         false,
     );
     assert_eq!(
-        step,
-        Step::Continue,
+        step.next,
+        Move::Continue,
         "the headers go on; the body is copied as it passes and only its end waits"
     );
     let out = dispatched(
@@ -475,12 +494,12 @@ fn acquire_then_complete_sync() {
         "the completion is bounded by the timeout"
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 6, &rec), out[0].slot, Ok(Reply::Int(1))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 6, &rec), out[0].slot, Ok(Reply::Int(1)))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
 }
 
 #[test]
@@ -499,9 +518,8 @@ fn answers_by_stored_state() {
         let rt = idem_runtime(&rec);
         let mut flow = Flow::default();
         start_with_body(&mut flow, &rt, &rec, b"{}");
-        let Step::Respond(r) =
-            flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(code, record)))
-        else {
+        let step = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(code, record)));
+        let Move::Respond(r) = step.next else {
             panic!("code {code}: expected a local answer");
         };
         assert_eq!(r.status, status, "code {code}");
@@ -519,10 +537,12 @@ fn answers_by_stored_state() {
                 assert!(body.contains("idempotency_key_conflict"), "{body}");
             }
         }
-        assert!(flow.upstream_headers().is_empty(), "nothing goes upstream");
-        flow.on_done(&Cx::new(&rt, 0, &rec));
         assert!(
-            flow.take_background().is_empty(),
+            step.out.upstream_headers.is_empty(),
+            "nothing goes upstream"
+        );
+        assert!(
+            flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
             "nothing to release: not ours"
         );
     }
@@ -554,7 +574,7 @@ fn acquired(rt: &Runtime, rec: &Recorder, key: &str) -> (Flow, String) {
     let mut flow = Flow::default();
     let req = idem_req("/orders", Some(key), &[("content-length", "2")]);
     let held = flow.on_request(&Cx::new(rt, 0, rec), req, "n", "owner-1", false);
-    assert_eq!(held, Step::Wait, "the body is fingerprinted");
+    assert_eq!(held.next, Move::Wait, "the body is fingerprinted");
     let out = dispatched(flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec()));
     let fingerprint = out[0].call.args.iter().find(|a| a.starts_with("sha256:"));
     let fingerprint = fingerprint.expect("the acquire carries the fingerprint");
@@ -567,8 +587,11 @@ fn answer_to(rt: &Runtime, rec: &Recorder, key: &str, record: &str) -> LocalResp
     let req = idem_req("/orders", Some(key), &[("content-length", "2")]);
     flow.on_request(&Cx::new(rt, 0, rec), req, "n", "owner-2", false);
     flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec());
-    match flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(3, record))) {
-        Step::Respond(r) => Rc::unwrap_or_clone(r),
+    match flow
+        .on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(3, record)))
+        .next
+    {
+        Move::Respond(r) => Rc::unwrap_or_clone(r),
         other => panic!("expected a local answer, got {other:?}"),
     }
 }
@@ -753,7 +776,10 @@ fn bad_keys_and_bodies() {
     for (req, status, metric) in cases {
         let before = rec.count(metric);
         let mut flow = Flow::default();
-        let Step::Respond(r) = flow.on_request(&Cx::new(&rt, 0, &rec), req, "n", "o", false) else {
+        let Move::Respond(r) = flow
+            .on_request(&Cx::new(&rt, 0, &rec), req, "n", "o", false)
+            .next
+        else {
             panic!("expected {status}");
         };
         assert_eq!(r.status, status);
@@ -768,10 +794,13 @@ fn bad_keys_and_bodies() {
             "n",
             "o",
             false
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
-    let Step::Respond(r) = flow.on_request_body(&Cx::new(&rt, 1, &rec), 1025, false, Vec::new)
+    let Move::Respond(r) = flow
+        .on_request_body(&Cx::new(&rt, 1, &rec), 1025, false, Vec::new)
+        .next
     else {
         panic!("expected 413");
     };
@@ -785,8 +814,9 @@ fn bad_keys_and_bodies() {
             "n",
             "o",
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
 }
 
@@ -802,15 +832,17 @@ fn body_that_never_comes_times_out() {
             "n",
             "o",
             false
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
     assert_eq!(flow.deadline_ms(), Some(BODY_IDLE_TIMEOUT_MS));
     assert_eq!(
-        flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS - 1, &rec)),
-        Step::Wait
+        flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS - 1, &rec))
+            .next,
+        Move::Wait
     );
-    let Step::Respond(r) = flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS, &rec)) else {
+    let Move::Respond(r) = flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS, &rec)).next else {
         panic!("expected 408");
     };
     assert_eq!(r.status, 408);
@@ -820,8 +852,9 @@ fn forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
     let mut flow = Flow::default();
     start_with_body(&mut flow, rt, rec, b"{}");
     assert_eq!(
-        flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, ""))),
-        Step::Continue
+        flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, "")))
+            .next,
+        Move::Continue
     );
     flow
 }
@@ -846,8 +879,9 @@ fn retryable_statuses_release() {
             "status {status} releases"
         );
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(1))),
-            Step::Continue
+            flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(1)))
+                .next,
+            Move::Continue
         );
         assert_eq!(rec.count("cg.policy.orders.idem.released"), 1);
     }
@@ -882,8 +916,9 @@ fn stale_owner_and_failed_completion_are_counted() {
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(-1))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(-1)))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
 
@@ -901,8 +936,9 @@ fn stale_owner_and_failed_completion_are_counted() {
             &Cx::new(&rt, 5, &rec),
             out[0].slot,
             Err(CallError::Gateway(503))
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 1);
 
@@ -916,8 +952,8 @@ fn stale_owner_and_failed_completion_are_counted() {
         true,
     ));
     assert_eq!(
-        flow.on_tick(&Cx::new(&rt, 1_000, &rec)),
-        Step::Continue,
+        flow.on_tick(&Cx::new(&rt, 1_000, &rec)).next,
+        Move::Continue,
         "a slow completion lets the response go"
     );
     assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 2);
@@ -948,10 +984,9 @@ fn envoy_local_replies() {
         &[],
         true,
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
 }
 
 #[test]
@@ -961,8 +996,7 @@ fn stream_ends_early() {
     // Client gone while the acquire is in flight: release by owner, from the root.
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::Release);
     // With the owner's cancellation marker: the acquire may still run after this release.
@@ -977,8 +1011,7 @@ fn stream_ends_early() {
     );
     // Forwarded, then the stream ended without a response: outcome unknown, kept.
     let mut flow = forwarded(&rt, &rec);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
 }
 
@@ -1002,8 +1035,8 @@ fn async_completion_goes_to_the_root() {
         Reply::Bulk(Some(vec![])),
     ]));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(reply)),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(reply)).next,
+        Move::Continue
     );
     assert_eq!(
         flow.on_response_headers(
@@ -1013,18 +1046,18 @@ fn async_completion_goes_to_the_root() {
             "via_upstream",
             &[],
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 2, false, || b"ab".to_vec()),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 2, false, || b"ab".to_vec())
+            .next,
+        Move::Continue
     );
-    assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 1, true, || b"c".to_vec()),
-        Step::Continue
-    );
-    let bg = flow.take_background();
+    let step = flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 1, true, || b"c".to_vec());
+    assert_eq!(step.next, Move::Continue);
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::Complete);
     assert!(
@@ -1057,11 +1090,14 @@ fn rate_limits_of_other_slots_go_before_the_record() {
     // The rate limit of the other slot goes first; the record waits for its verdict.
     assert_eq!(out.len(), 1);
     assert!(!String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("idem"));
-    let Step::Respond(r) = flow.on_reply(
-        &Cx::new(&rt, 2, &rec),
-        out[0].slot,
-        Ok(ints(&[0, 0, 0, 100, 100])),
-    ) else {
+    let Move::Respond(r) = flow
+        .on_reply(
+            &Cx::new(&rt, 2, &rec),
+            out[0].slot,
+            Ok(ints(&[0, 0, 0, 100, 100])),
+        )
+        .next
+    else {
         panic!("expected 429");
     };
     assert_eq!(r.status, 429);
@@ -1070,9 +1106,8 @@ fn rate_limits_of_other_slots_go_before_the_record() {
         Some("\"ip\";r=0;t=1"),
         "only the limit that was asked"
     );
-    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(
-        flow.take_background().is_empty(),
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
         "no record was taken, none to release"
     );
 
@@ -1098,8 +1133,9 @@ fn rate_limits_of_other_slots_go_before_the_record() {
         Reply::Bulk(Some(vec![])),
     ]));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 2, &rec), second[0].slot, Ok(acquired)),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 2, &rec), second[0].slot, Ok(acquired))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.p.idem.acquired"), 1);
 }
@@ -1161,9 +1197,9 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
         0,
         Ok(lease_reply(1, b"1795988269215845")),
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(
-        flow.upstream_headers(),
+        step.out.upstream_headers,
         &[(
             "x-fencing-token".to_string(),
             "1795988269215845".to_string()
@@ -1172,8 +1208,9 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
     assert_eq!(rec.count("cg.policy.activate.lease.acquired"), 1);
     // Extension is due at half the TTL.
     assert_eq!(flow.deadline_ms(), Some(5_001));
-    assert_eq!(flow.on_tick(&Cx::new(&rt, 5_001, &rec)), Step::Wait);
-    let bg = flow.take_background();
+    let step = flow.on_tick(&Cx::new(&rt, 5_001, &rec));
+    assert_eq!(step.next, Move::Wait);
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseExtend);
     assert_eq!(
@@ -1199,13 +1236,16 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
         "bounded by the Redis timeout"
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 6_001, &rec), out[0].slot, Ok(Reply::Int(1))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 6_001, &rec), out[0].slot, Ok(Reply::Int(1)))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.activate.lease.released"), 1);
     assert_eq!(flow.deadline_ms(), None, "no more extensions");
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty(), "released once");
+    assert!(
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
+        "released once"
+    );
 }
 
 #[test]
@@ -1214,7 +1254,9 @@ fn busy_lease_rejects_with_retry_after() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     activate(&mut flow, &rt, &rec);
-    let Step::Respond(r) = flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"4200")))
+    let Move::Respond(r) = flow
+        .on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"4200")))
+        .next
     else {
         panic!("expected 409");
     };
@@ -1222,9 +1264,8 @@ fn busy_lease_rejects_with_retry_after() {
     assert_eq!(r.header("retry-after"), Some("5"));
     assert!(String::from_utf8_lossy(&r.body).contains("resource_locked"));
     assert_eq!(rec.count("cg.policy.activate.lease.busy"), 1);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(
-        flow.take_background().is_empty(),
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
         "nothing held, nothing released"
     );
 }
@@ -1242,8 +1283,9 @@ fn busy_lease_waits_then_runs() {
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"900"))),
-        Step::Wait
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"900")))
+            .next,
+        Move::Wait
     );
     let poll_at = flow.deadline_ms().expect("a poll is scheduled");
     assert!(
@@ -1257,12 +1299,10 @@ fn busy_lease_waits_then_runs() {
         body.starts_with("EVALSHA/") && body.contains("/3/") && body.contains("%3Acancel%3A"),
         "a lease-only acquire, with the owner's cancellation marker: {body}"
     );
+    let step = flow.on_reply(&Cx::new(&rt, 30, &rec), 0, Ok(lease_reply(1, b"77")));
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 30, &rec), 0, Ok(lease_reply(1, b"77"))),
-        Step::Continue
-    );
-    assert_eq!(
-        flow.upstream_headers(),
+        step.out.upstream_headers,
         &[("x-lease-token".to_string(), "77".to_string())]
     );
     assert_eq!(rec.count("cg.policy.wait.lease.waited"), 1);
@@ -1284,13 +1324,13 @@ fn busy_lease_gives_up_after_max_wait() {
     let mut now = 1;
     let mut step = flow.on_reply(&Cx::new(&rt, now, &rec), 0, Ok(lease_reply(2, b"1500")));
     let mut polls = 0;
-    while step == Step::Wait {
+    while step.next == Move::Wait {
         now = flow.deadline_ms().expect("a poll is scheduled");
         dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
         polls += 1;
         step = flow.on_reply(&Cx::new(&rt, now + 1, &rec), 0, Ok(lease_reply(2, b"1500")));
     }
-    let Step::Respond(r) = step else {
+    let Move::Respond(r) = step.next else {
         panic!("expected 409, got {step:?}");
     };
     assert_eq!(r.status, 409);
@@ -1321,7 +1361,7 @@ fn a_lease_waiter_whose_poll_fails_answers_busy_even_failing_open() {
         true,
     ));
     let step = flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"2500")));
-    assert_eq!(step, Step::Wait, "busy: it waits");
+    assert_eq!(step.next, Move::Wait, "busy: it waits");
     let now = flow.deadline_ms().expect("a poll is scheduled");
     dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
     // The gateway fails the poll (Redis down): the holder still runs.
@@ -1330,7 +1370,7 @@ fn a_lease_waiter_whose_poll_fails_answers_busy_even_failing_open() {
         0,
         Err(crate::redis::CallError::Gateway(503)),
     );
-    let Step::Respond(r) = step else {
+    let Move::Respond(r) = step.next else {
         panic!("expected 409, got {step:?}");
     };
     assert_eq!(r.status, 409);
@@ -1342,7 +1382,7 @@ fn a_lease_waiter_whose_poll_fails_answers_busy_even_failing_open() {
     assert_eq!(rec.count("cg.policy.wait.failed_open"), 0);
     assert_eq!(rec.count("cg.policy.wait.failed_closed"), 1);
     assert_eq!(rec.count("cg.policy.wait.lease.busy"), 1);
-    assert!(flow.upstream_headers().is_empty(), "no fencing token");
+    assert!(step.out.upstream_headers.is_empty(), "no fencing token");
 }
 
 #[test]
@@ -1350,13 +1390,16 @@ fn missing_resource_is_400() {
     let rec = Recorder::default();
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
-    let Step::Respond(r) = flow.on_request(
-        &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders", Some("acme")),
-        "n",
-        "o",
-        true,
-    ) else {
+    let Move::Respond(r) = flow
+        .on_request(
+            &Cx::new(&rt, 0, &rec),
+            req("POST", "/orders", Some("acme")),
+            "n",
+            "o",
+            true,
+        )
+        .next
+    else {
         panic!("expected 400");
     };
     assert_eq!(r.status, 400);
@@ -1378,14 +1421,14 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"5"))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"5")))
+            .next,
+        Move::Continue
     );
     assert!(flow.deadline_ms().is_some(), "extended while held");
     // Forwarded, no response yet: the service may still be working. The lease is left to
     // expire after its TTL, no longer extended.
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(flow.deadline_ms(), None);
     assert_eq!(rec.count("cg.policy.activate.lease.orphaned"), 1);
     assert_eq!(rec.count("cg.policy.activate.lease.released"), 0);
@@ -1399,8 +1442,9 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"5"))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"5")))
+            .next,
+        Move::Continue
     );
     dispatched(flow.on_response_headers(
         &Cx::new(&rt, 2, &rec),
@@ -1410,8 +1454,7 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
         &[],
         true,
     ));
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     // Client gone while the acquire is in flight: released by owner too.
@@ -1423,8 +1466,7 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
         "own",
         true,
     ));
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert_eq!(flow.take_background().len(), 1);
+    assert_eq!(flow.on_done(&Cx::new(&rt, 0, &rec)).len(), 1);
 }
 
 #[test]
@@ -1440,27 +1482,35 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
         true,
     ));
     assert_eq!(
-        first.on_reply(&Cx::new(&rt, 1_001, &rec), 1, Ok(ints(&[1, 1, 99, 1, 0]))),
-        Step::Wait
+        first
+            .on_reply(&Cx::new(&rt, 1_001, &rec), 1, Ok(ints(&[1, 1, 99, 1, 0])))
+            .next,
+        Move::Wait
     );
-    let Step::Respond(r) = first.on_reply(
-        &Cx::new(&rt, 1_002, &rec),
-        0,
-        Ok(ints(&[0, 0, 0, 30_000, 30_000])),
-    ) else {
+    let Move::Respond(r) = first
+        .on_reply(
+            &Cx::new(&rt, 1_002, &rec),
+            0,
+            Ok(ints(&[0, 0, 0, 30_000, 30_000])),
+        )
+        .next
+    else {
         panic!("expected 429");
     };
     assert_eq!(r.status, 429);
 
     // Same tenant, 10 s later: answered locally, with the remaining wait.
     let mut second = Flow::default();
-    let Step::Respond(r) = second.on_request(
-        &Cx::new(&rt, 11_002, &rec),
-        req("POST", "/orders", Some("acme")),
-        "n",
-        "o",
-        true,
-    ) else {
+    let Move::Respond(r) = second
+        .on_request(
+            &Cx::new(&rt, 11_002, &rec),
+            req("POST", "/orders", Some("acme")),
+            "n",
+            "o",
+            true,
+        )
+        .next
+    else {
         panic!("expected a cached 429");
     };
     assert_eq!(r.status, 429);
@@ -1508,11 +1558,9 @@ fn leased_quota_admits_from_local_slices() {
         true,
     ));
     assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("/lq/"));
-    assert_eq!(
-        first.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(ints(&[1, 1, 12, 60_000, 0]))),
-        Step::Continue
-    );
-    assert_eq!(first.response_headers()[1].1, "\"t\";r=11;t=60");
+    let step = first.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(ints(&[1, 1, 12, 60_000, 0])));
+    assert_eq!(step.next, Move::Continue);
+    assert_eq!(step.out.response_headers[1].1, "\"t\";r=11;t=60");
     // Another worker then learns that the counter rejects (the shared over-limit cache): the
     // units of this worker's slice were counted when it was taken, so they still admit.
     rt.over_limit
@@ -1527,21 +1575,25 @@ fn leased_quota_admits_from_local_slices() {
                 "n",
                 "o",
                 true
-            ),
-            Step::Continue,
+            )
+            .next,
+            Move::Continue,
             "{i}"
         );
     }
     // The 13th has no slice left: the over-limit cache answers.
     let mut again = Flow::default();
-    match again.on_request(
-        &Cx::new(&rt, 20, &rec),
-        req("GET", "/", Some("acme")),
-        "n",
-        "o",
-        true,
-    ) {
-        Step::Respond(r) => assert_eq!(r.status, 429),
+    match again
+        .on_request(
+            &Cx::new(&rt, 20, &rec),
+            req("GET", "/", Some("acme")),
+            "n",
+            "o",
+            true,
+        )
+        .next
+    {
+        Move::Respond(r) => assert_eq!(r.status, 429),
         other => panic!("expected a 429 from the over-limit cache, got {other:?}"),
     }
     assert_eq!(rec.count("cg.policy.p.limit.t.allowed"), 12);
@@ -1557,8 +1609,9 @@ fn leased_quota_admits_from_local_slices() {
     // After the window the slice is gone.
     let mut late = Flow::default();
     assert_eq!(
-        late.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(ints(&[1, 1, 1, 1, 0]))),
-        Step::Wait,
+        late.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(ints(&[1, 1, 1, 1, 0])))
+            .next,
+        Move::Wait,
         "idle flow ignores answers"
     );
     dispatched(late.on_request(
@@ -1577,8 +1630,7 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     // Client gone while the acquire is in flight: the release may find nothing of ours.
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(!bg[0].certain);
     assert_eq!(
         answer_once(&rt, bg[0].clone(), Ok(Reply::Int(0)), 5, &rec),
@@ -1587,9 +1639,8 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 0);
     // A release of a record we did own that finds it gone is a stale owner.
     let mut flow = forwarded(&rt, &rec);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(
-        flow.take_background().is_empty(),
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
         "kept PROCESSING: outcome unknown"
     );
     let owned = Background::new(
@@ -1638,11 +1689,12 @@ fn sync_response_declared_too_large_streams_and_holds_only_its_last_piece() {
         &cl(100_000),
         false,
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(flow.deadline_ms(), None);
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read)
+            .next,
+        Move::Continue
     );
     // The piece that reaches the declared length waits for the record.
     let out =
@@ -1651,17 +1703,19 @@ fn sync_response_declared_too_large_streams_and_holds_only_its_last_piece() {
     assert_eq!(flow.deadline_ms(), Some(6 + 50));
     // The host's empty end of stream comes later and waits too.
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 0, true, never_read),
-        Step::Wait
+        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 0, true, never_read)
+            .next,
+        Move::Wait
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 8, &rec), out[0].slot, Ok(Reply::Int(1))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 8, &rec), out[0].slot, Ok(Reply::Int(1)))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 0);
-    assert!(flow.take_background().is_empty());
+    assert!(bg.is_empty());
 }
 
 #[test]
@@ -1678,8 +1732,9 @@ fn sync_response_copies_its_body_and_streams_past_max_response_body() {
             "via_upstream",
             &chunked,
             false
-        ),
-        Step::Continue,
+        )
+        .next,
+        Move::Continue,
         "never held in Envoy's buffer"
     );
     // Copied while it may fit (body_size is each piece) ...
@@ -1687,24 +1742,28 @@ fn sync_response_copies_its_body_and_streams_past_max_response_body() {
         flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 30_000, false, || vec![
             b'a';
             30_000
-        ]),
-        Step::Continue
+        ])
+        .next,
+        Move::Continue
     );
     // ... then only counted once it cannot.
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 6, &NoMetrics), 40_000, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 6, &NoMetrics), 40_000, false, never_read)
+            .next,
+        Move::Continue
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 16_384, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 16_384, false, never_read)
+            .next,
+        Move::Continue
     );
     // Its end: the last piece waits for the reference record.
     let out = dispatched(flow.on_response_body(&Cx::new(&rt, 8, &NoMetrics), 10, true, never_read));
     assert_reference(&out);
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 9, &rec), out[0].slot, Ok(Reply::Int(1))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 9, &rec), out[0].slot, Ok(Reply::Int(1)))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
 }
@@ -1724,8 +1783,9 @@ fn response_trailers_end_a_streaming_body() {
         false,
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 70_000, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 70_000, false, never_read)
+            .next,
+        Move::Continue
     );
     let out = dispatched(flow.on_response_trailers(&Cx::new(&rt, 6, &NoMetrics), &[]));
     assert_reference(&out);
@@ -1740,8 +1800,9 @@ fn response_trailers_end_a_streaming_body() {
         false,
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 2, false, || b"ok".to_vec()),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 2, false, || b"ok".to_vec())
+            .next,
+        Move::Continue
     );
     let out = dispatched(flow.on_response_trailers(&Cx::new(&rt, 6, &NoMetrics), &[]));
     assert!(out[0].call.args[3].contains("\"body\":\"ok\""));
@@ -1763,8 +1824,10 @@ fn a_response_that_never_ends_is_never_stored_completed() {
         false,
     );
     assert_eq!(
-        streaming.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read),
-        Step::Continue
+        streaming
+            .on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read)
+            .next,
+        Move::Continue
     );
     let mut buffering = forwarded(&rt, &rec);
     buffering.on_response_headers(
@@ -1776,12 +1839,13 @@ fn a_response_that_never_ends_is_never_stored_completed() {
         false,
     );
     assert_eq!(
-        buffering.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 10, false, || vec![b'a'; 10]),
-        Step::Continue
+        buffering
+            .on_response_body(&Cx::new(&rt, 5, &NoMetrics), 10, false, || vec![b'a'; 10])
+            .next,
+        Move::Continue
     );
     for mut flow in [streaming, buffering] {
-        flow.on_done(&Cx::new(&rt, 0, &rec));
-        assert!(flow.take_background().is_empty());
+        assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     }
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 2);
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 0);
@@ -1801,8 +1865,10 @@ fn a_response_that_never_ends_is_never_stored_completed() {
         Reply::Bulk(Some(vec![])),
     ]));
     assert_eq!(
-        copying.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
-        Step::Continue
+        copying
+            .on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired))
+            .next,
+        Move::Continue
     );
     copying.on_response_headers(
         &Cx::new(&rt, 2, &rec),
@@ -1813,11 +1879,15 @@ fn a_response_that_never_ends_is_never_stored_completed() {
         false,
     );
     assert_eq!(
-        copying.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 50_000, false, never_read),
-        Step::Continue
+        copying
+            .on_response_body(&Cx::new(&rt, 3, &NoMetrics), 50_000, false, never_read)
+            .next,
+        Move::Continue
     );
-    copying.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(copying.take_background().is_empty(), "nothing completed");
+    assert!(
+        copying.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
+        "nothing completed"
+    );
     assert_eq!(rec.count("cg.policy.async.idem.outcome_unknown"), 1);
 }
 
@@ -1840,8 +1910,8 @@ fn async_response_over_max_is_stored_by_reference_at_its_end() {
         Reply::Bulk(Some(vec![])),
     ]));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)).next,
+        Move::Continue
     );
     // No content-length: copied while it fits, then only counted.
     flow.on_response_headers(
@@ -1852,24 +1922,17 @@ fn async_response_over_max_is_stored_by_reference_at_its_end() {
         &[],
         false,
     );
-    assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 40_000, false, || vec![
-            b'a';
-            40_000
-        ]),
-        Step::Continue
-    );
-    assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 40_000, false, never_read),
-        Step::Continue
-    );
+    let first = flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 40_000, false, || {
+        vec![b'a'; 40_000]
+    });
+    assert_eq!(first.next, Move::Continue);
+    let second = flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 40_000, false, never_read);
+    assert_eq!(second.next, Move::Continue);
     // The declared length is not the end for async: the end of stream is.
-    assert!(flow.take_background().is_empty());
-    assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 40_000, true, never_read),
-        Step::Continue
-    );
-    let bg = flow.take_background();
+    assert!(first.out.background.is_empty() && second.out.background.is_empty());
+    let step = flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 40_000, true, never_read);
+    assert_eq!(step.next, Move::Continue);
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::Complete);
     assert!(
@@ -1927,14 +1990,14 @@ fn ambiguous_inputs_are_400_before_any_call() {
             "o",
             true,
         );
-        let Step::Respond(r) = step else {
+        let Move::Respond(r) = step.next else {
             panic!("{path}: expected a local answer, got {step:?}");
         };
         assert_eq!(r.status, 400, "{path}");
         let body = String::from_utf8_lossy(&r.body).into_owned();
         assert!(body.contains(slug), "{path}: {body}");
         assert_eq!(flow.deadline_ms(), None, "nothing outstanding");
-        assert!(flow.take_background().is_empty(), "nothing to give back");
+        assert!(step.out.background.is_empty(), "nothing to give back");
     }
     assert_eq!(rec.count("cg.policy.activate.ambiguous_input"), 4);
 
@@ -1959,12 +2022,12 @@ fn ambiguous_inputs_are_400_before_any_call() {
             "o",
             true,
         );
-        match step {
-            Step::Respond(r) => {
+        match step.next {
+            Move::Respond(r) => {
                 assert_eq!(r.status, status, "{path}");
                 assert!(String::from_utf8_lossy(&r.body).contains("\"selector\":\"query:id\""));
             }
-            Step::Dispatch(_) => assert_eq!(status, 0, "{path}"),
+            Move::Dispatch(_) => assert_eq!(status, 0, "{path}"),
             other => panic!("{path}: {other:?}"),
         }
     }
@@ -1988,11 +2051,9 @@ fn fail_open_sends_no_fingerprint() {
         "o",
         true,
     ));
-    assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 60, &rec), 0, Err(CallError::Timeout)),
-        Step::Continue
-    );
-    assert!(flow.upstream_headers().is_empty(), "nothing was acquired");
+    let step = flow.on_reply(&Cx::new(&rt, 60, &rec), 0, Err(CallError::Timeout));
+    assert_eq!(step.next, Move::Continue);
+    assert!(step.out.upstream_headers.is_empty(), "nothing was acquired");
     assert_eq!(rec.count("cg.policy.o.failed_open"), 1);
 }
 
@@ -2004,7 +2065,7 @@ fn acquire_fails(answer: Result<Reply, CallError>) -> (Step, Vec<Background>, Re
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
     let step = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, answer);
-    let bg = flow.take_background();
+    let bg = step.out.background.clone();
     (step, bg, rec)
 }
 
@@ -2017,7 +2078,7 @@ fn a_call_that_provably_did_not_run_is_not_compensated() {
     ] {
         let (step, bg, rec) = acquire_fails(Err(e.clone()));
         assert!(
-            matches!(step, Step::Respond(ref r) if r.status == 503),
+            matches!(step.next, Move::Respond(ref r) if r.status == 503),
             "{e:?}"
         );
         assert!(
@@ -2050,22 +2111,22 @@ fn a_timed_out_acquire_is_compensated_with_the_marker() {
     start_with_body(&mut flow, &rt, &rec, b"{}");
     let deadline = flow.deadline_ms().expect("waiting on Redis");
     let step = flow.on_tick(&Cx::new(&rt, deadline, &rec));
-    assert!(matches!(step, Step::Respond(ref r) if r.status == 503));
-    let bg = flow.take_background();
+    assert!(matches!(step.next, Move::Respond(ref r) if r.status == 503));
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert!(bg[0].compensation && !bg[0].certain);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty(), "handed over once");
-    // The late answer is ignored; nothing more is sent.
-    assert_eq!(
-        flow.on_reply(
-            &Cx::new(&rt, deadline + 900, &rec),
-            0,
-            Ok(acquire_reply(1, ""))
-        ),
-        Step::Wait
+    assert!(
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
+        "handed over once"
     );
-    assert!(flow.take_background().is_empty());
+    // The late answer is ignored; nothing more is sent.
+    let step = flow.on_reply(
+        &Cx::new(&rt, deadline + 900, &rec),
+        0,
+        Ok(acquire_reply(1, "")),
+    );
+    assert_eq!(step.next, Move::Wait);
+    assert!(step.out.background.is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.acquired"), 0);
 }
 
@@ -2076,17 +2137,14 @@ fn a_late_lease_is_compensated_and_never_counted_released() {
     let mut flow = Flow::default();
     activate(&mut flow, &rt, &rec);
     let deadline = flow.deadline_ms().expect("waiting on Redis");
-    assert!(matches!(
-        flow.on_tick(&Cx::new(&rt, deadline, &rec)),
-        Step::Respond(_)
-    ));
-    let bg = flow.take_background();
+    let step = flow.on_tick(&Cx::new(&rt, deadline, &rec));
+    assert!(matches!(step.next, Move::Respond(_)));
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     assert!(bg[0].compensation);
     // The stream's end does not send it a second time.
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(bg[0].call.keys.len(), 2);
     assert!(bg[0].call.keys[1].contains(":cancel:{t."));
     // The late acquire took the lease and the compensation gave it back: not "released".
@@ -2224,8 +2282,7 @@ fn a_release_sent_again_that_finds_its_lease_gone_counts_as_released() {
         // An event stream holds the lease until it ends, and the root gives it back then.
         let h = headers(&[(":status", "200"), ("content-type", "text/event-stream")]);
         flow.on_response_headers(&Cx::new(&rt, 2, &rec), 200, true, "", &h, false);
-        flow.on_done(&Cx::new(&rt, 2, &rec));
-        let bg = flow.take_background();
+        let bg = flow.on_done(&Cx::new(&rt, 2, &rec));
         assert_eq!(bg.len(), 1);
         assert!(bg[0].certain);
         let mut outbox = Outbox::default();
@@ -2293,8 +2350,9 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
         vec!["own".to_string(), "2000".to_string(), "3600000".to_string()]
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"1500"))),
-        Step::Wait
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(2, b"1500")))
+            .next,
+        Move::Wait
     );
     let now = flow.deadline_ms().expect("a poll is scheduled");
     let poll = dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
@@ -2324,8 +2382,9 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
             true,
         ));
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 0, &rec), 0, Ok(lease_reply(2, b"5000"))),
-            Step::Wait
+            flow.on_reply(&Cx::new(&rt, 0, &rec), 0, Ok(lease_reply(2, b"5000")))
+                .next,
+            Move::Wait
         );
         flow
     };
@@ -2353,8 +2412,9 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
         now = next;
         dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, now, &rec), 0, Ok(lease_reply(2, b"5000"))),
-            Step::Wait
+            flow.on_reply(&Cx::new(&rt, now, &rec), 0, Ok(lease_reply(2, b"5000")))
+                .next,
+            Move::Wait
         );
     }
     assert!(pauses.iter().all(|p| *p <= LEASE_POLL_MAX_MS), "{pauses:?}");
@@ -2379,22 +2439,18 @@ fn a_holder_reports_the_lease_it_freed() {
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"9"))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"9")))
+            .next,
+        Move::Continue
     );
-    let out = dispatched(flow.on_response_headers(
-        &Cx::new(&rt, 2, &rec),
-        200,
-        true,
-        "via_upstream",
-        &[],
-        true,
-    ));
-    assert_eq!(flow.take_freed(), None, "not before Redis said so");
-    flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(Reply::Int(1)));
-    let freed = flow.take_freed().expect("freed");
+    let step =
+        flow.on_response_headers(&Cx::new(&rt, 2, &rec), 200, true, "via_upstream", &[], true);
+    assert_eq!(step.out.freed, None, "not before Redis said so");
+    let out = dispatched(step);
+    let step = flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(Reply::Int(1)));
+    let freed = step.out.freed.expect("freed");
     assert!(freed.contains(":lease:"), "{freed}");
-    assert_eq!(flow.take_freed(), None, "once");
+    assert_eq!(flow.on_tick(&Cx::new(&rt, 4, &rec)).out.freed, None, "once");
 }
 
 /// A gRPC request with an Idempotency-Key.
@@ -2419,11 +2475,12 @@ fn grpc_forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
         "owner-1",
         false,
     );
-    assert_eq!(step, Step::Wait);
+    assert_eq!(step.next, Move::Wait);
     dispatched(flow.on_request_body(&Cx::new(rt, 2, rec), 7, true, || b"\0\0\0\0\x02hi".to_vec()));
     assert_eq!(
-        flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, ""))),
-        Step::Continue
+        flow.on_reply(&Cx::new(rt, 3, rec), 0, Ok(acquire_reply(1, "")))
+            .next,
+        Move::Continue
     );
     flow
 }
@@ -2491,12 +2548,13 @@ fn grpc_outcome_is_read_from_grpc_status() {
             None => dispatched(at_headers),
             Some(t) => {
                 // Decided only at the trailers; the message passes meanwhile (copied).
-                assert_eq!(at_headers, Step::Continue, "{headers:?}");
+                assert_eq!(at_headers.next, Move::Continue, "{headers:?}");
                 assert_eq!(
                     flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 9, false, || {
                         b"\0\0\0\0\x04done".to_vec()
-                    }),
-                    Step::Continue
+                    })
+                    .next,
+                    Move::Continue
                 );
                 // The trailers wait for the record (sync): the client cannot see the end of
                 // the response before an immediate retry finds the record settled.
@@ -2517,8 +2575,9 @@ fn grpc_outcome_is_read_from_grpc_status() {
             assert!(!json.contains("x-other"), "{json}");
         }
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 7, &rec), out[0].slot, Ok(Reply::Int(1))),
-            Step::Continue
+            flow.on_reply(&Cx::new(&rt, 7, &rec), out[0].slot, Ok(Reply::Int(1)))
+                .next,
+            Move::Continue
         );
         let metric = if released { "released" } else { "completed" };
         assert_eq!(rec.count(&format!("cg.policy.orders.idem.{metric}")), 1);
@@ -2567,8 +2626,9 @@ fn grpc_replays_and_local_replies() {
             false,
         );
         flow.on_request_body(&Cx::new(&rt, 1, &rec), 2, true, || b"hi".to_vec());
-        let Step::Respond(r) =
-            flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(code, record)))
+        let Move::Respond(r) = flow
+            .on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(acquire_reply(code, record)))
+            .next
         else {
             panic!("code {code}: expected a local answer");
         };
@@ -2654,46 +2714,48 @@ fn an_upgrade_holds_its_lease_until_the_stream_ends_and_keeps_extending_it() {
     ));
     assert_eq!(out.len(), 1);
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"42"))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(lease_reply(1, b"42")))
+            .next,
+        Move::Continue
     );
     // The 101 goes on at once and the lease stays held.
     let h = headers(&[("upgrade", "websocket"), ("connection", "upgrade")]);
-    assert_eq!(
-        flow.on_response_headers(
-            &Cx::new(&rt, 100, &rec),
-            101,
-            true,
-            "via_upstream",
-            &h,
-            false
-        ),
-        Step::Continue
+    let step = flow.on_response_headers(
+        &Cx::new(&rt, 100, &rec),
+        101,
+        true,
+        "via_upstream",
+        &h,
+        false,
     );
-    assert!(flow.take_background().is_empty(), "not released at the 101");
+    assert_eq!(step.next, Move::Continue);
+    assert!(step.out.background.is_empty(), "not released at the 101");
     assert!(flow.wants_response(&Cx::new(&rt, 100, &rec)));
     // Still registered for the watchdog: extended at every half TTL while open.
     for due in [5_001, 10_001, 15_001] {
         assert_eq!(flow.deadline_ms(), Some(due));
         assert_eq!(
-            flow.on_response_body(&Cx::new(&rt, due - 1, &NoMetrics), 10, false, never_read),
-            Step::Continue,
+            flow.on_response_body(&Cx::new(&rt, due - 1, &NoMetrics), 10, false, never_read)
+                .next,
+            Move::Continue,
             "frames pass"
         );
-        assert_eq!(flow.on_tick(&Cx::new(&rt, due, &rec)), Step::Wait);
-        let bg = flow.take_background();
+        let step = flow.on_tick(&Cx::new(&rt, due, &rec));
+        assert_eq!(step.next, Move::Wait);
+        let bg = step.out.background;
         assert_eq!(bg.len(), 1);
         assert_eq!(bg[0].purpose, Purpose::LeaseExtend);
     }
     // The session ends: released once, from the root.
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     assert!(bg[0].certain);
     assert_eq!(flow.deadline_ms(), None);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty(), "released once");
+    assert!(
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
+        "released once"
+    );
 
     // An upgrade the service declines is an ordinary response: released before it goes on.
     let mut declined = Flow::default();
@@ -2738,12 +2800,12 @@ fn an_event_stream_holds_its_lease_until_it_ends() {
             "via_upstream",
             &sse,
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(flow.deadline_ms(), Some(5_001), "still extended");
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
 }
@@ -2768,8 +2830,9 @@ fn an_upgrade_is_acquired_without_waiting_for_a_body_and_its_record_released_at_
         ));
         assert_eq!(out.len(), 1, "{method}");
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquire_reply(1, ""))),
-            Step::Continue
+            flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquire_reply(1, "")))
+                .next,
+            Move::Continue
         );
         let status = if method == "CONNECT" { 200 } else { 101 };
         let out = dispatched(flow.on_response_headers(
@@ -2783,15 +2846,16 @@ fn an_upgrade_is_acquired_without_waiting_for_a_body_and_its_record_released_at_
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].script, ScriptId::Release, "{method}: never stored");
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(Reply::Int(1))),
-            Step::Continue
+            flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(Reply::Int(1)))
+                .next,
+            Move::Continue
         );
         assert_eq!(
-            flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 5, false, never_read),
-            Step::Continue
+            flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 5, false, never_read)
+                .next,
+            Move::Continue
         );
-        flow.on_done(&Cx::new(&rt, 0, &rec));
-        assert!(flow.take_background().is_empty());
+        assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
         assert_eq!(rec.count("cg.policy.orders.idem.released"), 1);
         assert_eq!(rec.count("cg.policy.orders.idem.completed"), 0);
         assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 0);
@@ -2812,13 +2876,15 @@ fn an_event_stream_is_never_buffered_and_stored_by_reference_once_it_ended() {
             "via_upstream",
             &sse,
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     for t in 5..8 {
         assert_eq!(
-            flow.on_response_body(&Cx::new(&rt, t, &NoMetrics), 100_000, false, never_read),
-            Step::Continue,
+            flow.on_response_body(&Cx::new(&rt, t, &NoMetrics), 100_000, false, never_read)
+                .next,
+            Move::Continue,
             "events pass as they come"
         );
     }
@@ -2839,8 +2905,7 @@ fn an_event_stream_is_never_buffered_and_stored_by_reference_once_it_ended() {
         false,
     );
     endless.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 10, false, never_read);
-    endless.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(endless.take_background().is_empty());
+    assert!(endless.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
 }
 
@@ -2861,12 +2926,14 @@ fn replay_reference_is_stored_only_once_the_body_ended() {
             "via_upstream",
             &cl(100),
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60, false, never_read)
+            .next,
+        Move::Continue
     );
     assert_reference(&dispatched(flow.on_response_body(
         &Cx::new(&rt, 6, &NoMetrics),
@@ -2885,8 +2952,7 @@ fn replay_reference_is_stored_only_once_the_body_ended() {
         false,
     );
     reset.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60, false, never_read);
-    reset.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(reset.take_background().is_empty());
+    assert!(reset.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
     // A response without a body is complete at its headers.
     let mut empty = forwarded(&rt, &rec);
@@ -2928,28 +2994,24 @@ fn a_lease_is_released_with_the_record_when_the_body_passes() {
         Reply::Bulk(Some(b"77".to_vec())),
     ]));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)).next,
+        Move::Continue
     );
     // The headers go on at once: nothing is released yet, so nothing is paused on Redis.
-    assert_eq!(
-        flow.on_response_headers(
-            &Cx::new(&rt, 2, &rec),
-            201,
-            true,
-            "via_upstream",
-            &[],
-            false
-        ),
-        Step::Continue
+    let step = flow.on_response_headers(
+        &Cx::new(&rt, 2, &rec),
+        201,
+        true,
+        "via_upstream",
+        &[],
+        false,
     );
-    assert!(
-        flow.take_background().is_empty(),
-        "no release from the root"
-    );
+    assert_eq!(step.next, Move::Continue);
+    assert!(step.out.background.is_empty(), "no release from the root");
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 3, &rec), 5, false, || b"hello".to_vec()),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 3, &rec), 5, false, || b"hello".to_vec())
+            .next,
+        Move::Continue
     );
     // The body's end waits for both: the record written and the lease given back.
     let out = dispatched(flow.on_response_body(&Cx::new(&rt, 4, &rec), 1, true, || b"!".to_vec()));
@@ -2961,12 +3023,14 @@ fn a_lease_is_released_with_the_record_when_the_body_passes() {
         &out[0].call.args[3]
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(1))),
-        Step::Wait
+        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(Reply::Int(1)))
+            .next,
+        Move::Wait
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 6, &rec), out[1].slot, Ok(Reply::Int(1))),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 6, &rec), out[1].slot, Ok(Reply::Int(1)))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.both.lease.released"), 1);
     assert_eq!(rec.count("cg.policy.both.idem.completed"), 1);
