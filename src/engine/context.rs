@@ -4,7 +4,7 @@
 //! and nothing else of the flow, so the module graph only runs down. (What an event answers,
 //! its step, is the flow's own: see `flow/step.rs`.)
 
-use crate::config::{Config, ConfigError, Policy};
+use crate::config::{Config, Policy};
 use crate::guards::ratelimit::leased::{LeasedQuota, QUOTA_SLOTS};
 use crate::guards::ratelimit::overlimit::{OverLimitCache, SharedStore};
 use crate::guards::ratelimit::{KeyMemo, RejectionMemo, KEY_MEMO_SLOTS};
@@ -61,17 +61,14 @@ impl Runtime {
         }
     }
 
-    /// The benchmarks' runtime: one policy on `/api` that limits each tenant to a billion
-    /// requests an hour in `mode` (`exact` or `leased`), with no host behind its metrics. The
-    /// core benchmark and the allocation tests share it, so both measure the same request.
-    #[doc(hidden)]
-    pub fn per_tenant_benchmark(mode: &str) -> Result<Runtime, ConfigError> {
-        let json = format!(
-            r#"{{"redis": {{"cluster": "gw"}}, "policies": [{{"name": "api",
-            "match": {{"path_prefix": "/api"}}, "rate_limits": [{{"name": "tenant",
-            "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000000000, "window": "1h",
-            "mode": "{mode}"}}]}}]}}"#
-        );
+    /// The benchmarks' runtime, for the unit tests: one policy on `/api` that limits each
+    /// tenant to a billion requests an hour in `mode` (`exact` or `leased`), with no host
+    /// behind its metrics. Its configuration is `benches/per_tenant.json` (`MODE` stands for
+    /// the mode), which the core benchmark reads too, so the allocation tests and the
+    /// benchmark measure the same request.
+    #[cfg(test)]
+    pub fn per_tenant_benchmark(mode: &str) -> Result<Runtime, crate::config::ConfigError> {
+        let json = include_str!("../../benches/per_tenant.json").replace("MODE", mode);
         let config = Config::parse(json.as_bytes())?;
         let metrics = Metrics::define(&config, |_, _| 0);
         Ok(Runtime::new(config, metrics, None))
