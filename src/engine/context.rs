@@ -1,13 +1,13 @@
-//! What every event of the flow brings and what it answers: the VM's [`Runtime`], the
-//! event's context ([`Cx`], and [`Pcx`] for the request's policy), the [`Step`] the adapter
-//! carries out, and why a call was made ([`Purpose`]). The guards and the call tables read
-//! these and nothing else of the flow, so the module graph only runs down.
+//! What every event of the flow brings, and the calls it makes: the VM's [`Runtime`], the
+//! event's context ([`Cx`], and [`Pcx`] for the request's policy), why a call was made
+//! ([`Purpose`]) and a call to send ([`Outgoing`]). The guards and the call tables read these
+//! and nothing else of the flow, so the module graph only runs down. (What an event answers,
+//! its step, is the flow's own: see `flow/step.rs`.)
 
-use crate::config::{Config, ConfigError, Policy};
+use crate::config::{Config, Policy};
 use crate::guards::ratelimit::leased::{LeasedQuota, QUOTA_SLOTS};
 use crate::guards::ratelimit::overlimit::{OverLimitCache, SharedStore};
 use crate::guards::ratelimit::{KeyMemo, RejectionMemo, KEY_MEMO_SLOTS};
-use crate::http::local_reply::LocalResponse;
 use crate::redis::scripts::{ScriptId, Scripts};
 use crate::redis::ScriptCall;
 use crate::support::lograte::Warnings;
@@ -61,17 +61,14 @@ impl Runtime {
         }
     }
 
-    /// The benchmarks' runtime: one policy on `/api` that limits each tenant to a billion
-    /// requests an hour in `mode` (`exact` or `leased`), with no host behind its metrics. The
-    /// core benchmark and the allocation tests share it, so both measure the same request.
-    #[doc(hidden)]
-    pub fn per_tenant_benchmark(mode: &str) -> Result<Runtime, ConfigError> {
-        let json = format!(
-            r#"{{"redis": {{"cluster": "gw"}}, "policies": [{{"name": "api",
-            "match": {{"path_prefix": "/api"}}, "rate_limits": [{{"name": "tenant",
-            "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000000000, "window": "1h",
-            "mode": "{mode}"}}]}}]}}"#
-        );
+    /// The benchmarks' runtime, for the unit tests: one policy on `/api` that limits each
+    /// tenant to a billion requests an hour in `mode` (`exact` or `leased`), with no host
+    /// behind its metrics. Its configuration is `benches/per_tenant.json` (`MODE` stands for
+    /// the mode), which the core benchmark reads too, so the allocation tests and the
+    /// benchmark measure the same request.
+    #[cfg(test)]
+    pub fn per_tenant_benchmark(mode: &str) -> Result<Runtime, crate::config::ConfigError> {
+        let json = include_str!("../../benches/per_tenant.json").replace("MODE", mode);
         let config = Config::parse(json.as_bytes())?;
         let metrics = Metrics::define(&config, |_, _| 0);
         Ok(Runtime::new(config, metrics, None))
@@ -123,19 +120,6 @@ impl<'a> Pcx<'a> {
     pub fn call_deadline(&self) -> u64 {
         self.now_ms.saturating_add(self.rt.config.redis.timeout_ms)
     }
-}
-
-/// What the adapter does next.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
-    /// Let the stream go on (resume it if it is paused).
-    Continue,
-    /// Send these calls and keep the stream paused.
-    Dispatch(Vec<Outgoing>),
-    /// Keep the stream paused.
-    Wait,
-    /// Answer the client locally (shared: a memoised answer is not copied).
-    Respond(Rc<LocalResponse>),
 }
 
 /// Why a call was made.

@@ -32,8 +32,6 @@ pub struct LeaseGuard {
     busy_pttl_ms: i64,
     /// When to extend the lease next (`extend: true`).
     next_extend_ms: Option<u64>,
-    /// A release Redis confirmed, until the waiters of this worker are woken.
-    freed: bool,
 }
 
 /// What the lease answer means for the request.
@@ -85,7 +83,6 @@ impl LeaseGuard {
             wait: Backoff::new(LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS, owner),
             busy_pttl_ms: 0,
             next_extend_ms: None,
-            freed: false,
         }))
     }
 
@@ -167,8 +164,9 @@ impl LeaseGuard {
         std::mem::take(&mut self.held)
     }
 
-    /// Redis answered our release: `1` gave the lease back (counted either way).
-    pub fn released(&mut self, at: &Pcx<'_>, reply: &crate::redis::resp::Reply) {
+    /// Redis answered our release: `1` gave the lease back (counted either way). The lease's
+    /// key when it did, for the requests of this worker that wait for it.
+    pub fn released(&self, at: &Pcx<'_>, reply: &crate::redis::resp::Reply) -> Option<String> {
         if let Some(lm) = at.pm.lease.as_ref() {
             crate::engine::outbox::count_lease(
                 lm,
@@ -178,14 +176,7 @@ impl LeaseGuard {
                 at.m,
             );
         }
-        if reply.as_int() == Some(1) {
-            self.freed = true;
-        }
-    }
-
-    /// The lease this request gave back, once (for the waiters of this worker).
-    pub fn take_freed(&mut self) -> Option<String> {
-        std::mem::take(&mut self.freed).then(|| self.acquire.key.clone())
+        (reply.as_int() == Some(1)).then(|| self.acquire.key.clone())
     }
 
     /// Extends a held lease at half its TTL while the request is in flight, when due.

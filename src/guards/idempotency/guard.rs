@@ -40,8 +40,6 @@ pub struct IdemGuard {
     pub stored: Assembly,
     /// Waiting for a duplicate still in progress (`in_progress: wait`).
     wait: Backoff,
-    /// A settlement Redis confirmed, until this worker's waiters for the record are woken.
-    freed: bool,
 }
 
 /// First and largest pause between polls of a record still in progress (`in_progress: wait`).
@@ -103,7 +101,6 @@ impl IdemGuard {
             answer: None,
             stored: Assembly::default(),
             wait: Backoff::new(RECORD_POLL_FIRST_MS, RECORD_POLL_MAX_MS, owner),
-            freed: false,
         }))
     }
 
@@ -356,18 +353,14 @@ impl IdemGuard {
         Background::new(policy, purpose, call, self.key_hash.clone())
     }
 
-    /// Counts the answer of our complete or release call.
-    pub fn settled(&mut self, at: &Pcx<'_>, purpose: Purpose, reply: &Reply) {
+    /// Counts the answer of our complete or release call. The record's key when it settled
+    /// the record, for the requests of this worker that wait for it.
+    pub fn settled(&mut self, at: &Pcx<'_>, purpose: Purpose, reply: &Reply) -> Option<String> {
         if let Some(im) = at.pm.idem.as_ref() {
             count_settlement(im, purpose, reply, &at.policy.name, &self.key_hash, at.m);
         }
         self.owned = false;
-        self.freed = reply.as_int() == Some(1);
-    }
-
-    /// The record this request settled, once (for the waiters of this worker).
-    pub fn take_freed(&mut self) -> Option<String> {
-        std::mem::take(&mut self.freed).then(|| self.acquire.key.clone())
+        (reply.as_int() == Some(1)).then(|| self.acquire.key.clone())
     }
 
     /// The record-only acquire that polls a record still in progress (with the lease, when
