@@ -8,7 +8,7 @@
 //! `[1, 1, 4, 60000, 0, 1, 100000, ""]`.
 
 use crate::config::Config;
-use crate::engine::flow::{Background, Cx, Outbox, Outgoing, Runtime, Step};
+use crate::engine::flow::{Background, Cx, Move, Outbox, Outgoing, Runtime, Step};
 use crate::http::local_reply::LocalResponse;
 use crate::http::request::Request;
 use crate::redis::resp::Reply;
@@ -290,16 +290,16 @@ pub fn runtime_of(rec: &Recorder, json: &str) -> Runtime {
 
 /// The calls of a `Dispatch` step (any other step fails the test).
 pub fn dispatched(step: Step) -> Vec<Outgoing> {
-    match step {
-        Step::Dispatch(out) => out,
+    match step.next {
+        Move::Dispatch(out) => out,
         other => panic!("expected Dispatch, got {other:?}"),
     }
 }
 
 /// The local answer of a `Respond` step (any other step fails the test).
 pub fn respond_with(step: Step) -> LocalResponse {
-    match step {
-        Step::Respond(r) => std::rc::Rc::unwrap_or_clone(r),
+    match step.next {
+        Move::Respond(r) => std::rc::Rc::unwrap_or_clone(r),
         other => panic!("expected Respond, got {other:?}"),
     }
 }
