@@ -3,7 +3,7 @@
 //! every call has: its slot (which comes back with the answer), when it was sent (latency),
 //! how often, and whether it goes by `EVALSHA` or, after one `NOSCRIPT`, by `EVAL`.
 
-use crate::engine::context::{Cx, Outgoing, Runtime};
+use crate::guards::context::{Cx, Outgoing, Runtime};
 use crate::redis::scripts::ScriptId;
 use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
 use crate::support::metrics::MetricSink;

@@ -5,7 +5,6 @@
 //! the host adapter carries out what it returns.
 
 pub mod calls;
-pub mod context;
 pub mod flow;
 pub mod outbox;
 pub mod shared;

@@ -3,18 +3,20 @@
 //! how it gives it back. It decides; the flow sends.
 
 use crate::config::{Lease, OnBusy};
-use crate::engine::context::{Pcx, Purpose};
-use crate::engine::outbox::{Background, Holder};
+use crate::guards::background::{Background, Holder};
 use crate::guards::backoff::Backoff;
+use crate::guards::context::{Pcx, Purpose};
 use crate::http::identity::Caller;
 use crate::http::local_reply::{self, LocalResponse, Problem};
 use crate::http::request::Request;
 use crate::http::selectors::selector_value;
 use crate::redis::keys;
+use crate::redis::resp::Reply;
 use crate::redis::scripts::acquire::{self, LeaseAcquire, LeaseAnswer};
 use crate::redis::scripts::lease;
+use crate::redis::scripts::record::{outcome, Outcome};
 use crate::redis::ScriptCall;
-use crate::support::metrics::LeaseMetrics;
+use crate::support::metrics::{LeaseMetrics, MetricSink};
 
 /// First and largest pause between polls of a busy lease (`on_busy: wait`).
 pub const LEASE_POLL_FIRST_MS: u64 = 25;
@@ -168,13 +170,7 @@ impl LeaseGuard {
     /// key when it did, for the requests of this worker that wait for it.
     pub fn released(&self, at: &Pcx<'_>, reply: &crate::redis::resp::Reply) -> Option<String> {
         if let Some(lm) = at.pm.lease.as_ref() {
-            crate::engine::outbox::count_lease(
-                lm,
-                Purpose::LeaseRelease,
-                reply,
-                &at.policy.name,
-                at.m,
-            );
+            count_lease(lm, Purpose::LeaseRelease, reply, &at.policy.name, at.m);
         }
         (reply.as_int() == Some(1)).then(|| self.acquire.key.clone())
     }
@@ -226,4 +222,27 @@ fn busy(lm: &LeaseMetrics, pttl_ms: i64, at: &Pcx<'_>) -> LocalResponse {
         &[],
         vec![("retry-after".to_string(), retry.to_string())],
     )
+}
+
+/// Counts what a lease release (`1` released) or extension (`1` extended) found; `0` (expired)
+/// and `-1` (another owner) mean the lease was lost.
+pub fn count_lease(
+    lm: &LeaseMetrics,
+    purpose: Purpose,
+    reply: &Reply,
+    policy: &str,
+    m: &dyn MetricSink,
+) {
+    match (purpose, outcome(reply)) {
+        (Purpose::LeaseRelease, Outcome::Done) => m.increment(lm.released),
+        (Purpose::LeaseExtend, Outcome::Done) => m.increment(lm.extended),
+        (_, Outcome::NotOurs) => {
+            m.increment(lm.lost);
+            log::warn!(
+                "policy {policy}: a lease was lost (it expired{}); the upstream's fencing check protects the data",
+                if reply.as_int() == Some(-1) { " and another request holds it" } else { "" }
+            );
+        }
+        _ => log::warn!("policy {policy}: unexpected answer to a lease update: {reply:?}"),
+    }
 }

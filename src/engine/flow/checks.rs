@@ -2,7 +2,8 @@
 //! one way, a missing or repeated tenant, a repeated selector input, a missing lease resource.
 
 use crate::config::IdSource;
-use crate::engine::context::Pcx;
+use crate::guards::context::Pcx;
+use crate::guards::ratelimit::charge::parse_units;
 use crate::http::identity::TenantError;
 use crate::http::local_reply::{self, LocalResponse, Member, Problem};
 use crate::http::request::Request;
@@ -152,12 +153,4 @@ pub fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
         }
     }
     Ok(costs)
-}
-
-/// Plain decimal digits only (no sign, no spaces inside, no exponent), at most 10 of them.
-pub fn parse_units(v: &str) -> Option<u64> {
-    if v.is_empty() || v.len() > 10 || !v.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    v.parse().ok()
 }

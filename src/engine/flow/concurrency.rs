@@ -6,9 +6,9 @@
 //! takes none.
 
 use crate::config::{Policy, RateLimit};
-use crate::engine::context::{Pcx, Purpose};
 use crate::engine::flow::{Flow, Outgoing, Pending};
-use crate::engine::outbox::Background;
+use crate::guards::background::Background;
+use crate::guards::context::{Pcx, Purpose};
 use crate::guards::ratelimit::admission::{Admission, LimitSlot};
 use crate::redis::scripts::acquire::Asker;
 use crate::redis::scripts::slot;

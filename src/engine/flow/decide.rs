@@ -4,11 +4,11 @@
 //! giving back what the request will not use.
 
 use crate::config::FailureMode;
-use crate::engine::context::{Outgoing, Pcx, Purpose};
 use crate::engine::flow::{
     Flow, Held, Move, Pending, Phase, FINGERPRINT_HEADER, MARKER_MIN_TTL_MS,
 };
-use crate::engine::outbox::Background;
+use crate::guards::background::Background;
+use crate::guards::context::{Outgoing, Pcx, Purpose};
 use crate::guards::idempotency::guard::IdemDecision;
 use crate::guards::lease::LeaseDecision;
 use crate::guards::ratelimit::Verdict;

@@ -18,7 +18,7 @@
 
 use crate::engine::calls::{count_failure, Answer};
 use crate::engine::flow::{Cx, Flow, Move, Pcx, Phase, Purpose};
-use crate::engine::outbox::Background;
+use crate::guards::background::Background;
 use crate::redis::scripts::acquire;
 use crate::redis::{resp::Reply, CallError};
 

@@ -37,12 +37,13 @@ mod step;
 mod upstream;
 mod watchdog;
 
-pub use crate::engine::context::{
+pub use crate::engine::outbox::{
+    Outbox, Settled, MAX_SENDS, RETRY_BUDGET, RETRY_BUDGET_PER_S, RETRY_WINDOW_MS,
+};
+pub use crate::guards::background::Background;
+pub use crate::guards::context::{
     Cx, Outgoing, Pcx, Purpose, Runtime, BODY_IDLE_TIMEOUT_MS, FINGERPRINT_HEADER,
     MARKER_MIN_TTL_MS,
-};
-pub use crate::engine::outbox::{
-    Background, Outbox, Settled, MAX_SENDS, RETRY_BUDGET, RETRY_BUDGET_PER_S, RETRY_WINDOW_MS,
 };
 pub use crate::guards::idempotency::guard::REPLAYED_HEADER;
 pub use crate::guards::lease::{LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS};

@@ -2,8 +2,8 @@
 //! the event produced beside it ([`Output`]), together one [`Step`]. Everything an event
 //! produces leaves with its step, once: the worker never asks the flow for it afterwards.
 
-use crate::engine::context::Outgoing;
-use crate::engine::outbox::Background;
+use crate::guards::background::Background;
+use crate::guards::context::Outgoing;
 use crate::http::local_reply::LocalResponse;
 use std::rc::Rc;
 
@@ -35,7 +35,7 @@ pub enum Move {
 pub struct Output {
     /// Headers to set on the request before it goes upstream (the fingerprint, the fencing
     /// token), with the step that forwards it. (The client's own copies of them are removed
-    /// from every request: see [`crate::engine::context::Runtime::reserved_headers`].)
+    /// from every request: see [`crate::guards::context::Runtime::reserved_headers`].)
     pub upstream_headers: Vec<(String, String)>,
     /// Headers to add to the upstream's response (`RateLimit-Policy`, `RateLimit`), with the
     /// step that forwards the request: the worker keeps them until the response's headers.

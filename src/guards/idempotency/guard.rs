@@ -3,9 +3,9 @@
 //! is assembled in [`crate::guards::idempotency::capture`].
 
 use crate::config::{Completion, FingerprintPart, Idempotency, InProgress, Replay};
-use crate::engine::context::{Pcx, Purpose};
-use crate::engine::outbox::{count_settlement, Background, Holder};
+use crate::guards::background::{Background, Holder};
 use crate::guards::backoff::Backoff;
+use crate::guards::context::{Pcx, Purpose};
 use crate::guards::idempotency::capture::Assembly;
 use crate::guards::idempotency::fingerprint::{
     canonical_body, canonical_need, is_json, Fingerprint,
@@ -19,10 +19,10 @@ use crate::http::local_reply::{self, LocalResponse, Problem};
 use crate::http::request::Request;
 use crate::redis::keys;
 use crate::redis::scripts::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire};
-use crate::redis::scripts::record;
+use crate::redis::scripts::record::{self, outcome, Outcome};
 use crate::redis::{resp::Reply, CallError, ScriptCall};
 use crate::support::lograte::WarnKind;
-use crate::support::metrics::IdemMetrics;
+use crate::support::metrics::{IdemMetrics, MetricSink};
 
 /// Marks a replayed response.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -509,5 +509,33 @@ fn grpc_replay(stored: &StoredResponse, code: u32, empty_body: bool) -> LocalRes
         body: Vec::new(),
         problem: None,
         grpc_status: Some(code),
+    }
+}
+
+/// Counts what a complete (`1` written, `0` missing, `-1` not owner) or release (`1`
+/// released, `0` missing, `-1` not owner) call found.
+pub fn count_settlement(
+    im: &IdemMetrics,
+    purpose: Purpose,
+    reply: &Reply,
+    policy: &str,
+    key_hash: &str,
+    m: &dyn MetricSink,
+) {
+    match (purpose, outcome(reply)) {
+        (Purpose::Complete, Outcome::Done) => m.increment(im.completed),
+        (Purpose::Release, Outcome::Done) => m.increment(im.released),
+        (_, Outcome::NotOurs) => {
+            m.increment(im.stale_owner);
+            log::warn!(
+                "policy {policy} key {key_hash}: the record is no longer ours (its processing TTL expired); not overwritten"
+            );
+        }
+        _ => {
+            m.increment(im.complete_failed);
+            log::warn!(
+                "policy {policy} key {key_hash}: unexpected answer to a record update: {reply:?}"
+            );
+        }
     }
 }

@@ -2,7 +2,7 @@
 //! leased slice, or the over-limit cache) gave it, together in one [`LimitSlot`]; the verdict
 //! and what the verdict leaves behind (slices, over-limit marks, metrics).
 
-use crate::engine::context::Pcx;
+use crate::guards::context::Pcx;
 use crate::guards::ratelimit::{self, LimitState, Verdict};
 use crate::http::identity::Caller;
 use crate::http::local_reply::LocalResponse;

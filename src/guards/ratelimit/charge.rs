@@ -5,9 +5,8 @@
 //! for it).
 
 use crate::config::{ChargeSource, Policy};
-use crate::engine::context::{Pcx, Purpose};
-use crate::engine::flow::checks::parse_units;
-use crate::engine::outbox::Background;
+use crate::guards::background::Background;
+use crate::guards::context::{Pcx, Purpose};
 use crate::guards::idempotency::fingerprint::is_json;
 use crate::guards::ratelimit::admission::Admission;
 use crate::redis::scripts::charge::{self, Correction};
@@ -281,6 +280,14 @@ fn read(value: Option<&str>) -> Reading {
         Some(n) => Reading::Read(n.min(MAX_CHARGE)),
         None => Reading::Unreadable,
     }
+}
+
+/// Plain decimal digits only (no sign, no spaces inside, no exponent), at most 10 of them.
+pub fn parse_units(v: &str) -> Option<u64> {
+    if v.is_empty() || v.len() > 10 || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    v.parse().ok()
 }
 
 #[cfg(test)]
