@@ -240,7 +240,7 @@ fn settled(rt: &Runtime, tag: &Tag, reply: &Reply, m: &dyn MetricSink) {
         );
     } else if let (true, Some(lm)) = (lease, pm.lease.as_ref()) {
         count_lease(lm, tag.purpose, reply, &policy.name, m);
-    } else if let Some(im) = pm.idem.as_ref() {
+    } else if let Some(im) = pm.record.as_ref() {
         count_settlement(im, tag.purpose, reply, &policy.name, &tag.key_hash, m);
     }
 }
@@ -313,7 +313,7 @@ fn failed(
             });
         return None;
     }
-    match pm.idem.as_ref().filter(|_| !lease) {
+    match pm.record.as_ref().filter(|_| !lease) {
         Some(im) => {
             // Only sent for a record that exists or may exist.
             m.increment(im.complete_failed);

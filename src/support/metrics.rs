@@ -60,7 +60,7 @@ pub struct LimitMetrics {
 
 /// `cg.policy.<policy>.idem.<name>`, defined for policies with `idempotency`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IdemMetrics {
+pub struct IdempotencyMetrics {
     pub acquired: u32,
     pub replayed: u32,
     pub in_progress: u32,
@@ -107,7 +107,7 @@ pub struct PolicyMetrics {
     pub ambiguous_input: u32,
     /// One entry per rate limit, in config order.
     pub limits: Vec<LimitMetrics>,
-    pub idem: Option<IdemMetrics>,
+    pub record: Option<IdempotencyMetrics>,
     pub lease: Option<LeaseMetrics>,
 }
 

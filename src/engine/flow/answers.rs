@@ -5,7 +5,7 @@
 
 use crate::engine::calls::{count_failure, Answer};
 use crate::engine::flow::{Cx, Flow, Move, Pcx, Phase, Purpose, Step};
-use crate::redis::scripts::acquire::{self, IdemAnswer, LeaseAnswer};
+use crate::redis::scripts::acquire::{self, LeaseAnswer, RecordAnswer};
 use crate::redis::{resp::Reply, CallError};
 use crate::support::lograte::WarnKind;
 
@@ -57,11 +57,11 @@ impl Flow {
     pub(super) fn settled_with(
         &mut self,
         slot: usize,
-        idem: Option<IdemAnswer>,
+        record: Option<RecordAnswer>,
         lease: Option<LeaseAnswer>,
     ) {
         self.settled_call(slot);
-        if let (Some(answer), Some(i)) = (idem, self.idem.as_mut()) {
+        if let (Some(answer), Some(i)) = (record, self.record.as_mut()) {
             i.answered(answer);
         }
         if let (Some(answer), Some(l)) = (lease, self.lease.as_mut()) {
@@ -101,19 +101,19 @@ impl Flow {
                     Ok(r) => r,
                     Err(e) => return self.unreadable(at, slot, &e),
                 };
-                self.settled_with(slot, read.idem, read.lease);
+                self.settled_with(slot, read.record, read.lease);
                 let headers = std::mem::take(&mut self.limit_headers);
                 self.guards_decide(at, headers)
             }
             Purpose::Acquire => {
                 let limits = &tag.limits;
-                let read = match acquire::read_reply(reply, limits.len(), tag.idem, tag.lease) {
+                let read = match acquire::read_reply(reply, limits.len(), tag.record, tag.lease) {
                     Ok(r) => r,
                     Err(e) => return self.unreadable(at, slot, &e),
                 };
                 self.admission
                     .answered(at, limits, read.states, read.admitted);
-                self.settled_with(slot, read.idem, read.lease);
+                self.settled_with(slot, read.record, read.lease);
                 self.acquire_answered(at)
             }
             Purpose::LeaseRelease => {
@@ -125,7 +125,7 @@ impl Flow {
             Purpose::SlotRelease => self.response_calls_done(),
             Purpose::LeaseExtend | Purpose::SlotExtend | Purpose::Charge => Move::Wait,
             Purpose::Complete | Purpose::Release => {
-                if let Some(i) = self.idem.as_mut() {
+                if let Some(i) = self.record.as_mut() {
                     self.out.freed = i.settled(at, purpose, reply);
                 }
                 self.response_calls_done()
@@ -171,7 +171,7 @@ impl Flow {
         match purpose {
             Purpose::Complete | Purpose::Release => {
                 self.calls.close(slot);
-                if let Some(i) = self.idem.as_mut() {
+                if let Some(i) = self.record.as_mut() {
                     i.settle_failed(at, err);
                 }
                 self.response_calls_done()

@@ -9,7 +9,7 @@ use crate::engine::flow::{
 };
 use crate::guards::background::Background;
 use crate::guards::context::{Outgoing, Pcx, Purpose};
-use crate::guards::idempotency::guard::IdemDecision;
+use crate::guards::idempotency::guard::IdempotencyDecision;
 use crate::guards::lease::LeaseDecision;
 use crate::guards::ratelimit::Verdict;
 use crate::http::local_reply::{self, Problem};
@@ -20,8 +20,8 @@ use crate::support::lograte::WarnKind;
 
 impl Flow {
     pub(super) fn start_acquire(&mut self, at: &Pcx<'_>, held: Held, body: &[u8]) -> Move {
-        if let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) {
-            idem.fingerprint(cfg, &held.caller, &held.req, body);
+        if let (Some(record), Some(cfg)) = (self.record.as_mut(), at.policy.idempotency.as_ref()) {
+            record.fingerprint(cfg, &held.caller, &held.req, body);
         }
         self.nonce = held.nonce;
         self.admission =
@@ -29,7 +29,7 @@ impl Flow {
         if let Some(rejection) = self.admission.cached_rejection(at) {
             return self.answer(rejection);
         }
-        if self.admission.all_local() && self.idem.is_none() && self.lease.is_none() {
+        if self.admission.all_local() && self.record.is_none() && self.lease.is_none() {
             // Every limit answered locally, nothing else to acquire: no Redis call. Otherwise
             // the plan holds a group for each limit asked and for the record and the lease.
             return self.decide(at);
@@ -43,13 +43,13 @@ impl Flow {
             at.policy,
             &self.admission.asks(),
             &asker,
-            self.idem.as_ref().map(|i| &i.acquire),
+            self.record.as_ref().map(|i| &i.acquire),
             self.lease.as_ref().map(|l| &l.acquire),
         );
         // Rate limits first: when the record or the lease rides in one slot and other slots
         // hold rate limits, those go first and the record/lease call only once they admit,
         // so a rate-limited request never takes a lease or a record (a second round trip).
-        let carries = |g: &acquire::Group| g.idem || g.lease;
+        let carries = |g: &acquire::Group| g.record || g.lease;
         let (first, deferred) = if !groups.iter().any(carries) {
             (groups, None)
         } else {
@@ -109,24 +109,24 @@ impl Flow {
         limit_headers: Vec<(String, String)>,
     ) -> Move {
         let grpc = self.kind.grpc;
-        let decision = match self.idem.as_mut() {
-            Some(idem) => idem.decide(at, &limit_headers, grpc),
-            None => IdemDecision::NotAsked,
+        let decision = match self.record.as_mut() {
+            Some(record) => record.decide(at, &limit_headers, grpc),
+            None => IdempotencyDecision::NotAsked,
         };
         match decision {
-            IdemDecision::Answer(response) => self.answer(response),
-            IdemDecision::PollAt(poll_at_ms) => {
+            IdempotencyDecision::Answer(response) => self.answer(response),
+            IdempotencyDecision::PollAt(poll_at_ms) => {
                 self.phase = Phase::RecordWaiting { poll_at_ms };
                 self.limit_headers = limit_headers;
                 Move::Wait
             }
-            IdemDecision::Skipped => self.forward(limit_headers),
-            IdemDecision::Acquired(fingerprint) => {
+            IdempotencyDecision::Skipped => self.forward(limit_headers),
+            IdempotencyDecision::Acquired(fingerprint) => {
                 self.upstream_headers
                     .push((FINGERPRINT_HEADER.into(), fingerprint));
                 self.lease_decide(at, limit_headers)
             }
-            IdemDecision::NotAsked => self.lease_decide(at, limit_headers),
+            IdempotencyDecision::NotAsked => self.lease_decide(at, limit_headers),
         }
     }
 
@@ -192,15 +192,15 @@ impl Flow {
     /// Polls a record still in progress again (`in_progress: wait`); with the lease, which
     /// a request that gets the record then needs.
     pub(super) fn poll_record(&mut self, at: &Pcx<'_>) -> Move {
-        let Some(idem) = self.idem.as_ref() else {
+        let Some(record) = self.record.as_ref() else {
             return Move::Continue;
         };
         let lease = self.lease.as_ref().map(|l| &l.acquire);
-        let call = idem.poll_call(lease, &self.nonce);
+        let call = record.poll_call(lease, &self.nonce);
         let mut tag = Pending::of(Purpose::RecordRetry);
-        tag.idem = true;
+        tag.record = true;
         tag.record_unsettled = true;
-        tag.lease = lease.is_some_and(|l| l.tag == idem.acquire.tag);
+        tag.lease = lease.is_some_and(|l| l.tag == record.acquire.tag);
         tag.lease_unsettled = tag.lease;
         self.poll(at, tag, call)
     }
@@ -212,7 +212,7 @@ impl Flow {
         self.hand_back(
             at,
             |t| &mut t.record_unsettled,
-            |f, in_flight, ttl| Background::give_back(at.index, f.idem.as_mut()?, in_flight, ttl),
+            |f, in_flight, ttl| Background::give_back(at.index, f.record.as_mut()?, in_flight, ttl),
         );
     }
 
@@ -317,7 +317,7 @@ impl Flow {
     /// waited (its failure mode applies).
     fn seen_busy(&self, at: &Pcx<'_>) -> Option<local_reply::LocalResponse> {
         let grpc = self.kind.grpc;
-        self.idem
+        self.record
             .as_ref()
             .and_then(|i| i.waiting_answer(at, grpc))
             .or_else(|| self.lease.as_ref().and_then(|l| l.waiting_answer(at)))

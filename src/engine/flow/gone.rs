@@ -50,7 +50,7 @@ impl Flow {
         // Response-side calls still outstanding may be cancelled with the stream: the root
         // sends them again (an answer that arrives twice is counted twice, nothing worse).
         let key_hash = self
-            .idem
+            .record
             .as_ref()
             .map_or(String::new(), |i| i.key_hash.clone());
         let unfinished: Vec<Background> = self
@@ -72,7 +72,7 @@ impl Flow {
             })
             .collect();
         self.out.background.extend(unfinished);
-        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
+        let owned = self.record.as_ref().is_some_and(|i| i.owned);
         match self.phase {
             Phase::Acquiring { .. } => self.release_record(&at),
             _ if !owned => {}
@@ -168,19 +168,19 @@ impl Flow {
         let Some(tag) = self.calls.get(slot).map(|c| &c.tag) else {
             return Ok(());
         };
-        let (n, idem, lease) = match purpose {
-            Purpose::Acquire => (tag.limits.len(), tag.idem, tag.lease),
+        let (n, record, lease) = match purpose {
+            Purpose::Acquire => (tag.limits.len(), tag.record, tag.lease),
             Purpose::LeaseRetry => (0, false, true),
             Purpose::RecordRetry => (0, true, tag.lease),
             _ => return Ok(()),
         };
-        let read = acquire::read_reply(reply, n, idem, lease)?;
+        let read = acquire::read_reply(reply, n, record, lease)?;
         if purpose == Purpose::Acquire {
             let limits = &tag.limits;
             self.admission
                 .answered(at, limits, read.states, read.admitted);
         }
-        self.settled_with(slot, read.idem, read.lease);
+        self.settled_with(slot, read.record, read.lease);
         Ok(())
     }
 

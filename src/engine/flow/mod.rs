@@ -50,8 +50,8 @@ pub use crate::guards::lease::{LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS};
 pub use step::{Move, Output, Step};
 
 use crate::engine::calls::Calls;
-use crate::guards::idempotency::capture::Intake;
-use crate::guards::idempotency::guard::IdemGuard;
+use crate::guards::idempotency::capture::BodyIntake;
+use crate::guards::idempotency::guard::IdempotencyGuard;
 use crate::guards::lease::LeaseGuard;
 use crate::guards::ratelimit::admission::Admission;
 use crate::guards::ratelimit::charge::Meter;
@@ -92,7 +92,7 @@ enum Phase {
     /// The response's headers passed; nothing left to take in.
     Responded,
     /// The response body is taken in for the record.
-    Response(Intake),
+    Response(BodyIntake),
     /// The complete/release (or lease release) the response waits for is outstanding.
     Completing { deadline_ms: u64 },
     /// Forwarded and settled; later answers are ignored.
@@ -105,7 +105,7 @@ struct Pending {
     purpose: Purpose,
     /// Rate limits (indices into the policy's) this call answers for.
     limits: Vec<usize>,
-    idem: bool,
+    record: bool,
     lease: bool,
     /// An acquire that may have written a record (`record_unsettled`) or a lease
     /// (`lease_unsettled`) this request does not know of: not answered yet, or failed in a
@@ -122,7 +122,7 @@ impl Pending {
         Pending {
             purpose,
             limits: Vec::new(),
-            idem: false,
+            record: false,
             lease: false,
             record_unsettled: false,
             lease_unsettled: false,
@@ -136,9 +136,9 @@ impl Pending {
         Pending {
             purpose: Purpose::Acquire,
             limits: std::mem::take(&mut g.limits),
-            idem: g.idem,
+            record: g.record,
             lease: g.lease,
-            record_unsettled: g.idem,
+            record_unsettled: g.record,
             lease_unsettled: g.lease,
             slots_unsettled: g.slots,
         }
@@ -186,7 +186,7 @@ pub struct Flow {
     phase: Phase,
     calls: Calls<Pending>,
     admission: Admission,
-    idem: Option<IdemGuard>,
+    record: Option<IdempotencyGuard>,
     lease: Option<LeaseGuard>,
     nonce: Token,
     /// The owner token (names the cancellation marker).
@@ -212,7 +212,7 @@ pub struct Flow {
 
 impl Phase {
     /// How the record takes the response body in, while it does.
-    fn intake(&self) -> Option<Intake> {
+    fn intake(&self) -> Option<BodyIntake> {
         match self {
             Phase::Response(intake) => Some(*intake),
             _ => None,
@@ -302,7 +302,7 @@ impl Flow {
     /// the stream's later events need not reach the flow.
     pub fn owes_nothing_at_end(&self, cx: &Cx<'_>) -> bool {
         matches!(self.phase, Phase::Forwarded)
-            && self.idem.is_none()
+            && self.record.is_none()
             && self.lease.is_none()
             && self.calls.open().next().is_none()
             && self.at(cx).is_some_and(|at| {
@@ -323,7 +323,7 @@ impl Flow {
 }
 
 #[cfg(test)]
-mod idem_tests;
+mod idempotency_tests;
 #[cfg(test)]
 mod lease_tests;
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! The root's outbox: the calls a request hands over (compensations, releases, completions)
 //! sent again with backoff, bounded in count, time and the worker's budget of re-sends.
 
-use crate::engine::flow::idem_tests::{acquire_fails, idem_runtime};
+use crate::engine::flow::idempotency_tests::{acquire_fails, idem_runtime};
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
 use crate::redis::CallError;

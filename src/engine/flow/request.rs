@@ -5,7 +5,7 @@
 use crate::engine::flow::{
     checks, token, Cx, Flow, Held, Move, Pcx, Phase, Step, BODY_IDLE_TIMEOUT_MS,
 };
-use crate::guards::idempotency::guard::IdemGuard;
+use crate::guards::idempotency::guard::IdempotencyGuard;
 use crate::guards::lease::LeaseGuard;
 use crate::http::grpc;
 use crate::http::identity::identify;
@@ -108,11 +108,11 @@ impl Flow {
         };
         if let Some(cfg) = at.policy.idempotency.as_ref() {
             if cfg.applies_to(&held.req.method) {
-                match IdemGuard::prepare(&at, cfg, &held.caller, &held.req, owner) {
+                match IdempotencyGuard::prepare(&at, cfg, &held.caller, &held.req, owner) {
                     Err(problem) => return self.answer(problem),
                     Ok(None) => {}
                     Ok(Some(guard)) => {
-                        self.idem = Some(guard);
+                        self.record = Some(guard);
                         // An upgrade's request "body" is the new protocol, which starts only
                         // after the answer: it is never waited for (the fingerprint's body is
                         // empty).
@@ -209,7 +209,7 @@ impl Flow {
         }
         let need = match (&self.phase, at.policy.idempotency.as_ref()) {
             (Phase::Buffering { held, .. }, Some(cfg)) => {
-                IdemGuard::fingerprint_need(cfg, &held.req, &body)
+                IdempotencyGuard::fingerprint_need(cfg, &held.req, &body)
             }
             _ => 0,
         };

@@ -3,7 +3,7 @@
 //! (upgrades, event streams) that are never stored whole.
 
 use crate::config::Replay;
-use crate::engine::flow::idem_tests::{forwarded, idem_runtime, orders_admitted};
+use crate::engine::flow::idempotency_tests::{forwarded, idem_runtime, orders_admitted};
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
 use crate::guards::idempotency::capture::{response_shape, Shape};

@@ -6,7 +6,7 @@
 use crate::config::{Completion, Idempotency};
 use crate::engine::flow::{Cx, Flow, Meter, Move, Outgoing, Pcx, Pending, Phase, Purpose, Step};
 use crate::guards::idempotency::capture::{
-    response_shape, Assembly, Intake, Record, ResponseHead, Shape, NEVER_SENT,
+    response_shape, Assembly, BodyIntake, RecordAction, ResponseView, Shape, NEVER_SENT,
 };
 use crate::guards::ratelimit::charge::Origin;
 use crate::redis::ScriptCall;
@@ -15,7 +15,7 @@ impl Flow {
     /// Whether the response matters to this request (a record to complete, a lease to
     /// release, a charge to read); if not, the adapter skips reading the response.
     pub fn wants_response(&self, cx: &Cx<'_>) -> bool {
-        self.idem.as_ref().is_some_and(|i| i.owned)
+        self.record.as_ref().is_some_and(|i| i.owned)
             || self.lease.as_ref().is_some_and(|l| l.held)
             || self.at(cx).is_some_and(|at| {
                 (self.forwarded() && Meter::wanted(at.policy)) || self.holds_slots(&at)
@@ -76,13 +76,13 @@ impl Flow {
         // as the stream is open, so a held lease stays held (the watchdog extends it) and is
         // released when the stream ends (`on_done`).
         self.kind.open_ended = shape != Shape::Plain;
-        let async_idem = self.idem.as_ref().is_some_and(|i| i.owned)
+        let async_idem = self.record.as_ref().is_some_and(|i| i.owned)
             && at
                 .policy
                 .idempotency
                 .as_ref()
                 .is_some_and(|c| c.complete == Completion::Async);
-        let head = ResponseHead {
+        let head = ResponseView {
             status,
             via_upstream,
             details,
@@ -163,17 +163,17 @@ impl Flow {
     }
 
     /// The record's side of the response headers: complete, release, or take the body first.
-    fn record_response_headers(&mut self, at: &Pcx<'_>, head: &ResponseHead<'_>) -> Move {
+    fn record_response_headers(&mut self, at: &Pcx<'_>, head: &ResponseView<'_>) -> Move {
         if !matches!(self.phase, Phase::Forwarded) {
             return Move::Continue;
         }
-        let (Some(idem), Some(cfg)) = (
-            self.idem.as_mut().filter(|i| i.owned),
+        let (Some(record), Some(cfg)) = (
+            self.record.as_mut().filter(|i| i.owned),
             at.policy.idempotency.as_ref(),
         ) else {
             return Move::Continue;
         };
-        let record = idem.stored.on_response_headers(cfg, head, self.kind.grpc);
+        let record = record.stored.on_response_headers(cfg, head, self.kind.grpc);
         self.apply_record(at, record, head.details)
     }
 
@@ -204,11 +204,11 @@ impl Flow {
         };
         let copies = match (
             self.phase.intake(),
-            self.idem.as_ref(),
+            self.record.as_ref(),
             at.policy.idempotency.as_ref(),
         ) {
-            (Some(intake), Some(idem), Some(cfg)) => {
-                idem.stored.takes(cfg, intake, body_size, &at.rt.memory)
+            (Some(intake), Some(record), Some(cfg)) => {
+                record.stored.takes(cfg, intake, body_size, &at.rt.memory)
             }
             _ => false,
         };
@@ -230,10 +230,10 @@ impl Flow {
                 memory,
             )
         });
-        if let Some(idem) = self.idem.as_mut() {
-            if idem.stored.take_over_budget() {
+        if let Some(record) = self.record.as_mut() {
+            if record.stored.take_over_budget() {
                 at.m.increment(at.rt.metrics.memory.by_reference);
-                idem.over_budget(&at);
+                record.over_budget(&at);
             }
         }
         step
@@ -261,7 +261,7 @@ impl Flow {
     fn record_piece(
         &mut self,
         cx: &Cx<'_>,
-        piece: impl FnOnce(&mut Assembly, &Idempotency, Intake, bool) -> Record,
+        piece: impl FnOnce(&mut Assembly, &Idempotency, BodyIntake, bool) -> RecordAction,
     ) -> Move {
         let intake = match self.phase {
             Phase::Response(intake) => intake,
@@ -272,40 +272,42 @@ impl Flow {
             return Move::Continue;
         };
         let grpc = self.kind.grpc;
-        let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) else {
+        let (Some(record), Some(cfg)) = (self.record.as_mut(), at.policy.idempotency.as_ref())
+        else {
             return Move::Continue;
         };
-        let record = piece(&mut idem.stored, cfg, intake, grpc);
+        let record = piece(&mut record.stored, cfg, intake, grpc);
         self.apply_record(&at, record, "")
     }
 
     /// Carries out what the record decided at a piece of the response.
-    fn apply_record(&mut self, at: &Pcx<'_>, record: Record, details: &str) -> Move {
-        match record {
-            Record::Pass => Move::Continue,
-            Record::Take(intake) => {
+    fn apply_record(&mut self, at: &Pcx<'_>, action: RecordAction, details: &str) -> Move {
+        match action {
+            RecordAction::Pass => Move::Continue,
+            RecordAction::Take(intake) => {
                 self.phase = Phase::Response(intake);
                 Move::Continue
             }
-            Record::Complete | Record::Release => {
-                let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref())
+            RecordAction::Complete | RecordAction::Release => {
+                let (Some(guard), Some(cfg)) =
+                    (self.record.as_mut(), at.policy.idempotency.as_ref())
                 else {
                     return Move::Continue;
                 };
-                let (purpose, call) = match record {
-                    Record::Complete => {
+                let (purpose, call) = match action {
+                    RecordAction::Complete => {
                         let sealed = cfg.encryption.is_some();
-                        if idem.stored.drop_body_over_budget(sealed, &at.rt.memory) {
+                        if guard.stored.drop_body_over_budget(sealed, &at.rt.memory) {
                             at.m.increment(at.rt.metrics.memory.by_reference);
-                            idem.over_budget(at);
+                            guard.over_budget(at);
                         }
-                        idem.completion_call(cfg)
+                        guard.completion_call(cfg)
                     }
-                    _ => idem.release_call(),
+                    _ => guard.release_call(),
                 };
                 self.settle_record(at, purpose, call)
             }
-            Record::Unknown => {
+            RecordAction::Unknown => {
                 self.outcome_unknown(at, details);
                 Move::Continue
             }
@@ -317,8 +319,8 @@ impl Flow {
         let Some(cfg) = at.policy.idempotency.as_ref() else {
             return Move::Continue;
         };
-        if !crate::engine::flow::IdemGuard::sync(cfg) {
-            if let Some(i) = self.idem.as_mut() {
+        if !crate::engine::flow::IdempotencyGuard::sync(cfg) {
+            if let Some(i) = self.record.as_mut() {
                 let bg = i.settle_later(at.index, (purpose, call));
                 self.out.background.push(bg);
             }
@@ -343,7 +345,7 @@ impl Flow {
     }
 
     pub(super) fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
-        if let Some(i) = self.idem.as_mut() {
+        if let Some(i) = self.record.as_mut() {
             i.outcome_unknown(at, details);
         }
         self.phase = Phase::Done;

@@ -33,7 +33,7 @@ impl Flow {
     pub fn waiting_for(&self) -> Option<&str> {
         match self.phase {
             Phase::LeaseWaiting { .. } => self.lease.as_ref().map(|l| l.acquire.key.as_str()),
-            Phase::RecordWaiting { .. } => self.idem.as_ref().map(|i| i.acquire.key.as_str()),
+            Phase::RecordWaiting { .. } => self.record.as_ref().map(|i| i.acquire.key.as_str()),
             _ => None,
         }
     }
@@ -116,7 +116,7 @@ impl Flow {
             .any(|c| matches!(c.tag.purpose, Purpose::Complete | Purpose::Release));
         self.calls.iter_mut().for_each(|c| c.open = false);
         if record_pending {
-            if let Some(i) = self.idem.as_mut() {
+            if let Some(i) = self.record.as_mut() {
                 i.settle_failed(at, &CallError::Timeout);
             }
         }

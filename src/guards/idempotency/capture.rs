@@ -30,7 +30,7 @@ pub struct Assembly {
 
 /// How the response body is taken in for the record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Intake {
+pub enum BodyIntake {
     /// Copied as it passes.
     Copy,
     /// Passes untouched; a reference record is stored once its end of stream is seen.
@@ -39,7 +39,7 @@ pub enum Intake {
 
 /// What the record does at a piece of the response.
 #[derive(Debug)]
-pub enum Record {
+pub enum RecordAction {
     /// Nothing for the record (not ours, or not yet decided).
     Pass,
     /// Store the assembled response as `COMPLETED` now.
@@ -47,14 +47,14 @@ pub enum Record {
     /// Release the record now (a retry may run the operation again).
     Release,
     /// Take the body in this way.
-    Take(Intake),
+    Take(BodyIntake),
     /// The outcome is unknown: the record stays `PROCESSING` until its TTL.
     Unknown,
 }
 
 /// What the response's headers say, as the record's decision needs it.
 #[derive(Clone, Copy)]
-pub struct ResponseHead<'a> {
+pub struct ResponseView<'a> {
     pub status: u32,
     pub via_upstream: bool,
     pub details: &'a str,
@@ -98,15 +98,15 @@ impl Assembly {
     pub fn on_response_headers(
         &mut self,
         cfg: &Idempotency,
-        head: &ResponseHead<'_>,
+        head: &ResponseView<'_>,
         grpc: bool,
-    ) -> Record {
+    ) -> RecordAction {
         if !head.via_upstream {
             if NEVER_SENT.iter().any(|d| head.details.contains(d)) {
-                return Record::Release;
+                return RecordAction::Release;
             }
             // Timed out or reset after it was sent: the outcome is unknown, keep PROCESSING.
-            return Record::Unknown;
+            return RecordAction::Unknown;
         }
         let headers = head.headers;
         // A gRPC call's outcome is its grpc-status: in the headers of a trailers-only answer,
@@ -120,7 +120,7 @@ impl Assembly {
         // A switched protocol or a tunnel is a session, not a response that could be
         // replayed: the record is released (counted `released`) and the 101 goes on.
         if retry || head.shape == Shape::Tunnel {
-            return Record::Release;
+            return RecordAction::Release;
         }
         self.keep_head(cfg, head, trailers_only.is_some(), awaits_trailers);
         let needs_body = cfg.replay == Replay::Full && !head.end_of_stream;
@@ -130,12 +130,12 @@ impl Assembly {
         // stream's events are not stored: they pass as they are produced.
         if (awaits_trailers && !needs_body) || self.too_large || head.shape == Shape::EventStream {
             self.too_large = true;
-            return Record::Take(Intake::Stream);
+            return RecordAction::Take(BodyIntake::Stream);
         }
         if needs_body {
-            return Record::Take(Intake::Copy);
+            return RecordAction::Take(BodyIntake::Copy);
         }
-        Record::Complete
+        RecordAction::Complete
     }
 
     /// Keeps what the record stores of the response's head: status, replay headers, a
@@ -144,7 +144,7 @@ impl Assembly {
     fn keep_head(
         &mut self,
         cfg: &Idempotency,
-        head: &ResponseHead<'_>,
+        head: &ResponseView<'_>,
         trailers_only: bool,
         awaits_trailers: bool,
     ) {
@@ -175,7 +175,7 @@ impl Assembly {
     pub fn takes(
         &self,
         cfg: &Idempotency,
-        intake: Intake,
+        intake: BodyIntake,
         body_size: usize,
         memory: &Budget,
     ) -> bool {
@@ -191,8 +191,8 @@ impl Assembly {
     }
 
     /// Whether a piece of `body_size` bytes is within `max_response_body` (in `intake`).
-    fn fits(&self, cfg: &Idempotency, intake: Intake, body_size: usize) -> bool {
-        intake == Intake::Copy
+    fn fits(&self, cfg: &Idempotency, intake: BodyIntake, body_size: usize) -> bool {
+        intake == BodyIntake::Copy
             && (self.body.len().saturating_add(body_size)) as u64 <= cfg.max_response_body
     }
 
@@ -203,14 +203,14 @@ impl Assembly {
     pub fn on_response_body(
         &mut self,
         cfg: &Idempotency,
-        intake: Intake,
+        intake: BodyIntake,
         body_size: usize,
         end_of_stream: bool,
         piece: Option<&[u8]>,
         memory: &Budget,
-    ) -> Record {
+    ) -> RecordAction {
         match intake {
-            Intake::Copy => {
+            BodyIntake::Copy => {
                 let fits = self.fits(cfg, intake, body_size);
                 let kept = fits && piece.is_some_and(|p| self.keep(cfg, p, memory));
                 if !kept {
@@ -221,11 +221,11 @@ impl Assembly {
                     self.body = Vec::new();
                 }
                 match self.stream(cfg, body_size, end_of_stream) {
-                    Record::Pass if !kept => Record::Take(Intake::Stream),
+                    RecordAction::Pass if !kept => RecordAction::Take(BodyIntake::Stream),
                     settle => settle,
                 }
             }
-            Intake::Stream => self.stream(cfg, body_size, end_of_stream),
+            BodyIntake::Stream => self.stream(cfg, body_size, end_of_stream),
         }
     }
 
@@ -267,14 +267,14 @@ impl Assembly {
     /// at its end: the end of stream, or the last byte its `content-length` declared
     /// (with sync completion that piece waits for the record, so the client cannot see the
     /// whole response before it is written; the host's empty end of stream may come later).
-    fn stream(&mut self, cfg: &Idempotency, body_size: usize, end_of_stream: bool) -> Record {
+    fn stream(&mut self, cfg: &Idempotency, body_size: usize, end_of_stream: bool) -> RecordAction {
         let s = self;
         s.passed = s.passed.saturating_add(body_size as u64);
         let complete = s.declared.is_some_and(|n| s.passed >= n);
         if end_of_stream || (cfg.complete == Completion::Sync && complete) {
-            return Record::Complete;
+            return RecordAction::Complete;
         }
-        Record::Pass
+        RecordAction::Pass
     }
 
     /// The response's trailers: its body has ended. A gRPC call is settled by the
@@ -285,7 +285,7 @@ impl Assembly {
         cfg: &Idempotency,
         trailers: &[(String, String)],
         grpc: bool,
-    ) -> Record {
+    ) -> RecordAction {
         let code = if grpc {
             grpc::status_of(trailers)
         } else {
@@ -293,10 +293,10 @@ impl Assembly {
         };
         if code.is_some_and(|c| cfg.retryable_grpc(c)) {
             self.body = Vec::new();
-            return Record::Release;
+            return RecordAction::Release;
         }
         self.trailers = kept_trailers(cfg, trailers);
-        Record::Complete
+        RecordAction::Complete
     }
 }
 

@@ -18,24 +18,24 @@ use crate::http::identity::Caller;
 use crate::http::local_reply::{self, LocalResponse, Problem};
 use crate::http::request::Request;
 use crate::redis::keys;
-use crate::redis::scripts::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire};
+use crate::redis::scripts::acquire::{self, LeaseAcquire, RecordAcquire, RecordAnswer};
 use crate::redis::scripts::record::{self, outcome, Outcome};
 use crate::redis::{resp::Reply, CallError, ScriptCall};
 use crate::support::lograte::WarnKind;
-use crate::support::metrics::{IdemMetrics, MetricSink};
+use crate::support::metrics::{IdempotencyMetrics, MetricSink};
 
 /// Marks a replayed response.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
 #[derive(Debug)]
-pub struct IdemGuard {
-    pub acquire: IdemAcquire,
+pub struct IdempotencyGuard {
+    pub acquire: RecordAcquire,
     /// Hash of the client's key, for logs.
     pub key_hash: String,
     /// We hold the `PROCESSING` record.
     pub owned: bool,
     /// The acquire's answer, until the rate limits are decided.
-    pub answer: Option<IdemAnswer>,
+    pub answer: Option<RecordAnswer>,
     /// The response being stored.
     pub stored: Assembly,
     /// Waiting for a duplicate still in progress (`in_progress: wait`).
@@ -48,7 +48,7 @@ pub const RECORD_POLL_MAX_MS: u64 = 200;
 
 /// What the acquire answer means for the request.
 #[derive(Debug)]
-pub enum IdemDecision {
+pub enum IdempotencyDecision {
     /// The record is ours: go on, telling the service the fingerprint.
     Acquired(String),
     /// The acquire skipped the record: go on (without the lease).
@@ -61,7 +61,7 @@ pub enum IdemDecision {
     PollAt(u64),
 }
 
-impl IdemGuard {
+impl IdempotencyGuard {
     /// The request's key, if it carries one (`Ok(None)`: not required and absent); `Err` is
     /// the problem to answer with.
     pub fn prepare(
@@ -70,7 +70,7 @@ impl IdemGuard {
         caller: &Caller,
         req: &Request,
         owner: &str,
-    ) -> Result<Option<IdemGuard>, LocalResponse> {
+    ) -> Result<Option<IdempotencyGuard>, LocalResponse> {
         let values: Vec<&str> = req.headers.values(&cfg.header).collect();
         let client_key = match parse_key(&values) {
             Ok(k) => k,
@@ -87,8 +87,8 @@ impl IdemGuard {
         let key_hash = keys::client_key_hash(&client_key);
         let tag = keys::tenant_tag(&caller.tenant);
         let cancel_key = keys::cancel_key(prefix, &tag, &at.policy.name, owner);
-        Ok(Some(IdemGuard {
-            acquire: IdemAcquire {
+        Ok(Some(IdempotencyGuard {
+            acquire: RecordAcquire {
                 key: keys::idempotency_key(prefix, &tag, &at.policy.name, &key_hash),
                 tag,
                 fingerprint: String::new(),
@@ -155,8 +155,8 @@ impl IdemGuard {
     }
 
     /// The acquire answered for the record.
-    pub fn answered(&mut self, answer: IdemAnswer) {
-        if answer == IdemAnswer::Acquired {
+    pub fn answered(&mut self, answer: RecordAnswer) {
+        if answer == RecordAnswer::Acquired {
             self.owned = true;
         }
         self.answer = Some(answer);
@@ -169,37 +169,37 @@ impl IdemGuard {
         at: &Pcx<'_>,
         limit_headers: &[(String, String)],
         grpc: bool,
-    ) -> IdemDecision {
+    ) -> IdempotencyDecision {
         let (Some(answer), Some(cfg), Some(im)) = (
             self.answer.take(),
             at.policy.idempotency.as_ref(),
-            at.pm.idem.as_ref(),
+            at.pm.record.as_ref(),
         ) else {
-            return IdemDecision::NotAsked;
+            return IdempotencyDecision::NotAsked;
         };
         let waited = self.wait.waited();
-        if waited && !matches!(answer, IdemAnswer::InProgress { .. }) {
+        if waited && !matches!(answer, RecordAnswer::InProgress { .. }) {
             at.m.increment(im.waited);
         }
         match answer {
-            IdemAnswer::Acquired => {
+            RecordAnswer::Acquired => {
                 at.m.increment(im.acquired);
                 // Only a request that holds its record tells the service its fingerprint.
-                IdemDecision::Acquired(self.acquire.fingerprint.clone())
+                IdempotencyDecision::Acquired(self.acquire.fingerprint.clone())
             }
-            IdemAnswer::Skipped => IdemDecision::Skipped,
-            IdemAnswer::InProgress { .. } if cfg.in_progress == InProgress::Wait => {
+            RecordAnswer::Skipped => IdempotencyDecision::Skipped,
+            RecordAnswer::InProgress { .. } if cfg.in_progress == InProgress::Wait => {
                 match self.wait.next_poll(at.now_ms, cfg.max_wait_ms) {
-                    Some(poll_at) => IdemDecision::PollAt(poll_at),
+                    Some(poll_at) => IdempotencyDecision::PollAt(poll_at),
                     None => {
                         let response = self.local_answer(at, cfg, im, answer, grpc);
-                        IdemDecision::Answer(with_headers(response, limit_headers))
+                        IdempotencyDecision::Answer(with_headers(response, limit_headers))
                     }
                 }
             }
             answer => {
                 let response = self.local_answer(at, cfg, im, answer, grpc);
-                IdemDecision::Answer(with_headers(response, limit_headers))
+                IdempotencyDecision::Answer(with_headers(response, limit_headers))
             }
         }
     }
@@ -210,8 +210,8 @@ impl IdemGuard {
         if !self.wait.waited() || self.owned {
             return None;
         }
-        let (cfg, im) = (at.policy.idempotency.as_ref()?, at.pm.idem.as_ref()?);
-        Some(self.local_answer(at, cfg, im, IdemAnswer::InProgress { pttl_ms: 0 }, grpc))
+        let (cfg, im) = (at.policy.idempotency.as_ref()?, at.pm.record.as_ref()?);
+        Some(self.local_answer(at, cfg, im, RecordAnswer::InProgress { pttl_ms: 0 }, grpc))
     }
 
     /// The local answer for a record this request cannot take: in progress, a conflict, an
@@ -220,8 +220,8 @@ impl IdemGuard {
         &self,
         at: &Pcx<'_>,
         cfg: &Idempotency,
-        im: &IdemMetrics,
-        answer: IdemAnswer,
+        im: &IdempotencyMetrics,
+        answer: RecordAnswer,
         grpc: bool,
     ) -> LocalResponse {
         let conflict = || {
@@ -235,7 +235,7 @@ impl IdemGuard {
             )
         };
         match answer {
-            IdemAnswer::InProgress { .. } => {
+            RecordAnswer::InProgress { .. } => {
                 at.m.increment(im.in_progress);
                 local_reply::problem(
                     Problem::IdempotencyKeyInUse {
@@ -246,7 +246,7 @@ impl IdemGuard {
                     vec![("retry-after".to_string(), "1".to_string())],
                 )
             }
-            IdemAnswer::Completed(record) => match self.open(cfg, *record) {
+            RecordAnswer::Completed(record) => match self.open(cfg, *record) {
                 Ok(stored) => match replay(stored, grpc) {
                     Some(response) => {
                         at.m.increment(im.replayed);
@@ -271,7 +271,7 @@ impl IdemGuard {
                     conflict()
                 }
             },
-            IdemAnswer::Unreadable => {
+            RecordAnswer::Unreadable => {
                 at.m.increment(im.unreadable);
                 at.m.increment(im.conflict);
                 log::warn!(
@@ -282,7 +282,7 @@ impl IdemGuard {
                 conflict()
             }
             // (Acquired and Skipped never come here: they are not local answers.)
-            IdemAnswer::Conflict | IdemAnswer::Acquired | IdemAnswer::Skipped => {
+            RecordAnswer::Conflict | RecordAnswer::Acquired | RecordAnswer::Skipped => {
                 at.m.increment(im.conflict);
                 conflict()
             }
@@ -356,7 +356,7 @@ impl IdemGuard {
     /// Counts the answer of our complete or release call. The record's key when it settled
     /// the record, for the requests of this worker that wait for it.
     pub fn settled(&mut self, at: &Pcx<'_>, purpose: Purpose, reply: &Reply) -> Option<String> {
-        if let Some(im) = at.pm.idem.as_ref() {
+        if let Some(im) = at.pm.record.as_ref() {
             count_settlement(im, purpose, reply, &at.policy.name, &self.key_hash, at.m);
         }
         self.owned = false;
@@ -372,7 +372,7 @@ impl IdemGuard {
     /// The record could not be completed or released: the response goes out anyway and the
     /// record expires at its processing TTL.
     pub fn settle_failed(&mut self, at: &Pcx<'_>, err: &CallError) {
-        if let Some(im) = at.pm.idem.as_ref() {
+        if let Some(im) = at.pm.record.as_ref() {
             at.m.increment(im.complete_failed);
         }
         at.rt.warnings.warn(WarnKind::RecordNotSettled, at.index, at.now_ms, || {
@@ -388,7 +388,7 @@ impl IdemGuard {
 
     /// The upstream's outcome is unknown: the record stays `PROCESSING` until its TTL.
     pub fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
-        if let Some(im) = at.pm.idem.as_ref() {
+        if let Some(im) = at.pm.record.as_ref() {
             at.m.increment(im.outcome_unknown);
         }
         log::warn!(
@@ -408,7 +408,7 @@ impl IdemGuard {
 
 /// The record, given back from the root: ours, or one an acquire that may still run (or may
 /// have run) may have created.
-impl Holder for IdemGuard {
+impl Holder for IdempotencyGuard {
     fn held(&mut self) -> &mut bool {
         &mut self.owned
     }
@@ -426,7 +426,7 @@ fn with_headers(mut response: LocalResponse, headers: &[(String, String)]) -> Lo
 
 /// The problem for a missing or invalid key, counted.
 fn key_problem(at: &Pcx<'_>, cfg: &Idempotency, e: &KeyError) -> LocalResponse {
-    let im = at.pm.idem.as_ref();
+    let im = at.pm.record.as_ref();
     let (metric, problem) = match e {
         KeyError::Missing => (im.map(|i| i.missing_key), Problem::IdempotencyKeyMissing),
         _ => (im.map(|i| i.invalid_key), Problem::IdempotencyKeyInvalid),
@@ -439,7 +439,7 @@ fn key_problem(at: &Pcx<'_>, cfg: &Idempotency, e: &KeyError) -> LocalResponse {
 
 /// The `413` for a body larger than the fingerprint may read, counted.
 pub fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
-    if let Some(im) = at.pm.idem.as_ref() {
+    if let Some(im) = at.pm.record.as_ref() {
         at.m.increment(im.body_too_large);
     }
     let detail = format!(
@@ -515,7 +515,7 @@ fn grpc_replay(stored: &StoredResponse, code: u32, empty_body: bool) -> LocalRes
 /// Counts what a complete (`1` written, `0` missing, `-1` not owner) or release (`1`
 /// released, `0` missing, `-1` not owner) call found.
 pub fn count_settlement(
-    im: &IdemMetrics,
+    im: &IdempotencyMetrics,
     purpose: Purpose,
     reply: &Reply,
     policy: &str,

@@ -1,12 +1,12 @@
 //! The contracts of `complete.lua` and `release.lua`, the two ways a request settles its
 //! idempotency record: their arguments and what their replies mean.
 
-use crate::redis::scripts::acquire::IdemAcquire;
+use crate::redis::scripts::acquire::RecordAcquire;
 use crate::redis::{resp::Reply, ScriptCall, Words};
 
 /// `complete.lua`: `PROCESSING` -> `COMPLETED` with `response` (the stored response's JSON),
 /// only by the owner with the same fingerprint.
-pub fn complete(acquire: &IdemAcquire, completed_ttl_ms: u64, response: String) -> ScriptCall {
+pub fn complete(acquire: &RecordAcquire, completed_ttl_ms: u64, response: String) -> ScriptCall {
     let size = acquire.owner.len() + acquire.fingerprint.len() + 20 + response.len();
     let mut args = Words::with_capacity(4, size);
     args.push(&acquire.owner);
@@ -18,7 +18,7 @@ pub fn complete(acquire: &IdemAcquire, completed_ttl_ms: u64, response: String) 
 
 /// `release.lua`: deletes the owner's `PROCESSING` record. With `marker_ttl_ms`, the owner's
 /// cancellation marker is set first, so that an acquire still in flight writes nothing.
-pub fn release(acquire: &IdemAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall {
+pub fn release(acquire: &RecordAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall {
     by_owner(
         &acquire.key,
         &acquire.cancel_key,
@@ -72,8 +72,8 @@ mod tests {
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    fn acquire() -> IdemAcquire {
-        IdemAcquire {
+    fn acquire() -> RecordAcquire {
+        RecordAcquire {
             key: "cg:idem:{t.x}:p:k".into(),
             tag: "t.x".into(),
             fingerprint: "sha256:ff".into(),
