@@ -22,17 +22,17 @@ use crate::support::lograte::WarnKind;
 use crate::support::metrics::MetricSink;
 
 /// The first pause before a release is sent again; it doubles with every attempt.
-pub const RETRY_FIRST_MS: u64 = 100;
+pub(crate) const RETRY_FIRST_MS: u64 = 100;
 /// The largest pause between two sends of a release.
-pub const RETRY_MAX_BACKOFF_MS: u64 = 1600;
+pub(crate) const RETRY_MAX_BACKOFF_MS: u64 = 1600;
 /// A release is sent at most this many times (the first send included).
-pub const MAX_SENDS: u32 = 6;
+pub(crate) const MAX_SENDS: u32 = 6;
 /// No release is sent again later than this after its first send.
-pub const RETRY_WINDOW_MS: u64 = 10_000;
+pub(crate) const RETRY_WINDOW_MS: u64 = 10_000;
 /// Re-sends a worker may make at once (the budget when full)...
-pub const RETRY_BUDGET: u64 = 30;
+pub(crate) const RETRY_BUDGET: u64 = 30;
 /// ...and the rate at which its budget fills again.
-pub const RETRY_BUDGET_PER_S: u64 = 10;
+pub(crate) const RETRY_BUDGET_PER_S: u64 = 10;
 
 /// What the root keeps of a background call while it is queued or in flight.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,17 +48,17 @@ struct Tag {
 
 /// What became of a background call's answer.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Settled {
+pub(crate) struct Settled {
     /// Send this now (by `EVAL`, after `NOSCRIPT`).
-    pub resend: Option<Outgoing>,
+    pub(crate) resend: Option<Outgoing>,
     /// The lease this call gave back, or the record it settled: a request of this worker
     /// waiting for it may poll at once.
-    pub freed: Option<String>,
+    pub(crate) freed: Option<String>,
 }
 
 /// The root's background calls: queued until due, in flight, retried.
 #[derive(Debug, Default)]
-pub struct Outbox {
+pub(crate) struct Outbox {
     calls: Calls<Tag>,
     budget: RetryBudget,
 }
@@ -95,7 +95,7 @@ const IN_FLIGHT: u64 = u64::MAX;
 
 impl Outbox {
     /// Queues a call, to be sent at once.
-    pub fn add(&mut self, bg: Background) {
+    pub(crate) fn add(&mut self, bg: Background) {
         let tag = Tag {
             policy: bg.policy,
             purpose: bg.purpose,
@@ -109,7 +109,7 @@ impl Outbox {
 
     /// The calls due at `now_ms`, in order, to send now; retries waiting for their backoff
     /// stay.
-    pub fn take_due(&mut self, now_ms: u64) -> Vec<Outgoing> {
+    pub(crate) fn take_due(&mut self, now_ms: u64) -> Vec<Outgoing> {
         let mut out = Vec::new();
         for slot in self.calls.due(now_ms) {
             if let Some(c) = self.calls.get_mut(slot) {
@@ -120,8 +120,9 @@ impl Outbox {
         out
     }
 
+    #[cfg(test)]
     /// When the next queued call is due (a retry waiting for its backoff).
-    pub fn next_due_ms(&self) -> Option<u64> {
+    pub(crate) fn next_due_ms(&self) -> Option<u64> {
         self.calls
             .open()
             .map(|c| c.due_ms)
@@ -129,17 +130,19 @@ impl Outbox {
             .min()
     }
 
+    #[cfg(test)]
     /// Calls queued or in flight.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.calls.iter().count()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Handles the answer (or a failure to send) of the call in `slot`.
-    pub fn on_answer(
+    pub(crate) fn on_answer(
         &mut self,
         cx: &Cx<'_>,
         slot: usize,

@@ -9,23 +9,23 @@ use std::rc::Rc;
 /// A call a request hands to the root: what to send and how to read its answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Background {
-    pub policy: usize,
-    pub purpose: Purpose,
-    pub call: Rc<ScriptCall>,
+    pub(crate) policy: usize,
+    pub(crate) purpose: Purpose,
+    pub(crate) call: Rc<ScriptCall>,
     /// Hash of the client's key, for logs.
-    pub key_hash: String,
+    pub(crate) key_hash: String,
     /// False when the request may not own what this call gives back (a release sent while
     /// its acquire was still in flight, or a call sent again after the stream ended): then
     /// "not ours" is the expected answer, not a stale owner or a lost lease.
-    pub certain: bool,
+    pub(crate) certain: bool,
     /// Gives back what an acquire the request gave up on may have taken (the call carries the
     /// owner's cancellation marker): "released" then is a late acquire undone, not a release
     /// of something the request knew it held, and is not counted as one.
-    pub compensation: bool,
+    pub(crate) compensation: bool,
 }
 
 impl Background {
-    pub fn new(
+    pub(crate) fn new(
         policy: usize,
         purpose: Purpose,
         call: impl Into<Rc<ScriptCall>>,
@@ -45,7 +45,7 @@ impl Background {
     /// the request gave up on may have taken: then the release carries the owner's
     /// cancellation marker (`marker_ttl_ms`), so a late acquire takes nothing, and the call is
     /// a compensation (see [`Background::compensation`]).
-    pub fn give_back(
+    pub(crate) fn give_back(
         policy: usize,
         holder: &mut impl Holder,
         in_flight: bool,
@@ -61,13 +61,13 @@ impl Background {
     }
 
     /// A call whose "not ours" answer is expected (see [`Background::certain`]).
-    pub fn uncertain(mut self) -> Background {
+    pub(crate) fn uncertain(mut self) -> Background {
         self.certain = false;
         self
     }
 
     /// A release of what a late acquire may have taken (see [`Background::compensation`]).
-    pub fn compensation(mut self) -> Background {
+    pub(crate) fn compensation(mut self) -> Background {
         self.certain = false;
         self.compensation = true;
         self
@@ -76,7 +76,7 @@ impl Background {
 
 /// A guard that holds something in Redis (the record, the lease) and gives it back from the
 /// root (see [`Background::give_back`]).
-pub trait Holder {
+pub(crate) trait Holder {
     /// Whether the request holds it.
     fn held(&mut self) -> &mut bool;
     /// The call that gives it back by owner (with the cancellation marker's TTL when the

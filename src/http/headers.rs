@@ -7,7 +7,7 @@ use std::fmt;
 use std::ops::Range;
 
 /// The values of one header name, in arrival order: [`Headers::values`].
-pub struct Values<'a, 'n> {
+pub(crate) struct Values<'a, 'n> {
     headers: &'a Headers,
     name: &'n str,
     /// The pair the search resumes at.
@@ -113,19 +113,19 @@ impl Headers {
 
     /// Where `part`, a slice of a name or value this map handed out, lies in its text; `None`
     /// for any other text. The text is only ever added to: the range stays valid.
-    pub fn range_of(&self, part: &str) -> Option<Range<usize>> {
+    pub(crate) fn range_of(&self, part: &str) -> Option<Range<usize>> {
         let start = (part.as_ptr() as usize).checked_sub(self.text.as_ptr() as usize)?;
         let end = start.checked_add(part.len())?;
         (end <= self.text.len()).then_some(start..end)
     }
 
     /// The text at `r`, a range [`Headers::range_of`] gave (empty for any other).
-    pub fn text_at(&self, r: &Range<usize>) -> &str {
+    pub(crate) fn text_at(&self, r: &Range<usize>) -> &str {
         self.slice(r)
     }
 
     /// Appends a header (its name lower-cased).
-    pub fn push(&mut self, name: &str, value: &str) {
+    pub(crate) fn push(&mut self, name: &str, value: &str) {
         let n = self.text.len()..self.text.len() + name.len();
         self.text.push_str(name);
         let v = self.text.len()..self.text.len() + value.len();
@@ -137,14 +137,14 @@ impl Headers {
     }
 
     /// Keeps only the headers `keep(name, value)` accepts.
-    pub fn retain(&mut self, mut keep: impl FnMut(&str, &str) -> bool) {
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&str, &str) -> bool) {
         let text = &self.text;
         let part = |r: &Range<usize>| text.get(r.clone()).unwrap_or_default();
         self.pairs.retain(|(n, v)| keep(part(n), part(v)));
     }
 
     /// `(name, value)` of every header, in arrival order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
         self.pairs
             .iter()
             .map(|(n, v)| (self.slice(n), self.slice(v)))
@@ -153,7 +153,7 @@ impl Headers {
     /// The values of `name` (lower case), in arrival order. A name of another length is
     /// passed over without being read, and only a match's value is sliced: every guarded
     /// request looks up several names in the whole map.
-    pub fn values<'a, 'n>(&'a self, name: &'n str) -> Values<'a, 'n> {
+    pub(crate) fn values<'a, 'n>(&'a self, name: &'n str) -> Values<'a, 'n> {
         Values {
             headers: self,
             name,
@@ -174,16 +174,18 @@ impl Headers {
         Some((from + i, self.slice(value)))
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.pairs.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.pairs.is_empty()
     }
 
     /// Owned pairs, for code that keeps them past the request.
-    pub fn to_pairs(&self) -> Vec<(String, String)> {
+    pub(crate) fn to_pairs(&self) -> Vec<(String, String)> {
         self.iter()
             .map(|(n, v)| (n.to_string(), v.to_string()))
             .collect()

@@ -93,7 +93,7 @@ impl Flow {
     /// read them: it never forwards, answers or sends another call (a deferred round is
     /// dropped), and gives back what the answers say it took (see the module's doc). `false`:
     /// nothing in flight to wait for (then [`Flow::on_done`] as usual).
-    pub fn detach(&mut self) -> bool {
+    pub(crate) fn detach(&mut self) -> bool {
         let Phase::Acquiring { deferred, .. } = &mut self.phase else {
             return false;
         };
@@ -106,7 +106,7 @@ impl Flow {
     }
 
     /// A detached request (its client left) with nothing more to wait for: forgotten now.
-    pub fn gone_and_settled(&self) -> bool {
+    pub(crate) fn gone_and_settled(&self) -> bool {
         self.gone && !matches!(self.phase, Phase::Acquiring { .. })
     }
 

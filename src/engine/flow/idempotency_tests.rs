@@ -6,6 +6,7 @@
 use crate::config::Config;
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
+use crate::guards::idempotency::guard::REPLAYED_HEADER;
 use crate::http::request::Request;
 use crate::redis::scripts::ScriptId;
 use crate::redis::{resp::Reply, CallError};

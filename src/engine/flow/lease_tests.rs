@@ -6,6 +6,7 @@ use crate::engine::flow::response_tests::upgrade_req;
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::tests::req;
 use crate::engine::flow::*;
+use crate::guards::lease::{LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS};
 use crate::redis::scripts::ScriptId;
 use crate::redis::CallError;
 use crate::support::metrics::testing::Recorder;
@@ -467,7 +468,7 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
         true,
     ));
     fn tail(args: &crate::redis::Words) -> Vec<&str> {
-        args.from_index(args.len() - 3)
+        args.words_from(args.len() - 3)
     }
     assert_eq!(
         tail(&out[0].call.args),

@@ -37,16 +37,12 @@ mod step;
 mod upstream;
 mod watchdog;
 
-pub use crate::engine::outbox::{
-    Outbox, Settled, MAX_SENDS, RETRY_BUDGET, RETRY_BUDGET_PER_S, RETRY_WINDOW_MS,
-};
-pub use crate::guards::background::Background;
+pub(crate) use crate::engine::outbox::Outbox;
+pub(crate) use crate::guards::background::Background;
 pub use crate::guards::context::{
     Cx, Outgoing, Pcx, Purpose, Runtime, BODY_IDLE_TIMEOUT_MS, FINGERPRINT_HEADER,
     MARKER_MIN_TTL_MS,
 };
-pub use crate::guards::idempotency::guard::REPLAYED_HEADER;
-pub use crate::guards::lease::{LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS};
 pub use step::{Move, Output, Step};
 
 use crate::engine::calls::Calls;
@@ -281,7 +277,7 @@ impl Flow {
 
     /// This flow as a fresh one for the next stream, but for the room of its limits' and
     /// calls' lists, kept emptied: a reused stream box allocates neither again.
-    pub fn recycle(&mut self) {
+    pub(crate) fn recycle(&mut self) {
         let admission = std::mem::take(&mut self.admission).emptied();
         let calls = std::mem::take(&mut self.calls).emptied();
         *self = Flow::default();
@@ -293,14 +289,14 @@ impl Flow {
     /// rejection, a refused input): nothing was taken, so the stream's end owes nothing and
     /// its later events need not reach the flow (when the step that answered handed nothing
     /// to the root either).
-    pub fn answered_without_calls(&self) -> bool {
+    pub(crate) fn answered_without_calls(&self) -> bool {
         matches!(self.phase, Phase::Answered) && self.calls.none_made()
     }
 
     /// Forwarded with nothing to settle at its end: no record, lease or concurrency limit, no
     /// charge, no call in flight. Once its response headers have their rate-limit headers,
     /// the stream's later events need not reach the flow.
-    pub fn owes_nothing_at_end(&self, cx: &Cx<'_>) -> bool {
+    pub(crate) fn owes_nothing_at_end(&self, cx: &Cx<'_>) -> bool {
         matches!(self.phase, Phase::Forwarded)
             && self.record.is_none()
             && self.lease.is_none()
@@ -311,7 +307,7 @@ impl Flow {
     }
 
     /// The request body is being held (buffering or deciding).
-    pub fn holds_request(&self) -> bool {
+    pub(crate) fn holds_request(&self) -> bool {
         matches!(
             self.phase,
             Phase::Buffering { .. }

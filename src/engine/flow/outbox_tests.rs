@@ -4,6 +4,7 @@
 use crate::engine::flow::idempotency_tests::{acquire_fails, idem_runtime};
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
+use crate::engine::outbox::{MAX_SENDS, RETRY_BUDGET, RETRY_BUDGET_PER_S, RETRY_WINDOW_MS};
 use crate::redis::CallError;
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]

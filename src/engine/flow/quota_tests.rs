@@ -203,7 +203,7 @@ fn the_cost_header_is_read_strictly() {
         true,
     ));
     assert_eq!(
-        &out[0].call.args.from_index(2)[..6],
+        &out[0].call.args.words_from(2)[..6],
         &["fw", "1000", "60000", "1000", "0", "42"]
     );
     let mut flow = Flow::default();

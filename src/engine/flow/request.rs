@@ -38,12 +38,12 @@ impl Flow {
 
     /// Whether the request is gRPC (`content-type: application/grpc…`), for a caller that
     /// answers it before [`Flow::on_policy_request`] (an ambiguous path).
-    pub fn set_grpc(&mut self, content_type: Option<&str>) {
+    pub(crate) fn set_grpc(&mut self, content_type: Option<&str>) {
         self.kind.grpc = grpc::is_grpc_content_type(content_type);
     }
 
     /// A request whose path reads more than one way, one of them guarded by policy `index`.
-    pub fn on_ambiguous_path(&mut self, cx: &Cx<'_>, index: usize) -> Step {
+    pub(crate) fn on_ambiguous_path(&mut self, cx: &Cx<'_>, index: usize) -> Step {
         self.step(|f| f.ambiguous_path(cx, index))
     }
 
@@ -56,7 +56,7 @@ impl Flow {
     }
 
     /// [`Flow::on_request`] for a request the caller already matched to policy `index`.
-    pub fn on_policy_request(
+    pub(crate) fn on_policy_request(
         &mut self,
         cx: &Cx<'_>,
         index: usize,
@@ -137,7 +137,7 @@ impl Flow {
     }
 
     /// A piece of the request body arrived; `body_size` is all that is buffered so far.
-    pub fn on_request_body(
+    pub(crate) fn on_request_body(
         &mut self,
         cx: &Cx<'_>,
         body_size: usize,
@@ -177,7 +177,11 @@ impl Flow {
     }
 
     /// The request ended without a body callback with end_of_stream (e.g. trailers).
-    pub fn on_request_trailers(&mut self, cx: &Cx<'_>, read: impl FnOnce() -> Vec<u8>) -> Step {
+    pub(crate) fn on_request_trailers(
+        &mut self,
+        cx: &Cx<'_>,
+        read: impl FnOnce() -> Vec<u8>,
+    ) -> Step {
         self.step(|f| f.request_trailers(cx, read))
     }
 

@@ -36,13 +36,13 @@ pub struct Output {
     /// Headers to set on the request before it goes upstream (the fingerprint, the fencing
     /// token), with the step that forwards it. (The client's own copies of them are removed
     /// from every request: see [`crate::guards::context::Runtime::reserved_headers`].)
-    pub upstream_headers: Vec<(String, String)>,
+    pub(crate) upstream_headers: Vec<(String, String)>,
     /// Headers to add to the upstream's response (`RateLimit-Policy`, `RateLimit`), with the
     /// step that forwards the request: the worker keeps them until the response's headers.
     pub response_headers: Vec<(String, String)>,
     /// Calls for the root to send: they must outlive the request.
-    pub background: Vec<Background>,
+    pub(crate) background: Vec<Background>,
     /// The lease this request gave back or the record it settled, once Redis said so: this
     /// worker's requests waiting for it poll at once (see [`super::Flow::wake`]).
-    pub freed: Option<String>,
+    pub(crate) freed: Option<String>,
 }

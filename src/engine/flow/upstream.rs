@@ -14,7 +14,7 @@ use crate::redis::ScriptCall;
 impl Flow {
     /// Whether the response matters to this request (a record to complete, a lease to
     /// release, a charge to read); if not, the adapter skips reading the response.
-    pub fn wants_response(&self, cx: &Cx<'_>) -> bool {
+    pub(crate) fn wants_response(&self, cx: &Cx<'_>) -> bool {
         self.record.as_ref().is_some_and(|i| i.owned)
             || self.lease.as_ref().is_some_and(|l| l.held)
             || self.at(cx).is_some_and(|at| {
@@ -24,12 +24,12 @@ impl Flow {
 
     /// The response body is taken in (a record copying it, a completion it waits for, a
     /// charge read from it).
-    pub fn wants_response_body(&self) -> bool {
+    pub(crate) fn wants_response_body(&self) -> bool {
         matches!(self.phase, Phase::Response(_) | Phase::Completing { .. }) || self.meter.scanning()
     }
 
     /// Whether the response's trailers matter (a record that settles on them, a charge).
-    pub fn wants_response_trailers(&self, cx: &Cx<'_>) -> bool {
+    pub(crate) fn wants_response_trailers(&self, cx: &Cx<'_>) -> bool {
         matches!(self.phase, Phase::Response(_))
             || (self.forwarded()
                 && self
@@ -40,7 +40,7 @@ impl Flow {
     /// The response's headers. `via_upstream` is false for Envoy's own local replies, with
     /// `details` its `response.code_details`.
     #[allow(clippy::too_many_arguments)]
-    pub fn on_response_headers(
+    pub(crate) fn on_response_headers(
         &mut self,
         cx: &Cx<'_>,
         status: u32,
@@ -182,7 +182,7 @@ impl Flow {
     /// lets it be read; a body over `max_response_body` (or one the budget cannot hold) is not
     /// copied any further: it streams, and a reference record is stored when its end is seen.
     /// With sync completion the final chunk waits for it.
-    pub fn on_response_body(
+    pub(crate) fn on_response_body(
         &mut self,
         cx: &Cx<'_>,
         body_size: usize,
@@ -242,7 +242,11 @@ impl Flow {
     /// The response's trailers (`trailers`): its body has ended (without a body callback that
     /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
     /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
-    pub fn on_response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Step {
+    pub(crate) fn on_response_trailers(
+        &mut self,
+        cx: &Cx<'_>,
+        trailers: &[(String, String)],
+    ) -> Step {
         self.step(|f| f.response_trailers(cx, trailers))
     }
 

@@ -2,6 +2,7 @@
 
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
+use crate::guards::idempotency::guard::REPLAYED_HEADER;
 use crate::http::request::Request;
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
@@ -69,7 +70,7 @@ fn a_waiting_duplicate_gets_the_stored_response() {
     assert_eq!(out.len(), 1);
     let call = &out[0].call;
     assert_eq!(
-        &call.args.from_index(0)[..3],
+        &call.args.words_from(0)[..3],
         &["0", "n1", "1"],
         "no limits again, the record"
     );

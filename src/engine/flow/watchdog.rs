@@ -10,7 +10,7 @@ use crate::redis::CallError;
 impl Flow {
     /// When the stream is paused (on Redis, or waiting for the request body or a lease), the
     /// time by which it must go on; or when a held lease or slot is to be extended.
-    pub fn deadline_ms(&self) -> Option<u64> {
+    pub(crate) fn deadline_ms(&self) -> Option<u64> {
         let stream = match self.phase {
             Phase::Buffering { until_ms, .. } => Some(until_ms),
             Phase::Acquiring { deadline_ms, .. } | Phase::Completing { deadline_ms } => {
@@ -30,7 +30,7 @@ impl Flow {
 
     /// The lease (`on_busy: wait`) or record (`in_progress: wait`) this request waits for,
     /// while it waits.
-    pub fn waiting_for(&self) -> Option<&str> {
+    pub(crate) fn waiting_for(&self) -> Option<&str> {
         match self.phase {
             Phase::LeaseWaiting { .. } => self.lease.as_ref().map(|l| l.acquire.key.as_str()),
             Phase::RecordWaiting { .. } => self.record.as_ref().map(|i| i.acquire.key.as_str()),
@@ -40,7 +40,7 @@ impl Flow {
 
     /// What this request waits for was just given back (or settled) on this worker: poll it
     /// at the next tick instead of at the end of the backoff.
-    pub fn wake(&mut self, now_ms: u64) {
+    pub(crate) fn wake(&mut self, now_ms: u64) {
         if let Phase::LeaseWaiting { poll_at_ms } | Phase::RecordWaiting { poll_at_ms } =
             &mut self.phase
         {
@@ -50,7 +50,7 @@ impl Flow {
 
     /// The watchdog: extends a held lease when due, polls a busy lease, and decides a stream
     /// whose body or calls outlived their time.
-    pub fn on_tick(&mut self, cx: &Cx<'_>) -> Step {
+    pub(crate) fn on_tick(&mut self, cx: &Cx<'_>) -> Step {
         self.step(|f| f.tick(cx))
     }
 

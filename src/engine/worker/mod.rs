@@ -25,7 +25,6 @@ mod steps;
 mod streams;
 
 pub use effects::{Action, Callout, Dir, Effects, Route, StreamEffects};
-pub use root::LEASE_WAIT_TICK_MS;
 
 use crate::config::Batch;
 use crate::engine::flow::{Cx, Flow, Move, Outbox, Step};
@@ -48,7 +47,7 @@ pub struct ResponseHead {
 /// stream that ends mid-acquire gives back at once what the acquire may take, with the
 /// owner's cancellation marker, as when its answer cannot come back. Each waits no longer
 /// than the Redis timeout.
-pub const MAX_DETACHED: usize = 1024;
+pub(crate) const MAX_DETACHED: usize = 1024;
 
 pub struct Worker<S> {
     streams: Streams<S>,
@@ -96,7 +95,7 @@ impl<S: Copy + Ord> Worker<S> {
     }
 
     /// A request whose path reads more than one way, one of them guarded by policy `index`.
-    pub fn on_ambiguous_path(
+    pub(crate) fn on_ambiguous_path(
         &mut self,
         cx: &Cx<'_>,
         s: S,
@@ -183,7 +182,7 @@ impl<S: Copy + Ord> Worker<S> {
     }
 
     /// The request's trailers; `read` gives the body the host buffered.
-    pub fn on_request_trailers(
+    pub(crate) fn on_request_trailers(
         &mut self,
         cx: &Cx<'_>,
         s: S,
@@ -261,7 +260,7 @@ impl<S: Copy + Ord> Worker<S> {
     }
 
     /// The response's trailers; `read` is asked only when the record settles on them.
-    pub fn on_response_trailers(
+    pub(crate) fn on_response_trailers(
         &mut self,
         cx: &Cx<'_>,
         s: S,
@@ -307,7 +306,7 @@ impl<S: Copy + Ord> Worker<S> {
     }
 
     /// Whether stream `s` takes a body piece in direction `dir` (else it passes untouched).
-    pub fn wants_body(&self, s: S, dir: Dir) -> bool {
+    pub(crate) fn wants_body(&self, s: S, dir: Dir) -> bool {
         self.streams.get(&s).is_some_and(|e| match dir {
             Dir::Request => e.flow.holds_request(),
             Dir::Response => e.flow.wants_response_body(),

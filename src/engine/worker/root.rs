@@ -10,13 +10,13 @@ use crate::engine::flow::Cx;
 
 /// The root's tick while a request of this worker waits for a busy lease: its polls are due
 /// at jittered times, which the watchdog's coarser tick would bunch together again.
-pub const LEASE_WAIT_TICK_MS: u64 = 5;
+pub(crate) const LEASE_WAIT_TICK_MS: u64 = 5;
 
 impl<S: Copy + Ord> Worker<S> {
     /// The root's tick: what the other workers told the over-limit cache, the streams whose
     /// deadline passed (what they hand over goes out in this same tick), the tick period, then
     /// the root's due calls and the batches.
-    pub fn on_tick(&mut self, cx: &Cx<'_>) -> Effects<S> {
+    pub(crate) fn on_tick(&mut self, cx: &Cx<'_>) -> Effects<S> {
         let mut fx = Effects::new(Action::Continue);
         cx.rt.over_limit.sync(cx.now_ms);
         let due: Vec<S> = self

@@ -12,25 +12,25 @@ use crate::support::text;
 
 /// The response being stored.
 #[derive(Debug, Default)]
-pub struct Assembly {
+pub(crate) struct Assembly {
     pub status: u32,
-    pub headers: Vec<(String, String)>,
+    pub(crate) headers: Vec<(String, String)>,
     pub body: Vec<u8>,
     /// The body is not stored (larger than `max_response_body`): a reference record.
-    pub too_large: bool,
+    pub(crate) too_large: bool,
     /// The response's `content-length`, if it declared one.
     declared: Option<u64>,
     /// Bytes of the response body let through so far while it streams.
     passed: u64,
     /// The trailers stored with the response (gRPC status, `replay_trailers`).
-    pub trailers: Vec<(String, String)>,
+    pub(crate) trailers: Vec<(String, String)>,
     /// The worker's memory budget could not hold the body: stored by reference (counted once).
     over_budget: bool,
 }
 
 /// How the response body is taken in for the record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyIntake {
+pub(crate) enum BodyIntake {
     /// Copied as it passes.
     Copy,
     /// Passes untouched; a reference record is stored once its end of stream is seen.
@@ -39,7 +39,7 @@ pub enum BodyIntake {
 
 /// What the record does at a piece of the response.
 #[derive(Debug)]
-pub enum RecordAction {
+pub(crate) enum RecordAction {
     /// Nothing for the record (not ours, or not yet decided).
     Pass,
     /// Store the assembled response as `COMPLETED` now.
@@ -54,18 +54,18 @@ pub enum RecordAction {
 
 /// What the response's headers say, as the record's decision needs it.
 #[derive(Clone, Copy)]
-pub struct ResponseView<'a> {
+pub(crate) struct ResponseView<'a> {
     pub status: u32,
-    pub via_upstream: bool,
-    pub details: &'a str,
-    pub headers: &'a [(String, String)],
-    pub end_of_stream: bool,
-    pub shape: Shape,
+    pub(crate) via_upstream: bool,
+    pub(crate) details: &'a str,
+    pub(crate) headers: &'a [(String, String)],
+    pub(crate) end_of_stream: bool,
+    pub(crate) shape: Shape,
 }
 
 /// What kind of stream a response is, as far as the guards care.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Shape {
+pub(crate) enum Shape {
     /// A response that ends (its body, however large, has an end the filter waits for).
     Plain,
     /// An accepted upgrade (`101 Switching Protocols`, e.g. WebSocket) or a `CONNECT` tunnel
@@ -95,7 +95,7 @@ const EVENT_STREAM_TYPES: &[&str] = &["text/event-stream", "multipart/x-mixed-re
 
 impl Assembly {
     /// The response's headers: release, store, or take the body in first.
-    pub fn on_response_headers(
+    pub(crate) fn on_response_headers(
         &mut self,
         cfg: &Idempotency,
         head: &ResponseView<'_>,
@@ -172,7 +172,7 @@ impl Assembly {
     /// Whether a piece of `body_size` bytes is copied for the record (in `intake`): it is
     /// within `max_response_body`, and the memory budget can hold the piece read and the room
     /// the body grows by.
-    pub fn takes(
+    pub(crate) fn takes(
         &self,
         cfg: &Idempotency,
         intake: BodyIntake,
@@ -200,7 +200,7 @@ impl Assembly {
     /// [`Assembly::takes`] it, `None` if it could not be read). A body over
     /// `max_response_body`, or one the worker's memory budget cannot hold (`memory`), is not
     /// taken in any further: it streams, and a reference record is stored when its end is seen.
-    pub fn on_response_body(
+    pub(crate) fn on_response_body(
         &mut self,
         cfg: &Idempotency,
         intake: BodyIntake,
@@ -243,14 +243,14 @@ impl Assembly {
     }
 
     /// The body was dropped because the worker's memory budget could not hold it (once).
-    pub fn take_over_budget(&mut self) -> bool {
+    pub(crate) fn take_over_budget(&mut self) -> bool {
         std::mem::take(&mut self.over_budget)
     }
 
     /// Drops the body if writing the record with it would take the worker past its memory
     /// budget (`sealed`: with encryption): the record is then stored by reference. Whether
     /// it did.
-    pub fn drop_body_over_budget(&mut self, sealed: bool, memory: &Budget) -> bool {
+    pub(crate) fn drop_body_over_budget(&mut self, sealed: bool, memory: &Budget) -> bool {
         if self.too_large || self.body.is_empty() {
             return false;
         }
@@ -280,7 +280,7 @@ impl Assembly {
     /// The response's trailers: its body has ended. A gRPC call is settled by the
     /// `grpc-status` in them (released when it is in `retryable_grpc_codes`), and the
     /// trailers that matter are stored.
-    pub fn on_response_trailers(
+    pub(crate) fn on_response_trailers(
         &mut self,
         cfg: &Idempotency,
         trailers: &[(String, String)],
@@ -301,7 +301,7 @@ impl Assembly {
 }
 
 /// What kind of stream the response is.
-pub fn response_shape(
+pub(crate) fn response_shape(
     status: u32,
     via_upstream: bool,
     connect: bool,

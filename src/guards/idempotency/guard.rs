@@ -25,30 +25,30 @@ use crate::support::lograte::WarnKind;
 use crate::support::metrics::{IdempotencyMetrics, MetricSink};
 
 /// Marks a replayed response.
-pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+pub(crate) const REPLAYED_HEADER: &str = "idempotent-replayed";
 
 #[derive(Debug)]
-pub struct IdempotencyGuard {
-    pub acquire: RecordAcquire,
+pub(crate) struct IdempotencyGuard {
+    pub(crate) acquire: RecordAcquire,
     /// Hash of the client's key, for logs.
-    pub key_hash: String,
+    pub(crate) key_hash: String,
     /// We hold the `PROCESSING` record.
-    pub owned: bool,
+    pub(crate) owned: bool,
     /// The acquire's answer, until the rate limits are decided.
-    pub answer: Option<RecordAnswer>,
+    pub(crate) answer: Option<RecordAnswer>,
     /// The response being stored.
-    pub stored: Assembly,
+    pub(crate) stored: Assembly,
     /// Waiting for a duplicate still in progress (`in_progress: wait`).
     wait: Backoff,
 }
 
 /// First and largest pause between polls of a record still in progress (`in_progress: wait`).
-pub const RECORD_POLL_FIRST_MS: u64 = 50;
-pub const RECORD_POLL_MAX_MS: u64 = 200;
+pub(crate) const RECORD_POLL_FIRST_MS: u64 = 50;
+pub(crate) const RECORD_POLL_MAX_MS: u64 = 200;
 
 /// What the acquire answer means for the request.
 #[derive(Debug)]
-pub enum IdempotencyDecision {
+pub(crate) enum IdempotencyDecision {
     /// The record is ours: go on, telling the service the fingerprint.
     Acquired(String),
     /// The acquire skipped the record: go on (without the lease).
@@ -64,7 +64,7 @@ pub enum IdempotencyDecision {
 impl IdempotencyGuard {
     /// The request's key, if it carries one (`Ok(None)`: not required and absent); `Err` is
     /// the problem to answer with.
-    pub fn prepare(
+    pub(crate) fn prepare(
         at: &Pcx<'_>,
         cfg: &Idempotency,
         caller: &Caller,
@@ -106,7 +106,7 @@ impl IdempotencyGuard {
 
     /// What fingerprinting `body` takes besides the body itself (its canonical JSON's copies,
     /// when it is JSON and the fingerprint covers it).
-    pub fn fingerprint_need(cfg: &Idempotency, req: &Request, body: &[u8]) -> usize {
+    pub(crate) fn fingerprint_need(cfg: &Idempotency, req: &Request, body: &[u8]) -> usize {
         if cfg.needs_body() {
             canonical_need(body, is_json(req.header("content-type")))
         } else {
@@ -116,7 +116,7 @@ impl IdempotencyGuard {
 
     /// The response body could not be held within the worker's memory budget: the record is
     /// stored by reference (warned about, rate-limited).
-    pub fn over_budget(&self, at: &Pcx<'_>) {
+    pub(crate) fn over_budget(&self, at: &Pcx<'_>) {
         let memory = &at.rt.memory;
         at.rt
             .warnings
@@ -133,7 +133,13 @@ impl IdempotencyGuard {
     }
 
     /// Fingerprints the request (with its whole body, if the fingerprint covers it).
-    pub fn fingerprint(&mut self, cfg: &Idempotency, caller: &Caller, req: &Request, body: &[u8]) {
+    pub(crate) fn fingerprint(
+        &mut self,
+        cfg: &Idempotency,
+        caller: &Caller,
+        req: &Request,
+        body: &[u8],
+    ) {
         let mut f = Fingerprint::default();
         for part in &cfg.fingerprint {
             match part {
@@ -155,7 +161,7 @@ impl IdempotencyGuard {
     }
 
     /// The acquire answered for the record.
-    pub fn answered(&mut self, answer: RecordAnswer) {
+    pub(crate) fn answered(&mut self, answer: RecordAnswer) {
         if answer == RecordAnswer::Acquired {
             self.owned = true;
         }
@@ -164,7 +170,7 @@ impl IdempotencyGuard {
 
     /// The acquire answer, once the rate limits admitted the request (`limit_headers` go on
     /// any local answer).
-    pub fn decide(
+    pub(crate) fn decide(
         &mut self,
         at: &Pcx<'_>,
         limit_headers: &[(String, String)],
@@ -206,7 +212,7 @@ impl IdempotencyGuard {
 
     /// The answer of a duplicate that waited for the record (found it in progress) and does
     /// not hold it, when its poll failed: the in-progress answer it would give at `max_wait`.
-    pub fn waiting_answer(&self, at: &Pcx<'_>, grpc: bool) -> Option<LocalResponse> {
+    pub(crate) fn waiting_answer(&self, at: &Pcx<'_>, grpc: bool) -> Option<LocalResponse> {
         if !self.wait.waited() || self.owned {
             return None;
         }
@@ -290,7 +296,7 @@ impl IdempotencyGuard {
     }
 
     /// The call that stores the assembled response as `COMPLETED`.
-    pub fn completion_call(&self, cfg: &Idempotency) -> (Purpose, ScriptCall) {
+    pub(crate) fn completion_call(&self, cfg: &Idempotency) -> (Purpose, ScriptCall) {
         let s = &self.stored;
         let body = match cfg.replay {
             Replay::Full if !s.too_large => Some(s.body.as_slice()),
@@ -338,13 +344,13 @@ impl IdempotencyGuard {
     }
 
     /// The call that releases the record (a retry may run the operation again).
-    pub fn release_call(&self) -> (Purpose, ScriptCall) {
+    pub(crate) fn release_call(&self) -> (Purpose, ScriptCall) {
         (Purpose::Release, record::release(&self.acquire, None))
     }
 
     /// Hands a complete/release to the root (async completion): the record is no longer
     /// the request's to settle.
-    pub fn settle_later(
+    pub(crate) fn settle_later(
         &mut self,
         policy: usize,
         (purpose, call): (Purpose, ScriptCall),
@@ -355,7 +361,12 @@ impl IdempotencyGuard {
 
     /// Counts the answer of our complete or release call. The record's key when it settled
     /// the record, for the requests of this worker that wait for it.
-    pub fn settled(&mut self, at: &Pcx<'_>, purpose: Purpose, reply: &Reply) -> Option<String> {
+    pub(crate) fn settled(
+        &mut self,
+        at: &Pcx<'_>,
+        purpose: Purpose,
+        reply: &Reply,
+    ) -> Option<String> {
         if let Some(im) = at.pm.record.as_ref() {
             count_settlement(im, purpose, reply, &at.policy.name, &self.key_hash, at.m);
         }
@@ -365,13 +376,13 @@ impl IdempotencyGuard {
 
     /// The record-only acquire that polls a record still in progress (with the lease, when
     /// the policy has one, so a request that gets the record also tries the lease).
-    pub fn poll_call(&self, lease: Option<&LeaseAcquire>, nonce: &str) -> ScriptCall {
+    pub(crate) fn poll_call(&self, lease: Option<&LeaseAcquire>, nonce: &str) -> ScriptCall {
         acquire::record_poll(&self.acquire, lease, nonce)
     }
 
     /// The record could not be completed or released: the response goes out anyway and the
     /// record expires at its processing TTL.
-    pub fn settle_failed(&mut self, at: &Pcx<'_>, err: &CallError) {
+    pub(crate) fn settle_failed(&mut self, at: &Pcx<'_>, err: &CallError) {
         if let Some(im) = at.pm.record.as_ref() {
             at.m.increment(im.complete_failed);
         }
@@ -387,7 +398,7 @@ impl IdempotencyGuard {
     }
 
     /// The upstream's outcome is unknown: the record stays `PROCESSING` until its TTL.
-    pub fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
+    pub(crate) fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
         if let Some(im) = at.pm.record.as_ref() {
             at.m.increment(im.outcome_unknown);
         }
@@ -401,7 +412,7 @@ impl IdempotencyGuard {
     }
 
     /// Whether completion waits for Redis before the response goes on.
-    pub fn sync(cfg: &Idempotency) -> bool {
+    pub(crate) fn sync(cfg: &Idempotency) -> bool {
         cfg.complete == Completion::Sync
     }
 }
@@ -438,7 +449,7 @@ fn key_problem(at: &Pcx<'_>, cfg: &Idempotency, e: &KeyError) -> LocalResponse {
 }
 
 /// The `413` for a body larger than the fingerprint may read, counted.
-pub fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
+pub(crate) fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
     if let Some(im) = at.pm.record.as_ref() {
         at.m.increment(im.body_too_large);
     }
@@ -514,7 +525,7 @@ fn grpc_replay(stored: &StoredResponse, code: u32, empty_body: bool) -> LocalRes
 
 /// Counts what a complete (`1` written, `0` missing, `-1` not owner) or release (`1`
 /// released, `0` missing, `-1` not owner) call found.
-pub fn count_settlement(
+pub(crate) fn count_settlement(
     im: &IdempotencyMetrics,
     purpose: Purpose,
     reply: &Reply,

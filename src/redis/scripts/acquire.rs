@@ -15,62 +15,62 @@ use crate::redis::{resp::Reply, CallError, ScriptCall, Words};
 
 /// The idempotency part of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecordAcquire {
+pub(crate) struct RecordAcquire {
     /// The record's Redis key (tenant hash tag).
-    pub key: String,
-    pub tag: String,
-    pub fingerprint: String,
-    pub owner: String,
-    pub processing_ttl_ms: u64,
+    pub(crate) key: String,
+    pub(crate) tag: String,
+    pub(crate) fingerprint: String,
+    pub(crate) owner: String,
+    pub(crate) processing_ttl_ms: u64,
     /// The owner's cancellation marker (same hash tag), passed as the call's last key.
-    pub cancel_key: String,
+    pub(crate) cancel_key: String,
 }
 
 /// The lease part of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseAcquire {
-    pub key: String,
-    pub fence_key: String,
-    pub tag: String,
-    pub owner: String,
-    pub ttl_ms: u64,
-    pub fence_ttl_ms: u64,
+pub(crate) struct LeaseAcquire {
+    pub(crate) key: String,
+    pub(crate) fence_key: String,
+    pub(crate) tag: String,
+    pub(crate) owner: String,
+    pub(crate) ttl_ms: u64,
+    pub(crate) fence_ttl_ms: u64,
     /// The owner's cancellation marker (same hash tag), passed as the call's last key.
-    pub cancel_key: String,
+    pub(crate) cancel_key: String,
 }
 
 /// One script call: the limits (indices into `policy.rate_limits`) whose keys share `tag`,
 /// and whether it carries the idempotency acquire, the lease, a concurrency limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Group {
-    pub tag: String,
-    pub limits: Vec<usize>,
-    pub record: bool,
-    pub lease: bool,
+pub(crate) struct Group {
+    pub(crate) tag: String,
+    pub(crate) limits: Vec<usize>,
+    pub(crate) record: bool,
+    pub(crate) lease: bool,
     /// A concurrency limit is among `limits`: the call may take a slot.
-    pub slots: bool,
-    pub call: ScriptCall,
+    pub(crate) slots: bool,
+    pub(crate) call: ScriptCall,
 }
 
 /// One limit Redis is asked about: its counter's key and this request's cost to it.
 #[derive(Debug, Clone, Copy)]
-pub struct Ask<'a> {
-    pub key: &'a LimitKey,
-    pub cost: u64,
+pub(crate) struct Ask<'a> {
+    pub(crate) key: &'a LimitKey,
+    pub(crate) cost: u64,
 }
 
 /// Who is asking: the request's nonce (a concurrency slot's member) and what names the owner's
 /// cancellation marker in any hash tag (`prefix`, the owner token).
 #[derive(Debug, Clone, Copy)]
-pub struct Asker<'a> {
-    pub nonce: &'a str,
-    pub prefix: &'a str,
-    pub owner: &'a str,
+pub(crate) struct Asker<'a> {
+    pub(crate) nonce: &'a str,
+    pub(crate) prefix: &'a str,
+    pub(crate) owner: &'a str,
 }
 
 impl Asker<'_> {
     /// The owner's cancellation marker in hash tag `tag`.
-    pub fn marker(&self, policy: &Policy, tag: &str) -> String {
+    pub(crate) fn marker(&self, policy: &Policy, tag: &str) -> String {
         keys::cancel_key(self.prefix, tag, &policy.name, self.owner)
     }
 }
@@ -88,16 +88,16 @@ fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
 
 /// One limit's answer for this request: four of the script's reply values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LimitState {
-    pub allowed: bool,
-    pub remaining: u64,
-    pub reset_ms: u64,
-    pub retry_after_ms: u64,
+pub(crate) struct LimitState {
+    pub(crate) allowed: bool,
+    pub(crate) remaining: u64,
+    pub(crate) reset_ms: u64,
+    pub(crate) retry_after_ms: u64,
 }
 
 /// Plans the calls: tenant-tagged group first. `asks[i]` is limit `i`'s key and cost, or
 /// `None` for a limit that needs no call (answered from a local slice).
-pub fn plan(
+pub(crate) fn plan(
     policy: &Policy,
     asks: &[Option<Ask<'_>>],
     asker: &Asker<'_>,
@@ -225,7 +225,7 @@ fn group_call<'p>(
 
 /// A lease-only acquire: polls a busy lease again (`on_busy: wait`). Its reply is read by
 /// [`read_reply`] with no limits, no record and the lease.
-pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
+pub(crate) fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
     let sections = Sections {
         record: None,
         lease: Some(lease),
@@ -243,7 +243,7 @@ pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
 /// A record-only acquire (with the lease, if given and in the record's hash tag): polls a
 /// record still in progress (`in_progress: wait`). Its reply is read by [`read_reply`] with no
 /// limits, the record, and the lease when it rides along.
-pub fn record_poll(
+pub(crate) fn record_poll(
     record: &RecordAcquire,
     lease: Option<&LeaseAcquire>,
     nonce: &str,
@@ -264,7 +264,7 @@ pub fn record_poll(
 
 /// What the idempotency section of an acquire found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RecordAnswer {
+pub(crate) enum RecordAnswer {
     /// The rate limits did not admit the request; nothing was written.
     Skipped,
     /// We own a new `PROCESSING` record.
@@ -281,7 +281,7 @@ pub enum RecordAnswer {
 
 /// What the lease section of an acquire found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseAnswer {
+pub(crate) enum LeaseAnswer {
     /// Not attempted: the rate limits rejected, or the idempotency answer was not "acquired".
     Skipped,
     /// We hold the lease; the fencing token.
@@ -292,15 +292,15 @@ pub enum LeaseAnswer {
 
 /// A group's reply: admitted, each limit's state in group order, the section answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GroupReply {
-    pub admitted: bool,
-    pub states: Vec<LimitState>,
-    pub record: Option<RecordAnswer>,
-    pub lease: Option<LeaseAnswer>,
+pub(crate) struct GroupReply {
+    pub(crate) admitted: bool,
+    pub(crate) states: Vec<LimitState>,
+    pub(crate) record: Option<RecordAnswer>,
+    pub(crate) lease: Option<LeaseAnswer>,
 }
 
 /// Reads `acquire.lua`'s reply for a group of `n` limits and the sections it carries.
-pub fn read_reply(
+pub(crate) fn read_reply(
     reply: &Reply,
     n: usize,
     record: bool,

@@ -101,7 +101,7 @@ fn groups_by_hash_tag() {
         "cg:demo:rl:{p.create-order}:create-order:global:sl:5/250:_"
     );
     assert_eq!(
-        &groups[1].call.args.from_index(2)[..6],
+        &groups[1].call.args.words_from(2)[..6],
         &["fw", "1000", "3600000", "1000", "1", "1"]
     );
     for g in &groups {
@@ -137,14 +137,14 @@ fn idempotency_rides_with_the_tenant_group() {
     );
     let args = &groups[0].call.args;
     assert_eq!(
-        &args.from_index(args.len() - 5)[..],
+        &args.words_from(args.len() - 5)[..],
         &["1", "sha256:ff", "o1", "120000", "0"]
     );
     assert_eq!(
         &groups[1]
             .call
             .args
-            .from_index(groups[1].call.args.len() - 2)[..],
+            .words_from(groups[1].call.args.len() - 2)[..],
         &["0", "0"]
     );
     // No tenant-scoped limit: the record gets a group of its own.
@@ -187,7 +187,7 @@ fn lease_rides_with_the_tenant_group() {
     assert!(groups[0].record && groups[0].lease);
     // The record's marker (the same as the lease's: one owner token per request) last.
     assert_eq!(
-        &groups[0].call.keys.from_index(2)[..],
+        &groups[0].call.keys.words_from(2)[..],
         &[
             record().key,
             lease.key.clone(),
@@ -197,7 +197,7 @@ fn lease_rides_with_the_tenant_group() {
     );
     let args = &groups[0].call.args;
     assert_eq!(
-        &args.from_index(args.len() - 8)[..],
+        &args.words_from(args.len() - 8)[..],
         &[
             "1",
             "sha256:ff",

@@ -23,12 +23,12 @@
 //! [`Scripts::load`]. So a script's text stays in the forms that reader knows: string
 //! literals, `include_str!`, `concat!`, and macros `() => { <text> };` of this file.
 
-pub mod acquire;
-pub mod batch;
-pub mod charge;
-pub mod lease;
-pub mod record;
-pub mod slot;
+pub(crate) mod acquire;
+pub(crate) mod batch;
+pub(crate) mod charge;
+pub(crate) mod lease;
+pub(crate) mod record;
+pub(crate) mod slot;
 
 use crate::redis::Script;
 
@@ -77,7 +77,7 @@ macro_rules! charge_lua {
 
 /// Which script a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScriptId {
+pub(crate) enum ScriptId {
     /// Rate limits and the idempotency acquire of one hash slot.
     Acquire,
     /// `PROCESSING` -> `COMPLETED`, only by the owner.
@@ -101,7 +101,7 @@ pub enum ScriptId {
 impl ScriptId {
     /// This script as a sub-call of `batch.lua`, with its number there (see
     /// `batch_head.lua`); `None` for a script it does not run.
-    pub fn batched(self) -> Option<Batched> {
+    pub(crate) fn batched(self) -> Option<Batched> {
         let index = match self {
             ScriptId::Acquire => 1,
             ScriptId::Complete => 2,
@@ -118,11 +118,11 @@ impl ScriptId {
 /// A script `batch.lua` runs, as its sub-call number there. Only [`ScriptId::batched`] makes
 /// one, so a batch cannot carry a script it does not run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Batched(u64);
+pub(crate) struct Batched(u64);
 
 impl Batched {
     /// Its number in `batch.lua` (a sub-call's first word).
-    pub fn index(self) -> u64 {
+    pub(crate) fn index(self) -> u64 {
         self.0
     }
 }
@@ -130,19 +130,19 @@ impl Batched {
 /// The scripts the filter runs, loaded once per VM.
 #[derive(Debug)]
 pub struct Scripts {
-    pub acquire: Script,
-    pub complete: Script,
-    pub release: Script,
-    pub lease_release: Script,
-    pub lease_extend: Script,
-    pub batch: Script,
-    pub slot_release: Script,
-    pub slot_extend: Script,
-    pub charge: Script,
+    pub(crate) acquire: Script,
+    pub(crate) complete: Script,
+    pub(crate) release: Script,
+    pub(crate) lease_release: Script,
+    pub(crate) lease_extend: Script,
+    pub(crate) batch: Script,
+    pub(crate) slot_release: Script,
+    pub(crate) slot_extend: Script,
+    pub(crate) charge: Script,
 }
 
 impl Scripts {
-    pub fn load() -> Scripts {
+    pub(crate) fn load() -> Scripts {
         Scripts {
             acquire: Script::new("acquire", acquire_lua!()),
             complete: Script::new("complete", include_str!("complete.lua")),
@@ -175,7 +175,7 @@ impl Scripts {
         }
     }
 
-    pub fn get(&self, id: ScriptId) -> &Script {
+    pub(crate) fn get(&self, id: ScriptId) -> &Script {
         match id {
             ScriptId::Acquire => &self.acquire,
             ScriptId::Complete => &self.complete,
