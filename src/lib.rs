@@ -9,6 +9,9 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+/// The operator's tool: host only.
+#[cfg(not(target_arch = "wasm32"))]
+pub mod admin;
 pub mod config;
 pub mod engine;
 pub mod guards;
