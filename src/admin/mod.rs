@@ -7,11 +7,181 @@
 //! makes is written to stderr by [`Context::log_change`] (who, what, when) and is idempotent:
 //! run twice, the second run finds nothing to change and says so.
 
+pub mod args;
 pub mod client;
+pub mod overrides;
 
+use crate::config::manifest::{self, Configuration, EnvValue};
 use crate::config::Config;
-use client::{Client, ClientError};
+use args::Args;
+use client::{Client, ClientError, Target};
 use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The command line's help.
+pub const USAGE: &str = "\
+usage: cg-admin [--config FILE] [--plugin N] [--redis URL] [--json] COMMAND [OPTIONS]
+
+  --config FILE  the plugin configuration the filter runs: its JSON, a WasmPlugin YAML or an
+                 Envoy config (env CG_ADMIN_CONFIG)
+  --plugin N     which plugin of the file, when it holds several (0 first)
+  --redis URL    redis://[user[:password]@]host[:port], the admin's credentials
+                 (env CG_ADMIN_REDIS_URL)
+  --json         answer in JSON
+
+commands:
+  limits    each limit of a described request: key, algorithm, used, remaining, reset [--reset]
+  record    an idempotency record: state, age, TTL, fingerprint, status [--delete [--force]]
+  lease     a lease: holder, fencing token, time left [--release]
+  explain   which policy, limits, keys, record and lease a described request would use, and why
+  override  set|clear|list a tenant's or a principal's own limit
+";
+
+/// Runs the command line; the exit status: 0 done, 1 refused, 2 usage, 3 Redis.
+pub fn main(argv: &[String]) -> u8 {
+    let (global, command, rest) = split_command(argv);
+    let Some(command) = command else {
+        eprint!("{USAGE}");
+        return 2;
+    };
+    if command == "help" || command == "--help" || command == "-h" {
+        print!("{USAGE}");
+        return 0;
+    }
+    let outcome =
+        Args::parse(&global, &["--config", "--plugin", "--redis"], &["--json"]).and_then(|g| {
+            let mut ctx = context(&g)?;
+            run(&mut ctx, command, rest).map(|r| (r, g.flag("--json")))
+        });
+    match outcome {
+        Ok((report, json)) => {
+            if json {
+                println!("{}", report.json);
+            } else {
+                print!("{}", report.text);
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("cg-admin {command}: {e}");
+            match e {
+                AdminError::Refused(_) => 1,
+                AdminError::Usage(_) => 2,
+                AdminError::Redis(_) => 3,
+            }
+        }
+    }
+}
+
+/// The global options before the command, the command, and its own options.
+fn split_command(argv: &[String]) -> (Vec<String>, Option<&str>, &[String]) {
+    let mut i = 0;
+    while let Some(arg) = argv.get(i) {
+        if !arg.starts_with("--") || arg == "--help" {
+            break;
+        }
+        // A global option with a value takes the next word unless written `--x=v`.
+        let valued = ["--config", "--plugin", "--redis"].contains(&arg.as_str());
+        i += if valued { 2 } else { 1 };
+    }
+    let global = argv.get(..i.min(argv.len())).unwrap_or_default().to_vec();
+    let command = argv.get(i).map(String::as_str);
+    let rest = argv.get(i + 1..).unwrap_or_default();
+    (global, command, rest)
+}
+
+/// Runs one command.
+pub fn run(ctx: &mut Context, command: &str, args: &[String]) -> Result<Report, AdminError> {
+    match command {
+        "override" => overrides::run(ctx, args),
+        other => Err(AdminError::Usage(format!(
+            "unknown command {other:?}; the commands are limits, record, lease, explain, override"
+        ))),
+    }
+}
+
+/// The configuration and the Redis client the global options (or their variables) name.
+fn context(g: &Args) -> Result<Context, AdminError> {
+    let path = match g.value("--config")? {
+        Some(p) => p.to_string(),
+        None => std::env::var("CG_ADMIN_CONFIG").map_err(|_| {
+            AdminError::Usage("no configuration: give --config FILE or set CG_ADMIN_CONFIG".into())
+        })?,
+    };
+    let plugin = match g.value("--plugin")? {
+        None => None,
+        Some(n) => Some(n.parse::<usize>().map_err(|_| {
+            AdminError::Usage(format!(
+                "--plugin takes a number (0 for the first), got {n:?}"
+            ))
+        })?),
+    };
+    let config = load_config(&path, plugin)?;
+    let url = match g.value("--redis")? {
+        Some(u) => u.to_string(),
+        None => std::env::var("CG_ADMIN_REDIS_URL").map_err(|_| {
+            AdminError::Usage(
+                "no Redis: give --redis redis://user:password@host:port or set \
+                 CG_ADMIN_REDIS_URL"
+                    .into(),
+            )
+        })?,
+    };
+    let target = Target::from_url(&url).map_err(AdminError::Usage)?;
+    let actor = std::env::var("CG_ADMIN_ACTOR")
+        .or_else(|_| std::env::var("USER"))
+        .unwrap_or_else(|_| "unknown".into());
+    Ok(Context {
+        config,
+        client: Client::new(target),
+        actor,
+    })
+}
+
+/// The plugin configuration in `path`, read as `make check` reads it. A variable the
+/// configuration names (a credential, a record key) is taken from the file's VM environment
+/// when it gives the value, else from this process's environment, else a stand-in: the tool
+/// needs the keys the configuration derives, not the secrets.
+pub fn load_config(path: &str, plugin: Option<usize>) -> Result<Config, AdminError> {
+    let bytes =
+        std::fs::read(path).map_err(|e| AdminError::Usage(format!("cannot read {path}: {e}")))?;
+    let found = manifest::read(&bytes).map_err(|e| AdminError::Usage(format!("{path}: {e}")))?;
+    let chosen = match (plugin, found.plugins.len()) {
+        (Some(n), _) => found.plugins.get(n).ok_or_else(|| {
+            AdminError::Usage(format!(
+                "{path} holds {} plugin(s); --plugin {n} is not one",
+                found.plugins.len()
+            ))
+        })?,
+        (None, 1) => &found.plugins[0],
+        (None, n) => {
+            return Err(AdminError::Usage(format!(
+                "{path} holds {n} plugins: choose one with --plugin N (0 for the first)"
+            )))
+        }
+    };
+    let bytes = match &chosen.configuration {
+        Configuration::Bytes(b) => b,
+        Configuration::Unreadable(why) => return Err(AdminError::Usage(format!("{path}: {why}"))),
+        Configuration::Placeholder(name) => {
+            return Err(AdminError::Usage(format!(
+                "{path}: its configuration is the template placeholder {name}; give the \
+                 rendered file (make demo-config writes build/demo.yaml) or the plugin JSON"
+            )))
+        }
+    };
+    let env = |name: &str| -> Option<String> {
+        match chosen.env.as_ref().and_then(|e| e.vars.get(name)) {
+            Some(EnvValue::Inline(v)) => Some(v.clone()),
+            _ => Some(std::env::var(name).unwrap_or_else(|_| STAND_IN.to_string())),
+        }
+    };
+    Config::parse_with_env(bytes, &env)
+        .map_err(|e| AdminError::Usage(format!("{path}: invalid plugin configuration: {e}")))
+}
+
+/// What a variable the tool does not have stands for: valid as a credential and as a record
+/// key (base64 of 32 bytes). It never reaches Redis: the tool uses its own credentials.
+const STAND_IN: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
 
 /// What every command works with.
 pub struct Context {
