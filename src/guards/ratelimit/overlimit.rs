@@ -14,7 +14,14 @@
 //! proxy, so a read per request would make every worker's requests queue on it; per tick,
 //! another worker learns a rejection within a tick, and until then its requests for that
 //! counter ask Redis, which rejects them too.
+//!
+//! A counter counted with a tenant's own quota (an override) is marked with it, in a smaller
+//! table of this worker's only: the 429 the cache answers shows that quota, and the shared
+//! log has no room for it (other workers learn such a counter from Redis). A limit with
+//! `overrides` is marked for at most [`OVERRIDE_REFRESH_MS`] at a time, so an override set
+//! meanwhile is read by Redis within that.
 
+use crate::config::Quota;
 use crate::support::slots::SlotTable;
 use std::cell::Cell;
 
@@ -43,15 +50,32 @@ const ENTRY_BYTES: usize = 16;
 /// Attempts to append to the log while other workers append to it too.
 const APPEND_ATTEMPTS: usize = 4;
 
+/// The longest a counter of a limit with `overrides` is known to reject before Redis is asked
+/// again: a tenant's limit raised meanwhile admits its requests at most this long after.
+pub const OVERRIDE_REFRESH_MS: u64 = 1_000;
+
+/// Slots of the marks with a tenant's own quota (at most the cache's own slots).
+pub const OWN_QUOTA_SLOTS: usize = 1024;
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Entry {
     hash: u64,
     until_ms: u64,
 }
 
+/// A mark of a counter counted with a tenant's own quota.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OwnMark {
+    hash: u64,
+    until_ms: u64,
+    quota: Quota,
+}
+
 /// Keys are given by their hash ([`crate::redis::keys::LimitKey::hash`]), computed once per request.
 pub struct OverLimitCache {
     slots: SlotTable<Entry>,
+    /// Marks with a tenant's own quota, this worker's only (allocated at the first).
+    own: SlotTable<OwnMark>,
     shared: Option<Box<dyn SharedStore>>,
     /// The log's version this worker read last (0: never read one).
     seen: Cell<u32>,
@@ -62,6 +86,7 @@ impl OverLimitCache {
     pub fn new(capacity: usize, shared: Option<Box<dyn SharedStore>>) -> OverLimitCache {
         OverLimitCache {
             slots: SlotTable::new(capacity),
+            own: SlotTable::new(capacity.min(OWN_QUOTA_SLOTS)),
             shared,
             seen: Cell::new(0),
         }
@@ -76,17 +101,50 @@ impl OverLimitCache {
         self.slots.allocated()
     }
 
-    /// Until when the key of `hash` is known to reject, if it still does at `now_ms`.
-    pub fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<u64> {
-        self.slots.read(hash, |e| {
-            (e.hash == hash && e.until_ms > now_ms).then_some(e.until_ms)
+    /// Until when the key of `hash` is known to reject, if it still does at `now_ms`, and the
+    /// tenant's own quota it was counted with (`None`: the configuration's).
+    pub fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<(u64, Option<Quota>)> {
+        let own = self.own.read(hash, |m| {
+            (m.hash == hash && m.until_ms > now_ms).then_some((m.until_ms, Some(m.quota)))
+        });
+        own.or_else(|| {
+            self.slots.read(hash, |e| {
+                (e.hash == hash && e.until_ms > now_ms).then_some((e.until_ms, None))
+            })
         })
     }
 
     /// Records that the key of `hash` rejects until `until_ms`, here and in the shared log.
     pub fn mark(&self, hash: u64, until_ms: u64) {
+        self.mark_with_quota(hash, until_ms, None);
+    }
+
+    /// Records that the key of `hash` rejects until `until_ms`, counted with `quota` (a
+    /// tenant's own: kept by this worker only) or the configuration's (`None`: as [`mark`]).
+    /// Either replaces the other kind's mark of the key.
+    ///
+    /// [`mark`]: OverLimitCache::mark
+    pub fn mark_with_quota(&self, hash: u64, until_ms: u64, quota: Option<Quota>) {
         if !self.enabled() {
             return;
+        }
+        if let Some(quota) = quota {
+            self.own.update(hash, |s| {
+                *s = Some(OwnMark {
+                    hash,
+                    until_ms,
+                    quota,
+                })
+            });
+            if self.slots.allocated() {
+                self.slots
+                    .update(hash, |s| forget(s, |e: &Entry| e.hash == hash));
+            }
+            return;
+        }
+        if self.own.allocated() {
+            self.own
+                .update(hash, |s| forget(s, |m: &OwnMark| m.hash == hash));
         }
         let entry = Entry { hash, until_ms };
         self.keep(entry);
@@ -121,6 +179,13 @@ impl OverLimitCache {
 
     fn keep(&self, entry: Entry) {
         self.slots.update(entry.hash, |s| *s = Some(entry));
+    }
+}
+
+/// Empties `slot` if it holds what `mine` recognises.
+fn forget<T>(slot: &mut Option<T>, mine: impl Fn(&T) -> bool) {
+    if slot.as_ref().is_some_and(mine) {
+        *slot = None;
     }
 }
 
@@ -233,7 +298,7 @@ mod tests {
         let c = OverLimitCache::new(64, None);
         assert_eq!(c.rejecting_until(text_hash("k"), 0), None);
         c.mark(text_hash("k"), 1_000);
-        assert_eq!(c.rejecting_until(text_hash("k"), 999), Some(1_000));
+        assert_eq!(c.rejecting_until(text_hash("k"), 999), Some((1_000, None)));
         assert_eq!(
             c.rejecting_until(text_hash("k"), 1_000),
             None,
@@ -252,21 +317,21 @@ mod tests {
             None,
             "a was evicted by b"
         );
-        assert_eq!(c.rejecting_until(text_hash("b"), 10), Some(2_000));
+        assert_eq!(c.rejecting_until(text_hash("b"), 10), Some((2_000, None)));
     }
 
     #[test]
     fn workers_learn_what_another_learnt_on_their_tick() {
         let (shared, w1, w2) = workers(64);
         w1.mark(text_hash("k"), 5_000);
-        assert_eq!(w1.rejecting_until(text_hash("k"), 10), Some(5_000));
+        assert_eq!(w1.rejecting_until(text_hash("k"), 10), Some((5_000, None)));
         assert_eq!(
             w2.rejecting_until(text_hash("k"), 10),
             None,
             "a request reads no shared data"
         );
         w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some(5_000));
+        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some((5_000, None)));
         let data = shared.data.borrow();
         assert_eq!(data.len(), 1, "one log");
         assert_eq!(data.get(LOG).map(|(log, _)| log.len()), Some(LOG_BYTES));
@@ -314,7 +379,11 @@ mod tests {
         w1.mark(text_hash("mine"), 5_000);
         w2.sync(10);
         for k in ["first", "theirs", "mine"] {
-            assert_eq!(w2.rejecting_until(text_hash(k), 10), Some(5_000), "{k}");
+            assert_eq!(
+                w2.rejecting_until(text_hash(k), 10),
+                Some((5_000, None)),
+                "{k}"
+            );
         }
     }
 
@@ -323,7 +392,7 @@ mod tests {
         let (_, w1, w2) = workers(1);
         w1.mark(text_hash("a"), 5_000);
         w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("a"), 10), Some(5_000));
+        assert_eq!(w2.rejecting_until(text_hash("a"), 10), Some((5_000, None)));
         // w2's one slot goes to a key of its own; the log did not change, so the tick keeps it.
         w2.slots.update(text_hash("b"), |s| {
             *s = Some(Entry {
@@ -332,7 +401,7 @@ mod tests {
             })
         });
         w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("b"), 10), Some(5_000));
+        assert_eq!(w2.rejecting_until(text_hash("b"), 10), Some((5_000, None)));
         assert_eq!(w2.rejecting_until(text_hash("a"), 10), None);
     }
 
@@ -345,7 +414,7 @@ mod tests {
         assert!(!w2.allocated(), "nothing read from it");
         w1.mark(text_hash("k"), 5_000);
         w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some(5_000));
+        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some((5_000, None)));
     }
 
     #[test]
@@ -369,10 +438,50 @@ mod tests {
         );
         let reader = cache(10_000, &shared);
         reader.sync(10);
-        assert_eq!(reader.rejecting_until(text_hash("k"), 10), Some(5_000));
+        assert_eq!(
+            reader.rejecting_until(text_hash("k"), 10),
+            Some((5_000, None))
+        );
         assert!(
             reader.allocated(),
             "what another worker learnt is kept locally"
+        );
+    }
+
+    #[test]
+    fn a_tenants_own_quota_is_kept_with_its_mark_by_this_worker_only() {
+        let (shared, w1, w2) = workers(64);
+        let own = Quota {
+            limit: 5,
+            window_ms: 60_000,
+        };
+        w1.mark_with_quota(text_hash("k"), 5_000, Some(own));
+        assert_eq!(
+            w1.rejecting_until(text_hash("k"), 10),
+            Some((5_000, Some(own)))
+        );
+        assert!(!w1.allocated(), "the shared table is not touched");
+        assert!(
+            shared.data.borrow().is_empty(),
+            "nothing in the log: it has no room for it"
+        );
+        w2.sync(10);
+        assert_eq!(w2.rejecting_until(text_hash("k"), 10), None);
+        // The configuration's quota again (the override was cleared): that mark replaces it.
+        w1.mark(text_hash("k"), 6_000);
+        assert_eq!(w1.rejecting_until(text_hash("k"), 10), Some((6_000, None)));
+        w1.mark_with_quota(text_hash("k"), 7_000, Some(own));
+        assert_eq!(
+            w1.rejecting_until(text_hash("k"), 10),
+            Some((7_000, Some(own)))
+        );
+        assert_eq!(w1.rejecting_until(text_hash("k"), 7_000), None, "expired");
+        w2.sync(10);
+        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some((6_000, None)));
+        assert_eq!(w1.own.capacity(), 64, "at most the cache's slots");
+        assert_eq!(
+            OverLimitCache::new(10_000, None).own.capacity(),
+            OWN_QUOTA_SLOTS
         );
     }
 

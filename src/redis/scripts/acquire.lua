@@ -7,6 +7,9 @@
 -- then, iff the lease section is on, two more keys after the record (if any):
 --   lease key   the lease, a string holding the owner token
 --   fence key   the fencing counter, a string holding the last fencing token issued
+-- then, iff ARGV[O] (below) is given, the override keys of the limits it lists, in its order:
+--   for each, the principal's override (when it has two keys), then the tenant's: a string
+--   `<limit>/<window_ms>[/<burst>]` (cg-admin override writes it), usually absent
 -- KEYS[last]   cancellation marker of the owner token, optional: present iff #KEYS is one
 --              more than the keys above (the filter always passes it when the idempotency or
 --              the lease section is on). The filter writes it (release.lua,
@@ -37,6 +40,12 @@
 -- ARGV[L+1]    lease owner token (32 hex; must not be empty)
 -- ARGV[L+2]    lease_ttl_ms: integer > 0
 -- ARGV[L+3]    fence_ttl_ms: integer > 0, TTL of the fence key, set again at every ACQUIRED
+-- ARGV[O]      overrides, optional (absent: none; the call is then what it was before overrides
+--              existed): O = L + 1 when the lease section is off, L + 4 when it is on (the lease
+--              flag is then given). m >= 1, the number of limits with override keys (limits
+--              with `overrides: true`), then two values for each, in increasing position: its
+--              position among the limits (1..n) and its number of override keys (1: the
+--              tenant's; 2: the principal's, then the tenant's)
 --
 -- Reply: flat array
 --   [1]  admitted: 1 if every non-shadow limit allows the request, else 0 (1 when n = 0)
@@ -72,6 +81,9 @@
 --              3 CANCELLED (the cancellation marker exists: nothing written, no token)
 --     value    ACQUIRED: the fencing token, as a decimal STRING; BUSY: the lease's PTTL in
 --              ms, >= 1 (1 if it has no TTL, which is left as it is); SKIPPED: 0
+--   then, iff ARGV[O] is given, 4 integers per limit it lists, in its order: the limit's
+--     position, the limit and window_ms it was counted with (its override's, else its own
+--     ARGV's), and how many of its override values were unreadable and ignored (0 to 2)
 --   The reply never holds a nil (webdis would drop it), and no integer of more than 10
 --   digits: webdis 0.1.9 crashes on one inside an array (and truncates a top-level one), so
 --   the ~16-digit fencing token travels as a string.
@@ -97,6 +109,19 @@
 --   {"schema_version":1,"state":"PROCESSING","fingerprint":"sha256:..","owner":"..",
 --    "created_ms":<Redis TIME, ms>,"updated_ms":<same>}
 --
+-- Overrides: a limit with override keys is counted with the first readable value among them
+-- (a principal's beats its tenant's): its limit, window and burst replace the limit's ARGV
+-- before anything is counted, so every algorithm below counts with them, and a leased
+-- quota's slices are cut from them. A value is readable when it is `<limit>/<window_ms>`, or
+-- for a token bucket also `<limit>/<window_ms>/<burst>` (burst defaults to the limit), with
+-- limit and burst in 1..10^9, window_ms in 1..8640000000 (100 days: webdis cannot carry a
+-- longer integer in a reply) and, for a token bucket, window_ms >= limit. Anything else (a
+-- key that is not a string too) is ignored and counted in the reply, never an error: the
+-- request is counted with the next value, or its own ARGV. The counter keeps its key (the
+-- configuration's limit and window are part of it): a fixed window's new limit applies at
+-- once and its new window from the next window; a sliding window whose window changes
+-- starts its two windows again.
+--
 -- Arguments are validated before anything is read or written; a bad one is a script error.
 --
 -- Time comes from redis.call('TIME') so every proxy agrees; it is read once, and only when a
@@ -109,7 +134,8 @@
 -- an if-chain (but sw's roll-over: window_roll, shared with charge.lua, is
 -- piece_window_roll.lua, put before this file), phase 1 writes each verdict straight into
 -- the reply and keeps what phase 2 needs in one flat table, and the idempotency and lease
--- code runs only when that section is on. fw skips PTTL for a counter that GET found absent
+-- code runs only when that section is on (and the overrides' code, with its one table, only
+-- when the call lists overrides). fw skips PTTL for a counter that GET found absent
 -- (PTTL would say -2). The usual call of the exact path, one fixed-window limit and nothing
 -- else, takes the fast path first.
 
@@ -192,6 +218,22 @@ if lease then
   fence_ttl_ms = count_arg(L + 3, 1)
 end
 
+-- Overrides: which limits have override keys, and how many keys in all (read further down).
+local O = L + (lease and 4 or 1)
+local ovr_n, ovr_keys = 0, 0
+if ARGV[O] ~= nil then
+  ovr_n = count_arg(O, 1)
+  local last = 0
+  for j = 1, ovr_n do
+    local at = O + 2 * j - 1
+    last = count_arg(at, last + 1) -- positions increase
+    if last > n then bad('ARGV[' .. at .. '] (override position) is past the limits') end
+    local c = count_arg(at + 1, 1)
+    if c > 2 then bad('ARGV[' .. (at + 1) .. '] (override keys) must be 1 or 2') end
+    ovr_keys = ovr_keys + c
+  end
+end
+
 -- Every limit's arguments, validated before anything is read or written.
 local need_time = lease
 local has_cc = false
@@ -217,12 +259,13 @@ for i = 1, n do
 end
 
 local nkeys = n + (idem and 1 or 0) + (lease and 2 or 0)
+local all_keys = nkeys + ovr_keys -- the override keys follow the sections' keys
 local cancel_key
-if #KEYS == nkeys + 1 and (idem or lease or has_cc) then
-  cancel_key = KEYS[nkeys + 1]
-elseif #KEYS ~= nkeys then
+if #KEYS == all_keys + 1 and (idem or lease or has_cc) then
+  cancel_key = KEYS[all_keys + 1]
+elseif #KEYS ~= all_keys then
   bad(#KEYS .. ' keys for ' .. n .. ' limits, idempotency ' .. (idem and 'on' or 'off')
-      .. ', lease ' .. (lease and 'on' or 'off'))
+      .. ', lease ' .. (lease and 'on' or 'off') .. ', ' .. ovr_keys .. ' override keys')
 end
 if lease then
   for i = 1, nkeys - 2 do
@@ -233,6 +276,44 @@ end
 if cancel_key then
   for i = 1, nkeys do
     if KEYS[i] == cancel_key then bad('the cancellation marker is KEYS[' .. i .. '] too') end
+  end
+end
+
+-- Overrides (see the header): each listed limit takes its limit, window and burst from the
+-- first readable value of its keys before anything is counted; what it was counted with goes
+-- to the end of the reply. One GET per key read: absent reads as false, another type as an
+-- error table (unreadable); a principal's readable value spares reading the tenant's.
+local ovr_reply
+if ovr_n > 0 then
+  ovr_reply = {}
+  local k = nkeys
+  for j = 1, ovr_n do
+    local i = tonumber(ARGV[O + 2 * j - 1])
+    local a = 3 + (i - 1) * 6
+    local tb, found, ignored = ARGV[a] == 'tb', false, 0
+    for _ = 1, tonumber(ARGV[O + 2 * j]) do
+      k = k + 1
+      local raw = not found and redis.pcall('GET', KEYS[k])
+      if raw then
+        local ls, ws, bs
+        if type(raw) == 'string' then
+          ls, ws, bs = string.match(raw, '^(%d+)/(%d+)/(%d+)$')
+          if not ls then ls, ws = string.match(raw, '^(%d+)/(%d+)$') end
+        end
+        local l, w = tonumber(ls), tonumber(ws)
+        local b = tonumber(bs) or l
+        if l and w and b and l >= 1 and l <= 1000000000 and w >= 1 and w <= 8640000000
+            and b >= 1 and b <= 1000000000 and (tb and w >= l or (not tb and bs == nil)) then
+          ARGV[a + 1], ARGV[a + 2], ARGV[a + 3] = l, w, b
+          found = true
+        else
+          ignored = ignored + 1
+        end
+      end
+    end
+    local at = #ovr_reply
+    ovr_reply[at + 1], ovr_reply[at + 2] = i, tonumber(ARGV[a + 1])
+    ovr_reply[at + 3], ovr_reply[at + 4] = tonumber(ARGV[a + 2]), ignored
   end
 end
 
@@ -549,5 +630,10 @@ if lease then
   end
   reply[#reply + 1] = code
   reply[#reply + 1] = value
+end
+
+-- Overrides: what each limit with override keys was counted with.
+if ovr_reply then
+  for j = 1, #ovr_reply do reply[#reply + 1] = ovr_reply[j] end
 end
 return reply

@@ -6,7 +6,7 @@
 //! tags run in parallel and are independent: a request admitted by one group and rejected by
 //! another has consumed from the first (and the filter releases a record it acquired).
 
-use crate::config::{Policy, RateLimit};
+use crate::config::{Policy, Quota, RateLimit};
 // The record's stored form belongs to the idempotency guard's domain, a layer below the
 // scripts' contracts: acquire.lua answers a completed record, read here.
 use crate::guards::idempotency::record::Record;
@@ -52,11 +52,51 @@ pub struct Group {
     pub call: ScriptCall,
 }
 
-/// One limit Redis is asked about: its counter's key and this request's cost to it.
+/// One limit Redis is asked about: its counter's key, this request's cost to it, and its
+/// override keys when it has `overrides: true`.
 #[derive(Debug, Clone, Copy)]
 pub struct Ask<'a> {
     pub key: &'a LimitKey,
     pub cost: u64,
+    pub overrides: Option<&'a OverrideKeys>,
+}
+
+/// The keys a limit with `overrides: true` reads its caller's own quota from, in the
+/// counter's hash tag: the principal's (read first, when the limit counts per principal and
+/// the request names one) and the tenant's ([`keys::override_key`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverrideKeys {
+    pub principal: Option<String>,
+    pub tenant: String,
+}
+
+impl OverrideKeys {
+    /// The override keys of `limit` of `policy` for a request of the tenant whose hash tag is
+    /// `tenant_tag` (the counter's) and of `principal`, if it is one of its own.
+    pub fn new(
+        prefix: &str,
+        tenant_tag: &str,
+        policy: &Policy,
+        limit: &RateLimit,
+        principal: Option<&str>,
+    ) -> OverrideKeys {
+        let key = |p| keys::override_key(prefix, tenant_tag, &policy.name, &limit.name, p);
+        OverrideKeys {
+            principal: principal
+                .filter(|_| limit.per_principal())
+                .map(|p| key(Some(p))),
+            tenant: key(None),
+        }
+    }
+
+    /// How many keys the call passes for them (1 or 2).
+    fn count(&self) -> u64 {
+        if self.principal.is_some() {
+            2
+        } else {
+            1
+        }
+    }
 }
 
 /// Who is asking: the request's nonce (a concurrency slot's member) and what names the owner's
@@ -86,13 +126,19 @@ fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
     args.push_u64(cost);
 }
 
-/// One limit's answer for this request: four of the script's reply values.
+/// One limit's answer for this request: four of the script's reply values, and for a limit
+/// with override keys the quota it was counted with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LimitState {
     pub allowed: bool,
     pub remaining: u64,
     pub reset_ms: u64,
     pub retry_after_ms: u64,
+    /// The limit and window the counter was counted with when they are a tenant's or a
+    /// principal's own (an override); `None`: the configuration's.
+    pub quota: Option<Quota>,
+    /// A stored override of this limit was unreadable, and ignored.
+    pub override_unreadable: bool,
 }
 
 /// Plans the calls: tenant-tagged group first. `asks[i]` is limit `i`'s key and cost, or
@@ -151,8 +197,8 @@ pub fn plan(
             .iter()
             .any(|&i| policy.rate_limits[i].concurrency());
         let limit_args = g.limits.iter().map(|&i| {
-            let cost = asks[i].map_or(1, |a| a.cost);
-            (&policy.rate_limits[i], cost)
+            let (cost, overrides) = asks[i].map_or((1, None), |a| (a.cost, a.overrides));
+            (&policy.rate_limits[i], cost, overrides)
         });
         // The owner's cancellation marker, last: a late acquire of a cancelled owner writes
         // nothing (the record's and the lease's marker is the one of their tag).
@@ -181,11 +227,12 @@ struct Sections<'a> {
 }
 
 /// One `acquire.lua` call: the counters `keys` (`n` limits, their arguments `limit_args`), then
-/// the record's and the lease's sections when given, and the owner's cancellation marker last.
-fn group_call<'p>(
+/// the record's and the lease's sections when given, the limits' override keys, and the
+/// owner's cancellation marker last.
+fn group_call<'p, 'o>(
     mut keys: Words,
     n: usize,
-    limit_args: impl Iterator<Item = (&'p RateLimit, u64)>,
+    limit_args: impl Iterator<Item = (&'p RateLimit, u64, Option<&'o OverrideKeys>)>,
     nonce: &str,
     sections: Sections<'_>,
 ) -> ScriptCall {
@@ -193,8 +240,13 @@ fn group_call<'p>(
     let mut args = Words::with_capacity(4 + 6 * n + 7, 24 + 48 * n + 2 * 100);
     args.push_u64(n as u64);
     args.push(nonce);
-    for (limit, cost) in limit_args {
+    // The limits with override keys, by position (from 1); none on most calls.
+    let mut overridden: Vec<(u64, &OverrideKeys)> = Vec::new();
+    for (i, (limit, cost, overrides)) in limit_args.enumerate() {
         push_limit_args(&mut args, limit, cost);
+        if let Some(o) = overrides {
+            overridden.push((i as u64 + 1, o));
+        }
     }
     match sections.idem {
         Some(d) => {
@@ -217,6 +269,18 @@ fn group_call<'p>(
         }
         None => args.push("0"),
     }
+    // Overrides: only for limits that have them, so every other call is as it was.
+    if !overridden.is_empty() {
+        args.push_u64(overridden.len() as u64);
+        for (position, o) in &overridden {
+            args.push_u64(*position);
+            args.push_u64(o.count());
+            if let Some(p) = &o.principal {
+                keys.push(p);
+            }
+            keys.push(&o.tenant);
+        }
+    }
     if let Some(marker) = &sections.marker {
         keys.push(marker);
     }
@@ -234,7 +298,7 @@ pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
     group_call(
         Words::with_capacity(4, 256),
         0,
-        std::iter::empty(),
+        std::iter::empty::<(&RateLimit, u64, Option<&OverrideKeys>)>(),
         nonce,
         sections,
     )
@@ -252,7 +316,7 @@ pub fn record_poll(idem: &IdemAcquire, lease: Option<&LeaseAcquire>, nonce: &str
     group_call(
         Words::with_capacity(4, 256),
         0,
-        std::iter::empty(),
+        std::iter::empty::<(&RateLimit, u64, Option<&OverrideKeys>)>(),
         nonce,
         sections,
     )
@@ -308,7 +372,9 @@ pub fn read_reply(
     }
     let items = reply.as_array().ok_or_else(|| bad("not an array"))?;
     let want = 1 + 4 * n + if idem { 3 } else { 0 } + if lease { 2 } else { 0 };
-    if items.len() != want {
+    // Past them, four values per limit with override keys (none unless the call listed some).
+    let extra = items.len().checked_sub(want).unwrap_or(usize::MAX);
+    if extra % 4 != 0 || extra / 4 > n {
         return Err(bad(&format!("{} values, expected {want}", items.len())));
     }
     let int = |i: usize| items[i].as_int().ok_or_else(|| bad("non-integer value"));
@@ -327,7 +393,32 @@ pub fn read_reply(
             remaining: count(at + 1)?,
             reset_ms: count(at + 2)?,
             retry_after_ms: count(at + 3)?,
+            quota: None,
+            override_unreadable: false,
         });
+    }
+    // Each limit with override keys: its position, the limit and window it was counted with,
+    // and how many of its override values were unreadable. Positions increase.
+    let mut last = 0;
+    for at in (want..items.len()).step_by(4) {
+        let position = count(at)?;
+        let state = usize::try_from(position)
+            .ok()
+            .filter(|&p| p > last)
+            .and_then(|p| {
+                last = p;
+                states.get_mut(p - 1)
+            })
+            .ok_or_else(|| bad("override position out of order"))?;
+        let quota = Quota {
+            limit: count(at + 1)?,
+            window_ms: count(at + 2)?,
+        };
+        if quota.limit == 0 || quota.window_ms == 0 {
+            return Err(bad("override quota of 0"));
+        }
+        state.quota = Some(quota);
+        state.override_unreadable = count(at + 3)? > 0;
     }
     let idem = if idem {
         let at = 1 + 4 * n;
