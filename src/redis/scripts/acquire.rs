@@ -126,6 +126,66 @@ fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
     args.push_u64(cost);
 }
 
+/// The largest limit or burst an override holds (the configuration's bound).
+pub const OVERRIDE_MAX_LIMIT: u64 = 1_000_000_000;
+
+/// The longest window an override holds, 100 days: the script answers the window it counted
+/// with, and webdis 0.1.9 cannot carry an integer of more than 10 digits in a reply.
+pub const OVERRIDE_MAX_WINDOW_MS: u64 = 8_640_000_000;
+
+/// A tenant's or a principal's own quota for one limit, as an override key holds it:
+/// `<limit>/<window_ms>[/<burst>]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Override {
+    pub limit: u64,
+    pub window_ms: u64,
+    /// A token bucket's capacity; the limit when not given (and never on another algorithm).
+    pub burst: Option<u64>,
+}
+
+impl Override {
+    /// The stored text.
+    pub fn text(&self) -> String {
+        match self.burst {
+            Some(b) => format!("{}/{}/{b}", self.limit, self.window_ms),
+            None => format!("{}/{}", self.limit, self.window_ms),
+        }
+    }
+
+    /// A stored value read as `acquire.lua` reads it for a limit that is a token bucket or
+    /// not: `None` for a value the script ignores (unreadable).
+    pub fn read(stored: &[u8], token_bucket: bool) -> Option<Override> {
+        let number = |part: &[u8]| -> Option<u64> {
+            if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            std::str::from_utf8(part).ok()?.parse().ok()
+        };
+        let mut parts = stored.split(|b| *b == b'/');
+        let limit = number(parts.next()?)?;
+        let window_ms = number(parts.next()?)?;
+        let burst = match parts.next() {
+            Some(b) => Some(number(b)?),
+            None => None,
+        };
+        let fits = |n: u64| (1..=OVERRIDE_MAX_LIMIT).contains(&n);
+        let ok = parts.next().is_none()
+            && fits(limit)
+            && (1..=OVERRIDE_MAX_WINDOW_MS).contains(&window_ms)
+            && burst.is_none_or(fits)
+            && if token_bucket {
+                window_ms >= limit
+            } else {
+                burst.is_none()
+            };
+        ok.then_some(Override {
+            limit,
+            window_ms,
+            burst,
+        })
+    }
+}
+
 /// One limit's answer for this request: four of the script's reply values, and for a limit
 /// with override keys the quota it was counted with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -564,3 +564,47 @@ fn reads_the_quota_each_override_counted_with() {
         );
     }
 }
+
+/// What an override key holds is read as acquire.lua reads it (tests/test_scripts_overrides.py
+/// holds the script to the same values).
+#[test]
+fn override_values() {
+    let o = Override {
+        limit: 500,
+        window_ms: 60_000,
+        burst: None,
+    };
+    assert_eq!(o.text(), "500/60000");
+    assert_eq!(Override::read(b"500/60000", false), Some(o));
+    assert_eq!(Override::read(b"500/60000", true), Some(o));
+    let tb = Override::read(b"6/60000/3", true).expect("a token bucket's burst");
+    assert_eq!((tb.burst, tb.text().as_str()), (Some(3), "6/60000/3"));
+    assert_eq!(Override::read(b"007/1000", false).map(|o| o.limit), Some(7));
+    let max = format!("{OVERRIDE_MAX_LIMIT}/{OVERRIDE_MAX_WINDOW_MS}");
+    assert!(Override::read(max.as_bytes(), false).is_some());
+    for bad in [
+        "",
+        "abc",
+        "0/1000",
+        "5/0",
+        "5",
+        "5/1000/",
+        "-5/1000",
+        "5.5/1000",
+        "5/1000/2",
+        "2000000000/1000",
+        "5/8640000001",
+        " 5/1000",
+        "5/1000\n",
+        "5/1000/2/1",
+        "99999999999999999999999/1000",
+    ] {
+        assert_eq!(Override::read(bad.as_bytes(), false), None, "{bad:?}");
+    }
+    assert_eq!(
+        Override::read(b"5/1", true),
+        None,
+        "a token bucket needs window >= limit ms"
+    );
+    assert_eq!(Override::read(b"5/1000/0", true), None);
+}
