@@ -122,7 +122,8 @@
 -- once and its new window from the next window; a sliding window whose window changes
 -- starts its two windows again.
 --
--- Arguments are validated before anything is read or written; a bad one is a script error.
+-- Arguments are validated before anything is read or written (but the override keys, read
+-- first once their own arguments are checked); a bad one is a script error.
 --
 -- Time comes from redis.call('TIME') so every proxy agrees; it is read once, and only when a
 -- sw, sl or tb limit or the lease section is on (fw and lq use Redis TTLs), or when the
@@ -135,9 +136,72 @@
 -- piece_window_roll.lua, put before this file), phase 1 writes each verdict straight into
 -- the reply and keeps what phase 2 needs in one flat table, and the idempotency and lease
 -- code runs only when that section is on (and the overrides' code, with its one table, only
--- when the call lists overrides). fw skips PTTL for a counter that GET found absent
+-- when the call lists overrides: first, so that a call with override keys takes the fast path
+-- as one without does). fw skips PTTL for a counter that GET found absent
 -- (PTTL would say -2). The usual call of the exact path, one fixed-window limit and nothing
 -- else, takes the fast path first.
+
+-- Overrides, for every call that lists them (ARGV[O] and the override keys; see the header):
+-- once their own arguments are checked, each listed limit's keys are read (one GET each:
+-- absent reads as false, another type as an error table; a principal's readable value spares
+-- reading the tenant's), the first readable value replaces the limit's limit, window and
+-- burst in ARGV, and the section is taken off ARGV and KEYS. The code below then sees the
+-- call it would see without overrides, the fast path too, and only the reply grows: by
+-- o1..o4 on the fast path (its one limit), by ovr_reply on the general code's.
+local o1, o2, o3, o4, ovr_reply
+if #KEYS > 1 or ARGV[11] ~= nil then -- the usual call has one key and ten arguments
+  local n = tonumber(ARGV[1]) or 0
+  local idem_on = ARGV[3 + 6 * n] == '1'
+  local L = (idem_on and 7 or 4) + 6 * n
+  local lease_on = ARGV[L] == '1'
+  local O = L + (lease_on and 4 or 1)
+  local m = ARGV[O] and tonumber(ARGV[O])
+  if ARGV[O] ~= nil then
+    local function wrong(what) error('acquire.lua: overrides: ' .. what, 0) end
+    if not (m and m >= 1 and m % 1 == 0 and ARGV[O + 2 * m + 1] == nil) then
+      wrong('ARGV[' .. O .. '] must be the number of limits listed after it')
+    end
+    local base = n + (idem_on and 1 or 0) + (lease_on and 2 or 0)
+    local k, last, values = base, 0, {}
+    for j = 1, m do
+      local i, c = tonumber(ARGV[O + 2 * j - 1]), tonumber(ARGV[O + 2 * j])
+      if not (i and i % 1 == 0 and i > last and i <= n) then
+        wrong('ARGV[' .. (O + 2 * j - 1) .. '] must be a limit position after the last')
+      end
+      if c ~= 1 and c ~= 2 then wrong('ARGV[' .. (O + 2 * j) .. '] must be 1 or 2') end
+      if #KEYS < k + c then wrong('fewer keys than listed') end
+      local a = 3 + (i - 1) * 6
+      local tb, found, ignored = ARGV[a] == 'tb', false, 0
+      for key = k + 1, k + c do
+        local raw = not found and redis.pcall('GET', KEYS[key])
+        if raw then
+          local ls, ws, bs
+          if type(raw) == 'string' then
+            ls, ws, bs = string.match(raw, '^(%d+)/(%d+)/(%d+)$')
+            if not ls then ls, ws = string.match(raw, '^(%d+)/(%d+)$') end
+          end
+          local l, w = tonumber(ls), tonumber(ws)
+          local b = tonumber(bs) or l
+          if l and w and b and l >= 1 and l <= 1000000000 and w >= 1 and w <= 8640000000
+              and b >= 1 and b <= 1000000000 and (tb and w >= l or (not tb and bs == nil)) then
+            ARGV[a + 1], ARGV[a + 2], ARGV[a + 3] = l, w, b
+            found = true
+          else
+            ignored = ignored + 1
+          end
+        end
+      end
+      k, last = k + c, i
+      local v = #values
+      values[v + 1], values[v + 2] = i, tonumber(ARGV[a + 1])
+      values[v + 3], values[v + 4] = tonumber(ARGV[a + 2]), ignored
+    end
+    for x = O + 2 * m, O, -1 do ARGV[x] = nil end
+    for _ = base + 1, k do table.remove(KEYS, base + 1) end
+    ovr_reply = values
+    if m == 1 then o1, o2, o3, o4 = values[1], values[2], values[3], values[4] end
+  end
+end
 
 -- Fast path: the exact path's usual call, one fixed-window limit at a cost of at least 1, not
 -- a shadow, with nothing else (no idempotency, no lease, no cancellation marker). Its reply
@@ -159,19 +223,19 @@ if #KEYS == 1 and ARGV[1] == '1' and ARGV[3] == 'fw' and ARGV[7] == '0' and ARGV
     if c == cost then
       if c <= limit then
         redis.call('PEXPIRE', key, window_ms) -- a new window
-        return { 1, 1, limit - c, window_ms, 0 }
+        return { 1, 1, limit - c, window_ms, 0, o1, o2, o3, o4 }
       end
       redis.call('DEL', key) -- nothing was there: nothing is left
-      return { 0, 0, limit, window_ms, window_ms }
+      return { 0, 0, limit, window_ms, window_ms, o1, o2, o3, o4 }
     end
     local ttl = redis.call('PTTL', key)
     if ttl < 0 then
       redis.call('PEXPIRE', key, window_ms) -- without a TTL it would reject forever
       ttl = window_ms
     end
-    if c <= limit then return { 1, 1, limit - c, ttl, 0 } end
+    if c <= limit then return { 1, 1, limit - c, ttl, 0, o1, o2, o3, o4 } end
     redis.call('INCRBY', key, -cost) -- taken back (INCRBY: the gateway's ACL has no DECRBY)
-    return { 0, 0, math.max(0, limit - c + cost), ttl, math.max(1, ttl) }
+    return { 0, 0, math.max(0, limit - c + cost), ttl, math.max(1, ttl), o1, o2, o3, o4 }
   end
 end
 
@@ -218,22 +282,6 @@ if lease then
   fence_ttl_ms = count_arg(L + 3, 1)
 end
 
--- Overrides: which limits have override keys, and how many keys in all (read further down).
-local O = L + (lease and 4 or 1)
-local ovr_n, ovr_keys = 0, 0
-if ARGV[O] ~= nil then
-  ovr_n = count_arg(O, 1)
-  local last = 0
-  for j = 1, ovr_n do
-    local at = O + 2 * j - 1
-    last = count_arg(at, last + 1) -- positions increase
-    if last > n then bad('ARGV[' .. at .. '] (override position) is past the limits') end
-    local c = count_arg(at + 1, 1)
-    if c > 2 then bad('ARGV[' .. (at + 1) .. '] (override keys) must be 1 or 2') end
-    ovr_keys = ovr_keys + c
-  end
-end
-
 -- Every limit's arguments, validated before anything is read or written.
 local need_time = lease
 local has_cc = false
@@ -259,13 +307,12 @@ for i = 1, n do
 end
 
 local nkeys = n + (idem and 1 or 0) + (lease and 2 or 0)
-local all_keys = nkeys + ovr_keys -- the override keys follow the sections' keys
 local cancel_key
-if #KEYS == all_keys + 1 and (idem or lease or has_cc) then
-  cancel_key = KEYS[all_keys + 1]
-elseif #KEYS ~= all_keys then
+if #KEYS == nkeys + 1 and (idem or lease or has_cc) then
+  cancel_key = KEYS[nkeys + 1]
+elseif #KEYS ~= nkeys then
   bad(#KEYS .. ' keys for ' .. n .. ' limits, idempotency ' .. (idem and 'on' or 'off')
-      .. ', lease ' .. (lease and 'on' or 'off') .. ', ' .. ovr_keys .. ' override keys')
+      .. ', lease ' .. (lease and 'on' or 'off'))
 end
 if lease then
   for i = 1, nkeys - 2 do
@@ -276,44 +323,6 @@ end
 if cancel_key then
   for i = 1, nkeys do
     if KEYS[i] == cancel_key then bad('the cancellation marker is KEYS[' .. i .. '] too') end
-  end
-end
-
--- Overrides (see the header): each listed limit takes its limit, window and burst from the
--- first readable value of its keys before anything is counted; what it was counted with goes
--- to the end of the reply. One GET per key read: absent reads as false, another type as an
--- error table (unreadable); a principal's readable value spares reading the tenant's.
-local ovr_reply
-if ovr_n > 0 then
-  ovr_reply = {}
-  local k = nkeys
-  for j = 1, ovr_n do
-    local i = tonumber(ARGV[O + 2 * j - 1])
-    local a = 3 + (i - 1) * 6
-    local tb, found, ignored = ARGV[a] == 'tb', false, 0
-    for _ = 1, tonumber(ARGV[O + 2 * j]) do
-      k = k + 1
-      local raw = not found and redis.pcall('GET', KEYS[k])
-      if raw then
-        local ls, ws, bs
-        if type(raw) == 'string' then
-          ls, ws, bs = string.match(raw, '^(%d+)/(%d+)/(%d+)$')
-          if not ls then ls, ws = string.match(raw, '^(%d+)/(%d+)$') end
-        end
-        local l, w = tonumber(ls), tonumber(ws)
-        local b = tonumber(bs) or l
-        if l and w and b and l >= 1 and l <= 1000000000 and w >= 1 and w <= 8640000000
-            and b >= 1 and b <= 1000000000 and (tb and w >= l or (not tb and bs == nil)) then
-          ARGV[a + 1], ARGV[a + 2], ARGV[a + 3] = l, w, b
-          found = true
-        else
-          ignored = ignored + 1
-        end
-      end
-    end
-    local at = #ovr_reply
-    ovr_reply[at + 1], ovr_reply[at + 2] = i, tonumber(ARGV[a + 1])
-    ovr_reply[at + 3], ovr_reply[at + 4] = tonumber(ARGV[a + 2]), ignored
   end
 end
 
