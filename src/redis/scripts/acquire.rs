@@ -5,6 +5,10 @@
 //! limit first and consumes only if all allow, then acquires the record. Calls for different
 //! tags run in parallel and are independent: a request admitted by one group and rejected by
 //! another has consumed from the first (and the filter releases a record it acquired).
+//!
+//! A limit with `overrides: true` also passes its override keys ([`OverrideKeys`], in its
+//! counter's hash tag); the script counts it with the caller's own quota when one is stored
+//! ([`Override`]) and says which it counted with ([`LimitState::quota`]).
 
 use crate::config::{Policy, Quota, RateLimit};
 // The record's stored form belongs to the idempotency guard's domain, a layer below the
@@ -419,7 +423,9 @@ pub struct GroupReply {
     pub lease: Option<LeaseAnswer>,
 }
 
-/// Reads `acquire.lua`'s reply for a group of `n` limits and the sections it carries.
+/// Reads `acquire.lua`'s reply for a group of `n` limits and the sections it carries. The
+/// values the script adds for limits with override keys name their limit, so the reply says
+/// itself which limits had them (the caller need not).
 pub fn read_reply(
     reply: &Reply,
     n: usize,
