@@ -175,7 +175,8 @@ def test_the_over_limit_cache_lets_a_raised_limit_through_within_a_refresh(
         assert time.monotonic() - raised < REFRESH_S + 1.0, "still rejected past a refresh"
         time.sleep(0.05)
 
-    # A lowered limit's rejections are cached with the tenant's quota, which they show.
+    # A lowered limit's rejections are cached with the tenant's quota, which they show, and
+    # with the script's own wait.
     admin.set("globex", 1)
     assert statuses(envoy, 2, tenant="globex") == [200, 429]
     hits = envoy.stat("wasmcustom.cg.over_limit_cache.hits")
@@ -184,6 +185,7 @@ def test_the_over_limit_cache_lets_a_raised_limit_through_within_a_refresh(
     for r in cached:
         assert_problem(r, 429, "rate_limited")
         assert policy_of(r) == {"tenant": (1, 60)}, r.headers
+        assert int(r.headers["retry-after"]) > 50, "the window's end, not the refresh's"
 
 
 def test_a_leased_quota_takes_its_slices_from_the_tenants_limit(

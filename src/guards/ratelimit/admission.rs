@@ -3,7 +3,6 @@
 //! and what the verdict leaves behind (slices, over-limit marks, metrics).
 
 use crate::engine::context::Pcx;
-use crate::guards::ratelimit::overlimit::OVERRIDE_REFRESH_MS;
 use crate::guards::ratelimit::{self, Known, LimitState, Verdict};
 use crate::http::identity::{Caller, ANONYMOUS};
 use crate::http::local_reply::LocalResponse;
@@ -288,17 +287,14 @@ impl Admission {
                 && limit.charge.is_none()
                 && (slot.cost <= 1 || state.remaining == 0);
             if !state.allowed && !limit.shadow && cacheable && state.retry_after_ms > 0 {
-                // An override set meanwhile must be read within a refresh.
-                let wait = if limit.overrides {
-                    state.retry_after_ms.min(OVERRIDE_REFRESH_MS)
+                let until = at.now_ms.saturating_add(state.retry_after_ms);
+                if limit.overrides {
+                    // An override set meanwhile is read within a refresh.
+                    let over = &at.rt.over_limit;
+                    over.mark_overridable(slot.key.hash(), until, at.now_ms, state.quota);
                 } else {
-                    state.retry_after_ms
-                };
-                at.rt.over_limit.mark_with_quota(
-                    slot.key.hash(),
-                    at.now_ms.saturating_add(wait),
-                    state.quota,
-                );
+                    at.rt.over_limit.mark(slot.key.hash(), until);
+                }
             }
         }
     }

@@ -15,11 +15,12 @@
 //! another worker learns a rejection within a tick, and until then its requests for that
 //! counter ask Redis, which rejects them too.
 //!
-//! A counter counted with a tenant's own quota (an override) is marked with it, in a smaller
-//! table of this worker's only: the 429 the cache answers shows that quota, and the shared
-//! log has no room for it (other workers learn such a counter from Redis). A limit with
-//! `overrides` is marked for at most [`OVERRIDE_REFRESH_MS`] at a time, so an override set
-//! meanwhile is read by Redis within that.
+//! A counter of a limit with `overrides` (a tenant may have its own quota, set at any time) is
+//! marked in a smaller table of this worker's only, with the quota it was counted with, and
+//! answered from for at most [`OVERRIDE_REFRESH_MS`]: an override set meanwhile is read by
+//! Redis within that, and the 429 the cache answers shows the quota and still the script's
+//! own wait. The shared log has no room for the quota, so other workers learn such a counter
+//! from Redis.
 
 use crate::config::Quota;
 use crate::support::slots::SlotTable;
@@ -50,11 +51,11 @@ const ENTRY_BYTES: usize = 16;
 /// Attempts to append to the log while other workers append to it too.
 const APPEND_ATTEMPTS: usize = 4;
 
-/// The longest a counter of a limit with `overrides` is known to reject before Redis is asked
-/// again: a tenant's limit raised meanwhile admits its requests at most this long after.
+/// The longest the cache answers for a counter of a limit with `overrides` before Redis is
+/// asked again: a tenant's limit raised meanwhile admits its requests at most this long after.
 pub const OVERRIDE_REFRESH_MS: u64 = 1_000;
 
-/// Slots of the marks with a tenant's own quota (at most the cache's own slots).
+/// Slots of the marks of limits with `overrides` (at most the cache's own slots).
 pub const OWN_QUOTA_SLOTS: usize = 1024;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -63,18 +64,21 @@ struct Entry {
     until_ms: u64,
 }
 
-/// A mark of a counter counted with a tenant's own quota.
+/// A mark of a counter of a limit with `overrides`: until when it rejects, until when this
+/// worker answers for it, and the tenant's own quota it was counted with (`None`: the
+/// configuration's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct OwnMark {
     hash: u64,
     until_ms: u64,
-    quota: Quota,
+    fresh_until_ms: u64,
+    quota: Option<Quota>,
 }
 
 /// Keys are given by their hash ([`crate::redis::keys::LimitKey::hash`]), computed once per request.
 pub struct OverLimitCache {
     slots: SlotTable<Entry>,
-    /// Marks with a tenant's own quota, this worker's only (allocated at the first).
+    /// Marks of limits with `overrides`, this worker's only (allocated at the first).
     own: SlotTable<OwnMark>,
     shared: Option<Box<dyn SharedStore>>,
     /// The log's version this worker read last (0: never read one).
@@ -105,7 +109,8 @@ impl OverLimitCache {
     /// tenant's own quota it was counted with (`None`: the configuration's).
     pub fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<(u64, Option<Quota>)> {
         let own = self.own.read(hash, |m| {
-            (m.hash == hash && m.until_ms > now_ms).then_some((m.until_ms, Some(m.quota)))
+            (m.hash == hash && m.fresh_until_ms > now_ms && m.until_ms > now_ms)
+                .then_some((m.until_ms, m.quota))
         });
         own.or_else(|| {
             self.slots.read(hash, |e| {
@@ -114,37 +119,27 @@ impl OverLimitCache {
         })
     }
 
-    /// Records that the key of `hash` rejects until `until_ms`, here and in the shared log.
-    pub fn mark(&self, hash: u64, until_ms: u64) {
-        self.mark_with_quota(hash, until_ms, None);
-    }
-
-    /// Records that the key of `hash` rejects until `until_ms`, counted with `quota` (a
-    /// tenant's own: kept by this worker only) or the configuration's (`None`: as [`mark`]).
-    /// Either replaces the other kind's mark of the key.
-    ///
-    /// [`mark`]: OverLimitCache::mark
-    pub fn mark_with_quota(&self, hash: u64, until_ms: u64, quota: Option<Quota>) {
+    /// Records that the key of `hash`, a counter of a limit with `overrides`, rejects until
+    /// `until_ms`, counted with `quota` (a tenant's own; `None`: the configuration's): kept by
+    /// this worker only, and answered from until [`OVERRIDE_REFRESH_MS`] after `now_ms` at
+    /// most.
+    pub fn mark_overridable(&self, hash: u64, until_ms: u64, now_ms: u64, quota: Option<Quota>) {
         if !self.enabled() {
             return;
         }
-        if let Some(quota) = quota {
-            self.own.update(hash, |s| {
-                *s = Some(OwnMark {
-                    hash,
-                    until_ms,
-                    quota,
-                })
-            });
-            if self.slots.allocated() {
-                self.slots
-                    .update(hash, |s| forget(s, |e: &Entry| e.hash == hash));
-            }
+        let mark = OwnMark {
+            hash,
+            until_ms,
+            fresh_until_ms: now_ms.saturating_add(OVERRIDE_REFRESH_MS),
+            quota,
+        };
+        self.own.update(hash, |s| *s = Some(mark));
+    }
+
+    /// Records that the key of `hash` rejects until `until_ms`, here and in the shared log.
+    pub fn mark(&self, hash: u64, until_ms: u64) {
+        if !self.enabled() {
             return;
-        }
-        if self.own.allocated() {
-            self.own
-                .update(hash, |s| forget(s, |m: &OwnMark| m.hash == hash));
         }
         let entry = Entry { hash, until_ms };
         self.keep(entry);
@@ -179,13 +174,6 @@ impl OverLimitCache {
 
     fn keep(&self, entry: Entry) {
         self.slots.update(entry.hash, |s| *s = Some(entry));
-    }
-}
-
-/// Empties `slot` if it holds what `mine` recognises.
-fn forget<T>(slot: &mut Option<T>, mine: impl Fn(&T) -> bool) {
-    if slot.as_ref().is_some_and(mine) {
-        *slot = None;
     }
 }
 
@@ -449,40 +437,39 @@ mod tests {
     }
 
     #[test]
-    fn a_tenants_own_quota_is_kept_with_its_mark_by_this_worker_only() {
+    fn a_limit_with_overrides_is_marked_by_this_worker_for_a_refresh_with_its_quota() {
         let (shared, w1, w2) = workers(64);
         let own = Quota {
             limit: 5,
             window_ms: 60_000,
         };
-        w1.mark_with_quota(text_hash("k"), 5_000, Some(own));
+        w1.mark_overridable(text_hash("k"), 50_000, 10, Some(own));
         assert_eq!(
-            w1.rejecting_until(text_hash("k"), 10),
-            Some((5_000, Some(own)))
+            w1.rejecting_until(text_hash("k"), 20),
+            Some((50_000, Some(own))),
+            "the script's own wait, and the quota"
+        );
+        assert_eq!(
+            w1.rejecting_until(text_hash("k"), 10 + OVERRIDE_REFRESH_MS),
+            None,
+            "Redis is asked again after a refresh"
         );
         assert!(!w1.allocated(), "the shared table is not touched");
-        assert!(
-            shared.data.borrow().is_empty(),
-            "nothing in the log: it has no room for it"
-        );
-        w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("k"), 10), None);
-        // The configuration's quota again (the override was cleared): that mark replaces it.
-        w1.mark(text_hash("k"), 6_000);
-        assert_eq!(w1.rejecting_until(text_hash("k"), 10), Some((6_000, None)));
-        w1.mark_with_quota(text_hash("k"), 7_000, Some(own));
-        assert_eq!(
-            w1.rejecting_until(text_hash("k"), 10),
-            Some((7_000, Some(own)))
-        );
-        assert_eq!(w1.rejecting_until(text_hash("k"), 7_000), None, "expired");
-        w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some((6_000, None)));
+        assert!(shared.data.borrow().is_empty(), "nothing in the log");
+        w2.sync(20);
+        assert_eq!(w2.rejecting_until(text_hash("k"), 20), None);
+        // The configuration's quota: the same, without one.
+        w1.mark_overridable(text_hash("k"), 500, 600, None);
+        assert_eq!(w1.rejecting_until(text_hash("k"), 20), Some((500, None)));
+        assert_eq!(w1.rejecting_until(text_hash("k"), 500), None, "expired");
         assert_eq!(w1.own.capacity(), 64, "at most the cache's slots");
         assert_eq!(
             OverLimitCache::new(10_000, None).own.capacity(),
             OWN_QUOTA_SLOTS
         );
+        let off = OverLimitCache::new(0, None);
+        off.mark_overridable(text_hash("k"), 50_000, 10, Some(own));
+        assert_eq!(off.rejecting_until(text_hash("k"), 20), None);
     }
 
     #[test]
