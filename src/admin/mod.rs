@@ -9,7 +9,13 @@
 
 pub mod args;
 pub mod client;
+pub mod explain;
+pub mod lease;
+pub mod limits;
 pub mod overrides;
+pub mod record;
+pub mod request;
+pub mod show;
 
 use crate::config::manifest::{self, Configuration, EnvValue};
 use crate::config::Config;
@@ -19,7 +25,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The command line's help.
 pub const USAGE: &str = "\
-usage: cg-admin [--config FILE] [--plugin N] [--redis URL] [--json] COMMAND [OPTIONS]
+usage: cg-admin [--config FILE] [--plugin N] [--redis URL] [--json] COMMAND [OPTIONS] [--json]
 
   --config FILE  the plugin configuration the filter runs: its JSON, a WasmPlugin YAML or an
                  Envoy config (env CG_ADMIN_CONFIG)
@@ -34,6 +40,12 @@ commands:
   lease     a lease: holder, fencing token, time left [--release]
   explain   which policy, limits, keys, record and lease a described request would use, and why
   override  set|clear|list a tenant's or a principal's own limit
+
+the request (limits, record, lease, explain), as the client sends it:
+  --policy NAME --method M --path P --host H --header 'name: value' (repeats)
+  --tenant T --principal P --client-ip IP --idempotency-key K --resource V (lease; repeats)
+
+exit status: 0 done, 1 refused, 2 usage, 3 Redis. The reference: docs/admin.md
 ";
 
 /// Runs the command line; the exit status: 0 done, 1 refused, 2 usage, 3 Redis.
@@ -47,10 +59,13 @@ pub fn main(argv: &[String]) -> u8 {
         print!("{USAGE}");
         return 0;
     }
+    // `--json` is taken after the command too: every command answers in JSON with it.
+    let late_json = rest.iter().any(|a| a == "--json");
+    let rest: Vec<String> = rest.iter().filter(|a| *a != "--json").cloned().collect();
     let outcome =
         Args::parse(&global, &["--config", "--plugin", "--redis"], &["--json"]).and_then(|g| {
             let mut ctx = context(&g)?;
-            run(&mut ctx, command, rest).map(|r| (r, g.flag("--json")))
+            run(&mut ctx, command, &rest).map(|r| (r, g.flag("--json") || late_json))
         });
     match outcome {
         Ok((report, json)) => {
@@ -92,6 +107,10 @@ fn split_command(argv: &[String]) -> (Vec<String>, Option<&str>, &[String]) {
 /// Runs one command.
 pub fn run(ctx: &mut Context, command: &str, args: &[String]) -> Result<Report, AdminError> {
     match command {
+        "limits" => limits::run(ctx, args),
+        "record" => record::run(ctx, args),
+        "lease" => lease::run(ctx, args),
+        "explain" => explain::run(ctx, args),
         "override" => overrides::run(ctx, args),
         other => Err(AdminError::Usage(format!(
             "unknown command {other:?}; the commands are limits, record, lease, explain, override"
@@ -235,6 +254,23 @@ impl std::fmt::Display for AdminError {
             AdminError::Usage(m) | AdminError::Refused(m) => f.write_str(m),
             AdminError::Redis(e) => write!(f, "{e}"),
         }
+    }
+}
+
+/// Redis's clock in ms (`TIME`): the clock the scripts stamp records with.
+pub fn redis_time_ms(client: &mut Client) -> Result<i64, AdminError> {
+    let reply = client.call(&[b"TIME"])?;
+    let part = |i: usize| {
+        reply
+            .as_array()
+            .and_then(|a| a.get(i))
+            .and_then(|r| r.as_int())
+    };
+    match (part(0), part(1)) {
+        (Some(s), Some(us)) => Ok(s * 1000 + us / 1000),
+        _ => Err(AdminError::Redis(ClientError::Protocol(
+            "TIME did not answer two numbers".into(),
+        ))),
     }
 }
 

@@ -1,0 +1,222 @@
+//! `cg-admin limits`: each rate limit of a described request as the filter would see it now,
+//! read by the `peek` script (acquire.lua read-only, one call per hash tag, a request of cost
+//! 1); `--reset` deletes the counters.
+
+use crate::admin::args::Args;
+use crate::admin::client::ClientError;
+use crate::admin::request::{
+    identity_json, refused, shown_identity, Described, Filter, OWNER, REQUEST_OPTIONS,
+};
+use crate::admin::show::{self, rows};
+use crate::admin::{AdminError, Context, Report};
+use crate::config::{Policy, RateLimit};
+use crate::guards::ratelimit;
+use crate::http::local_reply::{ratelimit_headers, QuotaView};
+use crate::redis::keys::{limit_code, LimitKey};
+use crate::redis::resp::Reply;
+use crate::redis::scripts::acquire::{self, Ask, Asker, LimitState};
+use crate::redis::scripts::peek;
+use crate::redis::CallError;
+use serde_json::{json, Value};
+use std::fmt::Write;
+
+pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
+    let a = Args::parse(args, &REQUEST_OPTIONS, &["--reset"])?;
+    let d = Described::new(&ctx.config, &a, |_| None)?;
+    let (index, policy) = d.guarded(&ctx.config)?;
+    let filter = Filter::new(&ctx.config);
+    let caller = d.caller(&filter, index)?.clone();
+    if let Some(problem) = filter.repeated_selector(index, &d.req) {
+        return Err(refused("the request", &problem));
+    }
+    let prefix = ctx.config.redis.key_prefix.clone();
+    let policy = policy.clone();
+    let keys: Vec<LimitKey> = policy
+        .rate_limits
+        .iter()
+        .map(|l| ratelimit::key(&prefix, &policy, l, &caller, &d.req))
+        .collect();
+    let states = peek_states(ctx, &policy, &prefix, &keys)?;
+    let head = json!({
+        "policy": policy.name,
+        "tenant": identity_json(&caller.tenant),
+        "principal": identity_json(&caller.principal),
+    });
+    let mut text = format!(
+        "policy {}, tenant {}, principal {}\n",
+        policy.name,
+        shown_identity(&caller.tenant),
+        shown_identity(&caller.principal)
+    );
+    if policy.rate_limits.is_empty() {
+        text.push_str("no rate limits\n");
+    }
+    if a.flag("--reset") {
+        return reset(ctx, &policy, &keys, &states, head, text);
+    }
+    let mut limits = Vec::new();
+    for ((l, key), state) in policy.rate_limits.iter().zip(&keys).zip(&states) {
+        let _ = writeln!(text, "limit {}: {}", l.name, show::limit_line(l));
+        let used = show::capacity(l).saturating_sub(state.remaining);
+        let header = header_item(l, state);
+        let reset = match &header {
+            Some(h) => format!("{} (RateLimit: {h})", show::span(ms(state.reset_ms))),
+            None => show::span(ms(state.reset_ms)),
+        };
+        let next = if state.allowed {
+            "a request of cost 1 would be admitted".to_string()
+        } else if l.shadow {
+            "over the limit (shadow: the request would still be admitted)".to_string()
+        } else {
+            format!(
+                "a request of cost 1 would be rejected; retry after {}",
+                show::span(ms(state.retry_after_ms))
+            )
+        };
+        rows(
+            &mut text,
+            2,
+            &[
+                ("key", key.text().to_string()),
+                (
+                    "used",
+                    format!("{used} of {} ({})", show::capacity(l), show::used_means(l)),
+                ),
+                ("remaining", state.remaining.to_string()),
+                ("reset", reset),
+                ("next", next),
+            ],
+        );
+        limits.push(json!({
+            "name": l.name,
+            "key": key.text(),
+            "hash_tag": key.tag(),
+            "algorithm": show::algorithm(l),
+            "code": limit_code(l),
+            "limit": l.limit,
+            "window_ms": l.window_ms,
+            "burst": l.burst,
+            "capacity": show::capacity(l),
+            "shadow": l.shadow,
+            "used": used,
+            "used_means": show::used_means(l),
+            "remaining": state.remaining,
+            "reset_ms": state.reset_ms,
+            "retry_after_ms": state.retry_after_ms,
+            "allowed": state.allowed,
+            "ratelimit": header,
+        }));
+    }
+    let mut json = head;
+    json["limits"] = Value::Array(limits);
+    Ok(Report { text, json })
+}
+
+/// The `RateLimit` item the filter would send for this state (`"name";r=..;t=..`); none for a
+/// concurrency limit, which the headers never show.
+fn header_item(l: &RateLimit, s: &LimitState) -> Option<String> {
+    (!l.concurrency()).then(|| {
+        ratelimit_headers(&[QuotaView {
+            name: &l.name,
+            policy: &l.policy_item,
+            remaining: s.remaining,
+            reset_ms: s.reset_ms,
+        }])
+        .1
+    })
+}
+
+fn ms(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Each limit's state now: the peek script, one `EVAL` per hash tag, with the calls the
+/// filter would plan for a request of cost 1 (no record, no lease).
+fn peek_states(
+    ctx: &mut Context,
+    policy: &Policy,
+    prefix: &str,
+    keys: &[LimitKey],
+) -> Result<Vec<LimitState>, AdminError> {
+    let asks: Vec<Option<Ask<'_>>> = keys.iter().map(|key| Some(Ask { key, cost: 1 })).collect();
+    let asker = Asker {
+        nonce: OWNER,
+        prefix,
+        owner: OWNER,
+    };
+    let script = peek();
+    let mut states = vec![None; keys.len()];
+    for group in acquire::plan(policy, &asks, &asker, None, None) {
+        let n = group.call.keys.len().to_string();
+        let mut words: Vec<&[u8]> = vec![b"EVAL", script.source.as_bytes(), n.as_bytes()];
+        words.extend(group.call.keys.iter_bytes());
+        words.extend(group.call.args.iter_bytes());
+        let reply = ctx.client.call(&words)?;
+        let read =
+            acquire::read_reply(&reply, group.limits.len(), false, false).map_err(unexpected)?;
+        for (&i, state) in group.limits.iter().zip(read.states) {
+            if let Some(slot) = states.get_mut(i) {
+                *slot = Some(state);
+            }
+        }
+    }
+    states
+        .into_iter()
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| {
+            unexpected(CallError::UnexpectedReply(
+                "a limit without an answer".into(),
+            ))
+        })
+}
+
+fn unexpected(e: CallError) -> AdminError {
+    AdminError::Redis(ClientError::Protocol(format!("{e:?}")))
+}
+
+/// `--reset`: deletes every counter of the request (a counter that does not exist is left as
+/// it is, so a second run finds nothing to do).
+fn reset(
+    ctx: &mut Context,
+    policy: &Policy,
+    keys: &[LimitKey],
+    states: &[LimitState],
+    mut json: Value,
+    mut text: String,
+) -> Result<Report, AdminError> {
+    let mut done = Vec::new();
+    let mut changed = false;
+    for ((l, key), state) in policy.rate_limits.iter().zip(keys).zip(states) {
+        let deleted = matches!(
+            ctx.client.call(&[b"DEL", key.text().as_bytes()])?,
+            Reply::Int(1)
+        );
+        if deleted {
+            changed = true;
+            let before = format!(
+                "limit {}, {} used of {}, {} remaining, reset in {}",
+                l.name,
+                show::capacity(l).saturating_sub(state.remaining),
+                show::capacity(l),
+                state.remaining,
+                show::span(ms(state.reset_ms))
+            );
+            ctx.log_change("reset", key.text(), &before);
+            let _ = writeln!(text, "reset {}: deleted {}", l.name, key.text());
+        } else {
+            let _ = writeln!(
+                text,
+                "reset {}: no counter at {} (nothing to reset)",
+                l.name,
+                key.text()
+            );
+        }
+        done.push(json!({"name": l.name, "key": key.text(), "deleted": deleted}));
+    }
+    if !changed && !policy.rate_limits.is_empty() {
+        text.push_str("nothing to reset: every counter is already fresh\n");
+    }
+    json["reset"] = Value::Array(done);
+    json["changed"] = Value::Bool(changed);
+    Ok(Report { text, json })
+}
