@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from harness.admin import cg_admin_binary, run
 from harness.concurrency import in_thread, wait_for
 from harness.proc import ADMIN_USER, ROOT
 from harness.stack import Stack
@@ -61,14 +62,7 @@ STATE_ITEM = re.compile(r'"([A-Za-z0-9_-]+)";r=(\d+);t=(\d+)')
 
 @pytest.fixture(scope="session")
 def cg_admin() -> Path:
-    """The tool, built once (cargo prints where)."""
-    out = subprocess.run(["cargo", "build", "--quiet", "--bin", "cg-admin",
-                          "--message-format=json"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900, check=True).stdout
-    exes = [m["executable"] for m in map(json.loads, out.splitlines())
-            if m.get("executable") and m["target"]["name"] == "cg-admin"]
-    assert exes, out[-2000:]
-    return Path(exes[-1])
+    return cg_admin_binary()
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +93,7 @@ def admin_url(stack: Stack, port: int | None = None, password: str | None = None
 
 def tool(cg_admin: Path, stack: Stack, *args: str, url: str | None = None,
          config: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "CG_ADMIN_ACTOR": "tester",
-           "CG_ADMIN_CONFIG": str(config or stack.plugin_path),
-           "CG_ADMIN_REDIS_URL": url or admin_url(stack)}
-    return subprocess.run([str(cg_admin), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return run(config or stack.plugin_path, url or admin_url(stack), *args, timeout=timeout)
 
 
 def tool_json(cg_admin, stack, *args, **kw) -> dict:
@@ -187,15 +177,18 @@ def test_limits_show_what_the_headers_said_and_reset_takes_effect(cg_admin, shar
     assert (tenant_limit["remaining"], tenant_limit["allowed"]) == (0, False)
     assert tenant_limit["retry_after_ms"] >= 1
 
-    # --reset deletes every counter of the request, logged; a second run finds nothing.
-    r = tool(cg_admin, shared, "--json", "limits", "--policy", "orders", "--tenant", tenant,
-             "--principal", "alice", "--client-ip", "127.0.0.1", "--reset")
+    # --reset deletes the counters of the request (here the two of the tenant; the address's
+    # counts every tenant's), logged; a second run finds nothing.
+    own = ("limits", "--policy", "orders", "--tenant", tenant, "--principal", "alice",
+           "--client-ip", "127.0.0.1", "--limit", "tenant", "--limit", "user", "--reset")
+    r = tool(cg_admin, shared, "--json", *own)
     assert r.returncode == 0, r.stderr
     done = json.loads(r.stdout)
+    assert [d["name"] for d in done["reset"]] == ["tenant", "user"], done
     assert done["changed"] and all(d["deleted"] for d in done["reset"]), done
     assert sorted(changes(r.stderr)) == sorted(("reset", d["key"]) for d in done["reset"])
-    again = tool(cg_admin, shared, "limits", "--policy", "orders", "--tenant", tenant,
-                 "--principal", "alice", "--client-ip", "127.0.0.1", "--reset")
+    assert shared.redis.exists(limits["per-ip"]["key"]) == 1
+    again = tool(cg_admin, shared, *own)
     assert again.returncode == 0 and changes(again.stderr) == [], again.stderr
     assert "nothing to reset" in again.stdout
     fresh = post(shared, "/orders", tenant, "alice")
@@ -364,6 +357,8 @@ def test_a_wrong_command_line_is_a_usage_error(cg_admin, shared):
     assert r.returncode == 2 and "400 ambiguous_path" in r.stderr, r.stderr
     r = tool(cg_admin, shared, "record", "--policy", "orders", "--idempotency-key", "k")
     assert r.returncode == 2 and "401 missing_tenant" in r.stderr, r.stderr
+    r = tool(cg_admin, shared, "limits", "--policy", "orders", "--tenant", "a", "--limit", "x")
+    assert r.returncode == 2 and "its limits are tenant, user, per-ip" in r.stderr, r.stderr
     r = tool(cg_admin, shared, "bogus")
     assert r.returncode == 2 and "unknown command" in r.stderr, r.stderr
 

@@ -21,7 +21,9 @@ use serde_json::{json, Value};
 use std::fmt::Write;
 
 pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
-    let a = Args::parse(args, &REQUEST_OPTIONS, &["--reset"])?;
+    let mut valued = REQUEST_OPTIONS.to_vec();
+    valued.push("--limit");
+    let a = Args::parse(args, &valued, &["--reset"])?;
     let d = Described::new(&ctx.config, &a, |_| None)?;
     let (index, policy) = d.guarded(&ctx.config)?;
     let filter = Filter::new(&ctx.config);
@@ -29,12 +31,28 @@ pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
     if let Some(problem) = filter.repeated_selector(index, &d.req) {
         return Err(refused("the request", &problem));
     }
+    // `--limit NAME` (repeats): only those limits; by default every one.
+    let chosen: Vec<&str> = a.values("--limit").collect();
+    if let Some(unknown) = chosen
+        .iter()
+        .find(|n| !policy.rate_limits.iter().any(|l| l.name == **n))
+    {
+        let names: Vec<&str> = policy.rate_limits.iter().map(|l| l.name.as_str()).collect();
+        return Err(AdminError::Usage(format!(
+            "policy {:?} has no limit {unknown:?}; its limits are {}",
+            policy.name,
+            names.join(", ")
+        )));
+    }
     let prefix = ctx.config.redis.key_prefix.clone();
     let policy = policy.clone();
-    let keys: Vec<LimitKey> = policy
+    let keys: Vec<Option<LimitKey>> = policy
         .rate_limits
         .iter()
-        .map(|l| ratelimit::key(&prefix, &policy, l, &caller, &d.req))
+        .map(|l| {
+            (chosen.is_empty() || chosen.contains(&l.name.as_str()))
+                .then(|| ratelimit::key(&prefix, &policy, l, &caller, &d.req))
+        })
         .collect();
     let states = peek_states(ctx, &policy, &prefix, &keys)?;
     let head = json!({
@@ -55,7 +73,10 @@ pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
         return reset(ctx, &policy, &keys, &states, head, text);
     }
     let mut limits = Vec::new();
-    for ((l, key), state) in policy.rate_limits.iter().zip(&keys).zip(&states) {
+    for (l, (key, state)) in policy.rate_limits.iter().zip(chosen_states(&keys, &states)) {
+        let Some((key, state)) = key.zip(state) else {
+            continue;
+        };
         let _ = writeln!(text, "limit {}: {}", l.name, show::limit_line(l));
         let used = show::capacity(l).saturating_sub(state.remaining);
         let header = header_item(l, state);
@@ -73,20 +94,20 @@ pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
                 show::span(ms(state.retry_after_ms))
             )
         };
-        rows(
-            &mut text,
-            2,
-            &[
-                ("key", key.text().to_string()),
-                (
-                    "used",
-                    format!("{used} of {} ({})", show::capacity(l), show::used_means(l)),
-                ),
-                ("remaining", state.remaining.to_string()),
-                ("reset", reset),
-                ("next", next),
-            ],
-        );
+        let mut r = vec![("key", key.text().to_string())];
+        if !l.tenant_scoped() {
+            r.push(("counts", shared_by(l)));
+        }
+        r.extend([
+            (
+                "used",
+                format!("{used} of {} ({})", show::capacity(l), show::used_means(l)),
+            ),
+            ("remaining", state.remaining.to_string()),
+            ("reset", reset),
+            ("next", next),
+        ]);
+        rows(&mut text, 2, &r);
         limits.push(json!({
             "name": l.name,
             "key": key.text(),
@@ -98,6 +119,7 @@ pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
             "burst": l.burst,
             "capacity": show::capacity(l),
             "shadow": l.shadow,
+            "tenant_scoped": l.tenant_scoped(),
             "used": used,
             "used_means": show::used_means(l),
             "remaining": state.remaining,
@@ -110,6 +132,28 @@ pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
     let mut json = head;
     json["limits"] = Value::Array(limits);
     Ok(Report { text, json })
+}
+
+/// The limit's chosen keys and their states, in the policy's order.
+fn chosen_states<'a>(
+    keys: &'a [Option<LimitKey>],
+    states: &'a [Option<LimitState>],
+) -> impl Iterator<Item = (Option<&'a LimitKey>, Option<&'a LimitState>)> {
+    keys.iter()
+        .zip(states)
+        .map(|(k, s)| (k.as_ref(), s.as_ref()))
+}
+
+/// Whose requests a counter that is not the tenant's own counts.
+fn shared_by(l: &RateLimit) -> String {
+    if l.by.is_empty() {
+        "every request of the policy, whichever tenant sends it".into()
+    } else {
+        format!(
+            "the requests of every tenant with the same {}",
+            show::selectors(&l.by)
+        )
+    }
 }
 
 /// The `RateLimit` item the filter would send for this state (`"name";r=..;t=..`); none for a
@@ -130,15 +174,19 @@ fn ms(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// Each limit's state now: the peek script, one `EVAL` per hash tag, with the calls the
-/// filter would plan for a request of cost 1 (no record, no lease).
+/// The chosen limits' states now (`None` for a limit not chosen): the peek script, one `EVAL`
+/// per hash tag, with the calls the filter would plan for a request of cost 1 (no record, no
+/// lease).
 fn peek_states(
     ctx: &mut Context,
     policy: &Policy,
     prefix: &str,
-    keys: &[LimitKey],
-) -> Result<Vec<LimitState>, AdminError> {
-    let asks: Vec<Option<Ask<'_>>> = keys.iter().map(|key| Some(Ask { key, cost: 1 })).collect();
+    keys: &[Option<LimitKey>],
+) -> Result<Vec<Option<LimitState>>, AdminError> {
+    let asks: Vec<Option<Ask<'_>>> = keys
+        .iter()
+        .map(|key| key.as_ref().map(|key| Ask { key, cost: 1 }))
+        .collect();
     let asker = Asker {
         nonce: OWNER,
         prefix,
@@ -160,14 +208,16 @@ fn peek_states(
             }
         }
     }
-    states
-        .into_iter()
-        .collect::<Option<Vec<_>>>()
-        .ok_or_else(|| {
-            unexpected(CallError::UnexpectedReply(
-                "a limit without an answer".into(),
-            ))
-        })
+    if keys
+        .iter()
+        .zip(&states)
+        .any(|(k, s)| k.is_some() != s.is_some())
+    {
+        return Err(unexpected(CallError::UnexpectedReply(
+            "a limit without an answer".into(),
+        )));
+    }
+    Ok(states)
 }
 
 fn unexpected(e: CallError) -> AdminError {
@@ -179,14 +229,17 @@ fn unexpected(e: CallError) -> AdminError {
 fn reset(
     ctx: &mut Context,
     policy: &Policy,
-    keys: &[LimitKey],
-    states: &[LimitState],
+    keys: &[Option<LimitKey>],
+    states: &[Option<LimitState>],
     mut json: Value,
     mut text: String,
 ) -> Result<Report, AdminError> {
     let mut done = Vec::new();
     let mut changed = false;
-    for ((l, key), state) in policy.rate_limits.iter().zip(keys).zip(states) {
+    for (l, (key, state)) in policy.rate_limits.iter().zip(chosen_states(keys, states)) {
+        let Some((key, state)) = key.zip(state) else {
+            continue;
+        };
         let deleted = matches!(
             ctx.client.call(&[b"DEL", key.text().as_bytes()])?,
             Reply::Int(1)
@@ -213,7 +266,7 @@ fn reset(
         }
         done.push(json!({"name": l.name, "key": key.text(), "deleted": deleted}));
     }
-    if !changed && !policy.rate_limits.is_empty() {
+    if !changed && !done.is_empty() {
         text.push_str("nothing to reset: every counter is already fresh\n");
     }
     json["reset"] = Value::Array(done);

@@ -44,6 +44,7 @@ commands:
 the request (limits, record, lease, explain), as the client sends it:
   --policy NAME --method M --path P --host H --header 'name: value' (repeats)
   --tenant T --principal P --client-ip IP --idempotency-key K --resource V (lease; repeats)
+  --limit NAME (limits: only this limit; repeats)
 
 exit status: 0 done, 1 refused, 2 usage, 3 Redis. The reference: docs/admin.md
 ";
