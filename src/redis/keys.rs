@@ -8,12 +8,15 @@
 //! idempotency: <prefix>:idem:{t.<tenant hash>}:<policy>:<key hash>
 //! lease:       <prefix>:lease:{t.<tenant hash>}:<policy>:<resource hash>
 //! fence:       <prefix>:fence:{t.<tenant hash>}:<policy>:<resource hash>
-//! cancel:      <prefix>:cancel:{t.<tenant hash>}:<policy>:<owner token>
+//! cancel:      <prefix>:cancel:{<tag>}:<policy>:<owner token>
 //! ```
 //!
 //! `<key hash>` is 32 hex digits (128 bits) of SHA-256 of the client's Idempotency-Key.
+//! docs/design.md ("Redis keys") gives every part's derivation, to compute a key by hand.
 //!
-//! * `<tag>` is `t.<tenant hash>` for limits scoped by tenant, else `p.<policy>`.
+//! * `<tag>` is `t.<tenant hash>` for limits scoped by tenant, else `p.<policy>`; a
+//!   cancellation marker's is the tag of the call it stops (the tenant's for a record or a
+//!   lease, a concurrency limit's own in another slot).
 //! * `<scope>` is a short hash of the selected request values (`_` for `by: []`).
 //! * The algorithm's parameters are part of the key, so a config change starts a fresh counter.
 //! * `<algo>` is the limit's code ([`algorithm_code`], [`limit_code`]), which the scripts are
