@@ -25,7 +25,7 @@ use std::fmt::Write;
 /// What the owner token stands for in the keys shown: a request's own is random.
 const OWNER_SHOWN: &str = "<owner token>";
 
-pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
+pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
     let a = Args::parse(args, &REQUEST_OPTIONS, &[])?;
     let config = &ctx.config;
     let d = Described::new(config, &a, |_| None)?;
@@ -134,7 +134,7 @@ pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
     };
     let parts = Parts::of(config, policy, caller, &d.req, &prepared);
     let asks_redis =
-        !policy.rate_limits.is_empty() || prepared.lease.is_some() || prepared.idem.is_some();
+        !policy.rate_limits.is_empty() || prepared.lease.is_some() || prepared.record.is_some();
     r.push((
         "answer",
         if asks_redis {
@@ -351,14 +351,14 @@ impl Parts {
             policy,
             &asks,
             &asker,
-            prepared.idem.as_ref().map(|g| &g.acquire),
+            prepared.record.as_ref().map(|g| &g.acquire),
             prepared.lease.as_ref().map(|g| &g.acquire),
         );
         let mut calls = Vec::new();
         let mut calls_text = String::new();
         // With the record or the lease in one slot and limits in another, the limits' calls
         // go first and the record's follows only if they admit (see docs/design.md).
-        let later = groups.iter().any(|g| g.idem || g.lease) && groups.len() > 1;
+        let later = groups.iter().any(|g| g.record || g.lease) && groups.len() > 1;
         for (n, g) in groups.iter().enumerate() {
             let names: Vec<&str> = g
                 .limits
@@ -372,13 +372,13 @@ impl Parts {
                 .map(|k| k.replace(OWNER, OWNER_SHOWN))
                 .collect();
             let mut what: Vec<String> = names.iter().map(|n| format!("limit {n}")).collect();
-            if g.idem {
+            if g.record {
                 what.push("the record".into());
             }
             if g.lease {
                 what.push("the lease".into());
             }
-            let when = if later && (g.idem || g.lease) {
+            let when = if later && (g.record || g.lease) {
                 " (after the other calls, only if they admit)"
             } else {
                 ""
@@ -396,10 +396,10 @@ impl Parts {
             calls.push(json!({
                 "hash_tag": g.tag,
                 "limits": names,
-                "record": g.idem,
+                "record": g.record,
                 "lease": g.lease,
                 "keys": keys,
-                "after_the_others": later && (g.idem || g.lease),
+                "after_the_others": later && (g.record || g.lease),
             }));
         }
         Parts {
@@ -446,7 +446,7 @@ fn record(policy: &Policy, req: &Request, prepared: &Prepared) -> (Value, String
     let Some(cfg) = &policy.idempotency else {
         return (Value::Null, text);
     };
-    match &prepared.idem {
+    match &prepared.record {
         Some(g) => {
             let parts: Vec<String> = cfg.fingerprint.iter().map(fingerprint_part).collect();
             text.push_str("record (idempotency)\n");

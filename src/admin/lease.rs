@@ -19,7 +19,7 @@ use std::fmt::Write;
 const RELEASE_IF_HELD: &str =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
 
-pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
+pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
     let mut valued = REQUEST_OPTIONS.to_vec();
     valued.push("--resource");
     let a = Args::parse(args, &valued, &["--release"])?;

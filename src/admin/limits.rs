@@ -20,7 +20,7 @@ use crate::redis::CallError;
 use serde_json::{json, Value};
 use std::fmt::Write;
 
-pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
+pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
     let mut valued = REQUEST_OPTIONS.to_vec();
     valued.push("--limit");
     let a = Args::parse(args, &valued, &["--reset"])?;

@@ -3,6 +3,6 @@
 use crate::admin::{AdminError, Context, Report};
 
 /// Runs `override` with its own arguments.
-pub fn run(_ctx: &mut Context, _args: &[String]) -> Result<Report, AdminError> {
+pub(crate) fn run(_ctx: &mut Context, _args: &[String]) -> Result<Report, AdminError> {
     Err(AdminError::Usage("override: not built yet".into()))
 }

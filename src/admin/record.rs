@@ -20,7 +20,7 @@ use std::fmt::Write;
 const DELETE_IF_UNCHANGED: &str =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
 
-pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
+pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
     let a = Args::parse(args, &REQUEST_OPTIONS, &["--delete", "--force"])?;
     if a.flag("--force") && !a.flag("--delete") {
         return Err(AdminError::Usage("--force goes with --delete".into()));

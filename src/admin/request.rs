@@ -6,9 +6,9 @@
 use crate::admin::args::Args;
 use crate::admin::AdminError;
 use crate::config::{Config, IdSource, Policy};
-use crate::engine::context::{Pcx, Runtime};
 use crate::engine::flow::checks;
-use crate::guards::idempotency::guard::IdemGuard;
+use crate::guards::context::{Pcx, Runtime};
+use crate::guards::idempotency::guard::IdempotencyGuard;
 use crate::guards::lease::LeaseGuard;
 use crate::http::claims::Claim;
 use crate::http::identity::{identify, Caller, TenantError, ANONYMOUS};
@@ -19,7 +19,7 @@ use crate::support::metrics::{Metrics, NoMetrics};
 use serde_json::{json, Value};
 
 /// The options that describe a request, each taking a value (`--header` may repeat).
-pub const REQUEST_OPTIONS: [&str; 9] = [
+pub(crate) const REQUEST_OPTIONS: [&str; 9] = [
     "--policy",
     "--method",
     "--path",
@@ -33,26 +33,26 @@ pub const REQUEST_OPTIONS: [&str; 9] = [
 
 /// The owner token the tool's derivations are made with: a request's real one is random, and
 /// only names its cancellation marker, which the tool shows as `<owner token>`.
-pub const OWNER: &str = "00000000000000000000000000000000";
+pub(crate) const OWNER: &str = "00000000000000000000000000000000";
 
 /// A request as a command line describes it, and what the policies make of it.
-pub struct Described {
+pub(crate) struct Described {
     /// The request as the filter reads it.
-    pub req: Request,
+    pub(crate) req: Request,
     /// The method and the path as sent (before the filter's normalisation).
-    pub method: String,
-    pub path: String,
+    pub(crate) method: String,
+    pub(crate) path: String,
     /// What the policies make of it (`None`: no policy guards it).
-    pub selected: Option<Selected>,
+    pub(crate) selected: Option<Selected>,
     /// Who is calling, or why the filter cannot tell.
-    pub caller: Result<Caller, TenantError>,
+    pub(crate) caller: Result<Caller, TenantError>,
 }
 
 impl Described {
     /// The request `args` describes. Left out, the method is `method_hint` of the named policy
     /// (`--policy`), else the first method its match names, else `GET`; the path is its match's
     /// exact path or prefix, else `/`. With `--policy`, the request must match that policy.
-    pub fn new(
+    pub(crate) fn new(
         config: &Config,
         args: &Args,
         method_hint: impl Fn(&Policy) -> Option<String>,
@@ -155,7 +155,10 @@ impl Described {
 
     /// The policy that guards the request, for a command that needs one: no policy, or a
     /// path the filter refuses, is a usage error that says so.
-    pub fn guarded<'c>(&self, config: &'c Config) -> Result<(usize, &'c Policy), AdminError> {
+    pub(crate) fn guarded<'c>(
+        &self,
+        config: &'c Config,
+    ) -> Result<(usize, &'c Policy), AdminError> {
         match self.selected {
             Some(Selected::Policy(i)) => config
                 .policies
@@ -175,7 +178,7 @@ impl Described {
 
     /// The caller, for a command that needs one: a tenant the filter cannot tell is a usage
     /// error with the filter's own answer.
-    pub fn caller(&self, filter: &Filter, index: usize) -> Result<&Caller, AdminError> {
+    pub(crate) fn caller(&self, filter: &Filter, index: usize) -> Result<&Caller, AdminError> {
         match &self.caller {
             Ok(c) => Ok(c),
             Err(e) => Err(refused("the request", &filter.tenant_problem(index, *e))),
@@ -184,7 +187,7 @@ impl Described {
 }
 
 /// The usage error of a request the filter answers itself: its status, problem and detail.
-pub fn refused(what: &str, answer: &LocalResponse) -> AdminError {
+pub(crate) fn refused(what: &str, answer: &LocalResponse) -> AdminError {
     let a = Answer::of(answer);
     AdminError::Usage(format!(
         "the filter answers {what} itself: {} {} ({}); nothing of it is in Redis",
@@ -193,7 +196,10 @@ pub fn refused(what: &str, answer: &LocalResponse) -> AdminError {
 }
 
 /// The policy named `name`, with its index.
-pub fn policy_named<'c>(config: &'c Config, name: &str) -> Result<(usize, &'c Policy), AdminError> {
+pub(crate) fn policy_named<'c>(
+    config: &'c Config,
+    name: &str,
+) -> Result<(usize, &'c Policy), AdminError> {
     config
         .policies
         .iter()
@@ -234,12 +240,12 @@ fn header(text: &str) -> Result<(String, String), AdminError> {
 
 /// The filter's runtime for the configuration, with no host behind its metrics: what the
 /// filter's own checks and guards are called with.
-pub struct Filter {
+pub(crate) struct Filter {
     rt: Runtime,
 }
 
 impl Filter {
-    pub fn new(config: &Config) -> Filter {
+    pub(crate) fn new(config: &Config) -> Filter {
         let config = config.clone();
         let metrics = Metrics::define(&config, |_, _| 0);
         Filter {
@@ -260,7 +266,7 @@ impl Filter {
     }
 
     /// The filter's answer to a request whose caller it cannot tell.
-    pub fn tenant_problem(&self, index: usize, e: TenantError) -> LocalResponse {
+    pub(crate) fn tenant_problem(&self, index: usize, e: TenantError) -> LocalResponse {
         match self.at(index) {
             Some(at) => checks::tenant_problem(&at, e),
             None => checks::ambiguous_path(),
@@ -269,7 +275,7 @@ impl Filter {
 
     /// The filter's answer to a request that carries an input a limit or the lease is keyed
     /// by more than once (which value names the counter would be a guess).
-    pub fn repeated_selector(&self, index: usize, req: &Request) -> Option<LocalResponse> {
+    pub(crate) fn repeated_selector(&self, index: usize, req: &Request) -> Option<LocalResponse> {
         checks::repeated_selector(&self.at(index)?, req)
     }
 
@@ -277,7 +283,7 @@ impl Filter {
     /// repeated input a limit or the lease is keyed by, a cost it refuses, a missing lease
     /// resource, an Idempotency-Key it refuses. `Ok`: the costs (empty: 1 each) and the guards
     /// the request would carry.
-    pub fn prepare(
+    pub(crate) fn prepare(
         &self,
         index: usize,
         caller: &Caller,
@@ -294,33 +300,37 @@ impl Filter {
             Ok(lease) => lease,
             Err(missing) => return Err(checks::lease_resource_missing(&at, &missing)),
         };
-        let idem = match at.policy.idempotency.as_ref() {
+        let record = match at.policy.idempotency.as_ref() {
             Some(cfg) if cfg.applies_to(&req.method) => {
-                IdemGuard::prepare(&at, cfg, caller, req, OWNER)?
+                IdempotencyGuard::prepare(&at, cfg, caller, req, OWNER)?
             }
             _ => None,
         };
-        Ok(Prepared { costs, lease, idem })
+        Ok(Prepared {
+            costs,
+            lease,
+            record,
+        })
     }
 }
 
 /// What the filter's guards make of a request that passed its checks.
 #[derive(Default)]
-pub struct Prepared {
-    pub costs: Vec<u64>,
-    pub lease: Option<LeaseGuard>,
-    pub idem: Option<IdemGuard>,
+pub(crate) struct Prepared {
+    pub(crate) costs: Vec<u64>,
+    pub(crate) lease: Option<LeaseGuard>,
+    pub(crate) record: Option<IdempotencyGuard>,
 }
 
 /// A local answer, as the tool reports it.
-pub struct Answer {
-    pub status: u32,
-    pub problem: String,
-    pub detail: String,
+pub(crate) struct Answer {
+    pub(crate) status: u32,
+    pub(crate) problem: String,
+    pub(crate) detail: String,
 }
 
 impl Answer {
-    pub fn of(r: &LocalResponse) -> Answer {
+    pub(crate) fn of(r: &LocalResponse) -> Answer {
         let body: Value = serde_json::from_slice(&r.body).unwrap_or_default();
         Answer {
             status: r.status,
@@ -333,13 +343,13 @@ impl Answer {
         }
     }
 
-    pub fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         json!({"status": self.status, "problem": self.problem, "detail": self.detail})
     }
 }
 
 /// A tenant or principal as the tool shows it: the anonymous one by name.
-pub fn shown_identity(s: &str) -> &str {
+pub(crate) fn shown_identity(s: &str) -> &str {
     if s == ANONYMOUS {
         "(anonymous)"
     } else {
@@ -348,7 +358,7 @@ pub fn shown_identity(s: &str) -> &str {
 }
 
 /// The identity as JSON: `null` for the anonymous one.
-pub fn identity_json(s: &str) -> Value {
+pub(crate) fn identity_json(s: &str) -> Value {
     if s == ANONYMOUS {
         Value::Null
     } else {
@@ -456,9 +466,9 @@ mod tests {
         let d = d.unwrap();
         let caller = d.caller.as_ref().unwrap();
         let prepared = filter.prepare(1, caller, &d.req).ok().unwrap();
-        let idem = prepared.idem.expect("a record");
+        let record = prepared.record.expect("a record");
         assert_eq!(
-            idem.acquire.key,
+            record.acquire.key,
             "cg:t:idem:{t.d2e79529ba2c46b2}:create:".to_string()
                 + &crate::redis::keys::client_key_hash("k")
         );

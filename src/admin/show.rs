@@ -6,7 +6,7 @@ use std::fmt::Write;
 
 /// Rows of `label  value`, the values aligned, each line indented by `indent` spaces. A value
 /// of several lines keeps its later lines under its first.
-pub fn rows(out: &mut String, indent: usize, rows: &[(&str, String)]) {
+pub(crate) fn rows(out: &mut String, indent: usize, rows: &[(&str, String)]) {
     let width = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
     for (label, value) in rows {
         let mut lines = value.lines();
@@ -19,7 +19,7 @@ pub fn rows(out: &mut String, indent: usize, rows: &[(&str, String)]) {
 }
 
 /// A span of milliseconds for a person: `850 ms`, `12.3 s`, `4m 05s`, `3h 20m`, `2d 04h`.
-pub fn span(ms: i64) -> String {
+pub(crate) fn span(ms: i64) -> String {
     if ms < 0 {
         return format!("{ms} ms");
     }
@@ -34,7 +34,7 @@ pub fn span(ms: i64) -> String {
 }
 
 /// A configured duration as the configuration writes it: `1m`, `10s`, `250ms`.
-pub fn duration(ms: u64) -> String {
+pub(crate) fn duration(ms: u64) -> String {
     match ms {
         ms if ms % 86_400_000 == 0 => format!("{}d", ms / 86_400_000),
         ms if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
@@ -45,7 +45,7 @@ pub fn duration(ms: u64) -> String {
 }
 
 /// The algorithm's name as the configuration spells it.
-pub fn algorithm(l: &RateLimit) -> &'static str {
+pub(crate) fn algorithm(l: &RateLimit) -> &'static str {
     match l.algorithm {
         Algorithm::FixedWindow => "fixed_window",
         Algorithm::SlidingWindow => "sliding_window",
@@ -56,7 +56,7 @@ pub fn algorithm(l: &RateLimit) -> &'static str {
 }
 
 /// One line of what a limit is: `sliding_window, 100 per 1m, by tenant`.
-pub fn limit_line(l: &RateLimit) -> String {
+pub(crate) fn limit_line(l: &RateLimit) -> String {
     let mut line = if l.concurrency() {
         format!(
             "{}, {} at once (a slot lives {})",
@@ -86,7 +86,7 @@ pub fn limit_line(l: &RateLimit) -> String {
 }
 
 /// `tenant + principal`, or `the whole policy` for none.
-pub fn selectors(sels: &[Selector]) -> String {
+pub(crate) fn selectors(sels: &[Selector]) -> String {
     if sels.is_empty() {
         return "the whole policy".into();
     }
@@ -97,7 +97,7 @@ pub fn selectors(sels: &[Selector]) -> String {
 }
 
 /// What a limit's `used` counts (its capacity less what remains).
-pub fn used_means(l: &RateLimit) -> String {
+pub(crate) fn used_means(l: &RateLimit) -> String {
     match (l.algorithm, l.leased) {
         (Algorithm::FixedWindow, true) => {
             "units handed out as slices in this window (requests admitted from them may be fewer)"
@@ -114,7 +114,7 @@ pub fn used_means(l: &RateLimit) -> String {
 }
 
 /// The most a limit holds: the burst of a token bucket, else the limit.
-pub fn capacity(l: &RateLimit) -> u64 {
+pub(crate) fn capacity(l: &RateLimit) -> u64 {
     if l.algorithm == Algorithm::TokenBucket {
         l.burst
     } else {
@@ -123,7 +123,7 @@ pub fn capacity(l: &RateLimit) -> u64 {
 }
 
 /// The first 12 hex digits of a `sha256:` fingerprint, marked as cut.
-pub fn fingerprint_prefix(f: &str) -> String {
+pub(crate) fn fingerprint_prefix(f: &str) -> String {
     match f.strip_prefix("sha256:") {
         Some(hex) if hex.len() > 12 => format!("sha256:{}…", &hex[..12]),
         _ => f.to_string(),

@@ -24,7 +24,6 @@
 //! * Tenants, principals, client addresses and header values only appear hashed.
 
 use crate::config::{Algorithm, Policy, RateLimit, Selector};
-pub use crate::support::hashing::short_hash;
 use crate::support::hashing::{domain_hasher, push_short_digest, push_short_hash};
 use crate::support::slots::text_hash;
 use crate::support::text::{hex, push, push_u64, split_once_byte};
@@ -269,6 +268,7 @@ fn tagged_key(prefix: &str, kind: &str, tenant_tag: &str, policy: &str, last: &s
 mod tests {
     use super::*;
     use crate::config::{FailureMode, Match, Selector};
+    use crate::support::hashing::short_hash;
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

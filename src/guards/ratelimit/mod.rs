@@ -3,10 +3,10 @@
 //! Keys and the verdict. The calls themselves, with each limit's arguments, are planned by
 //! [`crate::redis::scripts::acquire`], which groups limits by hash tag.
 
-pub mod admission;
-pub mod charge;
-pub mod leased;
-pub mod overlimit;
+pub(crate) mod admission;
+pub(crate) mod charge;
+pub(crate) mod leased;
+pub(crate) mod overlimit;
 
 use crate::config::{Policy, RateLimit};
 use crate::http::identity::Caller;
@@ -16,7 +16,7 @@ use crate::http::selectors::selector_value;
 use crate::redis::keys::{self, LimitKey};
 /// Each limit's answer: what `acquire.lua` says of it (the script's contract reads it), or
 /// what a local slice or the over-limit cache knows.
-pub use crate::redis::scripts::acquire::LimitState;
+pub(crate) use crate::redis::scripts::acquire::LimitState;
 use crate::support::slots::SlotTable;
 use crate::support::text::push_u64;
 use std::cell::RefCell;
@@ -59,7 +59,7 @@ pub fn key(
 ///
 /// A [`SlotTable`] indexed by a hash of the inputs; a slot stores the inputs in full, so a
 /// colliding request rebuilds its key (and takes the slot) instead of reading another's.
-pub struct KeyMemo {
+pub(crate) struct KeyMemo {
     slots: SlotTable<Memo>,
 }
 
@@ -70,14 +70,14 @@ struct Memo {
 }
 
 /// Slots of [`KeyMemo`] per worker.
-pub const KEY_MEMO_SLOTS: usize = 256;
+pub(crate) const KEY_MEMO_SLOTS: usize = 256;
 
 /// Inputs longer than this (a long header value as a selector) are not memoised, so a slot
 /// holds at most this plus a key (a few hundred bytes): the table stays around 100 KiB.
 const MAX_MEMO_INPUT: usize = 256;
 
 impl KeyMemo {
-    pub fn new(slots: usize) -> KeyMemo {
+    pub(crate) fn new(slots: usize) -> KeyMemo {
         KeyMemo {
             slots: SlotTable::new(slots),
         }
@@ -85,7 +85,7 @@ impl KeyMemo {
 
     /// [`key`] of limit `limit_index` of policy `policy_index`, from the table when this
     /// worker built it before.
-    pub fn key(
+    pub(crate) fn key(
         &self,
         prefix: &str,
         (policy_index, policy): (usize, &Policy),
@@ -185,7 +185,7 @@ fn view<'a>((l, s): &(&'a RateLimit, &LimitState)) -> QuotaView<'a> {
 
 /// The request's verdict once every group answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Forward; add these `(name, value)` headers to the response if configured.
     Allow(Vec<(String, String)>),
     Reject(LocalResponse),
@@ -196,7 +196,7 @@ pub enum Verdict {
 /// `None` is a limit whose state is unknown (the over-limit cache answered for another one):
 /// it is left out of the headers. Concurrency limits are never in the `RateLimit` headers (the
 /// draft defines no in-flight quota); a request only they reject gets `concurrency_limited`.
-pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
+pub(crate) fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
     // Walked again where needed rather than collected: this runs for every request.
     let enforced = || {
         policy
@@ -282,7 +282,7 @@ fn concurrency_limited(policy: &Policy, names: &[&str]) -> LocalResponse {
 /// its limits the cache knows to reject and on each one's wait in whole seconds (its
 /// `RateLimit` reset, and the largest as `Retry-After`), so the requests of a rejected tenant
 /// within one second get the same answer: written once, copied after.
-pub struct RejectionMemo {
+pub(crate) struct RejectionMemo {
     last: RefCell<Vec<Option<Rejection>>>,
 }
 
@@ -294,7 +294,7 @@ struct Rejection {
 
 impl RejectionMemo {
     /// A memo for `policies` policies (one answer each).
-    pub fn new(policies: usize) -> RejectionMemo {
+    pub(crate) fn new(policies: usize) -> RejectionMemo {
         RejectionMemo {
             last: RefCell::new((0..policies).map(|_| None).collect()),
         }
@@ -304,7 +304,7 @@ impl RejectionMemo {
     /// `waits[i]` is how long limit `i` still rejects, in ms (`None`: not known to reject;
     /// `Some` is never 0). Each known limit rejects with nothing remaining until its wait ends.
     /// `None` if that admits (no limit known to reject is enforced).
-    pub fn cached(
+    pub(crate) fn cached(
         &self,
         index: usize,
         policy: &Policy,

@@ -33,7 +33,7 @@ const LOG: &str = "cg.olc.log";
 
 /// Marks the shared log holds: the latest ones, in a ring. Marks beyond it within one tick
 /// are learnt by the other workers from Redis instead.
-pub const LOG_ENTRIES: usize = 64;
+pub(crate) const LOG_ENTRIES: usize = 64;
 
 /// The log: the count of marks ever appended (u64), then [`LOG_ENTRIES`] entries.
 const LOG_BYTES: usize = 8 + ENTRY_BYTES * LOG_ENTRIES;
@@ -50,7 +50,7 @@ struct Entry {
 }
 
 /// Keys are given by their hash ([`crate::redis::keys::LimitKey::hash`]), computed once per request.
-pub struct OverLimitCache {
+pub(crate) struct OverLimitCache {
     slots: SlotTable<Entry>,
     shared: Option<Box<dyn SharedStore>>,
     /// The log's version this worker read last (0: never read one).
@@ -59,7 +59,7 @@ pub struct OverLimitCache {
 
 impl OverLimitCache {
     /// `capacity` slots (0 disables the cache).
-    pub fn new(capacity: usize, shared: Option<Box<dyn SharedStore>>) -> OverLimitCache {
+    pub(crate) fn new(capacity: usize, shared: Option<Box<dyn SharedStore>>) -> OverLimitCache {
         OverLimitCache {
             slots: SlotTable::new(capacity),
             shared,
@@ -67,24 +67,25 @@ impl OverLimitCache {
         }
     }
 
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.slots.capacity() > 0
     }
 
+    #[cfg(test)]
     /// Whether this worker's table has been allocated (it is on the first mark it keeps).
-    pub fn allocated(&self) -> bool {
+    pub(crate) fn allocated(&self) -> bool {
         self.slots.allocated()
     }
 
     /// Until when the key of `hash` is known to reject, if it still does at `now_ms`.
-    pub fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<u64> {
+    pub(crate) fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<u64> {
         self.slots.read(hash, |e| {
             (e.hash == hash && e.until_ms > now_ms).then_some(e.until_ms)
         })
     }
 
     /// Records that the key of `hash` rejects until `until_ms`, here and in the shared log.
-    pub fn mark(&self, hash: u64, until_ms: u64) {
+    pub(crate) fn mark(&self, hash: u64, until_ms: u64) {
         if !self.enabled() {
             return;
         }
@@ -104,7 +105,7 @@ impl OverLimitCache {
 
     /// Learns the marks other workers appended to the shared log since this worker last read
     /// it (the root's tick). Marks already past are skipped: an idle worker allocates nothing.
-    pub fn sync(&self, now_ms: u64) {
+    pub(crate) fn sync(&self, now_ms: u64) {
         let (Some(shared), true) = (&self.shared, self.enabled()) else {
             return;
         };

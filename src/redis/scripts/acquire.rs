@@ -15,62 +15,62 @@ use crate::redis::{resp::Reply, CallError, ScriptCall, Words};
 
 /// The idempotency part of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IdemAcquire {
+pub(crate) struct RecordAcquire {
     /// The record's Redis key (tenant hash tag).
-    pub key: String,
-    pub tag: String,
-    pub fingerprint: String,
-    pub owner: String,
-    pub processing_ttl_ms: u64,
+    pub(crate) key: String,
+    pub(crate) tag: String,
+    pub(crate) fingerprint: String,
+    pub(crate) owner: String,
+    pub(crate) processing_ttl_ms: u64,
     /// The owner's cancellation marker (same hash tag), passed as the call's last key.
-    pub cancel_key: String,
+    pub(crate) cancel_key: String,
 }
 
 /// The lease part of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseAcquire {
-    pub key: String,
-    pub fence_key: String,
-    pub tag: String,
-    pub owner: String,
-    pub ttl_ms: u64,
-    pub fence_ttl_ms: u64,
+pub(crate) struct LeaseAcquire {
+    pub(crate) key: String,
+    pub(crate) fence_key: String,
+    pub(crate) tag: String,
+    pub(crate) owner: String,
+    pub(crate) ttl_ms: u64,
+    pub(crate) fence_ttl_ms: u64,
     /// The owner's cancellation marker (same hash tag), passed as the call's last key.
-    pub cancel_key: String,
+    pub(crate) cancel_key: String,
 }
 
 /// One script call: the limits (indices into `policy.rate_limits`) whose keys share `tag`,
 /// and whether it carries the idempotency acquire, the lease, a concurrency limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Group {
-    pub tag: String,
-    pub limits: Vec<usize>,
-    pub idem: bool,
-    pub lease: bool,
+pub(crate) struct Group {
+    pub(crate) tag: String,
+    pub(crate) limits: Vec<usize>,
+    pub(crate) record: bool,
+    pub(crate) lease: bool,
     /// A concurrency limit is among `limits`: the call may take a slot.
-    pub slots: bool,
-    pub call: ScriptCall,
+    pub(crate) slots: bool,
+    pub(crate) call: ScriptCall,
 }
 
 /// One limit Redis is asked about: its counter's key and this request's cost to it.
 #[derive(Debug, Clone, Copy)]
-pub struct Ask<'a> {
-    pub key: &'a LimitKey,
-    pub cost: u64,
+pub(crate) struct Ask<'a> {
+    pub(crate) key: &'a LimitKey,
+    pub(crate) cost: u64,
 }
 
 /// Who is asking: the request's nonce (a concurrency slot's member) and what names the owner's
 /// cancellation marker in any hash tag (`prefix`, the owner token).
 #[derive(Debug, Clone, Copy)]
-pub struct Asker<'a> {
-    pub nonce: &'a str,
-    pub prefix: &'a str,
-    pub owner: &'a str,
+pub(crate) struct Asker<'a> {
+    pub(crate) nonce: &'a str,
+    pub(crate) prefix: &'a str,
+    pub(crate) owner: &'a str,
 }
 
 impl Asker<'_> {
     /// The owner's cancellation marker in hash tag `tag`.
-    pub fn marker(&self, policy: &Policy, tag: &str) -> String {
+    pub(crate) fn marker(&self, policy: &Policy, tag: &str) -> String {
         keys::cancel_key(self.prefix, tag, &policy.name, self.owner)
     }
 }
@@ -88,27 +88,27 @@ fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
 
 /// One limit's answer for this request: four of the script's reply values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LimitState {
-    pub allowed: bool,
-    pub remaining: u64,
-    pub reset_ms: u64,
-    pub retry_after_ms: u64,
+pub(crate) struct LimitState {
+    pub(crate) allowed: bool,
+    pub(crate) remaining: u64,
+    pub(crate) reset_ms: u64,
+    pub(crate) retry_after_ms: u64,
 }
 
 /// Plans the calls: tenant-tagged group first. `asks[i]` is limit `i`'s key and cost, or
 /// `None` for a limit that needs no call (answered from a local slice).
-pub fn plan(
+pub(crate) fn plan(
     policy: &Policy,
     asks: &[Option<Ask<'_>>],
     asker: &Asker<'_>,
-    idem: Option<&IdemAcquire>,
+    record: Option<&RecordAcquire>,
     lease: Option<&LeaseAcquire>,
 ) -> Vec<Group> {
     // First the groups with their counters' keys (in `call.keys`), then each group's call.
     let group = |tag: String, limits: Vec<usize>, keys: Words| Group {
         tag,
         limits,
-        idem: false,
+        record: false,
         lease: false,
         slots: false,
         call: ScriptCall::new(keys, Words::default()),
@@ -134,7 +134,7 @@ pub fn plan(
             }
         }
     }
-    for tag in idem
+    for tag in record
         .map(|i| &i.tag)
         .into_iter()
         .chain(lease.map(|l| &l.tag))
@@ -144,7 +144,7 @@ pub fn plan(
         }
     }
     for g in &mut groups {
-        let with_idem = idem.filter(|d| d.tag == g.tag);
+        let with_record = record.filter(|d| d.tag == g.tag);
         let with_lease = lease.filter(|l| l.tag == g.tag);
         let slots = g
             .limits
@@ -156,16 +156,16 @@ pub fn plan(
         });
         // The owner's cancellation marker, last: a late acquire of a cancelled owner writes
         // nothing (the record's and the lease's marker is the one of their tag).
-        let marker = (with_idem.is_some() || with_lease.is_some() || slots)
+        let marker = (with_record.is_some() || with_lease.is_some() || slots)
             .then(|| asker.marker(policy, &g.tag));
         let sections = Sections {
-            idem: with_idem,
+            record: with_record,
             lease: with_lease,
             marker,
         };
         let keys = std::mem::take(&mut g.call.keys);
         g.call = group_call(keys, g.limits.len(), limit_args, asker.nonce, sections);
-        g.idem = with_idem.is_some();
+        g.record = with_record.is_some();
         g.lease = with_lease.is_some();
         g.slots = slots;
     }
@@ -175,7 +175,7 @@ pub fn plan(
 
 /// What rides in a call beside the limits.
 struct Sections<'a> {
-    idem: Option<&'a IdemAcquire>,
+    record: Option<&'a RecordAcquire>,
     lease: Option<&'a LeaseAcquire>,
     marker: Option<String>,
 }
@@ -196,7 +196,7 @@ fn group_call<'p>(
     for (limit, cost) in limit_args {
         push_limit_args(&mut args, limit, cost);
     }
-    match sections.idem {
+    match sections.record {
         Some(d) => {
             keys.push(&d.key);
             args.push("1");
@@ -225,9 +225,9 @@ fn group_call<'p>(
 
 /// A lease-only acquire: polls a busy lease again (`on_busy: wait`). Its reply is read by
 /// [`read_reply`] with no limits, no record and the lease.
-pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
+pub(crate) fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
     let sections = Sections {
-        idem: None,
+        record: None,
         lease: Some(lease),
         marker: Some(lease.cancel_key.clone()),
     };
@@ -243,11 +243,15 @@ pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
 /// A record-only acquire (with the lease, if given and in the record's hash tag): polls a
 /// record still in progress (`in_progress: wait`). Its reply is read by [`read_reply`] with no
 /// limits, the record, and the lease when it rides along.
-pub fn record_poll(idem: &IdemAcquire, lease: Option<&LeaseAcquire>, nonce: &str) -> ScriptCall {
+pub(crate) fn record_poll(
+    record: &RecordAcquire,
+    lease: Option<&LeaseAcquire>,
+    nonce: &str,
+) -> ScriptCall {
     let sections = Sections {
-        idem: Some(idem),
-        lease: lease.filter(|l| l.tag == idem.tag),
-        marker: Some(idem.cancel_key.clone()),
+        record: Some(record),
+        lease: lease.filter(|l| l.tag == record.tag),
+        marker: Some(record.cancel_key.clone()),
     };
     group_call(
         Words::with_capacity(4, 256),
@@ -260,7 +264,7 @@ pub fn record_poll(idem: &IdemAcquire, lease: Option<&LeaseAcquire>, nonce: &str
 
 /// What the idempotency section of an acquire found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum IdemAnswer {
+pub(crate) enum RecordAnswer {
     /// The rate limits did not admit the request; nothing was written.
     Skipped,
     /// We own a new `PROCESSING` record.
@@ -277,7 +281,7 @@ pub enum IdemAnswer {
 
 /// What the lease section of an acquire found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseAnswer {
+pub(crate) enum LeaseAnswer {
     /// Not attempted: the rate limits rejected, or the idempotency answer was not "acquired".
     Skipped,
     /// We hold the lease; the fencing token.
@@ -288,18 +292,18 @@ pub enum LeaseAnswer {
 
 /// A group's reply: admitted, each limit's state in group order, the section answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GroupReply {
-    pub admitted: bool,
-    pub states: Vec<LimitState>,
-    pub idem: Option<IdemAnswer>,
-    pub lease: Option<LeaseAnswer>,
+pub(crate) struct GroupReply {
+    pub(crate) admitted: bool,
+    pub(crate) states: Vec<LimitState>,
+    pub(crate) record: Option<RecordAnswer>,
+    pub(crate) lease: Option<LeaseAnswer>,
 }
 
 /// Reads `acquire.lua`'s reply for a group of `n` limits and the sections it carries.
-pub fn read_reply(
+pub(crate) fn read_reply(
     reply: &Reply,
     n: usize,
-    idem: bool,
+    record: bool,
     lease: bool,
 ) -> Result<GroupReply, CallError> {
     let bad = |why: &str| CallError::UnexpectedReply(format!("acquire reply: {why}"));
@@ -307,7 +311,7 @@ pub fn read_reply(
         return Err(CallError::Redis(e.clone()));
     }
     let items = reply.as_array().ok_or_else(|| bad("not an array"))?;
-    let want = 1 + 4 * n + if idem { 3 } else { 0 } + if lease { 2 } else { 0 };
+    let want = 1 + 4 * n + if record { 3 } else { 0 } + if lease { 2 } else { 0 };
     if items.len() != want {
         return Err(bad(&format!("{} values, expected {want}", items.len())));
     }
@@ -329,22 +333,22 @@ pub fn read_reply(
             retry_after_ms: count(at + 3)?,
         });
     }
-    let idem = if idem {
+    let record = if record {
         let at = 1 + 4 * n;
         let pttl_ms = int(at + 1)?;
         Some(match int(at)? {
-            0 => IdemAnswer::Skipped,
-            1 => IdemAnswer::Acquired,
-            2 => IdemAnswer::InProgress { pttl_ms },
+            0 => RecordAnswer::Skipped,
+            1 => RecordAnswer::Acquired,
+            2 => RecordAnswer::InProgress { pttl_ms },
             3 => {
                 let bytes = items[at + 2].as_bytes().unwrap_or_default();
                 match Record::parse(bytes) {
-                    Some(r) => IdemAnswer::Completed(Box::new(r)),
-                    None => IdemAnswer::Unreadable,
+                    Some(r) => RecordAnswer::Completed(Box::new(r)),
+                    None => RecordAnswer::Unreadable,
                 }
             }
-            4 => IdemAnswer::Conflict,
-            5 => IdemAnswer::Unreadable,
+            4 => RecordAnswer::Conflict,
+            5 => RecordAnswer::Unreadable,
             // Only an acquire the filter already gave up on finds its marker.
             6 => return Err(bad("cancelled")),
             _ => return Err(bad("unknown idempotency code")),
@@ -353,7 +357,7 @@ pub fn read_reply(
         None
     };
     let lease = if lease {
-        let at = 1 + 4 * n + if idem.is_some() { 3 } else { 0 };
+        let at = 1 + 4 * n + if record.is_some() { 3 } else { 0 };
         let value = int(at + 1)?;
         Some(match int(at)? {
             0 => LeaseAnswer::Skipped,
@@ -368,7 +372,7 @@ pub fn read_reply(
     Ok(GroupReply {
         admitted,
         states,
-        idem,
+        record,
         lease,
     })
 }

@@ -56,8 +56,8 @@ fn asker(nonce: &str) -> Asker<'_> {
     }
 }
 
-fn idem() -> IdemAcquire {
-    IdemAcquire {
+fn record() -> RecordAcquire {
+    RecordAcquire {
         key: "cg:demo:idem:{t.d2e79529ba2c46b2}:create-order:k".into(),
         tag: keys::tenant_tag("acme"),
         fingerprint: "sha256:ff".into(),
@@ -101,7 +101,7 @@ fn groups_by_hash_tag() {
         "cg:demo:rl:{p.create-order}:create-order:global:sl:5/250:_"
     );
     assert_eq!(
-        &groups[1].call.args.from_index(2)[..6],
+        &groups[1].call.args.words_from(2)[..6],
         &["fw", "1000", "3600000", "1000", "1", "1"]
     );
     for g in &groups {
@@ -122,14 +122,14 @@ fn idempotency_rides_with_the_tenant_group() {
         &c.policies[0],
         &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
         &asker("n1"),
-        Some(&idem()),
+        Some(&record()),
         None,
     );
     assert_eq!(groups.len(), 2);
-    assert!(groups[0].idem && !groups[1].idem);
+    assert!(groups[0].record && !groups[1].record);
     assert_eq!(groups[0].call.keys.len(), 4);
-    assert_eq!(groups[0].call.keys[2], idem().key);
-    assert_eq!(groups[0].call.keys[3], idem().cancel_key);
+    assert_eq!(groups[0].call.keys[2], record().key);
+    assert_eq!(groups[0].call.keys[3], record().cancel_key);
     assert_eq!(
         groups[1].call.keys.len(),
         2,
@@ -137,14 +137,14 @@ fn idempotency_rides_with_the_tenant_group() {
     );
     let args = &groups[0].call.args;
     assert_eq!(
-        &args.from_index(args.len() - 5)[..],
+        &args.words_from(args.len() - 5)[..],
         &["1", "sha256:ff", "o1", "120000", "0"]
     );
     assert_eq!(
         &groups[1]
             .call
             .args
-            .from_index(groups[1].call.args.len() - 2)[..],
+            .words_from(groups[1].call.args.len() - 2)[..],
         &["0", "0"]
     );
     // No tenant-scoped limit: the record gets a group of its own.
@@ -152,7 +152,7 @@ fn idempotency_rides_with_the_tenant_group() {
         &c.policies[1],
         &refs(&keys("cg:demo", &c.policies[1], &caller, &req, &[])),
         &asker("n1"),
-        Some(&idem()),
+        Some(&record()),
         None,
     );
     assert_eq!(alone.len(), 2);
@@ -181,23 +181,23 @@ fn lease_rides_with_the_tenant_group() {
         &c.policies[0],
         &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
         &asker("n1"),
-        Some(&idem()),
+        Some(&record()),
         Some(&lease),
     );
-    assert!(groups[0].idem && groups[0].lease);
+    assert!(groups[0].record && groups[0].lease);
     // The record's marker (the same as the lease's: one owner token per request) last.
     assert_eq!(
-        &groups[0].call.keys.from_index(2)[..],
+        &groups[0].call.keys.words_from(2)[..],
         &[
-            idem().key,
+            record().key,
             lease.key.clone(),
             lease.fence_key.clone(),
-            idem().cancel_key
+            record().cancel_key
         ]
     );
     let args = &groups[0].call.args;
     assert_eq!(
-        &args.from_index(args.len() - 8)[..],
+        &args.words_from(args.len() - 8)[..],
         &[
             "1",
             "sha256:ff",
@@ -347,7 +347,7 @@ fn reads_replies() {
             retry_after_ms: 250
         }
     );
-    assert_eq!(got.idem, None);
+    assert_eq!(got.record, None);
     let bad = [
         (reply(&[1, 1, 2, 3]), 1usize),
         (reply(&[2, 1, 2, 3, 4]), 1),
@@ -382,20 +382,20 @@ fn idem_reply(code: i64, record: &[u8]) -> Reply {
 #[test]
 fn reads_idempotency_answers() {
     let completed = br#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ff","created_ms":1,"updated_ms":2,"response":{"status":201,"headers":[],"body":"x"}}"#;
-    let cases: Vec<(i64, &[u8], IdemAnswer)> = vec![
-        (0, b"", IdemAnswer::Skipped),
-        (1, b"", IdemAnswer::Acquired),
-        (2, b"", IdemAnswer::InProgress { pttl_ms: 5000 }),
-        (4, b"", IdemAnswer::Conflict),
-        (5, b"", IdemAnswer::Unreadable),
-        (3, b"garbage", IdemAnswer::Unreadable),
+    let cases: Vec<(i64, &[u8], RecordAnswer)> = vec![
+        (0, b"", RecordAnswer::Skipped),
+        (1, b"", RecordAnswer::Acquired),
+        (2, b"", RecordAnswer::InProgress { pttl_ms: 5000 }),
+        (4, b"", RecordAnswer::Conflict),
+        (5, b"", RecordAnswer::Unreadable),
+        (3, b"garbage", RecordAnswer::Unreadable),
     ];
     for (code, record, want) in cases {
         let got = read_reply(&idem_reply(code, record), 0, true, false).expect("valid");
-        assert_eq!(got.idem, Some(want), "code {code}");
+        assert_eq!(got.record, Some(want), "code {code}");
     }
     let got = read_reply(&idem_reply(3, completed), 0, true, false).expect("valid");
-    let Some(IdemAnswer::Completed(r)) = got.idem else {
+    let Some(RecordAnswer::Completed(r)) = got.record else {
         panic!("expected a completed record");
     };
     assert_eq!(
