@@ -15,7 +15,7 @@
 //! `CORE_COUNT`), the working tree beside a git revision: a measure no noise moves.
 
 use coordination_guard::config::Config;
-use coordination_guard::engine::flow::{Cx, Flow, Runtime, Step};
+use coordination_guard::engine::flow::{Cx, Flow, Move, Runtime, Step};
 use coordination_guard::engine::worker::{Dir, Effects, ResponseHead, Worker};
 use coordination_guard::guards::idempotency::fingerprint::{canonical_body, Fingerprint};
 use coordination_guard::guards::idempotency::record::{Record, RecordResponse, StoredResponse};
@@ -310,10 +310,21 @@ fn sealed_records(body_1k: &[u8], body_64k: &[u8]) {
     }
 }
 
+/// The benchmarks' runtime: one policy on `/api` that limits each tenant to a billion
+/// requests an hour in `mode` (`exact` or `leased`), with no host behind its metrics. Its
+/// configuration is `per_tenant.json` (`MODE` stands for the mode), which the allocation
+/// tests read too (`src/engine/worker/alloc_tests.rs`), so both measure the same request.
+fn per_tenant(mode: &str) -> Runtime {
+    let json = include_str!("per_tenant.json").replace("MODE", mode);
+    let config = Config::parse(json.as_bytes()).expect("valid");
+    let metrics = Metrics::define(&config, |_, _| 0);
+    Runtime::new(config, metrics, None)
+}
+
 /// One rate-limited request through the core as the adapter drives it: headers in, the
 /// gateway body out, the gateway's raw answer decoded and read, the response's headers, done.
 fn whole_requests() {
-    let config = |mode: &str| Runtime::per_tenant_benchmark(mode).expect("valid");
+    let config = per_tenant;
     let headers = |tenant: &str| {
         vec![
             (":method".to_string(), "GET".to_string()),
@@ -328,14 +339,14 @@ fn whole_requests() {
         let mut flow = Flow::default();
         let req = Request::from_headers(headers(tenant), None);
         let mut step = flow.on_request(&Cx::new(rt, 1_000, &NoMetrics), req, "-", "-", true);
-        if let (Step::Dispatch(out), Some(answer)) = (step.clone(), answer) {
+        if let (Move::Dispatch(out), Some(answer)) = (step.next.clone(), answer) {
             for o in out {
                 black_box(o.encode(&rt.scripts));
                 let reply = webdis::decode(Some(200), true, answer);
                 step = flow.on_reply(&Cx::new(rt, 1_001, &NoMetrics), o.slot, reply);
             }
         }
-        black_box(flow.response_headers().to_vec());
+        black_box(step.out.response_headers.to_vec());
         flow.on_done(&Cx::new(rt, 1_002, &NoMetrics));
         step
     };
@@ -344,7 +355,7 @@ fn whole_requests() {
     let granted: &[u8] = b"*5\r\n:1\r\n:1\r\n:999999999\r\n:3600000\r\n:0\r\n";
 
     let exact = config("exact");
-    assert_eq!(run(&exact, "t", Some(allowed)), Step::Continue);
+    assert_eq!(run(&exact, "t", Some(allowed)).next, Move::Continue);
     report("request, exact, allowed (1 Redis answer)", || {
         black_box(run(&exact, "tenant-4711", Some(allowed)));
     });
@@ -355,16 +366,16 @@ fn whole_requests() {
         black_box(run(&exact, &format!("tenant-{n}"), Some(allowed)));
     });
     assert!(matches!(
-        run(&exact, "over", Some(rejected)),
-        Step::Respond(_)
+        run(&exact, "over", Some(rejected)).next,
+        Move::Respond(_)
     ));
-    assert!(matches!(run(&exact, "over", None), Step::Respond(_)));
+    assert!(matches!(run(&exact, "over", None).next, Move::Respond(_)));
     report("request, rejected by the over-limit cache", || {
         black_box(run(&exact, "over", None));
     });
     let leased = config("leased");
-    assert_eq!(run(&leased, "t", Some(granted)), Step::Continue);
-    assert_eq!(run(&leased, "t", None), Step::Continue);
+    assert_eq!(run(&leased, "t", Some(granted)).next, Move::Continue);
+    assert_eq!(run(&leased, "t", None).next, Move::Continue);
     report("request, admitted from a leased slice", || {
         black_box(run(&leased, "t", None));
     });
@@ -443,7 +454,7 @@ fn worker_abandoned(rt: &Runtime, maps: &[Vec<u8>]) {
 /// after it began), as under load. Beyond [`whole_requests`]: the host's map decoded, and the
 /// worker's tables of streams and calls.
 fn worker_requests() {
-    let rt = Runtime::per_tenant_benchmark("exact").expect("valid");
+    let rt = per_tenant("exact");
     let allowed: &[u8] = b"*5\r\n:1\r\n:1\r\n:999999\r\n:3600000\r\n:0\r\n";
     let maps: Vec<Vec<u8>> = (0..10_000)
         .map(|n| host_map(&format!("tenant-{n}")))
@@ -658,7 +669,7 @@ fn worker_replay() {
 /// end and its context freed): rejected by the over-limit cache (`mode` "exact", after one
 /// rejecting `answer`), or admitted from a leased slice ("leased", after one granting one).
 fn worker_local(mode: &str, answer: &[u8], rejects: bool) {
-    let rt = Runtime::per_tenant_benchmark(mode).expect("valid");
+    let rt = per_tenant(mode);
     let map = host_map("bench");
     let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
     let mut stream = 0u32;

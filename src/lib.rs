@@ -8,6 +8,10 @@
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
+// Crate-private by default: what the binaries (cg-check) and the benchmark use is `pub`, the
+// rest `pub(crate)`. Whether an item is dead is the filter's build's to say: only there does
+// the proxy-wasm adapter (mod host) use the core; the host build serves the tests and tools.
+#![cfg_attr(not(all(target_arch = "wasm32", target_os = "wasi")), allow(dead_code))]
 
 /// The operator's tool: host only.
 #[cfg(not(target_arch = "wasm32"))]

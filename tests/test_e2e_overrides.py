@@ -53,6 +53,13 @@ class Admin:
         return subprocess.run([str(self.binary), "--json", "override", *args], env=self.env,
                               capture_output=True, text=True, timeout=60)
 
+    def limits(self, *args: str) -> dict:
+        """`cg-admin limits` of the policy's request, in JSON."""
+        r = subprocess.run([str(self.binary), "--json", "limits", "--policy", POLICY, *args],
+                           env=self.env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
     def __call__(self, *args: str) -> dict:
         r = self.run(*args)
         assert r.returncode == 0, r.stderr
@@ -147,6 +154,44 @@ def test_a_principals_override_beats_its_tenants(stack_factory, tmp_path, cg_adm
                   "--principal", "alice", "--quota", "5")
     assert r.returncode == 1, r.stderr
     assert 'needs "principal" in policies[0].rate_limits[1].by' in r.stderr, r.stderr
+
+
+def test_cg_admin_limits_shows_the_quota_the_caller_is_counted_with(stack_factory, tmp_path,
+                                                                    cg_admin_binary):
+    # limits reads the counters with the peek script and passes the override keys the filter
+    # would pass: the tenant's for a limit per tenant, the principal's first for one per
+    # principal.
+    stack, admin = stack_with(stack_factory, tmp_path, cg_admin_binary,
+                              limit("user", n=2, window="10s", by=("tenant", "principal"),
+                                    algorithm="token_bucket", burst=3),
+                              limit("tenant", n=2))
+    envoy = stack.envoy
+    admin.set("acme", 5)
+    admin.set("acme", 4, "user", "--principal", "alice", "--window", "10s", "--burst", "6")
+    resp = post(envoy, user="alice")
+    assert resp.status == 200 and policy_of(resp) == {"user": (4, 10), "tenant": (5, 60)}
+    got = {l["name"]: l for l in admin.limits("--tenant", "acme", "--principal", "alice")["limits"]}
+    assert got["tenant"]["override"] == {"limit": 5, "window_ms": 60000, "burst": None}
+    assert (got["tenant"]["capacity"], got["tenant"]["used"], got["tenant"]["remaining"]) == \
+        (5, 1, 4)
+    assert got["user"]["override"] == {"limit": 4, "window_ms": 10000, "burst": 6}
+    assert got["user"]["capacity"] == 6 and got["user"]["remaining"] >= 5
+    assert not got["user"]["override_unreadable"]
+    # The RateLimit item limits shows is the filter's, with the tenant's own quota.
+    assert got["tenant"]["ratelimit"].startswith('"tenant";r=4;')
+    # Another principal of the tenant: the tenant's override only (the per-principal limit
+    # has none for bob); another tenant: the configuration's.
+    bob = {l["name"]: l for l in admin.limits("--tenant", "acme", "--principal", "bob")["limits"]}
+    assert bob["user"]["override"] is None and bob["user"]["capacity"] == 3
+    assert bob["tenant"]["override"]["limit"] == 5
+    other = {l["name"]: l for l in admin.limits("--tenant", "globex")["limits"]}
+    assert other["tenant"]["override"] is None and other["tenant"]["capacity"] == 2
+    text = subprocess.run([str(admin.binary), "limits", "--policy", POLICY, "--tenant", "acme",
+                           "--principal", "alice"], env=admin.env, capture_output=True,
+                          text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert "4 per 10s, burst 6 (the caller's own, an override)" in text.stdout, text.stdout
+    assert "5 per 1m (the caller's own, an override)" in text.stdout, text.stdout
 
 
 def test_an_expiring_override_lapses(stack_factory, tmp_path, cg_admin_binary):

@@ -270,3 +270,25 @@ def test_the_gateway_user_may_read_overrides(gateway, redis_client):
     a = Acquire(gateway)
     head, [counted] = a([(counter("fw"), Limit("fw", 5, 60_000))], [(1, [tenant_key()])])
     assert head[0] == 1 and counted == (1, 1, 60_000, 0)
+
+
+def test_peek_reads_the_overrides_and_writes_nothing(acquire, redis_client):
+    # The peek script (acquire.lua with PEEK true, what cg-admin limits runs) reads the
+    # override keys as acquire does, so it answers with the caller's own quota; it writes
+    # nothing, so an override of a window only shows, never starts one.
+    lim, key = Limit("fw", 2, 60_000), counter("fw")
+    redis_client.set(tenant_key(), "5/30000")
+    peek = Script(redis_client, source=script_source("peek"))
+    keys, argv = acquire.args([(key, lim)], [(1, [tenant_key()])])
+    reply = [int(v) for v in peek(keys, argv)]
+    assert reply[:5] == [1, 1, 5, 30_000, 0] and reply[5:] == [1, 5, 30_000, 0], reply
+    assert redis_client.exists(key) == 0
+    for _ in range(3):
+        acquire([(key, lim)], [(1, [tenant_key()])])
+    reply = [int(v) for v in peek(keys, argv)]
+    assert reply[:3] == [1, 1, 2] and reply[5:] == [1, 5, 30_000, 0], reply
+    # An unreadable override is ignored and counted as unreadable under PEEK too: the
+    # configuration's 2 are used up.
+    redis_client.set(tenant_key(), "five")
+    reply = [int(v) for v in peek(keys, argv)]
+    assert reply[:3] == [0, 0, 0] and reply[5:] == [1, 2, 60_000, 1], reply

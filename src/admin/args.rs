@@ -5,7 +5,7 @@ use crate::admin::AdminError;
 
 /// The options of one command, parsed against what it accepts.
 #[derive(Debug, Default)]
-pub struct Args {
+pub(crate) struct Args {
     values: Vec<(String, String)>,
     flags: Vec<String>,
 }
@@ -13,7 +13,11 @@ pub struct Args {
 impl Args {
     /// `valued`: options that take a value (`--tenant acme` or `--tenant=acme`); `flags`:
     /// options that take none. Anything else is a usage error naming it.
-    pub fn parse(args: &[String], valued: &[&str], flags: &[&str]) -> Result<Args, AdminError> {
+    pub(crate) fn parse(
+        args: &[String],
+        valued: &[&str],
+        flags: &[&str],
+    ) -> Result<Args, AdminError> {
         let mut out = Args::default();
         let mut it = args.iter();
         while let Some(arg) = it.next() {
@@ -45,7 +49,7 @@ impl Args {
     }
 
     /// The value of an option given at most once.
-    pub fn value(&self, name: &str) -> Result<Option<&str>, AdminError> {
+    pub(crate) fn value(&self, name: &str) -> Result<Option<&str>, AdminError> {
         let mut found = self.values.iter().filter(|(n, _)| n == name);
         let first = found.next().map(|(_, v)| v.as_str());
         if found.next().is_some() {
@@ -55,20 +59,20 @@ impl Args {
     }
 
     /// The value of an option that must be given once.
-    pub fn required(&self, name: &str) -> Result<&str, AdminError> {
+    pub(crate) fn required(&self, name: &str) -> Result<&str, AdminError> {
         self.value(name)?
             .ok_or_else(|| AdminError::Usage(format!("{name} is required")))
     }
 
     /// Every value of an option that may repeat (`--header`), in order.
-    pub fn values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+    pub(crate) fn values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
         self.values
             .iter()
             .filter(move |(n, _)| n == name)
             .map(|(_, v)| v.as_str())
     }
 
-    pub fn flag(&self, name: &str) -> bool {
+    pub(crate) fn flag(&self, name: &str) -> bool {
         self.flags.iter().any(|f| f == name)
     }
 }

@@ -21,17 +21,17 @@ const MAX_REPLY: usize = 64 << 20;
 
 /// Where Redis is and who the tool is to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Target {
-    pub host: String,
-    pub port: u16,
-    pub username: Option<String>,
-    pub password: Option<String>,
+pub(crate) struct Target {
+    pub(crate) host: String,
+    pub(crate) port: u16,
+    pub(crate) username: Option<String>,
+    pub(crate) password: Option<String>,
 }
 
 impl Target {
     /// `redis://[user[:password]@]host[:port]` (port 6379 when left out). The user and the
     /// password may be percent-encoded.
-    pub fn from_url(url: &str) -> Result<Target, String> {
+    pub(crate) fn from_url(url: &str) -> Result<Target, String> {
         let rest = url
             .strip_prefix("redis://")
             .ok_or_else(|| format!("the Redis URL must start with redis://, got {url:?}"))?;
@@ -68,7 +68,7 @@ impl Target {
     }
 
     /// The URL without its password, for messages.
-    pub fn shown(&self) -> String {
+    pub(crate) fn shown(&self) -> String {
         match &self.username {
             Some(u) => format!("redis://{u}@{}:{}", self.host, self.port),
             None => format!("redis://{}:{}", self.host, self.port),
@@ -102,7 +102,7 @@ fn decode(s: &str) -> Result<String, String> {
 
 /// What went wrong talking to Redis.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ClientError {
+pub(crate) enum ClientError {
     /// Could not connect, read or write.
     Io(String),
     /// Redis answered with an error.
@@ -122,7 +122,7 @@ impl std::fmt::Display for ClientError {
 }
 
 /// One connection per node; the first is the target's.
-pub struct Client {
+pub(crate) struct Client {
     target: Target,
     nodes: HashMap<String, TcpStream>,
     /// Where `MOVED` said each slot is.
@@ -130,7 +130,7 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn new(target: Target) -> Client {
+    pub(crate) fn new(target: Target) -> Client {
         Client {
             target,
             nodes: HashMap::new(),
@@ -140,7 +140,7 @@ impl Client {
 
     /// Sends one command (its words) and reads its reply, following cluster redirections.
     /// An error reply is [`ClientError::Redis`].
-    pub fn call(&mut self, words: &[&[u8]]) -> Result<Reply, ClientError> {
+    pub(crate) fn call(&mut self, words: &[&[u8]]) -> Result<Reply, ClientError> {
         let slot = first_key(words).map(key_slot);
         let mut node = slot
             .and_then(|s| self.slots.get(&s).cloned())
@@ -242,7 +242,7 @@ fn first_key<'a>(words: &[&'a [u8]]) -> Option<&'a [u8]> {
 }
 
 /// Redis Cluster's slot of a key: CRC16 (XMODEM) of its hash tag, modulo 16384.
-pub fn key_slot(key: &[u8]) -> u16 {
+pub(crate) fn key_slot(key: &[u8]) -> u16 {
     let tagged = key
         .iter()
         .position(|b| *b == b'{')

@@ -7,9 +7,15 @@
 //! makes is written to stderr by [`Context::log_change`] (who, what, when) and is idempotent:
 //! run twice, the second run finds nothing to change and says so.
 
-pub mod args;
-pub mod client;
-pub mod overrides;
+pub(crate) mod args;
+pub(crate) mod client;
+pub(crate) mod explain;
+pub(crate) mod lease;
+pub(crate) mod limits;
+pub(crate) mod overrides;
+pub(crate) mod record;
+pub(crate) mod request;
+pub(crate) mod show;
 
 use crate::config::manifest::{self, Configuration, EnvValue};
 use crate::config::Config;
@@ -18,8 +24,8 @@ use client::{Client, ClientError, Target};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The command line's help.
-pub const USAGE: &str = "\
-usage: cg-admin [--config FILE] [--plugin N] [--redis URL] [--json] COMMAND [OPTIONS]
+pub(crate) const USAGE: &str = "\
+usage: cg-admin [--config FILE] [--plugin N] [--redis URL] [--json] COMMAND [OPTIONS] [--json]
 
   --config FILE  the plugin configuration the filter runs: its JSON, a WasmPlugin YAML or an
                  Envoy config (env CG_ADMIN_CONFIG)
@@ -34,6 +40,13 @@ commands:
   lease     a lease: holder, fencing token, time left [--release]
   explain   which policy, limits, keys, record and lease a described request would use, and why
   override  set|clear|list a tenant's or a principal's own limit
+
+the request (limits, record, lease, explain), as the client sends it:
+  --policy NAME --method M --path P --host H --header 'name: value' (repeats)
+  --tenant T --principal P --client-ip IP --idempotency-key K --resource V (lease; repeats)
+  --limit NAME (limits: only this limit; repeats)
+
+exit status: 0 done, 1 refused, 2 usage, 3 Redis. The reference: docs/admin.md
 ";
 
 /// Runs the command line; the exit status: 0 done, 1 refused, 2 usage, 3 Redis.
@@ -47,10 +60,13 @@ pub fn main(argv: &[String]) -> u8 {
         print!("{USAGE}");
         return 0;
     }
+    // `--json` is taken after the command too: every command answers in JSON with it.
+    let late_json = rest.iter().any(|a| a == "--json");
+    let rest: Vec<String> = rest.iter().filter(|a| *a != "--json").cloned().collect();
     let outcome =
         Args::parse(&global, &["--config", "--plugin", "--redis"], &["--json"]).and_then(|g| {
             let mut ctx = context(&g)?;
-            run(&mut ctx, command, rest).map(|r| (r, g.flag("--json")))
+            run(&mut ctx, command, &rest).map(|r| (r, g.flag("--json") || late_json))
         });
     match outcome {
         Ok((report, json)) => {
@@ -90,8 +106,12 @@ fn split_command(argv: &[String]) -> (Vec<String>, Option<&str>, &[String]) {
 }
 
 /// Runs one command.
-pub fn run(ctx: &mut Context, command: &str, args: &[String]) -> Result<Report, AdminError> {
+pub(crate) fn run(ctx: &mut Context, command: &str, args: &[String]) -> Result<Report, AdminError> {
     match command {
+        "limits" => limits::run(ctx, args),
+        "record" => record::run(ctx, args),
+        "lease" => lease::run(ctx, args),
+        "explain" => explain::run(ctx, args),
         "override" => overrides::run(ctx, args),
         other => Err(AdminError::Usage(format!(
             "unknown command {other:?}; the commands are limits, record, lease, explain, override"
@@ -141,7 +161,7 @@ fn context(g: &Args) -> Result<Context, AdminError> {
 /// configuration names (a credential, a record key) is taken from the file's VM environment
 /// when it gives the value, else from this process's environment, else a stand-in: the tool
 /// needs the keys the configuration derives, not the secrets.
-pub fn load_config(path: &str, plugin: Option<usize>) -> Result<Config, AdminError> {
+pub(crate) fn load_config(path: &str, plugin: Option<usize>) -> Result<Config, AdminError> {
     let bytes =
         std::fs::read(path).map_err(|e| AdminError::Usage(format!("cannot read {path}: {e}")))?;
     let found = manifest::read(&bytes).map_err(|e| AdminError::Usage(format!("{path}: {e}")))?;
@@ -184,19 +204,19 @@ pub fn load_config(path: &str, plugin: Option<usize>) -> Result<Config, AdminErr
 const STAND_IN: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
 
 /// What every command works with.
-pub struct Context {
+pub(crate) struct Context {
     /// The plugin configuration, as the filter reads it.
-    pub config: Config,
+    pub(crate) config: Config,
     /// Redis, as the admin.
-    pub client: Client,
+    pub(crate) client: Client,
     /// Who runs the tool, for the change log (`CG_ADMIN_ACTOR`, else `$USER`).
-    pub actor: String,
+    pub(crate) actor: String,
 }
 
 impl Context {
     /// Writes one line to stderr for a change the tool made: when (UTC, RFC 3339), who, what
     /// (the command and the exact key), and what it found before.
-    pub fn log_change(&self, what: &str, key: &str, before: &str) {
+    pub(crate) fn log_change(&self, what: &str, key: &str, before: &str) {
         eprintln!(
             "{} cg-admin change by {}: {what} {key} (before: {before})",
             rfc3339_now(),
@@ -207,14 +227,14 @@ impl Context {
 
 /// A command's answer: `text` for a person, `json` for `--json`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Report {
-    pub text: String,
-    pub json: serde_json::Value,
+pub(crate) struct Report {
+    pub(crate) text: String,
+    pub(crate) json: serde_json::Value,
 }
 
 /// Why a command failed: the exit status and the message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AdminError {
+pub(crate) enum AdminError {
     /// The command line or the described request is wrong (exit 2).
     Usage(String),
     /// Redis could not be reached or refused (exit 3).
@@ -238,8 +258,25 @@ impl std::fmt::Display for AdminError {
     }
 }
 
+/// Redis's clock in ms (`TIME`): the clock the scripts stamp records with.
+pub(crate) fn redis_time_ms(client: &mut Client) -> Result<i64, AdminError> {
+    let reply = client.call(&[b"TIME"])?;
+    let part = |i: usize| {
+        reply
+            .as_array()
+            .and_then(|a| a.get(i))
+            .and_then(|r| r.as_int())
+    };
+    match (part(0), part(1)) {
+        (Some(s), Some(us)) => Ok(s * 1000 + us / 1000),
+        _ => Err(AdminError::Redis(ClientError::Protocol(
+            "TIME did not answer two numbers".into(),
+        ))),
+    }
+}
+
 /// Now as `2026-12-07T15:04:05Z`.
-pub fn rfc3339_now() -> String {
+pub(crate) fn rfc3339_now() -> String {
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -248,7 +285,7 @@ pub fn rfc3339_now() -> String {
 
 /// Seconds since the epoch as `YYYY-MM-DDThh:mm:ssZ` (UTC; days to a civil date by Howard
 /// Hinnant's algorithm).
-pub fn rfc3339(secs: u64) -> String {
+pub(crate) fn rfc3339(secs: u64) -> String {
     let days = i64::try_from(secs / 86_400).unwrap_or(0);
     let rem = secs % 86_400;
     let z = days + 719_468;

@@ -10,6 +10,7 @@
 
 use crate::admin::args::Args;
 use crate::admin::client::{Client, ClientError};
+use crate::admin::show;
 use crate::admin::{AdminError, Context, Report};
 use crate::config::units::parse_duration_ms;
 use crate::config::{Algorithm, Config, Policy, RateLimit};
@@ -26,7 +27,7 @@ usage: cg-admin override set --policy P --limit L --tenant T [--principal U] --q
        cg-admin override list --policy P --tenant T [--principal U ...]";
 
 /// Runs `override` with its own arguments.
-pub fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
+pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminError> {
     let (action, rest) = args
         .split_first()
         .ok_or_else(|| AdminError::Usage(USAGE.into()))?;
@@ -187,13 +188,16 @@ fn set(ctx: &mut Context, rest: &[String]) -> Result<Report, AdminError> {
     let _ = writeln!(
         text,
         "  quota      {}{}",
-        quota_text(wanted.limit, wanted.window_ms, wanted.burst),
-        ttl_ms.map_or(String::new(), |t| format!(", expires in {}", duration(t)))
+        show::quota(wanted.limit, wanted.window_ms, wanted.burst),
+        ttl_ms.map_or(String::new(), |t| format!(
+            ", expires in {}",
+            show::duration(t)
+        ))
     );
     let _ = writeln!(
         text,
         "  configured {}",
-        quota_text(t.limit.limit, t.limit.window_ms, t.config_burst())
+        show::quota(t.limit.limit, t.limit.window_ms, t.config_burst())
     );
     let _ = writeln!(text, "  before     {}", before.as_deref().unwrap_or("none"));
     if !changed {
@@ -233,8 +237,8 @@ fn wanted(t: &Target<'_>, a: &Args) -> Result<Override, AdminError> {
     if window_ms > OVERRIDE_MAX_WINDOW_MS {
         return Err(AdminError::Usage(format!(
             "--window {} is longer than an override may be ({})",
-            duration(window_ms),
-            duration(OVERRIDE_MAX_WINDOW_MS)
+            show::duration(window_ms),
+            show::duration(OVERRIDE_MAX_WINDOW_MS)
         )));
     }
     let token_bucket = t.limit.algorithm == Algorithm::TokenBucket;
@@ -298,7 +302,7 @@ fn clear(ctx: &mut Context, rest: &[String]) -> Result<Report, AdminError> {
     let _ = writeln!(
         text,
         "  now        the configuration's: {}",
-        quota_text(t.limit.limit, t.limit.window_ms, t.config_burst())
+        show::quota(t.limit.limit, t.limit.window_ms, t.config_burst())
     );
     if !changed {
         text.push_str("  nothing to change: there is no override\n");
@@ -397,9 +401,9 @@ fn list(ctx: &mut Context, rest: &[String]) -> Result<Report, AdminError> {
                         entry["quota"] = quota_json(o.limit, o.window_ms, o.burst);
                         format!(
                             "{}{}",
-                            quota_text(o.limit, o.window_ms, o.burst),
+                            show::quota(o.limit, o.window_ms, o.burst),
                             if pttl >= 0 {
-                                format!(", expires in {}", duration(pttl.unsigned_abs()))
+                                format!(", expires in {}", show::duration(pttl.unsigned_abs()))
                             } else {
                                 String::new()
                             }
@@ -427,7 +431,7 @@ fn list(ctx: &mut Context, rest: &[String]) -> Result<Report, AdminError> {
                 text,
                 "  limit {}, configured: {}",
                 l.name,
-                quota_text(l.limit, l.window_ms, burst)
+                show::quota(l.limit, l.window_ms, burst)
             );
             json!({"limit": l.name, "quota": quota_json(l.limit, l.window_ms, burst)})
         })
@@ -499,28 +503,8 @@ fn unexpected(command: &str, reply: &Reply) -> AdminError {
     )))
 }
 
-/// `500 per 1m`, `500 per 1m, burst 50`.
-fn quota_text(limit: u64, window_ms: u64, burst: Option<u64>) -> String {
-    match burst {
-        Some(b) => format!("{limit} per {}, burst {b}", duration(window_ms)),
-        None => format!("{limit} per {}", duration(window_ms)),
-    }
-}
-
 fn quota_json(limit: u64, window_ms: u64, burst: Option<u64>) -> Value {
     json!({"limit": limit, "window_ms": window_ms, "burst": burst})
-}
-
-/// A duration in the largest unit that divides it (`1d`, `90s`, `250ms`).
-fn duration(ms: u64) -> String {
-    match ms {
-        0 => "0ms".into(),
-        ms if ms % 86_400_000 == 0 => format!("{}d", ms / 86_400_000),
-        ms if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
-        ms if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
-        ms if ms % 1000 == 0 => format!("{}s", ms / 1000),
-        ms => format!("{ms}ms"),
-    }
 }
 
 #[cfg(test)]
@@ -655,9 +639,9 @@ mod tests {
 
     #[test]
     fn durations_read_back() {
-        assert_eq!(duration(86_400_000), "1d");
-        assert_eq!(duration(90_000), "90s");
-        assert_eq!(duration(250), "250ms");
-        assert_eq!(quota_text(6, 60_000, Some(3)), "6 per 1m, burst 3");
+        assert_eq!(show::duration(86_400_000), "1d");
+        assert_eq!(show::duration(90_000), "90s");
+        assert_eq!(show::duration(250), "250ms");
+        assert_eq!(show::quota(6, 60_000, Some(3)), "6 per 1m, burst 3");
     }
 }

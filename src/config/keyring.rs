@@ -58,13 +58,13 @@ impl RecordKey {
     }
 
     /// The key's cipher, for the seal.
-    pub(crate) fn cipher(&self) -> &Aes256Gcm {
+    pub fn cipher(&self) -> &Aes256Gcm {
         &self.cipher
     }
 
     /// This key's cipher under another id: a key that claims to be another (the seal's tests).
     #[cfg(test)]
-    pub(crate) fn named(&self, kid: &str) -> RecordKey {
+    pub fn named(&self, kid: &str) -> RecordKey {
         RecordKey {
             kid: kid.to_string(),
             cipher: self.cipher.clone(),

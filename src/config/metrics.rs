@@ -3,7 +3,7 @@
 
 use crate::config::Config;
 use crate::support::metrics::{
-    IdemMetrics, Kind, LeaseMetrics, LimitMetrics, MemoryMetrics, Metrics, PolicyMetrics,
+    IdempotencyMetrics, Kind, LeaseMetrics, LimitMetrics, MemoryMetrics, Metrics, PolicyMetrics,
     RedisMetrics,
 };
 
@@ -53,9 +53,9 @@ impl Metrics {
                             }
                         })
                         .collect(),
-                    idem: p.idempotency.as_ref().map(|_| {
+                    record: p.idempotency.as_ref().map(|_| {
                         let mut c = |n: &str| counter(format!("{base}.idem.{n}"));
-                        IdemMetrics {
+                        IdempotencyMetrics {
                             acquired: c("acquired"),
                             replayed: c("replayed"),
                             in_progress: c("in_progress"),

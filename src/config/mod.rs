@@ -37,7 +37,7 @@ pub use reader::ConfigError;
 use reader::{index, Obj, Result};
 pub use redis::{Batch, RedisConfig};
 
-pub use crate::support::jsonscan::Pointer;
+pub(crate) use crate::support::jsonscan::Pointer;
 use serde_json::Value;
 
 /// What a policy does when Redis cannot answer (unreachable, error, or too slow).
@@ -251,7 +251,7 @@ impl Config {
 
 /// What bounds the bodies a policy copies: Envoy's buffer limit and the worker's memory budget.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Limits {
+pub struct Limits {
     pub envoy_buffer: u64,
     pub memory_budget: u64,
 }

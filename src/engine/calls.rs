@@ -3,7 +3,7 @@
 //! every call has: its slot (which comes back with the answer), when it was sent (latency),
 //! how often, and whether it goes by `EVALSHA` or, after one `NOSCRIPT`, by `EVAL`.
 
-use crate::engine::context::{Cx, Outgoing, Runtime};
+use crate::guards::context::{Cx, Outgoing, Runtime};
 use crate::redis::scripts::ScriptId;
 use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall};
 use crate::support::metrics::MetricSink;
@@ -11,26 +11,26 @@ use std::rc::Rc;
 
 /// A call and what its owner keeps with it (`tag`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Call<T> {
-    pub tag: T,
-    pub script: ScriptId,
+pub(crate) struct Call<T> {
+    pub(crate) tag: T,
+    pub(crate) script: ScriptId,
     /// Shared with every [`Outgoing`] that sends it: a send copies no keys or arguments.
-    pub call: Rc<ScriptCall>,
+    pub(crate) call: Rc<ScriptCall>,
     by_sha: bool,
     sent_ms: u64,
     /// Sends so far.
-    pub attempts: u32,
+    pub(crate) attempts: u32,
     /// When it was first sent.
-    pub first_ms: Option<u64>,
+    pub(crate) first_ms: Option<u64>,
     /// Not to be sent before this time (a retry's backoff); 0 for at once.
-    pub due_ms: u64,
+    pub(crate) due_ms: u64,
     /// Waiting for its answer (or to be sent).
-    pub open: bool,
+    pub(crate) open: bool,
 }
 
 /// What an answer means once the table has taken its share (latency, `NOSCRIPT`).
 #[derive(Debug)]
-pub enum Answer<'a, T> {
+pub(crate) enum Answer<'a, T> {
     /// No open call has this slot (a late or duplicate answer): ignored.
     Unknown,
     /// `NOSCRIPT`: the same call again, by `EVAL`.
@@ -40,7 +40,7 @@ pub enum Answer<'a, T> {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Calls<T> {
+pub(crate) struct Calls<T> {
     slots: Vec<Option<Call<T>>>,
 }
 
@@ -52,14 +52,19 @@ impl<T> Default for Calls<T> {
 
 impl<T> Calls<T> {
     /// No calls, in `self`'s room: what a reused stream box starts from.
-    pub fn emptied(self) -> Calls<T> {
+    pub(crate) fn emptied(self) -> Calls<T> {
         let mut slots = self.slots;
         slots.clear();
         Calls { slots }
     }
 
     /// Adds a call (in a free slot) and returns its slot.
-    pub fn push(&mut self, tag: T, script: ScriptId, call: impl Into<Rc<ScriptCall>>) -> usize {
+    pub(crate) fn push(
+        &mut self,
+        tag: T,
+        script: ScriptId,
+        call: impl Into<Rc<ScriptCall>>,
+    ) -> usize {
         let entry = Call {
             tag,
             script,
@@ -84,7 +89,7 @@ impl<T> Calls<T> {
     }
 
     /// The call of `slot`, to send now (counted as a send).
-    pub fn send(&mut self, slot: usize, now_ms: u64) -> Option<Outgoing> {
+    pub(crate) fn send(&mut self, slot: usize, now_ms: u64) -> Option<Outgoing> {
         let c = self.slots.get_mut(slot)?.as_mut()?;
         c.sent_ms = now_ms;
         c.attempts = c.attempts.saturating_add(1);
@@ -98,7 +103,7 @@ impl<T> Calls<T> {
     }
 
     /// Adds a call and returns it to send now.
-    pub fn push_and_send(
+    pub(crate) fn push_and_send(
         &mut self,
         tag: T,
         script: ScriptId,
@@ -109,34 +114,34 @@ impl<T> Calls<T> {
         self.send(slot, now_ms)
     }
 
-    pub fn get(&self, slot: usize) -> Option<&Call<T>> {
+    pub(crate) fn get(&self, slot: usize) -> Option<&Call<T>> {
         self.slots.get(slot)?.as_ref()
     }
 
-    pub fn get_mut(&mut self, slot: usize) -> Option<&mut Call<T>> {
+    pub(crate) fn get_mut(&mut self, slot: usize) -> Option<&mut Call<T>> {
         self.slots.get_mut(slot)?.as_mut()
     }
 
     /// Frees `slot` for a later call and returns what it held.
-    pub fn remove(&mut self, slot: usize) -> Option<Call<T>> {
+    pub(crate) fn remove(&mut self, slot: usize) -> Option<Call<T>> {
         self.slots.get_mut(slot)?.take()
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &Call<T>> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Call<T>> {
         self.slots.iter().flatten()
     }
 
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Call<T>> {
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Call<T>> {
         self.slots.iter_mut().flatten()
     }
 
     /// The calls still waiting for their answers.
-    pub fn open(&self) -> impl Iterator<Item = &Call<T>> {
+    pub(crate) fn open(&self) -> impl Iterator<Item = &Call<T>> {
         self.iter().filter(|c| c.open)
     }
 
     /// The calls still waiting for their answers, with their slots.
-    pub fn open_slots(&self) -> impl Iterator<Item = (usize, &Call<T>)> {
+    pub(crate) fn open_slots(&self) -> impl Iterator<Item = (usize, &Call<T>)> {
         self.slots
             .iter()
             .enumerate()
@@ -144,29 +149,29 @@ impl<T> Calls<T> {
             .filter(|(_, c)| c.open)
     }
 
-    pub fn any_open(&self) -> bool {
+    pub(crate) fn any_open(&self) -> bool {
         self.open().next().is_some()
     }
 
     /// Closes `slot`: a later answer for it is ignored.
-    pub fn close(&mut self, slot: usize) {
+    pub(crate) fn close(&mut self, slot: usize) {
         if let Some(c) = self.get_mut(slot) {
             c.open = false;
         }
     }
 
     /// Whether no call was ever made (every round that clears the table sends one at once).
-    pub fn none_made(&self) -> bool {
+    pub(crate) fn none_made(&self) -> bool {
         self.slots.is_empty()
     }
 
     /// Drops every call (a new round starts).
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.slots.clear();
     }
 
     /// Slots of the open calls due at `now_ms`.
-    pub fn due(&self, now_ms: u64) -> Vec<usize> {
+    pub(crate) fn due(&self, now_ms: u64) -> Vec<usize> {
         self.slots
             .iter()
             .enumerate()
@@ -177,7 +182,7 @@ impl<T> Calls<T> {
 
     /// Takes the answer for `slot`: records the round trip's latency, and after `NOSCRIPT`
     /// sends the call again by `EVAL` (once: a call already by `EVAL` is answered as it is).
-    pub fn answer(
+    pub(crate) fn answer(
         &mut self,
         cx: &Cx<'_>,
         slot: usize,
@@ -203,7 +208,7 @@ impl<T> Calls<T> {
 
 /// Counts a failed call as a timeout or an error (an answer the memory budget could not hold
 /// is neither: Redis answered; it is counted where the request is refused).
-pub fn count_failure(rt: &Runtime, err: &CallError, m: &dyn MetricSink) {
+pub(crate) fn count_failure(rt: &Runtime, err: &CallError, m: &dyn MetricSink) {
     match err {
         CallError::OverBudget => {}
         CallError::Timeout => m.increment(rt.metrics.redis.timeouts),

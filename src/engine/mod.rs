@@ -4,9 +4,8 @@
 //! request ([`outbox`]) and the worker as the adapter shares it ([`shared`]). It does no I/O:
 //! the host adapter carries out what it returns.
 
-pub mod calls;
-pub mod context;
+pub(crate) mod calls;
 pub mod flow;
-pub mod outbox;
-pub mod shared;
+pub(crate) mod outbox;
+pub(crate) mod shared;
 pub mod worker;

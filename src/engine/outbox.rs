@@ -12,103 +12,27 @@
 //! expires (a lease at its TTL, a record at its processing TTL, a slot at its window).
 
 use crate::engine::calls::{count_failure, Answer, Call, Calls};
-use crate::engine::context::{Cx, Outgoing, Purpose, Runtime};
+use crate::guards::background::Background;
+use crate::guards::context::{Cx, Outgoing, Purpose, Runtime};
+use crate::guards::idempotency::guard::count_settlement;
+use crate::guards::lease::count_lease;
 use crate::redis::scripts::record::{outcome, Outcome};
-use crate::redis::{resp::Reply, CallError, ScriptCall};
+use crate::redis::{resp::Reply, CallError};
 use crate::support::lograte::WarnKind;
-use crate::support::metrics::{IdemMetrics, LeaseMetrics, MetricSink};
-use std::rc::Rc;
+use crate::support::metrics::MetricSink;
 
 /// The first pause before a release is sent again; it doubles with every attempt.
-pub const RETRY_FIRST_MS: u64 = 100;
+pub(crate) const RETRY_FIRST_MS: u64 = 100;
 /// The largest pause between two sends of a release.
-pub const RETRY_MAX_BACKOFF_MS: u64 = 1600;
+pub(crate) const RETRY_MAX_BACKOFF_MS: u64 = 1600;
 /// A release is sent at most this many times (the first send included).
-pub const MAX_SENDS: u32 = 6;
+pub(crate) const MAX_SENDS: u32 = 6;
 /// No release is sent again later than this after its first send.
-pub const RETRY_WINDOW_MS: u64 = 10_000;
+pub(crate) const RETRY_WINDOW_MS: u64 = 10_000;
 /// Re-sends a worker may make at once (the budget when full)...
-pub const RETRY_BUDGET: u64 = 30;
+pub(crate) const RETRY_BUDGET: u64 = 30;
 /// ...and the rate at which its budget fills again.
-pub const RETRY_BUDGET_PER_S: u64 = 10;
-
-/// A call a request hands to the root: what to send and how to read its answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Background {
-    pub policy: usize,
-    pub purpose: Purpose,
-    pub call: Rc<ScriptCall>,
-    /// Hash of the client's key, for logs.
-    pub key_hash: String,
-    /// False when the request may not own what this call gives back (a release sent while
-    /// its acquire was still in flight, or a call sent again after the stream ended): then
-    /// "not ours" is the expected answer, not a stale owner or a lost lease.
-    pub certain: bool,
-    /// Gives back what an acquire the request gave up on may have taken (the call carries the
-    /// owner's cancellation marker): "released" then is a late acquire undone, not a release
-    /// of something the request knew it held, and is not counted as one.
-    pub compensation: bool,
-}
-
-impl Background {
-    pub fn new(
-        policy: usize,
-        purpose: Purpose,
-        call: impl Into<Rc<ScriptCall>>,
-        key_hash: String,
-    ) -> Background {
-        Background {
-            policy,
-            purpose,
-            call: call.into(),
-            key_hash,
-            certain: true,
-            compensation: false,
-        }
-    }
-
-    /// Gives back what `holder` holds (then no longer) or, with `in_flight`, what an acquire
-    /// the request gave up on may have taken: then the release carries the owner's
-    /// cancellation marker (`marker_ttl_ms`), so a late acquire takes nothing, and the call is
-    /// a compensation (see [`Background::compensation`]).
-    pub fn give_back(
-        policy: usize,
-        holder: &mut impl Holder,
-        in_flight: bool,
-        marker_ttl_ms: u64,
-    ) -> Option<Background> {
-        let certain = std::mem::take(holder.held());
-        if !certain && !in_flight {
-            return None;
-        }
-        let (purpose, call, key_hash) = holder.release((!certain).then_some(marker_ttl_ms));
-        let call = Background::new(policy, purpose, call, key_hash);
-        Some(if certain { call } else { call.compensation() })
-    }
-
-    /// A call whose "not ours" answer is expected (see [`Background::certain`]).
-    pub fn uncertain(mut self) -> Background {
-        self.certain = false;
-        self
-    }
-
-    /// A release of what a late acquire may have taken (see [`Background::compensation`]).
-    pub fn compensation(mut self) -> Background {
-        self.certain = false;
-        self.compensation = true;
-        self
-    }
-}
-
-/// A guard that holds something in Redis (the record, the lease) and gives it back from the
-/// root (see [`Background::give_back`]).
-pub trait Holder {
-    /// Whether the request holds it.
-    fn held(&mut self) -> &mut bool;
-    /// The call that gives it back by owner (with the cancellation marker's TTL when the
-    /// request may not hold it): its purpose, the call, the key hash for logs.
-    fn release(&mut self, marker_ttl_ms: Option<u64>) -> (Purpose, ScriptCall, String);
-}
+pub(crate) const RETRY_BUDGET_PER_S: u64 = 10;
 
 /// What the root keeps of a background call while it is queued or in flight.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,17 +48,17 @@ struct Tag {
 
 /// What became of a background call's answer.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Settled {
+pub(crate) struct Settled {
     /// Send this now (by `EVAL`, after `NOSCRIPT`).
-    pub resend: Option<Outgoing>,
+    pub(crate) resend: Option<Outgoing>,
     /// The lease this call gave back, or the record it settled: a request of this worker
     /// waiting for it may poll at once.
-    pub freed: Option<String>,
+    pub(crate) freed: Option<String>,
 }
 
 /// The root's background calls: queued until due, in flight, retried.
 #[derive(Debug, Default)]
-pub struct Outbox {
+pub(crate) struct Outbox {
     calls: Calls<Tag>,
     budget: RetryBudget,
 }
@@ -171,7 +95,7 @@ const IN_FLIGHT: u64 = u64::MAX;
 
 impl Outbox {
     /// Queues a call, to be sent at once.
-    pub fn add(&mut self, bg: Background) {
+    pub(crate) fn add(&mut self, bg: Background) {
         let tag = Tag {
             policy: bg.policy,
             purpose: bg.purpose,
@@ -185,7 +109,7 @@ impl Outbox {
 
     /// The calls due at `now_ms`, in order, to send now; retries waiting for their backoff
     /// stay.
-    pub fn take_due(&mut self, now_ms: u64) -> Vec<Outgoing> {
+    pub(crate) fn take_due(&mut self, now_ms: u64) -> Vec<Outgoing> {
         let mut out = Vec::new();
         for slot in self.calls.due(now_ms) {
             if let Some(c) = self.calls.get_mut(slot) {
@@ -196,8 +120,9 @@ impl Outbox {
         out
     }
 
+    #[cfg(test)]
     /// When the next queued call is due (a retry waiting for its backoff).
-    pub fn next_due_ms(&self) -> Option<u64> {
+    pub(crate) fn next_due_ms(&self) -> Option<u64> {
         self.calls
             .open()
             .map(|c| c.due_ms)
@@ -205,17 +130,19 @@ impl Outbox {
             .min()
     }
 
+    #[cfg(test)]
     /// Calls queued or in flight.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.calls.iter().count()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Handles the answer (or a failure to send) of the call in `slot`.
-    pub fn on_answer(
+    pub(crate) fn on_answer(
         &mut self,
         cx: &Cx<'_>,
         slot: usize,
@@ -316,7 +243,7 @@ fn settled(rt: &Runtime, tag: &Tag, reply: &Reply, m: &dyn MetricSink) {
         );
     } else if let (true, Some(lm)) = (lease, pm.lease.as_ref()) {
         count_lease(lm, tag.purpose, reply, &policy.name, m);
-    } else if let Some(im) = pm.idem.as_ref() {
+    } else if let Some(im) = pm.record.as_ref() {
         count_settlement(im, tag.purpose, reply, &policy.name, &tag.key_hash, m);
     }
 }
@@ -389,7 +316,7 @@ fn failed(
             });
         return None;
     }
-    match pm.idem.as_ref().filter(|_| !lease) {
+    match pm.record.as_ref().filter(|_| !lease) {
         Some(im) => {
             // Only sent for a record that exists or may exist.
             m.increment(im.complete_failed);
@@ -442,55 +369,4 @@ fn retry_at(
     let at = now_ms.saturating_add(backoff);
     let first = first_ms.unwrap_or(now_ms);
     (at <= first.saturating_add(RETRY_WINDOW_MS)).then_some(at)
-}
-
-/// Counts what a lease release (`1` released) or extension (`1` extended) found; `0` (expired)
-/// and `-1` (another owner) mean the lease was lost.
-pub fn count_lease(
-    lm: &LeaseMetrics,
-    purpose: Purpose,
-    reply: &Reply,
-    policy: &str,
-    m: &dyn MetricSink,
-) {
-    match (purpose, outcome(reply)) {
-        (Purpose::LeaseRelease, Outcome::Done) => m.increment(lm.released),
-        (Purpose::LeaseExtend, Outcome::Done) => m.increment(lm.extended),
-        (_, Outcome::NotOurs) => {
-            m.increment(lm.lost);
-            log::warn!(
-                "policy {policy}: a lease was lost (it expired{}); the upstream's fencing check protects the data",
-                if reply.as_int() == Some(-1) { " and another request holds it" } else { "" }
-            );
-        }
-        _ => log::warn!("policy {policy}: unexpected answer to a lease update: {reply:?}"),
-    }
-}
-
-/// Counts what a complete (`1` written, `0` missing, `-1` not owner) or release (`1`
-/// released, `0` missing, `-1` not owner) call found.
-pub fn count_settlement(
-    im: &IdemMetrics,
-    purpose: Purpose,
-    reply: &Reply,
-    policy: &str,
-    key_hash: &str,
-    m: &dyn MetricSink,
-) {
-    match (purpose, outcome(reply)) {
-        (Purpose::Complete, Outcome::Done) => m.increment(im.completed),
-        (Purpose::Release, Outcome::Done) => m.increment(im.released),
-        (_, Outcome::NotOurs) => {
-            m.increment(im.stale_owner);
-            log::warn!(
-                "policy {policy} key {key_hash}: the record is no longer ours (its processing TTL expired); not overwritten"
-            );
-        }
-        _ => {
-            m.increment(im.complete_failed);
-            log::warn!(
-                "policy {policy} key {key_hash}: unexpected answer to a record update: {reply:?}"
-            );
-        }
-    }
 }

@@ -8,22 +8,22 @@
 use crate::engine::worker::{Dir, Worker};
 use std::cell::RefCell;
 
-pub struct SharedWorker<S>(RefCell<Worker<S>>);
+pub(crate) struct SharedWorker<S>(RefCell<Worker<S>>);
 
 impl<S: Copy + Ord> SharedWorker<S> {
-    pub fn new(worker: Worker<S>) -> SharedWorker<S> {
+    pub(crate) fn new(worker: Worker<S>) -> SharedWorker<S> {
         SharedWorker(RefCell::new(worker))
     }
 
     /// Hands an event to the worker; `None` while it is taking another one.
-    pub fn event<T>(&self, f: impl FnOnce(&mut Worker<S>) -> T) -> Option<T> {
+    pub(crate) fn event<T>(&self, f: impl FnOnce(&mut Worker<S>) -> T) -> Option<T> {
         let mut worker = self.0.try_borrow_mut().ok()?;
         Some(f(&mut worker))
     }
 
     /// Whether stream `s` needs the worker's events: a stream it does not guard needs none
     /// (so no clock read either).
-    pub fn follows(&self, s: S) -> bool {
+    pub(crate) fn follows(&self, s: S) -> bool {
         match self.0.try_borrow() {
             Ok(w) => w.guards(s),
             Err(_) => true,
@@ -32,7 +32,7 @@ impl<S: Copy + Ord> SharedWorker<S> {
 
     /// Whether a body piece of stream `s` in direction `dir` needs an event: none when the
     /// flow takes no body in that direction (the piece passes, never read from the host).
-    pub fn takes_body(&self, s: S, dir: Dir) -> bool {
+    pub(crate) fn takes_body(&self, s: S, dir: Dir) -> bool {
         match self.0.try_borrow() {
             Ok(w) => w.wants_body(s, dir),
             Err(_) => true,
@@ -40,7 +40,7 @@ impl<S: Copy + Ord> SharedWorker<S> {
     }
 
     /// Forgets stream `s` (the host deleted it); nothing while the worker takes an event.
-    pub fn close(&self, s: S) {
+    pub(crate) fn close(&self, s: S) {
         if let Ok(mut worker) = self.0.try_borrow_mut() {
             worker.close(s);
         }

@@ -3,7 +3,7 @@
 
 /// The polls of one waiting request.
 #[derive(Debug)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     /// Give up at this time (set at the first busy answer).
     until_ms: Option<u64>,
     backoff_ms: u64,
@@ -15,7 +15,7 @@ pub struct Backoff {
 
 impl Backoff {
     /// Polls from `first_ms`, doubling up to `max_ms`, jittered by a seed from `token`.
-    pub fn new(first_ms: u64, max_ms: u64, token: &str) -> Backoff {
+    pub(crate) fn new(first_ms: u64, max_ms: u64, token: &str) -> Backoff {
         Backoff {
             until_ms: None,
             backoff_ms: first_ms.max(1),
@@ -25,13 +25,13 @@ impl Backoff {
     }
 
     /// Whether this request has waited (met a busy answer before).
-    pub fn waited(&self) -> bool {
+    pub(crate) fn waited(&self) -> bool {
         self.until_ms.is_some()
     }
 
     /// When to poll next, waiting at most `max_wait_ms` from the first call (the last poll
     /// lands exactly then); `None` once that time has come.
-    pub fn next_poll(&mut self, now_ms: u64, max_wait_ms: u64) -> Option<u64> {
+    pub(crate) fn next_poll(&mut self, now_ms: u64, max_wait_ms: u64) -> Option<u64> {
         let until = *self
             .until_ms
             .get_or_insert(now_ms.saturating_add(max_wait_ms));

@@ -2,43 +2,71 @@
 //! waits for a busy one (jittered, doubling polls up to `max_wait`), when it extends it, and
 //! how it gives it back. It decides; the flow sends.
 
-use crate::config::{Lease, OnBusy};
-use crate::engine::context::{Pcx, Purpose};
-use crate::engine::outbox::{Background, Holder};
+use crate::config::{Lease, OnBusy, Selector};
+use crate::guards::background::{Background, Holder};
 use crate::guards::backoff::Backoff;
+use crate::guards::context::{Pcx, Purpose};
 use crate::http::identity::Caller;
 use crate::http::local_reply::{self, LocalResponse, Problem};
 use crate::http::request::Request;
 use crate::http::selectors::selector_value;
 use crate::redis::keys;
+use crate::redis::resp::Reply;
 use crate::redis::scripts::acquire::{self, LeaseAcquire, LeaseAnswer};
 use crate::redis::scripts::lease;
+use crate::redis::scripts::record::{outcome, Outcome};
 use crate::redis::ScriptCall;
-use crate::support::metrics::LeaseMetrics;
+use crate::support::metrics::{LeaseMetrics, MetricSink};
 
 /// First and largest pause between polls of a busy lease (`on_busy: wait`).
-pub const LEASE_POLL_FIRST_MS: u64 = 25;
-pub const LEASE_POLL_MAX_MS: u64 = 100;
+pub(crate) const LEASE_POLL_FIRST_MS: u64 = 25;
+pub(crate) const LEASE_POLL_MAX_MS: u64 = 100;
+
+/// What names a lease's resource for this caller and request: each of the lease's `resource`
+/// selectors with its value; `Err` spells the first one the request does not carry.
+pub fn resource_parts<'a>(
+    lease: &'a Lease,
+    caller: &'a Caller,
+    req: &'a Request,
+) -> Result<Vec<(&'a Selector, Option<&'a str>)>, String> {
+    let mut parts = Vec::with_capacity(lease.resource.len());
+    for sel in &lease.resource {
+        match selector_value(sel, caller, req) {
+            Some(v) => parts.push((sel, Some(v))),
+            None => return Err(sel.spelling()),
+        }
+    }
+    Ok(parts)
+}
+
+/// The lease key and the fencing counter key of the resource `parts` names, in the hash tag
+/// `tenant_tag` of policy `policy`: the resource hash is the scope hash of its parts.
+pub fn resource_keys<'v, 's>(
+    prefix: &str,
+    tenant_tag: &str,
+    policy: &str,
+    parts: impl IntoIterator<Item = (&'s Selector, Option<&'v str>)>,
+) -> (String, String) {
+    keys::lease_keys(prefix, tenant_tag, policy, &keys::scope_hash(parts))
+}
 
 #[derive(Debug)]
-pub struct LeaseGuard {
-    pub acquire: LeaseAcquire,
+pub(crate) struct LeaseGuard {
+    pub(crate) acquire: LeaseAcquire,
     /// We hold the lease (and must release it).
-    pub held: bool,
+    pub(crate) held: bool,
     /// The answer of an acquire that rode with the rate limits, until they are decided.
-    pub answer: Option<LeaseAnswer>,
+    pub(crate) answer: Option<LeaseAnswer>,
     wait: Backoff,
     /// The busy lease's remaining time at the last busy answer (for the answer of a waiter).
     busy_pttl_ms: i64,
     /// When to extend the lease next (`extend: true`).
     next_extend_ms: Option<u64>,
-    /// A release Redis confirmed, until the waiters of this worker are woken.
-    freed: bool,
 }
 
 /// What the lease answer means for the request.
 #[derive(Debug, PartialEq, Eq)]
-pub enum LeaseDecision {
+pub(crate) enum LeaseDecision {
     /// Go on; with the fencing header to set on the request, if acquired.
     Forward(Option<(String, String)>),
     /// Busy, and waiting: poll again at this time.
@@ -49,7 +77,7 @@ pub enum LeaseDecision {
 
 impl LeaseGuard {
     /// Names the lease's resource for this request; `Err` names the missing selector.
-    pub fn prepare(
+    pub(crate) fn prepare(
         at: &Pcx<'_>,
         caller: &Caller,
         req: &Request,
@@ -58,18 +86,11 @@ impl LeaseGuard {
         let Some(lease) = at.policy.lease.as_ref() else {
             return Ok(None);
         };
-        let mut parts = Vec::with_capacity(lease.resource.len());
-        for sel in &lease.resource {
-            match selector_value(sel, caller, req) {
-                Some(v) => parts.push((sel, Some(v))),
-                None => return Err(sel.spelling()),
-            }
-        }
+        let parts = resource_parts(lease, caller, req)?;
         let prefix = &at.rt.config.redis.key_prefix;
         let tag = keys::tenant_tag(&caller.tenant);
         let cancel_key = keys::cancel_key(prefix, &tag, &at.policy.name, owner);
-        let (key, fence_key) =
-            keys::lease_keys(prefix, &tag, &at.policy.name, &keys::scope_hash(parts));
+        let (key, fence_key) = resource_keys(prefix, &tag, &at.policy.name, parts);
         Ok(Some(LeaseGuard {
             acquire: LeaseAcquire {
                 key,
@@ -85,12 +106,11 @@ impl LeaseGuard {
             wait: Backoff::new(LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS, owner),
             busy_pttl_ms: 0,
             next_extend_ms: None,
-            freed: false,
         }))
     }
 
     /// The lease answer, once rate limits and idempotency let the request through.
-    pub fn decide(&mut self, at: &Pcx<'_>, answer: LeaseAnswer) -> LeaseDecision {
+    pub(crate) fn decide(&mut self, at: &Pcx<'_>, answer: LeaseAnswer) -> LeaseDecision {
         let (Some(cfg), Some(lm)) = (at.policy.lease.as_ref(), at.pm.lease.as_ref()) else {
             return LeaseDecision::Forward(None);
         };
@@ -119,7 +139,7 @@ impl LeaseGuard {
 
     /// The answer of a request that waited for the lease (found it busy) and does not hold
     /// it, when its poll failed: the busy answer it would give at `max_wait`.
-    pub fn waiting_answer(&self, at: &Pcx<'_>) -> Option<LocalResponse> {
+    pub(crate) fn waiting_answer(&self, at: &Pcx<'_>) -> Option<LocalResponse> {
         if !self.wait.waited() || self.held {
             return None;
         }
@@ -137,7 +157,7 @@ impl LeaseGuard {
     }
 
     /// The acquire answered for the lease (kept until the rate limits are decided).
-    pub fn answered(&mut self, answer: LeaseAnswer) {
+    pub(crate) fn answered(&mut self, answer: LeaseAnswer) {
         if let LeaseAnswer::Acquired { .. } = answer {
             self.held = true;
         }
@@ -145,13 +165,13 @@ impl LeaseGuard {
     }
 
     /// The lease-only acquire that polls a busy lease again.
-    pub fn poll_call(&self, nonce: &str) -> ScriptCall {
+    pub(crate) fn poll_call(&self, nonce: &str) -> ScriptCall {
         acquire::lease_poll(&self.acquire, nonce)
     }
 
     /// The release the response waits for, so the client's next request finds the resource
     /// free.
-    pub fn release_now(&mut self) -> Option<ScriptCall> {
+    pub(crate) fn release_now(&mut self) -> Option<ScriptCall> {
         if !self.held {
             return None;
         }
@@ -162,34 +182,26 @@ impl LeaseGuard {
 
     /// The client left while the service may still be working: the lease is left to expire
     /// after its TTL, no longer extended (see `gone.rs`). Whether the request held it.
-    pub fn orphan(&mut self) -> bool {
+    pub(crate) fn orphan(&mut self) -> bool {
         self.next_extend_ms = None;
         std::mem::take(&mut self.held)
     }
 
-    /// Redis answered our release: `1` gave the lease back (counted either way).
-    pub fn released(&mut self, at: &Pcx<'_>, reply: &crate::redis::resp::Reply) {
+    /// Redis answered our release: `1` gave the lease back (counted either way). The lease's
+    /// key when it did, for the requests of this worker that wait for it.
+    pub(crate) fn released(
+        &self,
+        at: &Pcx<'_>,
+        reply: &crate::redis::resp::Reply,
+    ) -> Option<String> {
         if let Some(lm) = at.pm.lease.as_ref() {
-            crate::engine::outbox::count_lease(
-                lm,
-                Purpose::LeaseRelease,
-                reply,
-                &at.policy.name,
-                at.m,
-            );
+            count_lease(lm, Purpose::LeaseRelease, reply, &at.policy.name, at.m);
         }
-        if reply.as_int() == Some(1) {
-            self.freed = true;
-        }
-    }
-
-    /// The lease this request gave back, once (for the waiters of this worker).
-    pub fn take_freed(&mut self) -> Option<String> {
-        std::mem::take(&mut self.freed).then(|| self.acquire.key.clone())
+        (reply.as_int() == Some(1)).then(|| self.acquire.key.clone())
     }
 
     /// Extends a held lease at half its TTL while the request is in flight, when due.
-    pub fn extend(&mut self, policy: usize, now_ms: u64) -> Option<Background> {
+    pub(crate) fn extend(&mut self, policy: usize, now_ms: u64) -> Option<Background> {
         if !self.held {
             return None;
         }
@@ -206,7 +218,7 @@ impl LeaseGuard {
     }
 
     /// When the lease is to be extended next.
-    pub fn next_extend_ms(&self) -> Option<u64> {
+    pub(crate) fn next_extend_ms(&self) -> Option<u64> {
         self.next_extend_ms
     }
 }
@@ -235,4 +247,27 @@ fn busy(lm: &LeaseMetrics, pttl_ms: i64, at: &Pcx<'_>) -> LocalResponse {
         &[],
         vec![("retry-after".to_string(), retry.to_string())],
     )
+}
+
+/// Counts what a lease release (`1` released) or extension (`1` extended) found; `0` (expired)
+/// and `-1` (another owner) mean the lease was lost.
+pub(crate) fn count_lease(
+    lm: &LeaseMetrics,
+    purpose: Purpose,
+    reply: &Reply,
+    policy: &str,
+    m: &dyn MetricSink,
+) {
+    match (purpose, outcome(reply)) {
+        (Purpose::LeaseRelease, Outcome::Done) => m.increment(lm.released),
+        (Purpose::LeaseExtend, Outcome::Done) => m.increment(lm.extended),
+        (_, Outcome::NotOurs) => {
+            m.increment(lm.lost);
+            log::warn!(
+                "policy {policy}: a lease was lost (it expired{}); the upstream's fencing check protects the data",
+                if reply.as_int() == Some(-1) { " and another request holds it" } else { "" }
+            );
+        }
+        _ => log::warn!("policy {policy}: unexpected answer to a lease update: {reply:?}"),
+    }
 }

@@ -2,7 +2,9 @@
 //! charges, the over-limit cache and leased slices), the idempotency record, the lease; and
 //! the backoff they share while waiting for something another request holds.
 
-pub mod backoff;
+pub(crate) mod background;
+pub(crate) mod backoff;
+pub(crate) mod context;
 pub mod idempotency;
-pub mod lease;
+pub(crate) mod lease;
 pub mod ratelimit;

@@ -20,12 +20,12 @@
 //! (connection reset) Envoy has no such map and answers `BadArgument`.
 
 use proxy_wasm::hostcalls;
-pub use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
+pub(crate) use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
 use std::time::{Duration, UNIX_EPOCH};
 
 /// A host call the host refused, with its status (shown as the status alone).
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Refused(pub Status);
+pub(crate) struct Refused(pub(crate) Status);
 
 impl std::fmt::Debug for Refused {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -74,19 +74,19 @@ extern "C" {
     ) -> Status;
 }
 
-pub fn set_header(map: MapType, name: &str, value: &str) -> Result<(), Refused> {
+pub(crate) fn set_header(map: MapType, name: &str, value: &str) -> Result<(), Refused> {
     // SAFETY: pointers and lengths come from live `&str`s; the host copies them.
     check(unsafe {
         proxy_replace_header_map_value(map, name.as_ptr(), name.len(), value.as_ptr(), value.len())
     })
 }
 
-pub fn remove_header(map: MapType, name: &str) -> Result<(), Refused> {
+pub(crate) fn remove_header(map: MapType, name: &str) -> Result<(), Refused> {
     // SAFETY: as above.
     check(unsafe { proxy_remove_header_map_value(map, name.as_ptr(), name.len()) })
 }
 
-pub fn add_header(map: MapType, name: &str, value: &str) -> Result<(), Refused> {
+pub(crate) fn add_header(map: MapType, name: &str, value: &str) -> Result<(), Refused> {
     // SAFETY: as above.
     check(unsafe {
         proxy_add_header_map_value(map, name.as_ptr(), name.len(), value.as_ptr(), value.len())
@@ -97,7 +97,7 @@ pub fn add_header(map: MapType, name: &str, value: &str) -> Result<(), Refused> 
 /// the status the host gives a gRPC request's answer when the headers carry no `grpc-status`;
 /// with -1 it maps the HTTP status. (Envoy always answers `Ok`: the reply is sent after the
 /// callback returns.)
-pub fn send_local_response(
+pub(crate) fn send_local_response(
     status: u32,
     headers: &[(&str, &str)],
     body: &[u8],
@@ -145,7 +145,7 @@ fn serialize(map: &[(&str, &str)]) -> Vec<u8> {
 /// buffer; empty when the host has none to give. The host's own import: the SDK's `get_map`
 /// and `get_map_bytes` decode every name and value into buffers of their own (two per
 /// header), on every request, and panic on a name that is not UTF-8.
-pub fn header_map_bytes(map: MapType) -> Vec<u8> {
+pub(crate) fn header_map_bytes(map: MapType) -> Vec<u8> {
     let mut data: *mut u8 = std::ptr::null_mut();
     let mut size: usize = 0;
     // SAFETY: the two return slots outlive the call.
@@ -160,12 +160,12 @@ pub fn header_map_bytes(map: MapType) -> Vec<u8> {
 
 /// One header's value; `None` when the map has no such header. Envoy answers `Ok`,
 /// `NotFound`, or `BadArgument` for a map it does not have, which the caller rules out.
-pub fn header_value(map: MapType, name: &str) -> Option<Vec<u8>> {
+pub(crate) fn header_value(map: MapType, name: &str) -> Option<Vec<u8>> {
     hostcalls::get_map_value_bytes(map, name).ok().flatten()
 }
 
 /// Up to `max` bytes of a buffer from its start; empty when there is none (`NotFound`).
-pub fn buffer(kind: BufferType, max: usize) -> Vec<u8> {
+pub(crate) fn buffer(kind: BufferType, max: usize) -> Vec<u8> {
     hostcalls::get_buffer(kind, 0, max)
         .ok()
         .flatten()
@@ -173,12 +173,12 @@ pub fn buffer(kind: BufferType, max: usize) -> Vec<u8> {
 }
 
 /// A property of the stream or the host (`path`'s segments, e.g. `["source", "address"]`).
-pub fn property(path: &[&str]) -> Option<Vec<u8>> {
+pub(crate) fn property(path: &[&str]) -> Option<Vec<u8>> {
     hostcalls::get_property(path.to_vec()).ok().flatten()
 }
 
 /// The shared data under `name` and its version (the host's CAS); `None` when there is none.
-pub fn shared_data(name: &str) -> Option<(Vec<u8>, u32)> {
+pub(crate) fn shared_data(name: &str) -> Option<(Vec<u8>, u32)> {
     match hostcalls::get_shared_data(name) {
         Ok((Some(value), Some(cas))) => Some((value, cas)),
         _ => None,
@@ -187,62 +187,62 @@ pub fn shared_data(name: &str) -> Option<(Vec<u8>, u32)> {
 
 /// Sets the shared data under `name` to `value` if its version is still `cas` (0: whatever
 /// it is).
-pub fn set_shared_data(name: &str, value: &[u8], cas: u32) -> Result<(), Refused> {
+pub(crate) fn set_shared_data(name: &str, value: &[u8], cas: u32) -> Result<(), Refused> {
     let cas = (cas != 0).then_some(cas);
     hostcalls::set_shared_data(name, Some(value), cas).map_err(Refused)
 }
 
 /// Registers this VM's shared queue `name`; its id.
-pub fn register_queue(name: &str) -> Result<u32, Refused> {
+pub(crate) fn register_queue(name: &str) -> Result<u32, Refused> {
     hostcalls::register_shared_queue(name).map_err(Refused)
 }
 
-pub fn enqueue(queue: u32, value: &[u8]) -> Result<(), Refused> {
+pub(crate) fn enqueue(queue: u32, value: &[u8]) -> Result<(), Refused> {
     hostcalls::enqueue_shared_queue(queue, Some(value)).map_err(Refused)
 }
 
 /// Takes the queue's next item; `None` when it is empty.
-pub fn dequeue(queue: u32) -> Option<Vec<u8>> {
+pub(crate) fn dequeue(queue: u32) -> Option<Vec<u8>> {
     hostcalls::dequeue_shared_queue(queue).ok().flatten()
 }
 
-pub fn define_metric(kind: MetricType, name: &str) -> Result<u32, Refused> {
+pub(crate) fn define_metric(kind: MetricType, name: &str) -> Result<u32, Refused> {
     hostcalls::define_metric(kind, name).map_err(Refused)
 }
 
-pub fn increment_metric(id: u32, by: i64) {
+pub(crate) fn increment_metric(id: u32, by: i64) {
     let _ = hostcalls::increment_metric(id, by);
 }
 
 /// Records a histogram's sample (Envoy answers `Ok`, or `NotFound` for an unknown id).
-pub fn record_metric(id: u32, value: u64) {
+pub(crate) fn record_metric(id: u32, value: u64) {
     let _ = hostcalls::record_metric(id, value);
 }
 
 /// The host's time since the epoch; `None` if it cannot say.
-pub fn now() -> Option<Duration> {
+pub(crate) fn now() -> Option<Duration> {
     hostcalls::get_current_time()
         .ok()?
         .duration_since(UNIX_EPOCH)
         .ok()
 }
 
-pub fn set_tick_period(ms: u64) {
+pub(crate) fn set_tick_period(ms: u64) {
     let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
 }
 
 /// Makes `context` the one the following host calls act on (a stream the root resumes).
-pub fn set_effective_context(context: u32) -> Result<(), Refused> {
+pub(crate) fn set_effective_context(context: u32) -> Result<(), Refused> {
     hostcalls::set_effective_context(context).map_err(Refused)
 }
 
-pub fn log(level: LogLevel, message: &str) {
+pub(crate) fn log(level: LogLevel, message: &str) {
     let _ = hostcalls::log(level, message);
 }
 
 /// Sends an HTTP call to `cluster`; its token, which comes back with its answer. Envoy answers
 /// `BadArgument` for a cluster it does not know, `InternalFailure` for a call it cannot make.
-pub fn http_call(
+pub(crate) fn http_call(
     cluster: &str,
     headers: Vec<(&str, &str)>,
     body: &[u8],
@@ -253,7 +253,7 @@ pub fn http_call(
 }
 
 /// Resumes the request (`response: false`) or the response of the effective context.
-pub fn resume(response: bool) -> Result<(), Refused> {
+pub(crate) fn resume(response: bool) -> Result<(), Refused> {
     let done = if response {
         hostcalls::resume_http_response()
     } else {

@@ -11,7 +11,7 @@
 
 /// The parts of the filter's callbacks, in the order a request meets them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Span {
+pub(crate) enum Span {
     /// Request headers: the reads, the policy match and the request's parsing, up to the
     /// worker's event (a guarded request only).
     Headers,
@@ -65,11 +65,11 @@ const SPANS: [(Span, &str); 14] = [
 
 /// Guarded requests per report.
 #[cfg(feature = "spans")]
-pub const REPORT_EVERY: u64 = 10_000;
+pub(crate) const REPORT_EVERY: u64 = 10_000;
 
 /// When a span began (nothing without the feature).
 #[derive(Clone, Copy)]
-pub struct Mark {
+pub(crate) struct Mark {
     #[cfg(feature = "spans")]
     start_ns: u64,
 }
@@ -77,7 +77,7 @@ pub struct Mark {
 /// Now, as the beginning of a span ended by [`Mark::end`] (or never, when the callback turns
 /// out to have nothing to measure).
 #[inline(always)]
-pub fn mark() -> Mark {
+pub(crate) fn mark() -> Mark {
     Mark {
         #[cfg(feature = "spans")]
         start_ns: on::now_ns(),
@@ -87,14 +87,14 @@ pub fn mark() -> Mark {
 impl Mark {
     /// Ends `span`, begun at this mark.
     #[inline(always)]
-    pub fn end(self, _span: Span) {
+    pub(crate) fn end(self, _span: Span) {
         #[cfg(feature = "spans")]
         on::add(_span, on::now_ns().saturating_sub(self.start_ns));
     }
 }
 
 /// Ends its span when dropped.
-pub struct Guard {
+pub(crate) struct Guard {
     #[cfg(feature = "spans")]
     span: Span,
     #[cfg(feature = "spans")]
@@ -103,7 +103,7 @@ pub struct Guard {
 
 /// Starts `span`; it ends when the guard is dropped.
 #[inline(always)]
-pub fn enter(_span: Span) -> Guard {
+pub(crate) fn enter(_span: Span) -> Guard {
     Guard {
         #[cfg(feature = "spans")]
         span: _span,
@@ -131,11 +131,11 @@ mod on {
             const { RefCell::new([(0, 0); SPANS.len()]) };
     }
 
-    pub fn now_ns() -> u64 {
+    pub(crate) fn now_ns() -> u64 {
         u64::try_from(crate::host::since_epoch().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    pub fn add(span: Span, ns: u64) {
+    pub(crate) fn add(span: Span, ns: u64) {
         let Some(i) = SPANS.iter().position(|(s, _)| *s == span) else {
             return;
         };

@@ -14,7 +14,7 @@ use crate::http::request::Request;
 
 /// What [`arrive`] reads of the host for a request's headers, and the one change it makes
 /// there: removing a reserved header the client sent.
-pub trait HostReads {
+pub(crate) trait HostReads {
     /// The request's header map, whole, in one read (empty when the host has none).
     fn request_headers(&mut self) -> Headers;
 
@@ -42,7 +42,7 @@ pub trait HostReads {
 
 /// The parts of reading a request's headers that [`HostReads::timed`] is given, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Part {
+pub(crate) enum Part {
     /// Reading the whole header map, and removing the reserved headers the client sent.
     Map,
     /// Matching the policies on the map.
@@ -56,7 +56,7 @@ pub enum Part {
 /// worker.
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)]
-pub enum Arrival {
+pub(crate) enum Arrival {
     /// No policy guards the request: it goes on, and the filter follows it no further.
     Unguarded,
     /// The request's path reads more than one way, and one of its readings is guarded: it is
@@ -69,14 +69,14 @@ pub enum Arrival {
 /// A request whose path reads more than one way, one of its readings guarded by policy
 /// `index`. Its header map is kept for the answer's kind: a gRPC request is answered in gRPC.
 #[derive(Debug)]
-pub struct AmbiguousPath {
-    pub index: usize,
+pub(crate) struct AmbiguousPath {
+    pub(crate) index: usize,
     headers: Headers,
 }
 
 impl AmbiguousPath {
     /// The request's first `content-type`, which tells a gRPC request.
-    pub fn content_type(&self) -> Option<&str> {
+    pub(crate) fn content_type(&self) -> Option<&str> {
         self.headers.values("content-type").next()
     }
 }
@@ -86,7 +86,7 @@ impl AmbiguousPath {
 /// address and its claims included when the policy and the identity read them). `reserved`
 /// are the headers only the filter may set: they are removed from every request, guarded or
 /// not, before the matchers see it.
-pub fn arrive(config: &Config, reserved: &[String], host: &mut impl HostReads) -> Arrival {
+pub(crate) fn arrive(config: &Config, reserved: &[String], host: &mut impl HostReads) -> Arrival {
     // One read of the whole map: the matchers, the reserved headers and the request come from
     // it. Headers only the filter may set never come from the client, whatever the request:
     // they are invisible to the matchers and removed from the request.

@@ -16,7 +16,7 @@
 
 /// A claim as an identity.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum Claim {
+pub(crate) enum Claim {
     /// No value at the path (no token, or a token without the claim).
     #[default]
     Absent,
@@ -27,11 +27,11 @@ pub enum Claim {
 }
 
 /// The largest integer a double holds exactly, with every integer below it.
-pub const MAX_EXACT_INTEGER: f64 = 9_007_199_254_740_991.0;
+pub(crate) const MAX_EXACT_INTEGER: f64 = 9_007_199_254_740_991.0;
 
 /// The claim at `path` (`[filter, key, ...]`) of `metadata`, the host's serialized
 /// `envoy.config.core.v3.Metadata` (empty when the request has none).
-pub fn metadata_claim(metadata: &[u8], path: &[String]) -> Claim {
+pub(crate) fn metadata_claim(metadata: &[u8], path: &[String]) -> Claim {
     find(metadata, path).unwrap_or(Claim::Unusable)
 }
 

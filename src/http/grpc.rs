@@ -4,20 +4,20 @@
 //! The status codes are `support::grpc_status`'s (the configuration reads their names too);
 //! the ones the filter answers with are named here as well.
 
-pub use crate::support::grpc_status::{
+pub(crate) use crate::support::grpc_status::{
     ABORTED, ALREADY_EXISTS, DEADLINE_EXCEEDED, FAILED_PRECONDITION, INVALID_ARGUMENT, OK,
     RESOURCE_EXHAUSTED, UNAUTHENTICATED, UNAVAILABLE,
 };
 
 /// The response trailer (or trailers-only header) holding the status code.
-pub const STATUS: &str = "grpc-status";
+pub(crate) const STATUS: &str = "grpc-status";
 /// The response trailer (or trailers-only header) holding the status message.
-pub const MESSAGE: &str = "grpc-message";
+pub(crate) const MESSAGE: &str = "grpc-message";
 
 /// Whether a request is gRPC the way Envoy decides it (and so answers it with gRPC local
 /// replies): `content-type` is `application/grpc`, or starts with `application/grpc+` or
 /// `application/grpc;`. gRPC-Web (`application/grpc-web…`) is not.
-pub fn is_grpc_content_type(content_type: Option<&str>) -> bool {
+pub(crate) fn is_grpc_content_type(content_type: Option<&str>) -> bool {
     let Some(ct) = content_type else {
         return false;
     };
@@ -34,7 +34,7 @@ pub fn is_grpc_content_type(content_type: Option<&str>) -> bool {
 /// The `grpc-status` among `headers` (a trailers-only response's headers, or trailers):
 /// `None` when absent, repeated or not a number. A number past the 17 known codes is
 /// returned as is (clients read it as UNKNOWN).
-pub fn status_of(headers: &[(String, String)]) -> Option<u32> {
+pub(crate) fn status_of(headers: &[(String, String)]) -> Option<u32> {
     let mut values = headers.iter().filter(|(n, _)| n == STATUS);
     let (_, v) = values.next()?;
     if values.next().is_some() {
@@ -45,7 +45,7 @@ pub fn status_of(headers: &[(String, String)]) -> Option<u32> {
 
 /// `grpc-message` encoding (gRPC over HTTP/2: percent-encode every byte outside
 /// printable ASCII, and `%` itself).
-pub fn encode_message(text: &str) -> String {
+pub(crate) fn encode_message(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for &b in text.as_bytes() {
         if (0x20..=0x7e).contains(&b) && b != b'%' {

@@ -7,7 +7,7 @@ use std::fmt;
 use std::ops::Range;
 
 /// The values of one header name, in arrival order: [`Headers::values`].
-pub struct Values<'a, 'n> {
+pub(crate) struct Values<'a, 'n> {
     headers: &'a Headers,
     name: &'n str,
     /// The pair the search resumes at.
@@ -47,16 +47,13 @@ impl Headers {
         }
         let count = read_u32(&bytes, 0)?;
         let start = count.checked_mul(8)?.checked_add(4)?;
-        if start > bytes.len() {
-            return None;
-        }
+        let sizes = bytes.get(4..start)?;
         let mut pairs = Vec::with_capacity(count);
         let mut at = start;
-        for n in 0..count {
-            let sizes = 4 + n * 8;
-            let name = at..at.checked_add(read_u32(&bytes, sizes)?)?;
+        for size in sizes.chunks_exact(8) {
+            let name = at..at.checked_add(read_u32(size, 0)?)?;
             let value_at = name.end.checked_add(1)?;
-            let value = value_at..value_at.checked_add(read_u32(&bytes, sizes + 4)?)?;
+            let value = value_at..value_at.checked_add(read_u32(size, 4)?)?;
             at = value.end.checked_add(1)?;
             // Relative to the text, which begins after the lengths.
             pairs.push((
@@ -68,11 +65,13 @@ impl Headers {
             return None;
         }
         bytes.drain(..start);
+        // Every range lies within the text: in ASCII text each is on character boundaries.
         let mut headers = match String::from_utf8(bytes) {
             Ok(text)
-                if pairs
-                    .iter()
-                    .all(|(n, v)| on_boundaries(&text, n) && on_boundaries(&text, v)) =>
+                if ascii(text.as_bytes())
+                    || pairs
+                        .iter()
+                        .all(|(n, v)| on_boundaries(&text, n) && on_boundaries(&text, v)) =>
             {
                 Headers { text, pairs }
             }
@@ -98,12 +97,7 @@ impl Headers {
     /// Envoy hands names over in lower case already: a name is only rewritten when it is not.
     fn lower_names(&mut self) {
         let bytes = self.text.as_bytes();
-        let upper = |r: &Range<usize>| {
-            bytes
-                .get(r.clone())
-                .is_some_and(|n| n.iter().any(u8::is_ascii_uppercase))
-        };
-        if !self.pairs.iter().any(|(name, _)| upper(name)) {
+        if !self.pairs.iter().any(|(name, _)| has_upper(bytes, name)) {
             return;
         }
         for (name, _) in &self.pairs {
@@ -119,19 +113,19 @@ impl Headers {
 
     /// Where `part`, a slice of a name or value this map handed out, lies in its text; `None`
     /// for any other text. The text is only ever added to: the range stays valid.
-    pub fn range_of(&self, part: &str) -> Option<Range<usize>> {
+    pub(crate) fn range_of(&self, part: &str) -> Option<Range<usize>> {
         let start = (part.as_ptr() as usize).checked_sub(self.text.as_ptr() as usize)?;
         let end = start.checked_add(part.len())?;
         (end <= self.text.len()).then_some(start..end)
     }
 
     /// The text at `r`, a range [`Headers::range_of`] gave (empty for any other).
-    pub fn text_at(&self, r: &Range<usize>) -> &str {
+    pub(crate) fn text_at(&self, r: &Range<usize>) -> &str {
         self.slice(r)
     }
 
     /// Appends a header (its name lower-cased).
-    pub fn push(&mut self, name: &str, value: &str) {
+    pub(crate) fn push(&mut self, name: &str, value: &str) {
         let n = self.text.len()..self.text.len() + name.len();
         self.text.push_str(name);
         let v = self.text.len()..self.text.len() + value.len();
@@ -143,14 +137,14 @@ impl Headers {
     }
 
     /// Keeps only the headers `keep(name, value)` accepts.
-    pub fn retain(&mut self, mut keep: impl FnMut(&str, &str) -> bool) {
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&str, &str) -> bool) {
         let text = &self.text;
         let part = |r: &Range<usize>| text.get(r.clone()).unwrap_or_default();
         self.pairs.retain(|(n, v)| keep(part(n), part(v)));
     }
 
     /// `(name, value)` of every header, in arrival order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &str)> + '_ {
         self.pairs
             .iter()
             .map(|(n, v)| (self.slice(n), self.slice(v)))
@@ -159,7 +153,7 @@ impl Headers {
     /// The values of `name` (lower case), in arrival order. A name of another length is
     /// passed over without being read, and only a match's value is sliced: every guarded
     /// request looks up several names in the whole map.
-    pub fn values<'a, 'n>(&'a self, name: &'n str) -> Values<'a, 'n> {
+    pub(crate) fn values<'a, 'n>(&'a self, name: &'n str) -> Values<'a, 'n> {
         Values {
             headers: self,
             name,
@@ -180,16 +174,18 @@ impl Headers {
         Some((from + i, self.slice(value)))
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.pairs.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.pairs.is_empty()
     }
 
     /// Owned pairs, for code that keeps them past the request.
-    pub fn to_pairs(&self) -> Vec<(String, String)> {
+    pub(crate) fn to_pairs(&self) -> Vec<(String, String)> {
         self.iter()
             .map(|(n, v)| (n.to_string(), v.to_string()))
             .collect()
@@ -198,6 +194,46 @@ impl Headers {
 
 fn on_boundaries(text: &str, r: &Range<usize>) -> bool {
     text.is_char_boundary(r.start) && text.is_char_boundary(r.end)
+}
+
+/// The low seven bits of each byte of a word.
+const LOW: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+
+/// Whether every byte is ASCII, read eight at a time: every request's map is checked, and the
+/// standard library's check goes a byte at a time in Wasm.
+fn ascii(mut bytes: &[u8]) -> bool {
+    let mut all = 0;
+    while let Some((word, rest)) = bytes.split_first_chunk::<8>() {
+        all |= u64::from_le_bytes(*word);
+        bytes = rest;
+    }
+    all & !LOW == 0 && bytes.is_ascii()
+}
+
+/// Whether `text` holds an ASCII capital letter in `r`, read eight bytes at a time: a word
+/// is read past the range's end where the text goes on, the bytes past it masked off, so a
+/// name of up to eight bytes is one word. Only a byte's low seven bits are tested: a byte of
+/// 0x80 or more may read as a capital, which costs a lowering that changes nothing.
+fn has_upper(text: &[u8], r: &Range<usize>) -> bool {
+    let mut found = 0;
+    let mut at = r.start;
+    while at < r.end {
+        let Some(word) = text.get(at..).and_then(<[u8]>::first_chunk::<8>) else {
+            let tail = text.get(at..r.end).unwrap_or_default();
+            return found & !LOW != 0 || tail.iter().any(u8::is_ascii_uppercase);
+        };
+        let left = r.end - at;
+        let mask = if left >= 8 {
+            u64::MAX
+        } else {
+            u64::MAX >> (64 - 8 * left)
+        };
+        let x = u64::from_le_bytes(*word) & mask & LOW;
+        // A byte's bit 7 is set in the first sum from 'A' up, in the second from past 'Z'.
+        found |= (x + 0x3f3f_3f3f_3f3f_3f3f) & !(x + 0x2525_2525_2525_2525);
+        at += 8;
+    }
+    found & !LOW != 0
 }
 
 impl<N: AsRef<str>, V: AsRef<str>> FromIterator<(N, V)> for Headers {
@@ -340,6 +376,44 @@ mod tests {
             assert_eq!(got.len(), want.len(), "{name}");
         }
         assert_eq!(Headers::decode(Vec::new()), Some(Headers::default()));
+    }
+
+    /// The word-at-a-time checks against the byte-at-a-time ones, for every name length up
+    /// to 20, a capital at every place in it or none, the text going on after it or not, and
+    /// bytes of 0x80 or more around it.
+    #[test]
+    fn word_checks_agree_with_byte_checks() {
+        for len in 0..=20 {
+            for capital in (0..len).map(Some).chain([None]) {
+                for after in [&b""[..], b"\0v\0", b"\0value past one word\0"] {
+                    for filler in [b'a', b'-', 0xc3] {
+                        let mut name = vec![filler; len];
+                        if let Some(i) = capital {
+                            name[i] = b'A' + (i % 26) as u8;
+                        }
+                        let mut text = b"X\xffprefix".to_vec();
+                        let r = text.len()..text.len() + len;
+                        text.extend_from_slice(&name);
+                        text.extend_from_slice(after);
+                        let want = name.iter().any(u8::is_ascii_uppercase);
+                        let got = has_upper(&text, &r);
+                        // A byte of 0x80 or more may read as a capital; a capital never
+                        // goes unseen.
+                        assert!(got == want || (got && filler >= 0x80), "{name:?} {after:?}");
+                        assert_eq!(ascii(&text), text.is_ascii(), "{text:?}");
+                    }
+                }
+            }
+        }
+        for n in 0..40 {
+            let mut bytes = vec![b'x'; n];
+            assert!(ascii(&bytes));
+            for i in 0..n {
+                bytes[i] = 0x80;
+                assert!(!ascii(&bytes), "{n} {i}");
+                bytes[i] = b'x';
+            }
+        }
     }
 
     #[test]

@@ -17,11 +17,11 @@ pub struct Caller {
 /// The tenant of requests without one (`missing_tenant: anonymous`), and the principal of
 /// requests without one: a name no request can give (no header value or claim holds a NUL,
 /// see [`identify`]), so no real tenant or principal shares their counters.
-pub const ANONYMOUS: &str = "\0anonymous";
+pub(crate) const ANONYMOUS: &str = "\0anonymous";
 
 /// Why a request has no usable identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TenantError {
+pub(crate) enum TenantError {
     /// Absent or empty, and `missing_tenant: reject`.
     Missing,
     /// Present, but it names no one tenant (a claim that is a fraction, a number a double
@@ -38,7 +38,7 @@ pub enum TenantError {
 
 /// Resolves the caller from its identity sources: headers, or claims read from the request's
 /// metadata (then the header of that role is ignored entirely: a forged one changes nothing).
-pub fn identify(identity: &Identity, req: &Request) -> Result<Caller, TenantError> {
+pub(crate) fn identify(identity: &Identity, req: &Request) -> Result<Caller, TenantError> {
     let tenant = match &identity.tenant {
         IdSource::Header(h) => req
             .single_header(h)

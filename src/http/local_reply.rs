@@ -4,7 +4,7 @@
 
 // The wait in whole seconds that `Retry-After` and the memo of a 429 show: the configuration's
 // unit, as a limit's `w=` is.
-pub use crate::config::units::whole_secs;
+pub(crate) use crate::config::units::whole_secs;
 use crate::config::{push_policy_item, Quota};
 use crate::http::grpc;
 use crate::support::text::{push, push_u64, push_u64_bytes};
@@ -14,17 +14,18 @@ use std::rc::Rc;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalResponse {
     pub status: u32,
-    pub headers: Vec<(String, String)>,
+    pub(crate) headers: Vec<(String, String)>,
     pub body: Vec<u8>,
     /// The problem this answer reports (none for a replay).
-    pub problem: Option<Problem>,
+    pub(crate) problem: Option<Problem>,
     /// The gRPC status the host is told to answer a gRPC request with (none: the host maps
     /// the HTTP status itself).
-    pub grpc_status: Option<u32>,
+    pub(crate) grpc_status: Option<u32>,
 }
 
 impl LocalResponse {
-    pub fn header(&self, name: &str) -> Option<&str> {
+    #[cfg(test)]
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
             .find(|(n, _)| n == name)
@@ -34,7 +35,7 @@ impl LocalResponse {
 
 /// The problem types the filter emits; `type` is `urn:coordination-guard:problem:<slug>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Problem {
+pub(crate) enum Problem {
     RateLimited,
     /// A limit on requests in flight is full (429).
     ConcurrencyLimited,
@@ -70,7 +71,7 @@ pub enum Problem {
 }
 
 impl Problem {
-    pub fn status(self) -> u32 {
+    pub(crate) fn status(self) -> u32 {
         match self {
             Problem::RateLimited | Problem::ConcurrencyLimited => 429,
             Problem::InvalidCost => 400,
@@ -90,7 +91,7 @@ impl Problem {
         }
     }
 
-    pub fn slug(self) -> &'static str {
+    pub(crate) fn slug(self) -> &'static str {
         match self {
             Problem::RateLimited => "rate_limited",
             Problem::ConcurrencyLimited => "concurrency_limited",
@@ -113,7 +114,7 @@ impl Problem {
         }
     }
 
-    pub fn title(self) -> &'static str {
+    pub(crate) fn title(self) -> &'static str {
         match self {
             Problem::RateLimited | Problem::ConcurrencyLimited => "Too Many Requests",
             Problem::InvalidCost => "Invalid Cost",
@@ -139,7 +140,7 @@ impl Problem {
     /// a rejection a client should back off from is `RESOURCE_EXHAUSTED`, a call that
     /// conflicts with one in flight is `ABORTED` (retry later, at a higher level), a key
     /// reused for another request is `FAILED_PRECONDITION` (not retryable as it is).
-    pub fn grpc_code(self) -> u32 {
+    pub(crate) fn grpc_code(self) -> u32 {
         match self {
             Problem::RateLimited | Problem::ConcurrencyLimited | Problem::RequestBodyTooLarge => {
                 grpc::RESOURCE_EXHAUSTED
@@ -167,7 +168,7 @@ impl Problem {
 /// problem's `detail` (not the JSON). The other headers (`retry-after`, `ratelimit*`,
 /// `www-authenticate`) stay; the body is dropped (the host would put it in `grpc-message`).
 /// An answer that is no problem (a replay) is returned as it is.
-pub fn for_grpc(response: Rc<LocalResponse>) -> Rc<LocalResponse> {
+pub(crate) fn for_grpc(response: Rc<LocalResponse>) -> Rc<LocalResponse> {
     let Some(kind) = response.problem else {
         return response;
     };
@@ -195,7 +196,7 @@ pub fn for_grpc(response: Rc<LocalResponse>) -> Rc<LocalResponse> {
 
 /// An extra member of a problem body: a string or a list of strings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Member<'a> {
+pub(crate) enum Member<'a> {
     Str(&'a str),
     Strs(&'a [&'a str]),
 }
@@ -205,7 +206,7 @@ pub enum Member<'a> {
 /// The body is written directly, members sorted by name as serde_json's `Map` keeps them (an
 /// `extra` member named like a standard one replaces it): this runs for every rejected
 /// request, and building a `Value` tree for five members costs more than the rest of it.
-pub fn problem(
+pub(crate) fn problem(
     kind: Problem,
     detail: &str,
     extra: &[(&str, Member<'_>)],
@@ -289,20 +290,20 @@ fn write_json_str(out: &mut Vec<u8>, s: &str) {
 
 /// One limit as the RateLimit headers show it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct QuotaView<'a> {
-    pub name: &'a str,
+pub(crate) struct QuotaView<'a> {
+    pub(crate) name: &'a str,
     /// The limit's `RateLimit-Policy` item ([`crate::config::policy_item`]).
-    pub policy: &'a str,
+    pub(crate) policy: &'a str,
     /// The tenant's own quota (an override), written instead of `policy`.
-    pub quota: Option<Quota>,
-    pub remaining: u64,
-    pub reset_ms: u64,
+    pub(crate) quota: Option<Quota>,
+    pub(crate) remaining: u64,
+    pub(crate) reset_ms: u64,
 }
 
 /// `RateLimit-Policy` and `RateLimit` values for `views`, in the order given (callers put the
 /// most restrictive, or the violated, limit first). Names are sf-strings: config validation
 /// restricts them to `[A-Za-z0-9_-]`, so no escaping is needed.
-pub fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
+pub(crate) fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
     // Room for the usual view (its policy item; a short name and two numbers), so no growing.
     let mut policy = String::with_capacity(40 * views.len());
     let mut state = String::with_capacity(40 * views.len());

@@ -78,7 +78,8 @@ impl HeaderTest {
 }
 
 impl Match {
-    pub fn matches(&self, req: &Request) -> bool {
+    #[cfg(any(test, not(target_arch = "wasm32")))]
+    pub(crate) fn matches(&self, req: &Request) -> bool {
         self.fits(&mut Parsed::of(req), 0)
     }
 
@@ -86,7 +87,7 @@ impl Match {
     /// word, where the path costs a scan to normalise, and most requests a service answers
     /// are reads its policies do not guard), then the path, then the host, each only if this
     /// match names it. A method that does not fit fails every reading of the path alike.
-    pub fn fits(&self, input: &mut impl MatchInput, reading: usize) -> bool {
+    pub(crate) fn fits(&self, input: &mut impl MatchInput, reading: usize) -> bool {
         if !self.methods.is_empty() {
             let method = input.method();
             if !self.methods.iter().any(|m| m == method) {
@@ -131,7 +132,7 @@ pub enum Selected {
 }
 
 impl Selected {
-    pub fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         match self {
             Selected::Policy(i) | Selected::AmbiguousPath(i) => i,
         }
@@ -169,7 +170,7 @@ pub fn select_policy<'a>(policies: &'a [Policy], req: &Request) -> Option<&'a Po
 }
 
 /// [`policy_index`] of a request already parsed.
-pub fn parsed_policy_index(policies: &[Policy], req: &Request) -> Option<Selected> {
+pub(crate) fn parsed_policy_index(policies: &[Policy], req: &Request) -> Option<Selected> {
     policy_index(policies, &mut Parsed::of(req))
 }
 

@@ -2,16 +2,16 @@
 //! calling, what its selectors read, its normalised path and query, its headers and claims,
 //! gRPC, and the answers the filter gives by itself.
 
-pub mod arrival;
-pub mod claims;
-pub mod grpc;
+pub(crate) mod arrival;
+pub(crate) mod claims;
+pub(crate) mod grpc;
 pub mod headers;
 pub mod identity;
-pub mod local_reply;
+pub(crate) mod local_reply;
 pub mod matching;
 pub mod request;
-pub mod selectors;
+pub(crate) mod selectors;
 
 /// The path and query normalisation the request reads: it lives in `support` because the
 /// configuration checks its paths with it too.
-pub use crate::support::normalize;
+pub(crate) use crate::support::normalize;

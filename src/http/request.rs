@@ -12,28 +12,28 @@ use std::ops::Range;
 #[derive(Debug, Clone, Default)]
 pub struct Request {
     /// Upper-case method.
-    pub method: Cow<'static, str>,
+    pub(crate) method: Cow<'static, str>,
     /// The path without the query string, in its canonical form (see [`crate::http::normalize`]):
     /// [`Request::path`].
     path: Normal,
     /// Other readings of an ambiguous path; `path_ambiguous` says whether it is one.
-    pub path_others: Vec<String>,
-    pub path_ambiguous: bool,
+    pub(crate) path_others: Vec<String>,
+    pub(crate) path_ambiguous: bool,
     /// The raw query string, without `?`.
-    pub query: String,
+    pub(crate) query: String,
     /// The query's parameters, decoded, in order.
-    pub params: Vec<(String, String)>,
+    pub(crate) params: Vec<(String, String)>,
     /// Lower-case host without port: [`Request::host`].
     host: Normal,
     /// The downstream address without port, if the host told us.
-    pub client_ip: Option<String>,
+    pub(crate) client_ip: Option<String>,
     /// Lower-case header names with their values, in arrival order. Only ever added to: a
     /// [`Normal`] range of its text stays valid.
     pub(crate) headers: Headers,
     /// The tenant and principal read from the request's metadata (a verified token's claims),
     /// for an identity whose source is `metadata`.
-    pub tenant_claim: Claim,
-    pub principal_claim: Claim,
+    pub(crate) tenant_claim: Claim,
+    pub(crate) principal_claim: Claim,
 }
 
 /// A pseudo-header's normal form (the path, the host): where it stands in the request's own
@@ -112,7 +112,7 @@ impl Request {
     }
 
     /// [`Request::from_headers`] from headers as the host hands them over.
-    pub fn from_map(headers: Headers, source_address: Option<&str>) -> Request {
+    pub(crate) fn from_map(headers: Headers, source_address: Option<&str>) -> Request {
         Request::from_probed(headers, source_address, Probed::default())
     }
 
@@ -165,27 +165,27 @@ impl Request {
     }
 
     /// The path without the query string, in its canonical form.
-    pub fn path(&self) -> &str {
+    pub(crate) fn path(&self) -> &str {
         self.path.read(&self.headers)
     }
 
     /// Lower-case host without port or a trailing dot.
-    pub fn host(&self) -> &str {
+    pub(crate) fn host(&self) -> &str {
         self.host.read(&self.headers)
     }
 
     /// The first value of a header (name in lower case).
-    pub fn header(&self, name: &str) -> Option<&str> {
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
         self.headers.values(name).next()
     }
 
     /// The value of a header that must appear at most once; `Err` when it is repeated.
-    pub fn single_header(&self, name: &str) -> Result<Option<&str>, Repeated> {
+    pub(crate) fn single_header(&self, name: &str) -> Result<Option<&str>, Repeated> {
         single(self.headers.values(name))
     }
 
     /// The value of a query parameter (decoded) that must appear at most once.
-    pub fn single_param(&self, name: &str) -> Result<Option<&str>, Repeated> {
+    pub(crate) fn single_param(&self, name: &str) -> Result<Option<&str>, Repeated> {
         single(
             self.params
                 .iter()
@@ -238,7 +238,9 @@ impl Probed {
 pub struct Repeated;
 
 /// The one value of an input given as `values`, none, or `Err` when there is more than one.
-pub fn single<'a>(mut values: impl Iterator<Item = &'a str>) -> Result<Option<&'a str>, Repeated> {
+pub(crate) fn single<'a>(
+    mut values: impl Iterator<Item = &'a str>,
+) -> Result<Option<&'a str>, Repeated> {
     let first = values.next();
     match values.next() {
         Some(_) => Err(Repeated),
@@ -299,7 +301,7 @@ pub(crate) mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     /// A request with a tenant header, from `10.1.2.3`.
-    pub fn req(method: &str, path: &str, host: &str) -> Request {
+    pub(crate) fn req(method: &str, path: &str, host: &str) -> Request {
         Request::from_headers(
             vec![
                 (":method".into(), method.into()),

@@ -10,7 +10,11 @@ use crate::http::request::Request;
 /// The value a selector takes for this request; `None` when the request does not carry it.
 /// Paths are canonical and query parameters decoded, so one resource has one name; a
 /// repeated input is refused before (see [`ambiguous_input`]).
-pub fn selector_value<'a>(sel: &Selector, caller: &'a Caller, req: &'a Request) -> Option<&'a str> {
+pub(crate) fn selector_value<'a>(
+    sel: &Selector,
+    caller: &'a Caller,
+    req: &'a Request,
+) -> Option<&'a str> {
     match sel {
         Selector::Tenant => Some(caller.tenant.as_str()),
         Selector::Principal => Some(caller.principal.as_ref()),
@@ -29,7 +33,7 @@ pub fn selector_value<'a>(sel: &Selector, caller: &'a Caller, req: &'a Request) 
 
 /// Why a selector's input has more than one reading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ambiguity {
+pub(crate) enum Ambiguity {
     /// The request carries it more than once (a service may read the first, another the last).
     Repeated,
     /// A service that also splits the query on `;` reads another value of the parameter (or
@@ -40,7 +44,7 @@ pub enum Ambiguity {
 /// The first of `selectors` whose input has more than one reading (a header or a query
 /// parameter the request carries more than once, a query parameter a `;` changes), and why:
 /// which value names the scope is ambiguous.
-pub fn ambiguous_input<'s>(
+pub(crate) fn ambiguous_input<'s>(
     selectors: impl IntoIterator<Item = &'s Selector>,
     req: &Request,
 ) -> Option<(&'s Selector, Ambiguity)> {

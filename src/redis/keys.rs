@@ -8,7 +8,7 @@
 //! idempotency: <prefix>:idem:{t.<tenant hash>}:<policy>:<key hash>
 //! lease:       <prefix>:lease:{t.<tenant hash>}:<policy>:<resource hash>
 //! fence:       <prefix>:fence:{t.<tenant hash>}:<policy>:<resource hash>
-//! cancel:      <prefix>:cancel:{t.<tenant hash>}:<policy>:<owner token>
+//! cancel:      <prefix>:cancel:{<tag>}:<policy>:<owner token>
 //! override:    <prefix>:ovr:{t.<tenant hash>}:<policy>:<limit>:t                  (the tenant's)
 //!              <prefix>:ovr:{t.<tenant hash>}:<policy>:<limit>:p.<principal hash> (a principal's)
 //! their index: <prefix>:ovr:{t.<tenant hash>}:<policy>:index
@@ -18,8 +18,11 @@
 //! An override holds `<limit>/<window_ms>[/<burst>]`, a tenant's or a principal's own quota
 //! for a limit with `overrides: true` (written by `cg-admin override`, read by `acquire.lua`);
 //! the index is the set of override keys the tool wrote, so it lists them without a scan.
+//! docs/design.md ("Redis keys") gives every part's derivation, to compute a key by hand.
 //!
-//! * `<tag>` is `t.<tenant hash>` for limits scoped by tenant, else `p.<policy>`.
+//! * `<tag>` is `t.<tenant hash>` for limits scoped by tenant, else `p.<policy>`; a
+//!   cancellation marker's is the tag of the call it stops (the tenant's for a record or a
+//!   lease, a concurrency limit's own in another slot).
 //! * `<scope>` is a short hash of the selected request values (`_` for `by: []`).
 //! * The algorithm's parameters are part of the key, so a config change starts a fresh counter.
 //! * `<algo>` is the limit's code ([`algorithm_code`], [`limit_code`]), which the scripts are
@@ -27,8 +30,7 @@
 //! * Tenants, principals, client addresses and header values only appear hashed.
 
 use crate::config::{Algorithm, Policy, RateLimit, Selector};
-pub use crate::support::hashing::short_hash;
-use crate::support::hashing::{domain_hasher, push_short_digest, push_short_hash};
+use crate::support::hashing::{domain_hasher, push_short_digest, push_short_hash, short_hash};
 use crate::support::slots::text_hash;
 use crate::support::text::{hex, push, push_u64, split_once_byte};
 use sha2::{Digest, Sha256};
@@ -305,6 +307,7 @@ fn tagged_key(prefix: &str, kind: &str, tenant_tag: &str, policy: &str, last: &s
 mod tests {
     use super::*;
     use crate::config::{FailureMode, Match, Selector};
+    use crate::support::hashing::short_hash;
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -2,8 +2,8 @@
 //! what can go wrong. No I/O happens here; the adapter sends the encoded request and hands back the answer.
 
 pub mod keys;
-pub mod resp;
-pub mod scripts;
+pub(crate) mod resp;
+pub(crate) mod scripts;
 pub mod webdis;
 mod words;
 
@@ -11,21 +11,24 @@ use crate::support::metrics::{MetricSink, RedisMetrics};
 use resp::Reply;
 use sha1::{Digest, Sha1};
 
-pub use resp::Reply as RedisReply;
-pub use words::Words;
+pub(crate) use words::Words;
 
 /// A Lua script with its SHA-1, for EVALSHA.
 #[derive(Debug)]
-pub struct Script {
+pub(crate) struct Script {
+    /// The script's name and SHA-1, which the filter sends as encoded in `by_sha`: read by the
+    /// tests and the host tools.
+    #[cfg_attr(target_os = "wasi", allow(dead_code))]
     pub name: &'static str,
-    pub source: &'static str,
+    pub(crate) source: &'static str,
+    #[cfg_attr(target_os = "wasi", allow(dead_code))]
     pub sha1: String,
     /// `EVALSHA <sha1>` for the gateway, encoded once: every call by SHA starts with it.
     by_sha: Vec<u8>,
 }
 
 impl Script {
-    pub fn new(name: &'static str, source: &'static str) -> Script {
+    pub(crate) fn new(name: &'static str, source: &'static str) -> Script {
         let sha1 = crate::support::text::hex(&Sha1::digest(source.as_bytes()));
         let by_sha = webdis::encode_words([&b"EVALSHA"[..], sha1.as_bytes()]);
         Script {
@@ -39,13 +42,13 @@ impl Script {
 
 /// One script invocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ScriptCall {
-    pub keys: Words,
-    pub args: Words,
+pub(crate) struct ScriptCall {
+    pub(crate) keys: Words,
+    pub(crate) args: Words,
 }
 
 impl ScriptCall {
-    pub fn new(keys: impl Into<Words>, args: impl Into<Words>) -> ScriptCall {
+    pub(crate) fn new(keys: impl Into<Words>, args: impl Into<Words>) -> ScriptCall {
         ScriptCall {
             keys: keys.into(),
             args: args.into(),
@@ -54,7 +57,7 @@ impl ScriptCall {
 
     /// The gateway request body for this call: `EVALSHA <sha> n keys... args...`, or
     /// `EVAL <source> ...` after a `NOSCRIPT` answer.
-    pub fn encode(&self, script: &Script, by_sha: bool) -> Vec<u8> {
+    pub(crate) fn encode(&self, script: &Script, by_sha: bool) -> Vec<u8> {
         let mut digits = [0u8; 20];
         let numkeys = crate::support::text::decimal(self.keys.len() as u64, &mut digits);
         let rest = || {
@@ -102,7 +105,7 @@ pub enum CallError {
 
 impl CallError {
     /// A short description for logs; never contains keys or request data.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             CallError::NotSent => "gateway unreachable".into(),
             CallError::Transport => "gateway connection lost".into(),
@@ -144,7 +147,7 @@ impl CallError {
 
     /// The cause as the client's `503` says it: which part failed, without configuration
     /// values or Redis data.
-    pub fn client_detail(&self, timeout_ms: u64) -> String {
+    pub(crate) fn client_detail(&self, timeout_ms: u64) -> String {
         let cause = match self {
             CallError::NoSuchCluster => "the proxy has no route to it (its gateway cluster is \
                                          not configured)"
@@ -216,7 +219,7 @@ impl CallError {
     /// was never sent, or the gateway refused it without passing it on (webdis answers 4xx
     /// for a request it will not run and 503 when it has no Redis connection). A call that
     /// may have run may have written something: only then is compensation worth a call.
-    pub fn may_have_run(&self) -> bool {
+    pub(crate) fn may_have_run(&self) -> bool {
         match self {
             CallError::NotSent | CallError::NoSuchCluster => false,
             CallError::Gateway(status) => !((400..500).contains(status) || *status == 503),
@@ -231,7 +234,7 @@ impl CallError {
 
     /// Whether sending the same call again may get an answer: not when Redis itself answered
     /// (a script error or a reply we cannot read would be the same again).
-    pub fn retryable(&self) -> bool {
+    pub(crate) fn retryable(&self) -> bool {
         matches!(
             self,
             CallError::NotSent | CallError::Transport | CallError::Gateway(_) | CallError::Timeout
@@ -240,14 +243,14 @@ impl CallError {
 }
 
 /// True when Redis does not know the script yet (first call after a restart or `SCRIPT FLUSH`).
-pub fn is_noscript(reply: &Reply) -> bool {
+pub(crate) fn is_noscript(reply: &Reply) -> bool {
     matches!(reply, Reply::Error(e) if e.starts_with("NOSCRIPT"))
 }
 
 /// The one `NOSCRIPT` -> `EVAL` retry of every call: true (and counted) when `answer` says
 /// Redis does not know the script and the call went by `EVALSHA`; `by_sha` is then cleared,
 /// so the call is sent again once, with the script's source.
-pub fn resend_by_eval(
+pub(crate) fn resend_by_eval(
     by_sha: &mut bool,
     answer: &Result<Reply, CallError>,
     metrics: &RedisMetrics,

@@ -13,7 +13,7 @@ pub enum Reply {
 }
 
 impl Reply {
-    pub fn as_int(&self) -> Option<i64> {
+    pub(crate) fn as_int(&self) -> Option<i64> {
         match self {
             Reply::Int(n) => Some(*n),
             Reply::Bulk(Some(b)) => std::str::from_utf8(b).ok()?.parse().ok(),
@@ -21,14 +21,14 @@ impl Reply {
         }
     }
 
-    pub fn as_array(&self) -> Option<&[Reply]> {
+    pub(crate) fn as_array(&self) -> Option<&[Reply]> {
         match self {
             Reply::Array(Some(items)) => Some(items),
             _ => None,
         }
     }
 
-    pub fn as_bytes(&self) -> Option<&[u8]> {
+    pub(crate) fn as_bytes(&self) -> Option<&[u8]> {
         match self {
             Reply::Bulk(Some(b)) => Some(b),
             Reply::Status(s) => Some(s.as_bytes()),
@@ -41,7 +41,7 @@ impl Reply {
 const MAX_DEPTH: usize = 8;
 
 /// Parses exactly one reply that fills `input` (trailing bytes are an error).
-pub fn parse(input: &[u8]) -> Result<Reply, String> {
+pub(crate) fn parse(input: &[u8]) -> Result<Reply, String> {
     let mut pos = 0;
     let reply = parse_at(input, &mut pos, 0)?;
     if pos != input.len() {

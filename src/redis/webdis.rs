@@ -21,9 +21,10 @@ const UNRESERVED: [bool; 256] = {
 /// Up to this many bytes of words, a command's body is sized for every byte escaped.
 const WORST_CASE_ROOM: usize = 4096;
 
+#[cfg(test)]
 /// Encodes a command for webdis. Webdis cannot carry NUL bytes or empty arguments; callers
 /// never send either (arguments are hex, decimal, names and JSON text).
-pub fn encode<'a, I>(command: I) -> Vec<u8>
+pub(crate) fn encode<'a, I>(command: I) -> Vec<u8>
 where
     I: IntoIterator<Item = &'a [u8]>,
     I::IntoIter: Clone,
@@ -34,7 +35,7 @@ where
 /// [`encode`] of a command whose first words are already encoded as `head` (a script's
 /// `EVALSHA <sha1>`, the same in every call, from [`encode_words`]): `command` holds the words
 /// after them.
-pub fn encode_after<'a, I>(head: &[u8], command: I) -> Vec<u8>
+pub(crate) fn encode_after<'a, I>(head: &[u8], command: I) -> Vec<u8>
 where
     I: IntoIterator<Item = &'a [u8]>,
     I::IntoIter: Clone,
@@ -62,7 +63,7 @@ where
 
 /// The words of a command encoded as [`encode`] does, without the `.raw` that ends a command:
 /// the head of [`encode_after`].
-pub fn encode_words<'a>(command: impl IntoIterator<Item = &'a [u8]>) -> Vec<u8> {
+pub(crate) fn encode_words<'a>(command: impl IntoIterator<Item = &'a [u8]>) -> Vec<u8> {
     let mut out = Vec::new();
     push_words(&mut out, false, command);
     out

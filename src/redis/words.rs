@@ -7,7 +7,7 @@ use std::ops::Index;
 
 /// Words, in order. Compares with a list of strings (`words == ["a", "b"]`).
 #[derive(Clone, Default, PartialEq, Eq)]
-pub struct Words {
+pub(crate) struct Words {
     text: String,
     /// Where each word ends in `text`.
     ends: Vec<usize>,
@@ -15,7 +15,7 @@ pub struct Words {
 
 impl Words {
     /// Room for `words` words of `bytes` bytes in all, so that pushing them reallocates nothing.
-    pub fn with_capacity(words: usize, bytes: usize) -> Words {
+    pub(crate) fn with_capacity(words: usize, bytes: usize) -> Words {
         Words {
             text: String::with_capacity(bytes),
             ends: Vec::with_capacity(words),
@@ -24,20 +24,20 @@ impl Words {
 
     /// Not inlined: a call's words are pushed in dozens of places, and this is one copy.
     #[inline(never)]
-    pub fn push(&mut self, word: &str) {
+    pub(crate) fn push(&mut self, word: &str) {
         crate::support::text::push(&mut self.text, word);
         self.ends.push(self.text.len());
     }
 
     /// A number, in decimal (one copy, as [`Words::push`]).
     #[inline(never)]
-    pub fn push_u64(&mut self, n: u64) {
+    pub(crate) fn push_u64(&mut self, n: u64) {
         crate::support::text::push_u64(&mut self.text, n);
         self.ends.push(self.text.len());
     }
 
     /// A signed number, in decimal.
-    pub fn push_i64(&mut self, n: i64) {
+    pub(crate) fn push_i64(&mut self, n: i64) {
         if n < 0 {
             self.text.push('-');
         }
@@ -45,21 +45,22 @@ impl Words {
     }
 
     /// Every word of `other`, after these.
-    pub fn extend_from(&mut self, other: &Words) {
+    pub(crate) fn extend_from(&mut self, other: &Words) {
         let base = self.text.len();
         self.text.push_str(&other.text);
         self.ends.extend(other.ends.iter().map(|e| base + e));
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.ends.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.ends.is_empty()
     }
 
-    pub fn get(&self, i: usize) -> Option<&str> {
+    pub(crate) fn get(&self, i: usize) -> Option<&str> {
         let end = *self.ends.get(i)?;
         let start = match i.checked_sub(1) {
             Some(before) => self.ends.get(before).copied().unwrap_or(0),
@@ -68,17 +69,17 @@ impl Words {
         self.text.get(start..end)
     }
 
-    pub fn first(&self) -> Option<&str> {
+    pub(crate) fn first(&self) -> Option<&str> {
         self.get(0)
     }
 
     #[cfg(test)]
-    pub fn last(&self) -> Option<&str> {
+    pub(crate) fn last(&self) -> Option<&str> {
         self.len().checked_sub(1).and_then(|i| self.get(i))
     }
 
     /// The words as bytes, in one walk of the ends (what a call's encoding reads).
-    pub fn iter_bytes(&self) -> impl Iterator<Item = &[u8]> + Clone + '_ {
+    pub(crate) fn iter_bytes(&self) -> impl Iterator<Item = &[u8]> + Clone + '_ {
         let text = self.text.as_bytes();
         self.ends.iter().scan(0, move |start, &end| {
             let word = text.get(*start..end).unwrap_or_default();
@@ -87,18 +88,18 @@ impl Words {
         })
     }
 
-    pub fn iter(&self) -> impl ExactSizeIterator<Item = &str> + Clone + '_ {
+    pub(crate) fn iter(&self) -> impl ExactSizeIterator<Item = &str> + Clone + '_ {
         (0..self.len()).map(|i| self.get(i).unwrap_or_default())
     }
 
     /// The words from `from` on (tests compare parts of a call).
     #[cfg(test)]
-    pub fn from_index(&self, from: usize) -> Vec<&str> {
+    pub(crate) fn words_from(&self, from: usize) -> Vec<&str> {
         self.iter().skip(from).collect()
     }
 
     /// The sum of the words' lengths.
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.text.len()
     }
 }
@@ -181,7 +182,7 @@ mod tests {
         let mut more = Words::from(["x"]);
         more.extend_from(&w);
         more.extend_from(&Words::default());
-        assert_eq!(more.from_index(1), w.iter().collect::<Vec<_>>());
+        assert_eq!(more.words_from(1), w.iter().collect::<Vec<_>>());
         assert_eq!(
             format!("{more:?}"),
             format!("{:?}", more.iter().collect::<Vec<_>>())

@@ -66,7 +66,7 @@ unsafe impl GlobalAlloc for Counting {
 static COUNTING: Counting = Counting;
 
 /// `f`'s result and the allocations this thread made while it ran.
-pub fn allocations<T>(f: impl FnOnce() -> T) -> (T, u64) {
+pub(crate) fn allocations<T>(f: impl FnOnce() -> T) -> (T, u64) {
     let before = ALLOCATIONS.with(Cell::get);
     let out = f();
     (out, ALLOCATIONS.with(Cell::get) - before)
@@ -74,7 +74,7 @@ pub fn allocations<T>(f: impl FnOnce() -> T) -> (T, u64) {
 
 /// `f`'s result and the most bytes this thread held at once while it ran, above what it held
 /// when it began.
-pub fn peak_bytes<T>(f: impl FnOnce() -> T) -> (T, usize) {
+pub(crate) fn peak_bytes<T>(f: impl FnOnce() -> T) -> (T, usize) {
     let start = HELD.with(Cell::get);
     PEAK.with(|p| p.set(start));
     let out = f();

@@ -22,23 +22,23 @@ const NAMES: [&str; 17] = [
     "UNAUTHENTICATED",
 ];
 
-pub const OK: u32 = 0;
-pub const INVALID_ARGUMENT: u32 = 3;
-pub const DEADLINE_EXCEEDED: u32 = 4;
-pub const ALREADY_EXISTS: u32 = 6;
-pub const RESOURCE_EXHAUSTED: u32 = 8;
-pub const FAILED_PRECONDITION: u32 = 9;
-pub const ABORTED: u32 = 10;
-pub const UNAVAILABLE: u32 = 14;
-pub const UNAUTHENTICATED: u32 = 16;
+pub(crate) const OK: u32 = 0;
+pub(crate) const INVALID_ARGUMENT: u32 = 3;
+pub(crate) const DEADLINE_EXCEEDED: u32 = 4;
+pub(crate) const ALREADY_EXISTS: u32 = 6;
+pub(crate) const RESOURCE_EXHAUSTED: u32 = 8;
+pub(crate) const FAILED_PRECONDITION: u32 = 9;
+pub(crate) const ABORTED: u32 = 10;
+pub(crate) const UNAVAILABLE: u32 = 14;
+pub(crate) const UNAUTHENTICATED: u32 = 16;
 
 /// The name of a code (`UNAVAILABLE`), if it is one of the 17.
-pub fn code_name(code: u32) -> Option<&'static str> {
+pub(crate) fn code_name(code: u32) -> Option<&'static str> {
     NAMES.get(usize::try_from(code).ok()?).copied()
 }
 
 /// A code written as a name (`"UNAVAILABLE"`, any case) or its number (`"14"`).
-pub fn parse_code(text: &str) -> Option<u32> {
+pub(crate) fn parse_code(text: &str) -> Option<u32> {
     let t = text.trim();
     if let Ok(n) = t.parse::<u32>() {
         return code_name(n).map(|_| n);

@@ -7,7 +7,7 @@ use sha2::{Digest, Sha256};
 
 /// A 64-bit (16 hex digit) SHA-256 digest of `value`, separated by `domain` so that a tenant
 /// and a header with the same text do not hash alike.
-pub fn short_hash(domain: &str, value: &[u8]) -> String {
+pub(crate) fn short_hash(domain: &str, value: &[u8]) -> String {
     let mut out = String::with_capacity(16);
     push_short_hash(&mut out, domain, value);
     out

@@ -30,7 +30,7 @@ use std::cell::{Cell, UnsafeCell};
 use std::ptr;
 
 /// The largest block served by class.
-pub const MAX_CLASS_SIZE: usize = 1024;
+pub(crate) const MAX_CLASS_SIZE: usize = 1024;
 
 /// The alignment of every class block: enough for any type the filter allocates.
 const CLASS_ALIGN: usize = 16;
@@ -41,7 +41,7 @@ const SIZES: [usize; 20] = [
 ];
 
 /// The most idle bytes one class keeps for reuse.
-pub const MAX_FREE_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_FREE_BYTES: usize = 64 * 1024;
 
 /// The class of a block of `layout`, if it is served by class.
 fn class_of(layout: Layout) -> Option<usize> {
@@ -69,10 +69,10 @@ const EMPTY: FreeList = FreeList {
 
 /// What is told of an allocation that failed outside [`fallibly`]: its size and what the heap
 /// held then.
-pub type FailureHook = fn(size: usize, held: usize);
+pub(crate) type FailureHook = fn(size: usize, held: usize);
 
 /// Size classes over `A`, the general allocator.
-pub struct Classes<A> {
+pub(crate) struct Classes<A> {
     general: A,
     lists: UnsafeCell<[FreeList; SIZES.len()]>,
     /// Bytes taken from the general allocator and not given back.
@@ -85,7 +85,7 @@ pub struct Classes<A> {
 }
 
 impl<A> Classes<A> {
-    pub const fn new(general: A) -> Classes<A> {
+    pub(crate) const fn new(general: A) -> Classes<A> {
         Classes {
             general,
             lists: UnsafeCell::new([EMPTY; SIZES.len()]),
@@ -97,25 +97,25 @@ impl<A> Classes<A> {
     }
 
     /// Whether a fallible allocation may grow the VM's memory from `size` bytes by `more`.
-    pub fn may_grow(&self, size: usize, more: usize) -> bool {
+    pub(crate) fn may_grow(&self, size: usize, more: usize) -> bool {
         let cap = self.growth_cap.get();
         !self.fallible.get() || cap == 0 || size.saturating_add(more) <= cap
     }
 
     /// From now on a fallible allocation does not grow the VM's memory past `bytes` (0: no
     /// cap).
-    pub fn cap_growth(&self, bytes: usize) {
+    pub(crate) fn cap_growth(&self, bytes: usize) {
         self.growth_cap.set(bytes);
     }
 
     /// Bytes the general allocator gave this heap and did not get back.
-    pub fn held(&self) -> usize {
+    pub(crate) fn held(&self) -> usize {
         self.held.get()
     }
 
     /// `f`'s result; an allocation that fails inside it is not reported (the caller asked
     /// with `try_reserve` and handles the refusal).
-    pub fn fallibly<T>(&self, f: impl FnOnce() -> T) -> T {
+    pub(crate) fn fallibly<T>(&self, f: impl FnOnce() -> T) -> T {
         let was = self.fallible.replace(true);
         let out = f();
         self.fallible.set(was);
@@ -123,7 +123,7 @@ impl<A> Classes<A> {
     }
 
     /// Reports a failed allocation to `hook` from now on.
-    pub fn on_failure(&self, hook: FailureHook) {
+    pub(crate) fn on_failure(&self, hook: FailureHook) {
         self.hook.set(Some(hook));
     }
 }
@@ -273,25 +273,25 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Classes<A> {
 /// What this VM's heap holds (see [`Classes::held`]). Off the VM (tests, host tools) there is
 /// no such heap: what [`pretend_held`] last set on this thread.
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
-pub fn held() -> usize {
+pub(crate) fn held() -> usize {
     crate::ALLOCATOR.held()
 }
 
 /// `f`'s result, an allocation failure inside it left to the caller (see [`Classes::fallibly`]).
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
-pub fn fallibly<T>(f: impl FnOnce() -> T) -> T {
+pub(crate) fn fallibly<T>(f: impl FnOnce() -> T) -> T {
     crate::ALLOCATOR.fallibly(f)
 }
 
 /// Reports this VM's failed allocations to `hook` (see [`Classes::on_failure`]).
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
-pub fn on_failure(hook: FailureHook) {
+pub(crate) fn on_failure(hook: FailureHook) {
     crate::ALLOCATOR.on_failure(hook);
 }
 
 /// Caps the VM memory's growth for fallible allocations (see [`Classes::cap_growth`]).
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
-pub fn cap_growth(bytes: usize) {
+pub(crate) fn cap_growth(bytes: usize) {
     crate::ALLOCATOR.cap_growth(bytes);
 }
 
@@ -300,13 +300,13 @@ pub fn cap_growth(bytes: usize) {
 /// follow it), unless [`Classes::may_grow`] says no for the allocation asking.
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
 #[derive(Debug, Default)]
-pub struct Growing {
+pub(crate) struct Growing {
     end: Option<ptr::NonNull<u8>>,
 }
 
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test)))]
 impl Growing {
-    pub const fn new() -> Growing {
+    pub(crate) const fn new() -> Growing {
         Growing { end: None }
     }
 }
@@ -358,29 +358,29 @@ thread_local! {
 
 /// Off the VM: what [`pretend_held`] last set on this thread (0 by default).
 #[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
-pub fn held() -> usize {
+pub(crate) fn held() -> usize {
     PRETEND_HELD.with(Cell::get)
 }
 
 /// Off the VM: what [`held`] says on this thread from now on (a test's heap).
 #[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
-pub fn pretend_held(bytes: usize) {
+pub(crate) fn pretend_held(bytes: usize) {
     PRETEND_HELD.with(|h| h.set(bytes));
 }
 
 /// Off the VM: `f`'s result.
 #[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
-pub fn fallibly<T>(f: impl FnOnce() -> T) -> T {
+pub(crate) fn fallibly<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
 /// Off the VM: nothing to report to.
 #[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
-pub fn on_failure(_hook: FailureHook) {}
+pub(crate) fn on_failure(_hook: FailureHook) {}
 
 /// Off the VM: no memory to cap.
 #[cfg(not(all(target_arch = "wasm32", not(target_feature = "atomics"), not(test))))]
-pub fn cap_growth(_bytes: usize) {}
+pub(crate) fn cap_growth(_bytes: usize) {}
 
 #[cfg(test)]
 mod tests {

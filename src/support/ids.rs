@@ -17,7 +17,7 @@ pub struct TokenSource {
 
 impl TokenSource {
     /// Seeds from std's per-process random hasher keys mixed with `salt` (e.g. the time).
-    pub fn from_entropy(salt: u64) -> TokenSource {
+    pub(crate) fn from_entropy(salt: u64) -> TokenSource {
         let mut a = RandomState::new().build_hasher();
         a.write_u64(salt);
         let mut b = RandomState::new().build_hasher();
@@ -46,7 +46,7 @@ impl TokenSource {
     }
 
     /// 32 lower-case hex digits.
-    pub fn token(&mut self) -> String {
+    pub(crate) fn token(&mut self) -> String {
         let hi = self.next_u64();
         let lo = self.next_u64();
         let mut out = String::with_capacity(32);
@@ -66,12 +66,12 @@ fn splitmix(mut z: u64) -> u64 {
 /// A map keyed by the host's call tokens: the host chooses them (Envoy counts them up), so no
 /// client can pick keys that collide, and a multiplication spreads them where SipHash, std's
 /// default, would cost more than the rest of a lookup.
-pub type ByToken<V> = HashMap<u32, V, BuildHasherDefault<TokenHasher>>;
+pub(crate) type ByToken<V> = HashMap<u32, V, BuildHasherDefault<TokenHasher>>;
 
 /// [`ByToken`]'s hasher: a token times an odd constant (a bijection, so distinct tokens never
 /// collide before the table's mask, and the high bits the table also reads are mixed).
 #[derive(Default)]
-pub struct TokenHasher(u64);
+pub(crate) struct TokenHasher(u64);
 
 impl Hasher for TokenHasher {
     fn write_u32(&mut self, token: u32) {

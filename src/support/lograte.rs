@@ -6,11 +6,11 @@
 use std::cell::RefCell;
 
 /// At most one line per kind in this many ms.
-pub const LOG_INTERVAL_MS: u64 = 1000;
+pub(crate) const LOG_INTERVAL_MS: u64 = 1000;
 
 /// The kinds of warnings that repeat once per request in an outage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WarnKind {
+pub(crate) enum WarnKind {
     /// An acquire call failed; the policy's failure mode applies.
     AcquireFailed,
     /// A record could not be completed or released.
@@ -29,7 +29,7 @@ pub enum WarnKind {
 
 /// What to do with one warning.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admit {
+pub(crate) enum Admit {
     /// Log it; `suppressed` lines of its kind were dropped in the `since_ms` before it.
     Log { suppressed: u64, since_ms: u64 },
     /// Drop it (counted, and reported with the next line of its kind).
@@ -38,7 +38,7 @@ pub enum Admit {
 
 impl Admit {
     /// The suffix of the logged line: empty, or " (and N more like it in the last X.Y s)".
-    pub fn suffix(self) -> String {
+    pub(crate) fn suffix(self) -> String {
         match self {
             Admit::Log {
                 suppressed: n @ 1..,
@@ -63,13 +63,13 @@ struct Slot {
 /// The pure limiter: one slot per kind and scope (the policy's index; the number of slots is
 /// bounded by the configuration).
 #[derive(Debug, Default)]
-pub struct LogLimiter {
+pub(crate) struct LogLimiter {
     slots: Vec<((WarnKind, usize), Slot)>,
 }
 
 impl LogLimiter {
     /// Decides about one warning of `kind` for `scope` (a policy index) at `now_ms`.
-    pub fn admit(&mut self, kind: WarnKind, scope: usize, now_ms: u64) -> Admit {
+    pub(crate) fn admit(&mut self, kind: WarnKind, scope: usize, now_ms: u64) -> Admit {
         let at = match self.slots.iter().position(|(k, _)| *k == (kind, scope)) {
             Some(at) => at,
             None => {
@@ -98,12 +98,12 @@ impl LogLimiter {
 
 /// A [`LogLimiter`] behind a `RefCell`, for the per-VM runtime.
 #[derive(Debug, Default)]
-pub struct Warnings(RefCell<LogLimiter>);
+pub(crate) struct Warnings(RefCell<LogLimiter>);
 
 impl Warnings {
     /// Logs `message()` at warning level unless this kind was logged for `scope` (a policy
     /// index) less than a second ago.
-    pub fn warn(
+    pub(crate) fn warn(
         &self,
         kind: WarnKind,
         scope: usize,

@@ -19,53 +19,53 @@
 
 /// A short-lived copy this small is made whatever the budget says (see the module's
 /// documentation).
-pub const SMALL: usize = 64 << 10;
+pub(crate) const SMALL: usize = 64 << 10;
 
 /// The budget and where to read what the heap holds.
 #[derive(Debug, Clone, Copy)]
-pub struct Budget {
+pub(crate) struct Budget {
     limit: usize,
     held: fn() -> usize,
 }
 
 impl Budget {
     /// A budget of `limit` bytes over this VM's heap.
-    pub fn new(limit: u64) -> Budget {
+    pub(crate) fn new(limit: u64) -> Budget {
         Budget::over(limit, crate::support::heap::held)
     }
 
     /// A budget of `limit` bytes over the heap `held` reads.
-    pub fn over(limit: u64, held: fn() -> usize) -> Budget {
+    pub(crate) fn over(limit: u64, held: fn() -> usize) -> Budget {
         Budget {
             limit: usize::try_from(limit).unwrap_or(usize::MAX),
             held,
         }
     }
 
-    pub fn limit(&self) -> usize {
+    pub(crate) fn limit(&self) -> usize {
         self.limit
     }
 
     /// What the heap holds now.
-    pub fn held(&self) -> usize {
+    pub(crate) fn held(&self) -> usize {
         (self.held)()
     }
 
     /// Whether the heap can take `more` bytes within the budget.
-    pub fn admits(&self, more: usize) -> bool {
+    pub(crate) fn admits(&self, more: usize) -> bool {
         self.held().saturating_add(more) <= self.limit
     }
 
     /// Whether a short-lived copy of `more` bytes (freed before the event ends) may be made:
     /// always when it is [`SMALL`], else within the budget.
-    pub fn admits_brief(&self, more: usize) -> bool {
+    pub(crate) fn admits_brief(&self, more: usize) -> bool {
         more <= SMALL || self.admits(more)
     }
 
     /// Appends `piece` to `buf`, growing it (doubling, at most to `cap` bytes, and never less
     /// than it needs) only within the budget and only if the heap can give the room; `false`
     /// (`buf` untouched) otherwise.
-    pub fn append(&self, buf: &mut Vec<u8>, piece: &[u8], cap: usize) -> bool {
+    pub(crate) fn append(&self, buf: &mut Vec<u8>, piece: &[u8], cap: usize) -> bool {
         let room = growth(buf, piece.len(), cap);
         if room > 0 && !self.reserve(buf, room) {
             return false;
@@ -75,7 +75,7 @@ impl Budget {
     }
 
     /// Gives `buf` room for `total` bytes in all, if the budget and the heap allow.
-    pub fn reserve(&self, buf: &mut Vec<u8>, total: usize) -> bool {
+    pub(crate) fn reserve(&self, buf: &mut Vec<u8>, total: usize) -> bool {
         let more = total.saturating_sub(buf.len());
         if total <= buf.capacity() {
             return true;
@@ -86,7 +86,7 @@ impl Budget {
 
 /// The room [`Budget::append`] gives `buf` to take `more` bytes (doubling, at most to `cap`,
 /// never less than it needs), or 0 when it has room already.
-pub fn growth(buf: &Vec<u8>, more: usize, cap: usize) -> usize {
+pub(crate) fn growth(buf: &Vec<u8>, more: usize, cap: usize) -> usize {
     let need = buf.len().saturating_add(more);
     if need <= buf.capacity() {
         0

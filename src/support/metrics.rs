@@ -45,110 +45,110 @@ impl MetricSink for NoMetrics {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LimitMetrics {
-    pub allowed: u32,
-    pub rejected: u32,
-    pub shadow_rejected: u32,
+pub(crate) struct LimitMetrics {
+    pub(crate) allowed: u32,
+    pub(crate) rejected: u32,
+    pub(crate) shadow_rejected: u32,
     /// Units charged after responses (limits with `charge`).
-    pub charged: u32,
+    pub(crate) charged: u32,
     /// Slots left held, to expire after the window, by requests whose client left after
     /// they were forwarded and before the response's headers (concurrency limits).
-    pub slot_orphaned: u32,
+    pub(crate) slot_orphaned: u32,
     /// Responses whose charge could not be read, charged the `unreadable` fallback.
-    pub charge_unreadable: u32,
+    pub(crate) charge_unreadable: u32,
     /// Requests that found a stored override of the limit unreadable and counted without it
     /// (limits with `overrides`).
-    pub override_unreadable: u32,
+    pub(crate) override_unreadable: u32,
 }
 
 /// `cg.policy.<policy>.idem.<name>`, defined for policies with `idempotency`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IdemMetrics {
-    pub acquired: u32,
-    pub replayed: u32,
-    pub in_progress: u32,
-    pub conflict: u32,
-    pub missing_key: u32,
-    pub invalid_key: u32,
-    pub body_too_large: u32,
-    pub unreadable: u32,
+pub(crate) struct IdempotencyMetrics {
+    pub(crate) acquired: u32,
+    pub(crate) replayed: u32,
+    pub(crate) in_progress: u32,
+    pub(crate) conflict: u32,
+    pub(crate) missing_key: u32,
+    pub(crate) invalid_key: u32,
+    pub(crate) body_too_large: u32,
+    pub(crate) unreadable: u32,
     /// Sealed responses that did not open (also counted in `unreadable`): an unknown key id,
     /// a tag that does not verify, or no `encryption` to open them with.
-    pub sealed_unreadable: u32,
-    pub released: u32,
-    pub completed: u32,
-    pub complete_failed: u32,
-    pub stale_owner: u32,
-    pub outcome_unknown: u32,
+    pub(crate) sealed_unreadable: u32,
+    pub(crate) released: u32,
+    pub(crate) completed: u32,
+    pub(crate) complete_failed: u32,
+    pub(crate) stale_owner: u32,
+    pub(crate) outcome_unknown: u32,
     /// Duplicates that waited for the first request (`in_progress: wait`) and were answered
     /// by its record (replayed, or ran after it was released).
-    pub waited: u32,
+    pub(crate) waited: u32,
 }
 
 /// `cg.policy.<policy>.lease.<name>`, defined for policies with `lease`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseMetrics {
-    pub acquired: u32,
-    pub busy: u32,
-    pub waited: u32,
-    pub released: u32,
-    pub extended: u32,
-    pub lost: u32,
-    pub missing_resource: u32,
+pub(crate) struct LeaseMetrics {
+    pub(crate) acquired: u32,
+    pub(crate) busy: u32,
+    pub(crate) waited: u32,
+    pub(crate) released: u32,
+    pub(crate) extended: u32,
+    pub(crate) lost: u32,
+    pub(crate) missing_resource: u32,
     /// Leases left held, to expire after their TTL, by requests whose client left after they
     /// were forwarded and before the response's headers (the service may still be working).
-    pub orphaned: u32,
+    pub(crate) orphaned: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PolicyMetrics {
-    pub failed_open: u32,
-    pub failed_closed: u32,
-    pub missing_tenant: u32,
+pub(crate) struct PolicyMetrics {
+    pub(crate) failed_open: u32,
+    pub(crate) failed_closed: u32,
+    pub(crate) missing_tenant: u32,
     /// Requests refused because an input had more than one reading: an ambiguous path, a
     /// repeated principal header or selector input.
-    pub ambiguous_input: u32,
+    pub(crate) ambiguous_input: u32,
     /// One entry per rate limit, in config order.
-    pub limits: Vec<LimitMetrics>,
-    pub idem: Option<IdemMetrics>,
-    pub lease: Option<LeaseMetrics>,
+    pub(crate) limits: Vec<LimitMetrics>,
+    pub(crate) record: Option<IdempotencyMetrics>,
+    pub(crate) lease: Option<LeaseMetrics>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RedisMetrics {
+pub(crate) struct RedisMetrics {
     pub calls: u32,
-    pub errors: u32,
-    pub timeouts: u32,
-    pub noscript: u32,
+    pub(crate) errors: u32,
+    pub(crate) timeouts: u32,
+    pub(crate) noscript: u32,
     /// Background calls (releases) sent again after a failure.
-    pub retries: u32,
+    pub(crate) retries: u32,
     /// Releases not sent again after a failure because the worker's retry budget was spent.
-    pub retries_dropped: u32,
-    pub latency_ms: u32,
+    pub(crate) retries_dropped: u32,
+    pub(crate) latency_ms: u32,
 }
 
 /// `cg.memory.<name>`: what the worker's memory budget refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MemoryMetrics {
+pub(crate) struct MemoryMetrics {
     /// Records stored by reference because their body could not be held.
-    pub by_reference: u32,
+    pub(crate) by_reference: u32,
     /// Requests answered `503 guard_overloaded`: a body to fingerprint or a gateway answer
     /// the budget could not hold.
-    pub refused: u32,
+    pub(crate) refused: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Metrics {
     /// One entry per policy, in config order.
-    pub policies: Vec<PolicyMetrics>,
-    pub redis: RedisMetrics,
+    pub(crate) policies: Vec<PolicyMetrics>,
+    pub(crate) redis: RedisMetrics,
     /// Requests rejected by the over-limit cache, without a Redis call.
-    pub over_limit_cache_hits: u32,
-    pub memory: MemoryMetrics,
+    pub(crate) over_limit_cache_hits: u32,
+    pub(crate) memory: MemoryMetrics,
 }
 
 #[cfg(test)]
-pub mod testing {
+pub(crate) mod testing {
     //! A recording sink for unit tests.
     use super::*;
     use crate::config::Config;
@@ -156,14 +156,14 @@ pub mod testing {
     use std::collections::BTreeMap;
 
     #[derive(Default)]
-    pub struct Recorder {
-        pub names: RefCell<Vec<(Kind, String)>>,
-        pub counts: RefCell<BTreeMap<u32, u64>>,
-        pub samples: RefCell<Vec<(u32, u64)>>,
+    pub(crate) struct Recorder {
+        pub(crate) names: RefCell<Vec<(Kind, String)>>,
+        pub(crate) counts: RefCell<BTreeMap<u32, u64>>,
+        pub(crate) samples: RefCell<Vec<(u32, u64)>>,
     }
 
     impl Recorder {
-        pub fn metrics(&self, config: &Config) -> Metrics {
+        pub(crate) fn metrics(&self, config: &Config) -> Metrics {
             Metrics::define(config, |kind, name| {
                 let mut names = self.names.borrow_mut();
                 names.push((kind, name.to_string()));
@@ -171,7 +171,7 @@ pub mod testing {
             })
         }
 
-        pub fn count(&self, name: &str) -> u64 {
+        pub(crate) fn count(&self, name: &str) -> u64 {
             let names = self.names.borrow();
             let Some(id) = names.iter().position(|(_, n)| n == name) else {
                 panic!("metric {name} not defined");

@@ -3,15 +3,15 @@
 //! scan, URL paths and queries as services read them, and gRPC's status codes.
 
 #[cfg(test)]
-pub mod alloc_count;
-pub mod grpc_status;
-pub mod hashing;
-pub mod heap;
+pub(crate) mod alloc_count;
+pub(crate) mod grpc_status;
+pub(crate) mod hashing;
+pub(crate) mod heap;
 pub mod ids;
-pub mod jsonscan;
-pub mod lograte;
-pub mod memory;
+pub(crate) mod jsonscan;
+pub(crate) mod lograte;
+pub(crate) mod memory;
 pub mod metrics;
-pub mod normalize;
-pub mod slots;
-pub mod text;
+pub(crate) mod normalize;
+pub(crate) mod slots;
+pub(crate) mod text;

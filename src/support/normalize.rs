@@ -14,32 +14,33 @@ use std::borrow::Cow;
 /// A request path as the filter reads it; the canonical reading borrows the raw path when it
 /// already is canonical, as most are.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PathForm<'a> {
+pub(crate) struct PathForm<'a> {
     /// The canonical reading: what policies match and selectors read.
-    pub canonical: Cow<'a, str>,
+    pub(crate) canonical: Cow<'a, str>,
     /// Other readings a service might make of an ambiguous path (may be empty even when
     /// ambiguous, e.g. a broken escape every service keeps as it is).
-    pub others: Vec<String>,
+    pub(crate) others: Vec<String>,
     /// The raw path holds a spelling services read differently.
-    pub ambiguous: bool,
+    pub(crate) ambiguous: bool,
 }
 
 impl PathForm<'_> {
     /// Reading `n`: 0 is the canonical one, then the others.
-    pub fn reading(&self, n: usize) -> Option<&str> {
+    pub(crate) fn reading(&self, n: usize) -> Option<&str> {
         match n {
             0 => Some(&self.canonical),
             _ => self.others.get(n - 1).map(String::as_str),
         }
     }
 
-    pub fn readings(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn readings(&self) -> usize {
         1 + self.others.len()
     }
 }
 
 /// The canonical form of `raw` (a `:path` without its query) and its other readings.
-pub fn normalize_path(raw: &str) -> PathForm<'_> {
+pub(crate) fn normalize_path(raw: &str) -> PathForm<'_> {
     let raw = text::split_once_byte(raw, b'#').map_or(raw, |(p, _)| p);
     if is_plain(raw) {
         return PathForm {
@@ -269,7 +270,7 @@ fn resolve(path: &str, order: Order) -> String {
 ///
 /// Split on the one byte search ([`text::split_once_byte`]), so a request without a query runs
 /// no splitter at all.
-pub fn query_pairs(query: &str) -> Vec<(String, String)> {
+pub(crate) fn query_pairs(query: &str) -> Vec<(String, String)> {
     let mut pairs = Vec::new();
     let mut rest = query;
     while !rest.is_empty() {
@@ -287,7 +288,7 @@ pub fn query_pairs(query: &str) -> Vec<(String, String)> {
 /// The query's parameters as a service that also separates them with `;` reads them (HTML
 /// 4's recommendation, older frameworks): [`query_pairs`] split on `&` and `;` alike. Only
 /// asked of a query that holds a `;`.
-pub fn query_pairs_semicolon(query: &str) -> Vec<(String, String)> {
+pub(crate) fn query_pairs_semicolon(query: &str) -> Vec<(String, String)> {
     query
         .split(['&', ';'])
         .filter(|p| !p.is_empty())
@@ -322,7 +323,7 @@ fn decode_component(s: &str) -> String {
 
 /// Path and prefix comparisons ignore one trailing slash: `/orders/` is `/orders` to most
 /// routers.
-pub fn trim_slash(path: &str) -> &str {
+pub(crate) fn trim_slash(path: &str) -> &str {
     match path.strip_suffix('/') {
         Some(p) if !p.is_empty() => p,
         _ => path,

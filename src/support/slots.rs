@@ -11,43 +11,44 @@ use std::cell::RefCell;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 /// Hash of a key's text, the same in every worker (SipHash with fixed keys); never 0.
-pub fn text_hash(text: &str) -> u64 {
+pub(crate) fn text_hash(text: &str) -> u64 {
     let mut h = DefaultHasher::new();
     text.hash(&mut h);
     h.finish().max(1)
 }
 
 /// A fixed number of slots of `T`, indexed by a hash.
-pub struct SlotTable<T> {
+pub(crate) struct SlotTable<T> {
     capacity: usize,
     slots: RefCell<Vec<Option<T>>>,
 }
 
 impl<T> SlotTable<T> {
     /// `capacity` slots (0: a table that never stores anything).
-    pub fn new(capacity: usize) -> SlotTable<T> {
+    pub(crate) fn new(capacity: usize) -> SlotTable<T> {
         SlotTable {
             capacity,
             slots: RefCell::new(Vec::new()),
         }
     }
 
-    pub fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }
 
+    #[cfg(test)]
     /// Whether the slots have been allocated (on the first write).
-    pub fn allocated(&self) -> bool {
+    pub(crate) fn allocated(&self) -> bool {
         self.slots.try_borrow().is_ok_and(|s| !s.is_empty())
     }
 
     /// The slot of `hash`, unless the table has no slots.
-    pub fn slot_of(&self, hash: u64) -> Option<usize> {
+    pub(crate) fn slot_of(&self, hash: u64) -> Option<usize> {
         (self.capacity > 0).then(|| (hash % self.capacity as u64) as usize)
     }
 
     /// Reads the entry in `hash`'s slot, if there is one; allocates nothing.
-    pub fn read<R>(&self, hash: u64, f: impl FnOnce(&T) -> Option<R>) -> Option<R> {
+    pub(crate) fn read<R>(&self, hash: u64, f: impl FnOnce(&T) -> Option<R>) -> Option<R> {
         let slot = self.slot_of(hash)?;
         let slots = self.slots.try_borrow().ok()?;
         f(slots.get(slot)?.as_ref()?)
@@ -55,7 +56,7 @@ impl<T> SlotTable<T> {
 
     /// Gives `f` `hash`'s slot to read or write (allocating the table first). `None` when the
     /// table has no slots (or is in use further up the stack).
-    pub fn update<R>(&self, hash: u64, f: impl FnOnce(&mut Option<T>) -> R) -> Option<R> {
+    pub(crate) fn update<R>(&self, hash: u64, f: impl FnOnce(&mut Option<T>) -> R) -> Option<R> {
         let slot = self.slot_of(hash)?;
         let mut slots = self.slots.try_borrow_mut().ok()?;
         if slots.is_empty() {

@@ -8,7 +8,7 @@ use base64::Engine as _;
 /// of places, and inlined each would be a copy of the growth and the copy (what a request
 /// costs in Envoy follows the distinct code it runs, not the calls).
 #[inline(never)]
-pub fn push(out: &mut String, text: &str) {
+pub(crate) fn push(out: &mut String, text: &str) {
     out.push_str(text);
 }
 
@@ -17,7 +17,7 @@ pub fn push(out: &mut String, text: &str) {
 /// `char` brings its own searcher to every place it is called, and a request splits its path,
 /// its authority and its query in several.
 #[inline(never)]
-pub fn split_once_byte(s: &str, sep: u8) -> Option<(&str, &str)> {
+pub(crate) fn split_once_byte(s: &str, sep: u8) -> Option<(&str, &str)> {
     debug_assert!(sep.is_ascii());
     let at = s.bytes().position(|b| b == sep)?;
     Some((s.get(..at)?, s.get(at + 1..)?))
@@ -25,7 +25,7 @@ pub fn split_once_byte(s: &str, sep: u8) -> Option<(&str, &str)> {
 
 /// [`split_once_byte`] around the last `sep`.
 #[inline(never)]
-pub fn rsplit_once_byte(s: &str, sep: u8) -> Option<(&str, &str)> {
+pub(crate) fn rsplit_once_byte(s: &str, sep: u8) -> Option<(&str, &str)> {
     debug_assert!(sep.is_ascii());
     let at = s.bytes().rposition(|b| b == sep)?;
     Some((s.get(..at)?, s.get(at + 1..)?))
@@ -33,7 +33,7 @@ pub fn rsplit_once_byte(s: &str, sep: u8) -> Option<(&str, &str)> {
 
 /// The media type of a `Content-Type` value: the text before its first `;` (its parameters
 /// dropped), trimmed, its case kept.
-pub fn media_type(content_type: &str) -> &str {
+pub(crate) fn media_type(content_type: &str) -> &str {
     split_once_byte(content_type, b';')
         .map_or(content_type, |(media, _)| media)
         .trim()
@@ -42,13 +42,13 @@ pub fn media_type(content_type: &str) -> &str {
 /// Appends `n` in decimal. Not inlined, as [`push`]: one copy for every number a request
 /// writes.
 #[inline(never)]
-pub fn push_u64(out: &mut String, n: u64) {
+pub(crate) fn push_u64(out: &mut String, n: u64) {
     let mut digits = [0u8; 20];
     push(out, ascii(decimal(n, &mut digits)));
 }
 
 /// [`push_u64`] onto bytes.
-pub fn push_u64_bytes(out: &mut Vec<u8>, n: u64) {
+pub(crate) fn push_u64_bytes(out: &mut Vec<u8>, n: u64) {
     let mut digits = [0u8; 20];
     out.extend_from_slice(decimal(n, &mut digits));
 }
@@ -56,7 +56,7 @@ pub fn push_u64_bytes(out: &mut Vec<u8>, n: u64) {
 /// The decimal digits of `n`, written at the end of `digits`, two at a time: half the
 /// divisions of one at a time (numbers are written on every request: keys, arguments,
 /// headers).
-pub fn decimal(mut n: u64, digits: &mut [u8; 20]) -> &[u8] {
+pub(crate) fn decimal(mut n: u64, digits: &mut [u8; 20]) -> &[u8] {
     let mut at = digits.len();
     while n >= 100 {
         let pair = 2 * (n % 100) as usize;
@@ -91,14 +91,14 @@ fn ascii(bytes: &[u8]) -> &str {
 }
 
 /// Lower-case hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len() * 2);
     push_hex(&mut out, bytes);
     out
 }
 
 /// Appends the lower-case hex of `bytes` (const-hex, 32 bytes of hex at a time).
-pub fn push_hex(out: &mut String, bytes: &[u8]) {
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
     let mut text = [0u8; 64];
     for chunk in bytes.chunks(text.len() / 2) {
         let Some(dst) = text.get_mut(..2 * chunk.len()) else {
@@ -112,7 +112,7 @@ pub fn push_hex(out: &mut String, bytes: &[u8]) {
 
 /// The character a JSON string's escape `\<b>` stands for, for every escape but `\u` (which
 /// the caller reads on: four hex digits follow); `None` for `u` and for a byte no escape has.
-pub fn json_escape(b: u8) -> Option<char> {
+pub(crate) fn json_escape(b: u8) -> Option<char> {
     Some(match b {
         b'"' => '"',
         b'\\' => '\\',
@@ -127,13 +127,13 @@ pub fn json_escape(b: u8) -> Option<char> {
 }
 
 /// Standard base64 with padding (the `base64` crate's standard engine).
-pub fn base64_encode(data: &[u8]) -> String {
+pub(crate) fn base64_encode(data: &[u8]) -> String {
     STANDARD.encode(data)
 }
 
 /// Standard base64 with padding, canonical (`=` only at the end, no stray bits); `None` for
 /// anything else.
-pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
+pub(crate) fn base64_decode(text: &str) -> Option<Vec<u8>> {
     STANDARD.decode(text).ok()
 }
 

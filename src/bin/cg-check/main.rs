@@ -425,8 +425,8 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
                 limit_line(&r.key_prefix, &p.name, l)
             );
         }
-        if let Some(idem) = &p.idempotency {
-            let parts: Vec<String> = idem
+        if let Some(record) = &p.idempotency {
+            let parts: Vec<String> = record
                 .fingerprint
                 .iter()
                 .map(|f| match f {
@@ -441,17 +441,17 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
             let _ = writeln!(
                 s,
                 "    idempotency: {} on {} ({}), fingerprint {}, processing {}, replayed for {} ({}, {})\n        key {}:idem:{{t.<tenant>}}:{}:<key hash>",
-                idem.header,
-                idem.methods.join("|"),
-                if idem.required { "required" } else { "optional" },
+                record.header,
+                record.methods.join("|"),
+                if record.required { "required" } else { "optional" },
                 parts.join(" + "),
-                duration(idem.processing_ttl_ms),
-                duration(idem.completed_ttl_ms),
-                match idem.replay {
+                duration(record.processing_ttl_ms),
+                duration(record.completed_ttl_ms),
+                match record.replay {
                     Replay::Full => "full responses",
                     Replay::Reference => "status and headers",
                 },
-                match idem.complete {
+                match record.complete {
                     Completion::Sync => "written before the response goes out",
                     Completion::Async => "written after the response",
                 },

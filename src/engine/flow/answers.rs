@@ -1,20 +1,25 @@
-//! Redis's answers to the stream's calls, and the watchdog that decides calls, bodies and
-//! lease waits that outlived their time.
+//! Redis's answers to the stream's calls: an acquire's (rate limits, the record, the lease)
+//! read into the guards and, once every call of the round answered, decided; a poll's; the
+//! response side's (complete, release, the lease's and the slots' releases), which the
+//! response waits for; and calls that failed.
 
 use crate::engine::calls::{count_failure, Answer};
-use crate::engine::flow::{Cx, Flow, Pcx, Phase, Purpose, Step, BODY_IDLE_TIMEOUT_MS};
-use crate::http::local_reply::{self, Problem};
-use crate::redis::scripts::acquire::{self, IdemAnswer, LeaseAnswer};
+use crate::engine::flow::{Cx, Flow, Move, Pcx, Phase, Purpose, Step};
+use crate::redis::scripts::acquire::{self, LeaseAnswer, RecordAnswer};
 use crate::redis::{resp::Reply, CallError};
 use crate::support::lograte::WarnKind;
 
 impl Flow {
     /// A gateway answer (or a failure to send) for `slot`.
     pub fn on_reply(&mut self, cx: &Cx<'_>, slot: usize, answer: Result<Reply, CallError>) -> Step {
+        self.step(|f| f.reply(cx, slot, answer))
+    }
+
+    fn reply(&mut self, cx: &Cx<'_>, slot: usize, answer: Result<Reply, CallError>) -> Move {
         if self.gone {
             return match self.at(cx) {
                 Some(at) => self.gone_reply(&at, slot, answer),
-                None => Step::Wait,
+                None => Move::Wait,
             };
         }
         let accepts = matches!(
@@ -22,11 +27,11 @@ impl Flow {
             Phase::Acquiring { .. } | Phase::Completing { .. } | Phase::Response(_)
         );
         let Some(at) = self.at(cx).filter(|_| accepts) else {
-            return Step::Wait;
+            return Move::Wait;
         };
         let (purpose, answer) = match self.calls.answer(&at.cx(), slot, answer) {
-            Answer::Unknown => return Step::Wait,
-            Answer::Resend(out) => return Step::Dispatch(vec![out]),
+            Answer::Unknown => return Move::Wait,
+            Answer::Resend(out) => return Move::Dispatch(vec![out]),
             Answer::Reply(call, answer) => (call.tag.purpose, answer),
         };
         match answer {
@@ -52,11 +57,11 @@ impl Flow {
     pub(super) fn settled_with(
         &mut self,
         slot: usize,
-        idem: Option<IdemAnswer>,
+        record: Option<RecordAnswer>,
         lease: Option<LeaseAnswer>,
     ) {
         self.settled_call(slot);
-        if let (Some(answer), Some(i)) = (idem, self.idem.as_mut()) {
+        if let (Some(answer), Some(i)) = (record, self.record.as_mut()) {
             i.answered(answer);
         }
         if let (Some(answer), Some(l)) = (lease, self.lease.as_mut()) {
@@ -75,9 +80,9 @@ impl Flow {
 
     /// The answer of the call in `slot`, of `purpose`; what else the reading needs (the limits
     /// and sections it carried) is read from the call's tag, not copied out of it.
-    fn on_answer(&mut self, at: &Pcx<'_>, slot: usize, purpose: Purpose, reply: &Reply) -> Step {
+    fn on_answer(&mut self, at: &Pcx<'_>, slot: usize, purpose: Purpose, reply: &Reply) -> Move {
         let Some(tag) = self.calls.get(slot).map(|c| &c.tag) else {
-            return Step::Wait;
+            return Move::Wait;
         };
         match purpose {
             Purpose::LeaseRetry => {
@@ -87,7 +92,7 @@ impl Flow {
                 };
                 self.settled_call(slot);
                 let answer = read.lease.unwrap_or(LeaseAnswer::Skipped);
-                let headers = std::mem::take(&mut self.response_headers);
+                let headers = std::mem::take(&mut self.limit_headers);
                 self.on_lease_answer(at, answer, headers)
             }
             Purpose::RecordRetry => {
@@ -96,32 +101,32 @@ impl Flow {
                     Ok(r) => r,
                     Err(e) => return self.unreadable(at, slot, &e),
                 };
-                self.settled_with(slot, read.idem, read.lease);
-                let headers = std::mem::take(&mut self.response_headers);
+                self.settled_with(slot, read.record, read.lease);
+                let headers = std::mem::take(&mut self.limit_headers);
                 self.guards_decide(at, headers)
             }
             Purpose::Acquire => {
                 let limits = &tag.limits;
-                let read = match acquire::read_reply(reply, limits.len(), tag.idem, tag.lease) {
+                let read = match acquire::read_reply(reply, limits.len(), tag.record, tag.lease) {
                     Ok(r) => r,
                     Err(e) => return self.unreadable(at, slot, &e),
                 };
                 self.admission
                     .answered(at, limits, read.states, read.admitted);
-                self.settled_with(slot, read.idem, read.lease);
+                self.settled_with(slot, read.record, read.lease);
                 self.acquire_answered(at)
             }
             Purpose::LeaseRelease => {
                 if let Some(l) = self.lease.as_mut() {
-                    l.released(at, reply);
+                    self.out.freed = l.released(at, reply);
                 }
                 self.response_calls_done()
             }
             Purpose::SlotRelease => self.response_calls_done(),
-            Purpose::LeaseExtend | Purpose::SlotExtend | Purpose::Charge => Step::Wait,
+            Purpose::LeaseExtend | Purpose::SlotExtend | Purpose::Charge => Move::Wait,
             Purpose::Complete | Purpose::Release => {
-                if let Some(i) = self.idem.as_mut() {
-                    i.settled(at, purpose, reply);
+                if let Some(i) = self.record.as_mut() {
+                    self.out.freed = i.settled(at, purpose, reply);
                 }
                 self.response_calls_done()
             }
@@ -129,16 +134,16 @@ impl Flow {
     }
 
     /// An acquire reply that cannot be read.
-    fn unreadable(&mut self, at: &Pcx<'_>, slot: usize, e: &CallError) -> Step {
+    fn unreadable(&mut self, at: &Pcx<'_>, slot: usize, e: &CallError) -> Move {
         at.m.increment(at.rt.metrics.redis.errors);
         self.call_failed(at, slot, Purpose::Acquire, e)
     }
 
     /// One acquire answered: wait for the others, then send the deferred record/lease call
     /// (unless the rate limits already rejected), then decide.
-    fn acquire_answered(&mut self, at: &Pcx<'_>) -> Step {
+    fn acquire_answered(&mut self, at: &Pcx<'_>) -> Move {
         if self.calls.any_open() {
-            return Step::Wait;
+            return Move::Wait;
         }
         let deferred = match &mut self.phase {
             Phase::Acquiring { deferred, .. } => deferred.take(),
@@ -151,7 +156,7 @@ impl Flow {
                 deadline_ms: at.call_deadline(),
                 deferred: None,
             };
-            return Step::Dispatch(out.into_iter().collect());
+            return Move::Dispatch(out.into_iter().collect());
         }
         self.decide(at)
     }
@@ -162,11 +167,11 @@ impl Flow {
         slot: usize,
         purpose: Purpose,
         err: &CallError,
-    ) -> Step {
+    ) -> Move {
         match purpose {
             Purpose::Complete | Purpose::Release => {
                 self.calls.close(slot);
-                if let Some(i) = self.idem.as_mut() {
+                if let Some(i) = self.record.as_mut() {
                     i.settle_failed(at, err);
                 }
                 self.response_calls_done()
@@ -193,86 +198,14 @@ impl Flow {
     }
 
     /// After a response-side call answered: go on once none is outstanding.
-    pub(super) fn response_calls_done(&mut self) -> Step {
+    pub(super) fn response_calls_done(&mut self) -> Move {
         if self.calls.any_open() {
-            return Step::Wait;
+            return Move::Wait;
         }
         if matches!(self.phase, Phase::Completing { .. }) {
             self.phase = Phase::Done;
-            return Step::Continue;
+            return Move::Continue;
         }
-        Step::Wait
-    }
-
-    /// The watchdog: extends a held lease when due, polls a busy lease, and decides a stream
-    /// whose body or calls outlived their time.
-    pub fn on_tick(&mut self, cx: &Cx<'_>) -> Step {
-        let Some(at) = self.at(cx) else {
-            return Step::Wait;
-        };
-        if self.gone {
-            return self.gone_tick(&at);
-        }
-        if let Some(bg) = self
-            .lease
-            .as_mut()
-            .and_then(|l| l.extend(at.index, at.now_ms))
-        {
-            self.background.push(bg);
-        }
-        self.extend_slots(&at);
-        let now = at.now_ms;
-        match self.phase {
-            Phase::LeaseWaiting { poll_at_ms } if now >= poll_at_ms => self.poll_lease(&at),
-            Phase::RecordWaiting { poll_at_ms } if now >= poll_at_ms => self.poll_record(&at),
-            Phase::Buffering { until_ms, .. } if now >= until_ms => {
-                log::warn!(
-                    "policy {}: no request body data for {} s; if no body ever arrives, the host \
-                     must set allow_on_headers_stop_iteration: true on the Wasm plugin",
-                    at.policy.name,
-                    BODY_IDLE_TIMEOUT_MS / 1000
-                );
-                self.answer(local_reply::problem(
-                    Problem::RequestBodyTimeout,
-                    "the request body did not arrive in time",
-                    &[],
-                    Vec::new(),
-                ))
-            }
-            Phase::Acquiring { deadline_ms, .. } if now >= deadline_ms => {
-                at.m.increment(at.rt.metrics.redis.timeouts);
-                self.fail(&at, &CallError::Timeout)
-            }
-            Phase::Completing { deadline_ms } if now >= deadline_ms => {
-                at.m.increment(at.rt.metrics.redis.timeouts);
-                self.completion_timed_out(&at)
-            }
-            _ => Step::Wait,
-        }
-    }
-
-    /// The response goes out; late answers are ignored.
-    fn completion_timed_out(&mut self, at: &Pcx<'_>) -> Step {
-        let slots: Vec<usize> = self
-            .calls
-            .open_slots()
-            .filter(|(_, c)| c.tag.purpose == Purpose::SlotRelease)
-            .map(|(slot, _)| slot)
-            .collect();
-        for slot in slots {
-            self.slot_release_to_root(at, slot);
-        }
-        let record_pending = self
-            .calls
-            .open()
-            .any(|c| matches!(c.tag.purpose, Purpose::Complete | Purpose::Release));
-        self.calls.iter_mut().for_each(|c| c.open = false);
-        if record_pending {
-            if let Some(i) = self.idem.as_mut() {
-                i.settle_failed(at, &CallError::Timeout);
-            }
-        }
-        self.phase = Phase::Done;
-        Step::Continue
+        Move::Wait
     }
 }

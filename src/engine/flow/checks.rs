@@ -2,7 +2,8 @@
 //! one way, a missing or repeated tenant, a repeated selector input, a missing lease resource.
 
 use crate::config::IdSource;
-use crate::engine::context::Pcx;
+use crate::guards::context::Pcx;
+use crate::guards::ratelimit::charge::parse_units;
 use crate::http::identity::TenantError;
 use crate::http::local_reply::{self, LocalResponse, Member, Problem};
 use crate::http::request::Request;
@@ -10,7 +11,7 @@ use crate::http::selectors::{ambiguous_input, Ambiguity};
 
 /// A request whose path reads more than one way: refused, since the service may read it the
 /// way the guard did not.
-pub fn ambiguous_path() -> LocalResponse {
+pub(crate) fn ambiguous_path() -> LocalResponse {
     local_reply::problem(
         Problem::AmbiguousPath,
         "the request path has more than one reading (an encoded '/', a '\\', a NUL, a \
@@ -22,7 +23,7 @@ pub fn ambiguous_path() -> LocalResponse {
 }
 
 /// The tenant (or principal) could not be told, counted.
-pub fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
+pub(crate) fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
     let identity = &at.rt.config.identity;
     match err {
         TenantError::Missing | TenantError::Unusable => {
@@ -71,7 +72,7 @@ pub fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
 }
 
 /// An input a limit or the lease is keyed by appears more than once, counted.
-pub fn repeated_selector(at: &Pcx<'_>, req: &Request) -> Option<LocalResponse> {
+pub(crate) fn repeated_selector(at: &Pcx<'_>, req: &Request) -> Option<LocalResponse> {
     let selectors = at
         .policy
         .rate_limits
@@ -102,7 +103,7 @@ fn ambiguous_selector(at: &Pcx<'_>, spelling: &str, why: Ambiguity) -> LocalResp
 }
 
 /// The request lacks the input that names the lease's resource, counted.
-pub fn lease_resource_missing(at: &Pcx<'_>, missing: &str) -> LocalResponse {
+pub(crate) fn lease_resource_missing(at: &Pcx<'_>, missing: &str) -> LocalResponse {
     if let Some(lm) = at.pm.lease.as_ref() {
         at.m.increment(lm.missing_resource);
     }
@@ -120,7 +121,7 @@ pub fn lease_resource_missing(at: &Pcx<'_>, missing: &str) -> LocalResponse {
 /// The request's cost to each rate limit: its `cost` header (once, a whole number from `min`
 /// to `max`), `default` without it, 1 for a limit without `cost`; empty (each limit 1) when no
 /// limit has a `cost`, the usual policy. `Err`: the answer.
-pub fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
+pub(crate) fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
     if at.policy.rate_limits.iter().all(|l| l.cost.is_none()) {
         return Ok(Vec::new());
     }
@@ -152,12 +153,4 @@ pub fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalResponse> {
         }
     }
     Ok(costs)
-}
-
-/// Plain decimal digits only (no sign, no spaces inside, no exponent), at most 10 of them.
-pub fn parse_units(v: &str) -> Option<u64> {
-    if v.is_empty() || v.len() > 10 || !v.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    v.parse().ok()
 }

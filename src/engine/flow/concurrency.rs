@@ -6,9 +6,9 @@
 //! takes none.
 
 use crate::config::{Policy, RateLimit};
-use crate::engine::context::{Pcx, Purpose};
 use crate::engine::flow::{Flow, Outgoing, Pending};
-use crate::engine::outbox::Background;
+use crate::guards::background::Background;
+use crate::guards::context::{Pcx, Purpose};
 use crate::guards::ratelimit::admission::{Admission, LimitSlot};
 use crate::redis::scripts::acquire::Asker;
 use crate::redis::scripts::slot;
@@ -42,7 +42,7 @@ impl Flow {
         let mut next = u64::MAX;
         for (limit, s) in held(at.policy, &self.admission) {
             let call = slot::extend(s.key.text(), &self.nonce, limit.window_ms);
-            self.background.push(Background::new(
+            self.out.background.push(Background::new(
                 at.index,
                 Purpose::SlotExtend,
                 call,
@@ -93,7 +93,7 @@ impl Flow {
                 c.call.clone(),
                 String::new(),
             );
-            self.background.push(bg.uncertain());
+            self.out.background.push(bg.uncertain());
         }
         self.calls.close(slot);
     }
@@ -123,7 +123,8 @@ impl Flow {
             let marker = (!certain).then(|| (asker.marker(at.policy, s.key.tag()), marker_ttl));
             let call = slot::release(s.key.text(), asker.nonce, marker);
             let bg = Background::new(at.index, Purpose::SlotRelease, call, String::new());
-            self.background
+            self.out
+                .background
                 .push(if certain { bg } else { bg.compensation() });
         }
         self.calls

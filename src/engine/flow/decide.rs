@@ -4,10 +4,12 @@
 //! giving back what the request will not use.
 
 use crate::config::FailureMode;
-use crate::engine::context::{Outgoing, Pcx, Purpose, Step};
-use crate::engine::flow::{Flow, Held, Pending, Phase, FINGERPRINT_HEADER, MARKER_MIN_TTL_MS};
-use crate::engine::outbox::Background;
-use crate::guards::idempotency::guard::IdemDecision;
+use crate::engine::flow::{
+    Flow, Held, Move, Pending, Phase, FINGERPRINT_HEADER, MARKER_MIN_TTL_MS,
+};
+use crate::guards::background::Background;
+use crate::guards::context::{Outgoing, Pcx, Purpose};
+use crate::guards::idempotency::guard::IdempotencyDecision;
 use crate::guards::lease::LeaseDecision;
 use crate::guards::ratelimit::Verdict;
 use crate::http::local_reply::{self, Problem};
@@ -17,9 +19,9 @@ use crate::redis::{CallError, ScriptCall};
 use crate::support::lograte::WarnKind;
 
 impl Flow {
-    pub(super) fn start_acquire(&mut self, at: &Pcx<'_>, held: Held, body: &[u8]) -> Step {
-        if let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) {
-            idem.fingerprint(cfg, &held.caller, &held.req, body);
+    pub(super) fn start_acquire(&mut self, at: &Pcx<'_>, held: Held, body: &[u8]) -> Move {
+        if let (Some(record), Some(cfg)) = (self.record.as_mut(), at.policy.idempotency.as_ref()) {
+            record.fingerprint(cfg, &held.caller, &held.req, body);
         }
         self.nonce = held.nonce;
         self.admission =
@@ -27,7 +29,7 @@ impl Flow {
         if let Some(rejection) = self.admission.cached_rejection(at) {
             return self.answer(rejection);
         }
-        if self.admission.all_local() && self.idem.is_none() && self.lease.is_none() {
+        if self.admission.all_local() && self.record.is_none() && self.lease.is_none() {
             // Every limit answered locally, nothing else to acquire: no Redis call. Otherwise
             // the plan holds a group for each limit asked and for the record and the lease.
             return self.decide(at);
@@ -41,13 +43,13 @@ impl Flow {
             at.policy,
             &self.admission.asks(),
             &asker,
-            self.idem.as_ref().map(|i| &i.acquire),
+            self.record.as_ref().map(|i| &i.acquire),
             self.lease.as_ref().map(|l| &l.acquire),
         );
         // Rate limits first: when the record or the lease rides in one slot and other slots
         // hold rate limits, those go first and the record/lease call only once they admit,
         // so a rate-limited request never takes a lease or a record (a second round trip).
-        let carries = |g: &acquire::Group| g.idem || g.lease;
+        let carries = |g: &acquire::Group| g.record || g.lease;
         let (first, deferred) = if !groups.iter().any(carries) {
             (groups, None)
         } else {
@@ -69,7 +71,7 @@ impl Flow {
             deadline_ms: at.call_deadline(),
             deferred,
         };
-        Step::Dispatch(out)
+        Move::Dispatch(out)
     }
 
     pub(super) fn send_acquire(&mut self, at: &Pcx<'_>, mut g: acquire::Group) -> Option<Outgoing> {
@@ -79,7 +81,7 @@ impl Flow {
     }
 
     /// All acquire calls answered: rate-limit verdict first, then the record, then the lease.
-    pub(super) fn decide(&mut self, at: &Pcx<'_>) -> Step {
+    pub(super) fn decide(&mut self, at: &Pcx<'_>) -> Move {
         let verdict = match self.admission.decide(at) {
             Ok(v) => v,
             Err(e) => return self.fail(at, &e),
@@ -105,31 +107,31 @@ impl Flow {
         &mut self,
         at: &Pcx<'_>,
         limit_headers: Vec<(String, String)>,
-    ) -> Step {
+    ) -> Move {
         let grpc = self.kind.grpc;
-        let decision = match self.idem.as_mut() {
-            Some(idem) => idem.decide(at, &limit_headers, grpc),
-            None => IdemDecision::NotAsked,
+        let decision = match self.record.as_mut() {
+            Some(record) => record.decide(at, &limit_headers, grpc),
+            None => IdempotencyDecision::NotAsked,
         };
         match decision {
-            IdemDecision::Answer(response) => self.answer(response),
-            IdemDecision::PollAt(poll_at_ms) => {
+            IdempotencyDecision::Answer(response) => self.answer(response),
+            IdempotencyDecision::PollAt(poll_at_ms) => {
                 self.phase = Phase::RecordWaiting { poll_at_ms };
-                self.response_headers = limit_headers;
-                Step::Wait
+                self.limit_headers = limit_headers;
+                Move::Wait
             }
-            IdemDecision::Skipped => self.forward(limit_headers),
-            IdemDecision::Acquired(fingerprint) => {
+            IdempotencyDecision::Skipped => self.forward(limit_headers),
+            IdempotencyDecision::Acquired(fingerprint) => {
                 self.upstream_headers
                     .push((FINGERPRINT_HEADER.into(), fingerprint));
                 self.lease_decide(at, limit_headers)
             }
-            IdemDecision::NotAsked => self.lease_decide(at, limit_headers),
+            IdempotencyDecision::NotAsked => self.lease_decide(at, limit_headers),
         }
     }
 
     /// The lease answer of the acquire, once rate limits and the record let the request go.
-    pub(super) fn lease_decide(&mut self, at: &Pcx<'_>, headers: Vec<(String, String)>) -> Step {
+    pub(super) fn lease_decide(&mut self, at: &Pcx<'_>, headers: Vec<(String, String)>) -> Move {
         let answer = self.lease.as_mut().and_then(|l| l.answer.take());
         self.on_lease_answer(at, answer.unwrap_or(LeaseAnswer::Skipped), headers)
     }
@@ -139,7 +141,7 @@ impl Flow {
         at: &Pcx<'_>,
         answer: LeaseAnswer,
         headers: Vec<(String, String)>,
-    ) -> Step {
+    ) -> Move {
         let Some(lease) = self.lease.as_mut() else {
             return self.forward(headers);
         };
@@ -150,8 +152,8 @@ impl Flow {
             }
             LeaseDecision::PollAt(poll_at_ms) => {
                 self.phase = Phase::LeaseWaiting { poll_at_ms };
-                self.response_headers = headers;
-                Step::Wait
+                self.limit_headers = headers;
+                Move::Wait
             }
             LeaseDecision::Busy(mut response) => {
                 // The idempotency record this request acquired is not going to be used.
@@ -163,9 +165,9 @@ impl Flow {
     }
 
     /// Polls a busy lease again (`on_busy: wait`).
-    pub(super) fn poll_lease(&mut self, at: &Pcx<'_>) -> Step {
+    pub(super) fn poll_lease(&mut self, at: &Pcx<'_>) -> Move {
         let Some(lease) = self.lease.as_ref() else {
-            return Step::Continue;
+            return Move::Continue;
         };
         let call = lease.poll_call(&self.nonce);
         let mut tag = Pending::of(Purpose::LeaseRetry);
@@ -175,7 +177,7 @@ impl Flow {
     }
 
     /// Sends a poll (a lease or record-only acquire) alone; the stream waits for it.
-    fn poll(&mut self, at: &Pcx<'_>, tag: Pending, call: ScriptCall) -> Step {
+    fn poll(&mut self, at: &Pcx<'_>, tag: Pending, call: ScriptCall) -> Move {
         self.calls.clear();
         let out = self
             .calls
@@ -184,21 +186,21 @@ impl Flow {
             deadline_ms: at.call_deadline(),
             deferred: None,
         };
-        Step::Dispatch(out.into_iter().collect())
+        Move::Dispatch(out.into_iter().collect())
     }
 
     /// Polls a record still in progress again (`in_progress: wait`); with the lease, which
     /// a request that gets the record then needs.
-    pub(super) fn poll_record(&mut self, at: &Pcx<'_>) -> Step {
-        let Some(idem) = self.idem.as_ref() else {
-            return Step::Continue;
+    pub(super) fn poll_record(&mut self, at: &Pcx<'_>) -> Move {
+        let Some(record) = self.record.as_ref() else {
+            return Move::Continue;
         };
         let lease = self.lease.as_ref().map(|l| &l.acquire);
-        let call = idem.poll_call(lease, &self.nonce);
+        let call = record.poll_call(lease, &self.nonce);
         let mut tag = Pending::of(Purpose::RecordRetry);
-        tag.idem = true;
+        tag.record = true;
         tag.record_unsettled = true;
-        tag.lease = lease.is_some_and(|l| l.tag == idem.acquire.tag);
+        tag.lease = lease.is_some_and(|l| l.tag == record.acquire.tag);
         tag.lease_unsettled = tag.lease;
         self.poll(at, tag, call)
     }
@@ -210,7 +212,7 @@ impl Flow {
         self.hand_back(
             at,
             |t| &mut t.record_unsettled,
-            |f, in_flight, ttl| Background::give_back(at.index, f.idem.as_mut()?, in_flight, ttl),
+            |f, in_flight, ttl| Background::give_back(at.index, f.record.as_mut()?, in_flight, ttl),
         );
     }
 
@@ -239,7 +241,7 @@ impl Flow {
         self.calls
             .iter_mut()
             .for_each(|c| *unsettled(&mut c.tag) = false);
-        self.background.push(bg);
+        self.out.background.push(bg);
     }
 
     /// The TTL of this request's cancellation marker: it must outlive any acquire of this
@@ -257,7 +259,7 @@ impl Flow {
     /// The one place a failed acquire becomes the policy's answer. An answer the worker could
     /// not hold is no Redis failure: whatever the failure mode, the request is refused (a
     /// replay it may have been must not run the operation again), with what it took given back.
-    pub(super) fn fail(&mut self, at: &Pcx<'_>, err: &CallError) -> Step {
+    pub(super) fn fail(&mut self, at: &Pcx<'_>, err: &CallError) -> Move {
         if *err == CallError::OverBudget {
             self.release_record(at);
             self.release_lease(at);
@@ -290,7 +292,7 @@ impl Flow {
             at.m.increment(at.pm.failed_closed);
             response
                 .headers
-                .extend(std::mem::take(&mut self.response_headers));
+                .extend(std::mem::take(&mut self.limit_headers));
             return self.answer(response);
         }
         match policy.failure_mode {
@@ -315,7 +317,7 @@ impl Flow {
     /// waited (its failure mode applies).
     fn seen_busy(&self, at: &Pcx<'_>) -> Option<local_reply::LocalResponse> {
         let grpc = self.kind.grpc;
-        self.idem
+        self.record
             .as_ref()
             .and_then(|i| i.waiting_answer(at, grpc))
             .or_else(|| self.lease.as_ref().and_then(|l| l.waiting_answer(at)))
@@ -323,7 +325,7 @@ impl Flow {
 
     /// The worker's memory budget cannot hold `what` the request needs now: `503
     /// guard_overloaded`, counted and warned about (the request took nothing it keeps).
-    pub(super) fn overloaded(&mut self, at: &Pcx<'_>, what: &str) -> Step {
+    pub(super) fn overloaded(&mut self, at: &Pcx<'_>, what: &str) -> Move {
         at.m.increment(at.rt.metrics.memory.refused);
         let memory = &at.rt.memory;
         at.rt

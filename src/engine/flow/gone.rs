@@ -1,4 +1,5 @@
-//! A client that hangs up, by where its request was.
+//! The stream's end ([`Flow::on_done`]): what the request still holds is given back or left
+//! to expire, and a client that hangs up, by where its request was.
 //!
 //! - **Still deciding** (its acquire in flight): what the acquire may take is given back, as
 //!   it always was. When the acquire went out in a batch from the root, its answer still comes
@@ -16,17 +17,83 @@
 //!   back when the stream ends, as for any response.
 
 use crate::engine::calls::{count_failure, Answer};
-use crate::engine::flow::{Flow, Pcx, Phase, Purpose, Step};
+use crate::engine::flow::{Cx, Flow, Move, Pcx, Phase, Purpose};
+use crate::guards::background::Background;
 use crate::redis::scripts::acquire;
 use crate::redis::{resp::Reply, CallError};
 
 impl Flow {
+    /// The stream is gone. A record we still own is released if the request never left
+    /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise. A request forwarded with no
+    /// response yet (the client left) keeps its lease and slots until they expire (see
+    /// [`Flow::orphan`]); anything else still held is given back. What it owes then goes to the root:
+    /// the calls returned.
+    pub fn on_done(&mut self, cx: &Cx<'_>) -> Vec<Background> {
+        self.done(cx);
+        std::mem::take(&mut self.out).background
+    }
+
+    fn done(&mut self, cx: &Cx<'_>) {
+        let Some(at) = self.at(cx) else {
+            self.phase = Phase::Done;
+            return;
+        };
+        if matches!(self.phase, Phase::Forwarded) {
+            self.orphan(&at);
+        }
+        self.release_lease(&at);
+        self.release_slots(&at);
+        if self.forwarded() {
+            let corrections = self.meter.corrections(&at, &self.admission);
+            self.out.background.extend(corrections);
+        }
+        // Response-side calls still outstanding may be cancelled with the stream: the root
+        // sends them again (an answer that arrives twice is counted twice, nothing worse).
+        let key_hash = self
+            .record
+            .as_ref()
+            .map_or(String::new(), |i| i.key_hash.clone());
+        let unfinished: Vec<Background> = self
+            .calls
+            .open()
+            .filter(|c| {
+                matches!(
+                    c.tag.purpose,
+                    Purpose::Complete
+                        | Purpose::Release
+                        | Purpose::LeaseRelease
+                        | Purpose::SlotRelease
+                )
+            })
+            .map(|c| {
+                // The first call may have done it already: "not ours" is then expected.
+                Background::new(at.index, c.tag.purpose, c.call.clone(), key_hash.clone())
+                    .uncertain()
+            })
+            .collect();
+        self.out.background.extend(unfinished);
+        let owned = self.record.as_ref().is_some_and(|i| i.owned);
+        match self.phase {
+            Phase::Acquiring { .. } => self.release_record(&at),
+            _ if !owned => {}
+            Phase::Completing { .. } => {}
+            _ if !self.forwarded() => self.release_record(&at),
+            Phase::Forwarded => self.outcome_unknown(&at, ""),
+            // Never stored as completed: the client did not get the whole response either.
+            Phase::Response(_) => {
+                self.outcome_unknown(&at, "the response ended before its end of stream")
+            }
+            _ => {}
+        }
+        self.phase = Phase::Done;
+    }
+
     /// The client left while this request's acquire calls are in flight and their answers
     /// will come back (the worker says so: they went out from the root). The flow stays to
     /// read them: it never forwards, answers or sends another call (a deferred round is
     /// dropped), and gives back what the answers say it took (see the module's doc). `false`:
     /// nothing in flight to wait for (then [`Flow::on_done`] as usual).
-    pub fn detach(&mut self) -> bool {
+    pub(crate) fn detach(&mut self) -> bool {
         let Phase::Acquiring { deferred, .. } = &mut self.phase else {
             return false;
         };
@@ -39,7 +106,7 @@ impl Flow {
     }
 
     /// A detached request (its client left) with nothing more to wait for: forgotten now.
-    pub fn gone_and_settled(&self) -> bool {
+    pub(crate) fn gone_and_settled(&self) -> bool {
         self.gone && !matches!(self.phase, Phase::Acquiring { .. })
     }
 
@@ -49,12 +116,12 @@ impl Flow {
         at: &Pcx<'_>,
         slot: usize,
         answer: Result<Reply, CallError>,
-    ) -> Step {
+    ) -> Move {
         if !matches!(self.phase, Phase::Acquiring { .. }) {
-            return Step::Wait;
+            return Move::Wait;
         }
         let (purpose, answer) = match self.calls.answer(&at.cx(), slot, answer) {
-            Answer::Unknown => return Step::Wait,
+            Answer::Unknown => return Move::Wait,
             // NOSCRIPT: the script did not run, so it took nothing; not sent again for a
             // client that left.
             Answer::Resend(_) => {
@@ -82,11 +149,11 @@ impl Flow {
     }
 
     /// Settles a detached request once none of its calls is outstanding.
-    fn gone_answered(&mut self, at: &Pcx<'_>) -> Step {
+    fn gone_answered(&mut self, at: &Pcx<'_>) -> Move {
         if !self.calls.any_open() {
             self.gone_settle(at);
         }
-        Step::Wait
+        Move::Wait
     }
 
     /// Reads a detached request's acquire answer into its guards; an unreadable one leaves
@@ -101,25 +168,25 @@ impl Flow {
         let Some(tag) = self.calls.get(slot).map(|c| &c.tag) else {
             return Ok(());
         };
-        let (n, idem, lease) = match purpose {
-            Purpose::Acquire => (tag.limits.len(), tag.idem, tag.lease),
+        let (n, record, lease) = match purpose {
+            Purpose::Acquire => (tag.limits.len(), tag.record, tag.lease),
             Purpose::LeaseRetry => (0, false, true),
             Purpose::RecordRetry => (0, true, tag.lease),
             _ => return Ok(()),
         };
-        let read = acquire::read_reply(reply, n, idem, lease)?;
+        let read = acquire::read_reply(reply, n, record, lease)?;
         if purpose == Purpose::Acquire {
             let limits = &tag.limits;
             self.admission
                 .answered(at, limits, read.states, read.admitted);
         }
-        self.settled_with(slot, read.idem, read.lease);
+        self.settled_with(slot, read.record, read.lease);
         Ok(())
     }
 
     /// The watchdog, for a detached request: an acquire that has not answered by its
     /// deadline is given up on (what it may take is given back with the owner's marker).
-    pub(super) fn gone_tick(&mut self, at: &Pcx<'_>) -> Step {
+    pub(super) fn gone_tick(&mut self, at: &Pcx<'_>) -> Move {
         if let Phase::Acquiring { deadline_ms, .. } = self.phase {
             if at.now_ms >= deadline_ms {
                 at.m.increment(at.rt.metrics.redis.timeouts);
@@ -127,7 +194,7 @@ impl Flow {
                 self.gone_settle(at);
             }
         }
-        Step::Wait
+        Move::Wait
     }
 
     /// Every call of a detached request answered or was given up on: the rate limits' answers
@@ -137,11 +204,11 @@ impl Flow {
     /// acquires the request never used: compensations, not counted as releases.
     fn gone_settle(&mut self, at: &Pcx<'_>) {
         self.admission.gone(at);
-        let start = self.background.len();
+        let start = self.out.background.len();
         self.release_record(at);
         self.release_lease(at);
         self.release_slots(at);
-        for bg in self.background.iter_mut().skip(start) {
+        for bg in self.out.background.iter_mut().skip(start) {
             bg.certain = false;
             bg.compensation = true;
         }

@@ -6,6 +6,7 @@ use crate::engine::flow::response_tests::upgrade_req;
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::tests::req;
 use crate::engine::flow::*;
+use crate::guards::lease::{LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS};
 use crate::redis::scripts::ScriptId;
 use crate::redis::CallError;
 use crate::support::metrics::testing::Recorder;
@@ -61,9 +62,9 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
         0,
         Ok(acquire().lease_granted(1_795_988_269_215_845).reply()),
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(
-        flow.upstream_headers(),
+        step.out.upstream_headers,
         &[(
             "x-fencing-token".to_string(),
             "1795988269215845".to_string()
@@ -72,8 +73,9 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
     assert_eq!(rec.count("cg.policy.activate.lease.acquired"), 1);
     // Extension is due at half the TTL.
     assert_eq!(flow.deadline_ms(), Some(5_001));
-    assert_eq!(flow.on_tick(&Cx::new(&rt, 5_001, &rec)), Step::Wait);
-    let bg = flow.take_background();
+    let step = flow.on_tick(&Cx::new(&rt, 5_001, &rec));
+    assert_eq!(step.next, Move::Wait);
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseExtend);
     assert_eq!(
@@ -99,13 +101,16 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
         "bounded by the Redis timeout"
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 6_001, &rec), out[0].slot, Ok(settled())),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 6_001, &rec), out[0].slot, Ok(settled()))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.activate.lease.released"), 1);
     assert_eq!(flow.deadline_ms(), None, "no more extensions");
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty(), "released once");
+    assert!(
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
+        "released once"
+    );
 }
 
 #[test]
@@ -114,20 +119,22 @@ fn busy_lease_rejects_with_retry_after() {
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
     activate(&mut flow, &rt, &rec);
-    let Step::Respond(r) = flow.on_reply(
-        &Cx::new(&rt, 1, &rec),
-        0,
-        Ok(acquire().lease_busy(4200).reply()),
-    ) else {
+    let Move::Respond(r) = flow
+        .on_reply(
+            &Cx::new(&rt, 1, &rec),
+            0,
+            Ok(acquire().lease_busy(4200).reply()),
+        )
+        .next
+    else {
         panic!("expected 409");
     };
     assert_eq!(r.status, 409);
     assert_eq!(r.header("retry-after"), Some("5"));
     assert!(String::from_utf8_lossy(&r.body).contains("resource_locked"));
     assert_eq!(rec.count("cg.policy.activate.lease.busy"), 1);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(
-        flow.take_background().is_empty(),
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
         "nothing held, nothing released"
     );
 }
@@ -149,8 +156,9 @@ fn busy_lease_waits_then_runs() {
             &Cx::new(&rt, 1, &rec),
             0,
             Ok(acquire().lease_busy(900).reply())
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
     let poll_at = flow.deadline_ms().expect("a poll is scheduled");
     assert!(
@@ -164,16 +172,14 @@ fn busy_lease_waits_then_runs() {
         body.starts_with("EVALSHA/") && body.contains("/3/") && body.contains("%3Acancel%3A"),
         "a lease-only acquire, with the owner's cancellation marker: {body}"
     );
-    assert_eq!(
-        flow.on_reply(
-            &Cx::new(&rt, 30, &rec),
-            0,
-            Ok(acquire().lease_granted(77).reply())
-        ),
-        Step::Continue
+    let step = flow.on_reply(
+        &Cx::new(&rt, 30, &rec),
+        0,
+        Ok(acquire().lease_granted(77).reply()),
     );
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(
-        flow.upstream_headers(),
+        step.out.upstream_headers,
         &[("x-lease-token".to_string(), "77".to_string())]
     );
     assert_eq!(rec.count("cg.policy.wait.lease.waited"), 1);
@@ -199,7 +205,7 @@ fn busy_lease_gives_up_after_max_wait() {
         Ok(acquire().lease_busy(1500).reply()),
     );
     let mut polls = 0;
-    while step == Step::Wait {
+    while step.next == Move::Wait {
         now = flow.deadline_ms().expect("a poll is scheduled");
         dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
         polls += 1;
@@ -209,7 +215,7 @@ fn busy_lease_gives_up_after_max_wait() {
             Ok(acquire().lease_busy(1500).reply()),
         );
     }
-    let Step::Respond(r) = step else {
+    let Move::Respond(r) = step.next else {
         panic!("expected 409, got {step:?}");
     };
     assert_eq!(r.status, 409);
@@ -242,7 +248,7 @@ fn a_lease_waiter_whose_poll_fails_answers_busy_even_failing_open() {
         0,
         Ok(acquire().lease_busy(2500).reply()),
     );
-    assert_eq!(step, Step::Wait, "busy: it waits");
+    assert_eq!(step.next, Move::Wait, "busy: it waits");
     let now = flow.deadline_ms().expect("a poll is scheduled");
     dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
     // The gateway fails the poll (Redis down): the holder still runs.
@@ -251,7 +257,7 @@ fn a_lease_waiter_whose_poll_fails_answers_busy_even_failing_open() {
         0,
         Err(crate::redis::CallError::Gateway(503)),
     );
-    let Step::Respond(r) = step else {
+    let Move::Respond(r) = step.next else {
         panic!("expected 409, got {step:?}");
     };
     assert_eq!(r.status, 409);
@@ -263,7 +269,7 @@ fn a_lease_waiter_whose_poll_fails_answers_busy_even_failing_open() {
     assert_eq!(rec.count("cg.policy.wait.failed_open"), 0);
     assert_eq!(rec.count("cg.policy.wait.failed_closed"), 1);
     assert_eq!(rec.count("cg.policy.wait.lease.busy"), 1);
-    assert!(flow.upstream_headers().is_empty(), "no fencing token");
+    assert!(step.out.upstream_headers.is_empty(), "no fencing token");
 }
 
 #[test]
@@ -271,13 +277,16 @@ fn missing_resource_is_400() {
     let rec = Recorder::default();
     let rt = lease_runtime(&rec);
     let mut flow = Flow::default();
-    let Step::Respond(r) = flow.on_request(
-        &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders").tenant("acme").build(),
-        "n",
-        "o",
-        true,
-    ) else {
+    let Move::Respond(r) = flow
+        .on_request(
+            &Cx::new(&rt, 0, &rec),
+            req("POST", "/orders").tenant("acme").build(),
+            "n",
+            "o",
+            true,
+        )
+        .next
+    else {
         panic!("expected 400");
     };
     assert_eq!(r.status, 400);
@@ -303,14 +312,14 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
             &Cx::new(&rt, 1, &rec),
             0,
             Ok(acquire().lease_granted(5).reply())
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert!(flow.deadline_ms().is_some(), "extended while held");
     // Forwarded, no response yet: the service may still be working. The lease is left to
     // expire after its TTL, no longer extended.
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(flow.deadline_ms(), None);
     assert_eq!(rec.count("cg.policy.activate.lease.orphaned"), 1);
     assert_eq!(rec.count("cg.policy.activate.lease.released"), 0);
@@ -328,8 +337,9 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
             &Cx::new(&rt, 1, &rec),
             0,
             Ok(acquire().lease_granted(5).reply())
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     dispatched(flow.on_response_headers(
         &Cx::new(&rt, 2, &rec),
@@ -339,8 +349,7 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
         &[],
         true,
     ));
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     // Client gone while the acquire is in flight: released by owner too.
@@ -352,8 +361,7 @@ fn stream_reset_orphans_a_forwarded_lease_and_releases_it_otherwise() {
         "own",
         true,
     ));
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert_eq!(flow.take_background().len(), 1);
+    assert_eq!(flow.on_done(&Cx::new(&rt, 0, &rec)).len(), 1);
 }
 
 #[test]
@@ -363,17 +371,14 @@ fn a_late_lease_is_compensated_and_never_counted_released() {
     let mut flow = Flow::default();
     activate(&mut flow, &rt, &rec);
     let deadline = flow.deadline_ms().expect("waiting on Redis");
-    assert!(matches!(
-        flow.on_tick(&Cx::new(&rt, deadline, &rec)),
-        Step::Respond(_)
-    ));
-    let bg = flow.take_background();
+    let step = flow.on_tick(&Cx::new(&rt, deadline, &rec));
+    assert!(matches!(step.next, Move::Respond(_)));
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     assert!(bg[0].compensation);
     // The stream's end does not send it a second time.
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(bg[0].call.keys.len(), 2);
     assert!(bg[0].call.keys[1].contains(":cancel:{t."));
     // The late acquire took the lease and the compensation gave it back: not "released".
@@ -403,8 +408,7 @@ fn a_release_sent_again_that_finds_its_lease_gone_counts_as_released() {
         // An event stream holds the lease until it ends, and the root gives it back then.
         let h = headers(&[(":status", "200"), ("content-type", "text/event-stream")]);
         flow.on_response_headers(&Cx::new(&rt, 2, &rec), 200, true, "", &h, false);
-        flow.on_done(&Cx::new(&rt, 2, &rec));
-        let bg = flow.take_background();
+        let bg = flow.on_done(&Cx::new(&rt, 2, &rec));
         assert_eq!(bg.len(), 1);
         assert!(bg[0].certain);
         let mut outbox = Outbox::default();
@@ -464,7 +468,7 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
         true,
     ));
     fn tail(args: &crate::redis::Words) -> Vec<&str> {
-        args.from_index(args.len() - 3)
+        args.words_from(args.len() - 3)
     }
     assert_eq!(
         tail(&out[0].call.args),
@@ -475,8 +479,9 @@ fn fence_ttl_setting_reaches_the_acquire_and_the_polls() {
             &Cx::new(&rt, 1, &rec),
             0,
             Ok(acquire().lease_busy(1500).reply())
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
     let now = flow.deadline_ms().expect("a poll is scheduled");
     let poll = dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
@@ -508,8 +513,9 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
                 &Cx::new(&rt, 0, &rec),
                 0,
                 Ok(acquire().lease_busy(5000).reply())
-            ),
-            Step::Wait
+            )
+            .next,
+            Move::Wait
         );
         flow
     };
@@ -541,8 +547,9 @@ fn waiters_poll_with_jitter_and_wake_when_the_lease_is_freed_here() {
                 &Cx::new(&rt, now, &rec),
                 0,
                 Ok(acquire().lease_busy(5000).reply())
-            ),
-            Step::Wait
+            )
+            .next,
+            Move::Wait
         );
     }
     assert!(pauses.iter().all(|p| *p <= LEASE_POLL_MAX_MS), "{pauses:?}");
@@ -571,22 +578,18 @@ fn a_holder_reports_the_lease_it_freed() {
             &Cx::new(&rt, 1, &rec),
             0,
             Ok(acquire().lease_granted(9).reply())
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
-    let out = dispatched(flow.on_response_headers(
-        &Cx::new(&rt, 2, &rec),
-        200,
-        true,
-        "via_upstream",
-        &[],
-        true,
-    ));
-    assert_eq!(flow.take_freed(), None, "not before Redis said so");
-    flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(settled()));
-    let freed = flow.take_freed().expect("freed");
+    let step =
+        flow.on_response_headers(&Cx::new(&rt, 2, &rec), 200, true, "via_upstream", &[], true);
+    assert_eq!(step.out.freed, None, "not before Redis said so");
+    let out = dispatched(step);
+    let step = flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(settled()));
+    let freed = step.out.freed.expect("freed");
     assert!(freed.contains(":lease:"), "{freed}");
-    assert_eq!(flow.take_freed(), None, "once");
+    assert_eq!(flow.on_tick(&Cx::new(&rt, 4, &rec)).out.freed, None, "once");
 }
 
 #[test]
@@ -607,46 +610,48 @@ fn an_upgrade_holds_its_lease_until_the_stream_ends_and_keeps_extending_it() {
             &Cx::new(&rt, 1, &rec),
             0,
             Ok(acquire().lease_granted(42).reply())
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     // The 101 goes on at once and the lease stays held.
     let h = headers(&[("upgrade", "websocket"), ("connection", "upgrade")]);
-    assert_eq!(
-        flow.on_response_headers(
-            &Cx::new(&rt, 100, &rec),
-            101,
-            true,
-            "via_upstream",
-            &h,
-            false
-        ),
-        Step::Continue
+    let step = flow.on_response_headers(
+        &Cx::new(&rt, 100, &rec),
+        101,
+        true,
+        "via_upstream",
+        &h,
+        false,
     );
-    assert!(flow.take_background().is_empty(), "not released at the 101");
+    assert_eq!(step.next, Move::Continue);
+    assert!(step.out.background.is_empty(), "not released at the 101");
     assert!(flow.wants_response(&Cx::new(&rt, 100, &rec)));
     // Still registered for the watchdog: extended at every half TTL while open.
     for due in [5_001, 10_001, 15_001] {
         assert_eq!(flow.deadline_ms(), Some(due));
         assert_eq!(
-            flow.on_response_body(&Cx::new(&rt, due - 1, &NoMetrics), 10, false, never_read),
-            Step::Continue,
+            flow.on_response_body(&Cx::new(&rt, due - 1, &NoMetrics), 10, false, never_read)
+                .next,
+            Move::Continue,
             "frames pass"
         );
-        assert_eq!(flow.on_tick(&Cx::new(&rt, due, &rec)), Step::Wait);
-        let bg = flow.take_background();
+        let step = flow.on_tick(&Cx::new(&rt, due, &rec));
+        assert_eq!(step.next, Move::Wait);
+        let bg = step.out.background;
         assert_eq!(bg.len(), 1);
         assert_eq!(bg[0].purpose, Purpose::LeaseExtend);
     }
     // The session ends: released once, from the root.
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
     assert!(bg[0].certain);
     assert_eq!(flow.deadline_ms(), None);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty(), "released once");
+    assert!(
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
+        "released once"
+    );
 
     // An upgrade the service declines is an ordinary response: released before it goes on.
     let mut declined = Flow::default();
@@ -699,12 +704,12 @@ fn an_event_stream_holds_its_lease_until_it_ends() {
             "via_upstream",
             &sse,
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(flow.deadline_ms(), Some(5_001), "still extended");
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::LeaseRelease);
 }
@@ -728,28 +733,24 @@ fn a_lease_is_released_with_the_record_when_the_body_passes() {
     ));
     let acquired = acquire().record_new().lease_granted(77).reply();
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)).next,
+        Move::Continue
     );
     // The headers go on at once: nothing is released yet, so nothing is paused on Redis.
-    assert_eq!(
-        flow.on_response_headers(
-            &Cx::new(&rt, 2, &rec),
-            201,
-            true,
-            "via_upstream",
-            &[],
-            false
-        ),
-        Step::Continue
+    let step = flow.on_response_headers(
+        &Cx::new(&rt, 2, &rec),
+        201,
+        true,
+        "via_upstream",
+        &[],
+        false,
     );
-    assert!(
-        flow.take_background().is_empty(),
-        "no release from the root"
-    );
+    assert_eq!(step.next, Move::Continue);
+    assert!(step.out.background.is_empty(), "no release from the root");
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 3, &rec), 5, false, || b"hello".to_vec()),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 3, &rec), 5, false, || b"hello".to_vec())
+            .next,
+        Move::Continue
     );
     // The body's end waits for both: the record written and the lease given back.
     let out = dispatched(flow.on_response_body(&Cx::new(&rt, 4, &rec), 1, true, || b"!".to_vec()));
@@ -761,12 +762,14 @@ fn a_lease_is_released_with_the_record_when_the_body_passes() {
         &out[0].call.args[3]
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(settled())),
-        Step::Wait
+        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(settled()))
+            .next,
+        Move::Wait
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 6, &rec), out[1].slot, Ok(settled())),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 6, &rec), out[1].slot, Ok(settled()))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.both.lease.released"), 1);
     assert_eq!(rec.count("cg.policy.both.idem.completed"), 1);

@@ -39,7 +39,7 @@ fn buffering(rt: &Runtime, rec: &Recorder) -> Flow {
         "owner-1",
         false,
     );
-    assert_eq!(step, Step::Wait);
+    assert_eq!(step.next, Move::Wait);
     flow
 }
 
@@ -67,8 +67,8 @@ fn a_body_to_fingerprint_that_the_budget_cannot_hold_is_refused_before_any_call(
     let step = flow.on_request_body(&Cx::new(&rt, 1, &rec), body.len(), true, || {
         panic!("not read")
     });
-    assert_overloaded(step);
-    assert!(flow.take_background().is_empty(), "nothing asked of Redis");
+    assert_overloaded(step.clone());
+    assert!(step.out.background.is_empty(), "nothing asked of Redis");
     assert_eq!(rec.count("cg.memory.refused"), 1);
     assert_eq!(rec.count("cg.policy.orders.idem.acquired"), 0);
 
@@ -104,8 +104,8 @@ fn responding(rt: &Runtime, rec: &Recorder) -> Flow {
     dispatched(flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec()));
     let reply = acquire().limit_ok(4, 60_000).record_new().reply();
     assert_eq!(
-        flow.on_reply(&Cx::new(rt, 2, rec), 0, Ok(reply)),
-        Step::Continue
+        flow.on_reply(&Cx::new(rt, 2, rec), 0, Ok(reply)).next,
+        Move::Continue
     );
     let headers = vec![(":status".to_string(), "201".to_string())];
     let step = flow.on_response_headers(
@@ -116,7 +116,7 @@ fn responding(rt: &Runtime, rec: &Recorder) -> Flow {
         &headers,
         false,
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     flow
 }
 
@@ -132,13 +132,15 @@ fn a_response_body_the_budget_cannot_hold_is_stored_by_reference() {
     let mut flow = responding(&rt, &rec);
     let cx = Cx::new(&rt, 4, &rec);
     assert_eq!(
-        flow.on_response_body(&cx, 1000, false, || vec![b'a'; 1000]),
-        Step::Continue
+        flow.on_response_body(&cx, 1000, false, || vec![b'a'; 1000])
+            .next,
+        Move::Continue
     );
     pretend_held(BUDGET - 1500);
     assert_eq!(
-        flow.on_response_body(&cx, 1000, false, || panic!("not read")),
-        Step::Continue
+        flow.on_response_body(&cx, 1000, false, || panic!("not read"))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.memory.by_reference"), 1);
     pretend_held(0);
@@ -152,8 +154,9 @@ fn a_response_body_the_budget_cannot_hold_is_stored_by_reference() {
     let mut flow = responding(&rt, &rec);
     let cx = Cx::new(&rt, 4, &rec);
     assert_eq!(
-        flow.on_response_body(&cx, 20_000, false, || vec![b'"'; 20_000]),
-        Step::Continue
+        flow.on_response_body(&cx, 20_000, false, || vec![b'"'; 20_000])
+            .next,
+        Move::Continue
     );
     pretend_held(BUDGET - 100_000);
     let out = dispatched(flow.on_response_body(&cx, 0, true, Vec::new));
@@ -183,12 +186,12 @@ fn an_answer_the_budget_cannot_hold_is_refused_whatever_the_failure_mode() {
     dispatched(flow.on_request_body(&Cx::new(&rt, 1, &rec), 2, true, || b"{}".to_vec()));
     // A replay it may have been must not run again: no fail_open here.
     let step = flow.on_reply(&Cx::new(&rt, 2, &rec), 0, Err(CallError::OverBudget));
-    assert_overloaded(step);
+    assert_overloaded(step.clone());
     assert_eq!(rec.count("cg.memory.refused"), 1);
     assert_eq!(rec.count("cg.policy.orders.failed_open"), 0);
     assert_eq!(rec.count("cg.redis.errors"), 0, "Redis answered");
     // The record it may have taken is given back.
-    let bg = flow.take_background();
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert!(bg[0].compensation);
 }
@@ -209,8 +212,8 @@ fn a_charge_piece_the_budget_cannot_hold_is_charged_the_fallback() {
     ));
     let admitted = acquire().limit_ok(99_993, 60_000).reply();
     assert_eq!(
-        flow.on_reply(&cx, out[0].slot, Ok(admitted)),
-        Step::Continue
+        flow.on_reply(&cx, out[0].slot, Ok(admitted)).next,
+        Move::Continue
     );
     let json = vec![
         (":status".to_string(), "200".to_string()),
@@ -219,18 +222,19 @@ fn a_charge_piece_the_budget_cannot_hold_is_charged_the_fallback() {
     flow.on_response_headers(&cx, 200, true, "via_upstream", &json, false);
     assert!(flow.wants_response_body());
     assert_eq!(
-        flow.on_response_body(&cx, 10, false, || br#"{"usage":{"#.to_vec()),
-        Step::Continue
+        flow.on_response_body(&cx, 10, false, || br#"{"usage":{"#.to_vec())
+            .next,
+        Move::Continue
     );
     pretend_held(BUDGET);
     assert_eq!(
-        flow.on_response_body(&cx, 100_000, false, || panic!("not read")),
-        Step::Continue
+        flow.on_response_body(&cx, 100_000, false, || panic!("not read"))
+            .next,
+        Move::Continue
     );
     assert!(!flow.wants_response_body(), "the scan gave up");
     pretend_held(0);
-    flow.on_done(&cx);
-    let bg = flow.take_background();
+    let bg = flow.on_done(&cx);
     assert_eq!(bg.len(), 1);
     assert_eq!(&bg[0].call.args[4], "9993", "10000 (max) instead of 7");
     assert_eq!(rec.count("cg.policy.llm.limit.tokens.charge_unreadable"), 1);
@@ -244,9 +248,10 @@ fn a_settlement_whose_answer_was_not_read_ran_and_is_neither_retried_nor_failed(
     pretend_held(0);
     let mut flow = buffering(&rt, &rec);
     dispatched(flow.on_request_body(&Cx::new(&rt, 1, &rec), 2, true, || b"{}".to_vec()));
-    flow.on_reply(&Cx::new(&rt, 2, &rec), 0, Err(CallError::Timeout));
     let release = flow
-        .take_background()
+        .on_reply(&Cx::new(&rt, 2, &rec), 0, Err(CallError::Timeout))
+        .out
+        .background
         .into_iter()
         .next()
         .expect("a compensation");

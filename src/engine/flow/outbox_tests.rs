@@ -1,9 +1,10 @@
 //! The root's outbox: the calls a request hands over (compensations, releases, completions)
 //! sent again with backoff, bounded in count, time and the worker's budget of re-sends.
 
-use crate::engine::flow::idem_tests::{acquire_fails, idem_runtime};
+use crate::engine::flow::idempotency_tests::{acquire_fails, idem_runtime};
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
+use crate::engine::outbox::{MAX_SENDS, RETRY_BUDGET, RETRY_BUDGET_PER_S, RETRY_WINDOW_MS};
 use crate::redis::CallError;
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]

@@ -66,9 +66,9 @@ fn a_slot_is_taken_extended_and_given_back_at_the_end() {
         out[0].slot,
         Ok(acquire().limit_ok(1, 30_000).reply()),
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert!(
-        flow.response_headers().is_empty(),
+        step.out.response_headers.is_empty(),
         "no RateLimit headers for in-flight quotas"
     );
     assert_eq!(rec.count("cg.policy.run.limit.inflight.allowed"), 1);
@@ -77,8 +77,9 @@ fn a_slot_is_taken_extended_and_given_back_at_the_end() {
         Some(15_005),
         "extended at half the window"
     );
-    assert_eq!(flow.on_tick(&Cx::new(&rt, 15_005, &rec)), Step::Wait);
-    let bg = flow.take_background();
+    let step = flow.on_tick(&Cx::new(&rt, 15_005, &rec));
+    assert_eq!(step.next, Move::Wait);
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::SlotExtend);
     assert_eq!(bg[0].call.args, vec!["n1", "30000"]);
@@ -86,9 +87,8 @@ fn a_slot_is_taken_extended_and_given_back_at_the_end() {
     // An event stream: the slot stays held (and extended) until the stream ends.
     let h = headers(&[(":status", "200"), ("content-type", "text/event-stream")]);
     let step = flow.on_response_headers(&Cx::new(&rt, 16_000, &rec), 200, true, "", &h, false);
-    assert_eq!(step, Step::Continue);
-    flow.on_done(&Cx::new(&rt, 20_000, &rec));
-    let bg = flow.take_background();
+    assert_eq!(step.next, Move::Continue);
+    let bg = flow.on_done(&Cx::new(&rt, 20_000, &rec));
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::SlotRelease);
     assert_eq!(
@@ -117,8 +117,10 @@ fn a_full_limit_is_429_concurrency_limited_and_holds_nothing() {
     assert_eq!(header(&r, "ratelimit"), None);
     assert_eq!(header(&r, "ratelimit-policy"), None);
     assert_eq!(rec.count("cg.policy.run.limit.inflight.rejected"), 1);
-    flow.on_done(&Cx::new(&rt, 6, &rec));
-    assert!(flow.take_background().is_empty(), "no slot was taken");
+    assert!(
+        flow.on_done(&Cx::new(&rt, 6, &rec)).is_empty(),
+        "no slot was taken"
+    );
 }
 
 #[test]
@@ -133,15 +135,17 @@ fn a_slot_taken_by_a_call_the_filter_gave_up_on_is_released_with_the_marker() {
         out[0].slot,
         Err(CallError::Timeout),
     );
-    assert_eq!(respond_with(step).status, 503);
-    let bg = flow.take_background();
+    assert_eq!(respond_with(step.clone()).status, 503);
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::SlotRelease);
     assert!(bg[0].compensation);
     assert_eq!(&bg[0].call.keys[1], "cg:cancel:{t.d2e79529ba2c46b2}:run:o1");
     assert_eq!(&bg[0].call.args[0], "n1");
-    flow.on_done(&Cx::new(&rt, 70, &rec));
-    assert!(flow.take_background().is_empty(), "handed over once");
+    assert!(
+        flow.on_done(&Cx::new(&rt, 70, &rec)).is_empty(),
+        "handed over once"
+    );
 }
 
 #[test]
@@ -161,22 +165,23 @@ fn a_slot_taken_in_one_hash_slot_is_given_back_when_another_rejects() {
             &Cx::new(&rt, 5, &rec),
             out[tenant].slot,
             Ok(acquire().limit_ok(1, 30_000).reply())
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
     let step = flow.on_reply(
         &Cx::new(&rt, 6, &rec),
         out[other].slot,
         Ok(acquire().limit_over(0, 9_000, 9_000).reply()),
     );
-    let r = respond_with(step);
+    let r = respond_with(step.clone());
     assert!(String::from_utf8_lossy(&r.body).contains("rate_limited"));
     let ratelimit = header(&r, "ratelimit").expect("RateLimit for the counting limit");
     assert!(
         ratelimit.contains("\"global\"") && !ratelimit.contains("inflight"),
         "{ratelimit}"
     );
-    let bg = flow.take_background();
+    let bg = step.out.background;
     assert_eq!(
         bg.iter().map(|b| b.purpose).collect::<Vec<_>>(),
         vec![Purpose::SlotRelease]
@@ -198,7 +203,7 @@ fn the_cost_header_is_read_strictly() {
         true,
     ));
     assert_eq!(
-        &out[0].call.args.from_index(2)[..6],
+        &out[0].call.args.words_from(2)[..6],
         &["fw", "1000", "60000", "1000", "0", "42"]
     );
     let mut flow = Flow::default();
@@ -246,7 +251,7 @@ fn charged(cost: &str, response: &[(&str, &str)], rec: &Recorder) -> Vec<Backgro
         out[0].slot,
         Ok(acquire().limit_ok(900, 60_000).reply()),
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert!(flow.wants_response(&Cx::new(&rt, 6, rec)));
     let headers: Vec<(String, String)> = std::iter::once((":status", "200"))
         .chain(response.iter().copied())
@@ -260,8 +265,7 @@ fn charged(cost: &str, response: &[(&str, &str)], rec: &Recorder) -> Vec<Backgro
         &headers,
         true,
     );
-    flow.on_done(&Cx::new(&rt, 7, rec));
-    flow.take_background()
+    flow.on_done(&Cx::new(&rt, 7, rec))
 }
 
 #[test]
@@ -316,13 +320,12 @@ fn a_response_that_never_came_is_charged_the_fallback_and_one_never_sent_is_not(
             out[0].slot,
             Ok(acquire().limit_ok(900, 60_000).reply()),
         );
-        assert_eq!(step, Step::Continue);
+        assert_eq!(step.next, Move::Continue);
         if let Some(details) = details {
             let headers = vec![(":status".to_string(), "503".to_string())];
             flow.on_response_headers(&Cx::new(&rt, 6, rec), 503, false, details, &headers, true);
         }
-        flow.on_done(&Cx::new(&rt, 7, rec));
-        flow.take_background()
+        flow.on_done(&Cx::new(&rt, 7, rec))
     };
     // The client left before the response's headers; the upstream timed out.
     for details in [None, Some("upstream_response_timeout")] {
@@ -351,8 +354,7 @@ fn a_rejected_request_is_never_charged() {
     );
     assert_eq!(respond_with(step).status, 429);
     assert!(!flow.wants_response(&Cx::new(&rt, 6, &rec)));
-    flow.on_done(&Cx::new(&rt, 7, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 7, &rec)).is_empty());
 }
 
 /// A `/run` request admitted with its slot.
@@ -363,7 +365,7 @@ fn admitted(flow: &mut Flow, rt: &Runtime, rec: &Recorder) {
         out[0].slot,
         Ok(acquire().limit_ok(1, 30_000).reply()),
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
 }
 
 fn response(flow: &mut Flow, rt: &Runtime, rec: &Recorder, headers: &[(&str, &str)]) -> Step {
@@ -394,9 +396,11 @@ fn the_response_waits_for_the_slot_release_so_the_next_request_finds_it_free() {
         "no longer extended; the call's deadline"
     );
     let step = flow.on_reply(&Cx::new(&rt, 12, &rec), out[0].slot, Ok(settled()));
-    assert_eq!(step, Step::Continue);
-    flow.on_done(&Cx::new(&rt, 13, &rec));
-    assert!(flow.take_background().is_empty(), "given back once");
+    assert_eq!(step.next, Move::Continue);
+    assert!(
+        flow.on_done(&Cx::new(&rt, 13, &rec)).is_empty(),
+        "given back once"
+    );
 }
 
 #[test]
@@ -411,8 +415,8 @@ fn a_slot_release_that_fails_or_times_out_goes_to_the_root() {
         out[0].slot,
         Err(CallError::Timeout),
     );
-    assert_eq!(step, Step::Continue, "the response goes on");
-    let bg = flow.take_background();
+    assert_eq!(step.next, Move::Continue, "the response goes on");
+    let bg = step.out.background;
     assert_eq!(
         bg.iter().map(|b| b.purpose).collect::<Vec<_>>(),
         vec![Purpose::SlotRelease]
@@ -423,8 +427,9 @@ fn a_slot_release_that_fails_or_times_out_goes_to_the_root() {
     admitted(&mut flow, &rt, &rec);
     let _ = dispatched(response(&mut flow, &rt, &rec, &[(":status", "200")]));
     let deadline = flow.deadline_ms().expect("the call's deadline");
-    assert_eq!(flow.on_tick(&Cx::new(&rt, deadline, &rec)), Step::Continue);
-    let bg = flow.take_background();
+    let step = flow.on_tick(&Cx::new(&rt, deadline, &rec));
+    assert_eq!(step.next, Move::Continue);
+    let bg = step.out.background;
     assert_eq!(
         bg.iter().map(|b| b.purpose).collect::<Vec<_>>(),
         vec![Purpose::SlotRelease]
@@ -443,10 +448,9 @@ fn an_open_ended_response_keeps_its_slot_until_the_stream_ends() {
         &rec,
         &[(":status", "200"), ("content-type", "text/event-stream")],
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(flow.deadline_ms(), Some(15_005), "still extended");
-    flow.on_done(&Cx::new(&rt, 20_000, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 20_000, &rec));
     assert_eq!(
         bg.iter().map(|b| b.purpose).collect::<Vec<_>>(),
         vec![Purpose::SlotRelease]
@@ -466,12 +470,15 @@ fn a_client_gone_before_the_response_leaves_its_slot_to_expire() {
         Some(15_005),
         "extended while the request runs"
     );
-    flow.on_done(&Cx::new(&rt, 1_000, &rec));
-    assert!(flow.take_background().is_empty(), "nothing given back");
+    assert!(
+        flow.on_done(&Cx::new(&rt, 1_000, &rec)).is_empty(),
+        "nothing given back"
+    );
     assert_eq!(flow.deadline_ms(), None, "no longer extended");
     assert_eq!(rec.count("cg.policy.run.limit.inflight.slot_orphaned"), 1);
-    assert!(flow.on_tick(&Cx::new(&rt, 15_005, &rec)) == Step::Wait);
-    assert!(flow.take_background().is_empty(), "no extension either");
+    let step = flow.on_tick(&Cx::new(&rt, 15_005, &rec));
+    assert!(step.next == Move::Wait);
+    assert!(step.out.background.is_empty(), "no extension either");
 }
 
 #[test]
@@ -488,8 +495,7 @@ fn a_client_gone_after_the_response_headers_gives_its_slot_back() {
         &rec,
         &[(":status", "200"), ("content-type", "text/event-stream")],
     );
-    flow.on_done(&Cx::new(&rt, 1_000, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 1_000, &rec));
     assert_eq!(
         bg.iter()
             .map(|b| (b.purpose, b.certain))

@@ -3,7 +3,7 @@
 //! (upgrades, event streams) that are never stored whole.
 
 use crate::config::Replay;
-use crate::engine::flow::idem_tests::{forwarded, idem_runtime, orders_admitted};
+use crate::engine::flow::idempotency_tests::{forwarded, idem_runtime, orders_admitted};
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
 use crate::guards::idempotency::capture::{response_shape, Shape};
@@ -61,11 +61,12 @@ fn sync_response_declared_too_large_streams_and_holds_only_its_last_piece() {
         &cl(100_000),
         false,
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(flow.deadline_ms(), None);
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read)
+            .next,
+        Move::Continue
     );
     // The piece that reaches the declared length waits for the record.
     let out =
@@ -74,17 +75,19 @@ fn sync_response_declared_too_large_streams_and_holds_only_its_last_piece() {
     assert_eq!(flow.deadline_ms(), Some(6 + 50));
     // The host's empty end of stream comes later and waits too.
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 0, true, never_read),
-        Step::Wait
+        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 0, true, never_read)
+            .next,
+        Move::Wait
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 8, &rec), out[0].slot, Ok(settled())),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 8, &rec), out[0].slot, Ok(settled()))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 0);
-    assert!(flow.take_background().is_empty());
+    assert!(bg.is_empty());
 }
 
 #[test]
@@ -101,8 +104,9 @@ fn sync_response_copies_its_body_and_streams_past_max_response_body() {
             "via_upstream",
             &chunked,
             false
-        ),
-        Step::Continue,
+        )
+        .next,
+        Move::Continue,
         "never held in Envoy's buffer"
     );
     // Copied while it may fit (body_size is each piece) ...
@@ -110,24 +114,28 @@ fn sync_response_copies_its_body_and_streams_past_max_response_body() {
         flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 30_000, false, || vec![
             b'a';
             30_000
-        ]),
-        Step::Continue
+        ])
+        .next,
+        Move::Continue
     );
     // ... then only counted once it cannot.
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 6, &NoMetrics), 40_000, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 6, &NoMetrics), 40_000, false, never_read)
+            .next,
+        Move::Continue
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 16_384, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 7, &NoMetrics), 16_384, false, never_read)
+            .next,
+        Move::Continue
     );
     // Its end: the last piece waits for the reference record.
     let out = dispatched(flow.on_response_body(&Cx::new(&rt, 8, &NoMetrics), 10, true, never_read));
     assert_reference(&out);
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 9, &rec), out[0].slot, Ok(settled())),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 9, &rec), out[0].slot, Ok(settled()))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
 }
@@ -147,8 +155,9 @@ fn response_trailers_end_a_streaming_body() {
         false,
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 70_000, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 70_000, false, never_read)
+            .next,
+        Move::Continue
     );
     let out = dispatched(flow.on_response_trailers(&Cx::new(&rt, 6, &NoMetrics), &[]));
     assert_reference(&out);
@@ -163,8 +172,9 @@ fn response_trailers_end_a_streaming_body() {
         false,
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 2, false, || b"ok".to_vec()),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 2, false, || b"ok".to_vec())
+            .next,
+        Move::Continue
     );
     let out = dispatched(flow.on_response_trailers(&Cx::new(&rt, 6, &NoMetrics), &[]));
     assert!(out[0].call.args[3].contains("\"body\":\"ok\""));
@@ -186,8 +196,10 @@ fn a_response_that_never_ends_is_never_stored_completed() {
         false,
     );
     assert_eq!(
-        streaming.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read),
-        Step::Continue
+        streaming
+            .on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60_000, false, never_read)
+            .next,
+        Move::Continue
     );
     let mut buffering = forwarded(&rt, &rec);
     buffering.on_response_headers(
@@ -199,12 +211,13 @@ fn a_response_that_never_ends_is_never_stored_completed() {
         false,
     );
     assert_eq!(
-        buffering.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 10, false, || vec![b'a'; 10]),
-        Step::Continue
+        buffering
+            .on_response_body(&Cx::new(&rt, 5, &NoMetrics), 10, false, || vec![b'a'; 10])
+            .next,
+        Move::Continue
     );
     for mut flow in [streaming, buffering] {
-        flow.on_done(&Cx::new(&rt, 0, &rec));
-        assert!(flow.take_background().is_empty());
+        assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     }
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 2);
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 0);
@@ -219,8 +232,10 @@ fn a_response_that_never_ends_is_never_stored_completed() {
     ));
     let acquired = acquire().record_new().reply();
     assert_eq!(
-        copying.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
-        Step::Continue
+        copying
+            .on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired))
+            .next,
+        Move::Continue
     );
     copying.on_response_headers(
         &Cx::new(&rt, 2, &rec),
@@ -231,11 +246,15 @@ fn a_response_that_never_ends_is_never_stored_completed() {
         false,
     );
     assert_eq!(
-        copying.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 50_000, false, never_read),
-        Step::Continue
+        copying
+            .on_response_body(&Cx::new(&rt, 3, &NoMetrics), 50_000, false, never_read)
+            .next,
+        Move::Continue
     );
-    copying.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(copying.take_background().is_empty(), "nothing completed");
+    assert!(
+        copying.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
+        "nothing completed"
+    );
     assert_eq!(rec.count("cg.policy.async.idem.outcome_unknown"), 1);
 }
 
@@ -253,8 +272,8 @@ fn async_response_over_max_is_stored_by_reference_at_its_end() {
     ));
     let acquired = acquire().record_new().reply();
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(acquired)).next,
+        Move::Continue
     );
     // No content-length: copied while it fits, then only counted.
     flow.on_response_headers(
@@ -265,24 +284,17 @@ fn async_response_over_max_is_stored_by_reference_at_its_end() {
         &[],
         false,
     );
-    assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 40_000, false, || vec![
-            b'a';
-            40_000
-        ]),
-        Step::Continue
-    );
-    assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 40_000, false, never_read),
-        Step::Continue
-    );
+    let first = flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 40_000, false, || {
+        vec![b'a'; 40_000]
+    });
+    assert_eq!(first.next, Move::Continue);
+    let second = flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 40_000, false, never_read);
+    assert_eq!(second.next, Move::Continue);
     // The declared length is not the end for async: the end of stream is.
-    assert!(flow.take_background().is_empty());
-    assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 40_000, true, never_read),
-        Step::Continue
-    );
-    let bg = flow.take_background();
+    assert!(first.out.background.is_empty() && second.out.background.is_empty());
+    let step = flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 40_000, true, never_read);
+    assert_eq!(step.next, Move::Continue);
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::Complete);
     assert!(
@@ -347,8 +359,9 @@ fn an_upgrade_is_acquired_without_waiting_for_a_body_and_its_record_released_at_
                 &Cx::new(&rt, 1, &rec),
                 0,
                 Ok(orders_admitted().record_new().reply())
-            ),
-            Step::Continue
+            )
+            .next,
+            Move::Continue
         );
         let status = if method == "CONNECT" { 200 } else { 101 };
         let out = dispatched(flow.on_response_headers(
@@ -362,15 +375,16 @@ fn an_upgrade_is_acquired_without_waiting_for_a_body_and_its_record_released_at_
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].script, ScriptId::Release, "{method}: never stored");
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(settled())),
-            Step::Continue
+            flow.on_reply(&Cx::new(&rt, 3, &rec), out[0].slot, Ok(settled()))
+                .next,
+            Move::Continue
         );
         assert_eq!(
-            flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 5, false, never_read),
-            Step::Continue
+            flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 5, false, never_read)
+                .next,
+            Move::Continue
         );
-        flow.on_done(&Cx::new(&rt, 0, &rec));
-        assert!(flow.take_background().is_empty());
+        assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
         assert_eq!(rec.count("cg.policy.orders.idem.released"), 1);
         assert_eq!(rec.count("cg.policy.orders.idem.completed"), 0);
         assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 0);
@@ -391,13 +405,15 @@ fn an_event_stream_is_never_buffered_and_stored_by_reference_once_it_ended() {
             "via_upstream",
             &sse,
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     for t in 5..8 {
         assert_eq!(
-            flow.on_response_body(&Cx::new(&rt, t, &NoMetrics), 100_000, false, never_read),
-            Step::Continue,
+            flow.on_response_body(&Cx::new(&rt, t, &NoMetrics), 100_000, false, never_read)
+                .next,
+            Move::Continue,
             "events pass as they come"
         );
     }
@@ -418,8 +434,7 @@ fn an_event_stream_is_never_buffered_and_stored_by_reference_once_it_ended() {
         false,
     );
     endless.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 10, false, never_read);
-    endless.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(endless.take_background().is_empty());
+    assert!(endless.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
 }
 
@@ -440,12 +455,14 @@ fn replay_reference_is_stored_only_once_the_body_ended() {
             "via_upstream",
             &cl(100),
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60, false, never_read),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60, false, never_read)
+            .next,
+        Move::Continue
     );
     assert_reference(&dispatched(flow.on_response_body(
         &Cx::new(&rt, 6, &NoMetrics),
@@ -464,8 +481,7 @@ fn replay_reference_is_stored_only_once_the_body_ended() {
         false,
     );
     reset.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 60, false, never_read);
-    reset.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(reset.take_background().is_empty());
+    assert!(reset.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
     // A response without a body is complete at its headers.
     let mut empty = forwarded(&rt, &rec);

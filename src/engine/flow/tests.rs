@@ -48,8 +48,9 @@ fn unmatched_request_passes_untouched() {
             "n",
             "o",
             true
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(flow.deadline_ms(), None);
 }
@@ -66,8 +67,9 @@ fn policy_without_limits_forwards() {
             "n",
             "o",
             true
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
 }
 
@@ -76,13 +78,16 @@ fn missing_tenant_is_401() {
     let rec = Recorder::default();
     let rt = runtime(&rec);
     let mut flow = Flow::default();
-    let Step::Respond(r) = flow.on_request(
-        &Cx::new(&rt, 0, &rec),
-        req("POST", "/orders").build(),
-        "n",
-        "o",
-        true,
-    ) else {
+    let Move::Respond(r) = flow
+        .on_request(
+            &Cx::new(&rt, 0, &rec),
+            req("POST", "/orders").build(),
+            "n",
+            "o",
+            true,
+        )
+        .next
+    else {
         panic!("expected a local response");
     };
     assert_eq!(r.status, 401);
@@ -114,19 +119,18 @@ fn allowed_request_continues_with_headers() {
             &Cx::new(&rt, 1_010, &rec),
             0,
             Ok(acquire().limit_ok(1, 59_000).reply())
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
-    assert_eq!(
-        flow.on_reply(
-            &Cx::new(&rt, 1_020, &rec),
-            1,
-            Ok(acquire().shadow_over(0, 1_000, 1_000).reply())
-        ),
-        Step::Continue
+    let step = flow.on_reply(
+        &Cx::new(&rt, 1_020, &rec),
+        1,
+        Ok(acquire().shadow_over(0, 1_000, 1_000).reply()),
     );
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(
-        flow.response_headers(),
+        step.out.response_headers,
         &[
             (
                 "ratelimit-policy".to_string(),
@@ -144,12 +148,13 @@ fn allowed_request_continues_with_headers() {
             &Cx::new(&rt, 1_030, &rec),
             0,
             Ok(acquire().limit_over(0, 0, 1).reply())
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
     assert_eq!(
-        flow.on_tick(&Cx::new(&rt, 5_000, &rec)),
-        Step::Wait,
+        flow.on_tick(&Cx::new(&rt, 5_000, &rec)).next,
+        Move::Wait,
         "decided requests never time out"
     );
 }
@@ -171,14 +176,18 @@ fn rejected_request_gets_429() {
             &Cx::new(&rt, 1, &rec),
             1,
             Ok(acquire().limit_ok(99, 1).reply())
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
-    let Step::Respond(r) = flow.on_reply(
-        &Cx::new(&rt, 2, &rec),
-        0,
-        Ok(acquire().limit_over(0, 30_000, 30_000).reply()),
-    ) else {
+    let Move::Respond(r) = flow
+        .on_reply(
+            &Cx::new(&rt, 2, &rec),
+            0,
+            Ok(acquire().limit_over(0, 30_000, 30_000).reply()),
+        )
+        .next
+    else {
         panic!("expected 429");
     };
     assert_eq!(r.status, 429);
@@ -212,7 +221,7 @@ fn noscript_retries_with_eval_once() {
     assert_eq!(rec.count("cg.redis.noscript"), 1);
     // A second NOSCRIPT (EVAL cannot produce one) is an error, not a loop.
     let step = flow.on_reply(&Cx::new(&rt, 2, &rec), 0, Ok(noscript));
-    assert_eq!(step, Step::Continue, "reads policy fails open");
+    assert_eq!(step.next, Move::Continue, "reads policy fails open");
     assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
 }
 
@@ -235,19 +244,24 @@ fn errors_follow_the_failure_mode() {
             "o",
             true,
         ));
-        let Step::Respond(r) = closed.on_reply(&Cx::new(&rt, 1, &rec), 0, answer.clone()) else {
+        let Move::Respond(r) = closed
+            .on_reply(&Cx::new(&rt, 1, &rec), 0, answer.clone())
+            .next
+        else {
             panic!("fail_closed answers locally for {answer:?}");
         };
         assert_eq!(r.status, 503);
         assert_eq!(r.header("retry-after"), Some("1"));
         assert_eq!(rec.count("cg.policy.orders.failed_closed"), 1);
         assert_eq!(
-            closed.on_reply(
-                &Cx::new(&rt, 2, &rec),
-                1,
-                Ok(acquire().limit_ok(1, 1).reply())
-            ),
-            Step::Wait
+            closed
+                .on_reply(
+                    &Cx::new(&rt, 2, &rec),
+                    1,
+                    Ok(acquire().limit_ok(1, 1).reply())
+                )
+                .next,
+            Move::Wait
         );
 
         let mut open = Flow::default();
@@ -259,8 +273,8 @@ fn errors_follow_the_failure_mode() {
             true,
         ));
         assert_eq!(
-            open.on_reply(&Cx::new(&rt, 1, &rec), 0, answer),
-            Step::Continue
+            open.on_reply(&Cx::new(&rt, 1, &rec), 0, answer).next,
+            Move::Continue
         );
         assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
         assert_eq!(rec.count("cg.redis.errors"), 2);
@@ -279,20 +293,22 @@ fn watchdog_times_out_per_failure_mode() {
         "o",
         true,
     ));
-    assert_eq!(closed.on_tick(&Cx::new(&rt, 149, &rec)), Step::Wait);
-    let Step::Respond(r) = closed.on_tick(&Cx::new(&rt, 150, &rec)) else {
+    assert_eq!(closed.on_tick(&Cx::new(&rt, 149, &rec)).next, Move::Wait);
+    let Move::Respond(r) = closed.on_tick(&Cx::new(&rt, 150, &rec)).next else {
         panic!("expected 503");
     };
     assert_eq!(r.status, 503);
     assert_eq!(rec.count("cg.redis.timeouts"), 1);
     // The late answer is ignored.
     assert_eq!(
-        closed.on_reply(
-            &Cx::new(&rt, 200, &rec),
-            0,
-            Ok(acquire().limit_ok(1, 1).reply())
-        ),
-        Step::Wait
+        closed
+            .on_reply(
+                &Cx::new(&rt, 200, &rec),
+                0,
+                Ok(acquire().limit_ok(1, 1).reply())
+            )
+            .next,
+        Move::Wait
     );
 
     let mut open = Flow::default();
@@ -303,7 +319,7 @@ fn watchdog_times_out_per_failure_mode() {
         "o",
         true,
     ));
-    assert_eq!(open.on_tick(&Cx::new(&rt, 151, &rec)), Step::Continue);
+    assert_eq!(open.on_tick(&Cx::new(&rt, 151, &rec)).next, Move::Continue);
     assert_eq!(rec.count("cg.policy.reads.failed_open"), 1);
     assert_eq!(open.deadline_ms(), None);
 }
@@ -321,31 +337,39 @@ fn over_limit_cache_rejects_locally_until_the_deadline() {
         true,
     ));
     assert_eq!(
-        first.on_reply(
-            &Cx::new(&rt, 1_001, &rec),
-            1,
-            Ok(acquire().limit_ok(99, 1).reply())
-        ),
-        Step::Wait
+        first
+            .on_reply(
+                &Cx::new(&rt, 1_001, &rec),
+                1,
+                Ok(acquire().limit_ok(99, 1).reply())
+            )
+            .next,
+        Move::Wait
     );
-    let Step::Respond(r) = first.on_reply(
-        &Cx::new(&rt, 1_002, &rec),
-        0,
-        Ok(acquire().limit_over(0, 30_000, 30_000).reply()),
-    ) else {
+    let Move::Respond(r) = first
+        .on_reply(
+            &Cx::new(&rt, 1_002, &rec),
+            0,
+            Ok(acquire().limit_over(0, 30_000, 30_000).reply()),
+        )
+        .next
+    else {
         panic!("expected 429");
     };
     assert_eq!(r.status, 429);
 
     // Same tenant, 10 s later: answered locally, with the remaining wait.
     let mut second = Flow::default();
-    let Step::Respond(r) = second.on_request(
-        &Cx::new(&rt, 11_002, &rec),
-        req("POST", "/orders").tenant("acme").build(),
-        "n",
-        "o",
-        true,
-    ) else {
+    let Move::Respond(r) = second
+        .on_request(
+            &Cx::new(&rt, 11_002, &rec),
+            req("POST", "/orders").tenant("acme").build(),
+            "n",
+            "o",
+            true,
+        )
+        .next
+    else {
         panic!("expected a cached 429");
     };
     assert_eq!(r.status, 429);
@@ -391,15 +415,13 @@ fn leased_quota_admits_from_local_slices() {
         true,
     ));
     assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("/lq/"));
-    assert_eq!(
-        first.on_reply(
-            &Cx::new(&rt, 1, &rec),
-            0,
-            Ok(acquire().limit_ok(12, 60_000).reply())
-        ),
-        Step::Continue
+    let step = first.on_reply(
+        &Cx::new(&rt, 1, &rec),
+        0,
+        Ok(acquire().limit_ok(12, 60_000).reply()),
     );
-    assert_eq!(first.response_headers()[1].1, "\"t\";r=11;t=60");
+    assert_eq!(step.next, Move::Continue);
+    assert_eq!(step.out.response_headers[1].1, "\"t\";r=11;t=60");
     // Another worker then learns that the counter rejects (the shared over-limit cache): the
     // units of this worker's slice were counted when it was taken, so they still admit.
     rt.over_limit
@@ -414,21 +436,25 @@ fn leased_quota_admits_from_local_slices() {
                 "n",
                 "o",
                 true
-            ),
-            Step::Continue,
+            )
+            .next,
+            Move::Continue,
             "{i}"
         );
     }
     // The 13th has no slice left: the over-limit cache answers.
     let mut again = Flow::default();
-    match again.on_request(
-        &Cx::new(&rt, 20, &rec),
-        req("GET", "/").tenant("acme").build(),
-        "n",
-        "o",
-        true,
-    ) {
-        Step::Respond(r) => assert_eq!(r.status, 429),
+    match again
+        .on_request(
+            &Cx::new(&rt, 20, &rec),
+            req("GET", "/").tenant("acme").build(),
+            "n",
+            "o",
+            true,
+        )
+        .next
+    {
+        Move::Respond(r) => assert_eq!(r.status, 429),
         other => panic!("expected a 429 from the over-limit cache, got {other:?}"),
     }
     assert_eq!(rec.count("cg.policy.p.limit.t.allowed"), 12);
@@ -448,8 +474,9 @@ fn leased_quota_admits_from_local_slices() {
             &Cx::new(&rt, 1, &rec),
             0,
             Ok(acquire().limit_ok(1, 1).reply())
-        ),
-        Step::Wait,
+        )
+        .next,
+        Move::Wait,
         "idle flow ignores answers"
     );
     dispatched(late.on_request(
@@ -504,14 +531,14 @@ fn ambiguous_inputs_are_400_before_any_call() {
             "o",
             true,
         );
-        let Step::Respond(r) = step else {
+        let Move::Respond(r) = step.next else {
             panic!("{path}: expected a local answer, got {step:?}");
         };
         assert_eq!(r.status, 400, "{path}");
         let body = String::from_utf8_lossy(&r.body).into_owned();
         assert!(body.contains(slug), "{path}: {body}");
         assert_eq!(flow.deadline_ms(), None, "nothing outstanding");
-        assert!(flow.take_background().is_empty(), "nothing to give back");
+        assert!(step.out.background.is_empty(), "nothing to give back");
     }
     assert_eq!(rec.count("cg.policy.activate.ambiguous_input"), 4);
 
@@ -534,12 +561,12 @@ fn ambiguous_inputs_are_400_before_any_call() {
             "o",
             true,
         );
-        match step {
-            Step::Respond(r) => {
+        match step.next {
+            Move::Respond(r) => {
                 assert_eq!(r.status, status, "{path}");
                 assert!(String::from_utf8_lossy(&r.body).contains("\"selector\":\"query:id\""));
             }
-            Step::Dispatch(_) => assert_eq!(status, 0, "{path}"),
+            Move::Dispatch(_) => assert_eq!(status, 0, "{path}"),
             other => panic!("{path}: {other:?}"),
         }
     }

@@ -1,20 +1,46 @@
-//! The upstream's response (headers, body, trailers) and the stream's end, for the guards
-//! that outlive the request's decision: the record to settle, the lease to give back.
+//! The upstream's response (headers, body, trailers), for the guards that outlive the
+//! request's decision: whether the response matters to them, the record that takes it in and
+//! settles on it, the lease and the slots given back once the upstream answered, the charge
+//! read from it.
 
 use crate::config::{Completion, Idempotency};
-use crate::engine::flow::{Cx, Flow, Meter, Outgoing, Pcx, Pending, Phase, Purpose, Step};
-use crate::engine::outbox::Background;
+use crate::engine::flow::{Cx, Flow, Meter, Move, Outgoing, Pcx, Pending, Phase, Purpose, Step};
 use crate::guards::idempotency::capture::{
-    response_shape, Assembly, Intake, Record, ResponseHead, Shape, NEVER_SENT,
+    response_shape, Assembly, BodyIntake, RecordAction, ResponseView, Shape, NEVER_SENT,
 };
 use crate::guards::ratelimit::charge::Origin;
 use crate::redis::ScriptCall;
 
 impl Flow {
+    /// Whether the response matters to this request (a record to complete, a lease to
+    /// release, a charge to read); if not, the adapter skips reading the response.
+    pub(crate) fn wants_response(&self, cx: &Cx<'_>) -> bool {
+        self.record.as_ref().is_some_and(|i| i.owned)
+            || self.lease.as_ref().is_some_and(|l| l.held)
+            || self.at(cx).is_some_and(|at| {
+                (self.forwarded() && Meter::wanted(at.policy)) || self.holds_slots(&at)
+            })
+    }
+
+    /// The response body is taken in (a record copying it, a completion it waits for, a
+    /// charge read from it).
+    pub(crate) fn wants_response_body(&self) -> bool {
+        matches!(self.phase, Phase::Response(_) | Phase::Completing { .. }) || self.meter.scanning()
+    }
+
+    /// Whether the response's trailers matter (a record that settles on them, a charge).
+    pub(crate) fn wants_response_trailers(&self, cx: &Cx<'_>) -> bool {
+        matches!(self.phase, Phase::Response(_))
+            || (self.forwarded()
+                && self
+                    .at(cx)
+                    .is_some_and(|at| Meter::wants_trailers(at.policy)))
+    }
+
     /// The response's headers. `via_upstream` is false for Envoy's own local replies, with
     /// `details` its `response.code_details`.
     #[allow(clippy::too_many_arguments)]
-    pub fn on_response_headers(
+    pub(crate) fn on_response_headers(
         &mut self,
         cx: &Cx<'_>,
         status: u32,
@@ -23,8 +49,21 @@ impl Flow {
         headers: &[(String, String)],
         end_of_stream: bool,
     ) -> Step {
+        self.step(|f| f.response_headers(cx, status, via_upstream, details, headers, end_of_stream))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn response_headers(
+        &mut self,
+        cx: &Cx<'_>,
+        status: u32,
+        via_upstream: bool,
+        details: &str,
+        headers: &[(String, String)],
+        end_of_stream: bool,
+    ) -> Move {
         let Some(at) = self.at(cx) else {
-            return Step::Continue;
+            return Move::Continue;
         };
         let shape = response_shape(
             status,
@@ -37,13 +76,13 @@ impl Flow {
         // as the stream is open, so a held lease stays held (the watchdog extends it) and is
         // released when the stream ends (`on_done`).
         self.kind.open_ended = shape != Shape::Plain;
-        let async_idem = self.idem.as_ref().is_some_and(|i| i.owned)
+        let async_idem = self.record.as_ref().is_some_and(|i| i.owned)
             && at
                 .policy
                 .idempotency
                 .as_ref()
                 .is_some_and(|c| c.complete == Completion::Async);
-        let head = ResponseHead {
+        let head = ResponseView {
             status,
             via_upstream,
             details,
@@ -95,21 +134,21 @@ impl Flow {
 
     /// The record's step at the response headers, with the releases the response waits
     /// for, if any.
-    fn with_release(&mut self, at: &Pcx<'_>, release: Vec<Outgoing>, step: Step) -> Step {
+    fn with_release(&mut self, at: &Pcx<'_>, release: Vec<Outgoing>, step: Move) -> Move {
         if release.is_empty() {
             return step;
         }
         match step {
-            Step::Continue => {
+            Move::Continue => {
                 self.phase = Phase::Completing {
                     deadline_ms: at.call_deadline(),
                 };
-                Step::Dispatch(release)
+                Move::Dispatch(release)
             }
-            Step::Wait => Step::Dispatch(release),
-            Step::Dispatch(mut calls) => {
+            Move::Wait => Move::Dispatch(release),
+            Move::Dispatch(mut calls) => {
                 calls.extend(release);
-                Step::Dispatch(calls)
+                Move::Dispatch(calls)
             }
             step => step,
         }
@@ -124,17 +163,17 @@ impl Flow {
     }
 
     /// The record's side of the response headers: complete, release, or take the body first.
-    fn record_response_headers(&mut self, at: &Pcx<'_>, head: &ResponseHead<'_>) -> Step {
+    fn record_response_headers(&mut self, at: &Pcx<'_>, head: &ResponseView<'_>) -> Move {
         if !matches!(self.phase, Phase::Forwarded) {
-            return Step::Continue;
+            return Move::Continue;
         }
-        let (Some(idem), Some(cfg)) = (
-            self.idem.as_mut().filter(|i| i.owned),
+        let (Some(record), Some(cfg)) = (
+            self.record.as_mut().filter(|i| i.owned),
             at.policy.idempotency.as_ref(),
         ) else {
-            return Step::Continue;
+            return Move::Continue;
         };
-        let record = idem.stored.on_response_headers(cfg, head, self.kind.grpc);
+        let record = record.stored.on_response_headers(cfg, head, self.kind.grpc);
         self.apply_record(at, record, head.details)
     }
 
@@ -143,23 +182,33 @@ impl Flow {
     /// lets it be read; a body over `max_response_body` (or one the budget cannot hold) is not
     /// copied any further: it streams, and a reference record is stored when its end is seen.
     /// With sync completion the final chunk waits for it.
-    pub fn on_response_body(
+    pub(crate) fn on_response_body(
         &mut self,
         cx: &Cx<'_>,
         body_size: usize,
         end_of_stream: bool,
         read: impl FnOnce() -> Vec<u8>,
     ) -> Step {
+        self.step(|f| f.response_body(cx, body_size, end_of_stream, read))
+    }
+
+    fn response_body(
+        &mut self,
+        cx: &Cx<'_>,
+        body_size: usize,
+        end_of_stream: bool,
+        read: impl FnOnce() -> Vec<u8>,
+    ) -> Move {
         let Some(at) = self.at(cx) else {
-            return Step::Continue;
+            return Move::Continue;
         };
         let copies = match (
             self.phase.intake(),
-            self.idem.as_ref(),
+            self.record.as_ref(),
             at.policy.idempotency.as_ref(),
         ) {
-            (Some(intake), Some(idem), Some(cfg)) => {
-                idem.stored.takes(cfg, intake, body_size, &at.rt.memory)
+            (Some(intake), Some(record), Some(cfg)) => {
+                record.stored.takes(cfg, intake, body_size, &at.rt.memory)
             }
             _ => false,
         };
@@ -181,10 +230,10 @@ impl Flow {
                 memory,
             )
         });
-        if let Some(idem) = self.idem.as_mut() {
-            if idem.stored.take_over_budget() {
+        if let Some(record) = self.record.as_mut() {
+            if record.stored.take_over_budget() {
                 at.m.increment(at.rt.metrics.memory.by_reference);
-                idem.over_budget(&at);
+                record.over_budget(&at);
             }
         }
         step
@@ -193,7 +242,15 @@ impl Flow {
     /// The response's trailers (`trailers`): its body has ended (without a body callback that
     /// said so). The record is settled now: a gRPC call by the `grpc-status` in them (released
     /// when it is in `retryable_grpc_codes`), and the trailers that matter are stored.
-    pub fn on_response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Step {
+    pub(crate) fn on_response_trailers(
+        &mut self,
+        cx: &Cx<'_>,
+        trailers: &[(String, String)],
+    ) -> Step {
+        self.step(|f| f.response_trailers(cx, trailers))
+    }
+
+    fn response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Move {
         if let Some(at) = self.at(cx).filter(|_| self.forwarded()) {
             self.meter.on_trailers(at.policy, trailers);
         }
@@ -208,69 +265,71 @@ impl Flow {
     fn record_piece(
         &mut self,
         cx: &Cx<'_>,
-        piece: impl FnOnce(&mut Assembly, &Idempotency, Intake, bool) -> Record,
-    ) -> Step {
+        piece: impl FnOnce(&mut Assembly, &Idempotency, BodyIntake, bool) -> RecordAction,
+    ) -> Move {
         let intake = match self.phase {
             Phase::Response(intake) => intake,
-            Phase::Completing { .. } => return Step::Wait,
-            _ => return Step::Continue,
+            Phase::Completing { .. } => return Move::Wait,
+            _ => return Move::Continue,
         };
         let Some(at) = self.at(cx) else {
-            return Step::Continue;
+            return Move::Continue;
         };
         let grpc = self.kind.grpc;
-        let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref()) else {
-            return Step::Continue;
+        let (Some(record), Some(cfg)) = (self.record.as_mut(), at.policy.idempotency.as_ref())
+        else {
+            return Move::Continue;
         };
-        let record = piece(&mut idem.stored, cfg, intake, grpc);
+        let record = piece(&mut record.stored, cfg, intake, grpc);
         self.apply_record(&at, record, "")
     }
 
     /// Carries out what the record decided at a piece of the response.
-    fn apply_record(&mut self, at: &Pcx<'_>, record: Record, details: &str) -> Step {
-        match record {
-            Record::Pass => Step::Continue,
-            Record::Take(intake) => {
+    fn apply_record(&mut self, at: &Pcx<'_>, action: RecordAction, details: &str) -> Move {
+        match action {
+            RecordAction::Pass => Move::Continue,
+            RecordAction::Take(intake) => {
                 self.phase = Phase::Response(intake);
-                Step::Continue
+                Move::Continue
             }
-            Record::Complete | Record::Release => {
-                let (Some(idem), Some(cfg)) = (self.idem.as_mut(), at.policy.idempotency.as_ref())
+            RecordAction::Complete | RecordAction::Release => {
+                let (Some(guard), Some(cfg)) =
+                    (self.record.as_mut(), at.policy.idempotency.as_ref())
                 else {
-                    return Step::Continue;
+                    return Move::Continue;
                 };
-                let (purpose, call) = match record {
-                    Record::Complete => {
+                let (purpose, call) = match action {
+                    RecordAction::Complete => {
                         let sealed = cfg.encryption.is_some();
-                        if idem.stored.drop_body_over_budget(sealed, &at.rt.memory) {
+                        if guard.stored.drop_body_over_budget(sealed, &at.rt.memory) {
                             at.m.increment(at.rt.metrics.memory.by_reference);
-                            idem.over_budget(at);
+                            guard.over_budget(at);
                         }
-                        idem.completion_call(cfg)
+                        guard.completion_call(cfg)
                     }
-                    _ => idem.release_call(),
+                    _ => guard.release_call(),
                 };
                 self.settle_record(at, purpose, call)
             }
-            Record::Unknown => {
+            RecordAction::Unknown => {
                 self.outcome_unknown(at, details);
-                Step::Continue
+                Move::Continue
             }
         }
     }
 
     /// Sends a complete/release now (sync: the response waits) or hands it to the root.
-    fn settle_record(&mut self, at: &Pcx<'_>, purpose: Purpose, call: ScriptCall) -> Step {
+    fn settle_record(&mut self, at: &Pcx<'_>, purpose: Purpose, call: ScriptCall) -> Move {
         let Some(cfg) = at.policy.idempotency.as_ref() else {
-            return Step::Continue;
+            return Move::Continue;
         };
-        if !crate::engine::flow::IdemGuard::sync(cfg) {
-            if let Some(i) = self.idem.as_mut() {
+        if !crate::engine::flow::IdempotencyGuard::sync(cfg) {
+            if let Some(i) = self.record.as_mut() {
                 let bg = i.settle_later(at.index, (purpose, call));
-                self.background.push(bg);
+                self.out.background.push(bg);
             }
             self.phase = Phase::Done;
-            return Step::Continue;
+            return Move::Continue;
         }
         let mut out: Vec<_> = self
             .calls
@@ -286,71 +345,12 @@ impl Flow {
         self.phase = Phase::Completing {
             deadline_ms: at.call_deadline(),
         };
-        Step::Dispatch(out)
+        Move::Dispatch(out)
     }
 
-    fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
-        if let Some(i) = self.idem.as_mut() {
+    pub(super) fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
+        if let Some(i) = self.record.as_mut() {
             i.outcome_unknown(at, details);
-        }
-        self.phase = Phase::Done;
-    }
-
-    /// The stream is gone. A record we still own is released if the request never left
-    /// Envoy, and kept `PROCESSING` (outcome unknown) otherwise. A request forwarded with no
-    /// response yet (the client left) keeps its lease and slots until they expire (see
-    /// `gone.rs`); anything else still held is given back.
-    pub fn on_done(&mut self, cx: &Cx<'_>) {
-        let Some(at) = self.at(cx) else {
-            self.phase = Phase::Done;
-            return;
-        };
-        if matches!(self.phase, Phase::Forwarded) {
-            self.orphan(&at);
-        }
-        self.release_lease(&at);
-        self.release_slots(&at);
-        if self.forwarded() {
-            let corrections = self.meter.corrections(&at, &self.admission);
-            self.background.extend(corrections);
-        }
-        // Response-side calls still outstanding may be cancelled with the stream: the root
-        // sends them again (an answer that arrives twice is counted twice, nothing worse).
-        let key_hash = self
-            .idem
-            .as_ref()
-            .map_or(String::new(), |i| i.key_hash.clone());
-        let unfinished: Vec<Background> = self
-            .calls
-            .open()
-            .filter(|c| {
-                matches!(
-                    c.tag.purpose,
-                    Purpose::Complete
-                        | Purpose::Release
-                        | Purpose::LeaseRelease
-                        | Purpose::SlotRelease
-                )
-            })
-            .map(|c| {
-                // The first call may have done it already: "not ours" is then expected.
-                Background::new(at.index, c.tag.purpose, c.call.clone(), key_hash.clone())
-                    .uncertain()
-            })
-            .collect();
-        self.background.extend(unfinished);
-        let owned = self.idem.as_ref().is_some_and(|i| i.owned);
-        match self.phase {
-            Phase::Acquiring { .. } => self.release_record(&at),
-            _ if !owned => {}
-            Phase::Completing { .. } => {}
-            _ if !self.forwarded() => self.release_record(&at),
-            Phase::Forwarded => self.outcome_unknown(&at, ""),
-            // Never stored as completed: the client did not get the whole response either.
-            Phase::Response(_) => {
-                self.outcome_unknown(&at, "the response ended before its end of stream")
-            }
-            _ => {}
         }
         self.phase = Phase::Done;
     }

@@ -2,6 +2,7 @@
 
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
+use crate::guards::idempotency::guard::REPLAYED_HEADER;
 use crate::http::request::Request;
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
@@ -40,7 +41,7 @@ fn waiting(flow: &mut Flow, rt: &Runtime, rec: &Recorder) -> u64 {
         out[0].slot,
         Ok(acquire().record_in_progress().reply()),
     );
-    assert_eq!(step, Step::Wait);
+    assert_eq!(step.next, Move::Wait);
     assert_eq!(
         rec.count("cg.policy.pay.idem.in_progress"),
         0,
@@ -61,12 +62,15 @@ fn a_waiting_duplicate_gets_the_stored_response() {
     let rt = runtime(&rec);
     let mut flow = Flow::default();
     let poll_at = waiting(&mut flow, &rt, &rec);
-    assert_eq!(flow.on_tick(&Cx::new(&rt, poll_at - 1, &rec)), Step::Wait);
+    assert_eq!(
+        flow.on_tick(&Cx::new(&rt, poll_at - 1, &rec)).next,
+        Move::Wait
+    );
     let out = dispatched(flow.on_tick(&Cx::new(&rt, poll_at, &rec)));
     assert_eq!(out.len(), 1);
     let call = &out[0].call;
     assert_eq!(
-        &call.args.from_index(0)[..3],
+        &call.args.words_from(0)[..3],
         &["0", "n1", "1"],
         "no limits again, the record"
     );
@@ -77,7 +81,7 @@ fn a_waiting_duplicate_gets_the_stored_response() {
         out[0].slot,
         Ok(acquire().record_completed(COMPLETED).reply()),
     );
-    let Step::Respond(r) = step else {
+    let Move::Respond(r) = step.next else {
         panic!("expected the replay, got {step:?}");
     };
     assert_eq!(r.status, 201);
@@ -101,13 +105,14 @@ fn a_waiting_duplicate_runs_when_the_record_is_released() {
         out[0].slot,
         Ok(acquire().record_new().reply()),
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert!(
         flow.wants_response(&Cx::new(&rt, poll_at + 4, &rec)),
         "it owns the record now"
     );
-    assert!(flow
-        .take_upstream_headers()
+    assert!(step
+        .out
+        .upstream_headers
         .iter()
         .any(|(n, _)| n == FINGERPRINT_HEADER));
     assert_eq!(rec.count("cg.policy.pay.idem.acquired"), 1);
@@ -124,13 +129,16 @@ fn a_duplicate_waits_at_most_max_wait_then_gets_the_reject_answer() {
     let answer = loop {
         let out = dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
         polls += 1;
-        match flow.on_reply(
-            &Cx::new(&rt, now + 2, &rec),
-            out[0].slot,
-            Ok(acquire().record_in_progress().reply()),
-        ) {
-            Step::Wait => now = flow.deadline_ms().expect("next poll"),
-            Step::Respond(r) => break r,
+        match flow
+            .on_reply(
+                &Cx::new(&rt, now + 2, &rec),
+                out[0].slot,
+                Ok(acquire().record_in_progress().reply()),
+            )
+            .next
+        {
+            Move::Wait => now = flow.deadline_ms().expect("next poll"),
+            Move::Respond(r) => break r,
             other => panic!("{other:?}"),
         }
         assert!(
@@ -181,7 +189,7 @@ fn a_waiting_duplicate_whose_poll_fails_answers_in_progress_even_failing_open() 
     dispatched(flow.on_tick(&Cx::new(&rt, poll_at, &rec)));
     // The poll is not answered within the timeout (Redis paused): the watchdog decides.
     let step = flow.on_tick(&Cx::new(&rt, poll_at + 60, &rec));
-    let Step::Respond(r) = step else {
+    let Move::Respond(r) = step.next else {
         panic!("expected the in-progress answer, got {step:?}");
     };
     assert_eq!(r.status, 425, "in_progress_status, never forwarded");
@@ -191,7 +199,7 @@ fn a_waiting_duplicate_whose_poll_fails_answers_in_progress_even_failing_open() 
     assert_eq!(rec.count("cg.policy.pay.idem.in_progress"), 1);
     // The poll may still run once Redis answers: what it could take is given back.
     assert_eq!(
-        flow.take_background().len(),
+        step.out.background.len(),
         1,
         "a release with the owner's marker"
     );
@@ -199,6 +207,6 @@ fn a_waiting_duplicate_whose_poll_fails_answers_in_progress_even_failing_open() 
     // A request whose first acquire fails never saw the record: it fails open.
     let mut fresh = Flow::default();
     dispatched(fresh.on_request(&Cx::new(&rt, 0, &rec), req(), "n2", "o2", true));
-    assert_eq!(fresh.on_tick(&Cx::new(&rt, 60, &rec)), Step::Continue);
+    assert_eq!(fresh.on_tick(&Cx::new(&rt, 60, &rec)).next, Move::Continue);
     assert_eq!(rec.count("cg.policy.pay.failed_open"), 1);
 }

@@ -46,12 +46,12 @@ pub struct Callout<S> {
 /// What to do on one stream, in this order: headers, calls, local reply, resume.
 #[derive(Debug)]
 pub struct StreamEffects<S> {
-    pub stream: S,
+    pub(crate) stream: S,
     /// Headers to add to the upstream's response (`RateLimit-Policy`, `RateLimit`).
-    pub add_response_headers: Vec<(String, String)>,
+    pub(crate) add_response_headers: Vec<(String, String)>,
     /// Headers to set on the request before it goes upstream (the fingerprint, the fencing
     /// token), while the host still holds them.
-    pub set_request_headers: Vec<(String, String)>,
+    pub(crate) set_request_headers: Vec<(String, String)>,
     /// Calls sent on this stream's behalf (from its context, so they end with it).
     pub calls: Vec<Callout<S>>,
     /// Answer the client locally.
@@ -73,7 +73,7 @@ impl<S> StreamEffects<S> {
     }
 
     /// Nothing to do on the stream (the adapter need not switch to it).
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.add_response_headers.is_empty()
             && self.set_request_headers.is_empty()
             && self.calls.is_empty()
@@ -88,19 +88,19 @@ pub struct Effects<S> {
     /// The answer to the callback that raised the event (meaningless for the root's events).
     /// A call that cannot be sent is answered at once, in the same callback: the effects of
     /// that answer then give the callback's answer.
-    pub action: Action,
+    pub(crate) action: Action,
     /// The streams the event moved, in order.
     pub streams: Vec<StreamEffects<S>>,
     /// Calls the root sends for itself (background calls, batches), after the streams'.
     pub calls: Vec<Callout<S>>,
     /// The root's new tick period.
-    pub tick_ms: Option<u64>,
+    pub(crate) tick_ms: Option<u64>,
     /// Wake the root on the event loop's next turn (acquires wait for a batch).
-    pub wake: bool,
+    pub(crate) wake: bool,
 }
 
 impl<S> Effects<S> {
-    pub fn new(action: Action) -> Effects<S> {
+    pub(crate) fn new(action: Action) -> Effects<S> {
         Effects {
             action,
             streams: Vec::new(),
@@ -113,7 +113,7 @@ impl<S> Effects<S> {
     /// The effects of one stream's operations alone. Its list is allocated at its size: a
     /// push onto an empty list runs the list's growth, code a request answered at once or
     /// given its rate-limit headers has no other use for.
-    pub fn of_stream(action: Action, ops: StreamEffects<S>) -> Effects<S> {
+    pub(crate) fn of_stream(action: Action, ops: StreamEffects<S>) -> Effects<S> {
         Effects {
             streams: vec![ops],
             ..Effects::new(action)

@@ -1,6 +1,8 @@
 use crate::engine::flow::test_support::{self, acquire, batch, noscript, settled};
 use crate::engine::flow::Runtime;
+use crate::engine::worker::root::LEASE_WAIT_TICK_MS;
 use crate::engine::worker::*;
+use crate::redis::{resp::Reply, CallError};
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;

@@ -17,14 +17,14 @@ const MAX_DEPTH: usize = 128;
 /// and the member lists of the objects open at once, each at most twice as large as its
 /// members need, three times while it grows (the old list and the new one): every member
 /// takes a `:` of the input, so no more than `:` bytes are in them.
-pub fn peak_need(input: &[u8]) -> usize {
+pub(crate) fn peak_need(input: &[u8]) -> usize {
     let colons = input.iter().filter(|&&b| b == b':').count();
     let member = std::mem::size_of::<(Cow<'_, str>, std::ops::Range<usize>)>();
     3 * input.len() + 3 * member * colons + 256
 }
 
 /// The canonical form of `input`, or `None` if it is not JSON (or repeats a member name).
-pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
+pub(crate) fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
     let mut p = Parser { s: input, i: 0 };
     let mut out = Vec::with_capacity(input.len());
     p.ws();

@@ -12,25 +12,25 @@ use crate::support::text;
 
 /// The response being stored.
 #[derive(Debug, Default)]
-pub struct Assembly {
+pub(crate) struct Assembly {
     pub status: u32,
-    pub headers: Vec<(String, String)>,
+    pub(crate) headers: Vec<(String, String)>,
     pub body: Vec<u8>,
     /// The body is not stored (larger than `max_response_body`): a reference record.
-    pub too_large: bool,
+    pub(crate) too_large: bool,
     /// The response's `content-length`, if it declared one.
     declared: Option<u64>,
     /// Bytes of the response body let through so far while it streams.
     passed: u64,
     /// The trailers stored with the response (gRPC status, `replay_trailers`).
-    pub trailers: Vec<(String, String)>,
+    pub(crate) trailers: Vec<(String, String)>,
     /// The worker's memory budget could not hold the body: stored by reference (counted once).
     over_budget: bool,
 }
 
 /// How the response body is taken in for the record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Intake {
+pub(crate) enum BodyIntake {
     /// Copied as it passes.
     Copy,
     /// Passes untouched; a reference record is stored once its end of stream is seen.
@@ -39,7 +39,7 @@ pub enum Intake {
 
 /// What the record does at a piece of the response.
 #[derive(Debug)]
-pub enum Record {
+pub(crate) enum RecordAction {
     /// Nothing for the record (not ours, or not yet decided).
     Pass,
     /// Store the assembled response as `COMPLETED` now.
@@ -47,25 +47,25 @@ pub enum Record {
     /// Release the record now (a retry may run the operation again).
     Release,
     /// Take the body in this way.
-    Take(Intake),
+    Take(BodyIntake),
     /// The outcome is unknown: the record stays `PROCESSING` until its TTL.
     Unknown,
 }
 
 /// What the response's headers say, as the record's decision needs it.
 #[derive(Clone, Copy)]
-pub struct ResponseHead<'a> {
+pub(crate) struct ResponseView<'a> {
     pub status: u32,
-    pub via_upstream: bool,
-    pub details: &'a str,
-    pub headers: &'a [(String, String)],
-    pub end_of_stream: bool,
-    pub shape: Shape,
+    pub(crate) via_upstream: bool,
+    pub(crate) details: &'a str,
+    pub(crate) headers: &'a [(String, String)],
+    pub(crate) end_of_stream: bool,
+    pub(crate) shape: Shape,
 }
 
 /// What kind of stream a response is, as far as the guards care.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Shape {
+pub(crate) enum Shape {
     /// A response that ends (its body, however large, has an end the filter waits for).
     Plain,
     /// An accepted upgrade (`101 Switching Protocols`, e.g. WebSocket) or a `CONNECT` tunnel
@@ -95,18 +95,18 @@ const EVENT_STREAM_TYPES: &[&str] = &["text/event-stream", "multipart/x-mixed-re
 
 impl Assembly {
     /// The response's headers: release, store, or take the body in first.
-    pub fn on_response_headers(
+    pub(crate) fn on_response_headers(
         &mut self,
         cfg: &Idempotency,
-        head: &ResponseHead<'_>,
+        head: &ResponseView<'_>,
         grpc: bool,
-    ) -> Record {
+    ) -> RecordAction {
         if !head.via_upstream {
             if NEVER_SENT.iter().any(|d| head.details.contains(d)) {
-                return Record::Release;
+                return RecordAction::Release;
             }
             // Timed out or reset after it was sent: the outcome is unknown, keep PROCESSING.
-            return Record::Unknown;
+            return RecordAction::Unknown;
         }
         let headers = head.headers;
         // A gRPC call's outcome is its grpc-status: in the headers of a trailers-only answer,
@@ -120,7 +120,7 @@ impl Assembly {
         // A switched protocol or a tunnel is a session, not a response that could be
         // replayed: the record is released (counted `released`) and the 101 goes on.
         if retry || head.shape == Shape::Tunnel {
-            return Record::Release;
+            return RecordAction::Release;
         }
         self.keep_head(cfg, head, trailers_only.is_some(), awaits_trailers);
         let needs_body = cfg.replay == Replay::Full && !head.end_of_stream;
@@ -130,12 +130,12 @@ impl Assembly {
         // stream's events are not stored: they pass as they are produced.
         if (awaits_trailers && !needs_body) || self.too_large || head.shape == Shape::EventStream {
             self.too_large = true;
-            return Record::Take(Intake::Stream);
+            return RecordAction::Take(BodyIntake::Stream);
         }
         if needs_body {
-            return Record::Take(Intake::Copy);
+            return RecordAction::Take(BodyIntake::Copy);
         }
-        Record::Complete
+        RecordAction::Complete
     }
 
     /// Keeps what the record stores of the response's head: status, replay headers, a
@@ -144,7 +144,7 @@ impl Assembly {
     fn keep_head(
         &mut self,
         cfg: &Idempotency,
-        head: &ResponseHead<'_>,
+        head: &ResponseView<'_>,
         trailers_only: bool,
         awaits_trailers: bool,
     ) {
@@ -172,10 +172,10 @@ impl Assembly {
     /// Whether a piece of `body_size` bytes is copied for the record (in `intake`): it is
     /// within `max_response_body`, and the memory budget can hold the piece read and the room
     /// the body grows by.
-    pub fn takes(
+    pub(crate) fn takes(
         &self,
         cfg: &Idempotency,
-        intake: Intake,
+        intake: BodyIntake,
         body_size: usize,
         memory: &Budget,
     ) -> bool {
@@ -191,8 +191,8 @@ impl Assembly {
     }
 
     /// Whether a piece of `body_size` bytes is within `max_response_body` (in `intake`).
-    fn fits(&self, cfg: &Idempotency, intake: Intake, body_size: usize) -> bool {
-        intake == Intake::Copy
+    fn fits(&self, cfg: &Idempotency, intake: BodyIntake, body_size: usize) -> bool {
+        intake == BodyIntake::Copy
             && (self.body.len().saturating_add(body_size)) as u64 <= cfg.max_response_body
     }
 
@@ -200,17 +200,17 @@ impl Assembly {
     /// [`Assembly::takes`] it, `None` if it could not be read). A body over
     /// `max_response_body`, or one the worker's memory budget cannot hold (`memory`), is not
     /// taken in any further: it streams, and a reference record is stored when its end is seen.
-    pub fn on_response_body(
+    pub(crate) fn on_response_body(
         &mut self,
         cfg: &Idempotency,
-        intake: Intake,
+        intake: BodyIntake,
         body_size: usize,
         end_of_stream: bool,
         piece: Option<&[u8]>,
         memory: &Budget,
-    ) -> Record {
+    ) -> RecordAction {
         match intake {
-            Intake::Copy => {
+            BodyIntake::Copy => {
                 let fits = self.fits(cfg, intake, body_size);
                 let kept = fits && piece.is_some_and(|p| self.keep(cfg, p, memory));
                 if !kept {
@@ -221,11 +221,11 @@ impl Assembly {
                     self.body = Vec::new();
                 }
                 match self.stream(cfg, body_size, end_of_stream) {
-                    Record::Pass if !kept => Record::Take(Intake::Stream),
+                    RecordAction::Pass if !kept => RecordAction::Take(BodyIntake::Stream),
                     settle => settle,
                 }
             }
-            Intake::Stream => self.stream(cfg, body_size, end_of_stream),
+            BodyIntake::Stream => self.stream(cfg, body_size, end_of_stream),
         }
     }
 
@@ -243,14 +243,14 @@ impl Assembly {
     }
 
     /// The body was dropped because the worker's memory budget could not hold it (once).
-    pub fn take_over_budget(&mut self) -> bool {
+    pub(crate) fn take_over_budget(&mut self) -> bool {
         std::mem::take(&mut self.over_budget)
     }
 
     /// Drops the body if writing the record with it would take the worker past its memory
     /// budget (`sealed`: with encryption): the record is then stored by reference. Whether
     /// it did.
-    pub fn drop_body_over_budget(&mut self, sealed: bool, memory: &Budget) -> bool {
+    pub(crate) fn drop_body_over_budget(&mut self, sealed: bool, memory: &Budget) -> bool {
         if self.too_large || self.body.is_empty() {
             return false;
         }
@@ -267,25 +267,25 @@ impl Assembly {
     /// at its end: the end of stream, or the last byte its `content-length` declared
     /// (with sync completion that piece waits for the record, so the client cannot see the
     /// whole response before it is written; the host's empty end of stream may come later).
-    fn stream(&mut self, cfg: &Idempotency, body_size: usize, end_of_stream: bool) -> Record {
+    fn stream(&mut self, cfg: &Idempotency, body_size: usize, end_of_stream: bool) -> RecordAction {
         let s = self;
         s.passed = s.passed.saturating_add(body_size as u64);
         let complete = s.declared.is_some_and(|n| s.passed >= n);
         if end_of_stream || (cfg.complete == Completion::Sync && complete) {
-            return Record::Complete;
+            return RecordAction::Complete;
         }
-        Record::Pass
+        RecordAction::Pass
     }
 
     /// The response's trailers: its body has ended. A gRPC call is settled by the
     /// `grpc-status` in them (released when it is in `retryable_grpc_codes`), and the
     /// trailers that matter are stored.
-    pub fn on_response_trailers(
+    pub(crate) fn on_response_trailers(
         &mut self,
         cfg: &Idempotency,
         trailers: &[(String, String)],
         grpc: bool,
-    ) -> Record {
+    ) -> RecordAction {
         let code = if grpc {
             grpc::status_of(trailers)
         } else {
@@ -293,15 +293,15 @@ impl Assembly {
         };
         if code.is_some_and(|c| cfg.retryable_grpc(c)) {
             self.body = Vec::new();
-            return Record::Release;
+            return RecordAction::Release;
         }
         self.trailers = kept_trailers(cfg, trailers);
-        Record::Complete
+        RecordAction::Complete
     }
 }
 
 /// What kind of stream the response is.
-pub fn response_shape(
+pub(crate) fn response_shape(
     status: u32,
     via_upstream: bool,
     connect: bool,

@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 use std::borrow::Cow;
 
 /// True for `application/json` and `application/*+json` (parameters ignored).
-pub fn is_json(content_type: Option<&str>) -> bool {
+pub(crate) fn is_json(content_type: Option<&str>) -> bool {
     let Some(ct) = content_type else {
         return false;
     };
@@ -31,7 +31,7 @@ pub fn canonical_body(body: &[u8], json: bool) -> Cow<'_, [u8]> {
 
 /// The most [`canonical_body`] allocates for `body` at once (see
 /// [`crate::guards::idempotency::canonical::peak_need`]); nothing when it is not JSON.
-pub fn canonical_need(body: &[u8], json: bool) -> usize {
+pub(crate) fn canonical_need(body: &[u8], json: bool) -> usize {
     if json {
         crate::guards::idempotency::canonical::peak_need(body)
     } else {

@@ -3,9 +3,9 @@
 //! is assembled in [`crate::guards::idempotency::capture`].
 
 use crate::config::{Completion, FingerprintPart, Idempotency, InProgress, Replay};
-use crate::engine::context::{Pcx, Purpose};
-use crate::engine::outbox::{count_settlement, Background, Holder};
+use crate::guards::background::{Background, Holder};
 use crate::guards::backoff::Backoff;
+use crate::guards::context::{Pcx, Purpose};
 use crate::guards::idempotency::capture::Assembly;
 use crate::guards::idempotency::fingerprint::{
     canonical_body, canonical_need, is_json, Fingerprint,
@@ -18,39 +18,53 @@ use crate::http::identity::Caller;
 use crate::http::local_reply::{self, LocalResponse, Problem};
 use crate::http::request::Request;
 use crate::redis::keys;
-use crate::redis::scripts::acquire::{self, IdemAcquire, IdemAnswer, LeaseAcquire};
-use crate::redis::scripts::record;
+use crate::redis::scripts::acquire::{self, LeaseAcquire, RecordAcquire, RecordAnswer};
+use crate::redis::scripts::record::{self, outcome, Outcome};
 use crate::redis::{resp::Reply, CallError, ScriptCall};
 use crate::support::lograte::WarnKind;
-use crate::support::metrics::IdemMetrics;
+use crate::support::metrics::{IdempotencyMetrics, MetricSink};
 
 /// Marks a replayed response.
-pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+pub(crate) const REPLAYED_HEADER: &str = "idempotent-replayed";
 
 #[derive(Debug)]
-pub struct IdemGuard {
-    pub acquire: IdemAcquire,
+pub(crate) struct IdempotencyGuard {
+    pub(crate) acquire: RecordAcquire,
     /// Hash of the client's key, for logs.
-    pub key_hash: String,
+    pub(crate) key_hash: String,
     /// We hold the `PROCESSING` record.
-    pub owned: bool,
+    pub(crate) owned: bool,
     /// The acquire's answer, until the rate limits are decided.
-    pub answer: Option<IdemAnswer>,
+    pub(crate) answer: Option<RecordAnswer>,
     /// The response being stored.
-    pub stored: Assembly,
+    pub(crate) stored: Assembly,
     /// Waiting for a duplicate still in progress (`in_progress: wait`).
     wait: Backoff,
-    /// A settlement Redis confirmed, until this worker's waiters for the record are woken.
-    freed: bool,
+}
+
+/// The record key of a client's Idempotency-Key (as [`parse_key`] reads it) in the hash tag
+/// `tenant_tag` of policy `policy`, and the key's hash (the key's last part, and what logs
+/// name a record by).
+pub fn record_key(
+    prefix: &str,
+    tenant_tag: &str,
+    policy: &str,
+    client_key: &str,
+) -> (String, String) {
+    let key_hash = keys::client_key_hash(client_key);
+    (
+        keys::idempotency_key(prefix, tenant_tag, policy, &key_hash),
+        key_hash,
+    )
 }
 
 /// First and largest pause between polls of a record still in progress (`in_progress: wait`).
-pub const RECORD_POLL_FIRST_MS: u64 = 50;
-pub const RECORD_POLL_MAX_MS: u64 = 200;
+pub(crate) const RECORD_POLL_FIRST_MS: u64 = 50;
+pub(crate) const RECORD_POLL_MAX_MS: u64 = 200;
 
 /// What the acquire answer means for the request.
 #[derive(Debug)]
-pub enum IdemDecision {
+pub(crate) enum IdempotencyDecision {
     /// The record is ours: go on, telling the service the fingerprint.
     Acquired(String),
     /// The acquire skipped the record: go on (without the lease).
@@ -63,16 +77,16 @@ pub enum IdemDecision {
     PollAt(u64),
 }
 
-impl IdemGuard {
+impl IdempotencyGuard {
     /// The request's key, if it carries one (`Ok(None)`: not required and absent); `Err` is
     /// the problem to answer with.
-    pub fn prepare(
+    pub(crate) fn prepare(
         at: &Pcx<'_>,
         cfg: &Idempotency,
         caller: &Caller,
         req: &Request,
         owner: &str,
-    ) -> Result<Option<IdemGuard>, LocalResponse> {
+    ) -> Result<Option<IdempotencyGuard>, LocalResponse> {
         let values: Vec<&str> = req.headers.values(&cfg.header).collect();
         let client_key = match parse_key(&values) {
             Ok(k) => k,
@@ -86,12 +100,12 @@ impl IdemGuard {
             return Err(body_too_large(at, cfg));
         }
         let prefix = &at.rt.config.redis.key_prefix;
-        let key_hash = keys::client_key_hash(&client_key);
         let tag = keys::tenant_tag(&caller.tenant);
+        let (key, key_hash) = record_key(prefix, &tag, &at.policy.name, &client_key);
         let cancel_key = keys::cancel_key(prefix, &tag, &at.policy.name, owner);
-        Ok(Some(IdemGuard {
-            acquire: IdemAcquire {
-                key: keys::idempotency_key(prefix, &tag, &at.policy.name, &key_hash),
+        Ok(Some(IdempotencyGuard {
+            acquire: RecordAcquire {
+                key,
                 tag,
                 fingerprint: String::new(),
                 owner: owner.to_string(),
@@ -103,13 +117,12 @@ impl IdemGuard {
             answer: None,
             stored: Assembly::default(),
             wait: Backoff::new(RECORD_POLL_FIRST_MS, RECORD_POLL_MAX_MS, owner),
-            freed: false,
         }))
     }
 
     /// What fingerprinting `body` takes besides the body itself (its canonical JSON's copies,
     /// when it is JSON and the fingerprint covers it).
-    pub fn fingerprint_need(cfg: &Idempotency, req: &Request, body: &[u8]) -> usize {
+    pub(crate) fn fingerprint_need(cfg: &Idempotency, req: &Request, body: &[u8]) -> usize {
         if cfg.needs_body() {
             canonical_need(body, is_json(req.header("content-type")))
         } else {
@@ -119,7 +132,7 @@ impl IdemGuard {
 
     /// The response body could not be held within the worker's memory budget: the record is
     /// stored by reference (warned about, rate-limited).
-    pub fn over_budget(&self, at: &Pcx<'_>) {
+    pub(crate) fn over_budget(&self, at: &Pcx<'_>) {
         let memory = &at.rt.memory;
         at.rt
             .warnings
@@ -136,7 +149,13 @@ impl IdemGuard {
     }
 
     /// Fingerprints the request (with its whole body, if the fingerprint covers it).
-    pub fn fingerprint(&mut self, cfg: &Idempotency, caller: &Caller, req: &Request, body: &[u8]) {
+    pub(crate) fn fingerprint(
+        &mut self,
+        cfg: &Idempotency,
+        caller: &Caller,
+        req: &Request,
+        body: &[u8],
+    ) {
         let mut f = Fingerprint::default();
         for part in &cfg.fingerprint {
             match part {
@@ -158,8 +177,8 @@ impl IdemGuard {
     }
 
     /// The acquire answered for the record.
-    pub fn answered(&mut self, answer: IdemAnswer) {
-        if answer == IdemAnswer::Acquired {
+    pub(crate) fn answered(&mut self, answer: RecordAnswer) {
+        if answer == RecordAnswer::Acquired {
             self.owned = true;
         }
         self.answer = Some(answer);
@@ -167,54 +186,54 @@ impl IdemGuard {
 
     /// The acquire answer, once the rate limits admitted the request (`limit_headers` go on
     /// any local answer).
-    pub fn decide(
+    pub(crate) fn decide(
         &mut self,
         at: &Pcx<'_>,
         limit_headers: &[(String, String)],
         grpc: bool,
-    ) -> IdemDecision {
+    ) -> IdempotencyDecision {
         let (Some(answer), Some(cfg), Some(im)) = (
             self.answer.take(),
             at.policy.idempotency.as_ref(),
-            at.pm.idem.as_ref(),
+            at.pm.record.as_ref(),
         ) else {
-            return IdemDecision::NotAsked;
+            return IdempotencyDecision::NotAsked;
         };
         let waited = self.wait.waited();
-        if waited && !matches!(answer, IdemAnswer::InProgress { .. }) {
+        if waited && !matches!(answer, RecordAnswer::InProgress { .. }) {
             at.m.increment(im.waited);
         }
         match answer {
-            IdemAnswer::Acquired => {
+            RecordAnswer::Acquired => {
                 at.m.increment(im.acquired);
                 // Only a request that holds its record tells the service its fingerprint.
-                IdemDecision::Acquired(self.acquire.fingerprint.clone())
+                IdempotencyDecision::Acquired(self.acquire.fingerprint.clone())
             }
-            IdemAnswer::Skipped => IdemDecision::Skipped,
-            IdemAnswer::InProgress { .. } if cfg.in_progress == InProgress::Wait => {
+            RecordAnswer::Skipped => IdempotencyDecision::Skipped,
+            RecordAnswer::InProgress { .. } if cfg.in_progress == InProgress::Wait => {
                 match self.wait.next_poll(at.now_ms, cfg.max_wait_ms) {
-                    Some(poll_at) => IdemDecision::PollAt(poll_at),
+                    Some(poll_at) => IdempotencyDecision::PollAt(poll_at),
                     None => {
                         let response = self.local_answer(at, cfg, im, answer, grpc);
-                        IdemDecision::Answer(with_headers(response, limit_headers))
+                        IdempotencyDecision::Answer(with_headers(response, limit_headers))
                     }
                 }
             }
             answer => {
                 let response = self.local_answer(at, cfg, im, answer, grpc);
-                IdemDecision::Answer(with_headers(response, limit_headers))
+                IdempotencyDecision::Answer(with_headers(response, limit_headers))
             }
         }
     }
 
     /// The answer of a duplicate that waited for the record (found it in progress) and does
     /// not hold it, when its poll failed: the in-progress answer it would give at `max_wait`.
-    pub fn waiting_answer(&self, at: &Pcx<'_>, grpc: bool) -> Option<LocalResponse> {
+    pub(crate) fn waiting_answer(&self, at: &Pcx<'_>, grpc: bool) -> Option<LocalResponse> {
         if !self.wait.waited() || self.owned {
             return None;
         }
-        let (cfg, im) = (at.policy.idempotency.as_ref()?, at.pm.idem.as_ref()?);
-        Some(self.local_answer(at, cfg, im, IdemAnswer::InProgress { pttl_ms: 0 }, grpc))
+        let (cfg, im) = (at.policy.idempotency.as_ref()?, at.pm.record.as_ref()?);
+        Some(self.local_answer(at, cfg, im, RecordAnswer::InProgress { pttl_ms: 0 }, grpc))
     }
 
     /// The local answer for a record this request cannot take: in progress, a conflict, an
@@ -223,8 +242,8 @@ impl IdemGuard {
         &self,
         at: &Pcx<'_>,
         cfg: &Idempotency,
-        im: &IdemMetrics,
-        answer: IdemAnswer,
+        im: &IdempotencyMetrics,
+        answer: RecordAnswer,
         grpc: bool,
     ) -> LocalResponse {
         let conflict = || {
@@ -238,7 +257,7 @@ impl IdemGuard {
             )
         };
         match answer {
-            IdemAnswer::InProgress { .. } => {
+            RecordAnswer::InProgress { .. } => {
                 at.m.increment(im.in_progress);
                 local_reply::problem(
                     Problem::IdempotencyKeyInUse {
@@ -249,7 +268,7 @@ impl IdemGuard {
                     vec![("retry-after".to_string(), "1".to_string())],
                 )
             }
-            IdemAnswer::Completed(record) => match self.open(cfg, *record) {
+            RecordAnswer::Completed(record) => match self.open(cfg, *record) {
                 Ok(stored) => match replay(stored, grpc) {
                     Some(response) => {
                         at.m.increment(im.replayed);
@@ -274,7 +293,7 @@ impl IdemGuard {
                     conflict()
                 }
             },
-            IdemAnswer::Unreadable => {
+            RecordAnswer::Unreadable => {
                 at.m.increment(im.unreadable);
                 at.m.increment(im.conflict);
                 log::warn!(
@@ -285,7 +304,7 @@ impl IdemGuard {
                 conflict()
             }
             // (Acquired and Skipped never come here: they are not local answers.)
-            IdemAnswer::Conflict | IdemAnswer::Acquired | IdemAnswer::Skipped => {
+            RecordAnswer::Conflict | RecordAnswer::Acquired | RecordAnswer::Skipped => {
                 at.m.increment(im.conflict);
                 conflict()
             }
@@ -293,7 +312,7 @@ impl IdemGuard {
     }
 
     /// The call that stores the assembled response as `COMPLETED`.
-    pub fn completion_call(&self, cfg: &Idempotency) -> (Purpose, ScriptCall) {
+    pub(crate) fn completion_call(&self, cfg: &Idempotency) -> (Purpose, ScriptCall) {
         let s = &self.stored;
         let body = match cfg.replay {
             Replay::Full if !s.too_large => Some(s.body.as_slice()),
@@ -341,13 +360,13 @@ impl IdemGuard {
     }
 
     /// The call that releases the record (a retry may run the operation again).
-    pub fn release_call(&self) -> (Purpose, ScriptCall) {
+    pub(crate) fn release_call(&self) -> (Purpose, ScriptCall) {
         (Purpose::Release, record::release(&self.acquire, None))
     }
 
     /// Hands a complete/release to the root (async completion): the record is no longer
     /// the request's to settle.
-    pub fn settle_later(
+    pub(crate) fn settle_later(
         &mut self,
         policy: usize,
         (purpose, call): (Purpose, ScriptCall),
@@ -356,30 +375,31 @@ impl IdemGuard {
         Background::new(policy, purpose, call, self.key_hash.clone())
     }
 
-    /// Counts the answer of our complete or release call.
-    pub fn settled(&mut self, at: &Pcx<'_>, purpose: Purpose, reply: &Reply) {
-        if let Some(im) = at.pm.idem.as_ref() {
+    /// Counts the answer of our complete or release call. The record's key when it settled
+    /// the record, for the requests of this worker that wait for it.
+    pub(crate) fn settled(
+        &mut self,
+        at: &Pcx<'_>,
+        purpose: Purpose,
+        reply: &Reply,
+    ) -> Option<String> {
+        if let Some(im) = at.pm.record.as_ref() {
             count_settlement(im, purpose, reply, &at.policy.name, &self.key_hash, at.m);
         }
         self.owned = false;
-        self.freed = reply.as_int() == Some(1);
-    }
-
-    /// The record this request settled, once (for the waiters of this worker).
-    pub fn take_freed(&mut self) -> Option<String> {
-        std::mem::take(&mut self.freed).then(|| self.acquire.key.clone())
+        (reply.as_int() == Some(1)).then(|| self.acquire.key.clone())
     }
 
     /// The record-only acquire that polls a record still in progress (with the lease, when
     /// the policy has one, so a request that gets the record also tries the lease).
-    pub fn poll_call(&self, lease: Option<&LeaseAcquire>, nonce: &str) -> ScriptCall {
+    pub(crate) fn poll_call(&self, lease: Option<&LeaseAcquire>, nonce: &str) -> ScriptCall {
         acquire::record_poll(&self.acquire, lease, nonce)
     }
 
     /// The record could not be completed or released: the response goes out anyway and the
     /// record expires at its processing TTL.
-    pub fn settle_failed(&mut self, at: &Pcx<'_>, err: &CallError) {
-        if let Some(im) = at.pm.idem.as_ref() {
+    pub(crate) fn settle_failed(&mut self, at: &Pcx<'_>, err: &CallError) {
+        if let Some(im) = at.pm.record.as_ref() {
             at.m.increment(im.complete_failed);
         }
         at.rt.warnings.warn(WarnKind::RecordNotSettled, at.index, at.now_ms, || {
@@ -394,8 +414,8 @@ impl IdemGuard {
     }
 
     /// The upstream's outcome is unknown: the record stays `PROCESSING` until its TTL.
-    pub fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
-        if let Some(im) = at.pm.idem.as_ref() {
+    pub(crate) fn outcome_unknown(&mut self, at: &Pcx<'_>, details: &str) {
+        if let Some(im) = at.pm.record.as_ref() {
             at.m.increment(im.outcome_unknown);
         }
         log::warn!(
@@ -408,14 +428,14 @@ impl IdemGuard {
     }
 
     /// Whether completion waits for Redis before the response goes on.
-    pub fn sync(cfg: &Idempotency) -> bool {
+    pub(crate) fn sync(cfg: &Idempotency) -> bool {
         cfg.complete == Completion::Sync
     }
 }
 
 /// The record, given back from the root: ours, or one an acquire that may still run (or may
 /// have run) may have created.
-impl Holder for IdemGuard {
+impl Holder for IdempotencyGuard {
     fn held(&mut self) -> &mut bool {
         &mut self.owned
     }
@@ -433,7 +453,7 @@ fn with_headers(mut response: LocalResponse, headers: &[(String, String)]) -> Lo
 
 /// The problem for a missing or invalid key, counted.
 fn key_problem(at: &Pcx<'_>, cfg: &Idempotency, e: &KeyError) -> LocalResponse {
-    let im = at.pm.idem.as_ref();
+    let im = at.pm.record.as_ref();
     let (metric, problem) = match e {
         KeyError::Missing => (im.map(|i| i.missing_key), Problem::IdempotencyKeyMissing),
         _ => (im.map(|i| i.invalid_key), Problem::IdempotencyKeyInvalid),
@@ -445,8 +465,8 @@ fn key_problem(at: &Pcx<'_>, cfg: &Idempotency, e: &KeyError) -> LocalResponse {
 }
 
 /// The `413` for a body larger than the fingerprint may read, counted.
-pub fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
-    if let Some(im) = at.pm.idem.as_ref() {
+pub(crate) fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
+    if let Some(im) = at.pm.record.as_ref() {
         at.m.increment(im.body_too_large);
     }
     let detail = format!(
@@ -516,5 +536,33 @@ fn grpc_replay(stored: &StoredResponse, code: u32, empty_body: bool) -> LocalRes
         body: Vec::new(),
         problem: None,
         grpc_status: Some(code),
+    }
+}
+
+/// Counts what a complete (`1` written, `0` missing, `-1` not owner) or release (`1`
+/// released, `0` missing, `-1` not owner) call found.
+pub(crate) fn count_settlement(
+    im: &IdempotencyMetrics,
+    purpose: Purpose,
+    reply: &Reply,
+    policy: &str,
+    key_hash: &str,
+    m: &dyn MetricSink,
+) {
+    match (purpose, outcome(reply)) {
+        (Purpose::Complete, Outcome::Done) => m.increment(im.completed),
+        (Purpose::Release, Outcome::Done) => m.increment(im.released),
+        (_, Outcome::NotOurs) => {
+            m.increment(im.stale_owner);
+            log::warn!(
+                "policy {policy} key {key_hash}: the record is no longer ours (its processing TTL expired); not overwritten"
+            );
+        }
+        _ => {
+            m.increment(im.complete_failed);
+            log::warn!(
+                "policy {policy} key {key_hash}: unexpected answer to a record update: {reply:?}"
+            );
+        }
     }
 }

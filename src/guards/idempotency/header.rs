@@ -3,7 +3,7 @@
 //! accepted too. The key is 1..=255 printable ASCII characters.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeyError {
+pub(crate) enum KeyError {
     Missing,
     /// More than one header line: ambiguous, so refused.
     Repeated,
@@ -13,7 +13,7 @@ pub enum KeyError {
 }
 
 impl KeyError {
-    pub fn detail(self, header: &str) -> String {
+    pub(crate) fn detail(self, header: &str) -> String {
         match self {
             KeyError::Missing => format!("this operation requires an {header} header"),
             KeyError::Repeated => format!("the {header} header must appear once"),
@@ -26,10 +26,10 @@ impl KeyError {
     }
 }
 
-pub const MAX_KEY_LEN: usize = 255;
+pub(crate) const MAX_KEY_LEN: usize = 255;
 
 /// Parses the header's values (every line with that name) into the client's key.
-pub fn parse_key(values: &[&str]) -> Result<String, KeyError> {
+pub(crate) fn parse_key(values: &[&str]) -> Result<String, KeyError> {
     let raw = match values {
         [] => return Err(KeyError::Missing),
         [one] => one.trim_matches(|c| c == ' ' || c == '\t'),

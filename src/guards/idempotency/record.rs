@@ -34,10 +34,11 @@ use crate::support::text::{base64_decode, base64_encode};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize};
 
-pub const SCHEMA_VERSION: u32 = 1;
+#[cfg(test)]
+pub(crate) const SCHEMA_VERSION: u32 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum State {
+pub(crate) enum State {
     #[serde(rename = "PROCESSING")]
     Processing,
     #[serde(rename = "COMPLETED")]
@@ -47,15 +48,15 @@ pub enum State {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
     #[serde(default = "v1")]
-    pub schema_version: u32,
-    pub state: State,
-    pub fingerprint: String,
+    pub(crate) schema_version: u32,
+    pub(crate) state: State,
+    pub(crate) fingerprint: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub owner: Option<String>,
+    pub(crate) owner: Option<String>,
     #[serde(default)]
-    pub created_ms: u64,
+    pub(crate) created_ms: u64,
     #[serde(default)]
-    pub updated_ms: u64,
+    pub(crate) updated_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response: Option<RecordResponse>,
 }
@@ -122,8 +123,9 @@ impl RecordResponse {
         serde_json::from_slice(&plaintext).map_err(|_| OpenError::Malformed)
     }
 
+    #[cfg(test)]
     /// The response when it is stored in the clear.
-    pub fn plain(&self) -> Option<&StoredResponse> {
+    pub(crate) fn plain(&self) -> Option<&StoredResponse> {
         match self {
             RecordResponse::Plain(stored) => Some(stored),
             RecordResponse::Sealed { .. } => None,
@@ -149,20 +151,20 @@ fn v1() -> u32 {
 pub struct StoredResponse {
     pub status: u16,
     #[serde(default)]
-    pub headers: Vec<(String, String)>,
+    pub(crate) headers: Vec<(String, String)>,
     /// The body when it is UTF-8.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body: Option<String>,
     /// The body, base64, when it is not UTF-8.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub body_base64: Option<String>,
+    pub(crate) body_base64: Option<String>,
     /// True when the body was not stored (too large, or `replay: "reference"`).
     #[serde(default, skip_serializing_if = "is_false")]
-    pub reference: bool,
+    pub(crate) reference: bool,
     /// The trailers stored (for a gRPC response, its status: `grpc-status`, `grpc-message`),
     /// or for a trailers-only gRPC response the same fields found in its headers.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub trailers: Vec<(String, String)>,
+    pub(crate) trailers: Vec<(String, String)>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -190,13 +192,13 @@ impl StoredResponse {
     }
 
     /// The same, with stored trailers.
-    pub fn with_trailers(mut self, trailers: Vec<(String, String)>) -> StoredResponse {
+    pub(crate) fn with_trailers(mut self, trailers: Vec<(String, String)>) -> StoredResponse {
         self.trailers = trailers;
         self
     }
 
     /// A stored trailer.
-    pub fn trailer(&self, name: &str) -> Option<&str> {
+    pub(crate) fn trailer(&self, name: &str) -> Option<&str> {
         self.trailers
             .iter()
             .find(|(n, _)| n == name)
@@ -221,7 +223,7 @@ impl StoredResponse {
 
     /// The body to replay (empty for a reference record), taken out of the response (a text
     /// body is not copied); `None` if the stored base64 is bad.
-    pub fn take_body(&mut self) -> Option<Vec<u8>> {
+    pub(crate) fn take_body(&mut self) -> Option<Vec<u8>> {
         match (self.body.take(), &self.body_base64) {
             (Some(text), _) => Some(text.into_bytes()),
             (None, Some(b64)) => base64_decode(b64),
@@ -249,7 +251,7 @@ impl Record {
 /// the gateway gets it (every byte but a letter, a digit, `-` and `_` percent-encoded); sealed,
 /// the plaintext, the ciphertext and its base64 besides. Exact for the body's own part (a text
 /// body's JSON escapes, counted byte by byte), plus room for the status and headers.
-pub fn completion_need(body: &[u8], sealed: bool) -> usize {
+pub(crate) fn completion_need(body: &[u8], sealed: bool) -> usize {
     const HEAD: usize = 16 << 10;
     let (json, encoded) = match std::str::from_utf8(body) {
         Ok(_) => body.iter().fold((0usize, 0usize), |(j, e), &b| {

@@ -30,9 +30,9 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// The only algorithm: AES-256-GCM, 96-bit nonce, 128-bit tag.
-pub const ALG: &str = "A256GCM";
+pub(crate) const ALG: &str = "A256GCM";
 /// Bytes of a nonce.
-pub const NONCE_LEN: usize = 12;
+pub(crate) const NONCE_LEN: usize = 12;
 /// Hex digits of a key id.
 const KID_LEN: usize = 16;
 /// What the additional data starts with: a new layout gets a new label.
@@ -41,10 +41,10 @@ const AAD_LABEL: &[u8] = b"coordination-guard record response v1";
 /// A sealed response as it is stored (the value of `"sealed"`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Sealed {
-    pub alg: String,
-    pub kid: String,
-    pub nonce: String,
-    pub ct: String,
+    pub(crate) alg: String,
+    pub(crate) kid: String,
+    pub(crate) nonce: String,
+    pub(crate) ct: String,
 }
 
 /// Why a sealed response does not open.
@@ -108,7 +108,12 @@ pub fn record_aad(record_key: &str, fingerprint: &str) -> Vec<u8> {
 impl Keyring {
     /// Seals `plaintext` with the current key and `nonce`, which must never have been used
     /// with this key before ([`fresh_nonce`]). `None` only for a plaintext over 64 GiB.
-    pub fn seal(&self, aad: &[u8], plaintext: &[u8], nonce: [u8; NONCE_LEN]) -> Option<Sealed> {
+    pub(crate) fn seal(
+        &self,
+        aad: &[u8],
+        plaintext: &[u8],
+        nonce: [u8; NONCE_LEN],
+    ) -> Option<Sealed> {
         let ct = self
             .current()
             .cipher()
@@ -129,7 +134,7 @@ impl Keyring {
     }
 
     /// Opens a sealed response with the key its id names.
-    pub fn open(&self, aad: &[u8], sealed: &Sealed) -> Result<Vec<u8>, OpenError> {
+    pub(crate) fn open(&self, aad: &[u8], sealed: &Sealed) -> Result<Vec<u8>, OpenError> {
         if sealed.alg != ALG {
             return Err(OpenError::Algorithm);
         }

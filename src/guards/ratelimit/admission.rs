@@ -2,9 +2,9 @@
 //! leased slice, or the over-limit cache) gave it, together in one [`LimitSlot`]; the verdict
 //! and what the verdict leaves behind (slices, over-limit marks, metrics).
 
-use crate::engine::context::Pcx;
+use crate::guards::context::Pcx;
 use crate::guards::ratelimit::{self, Known, LimitState, Verdict};
-use crate::http::identity::{Caller, ANONYMOUS};
+use crate::http::identity::Caller;
 use crate::http::local_reply::LocalResponse;
 use crate::http::request::Request;
 use crate::redis::keys::LimitKey;
@@ -14,26 +14,26 @@ use std::rc::Rc;
 
 /// One rate limit of the request, in policy order.
 #[derive(Debug)]
-pub struct LimitSlot {
+pub(crate) struct LimitSlot {
     /// The counter's Redis key (its hash indexes the over-limit cache and the slices).
-    pub key: LimitKey,
+    pub(crate) key: LimitKey,
     /// What the counter said; `None` while not asked (or never, after an early rejection).
-    pub state: Option<LimitState>,
+    pub(crate) state: Option<LimitState>,
     /// Admitted from this worker's leased slice (no Redis call for it).
-    pub local: bool,
+    pub(crate) local: bool,
     /// The slice Redis granted this leased limit in this request's acquire (0: none).
-    pub granted: u64,
+    pub(crate) granted: u64,
     /// Units this request consumes from the limit (its `cost`, else 1).
-    pub cost: u64,
+    pub(crate) cost: u64,
     /// Consumed in Redis: the limit's call admitted the request and this limit allowed it
     /// (a concurrency limit: the slot is held until given back).
-    pub consumed: bool,
+    pub(crate) consumed: bool,
     /// Where the caller's own quota may be stored (limits with `overrides`, asked in Redis).
-    pub overrides: Option<OverrideKeys>,
+    pub(crate) overrides: Option<OverrideKeys>,
 }
 
 #[derive(Debug, Default)]
-pub struct Admission {
+pub(crate) struct Admission {
     slots: Vec<LimitSlot>,
 }
 
@@ -42,7 +42,13 @@ impl Admission {
     /// from this worker's slice while it lasts.
     /// Built in this admission's room, whose limits are dropped: a reused stream box allocates
     /// no list for them.
-    pub fn start(self, at: &Pcx<'_>, caller: &Caller, req: &Request, costs: &[u64]) -> Admission {
+    pub(crate) fn start(
+        self,
+        at: &Pcx<'_>,
+        caller: &Caller,
+        req: &Request,
+        costs: &[u64],
+    ) -> Admission {
         let rt = at.rt;
         let mut buffer = self.emptied().slots;
         let slots = at.policy.rate_limits.iter().enumerate().map(|(i, limit)| {
@@ -57,18 +63,19 @@ impl Admission {
                 .leased
                 .then(|| rt.quota.take(key.hash(), at.now_ms))
                 .flatten();
-            // Read in the counter's own call: the counter's tag is the tenant's. A request
-            // without a principal has no principal's override to read.
-            let overrides = (limit.overrides && taken.is_none()).then(|| {
-                let principal = Some(caller.principal.as_ref()).filter(|p| *p != ANONYMOUS);
-                OverrideKeys::new(
-                    &rt.config.redis.key_prefix,
-                    key.tag(),
-                    at.policy,
-                    limit,
-                    principal,
-                )
-            });
+            // Read in the counter's own call (none for a unit from the leased slice).
+            let overrides = taken
+                .is_none()
+                .then(|| {
+                    ratelimit::override_keys(
+                        &rt.config.redis.key_prefix,
+                        at.policy,
+                        limit,
+                        &key,
+                        caller,
+                    )
+                })
+                .flatten();
             LimitSlot {
                 state: taken.map(|(left, expires, quota)| LimitState {
                     allowed: true,
@@ -91,7 +98,7 @@ impl Admission {
     }
 
     /// No limits, in this admission's room.
-    pub fn emptied(self) -> Admission {
+    pub(crate) fn emptied(self) -> Admission {
         let mut slots = self.slots;
         slots.clear();
         Admission { slots }
@@ -99,12 +106,12 @@ impl Admission {
 
     /// Whether every limit was admitted locally (none, or each from this worker's slice):
     /// Redis has nothing to be asked about them.
-    pub fn all_local(&self) -> bool {
+    pub(crate) fn all_local(&self) -> bool {
         self.slots.iter().all(|s| s.local)
     }
 
     /// The limits Redis must be asked about (`None` for a limit admitted locally).
-    pub fn asks(&self) -> Vec<Option<Ask<'_>>> {
+    pub(crate) fn asks(&self) -> Vec<Option<Ask<'_>>> {
         self.slots
             .iter()
             .map(|s| {
@@ -118,18 +125,18 @@ impl Admission {
     }
 
     /// The request's limits, in policy order.
-    pub fn all(&self) -> &[LimitSlot] {
+    pub(crate) fn all(&self) -> &[LimitSlot] {
         &self.slots
     }
 
     /// The request's limits, to mark what was given back.
-    pub fn all_mut(&mut self) -> &mut [LimitSlot] {
+    pub(crate) fn all_mut(&mut self) -> &mut [LimitSlot] {
         &mut self.slots
     }
 
     /// A 429 from the over-limit cache, when one of the request's enforced counters is known
     /// to reject: no Redis call, nothing acquired, nothing consumed (local units go back).
-    pub fn cached_rejection(&mut self, at: &Pcx<'_>) -> Option<Rc<LocalResponse>> {
+    pub(crate) fn cached_rejection(&mut self, at: &Pcx<'_>) -> Option<Rc<LocalResponse>> {
         let rt = at.rt;
         if !rt.over_limit.enabled() {
             return None;
@@ -166,7 +173,7 @@ impl Admission {
     /// An acquire call's states for the limits it carried (`limits`, policy indices).
     /// `admitted` says whether that call admitted: a leased limit's "remaining" is then the
     /// slice it granted.
-    pub fn answered(
+    pub(crate) fn answered(
         &mut self,
         at: &Pcx<'_>,
         limits: &[usize],
@@ -197,7 +204,7 @@ impl Admission {
     }
 
     /// An enforced limit already rejected (a later round need not be asked).
-    pub fn rejected(&self, at: &Pcx<'_>) -> bool {
+    pub(crate) fn rejected(&self, at: &Pcx<'_>) -> bool {
         at.policy
             .rate_limits
             .iter()
@@ -207,7 +214,7 @@ impl Admission {
 
     /// Every limit answered: the verdict, with the slices, over-limit marks and metrics it
     /// leaves. `Err` for a broken reply (a limit without a state that was not skipped).
-    pub fn decide(&mut self, at: &Pcx<'_>) -> Result<Verdict, CallError> {
+    pub(crate) fn decide(&mut self, at: &Pcx<'_>) -> Result<Verdict, CallError> {
         // A limit without a state was not asked (its round was skipped after a rejection);
         // any other gap is a broken reply.
         let rejected_early = self
@@ -233,7 +240,7 @@ impl Admission {
     /// over-limit marks and the slices Redis granted are kept (every unit of a slice stays
     /// for later requests: this one runs nowhere), the units it took from local slices go
     /// back, and each limit counts what Redis decided.
-    pub fn gone(&mut self, at: &Pcx<'_>) {
+    pub(crate) fn gone(&mut self, at: &Pcx<'_>) {
         let admitted = self.admitted(at);
         self.keep_slices(at, false);
         self.refund_local(at);

@@ -5,9 +5,8 @@
 //! for it).
 
 use crate::config::{ChargeSource, Policy};
-use crate::engine::context::{Pcx, Purpose};
-use crate::engine::flow::checks::parse_units;
-use crate::engine::outbox::Background;
+use crate::guards::background::Background;
+use crate::guards::context::{Pcx, Purpose};
 use crate::guards::idempotency::fingerprint::is_json;
 use crate::guards::ratelimit::admission::Admission;
 use crate::redis::scripts::charge::{self, Correction};
@@ -41,7 +40,7 @@ struct BodyScan {
 
 /// What the response said, per limit (policy order).
 #[derive(Debug, Default)]
-pub struct Meter {
+pub(crate) struct Meter {
     readings: Vec<Reading>,
     /// The scans of the `response_json` charges still reading the body.
     scans: Vec<BodyScan>,
@@ -51,7 +50,7 @@ pub struct Meter {
 
 /// How the response came about, as the charge needs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Origin {
+pub(crate) enum Origin {
     /// The upstream's own response.
     Upstream,
     /// Envoy's answer for a request it never sent upstream: nothing was used.
@@ -85,12 +84,12 @@ fn plain_coding(headers: &[(String, String)]) -> bool {
 
 impl Meter {
     /// Whether any limit of `policy` is charged from the response.
-    pub fn wanted(policy: &Policy) -> bool {
+    pub(crate) fn wanted(policy: &Policy) -> bool {
         policy.rate_limits.iter().any(|l| l.charge.is_some())
     }
 
     /// Whether the response's trailers are read for a charge.
-    pub fn wants_trailers(policy: &Policy) -> bool {
+    pub(crate) fn wants_trailers(policy: &Policy) -> bool {
         policy.rate_limits.iter().any(|l| {
             l.charge
                 .as_ref()
@@ -99,14 +98,14 @@ impl Meter {
     }
 
     /// Whether the response body is being read (a JSON charge's scan).
-    pub fn scanning(&self) -> bool {
+    pub(crate) fn scanning(&self) -> bool {
         !self.scans.is_empty()
     }
 
     /// The response's headers: header charges are read, a JSON body is scanned if it can be
     /// read (JSON, not compressed, within `max_body`), and a response that ends here has its
     /// trailer charges in its headers (a trailers-only answer).
-    pub fn on_headers(
+    pub(crate) fn on_headers(
         &mut self,
         policy: &Policy,
         headers: &[(String, String)],
@@ -148,7 +147,7 @@ impl Meter {
 
     /// A piece of the response body (`None`: one that could not be read, so the scans give
     /// up); at its end the JSON charges are read.
-    pub fn on_body(&mut self, policy: &Policy, piece: Option<&[u8]>, end: bool) {
+    pub(crate) fn on_body(&mut self, policy: &Policy, piece: Option<&[u8]>, end: bool) {
         if self.scans.is_empty() {
             return;
         }
@@ -200,7 +199,7 @@ impl Meter {
 
     /// The body cannot be read any further (the worker's memory budget): the JSON charges
     /// are unreadable.
-    pub fn give_up(&mut self) {
+    pub(crate) fn give_up(&mut self) {
         for s in self.scans.drain(..) {
             if let Some(reading) = self.readings.get_mut(s.limit) {
                 *reading = Reading::Unreadable;
@@ -209,7 +208,7 @@ impl Meter {
     }
 
     /// The response's trailers (its body has ended): trailer charges are read.
-    pub fn on_trailers(&mut self, policy: &Policy, trailers: &[(String, String)]) {
+    pub(crate) fn on_trailers(&mut self, policy: &Policy, trailers: &[(String, String)]) {
         self.body_ended();
         for (limit, reading) in policy.rate_limits.iter().zip(self.readings.iter_mut()) {
             if let Some(ChargeSource::Trailer(name)) = limit.charge.as_ref().map(|c| &c.source) {
@@ -224,7 +223,7 @@ impl Meter {
     /// counted: a charge still pending (the response did not end, or said nothing) is
     /// unreadable and charged the limit's fallback; a limit without a charge keeps its
     /// admitted cost.
-    pub fn corrections(&mut self, at: &Pcx<'_>, admission: &Admission) -> Vec<Background> {
+    pub(crate) fn corrections(&mut self, at: &Pcx<'_>, admission: &Admission) -> Vec<Background> {
         let readings = std::mem::take(&mut self.readings);
         self.scans.clear();
         let mut by_tag: Vec<(&str, Vec<Correction<'_>>)> = Vec::new();
@@ -282,6 +281,14 @@ fn read(value: Option<&str>) -> Reading {
         Some(n) => Reading::Read(n.min(MAX_CHARGE)),
         None => Reading::Unreadable,
     }
+}
+
+/// Plain decimal digits only (no sign, no spaces inside, no exponent), at most 10 of them.
+pub(crate) fn parse_units(v: &str) -> Option<u64> {
+    if v.is_empty() || v.len() > 10 || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    v.parse().ok()
 }
 
 #[cfg(test)]

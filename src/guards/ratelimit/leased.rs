@@ -19,15 +19,15 @@ struct Slice {
 }
 
 /// Keys are given by their hash ([`crate::redis::keys::LimitKey::hash`]), computed once per request.
-pub struct LeasedQuota {
+pub(crate) struct LeasedQuota {
     slots: SlotTable<Slice>,
 }
 
 /// Slots of the local slice table.
-pub const QUOTA_SLOTS: usize = 4096;
+pub(crate) const QUOTA_SLOTS: usize = 4096;
 
 impl LeasedQuota {
-    pub fn new(capacity: usize) -> LeasedQuota {
+    pub(crate) fn new(capacity: usize) -> LeasedQuota {
         LeasedQuota {
             slots: SlotTable::new(capacity),
         }
@@ -35,7 +35,7 @@ impl LeasedQuota {
 
     /// Takes one unit of the key's local slice: `(units left, expiry, its quota)` if there was
     /// one.
-    pub fn take(&self, hash: u64, now_ms: u64) -> Option<(u64, u64, Option<Quota>)> {
+    pub(crate) fn take(&self, hash: u64, now_ms: u64) -> Option<(u64, u64, Option<Quota>)> {
         self.slots
             .update(hash, |slot| {
                 let s = slot
@@ -48,7 +48,7 @@ impl LeasedQuota {
     }
 
     /// Gives back a unit taken for a request that was then rejected.
-    pub fn refund(&self, hash: u64) {
+    pub(crate) fn refund(&self, hash: u64) {
         self.slots.update(hash, |slot| {
             if let Some(s) = slot.as_mut().filter(|s| s.hash == hash) {
                 s.tokens += 1;
@@ -58,7 +58,14 @@ impl LeasedQuota {
 
     /// Adds `tokens` granted by Redis, valid until the window ends at `expires_ms`, cut from
     /// `quota` (`None`: the configuration's). The latest grant's quota is the one shown.
-    pub fn add(&self, hash: u64, tokens: u64, expires_ms: u64, now_ms: u64, quota: Option<Quota>) {
+    pub(crate) fn add(
+        &self,
+        hash: u64,
+        tokens: u64,
+        expires_ms: u64,
+        now_ms: u64,
+        quota: Option<Quota>,
+    ) {
         self.slots.update(hash, |slot| match slot {
             Some(s) if s.hash == hash && now_ms < s.expires_ms => {
                 s.tokens += tokens;

@@ -3,20 +3,21 @@
 //! Keys and the verdict. The calls themselves, with each limit's arguments, are planned by
 //! [`crate::redis::scripts::acquire`], which groups limits by hash tag.
 
-pub mod admission;
-pub mod charge;
-pub mod leased;
-pub mod overlimit;
+pub(crate) mod admission;
+pub(crate) mod charge;
+pub(crate) mod leased;
+pub(crate) mod overlimit;
 
 use crate::config::{Policy, Quota, RateLimit};
-use crate::http::identity::Caller;
+use crate::http::identity::{Caller, ANONYMOUS};
 use crate::http::local_reply::{self, LocalResponse, Member, Problem, QuotaView};
 use crate::http::request::Request;
 use crate::http::selectors::selector_value;
 use crate::redis::keys::{self, LimitKey};
 /// Each limit's answer: what `acquire.lua` says of it (the script's contract reads it), or
 /// what a local slice or the over-limit cache knows.
-pub use crate::redis::scripts::acquire::LimitState;
+pub(crate) use crate::redis::scripts::acquire::LimitState;
+use crate::redis::scripts::acquire::OverrideKeys;
 use crate::support::slots::SlotTable;
 use crate::support::text::push_u64;
 use std::cell::RefCell;
@@ -54,12 +55,29 @@ pub fn key(
     )
 }
 
+/// The override keys of `limit` for this caller, when the limit has `overrides: true`: in the
+/// counter's own hash tag (`key`'s, the tenant's), the principal's only for a request that
+/// names one. The filter passes them in the counter's call; the operator's tool plans its
+/// calls with the same.
+pub(crate) fn override_keys(
+    prefix: &str,
+    policy: &Policy,
+    limit: &RateLimit,
+    key: &LimitKey,
+    caller: &Caller,
+) -> Option<OverrideKeys> {
+    limit.overrides.then(|| {
+        let principal = Some(caller.principal.as_ref()).filter(|p| *p != ANONYMOUS);
+        OverrideKeys::new(prefix, key.tag(), policy, limit, principal)
+    })
+}
+
 /// Rate-limit keys this worker built, by what they were built from: a key costs two SHA-256
 /// digests, and the requests of one tenant build the same keys again and again.
 ///
 /// A [`SlotTable`] indexed by a hash of the inputs; a slot stores the inputs in full, so a
 /// colliding request rebuilds its key (and takes the slot) instead of reading another's.
-pub struct KeyMemo {
+pub(crate) struct KeyMemo {
     slots: SlotTable<Memo>,
 }
 
@@ -70,14 +88,14 @@ struct Memo {
 }
 
 /// Slots of [`KeyMemo`] per worker.
-pub const KEY_MEMO_SLOTS: usize = 256;
+pub(crate) const KEY_MEMO_SLOTS: usize = 256;
 
 /// Inputs longer than this (a long header value as a selector) are not memoised, so a slot
 /// holds at most this plus a key (a few hundred bytes): the table stays around 100 KiB.
 const MAX_MEMO_INPUT: usize = 256;
 
 impl KeyMemo {
-    pub fn new(slots: usize) -> KeyMemo {
+    pub(crate) fn new(slots: usize) -> KeyMemo {
         KeyMemo {
             slots: SlotTable::new(slots),
         }
@@ -85,7 +103,7 @@ impl KeyMemo {
 
     /// [`key`] of limit `limit_index` of policy `policy_index`, from the table when this
     /// worker built it before.
-    pub fn key(
+    pub(crate) fn key(
         &self,
         prefix: &str,
         (policy_index, policy): (usize, &Policy),
@@ -186,7 +204,7 @@ fn view<'a>((l, s): &(&'a RateLimit, &LimitState)) -> QuotaView<'a> {
 
 /// The request's verdict once every group answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Forward; add these `(name, value)` headers to the response if configured.
     Allow(Vec<(String, String)>),
     Reject(LocalResponse),
@@ -197,7 +215,7 @@ pub enum Verdict {
 /// `None` is a limit whose state is unknown (the over-limit cache answered for another one):
 /// it is left out of the headers. Concurrency limits are never in the `RateLimit` headers (the
 /// draft defines no in-flight quota); a request only they reject gets `concurrency_limited`.
-pub fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
+pub(crate) fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
     // Walked again where needed rather than collected: this runs for every request.
     let enforced = || {
         policy
@@ -284,17 +302,17 @@ fn concurrency_limited(policy: &Policy, names: &[&str]) -> LocalResponse {
 /// `RateLimit` reset, and the largest as `Retry-After`) and on the quota each was counted
 /// with (a tenant's own shows in `RateLimit-Policy`), so the requests of a rejected tenant
 /// within one second get the same answer: written once, copied after.
-pub struct RejectionMemo {
+pub(crate) struct RejectionMemo {
     last: RefCell<Vec<Option<Rejection>>>,
 }
 
 /// What the over-limit cache knows of a limit that rejects: for how long still, and the
 /// tenant's own quota it was counted with (`None`: the configuration's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Known {
+pub(crate) struct Known {
     /// Never 0.
-    pub wait_ms: u64,
-    pub quota: Option<Quota>,
+    pub(crate) wait_ms: u64,
+    pub(crate) quota: Option<Quota>,
 }
 
 /// A memoised 429 and, per limit, the wait in whole seconds (0: unknown) and the quota it was
@@ -306,17 +324,17 @@ struct Rejection {
 
 impl RejectionMemo {
     /// A memo for `policies` policies (one answer each).
-    pub fn new(policies: usize) -> RejectionMemo {
+    pub(crate) fn new(policies: usize) -> RejectionMemo {
         RejectionMemo {
             last: RefCell::new((0..policies).map(|_| None).collect()),
         }
     }
 
     /// The verdict on a request of policy `index` whose limits the over-limit cache knows:
-    /// `waits[i]` is what it knows of limit `i` (`None`: not known to reject). Each known
-    /// limit rejects with nothing remaining until its wait ends. `None` if that admits (no
-    /// limit known to reject is enforced).
-    pub fn cached(
+    /// `waits[i]` is what it knows of limit `i` (`None`: not known to reject; a known wait is
+    /// never 0). Each known limit rejects with nothing remaining until its wait ends. `None` if
+    /// that admits (no limit known to reject is enforced).
+    pub(crate) fn cached(
         &self,
         index: usize,
         policy: &Policy,

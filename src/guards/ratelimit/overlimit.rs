@@ -41,7 +41,7 @@ const LOG: &str = "cg.olc.log";
 
 /// Marks the shared log holds: the latest ones, in a ring. Marks beyond it within one tick
 /// are learnt by the other workers from Redis instead.
-pub const LOG_ENTRIES: usize = 64;
+pub(crate) const LOG_ENTRIES: usize = 64;
 
 /// The log: the count of marks ever appended (u64), then [`LOG_ENTRIES`] entries.
 const LOG_BYTES: usize = 8 + ENTRY_BYTES * LOG_ENTRIES;
@@ -53,10 +53,10 @@ const APPEND_ATTEMPTS: usize = 4;
 
 /// The longest the cache answers for a counter of a limit with `overrides` before Redis is
 /// asked again: a tenant's limit raised meanwhile admits its requests at most this long after.
-pub const OVERRIDE_REFRESH_MS: u64 = 1_000;
+pub(crate) const OVERRIDE_REFRESH_MS: u64 = 1_000;
 
 /// Slots of the marks of limits with `overrides` (at most the cache's own slots).
-pub const OWN_QUOTA_SLOTS: usize = 1024;
+pub(crate) const OWN_QUOTA_SLOTS: usize = 1024;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Entry {
@@ -76,7 +76,7 @@ struct OwnMark {
 }
 
 /// Keys are given by their hash ([`crate::redis::keys::LimitKey::hash`]), computed once per request.
-pub struct OverLimitCache {
+pub(crate) struct OverLimitCache {
     slots: SlotTable<Entry>,
     /// Marks of limits with `overrides`, this worker's only (allocated at the first).
     own: SlotTable<OwnMark>,
@@ -87,7 +87,7 @@ pub struct OverLimitCache {
 
 impl OverLimitCache {
     /// `capacity` slots (0 disables the cache).
-    pub fn new(capacity: usize, shared: Option<Box<dyn SharedStore>>) -> OverLimitCache {
+    pub(crate) fn new(capacity: usize, shared: Option<Box<dyn SharedStore>>) -> OverLimitCache {
         OverLimitCache {
             slots: SlotTable::new(capacity),
             own: SlotTable::new(capacity.min(OWN_QUOTA_SLOTS)),
@@ -96,18 +96,19 @@ impl OverLimitCache {
         }
     }
 
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.slots.capacity() > 0
     }
 
+    #[cfg(test)]
     /// Whether this worker's table has been allocated (it is on the first mark it keeps).
-    pub fn allocated(&self) -> bool {
+    pub(crate) fn allocated(&self) -> bool {
         self.slots.allocated()
     }
 
     /// Until when the key of `hash` is known to reject, if it still does at `now_ms`, and the
     /// tenant's own quota it was counted with (`None`: the configuration's).
-    pub fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<(u64, Option<Quota>)> {
+    pub(crate) fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<(u64, Option<Quota>)> {
         let own = self.own.read(hash, |m| {
             (m.hash == hash && m.fresh_until_ms > now_ms && m.until_ms > now_ms)
                 .then_some((m.until_ms, m.quota))
@@ -123,7 +124,13 @@ impl OverLimitCache {
     /// `until_ms`, counted with `quota` (a tenant's own; `None`: the configuration's): kept by
     /// this worker only, and answered from until [`OVERRIDE_REFRESH_MS`] after `now_ms` at
     /// most.
-    pub fn mark_overridable(&self, hash: u64, until_ms: u64, now_ms: u64, quota: Option<Quota>) {
+    pub(crate) fn mark_overridable(
+        &self,
+        hash: u64,
+        until_ms: u64,
+        now_ms: u64,
+        quota: Option<Quota>,
+    ) {
         if !self.enabled() {
             return;
         }
@@ -137,7 +144,7 @@ impl OverLimitCache {
     }
 
     /// Records that the key of `hash` rejects until `until_ms`, here and in the shared log.
-    pub fn mark(&self, hash: u64, until_ms: u64) {
+    pub(crate) fn mark(&self, hash: u64, until_ms: u64) {
         if !self.enabled() {
             return;
         }
@@ -157,7 +164,7 @@ impl OverLimitCache {
 
     /// Learns the marks other workers appended to the shared log since this worker last read
     /// it (the root's tick). Marks already past are skipped: an idle worker allocates nothing.
-    pub fn sync(&self, now_ms: u64) {
+    pub(crate) fn sync(&self, now_ms: u64) {
         let (Some(shared), true) = (&self.shared, self.enabled()) else {
             return;
         };

@@ -1,6 +1,16 @@
 -- acquire.lua: one atomic "acquire" for one hash slot: check n rate limits and consume from
 -- them, then, if they admitted the request, acquire its idempotency record, then its lease.
 --
+-- PEEK: a local set before this file (src/redis/scripts/mod.rs assembles the script with a
+-- first line `local PEEK = false` for `acquire`, `local PEEK = true` for `peek`). With PEEK the
+-- script only reads: the fast path is skipped, phase 1 makes no repair, phase 2 does not run,
+-- and the idempotency and lease sections must be off (a script error otherwise). Its reply is
+-- acquire's for the same arguments as of phase 1: whether a request of that cost would be
+-- admitted now, and each limit's state before that request (remaining before consumption;
+-- reset_ms and retry_after_ms as now). Overrides are read under PEEK as without it, so a peek
+-- shows each limit as the caller's own quota counts it. The operator's tool (cg-admin limits)
+-- calls it with a cost of 1; the filter never does.
+--
 -- KEYS[1..n]   rate-limit counters, KEYS[i] for limit i (n = ARGV[1]; may be 0); a
 --              concurrency limit's key is a sorted set of the requests holding a slot
 -- KEYS[n+1]    idempotency record, present iff the idempotency section is on
@@ -210,8 +220,8 @@ end
 -- the counter held nothing before it: a counter at 0 is as good as none, the next request
 -- opens a new window on either). Any other call, or an argument the checks below do not
 -- accept, goes to the general code, which validates everything.
-if #KEYS == 1 and ARGV[1] == '1' and ARGV[3] == 'fw' and ARGV[7] == '0' and ARGV[9] == '0'
-    and (ARGV[10] == nil or (ARGV[10] == '0' and ARGV[11] == nil)) then
+if not PEEK and #KEYS == 1 and ARGV[1] == '1' and ARGV[3] == 'fw' and ARGV[7] == '0'
+    and ARGV[9] == '0' and (ARGV[10] == nil or (ARGV[10] == '0' and ARGV[11] == nil)) then
   local limit, window_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
   local burst, cost = tonumber(ARGV[6]), tonumber(ARGV[8])
   -- x % 1 == 0 is false for a fraction, inf and NaN
@@ -270,6 +280,9 @@ if lease_flag ~= nil and lease_flag ~= '0' and lease_flag ~= '1' then
   bad('ARGV[' .. L .. '] (lease flag) must be "0" or "1", got ' .. tostring(lease_flag))
 end
 local lease = lease_flag == '1'
+if PEEK and (idem or lease) then
+  bad('peek reads rate limits only: the idempotency and lease sections must be off')
+end
 local lease_key, fence_key, lease_owner, lease_ttl_ms, fence_ttl_ms
 if lease then
   lease_key = KEYS[n + (idem and 1 or 0) + 1]
@@ -348,10 +361,10 @@ if need_time then
   retry_ms = function(us) return math.max(1, math.ceil(us / 1000)) end
 end
 
--- Phase 1: check every limit; nothing is written but the fw TTL repair. Limit i's verdict
--- goes straight into its reply slots r .. r+3; what else phase 2 needs of it (sw, sl, tb)
--- goes to saved[2i-1] and saved[2i]. The reply is sized up front for the usual single
--- limit: growing a table rehashes it.
+-- Phase 1: check every limit; nothing is written but the fw TTL repair (none with PEEK).
+-- Limit i's verdict goes straight into its reply slots r .. r+3; what else phase 2 needs of
+-- it (sw, sl, tb) goes to saved[2i-1] and saved[2i]. The reply is sized up front for the
+-- usual single limit: growing a table rehashes it.
 local reply, saved = n == 1 and { 1, 0, 0, 0, 0 } or { 1 }, {}
 local admitted = true
 for i = 1, n do
@@ -374,7 +387,7 @@ for i = 1, n do
       local ttl = redis.call('PTTL', key)
       if ttl >= 0 then
         reset = ttl
-      elseif ttl == -1 then
+      elseif ttl == -1 and not PEEK then
         redis.call('PEXPIRE', key, window_ms) -- without a TTL it would reject forever
       end
     end
@@ -484,8 +497,8 @@ if not admitted then reply[1] = 0 end
 local cancelled = admitted and cancel_key ~= nil and redis.call('EXISTS', cancel_key) == 1
 
 -- Phase 2: consume only if admitted, and only where this limit's own verdict is allow; the
--- reply's remaining and reset_ms then become the values after consumption.
-if admitted then
+-- reply's remaining and reset_ms then become the values after consumption. PEEK: never.
+if admitted and not PEEK then
   for i = 1, n do
     local a, r, key = 3 + (i - 1) * 6, 2 + (i - 1) * 4, KEYS[i]
     local algo, limit, window_ms = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])

@@ -19,65 +19,65 @@ use crate::redis::{resp::Reply, CallError, ScriptCall, Words};
 
 /// The idempotency part of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IdemAcquire {
+pub(crate) struct RecordAcquire {
     /// The record's Redis key (tenant hash tag).
-    pub key: String,
-    pub tag: String,
-    pub fingerprint: String,
-    pub owner: String,
-    pub processing_ttl_ms: u64,
+    pub(crate) key: String,
+    pub(crate) tag: String,
+    pub(crate) fingerprint: String,
+    pub(crate) owner: String,
+    pub(crate) processing_ttl_ms: u64,
     /// The owner's cancellation marker (same hash tag), passed as the call's last key.
-    pub cancel_key: String,
+    pub(crate) cancel_key: String,
 }
 
 /// The lease part of an acquire.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseAcquire {
-    pub key: String,
-    pub fence_key: String,
-    pub tag: String,
-    pub owner: String,
-    pub ttl_ms: u64,
-    pub fence_ttl_ms: u64,
+pub(crate) struct LeaseAcquire {
+    pub(crate) key: String,
+    pub(crate) fence_key: String,
+    pub(crate) tag: String,
+    pub(crate) owner: String,
+    pub(crate) ttl_ms: u64,
+    pub(crate) fence_ttl_ms: u64,
     /// The owner's cancellation marker (same hash tag), passed as the call's last key.
-    pub cancel_key: String,
+    pub(crate) cancel_key: String,
 }
 
 /// One script call: the limits (indices into `policy.rate_limits`) whose keys share `tag`,
 /// and whether it carries the idempotency acquire, the lease, a concurrency limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Group {
-    pub tag: String,
-    pub limits: Vec<usize>,
-    pub idem: bool,
-    pub lease: bool,
+pub(crate) struct Group {
+    pub(crate) tag: String,
+    pub(crate) limits: Vec<usize>,
+    pub(crate) record: bool,
+    pub(crate) lease: bool,
     /// A concurrency limit is among `limits`: the call may take a slot.
-    pub slots: bool,
-    pub call: ScriptCall,
+    pub(crate) slots: bool,
+    pub(crate) call: ScriptCall,
 }
 
 /// One limit Redis is asked about: its counter's key, this request's cost to it, and its
 /// override keys when it has `overrides: true`.
 #[derive(Debug, Clone, Copy)]
-pub struct Ask<'a> {
-    pub key: &'a LimitKey,
-    pub cost: u64,
-    pub overrides: Option<&'a OverrideKeys>,
+pub(crate) struct Ask<'a> {
+    pub(crate) key: &'a LimitKey,
+    pub(crate) cost: u64,
+    pub(crate) overrides: Option<&'a OverrideKeys>,
 }
 
 /// The keys a limit with `overrides: true` reads its caller's own quota from, in the
 /// counter's hash tag: the principal's (read first, when the limit counts per principal and
 /// the request names one) and the tenant's ([`keys::override_key`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OverrideKeys {
-    pub principal: Option<String>,
-    pub tenant: String,
+pub(crate) struct OverrideKeys {
+    pub(crate) principal: Option<String>,
+    pub(crate) tenant: String,
 }
 
 impl OverrideKeys {
     /// The override keys of `limit` of `policy` for a request of the tenant whose hash tag is
     /// `tenant_tag` (the counter's) and of `principal`, if it is one of its own.
-    pub fn new(
+    pub(crate) fn new(
         prefix: &str,
         tenant_tag: &str,
         policy: &Policy,
@@ -106,15 +106,15 @@ impl OverrideKeys {
 /// Who is asking: the request's nonce (a concurrency slot's member) and what names the owner's
 /// cancellation marker in any hash tag (`prefix`, the owner token).
 #[derive(Debug, Clone, Copy)]
-pub struct Asker<'a> {
-    pub nonce: &'a str,
-    pub prefix: &'a str,
-    pub owner: &'a str,
+pub(crate) struct Asker<'a> {
+    pub(crate) nonce: &'a str,
+    pub(crate) prefix: &'a str,
+    pub(crate) owner: &'a str,
 }
 
 impl Asker<'_> {
     /// The owner's cancellation marker in hash tag `tag`.
-    pub fn marker(&self, policy: &Policy, tag: &str) -> String {
+    pub(crate) fn marker(&self, policy: &Policy, tag: &str) -> String {
         keys::cancel_key(self.prefix, tag, &policy.name, self.owner)
     }
 }
@@ -131,25 +131,30 @@ fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
 }
 
 /// The largest limit or burst an override holds (the configuration's bound).
-pub const OVERRIDE_MAX_LIMIT: u64 = 1_000_000_000;
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
+pub(crate) const OVERRIDE_MAX_LIMIT: u64 = 1_000_000_000;
 
 /// The longest window an override holds, 100 days: the script answers the window it counted
 /// with, and webdis 0.1.9 cannot carry an integer of more than 10 digits in a reply.
-pub const OVERRIDE_MAX_WINDOW_MS: u64 = 8_640_000_000;
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
+pub(crate) const OVERRIDE_MAX_WINDOW_MS: u64 = 8_640_000_000;
 
 /// A tenant's or a principal's own quota for one limit, as an override key holds it:
-/// `<limit>/<window_ms>[/<burst>]`.
+/// `<limit>/<window_ms>[/<burst>]`. The script reads it itself; this reading of it is the
+/// operator's tool's (the host tools only).
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Override {
-    pub limit: u64,
-    pub window_ms: u64,
+pub(crate) struct Override {
+    pub(crate) limit: u64,
+    pub(crate) window_ms: u64,
     /// A token bucket's capacity; the limit when not given (and never on another algorithm).
-    pub burst: Option<u64>,
+    pub(crate) burst: Option<u64>,
 }
 
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
 impl Override {
     /// The stored text.
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         match self.burst {
             Some(b) => format!("{}/{}/{b}", self.limit, self.window_ms),
             None => format!("{}/{}", self.limit, self.window_ms),
@@ -158,7 +163,7 @@ impl Override {
 
     /// A stored value read as `acquire.lua` reads it for a limit that is a token bucket or
     /// not: `None` for a value the script ignores (unreadable).
-    pub fn read(stored: &[u8], token_bucket: bool) -> Option<Override> {
+    pub(crate) fn read(stored: &[u8], token_bucket: bool) -> Option<Override> {
         let number = |part: &[u8]| -> Option<u64> {
             if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
                 return None;
@@ -193,32 +198,32 @@ impl Override {
 /// One limit's answer for this request: four of the script's reply values, and for a limit
 /// with override keys the quota it was counted with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LimitState {
-    pub allowed: bool,
-    pub remaining: u64,
-    pub reset_ms: u64,
-    pub retry_after_ms: u64,
+pub(crate) struct LimitState {
+    pub(crate) allowed: bool,
+    pub(crate) remaining: u64,
+    pub(crate) reset_ms: u64,
+    pub(crate) retry_after_ms: u64,
     /// The limit and window the counter was counted with when they are a tenant's or a
     /// principal's own (an override); `None`: the configuration's.
-    pub quota: Option<Quota>,
+    pub(crate) quota: Option<Quota>,
     /// A stored override of this limit was unreadable, and ignored.
-    pub override_unreadable: bool,
+    pub(crate) override_unreadable: bool,
 }
 
 /// Plans the calls: tenant-tagged group first. `asks[i]` is limit `i`'s key and cost, or
 /// `None` for a limit that needs no call (answered from a local slice).
-pub fn plan(
+pub(crate) fn plan(
     policy: &Policy,
     asks: &[Option<Ask<'_>>],
     asker: &Asker<'_>,
-    idem: Option<&IdemAcquire>,
+    record: Option<&RecordAcquire>,
     lease: Option<&LeaseAcquire>,
 ) -> Vec<Group> {
     // First the groups with their counters' keys (in `call.keys`), then each group's call.
     let group = |tag: String, limits: Vec<usize>, keys: Words| Group {
         tag,
         limits,
-        idem: false,
+        record: false,
         lease: false,
         slots: false,
         call: ScriptCall::new(keys, Words::default()),
@@ -244,7 +249,7 @@ pub fn plan(
             }
         }
     }
-    for tag in idem
+    for tag in record
         .map(|i| &i.tag)
         .into_iter()
         .chain(lease.map(|l| &l.tag))
@@ -254,7 +259,7 @@ pub fn plan(
         }
     }
     for g in &mut groups {
-        let with_idem = idem.filter(|d| d.tag == g.tag);
+        let with_record = record.filter(|d| d.tag == g.tag);
         let with_lease = lease.filter(|l| l.tag == g.tag);
         let slots = g
             .limits
@@ -266,16 +271,16 @@ pub fn plan(
         });
         // The owner's cancellation marker, last: a late acquire of a cancelled owner writes
         // nothing (the record's and the lease's marker is the one of their tag).
-        let marker = (with_idem.is_some() || with_lease.is_some() || slots)
+        let marker = (with_record.is_some() || with_lease.is_some() || slots)
             .then(|| asker.marker(policy, &g.tag));
         let sections = Sections {
-            idem: with_idem,
+            record: with_record,
             lease: with_lease,
             marker,
         };
         let keys = std::mem::take(&mut g.call.keys);
         g.call = group_call(keys, g.limits.len(), limit_args, asker.nonce, sections);
-        g.idem = with_idem.is_some();
+        g.record = with_record.is_some();
         g.lease = with_lease.is_some();
         g.slots = slots;
     }
@@ -285,7 +290,7 @@ pub fn plan(
 
 /// What rides in a call beside the limits.
 struct Sections<'a> {
-    idem: Option<&'a IdemAcquire>,
+    record: Option<&'a RecordAcquire>,
     lease: Option<&'a LeaseAcquire>,
     marker: Option<String>,
 }
@@ -312,7 +317,7 @@ fn group_call<'p, 'o>(
             overridden.push((i as u64 + 1, o));
         }
     }
-    match sections.idem {
+    match sections.record {
         Some(d) => {
             keys.push(&d.key);
             args.push("1");
@@ -353,9 +358,9 @@ fn group_call<'p, 'o>(
 
 /// A lease-only acquire: polls a busy lease again (`on_busy: wait`). Its reply is read by
 /// [`read_reply`] with no limits, no record and the lease.
-pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
+pub(crate) fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
     let sections = Sections {
-        idem: None,
+        record: None,
         lease: Some(lease),
         marker: Some(lease.cancel_key.clone()),
     };
@@ -371,11 +376,15 @@ pub fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
 /// A record-only acquire (with the lease, if given and in the record's hash tag): polls a
 /// record still in progress (`in_progress: wait`). Its reply is read by [`read_reply`] with no
 /// limits, the record, and the lease when it rides along.
-pub fn record_poll(idem: &IdemAcquire, lease: Option<&LeaseAcquire>, nonce: &str) -> ScriptCall {
+pub(crate) fn record_poll(
+    record: &RecordAcquire,
+    lease: Option<&LeaseAcquire>,
+    nonce: &str,
+) -> ScriptCall {
     let sections = Sections {
-        idem: Some(idem),
-        lease: lease.filter(|l| l.tag == idem.tag),
-        marker: Some(idem.cancel_key.clone()),
+        record: Some(record),
+        lease: lease.filter(|l| l.tag == record.tag),
+        marker: Some(record.cancel_key.clone()),
     };
     group_call(
         Words::with_capacity(4, 256),
@@ -388,7 +397,7 @@ pub fn record_poll(idem: &IdemAcquire, lease: Option<&LeaseAcquire>, nonce: &str
 
 /// What the idempotency section of an acquire found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum IdemAnswer {
+pub(crate) enum RecordAnswer {
     /// The rate limits did not admit the request; nothing was written.
     Skipped,
     /// We own a new `PROCESSING` record.
@@ -405,7 +414,7 @@ pub enum IdemAnswer {
 
 /// What the lease section of an acquire found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseAnswer {
+pub(crate) enum LeaseAnswer {
     /// Not attempted: the rate limits rejected, or the idempotency answer was not "acquired".
     Skipped,
     /// We hold the lease; the fencing token.
@@ -416,20 +425,20 @@ pub enum LeaseAnswer {
 
 /// A group's reply: admitted, each limit's state in group order, the section answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GroupReply {
-    pub admitted: bool,
-    pub states: Vec<LimitState>,
-    pub idem: Option<IdemAnswer>,
-    pub lease: Option<LeaseAnswer>,
+pub(crate) struct GroupReply {
+    pub(crate) admitted: bool,
+    pub(crate) states: Vec<LimitState>,
+    pub(crate) record: Option<RecordAnswer>,
+    pub(crate) lease: Option<LeaseAnswer>,
 }
 
 /// Reads `acquire.lua`'s reply for a group of `n` limits and the sections it carries. The
 /// values the script adds for limits with override keys name their limit, so the reply says
 /// itself which limits had them (the caller need not).
-pub fn read_reply(
+pub(crate) fn read_reply(
     reply: &Reply,
     n: usize,
-    idem: bool,
+    record: bool,
     lease: bool,
 ) -> Result<GroupReply, CallError> {
     let bad = |why: &str| CallError::UnexpectedReply(format!("acquire reply: {why}"));
@@ -437,7 +446,7 @@ pub fn read_reply(
         return Err(CallError::Redis(e.clone()));
     }
     let items = reply.as_array().ok_or_else(|| bad("not an array"))?;
-    let want = 1 + 4 * n + if idem { 3 } else { 0 } + if lease { 2 } else { 0 };
+    let want = 1 + 4 * n + if record { 3 } else { 0 } + if lease { 2 } else { 0 };
     // Past them, four values per limit with override keys (none unless the call listed some).
     let extra = items.len().checked_sub(want).unwrap_or(usize::MAX);
     if extra % 4 != 0 || extra / 4 > n {
@@ -486,22 +495,22 @@ pub fn read_reply(
         state.quota = Some(quota);
         state.override_unreadable = count(at + 3)? > 0;
     }
-    let idem = if idem {
+    let record = if record {
         let at = 1 + 4 * n;
         let pttl_ms = int(at + 1)?;
         Some(match int(at)? {
-            0 => IdemAnswer::Skipped,
-            1 => IdemAnswer::Acquired,
-            2 => IdemAnswer::InProgress { pttl_ms },
+            0 => RecordAnswer::Skipped,
+            1 => RecordAnswer::Acquired,
+            2 => RecordAnswer::InProgress { pttl_ms },
             3 => {
                 let bytes = items[at + 2].as_bytes().unwrap_or_default();
                 match Record::parse(bytes) {
-                    Some(r) => IdemAnswer::Completed(Box::new(r)),
-                    None => IdemAnswer::Unreadable,
+                    Some(r) => RecordAnswer::Completed(Box::new(r)),
+                    None => RecordAnswer::Unreadable,
                 }
             }
-            4 => IdemAnswer::Conflict,
-            5 => IdemAnswer::Unreadable,
+            4 => RecordAnswer::Conflict,
+            5 => RecordAnswer::Unreadable,
             // Only an acquire the filter already gave up on finds its marker.
             6 => return Err(bad("cancelled")),
             _ => return Err(bad("unknown idempotency code")),
@@ -510,7 +519,7 @@ pub fn read_reply(
         None
     };
     let lease = if lease {
-        let at = 1 + 4 * n + if idem.is_some() { 3 } else { 0 };
+        let at = 1 + 4 * n + if record.is_some() { 3 } else { 0 };
         let value = int(at + 1)?;
         Some(match int(at)? {
             0 => LeaseAnswer::Skipped,
@@ -525,7 +534,7 @@ pub fn read_reply(
     Ok(GroupReply {
         admitted,
         states,
-        idem,
+        record,
         lease,
     })
 }

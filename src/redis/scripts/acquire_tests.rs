@@ -62,8 +62,8 @@ fn asker(nonce: &str) -> Asker<'_> {
     }
 }
 
-fn idem() -> IdemAcquire {
-    IdemAcquire {
+fn record() -> RecordAcquire {
+    RecordAcquire {
         key: "cg:demo:idem:{t.d2e79529ba2c46b2}:create-order:k".into(),
         tag: keys::tenant_tag("acme"),
         fingerprint: "sha256:ff".into(),
@@ -107,7 +107,7 @@ fn groups_by_hash_tag() {
         "cg:demo:rl:{p.create-order}:create-order:global:sl:5/250:_"
     );
     assert_eq!(
-        &groups[1].call.args.from_index(2)[..6],
+        &groups[1].call.args.words_from(2)[..6],
         &["fw", "1000", "3600000", "1000", "1", "1"]
     );
     for g in &groups {
@@ -128,14 +128,14 @@ fn idempotency_rides_with_the_tenant_group() {
         &c.policies[0],
         &refs(&keys("cg:demo", &c.policies[0], &caller, &req, &[])),
         &asker("n1"),
-        Some(&idem()),
+        Some(&record()),
         None,
     );
     assert_eq!(groups.len(), 2);
-    assert!(groups[0].idem && !groups[1].idem);
+    assert!(groups[0].record && !groups[1].record);
     assert_eq!(groups[0].call.keys.len(), 4);
-    assert_eq!(groups[0].call.keys[2], idem().key);
-    assert_eq!(groups[0].call.keys[3], idem().cancel_key);
+    assert_eq!(groups[0].call.keys[2], record().key);
+    assert_eq!(groups[0].call.keys[3], record().cancel_key);
     assert_eq!(
         groups[1].call.keys.len(),
         2,
@@ -143,14 +143,14 @@ fn idempotency_rides_with_the_tenant_group() {
     );
     let args = &groups[0].call.args;
     assert_eq!(
-        &args.from_index(args.len() - 5)[..],
+        &args.words_from(args.len() - 5)[..],
         &["1", "sha256:ff", "o1", "120000", "0"]
     );
     assert_eq!(
         &groups[1]
             .call
             .args
-            .from_index(groups[1].call.args.len() - 2)[..],
+            .words_from(groups[1].call.args.len() - 2)[..],
         &["0", "0"]
     );
     // No tenant-scoped limit: the record gets a group of its own.
@@ -158,7 +158,7 @@ fn idempotency_rides_with_the_tenant_group() {
         &c.policies[1],
         &refs(&keys("cg:demo", &c.policies[1], &caller, &req, &[])),
         &asker("n1"),
-        Some(&idem()),
+        Some(&record()),
         None,
     );
     assert_eq!(alone.len(), 2);
@@ -187,23 +187,23 @@ fn lease_rides_with_the_tenant_group() {
         &c.policies[0],
         &refs(&keys("cg", &c.policies[0], &caller, &req, &[])),
         &asker("n1"),
-        Some(&idem()),
+        Some(&record()),
         Some(&lease),
     );
-    assert!(groups[0].idem && groups[0].lease);
+    assert!(groups[0].record && groups[0].lease);
     // The record's marker (the same as the lease's: one owner token per request) last.
     assert_eq!(
-        &groups[0].call.keys.from_index(2)[..],
+        &groups[0].call.keys.words_from(2)[..],
         &[
-            idem().key,
+            record().key,
             lease.key.clone(),
             lease.fence_key.clone(),
-            idem().cancel_key
+            record().cancel_key
         ]
     );
     let args = &groups[0].call.args;
     assert_eq!(
-        &args.from_index(args.len() - 8)[..],
+        &args.words_from(args.len() - 8)[..],
         &[
             "1",
             "sha256:ff",
@@ -355,7 +355,7 @@ fn reads_replies() {
             override_unreadable: false,
         }
     );
-    assert_eq!(got.idem, None);
+    assert_eq!(got.record, None);
     let bad = [
         (reply(&[1, 1, 2, 3]), 1usize),
         (reply(&[2, 1, 2, 3, 4]), 1),
@@ -390,20 +390,20 @@ fn idem_reply(code: i64, record: &[u8]) -> Reply {
 #[test]
 fn reads_idempotency_answers() {
     let completed = br#"{"schema_version":1,"state":"COMPLETED","fingerprint":"sha256:ff","created_ms":1,"updated_ms":2,"response":{"status":201,"headers":[],"body":"x"}}"#;
-    let cases: Vec<(i64, &[u8], IdemAnswer)> = vec![
-        (0, b"", IdemAnswer::Skipped),
-        (1, b"", IdemAnswer::Acquired),
-        (2, b"", IdemAnswer::InProgress { pttl_ms: 5000 }),
-        (4, b"", IdemAnswer::Conflict),
-        (5, b"", IdemAnswer::Unreadable),
-        (3, b"garbage", IdemAnswer::Unreadable),
+    let cases: Vec<(i64, &[u8], RecordAnswer)> = vec![
+        (0, b"", RecordAnswer::Skipped),
+        (1, b"", RecordAnswer::Acquired),
+        (2, b"", RecordAnswer::InProgress { pttl_ms: 5000 }),
+        (4, b"", RecordAnswer::Conflict),
+        (5, b"", RecordAnswer::Unreadable),
+        (3, b"garbage", RecordAnswer::Unreadable),
     ];
     for (code, record, want) in cases {
         let got = read_reply(&idem_reply(code, record), 0, true, false).expect("valid");
-        assert_eq!(got.idem, Some(want), "code {code}");
+        assert_eq!(got.record, Some(want), "code {code}");
     }
     let got = read_reply(&idem_reply(3, completed), 0, true, false).expect("valid");
-    let Some(IdemAnswer::Completed(r)) = got.idem else {
+    let Some(RecordAnswer::Completed(r)) = got.record else {
         panic!("expected a completed record");
     };
     assert_eq!(
@@ -471,24 +471,24 @@ fn overrides_ride_after_the_sections() {
             })
         })
         .collect();
-    let groups = plan(policy, &asks, &asker("n1"), Some(&idem()), None);
+    let groups = plan(policy, &asks, &asker("n1"), Some(&record()), None);
     assert_eq!(groups.len(), 1);
     let call = &groups[0].call;
     assert_eq!(
-        &call.keys.from_index(3)[..],
+        &call.keys.words_from(3)[..],
         &[
-            idem().key.as_str(),
+            record().key.as_str(),
             "cg:demo:ovr:{t.d2e79529ba2c46b2}:create-order:tenant:t",
             &format!(
                 "cg:demo:ovr:{{t.d2e79529ba2c46b2}}:create-order:user:p.{}",
                 keys::principal_hash("alice")
             ),
             "cg:demo:ovr:{t.d2e79529ba2c46b2}:create-order:user:t",
-            idem().cancel_key.as_str(),
+            record().cancel_key.as_str(),
         ]
     );
     assert_eq!(
-        &call.args.from_index(20)[..],
+        &call.args.words_from(20)[..],
         &[
             "1",
             "sha256:ff",
@@ -503,7 +503,7 @@ fn overrides_ride_after_the_sections() {
         ]
     );
     // Without override keys the call is what it was.
-    let plain = plan(policy, &refs(&keys), &asker("n1"), Some(&idem()), None);
+    let plain = plan(policy, &refs(&keys), &asker("n1"), Some(&record()), None);
     assert_eq!(plain[0].call.keys.len(), 5);
     assert_eq!(plain[0].call.args.last(), Some("0"));
 }
@@ -549,7 +549,7 @@ fn reads_the_quota_each_override_counted_with() {
         false,
     )
     .expect("valid: webdis sends the integers as strings");
-    assert_eq!(got.idem, Some(IdemAnswer::Acquired));
+    assert_eq!(got.record, Some(RecordAnswer::Acquired));
     assert_eq!(got.states[0].quota.map(|q| q.limit), Some(5));
     for bad in [
         vec![1, 1, 99, 60000, 0, 3, 40, 1000, 0],

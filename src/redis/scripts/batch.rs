@@ -21,7 +21,7 @@ use std::rc::Rc;
 /// The calls waiting for the next batch, and the batches in flight with whose answers they
 /// carry. `S` names where a call's answer goes (a paused request's call slot, or the root's
 /// outbox; anything in tests).
-pub struct Batcher<S> {
+pub(crate) struct Batcher<S> {
     cfg: Option<Batch>,
     /// Whether a batch may mix hash slots.
     mixing: Mixing,
@@ -61,7 +61,7 @@ struct Queued<S> {
 
 /// One batch call: whose answers it carries, and how it is sent.
 #[derive(Debug)]
-pub struct InFlight<S> {
+pub(crate) struct InFlight<S> {
     members: Vec<Queued<S>>,
     call: ScriptCall,
     by_sha: bool,
@@ -69,13 +69,13 @@ pub struct InFlight<S> {
 
 impl<S> InFlight<S> {
     /// The gateway request body.
-    pub fn encode(&self, scripts: &Scripts) -> Vec<u8> {
-        self.call.encode(&scripts.batch, self.by_sha)
+    pub(crate) fn encode(&self, scripts: &Scripts) -> Vec<u8> {
+        self.call.encode(scripts.get(ScriptId::Batch), self.by_sha)
     }
 }
 
 /// What a batch's answer means.
-pub enum BatchAnswer<S> {
+pub(crate) enum BatchAnswer<S> {
     /// Send these instead: the batch again (by `EVAL`, after `NOSCRIPT`), or its calls per
     /// hash slot (after `CROSSSLOT`).
     Resend(Vec<InFlight<S>>),
@@ -85,7 +85,7 @@ pub enum BatchAnswer<S> {
 
 impl<S> Batcher<S> {
     /// Batching per `cfg` (`redis.batch`); `None` never batches.
-    pub fn new(cfg: Option<Batch>) -> Batcher<S> {
+    pub(crate) fn new(cfg: Option<Batch>) -> Batcher<S> {
         Batcher {
             cfg,
             mixing: if cfg.is_some_and(|c| c.cross_slot) {
@@ -101,13 +101,18 @@ impl<S> Batcher<S> {
     /// Whether a call of `script` sent `by_sha` waits for the next batch (then `script` as the
     /// batch's sub-call, for [`Batcher::queue`]): only the scripts `batch.lua` runs, and never a
     /// resend by `EVAL`.
-    pub fn takes(&self, script: ScriptId, by_sha: bool) -> Option<Batched> {
+    pub(crate) fn takes(&self, script: ScriptId, by_sha: bool) -> Option<Batched> {
         script.batched().filter(|_| self.cfg.is_some() && by_sha)
     }
 
     /// Queues a call; true when it is the first since the last flush (the adapter then wakes
     /// the root on the event loop's next turn).
-    pub fn queue(&mut self, to: S, script: Batched, call: impl Into<Rc<ScriptCall>>) -> bool {
+    pub(crate) fn queue(
+        &mut self,
+        to: S,
+        script: Batched,
+        call: impl Into<Rc<ScriptCall>>,
+    ) -> bool {
         self.queue.push(Queued {
             to,
             script,
@@ -120,7 +125,7 @@ impl<S> Batcher<S> {
     /// most `max_requests` each, in queue order; first the probe, when one is due and the
     /// calls span several hash tags (its keys under `prefix`, which an ACL on the filter's keys
     /// allows).
-    pub fn flush(&mut self, now_ms: u64, prefix: &str) -> Vec<InFlight<S>> {
+    pub(crate) fn flush(&mut self, now_ms: u64, prefix: &str) -> Vec<InFlight<S>> {
         let Some(cfg) = self.cfg else {
             return Vec::new();
         };
@@ -140,12 +145,12 @@ impl<S> Batcher<S> {
     }
 
     /// A batch was sent: its answer comes back with `token`.
-    pub fn sent(&mut self, token: u32, batch: InFlight<S>) {
+    pub(crate) fn sent(&mut self, token: u32, batch: InFlight<S>) {
         self.in_flight.insert(token, batch);
     }
 
     /// The batch sent with `token`, if it is one of ours.
-    pub fn take(&mut self, token: u32) -> Option<InFlight<S>> {
+    pub(crate) fn take(&mut self, token: u32) -> Option<InFlight<S>> {
         self.in_flight.remove(&token)
     }
 
@@ -154,7 +159,7 @@ impl<S> Batcher<S> {
     /// script runs, so nothing of it ran) is sent again per hash slot, and from then on this
     /// worker batches per hash slot; so does a probe refused so. A probe that Redis ran lets
     /// batches mix slots; one that failed otherwise is sent again after `PROBE_RETRY_MS`.
-    pub fn answer(
+    pub(crate) fn answer(
         &mut self,
         mut batch: InFlight<S>,
         answer: Result<Reply, CallError>,
@@ -274,7 +279,7 @@ fn in_flight<S>(members: Vec<Queued<S>>) -> InFlight<S> {
 }
 
 /// The batch call for `calls`, in order.
-pub fn build<'a, I>(calls: I) -> ScriptCall
+pub(crate) fn build<'a, I>(calls: I) -> ScriptCall
 where
     I: IntoIterator<Item = (Batched, &'a ScriptCall)>,
     I::IntoIter: Clone,
@@ -302,7 +307,7 @@ where
 
 /// Splits a batch reply into the `n` sub-replies: an array, an integer (as webdis gives it: a
 /// bulk string from webdis 0.1.9), or an error for a sub-call that failed.
-pub fn split(reply: &Reply, n: usize) -> Result<Vec<Result<Reply, CallError>>, CallError> {
+pub(crate) fn split(reply: &Reply, n: usize) -> Result<Vec<Result<Reply, CallError>>, CallError> {
     let bad = |why: &str| CallError::UnexpectedReply(format!("batch reply: {why}"));
     if let Reply::Error(e) = reply {
         return Err(CallError::Redis(e.clone()));

@@ -9,15 +9,15 @@ use crate::redis::{keys, ScriptCall, Words};
 /// admission (an override; `None`: the configuration's), and `charge - cost` (may be
 /// negative).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Correction<'a> {
-    pub key: &'a str,
-    pub limit: &'a RateLimit,
-    pub quota: Option<Quota>,
-    pub delta: i64,
+pub(crate) struct Correction<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) limit: &'a RateLimit,
+    pub(crate) quota: Option<Quota>,
+    pub(crate) delta: i64,
 }
 
 /// The call for the corrections of one hash slot (at least one).
-pub fn call(corrections: &[Correction<'_>]) -> ScriptCall {
+pub(crate) fn call(corrections: &[Correction<'_>]) -> ScriptCall {
     let mut args = Words::with_capacity(1 + 4 * corrections.len(), 48 * corrections.len());
     args.push_u64(corrections.len() as u64);
     for c in corrections {

@@ -8,7 +8,7 @@ use crate::redis::{ScriptCall, Words};
 
 /// `lease_release.lua`: deletes the owner's lease. With `marker_ttl_ms`, the owner's
 /// cancellation marker is set first, so that an acquire still in flight takes nothing.
-pub fn release(acquire: &LeaseAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall {
+pub(crate) fn release(acquire: &LeaseAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall {
     by_owner(
         &acquire.key,
         &acquire.cancel_key,
@@ -18,7 +18,7 @@ pub fn release(acquire: &LeaseAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall
 }
 
 /// `lease_extend.lua`: the owner's lease lives `ttl_ms` more.
-pub fn extend(acquire: &LeaseAcquire) -> ScriptCall {
+pub(crate) fn extend(acquire: &LeaseAcquire) -> ScriptCall {
     let mut args = Words::from([acquire.owner.as_str()]);
     args.push_u64(acquire.ttl_ms);
     ScriptCall::new([acquire.key.as_str()], args)

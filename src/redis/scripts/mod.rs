@@ -2,6 +2,7 @@
 //! its contract: the arguments it is called with and what its reply means.
 //!
 //! * [`acquire`]: `acquire.lua` (rate limits, the idempotency record, the lease of one slot);
+//!   [`peek`] is the same file read-only, for the operator's tool;
 //! * [`record`]: `complete.lua` and `release.lua` (a request's record settled);
 //! * [`lease`]: `lease_release.lua` and `lease_extend.lua`;
 //! * [`slot`]: `slot_release.lua` and `slot_extend.lua` (concurrency slots);
@@ -23,20 +24,32 @@
 //! [`Scripts::load`]. So a script's text stays in the forms that reader knows: string
 //! literals, `include_str!`, `concat!`, and macros `() => { <text> };` of this file.
 
-pub mod acquire;
-pub mod batch;
-pub mod charge;
-pub mod lease;
-pub mod record;
-pub mod slot;
+pub(crate) mod acquire;
+pub(crate) mod batch;
+pub(crate) mod charge;
+pub(crate) mod lease;
+pub(crate) mod record;
+pub(crate) mod slot;
 
 use crate::redis::Script;
 
 // Each script that includes a piece, as it runs: its pieces, then its own file. Each is used
-// twice, alone and as a sub-call's body in batch.lua.
+// twice, alone and as a sub-call's body in batch.lua. acquire.lua starts with the value of
+// its PEEK local: false for the filter's acquire, true for the read-only `peek` ([`peek`]).
 macro_rules! acquire_lua {
     () => {
         concat!(
+            "local PEEK = false\n",
+            include_str!("piece_window_roll.lua"),
+            include_str!("acquire.lua")
+        )
+    };
+}
+#[cfg_attr(target_os = "wasi", allow(unused_macros))]
+macro_rules! peek_lua {
+    () => {
+        concat!(
+            "local PEEK = true\n",
             include_str!("piece_window_roll.lua"),
             include_str!("acquire.lua")
         )
@@ -77,7 +90,7 @@ macro_rules! charge_lua {
 
 /// Which script a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScriptId {
+pub(crate) enum ScriptId {
     /// Rate limits and the idempotency acquire of one hash slot.
     Acquire,
     /// `PROCESSING` -> `COMPLETED`, only by the owner.
@@ -101,7 +114,7 @@ pub enum ScriptId {
 impl ScriptId {
     /// This script as a sub-call of `batch.lua`, with its number there (see
     /// `batch_head.lua`); `None` for a script it does not run.
-    pub fn batched(self) -> Option<Batched> {
+    pub(crate) fn batched(self) -> Option<Batched> {
         let index = match self {
             ScriptId::Acquire => 1,
             ScriptId::Complete => 2,
@@ -118,11 +131,11 @@ impl ScriptId {
 /// A script `batch.lua` runs, as its sub-call number there. Only [`ScriptId::batched`] makes
 /// one, so a batch cannot carry a script it does not run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Batched(u64);
+pub(crate) struct Batched(u64);
 
 impl Batched {
     /// Its number in `batch.lua` (a sub-call's first word).
-    pub fn index(self) -> u64 {
+    pub(crate) fn index(self) -> u64 {
         self.0
     }
 }
@@ -130,19 +143,19 @@ impl Batched {
 /// The scripts the filter runs, loaded once per VM.
 #[derive(Debug)]
 pub struct Scripts {
-    pub acquire: Script,
-    pub complete: Script,
-    pub release: Script,
-    pub lease_release: Script,
-    pub lease_extend: Script,
-    pub batch: Script,
-    pub slot_release: Script,
-    pub slot_extend: Script,
-    pub charge: Script,
+    pub(crate) acquire: Script,
+    pub(crate) complete: Script,
+    pub(crate) release: Script,
+    pub(crate) lease_release: Script,
+    pub(crate) lease_extend: Script,
+    pub(crate) batch: Script,
+    pub(crate) slot_release: Script,
+    pub(crate) slot_extend: Script,
+    pub(crate) charge: Script,
 }
 
 impl Scripts {
-    pub fn load() -> Scripts {
+    pub(crate) fn load() -> Scripts {
         Scripts {
             acquire: Script::new("acquire", acquire_lua!()),
             complete: Script::new("complete", include_str!("complete.lua")),
@@ -175,7 +188,7 @@ impl Scripts {
         }
     }
 
-    pub fn get(&self, id: ScriptId) -> &Script {
+    pub(crate) fn get(&self, id: ScriptId) -> &Script {
         match id {
             ScriptId::Acquire => &self.acquire,
             ScriptId::Complete => &self.complete,
@@ -188,6 +201,14 @@ impl Scripts {
             ScriptId::Charge => &self.charge,
         }
     }
+}
+
+/// `acquire.lua` read-only (its `PEEK` local true): the rate limits' answer a request of the
+/// given cost would get now, each limit's state before it, and nothing written. The filter
+/// never runs it; the operator's tool does (`cg-admin limits`), with `EVAL`.
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
+pub(crate) fn peek() -> Script {
+    Script::new("peek", peek_lua!())
 }
 
 #[cfg(test)]
@@ -285,6 +306,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn peek_is_acquire_but_for_its_first_line() {
+        let (acquire, peek) = (Scripts::load().acquire, peek());
+        assert_eq!(
+            acquire.source.split_once('\n'),
+            Some((
+                "local PEEK = false",
+                &peek.source["local PEEK = true\n".len()..]
+            ))
+        );
+        assert!(peek.source.starts_with("local PEEK = true\n"));
+        assert_ne!(acquire.sha1, peek.sha1);
     }
 
     #[test]

@@ -1,12 +1,16 @@
 //! The contracts of `complete.lua` and `release.lua`, the two ways a request settles its
 //! idempotency record: their arguments and what their replies mean.
 
-use crate::redis::scripts::acquire::IdemAcquire;
+use crate::redis::scripts::acquire::RecordAcquire;
 use crate::redis::{resp::Reply, ScriptCall, Words};
 
 /// `complete.lua`: `PROCESSING` -> `COMPLETED` with `response` (the stored response's JSON),
 /// only by the owner with the same fingerprint.
-pub fn complete(acquire: &IdemAcquire, completed_ttl_ms: u64, response: String) -> ScriptCall {
+pub(crate) fn complete(
+    acquire: &RecordAcquire,
+    completed_ttl_ms: u64,
+    response: String,
+) -> ScriptCall {
     let size = acquire.owner.len() + acquire.fingerprint.len() + 20 + response.len();
     let mut args = Words::with_capacity(4, size);
     args.push(&acquire.owner);
@@ -18,7 +22,7 @@ pub fn complete(acquire: &IdemAcquire, completed_ttl_ms: u64, response: String) 
 
 /// `release.lua`: deletes the owner's `PROCESSING` record. With `marker_ttl_ms`, the owner's
 /// cancellation marker is set first, so that an acquire still in flight writes nothing.
-pub fn release(acquire: &IdemAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall {
+pub(crate) fn release(acquire: &RecordAcquire, marker_ttl_ms: Option<u64>) -> ScriptCall {
     by_owner(
         &acquire.key,
         &acquire.cancel_key,
@@ -48,7 +52,7 @@ pub(crate) fn by_owner(
 /// What a settling script (`complete.lua`, `release.lua`, `lease_release.lua`,
 /// `lease_extend.lua`: they share the reply) found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// `1`: done (completed, released, extended).
     Done,
     /// `0` (missing) or `-1` (another owner): it was not this request's any more.
@@ -58,7 +62,7 @@ pub enum Outcome {
 }
 
 /// Reads the reply of a settling script.
-pub fn outcome(reply: &Reply) -> Outcome {
+pub(crate) fn outcome(reply: &Reply) -> Outcome {
     match reply.as_int() {
         Some(1) => Outcome::Done,
         Some(0 | -1) => Outcome::NotOurs,
@@ -72,8 +76,8 @@ mod tests {
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    fn acquire() -> IdemAcquire {
-        IdemAcquire {
+    fn acquire() -> RecordAcquire {
+        RecordAcquire {
             key: "cg:idem:{t.x}:p:k".into(),
             tag: "t.x".into(),
             fingerprint: "sha256:ff".into(),

@@ -7,7 +7,7 @@ use crate::redis::{ScriptCall, Words};
 /// `slot_release.lua`: removes the request's slot from `key`. With `marker` (the owner's
 /// cancellation marker and its TTL) the marker is set first, so that an acquire still in
 /// flight takes no slot.
-pub fn release(key: &str, nonce: &str, marker: Option<(String, u64)>) -> ScriptCall {
+pub(crate) fn release(key: &str, nonce: &str, marker: Option<(String, u64)>) -> ScriptCall {
     match marker {
         None => ScriptCall::new([key], [nonce]),
         Some((marker, ttl)) => {
@@ -19,7 +19,7 @@ pub fn release(key: &str, nonce: &str, marker: Option<(String, u64)>) -> ScriptC
 }
 
 /// `slot_extend.lua`: the request's slot lives `window_ms` more.
-pub fn extend(key: &str, nonce: &str, window_ms: u64) -> ScriptCall {
+pub(crate) fn extend(key: &str, nonce: &str, window_ms: u64) -> ScriptCall {
     let mut args = Words::from([nonce]);
     args.push_u64(window_ms);
     ScriptCall::new([key], args)

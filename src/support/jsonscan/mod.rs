@@ -12,18 +12,18 @@
 mod pointer;
 mod strings;
 
-pub use pointer::Pointer;
+pub(crate) use pointer::Pointer;
 use strings::Escape;
 
 /// Nesting deeper than this makes the document unreadable (what [`Scan`] can track).
-pub const MAX_DEPTH: usize = 128;
+pub(crate) const MAX_DEPTH: usize = 128;
 
 /// The longest number kept as it is spelled: longer ones are read as [`Unreadable::LongNumber`].
 const NUMBER_ROOM: usize = 24;
 
 /// Why a document gave no number at the pointer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unreadable {
+pub(crate) enum Unreadable {
     /// Not JSON (or more than one document, or a byte after it).
     Invalid,
     /// Ended before the document did.
@@ -114,7 +114,7 @@ enum Target {
 /// A scan in progress (see the module's documentation). Feed it the document's bytes in order
 /// with [`Scan::feed`], then ask [`Scan::finish`].
 #[derive(Debug, Clone)]
-pub struct Scan {
+pub(crate) struct Scan {
     state: State,
     /// Open containers.
     depth: u8,
@@ -154,7 +154,7 @@ impl Default for Scan {
 }
 
 impl Scan {
-    pub fn new() -> Scan {
+    pub(crate) fn new() -> Scan {
         Scan {
             state: State::Value,
             depth: 0,
@@ -177,12 +177,12 @@ impl Scan {
     }
 
     /// Whether the document can no longer be read (feeding it more changes nothing).
-    pub fn failed(&self) -> bool {
+    pub(crate) fn failed(&self) -> bool {
         matches!(self.state, State::Failed(_))
     }
 
     /// The next piece of the document.
-    pub fn feed(&mut self, pointer: &Pointer, bytes: &[u8]) {
+    pub(crate) fn feed(&mut self, pointer: &Pointer, bytes: &[u8]) {
         let mut i = 0;
         while i < bytes.len() {
             if let State::Failed(_) = self.state {
@@ -212,7 +212,7 @@ impl Scan {
 
     /// The number at the pointer, as spelled, once the whole document was fed; or why there
     /// is none.
-    pub fn finish(&self) -> Result<&str, Unreadable> {
+    pub(crate) fn finish(&self) -> Result<&str, Unreadable> {
         match self.state {
             State::Done => {}
             State::Num(n) if self.depth == 0 && n.complete() => {}
@@ -455,8 +455,9 @@ impl Scan {
     }
 }
 
+#[cfg(test)]
 /// The number at `pointer` in `doc`, whole (a test's and a tool's shortcut).
-pub fn number_at(pointer: &Pointer, doc: &[u8]) -> Result<String, Unreadable> {
+pub(crate) fn number_at(pointer: &Pointer, doc: &[u8]) -> Result<String, Unreadable> {
     let mut scan = Scan::new();
     scan.feed(pointer, doc);
     scan.finish().map(str::to_string)

@@ -21,7 +21,7 @@ pub(super) struct Segment {
 impl Pointer {
     /// Parses `text`: empty (the whole document) or `/`-separated reference tokens, where `~`
     /// is only ever followed by `0` or `1`.
-    pub fn parse(text: &str) -> Result<Pointer, String> {
+    pub(crate) fn parse(text: &str) -> Result<Pointer, String> {
         let mut segments = Vec::new();
         if !text.is_empty() {
             let Some(rest) = text.strip_prefix('/') else {

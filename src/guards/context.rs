@@ -1,13 +1,13 @@
-//! What every event of the flow brings and what it answers: the VM's [`Runtime`], the
-//! event's context ([`Cx`], and [`Pcx`] for the request's policy), the [`Step`] the adapter
-//! carries out, and why a call was made ([`Purpose`]). The guards and the call tables read
-//! these and nothing else of the flow, so the module graph only runs down.
+//! What every event of the flow brings, and the calls it makes: the VM's [`Runtime`], the
+//! event's context ([`Cx`], and [`Pcx`] for the request's policy), why a call was made
+//! ([`Purpose`]) and a call to send ([`Outgoing`]). The guards and the call tables read these
+//! and nothing else of the flow, so the module graph only runs down. (What an event answers,
+//! its step, is the flow's own: see `flow/step.rs`.)
 
-use crate::config::{Config, ConfigError, Policy};
+use crate::config::{Config, Policy};
 use crate::guards::ratelimit::leased::{LeasedQuota, QUOTA_SLOTS};
 use crate::guards::ratelimit::overlimit::{OverLimitCache, SharedStore};
 use crate::guards::ratelimit::{KeyMemo, RejectionMemo, KEY_MEMO_SLOTS};
-use crate::http::local_reply::LocalResponse;
 use crate::redis::scripts::{ScriptId, Scripts};
 use crate::redis::ScriptCall;
 use crate::support::lograte::Warnings;
@@ -19,20 +19,20 @@ use std::rc::Rc;
 pub struct Runtime {
     pub config: Config,
     pub scripts: Scripts,
-    pub metrics: Metrics,
-    pub over_limit: OverLimitCache,
-    pub quota: LeasedQuota,
-    pub keys: KeyMemo,
+    pub(crate) metrics: Metrics,
+    pub(crate) over_limit: OverLimitCache,
+    pub(crate) quota: LeasedQuota,
+    pub(crate) keys: KeyMemo,
     /// The over-limit cache's last 429 per policy.
-    pub rejections: RejectionMemo,
+    pub(crate) rejections: RejectionMemo,
     /// Request headers only the filter may set (the fingerprint, every lease's fencing
     /// header): removed from every request the filter sees, guarded or not, so a client can
     /// never hand the service a value of its own.
-    pub reserved_headers: std::rc::Rc<[String]>,
+    pub(crate) reserved_headers: std::rc::Rc<[String]>,
     /// This worker's rate limiter of repeated warnings.
-    pub warnings: Warnings,
+    pub(crate) warnings: Warnings,
     /// This worker's memory budget.
-    pub memory: Budget,
+    pub(crate) memory: Budget,
 }
 
 impl Runtime {
@@ -61,17 +61,14 @@ impl Runtime {
         }
     }
 
-    /// The benchmarks' runtime: one policy on `/api` that limits each tenant to a billion
-    /// requests an hour in `mode` (`exact` or `leased`), with no host behind its metrics. The
-    /// core benchmark and the allocation tests share it, so both measure the same request.
-    #[doc(hidden)]
-    pub fn per_tenant_benchmark(mode: &str) -> Result<Runtime, ConfigError> {
-        let json = format!(
-            r#"{{"redis": {{"cluster": "gw"}}, "policies": [{{"name": "api",
-            "match": {{"path_prefix": "/api"}}, "rate_limits": [{{"name": "tenant",
-            "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000000000, "window": "1h",
-            "mode": "{mode}"}}]}}]}}"#
-        );
+    /// The benchmarks' runtime, for the unit tests: one policy on `/api` that limits each
+    /// tenant to a billion requests an hour in `mode` (`exact` or `leased`), with no host
+    /// behind its metrics. Its configuration is `benches/per_tenant.json` (`MODE` stands for
+    /// the mode), which the core benchmark reads too, so the allocation tests and the
+    /// benchmark measure the same request.
+    #[cfg(test)]
+    pub(crate) fn per_tenant_benchmark(mode: &str) -> Result<Runtime, crate::config::ConfigError> {
+        let json = include_str!("../../benches/per_tenant.json").replace("MODE", mode);
         let config = Config::parse(json.as_bytes())?;
         let metrics = Metrics::define(&config, |_, _| 0);
         Ok(Runtime::new(config, metrics, None))
@@ -92,8 +89,8 @@ pub const MARKER_MIN_TTL_MS: u64 = 60_000;
 #[derive(Clone, Copy)]
 pub struct Cx<'a> {
     pub rt: &'a Runtime,
-    pub now_ms: u64,
-    pub m: &'a dyn MetricSink,
+    pub(crate) now_ms: u64,
+    pub(crate) m: &'a dyn MetricSink,
 }
 
 impl<'a> Cx<'a> {
@@ -106,36 +103,23 @@ impl<'a> Cx<'a> {
 #[derive(Clone, Copy)]
 pub struct Pcx<'a> {
     pub rt: &'a Runtime,
-    pub now_ms: u64,
-    pub m: &'a dyn MetricSink,
-    pub index: usize,
-    pub policy: &'a Policy,
-    pub pm: &'a PolicyMetrics,
+    pub(crate) now_ms: u64,
+    pub(crate) m: &'a dyn MetricSink,
+    pub(crate) index: usize,
+    pub(crate) policy: &'a Policy,
+    pub(crate) pm: &'a PolicyMetrics,
 }
 
 impl<'a> Pcx<'a> {
     /// The event's context, without the policy.
-    pub fn cx(&self) -> Cx<'a> {
+    pub(crate) fn cx(&self) -> Cx<'a> {
         Cx::new(self.rt, self.now_ms, self.m)
     }
 
     /// When a call sent now has timed out.
-    pub fn call_deadline(&self) -> u64 {
+    pub(crate) fn call_deadline(&self) -> u64 {
         self.now_ms.saturating_add(self.rt.config.redis.timeout_ms)
     }
-}
-
-/// What the adapter does next.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
-    /// Let the stream go on (resume it if it is paused).
-    Continue,
-    /// Send these calls and keep the stream paused.
-    Dispatch(Vec<Outgoing>),
-    /// Keep the stream paused.
-    Wait,
-    /// Answer the client locally (shared: a memoised answer is not copied).
-    Respond(Rc<LocalResponse>),
 }
 
 /// Why a call was made.
@@ -159,7 +143,7 @@ pub enum Purpose {
 
 impl Purpose {
     /// The script a call of this purpose runs.
-    pub fn script(self) -> ScriptId {
+    pub(crate) fn script(self) -> ScriptId {
         match self {
             Purpose::Acquire | Purpose::LeaseRetry | Purpose::RecordRetry => ScriptId::Acquire,
             Purpose::Complete => ScriptId::Complete,
@@ -177,11 +161,11 @@ impl Purpose {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outgoing {
     pub slot: usize,
-    pub script: ScriptId,
+    pub(crate) script: ScriptId,
     /// The call as its table keeps it (shared, not copied).
-    pub call: Rc<ScriptCall>,
+    pub(crate) call: Rc<ScriptCall>,
     /// `EVALSHA` (else `EVAL` with the source, after `NOSCRIPT`).
-    pub by_sha: bool,
+    pub(crate) by_sha: bool,
 }
 
 impl Outgoing {

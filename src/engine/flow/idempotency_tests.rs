@@ -6,6 +6,7 @@
 use crate::config::Config;
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
+use crate::guards::idempotency::guard::REPLAYED_HEADER;
 use crate::http::request::Request;
 use crate::redis::scripts::ScriptId;
 use crate::redis::{resp::Reply, CallError};
@@ -45,10 +46,15 @@ fn start_with_body(flow: &mut Flow, rt: &Runtime, rec: &Recorder, body: &[u8]) -
         "owner-1",
         false,
     );
-    assert_eq!(step, Step::Wait, "headers are held while the body is read");
     assert_eq!(
-        flow.on_request_body(&Cx::new(rt, 1, rec), 3, false, Vec::new),
-        Step::Wait
+        step.next,
+        Move::Wait,
+        "headers are held while the body is read"
+    );
+    assert_eq!(
+        flow.on_request_body(&Cx::new(rt, 1, rec), 3, false, Vec::new)
+            .next,
+        Move::Wait
     );
     dispatched(flow.on_request_body(&Cx::new(rt, 2, rec), body.len(), true, || body.to_vec()))
 }
@@ -62,8 +68,9 @@ pub(super) fn forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
             &Cx::new(rt, 3, rec),
             0,
             Ok(orders_admitted().record_new().reply())
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     flow
 }
@@ -81,16 +88,14 @@ fn acquire_then_complete_sync() {
         "{body}"
     );
     assert!(!body.contains("k-1"), "the client's key never appears raw");
-    assert_eq!(
-        flow.on_reply(
-            &Cx::new(&rt, 3, &rec),
-            0,
-            Ok(orders_admitted().record_new().reply())
-        ),
-        Step::Continue
+    let step = flow.on_reply(
+        &Cx::new(&rt, 3, &rec),
+        0,
+        Ok(orders_admitted().record_new().reply()),
     );
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(rec.count("cg.policy.orders.idem.acquired"), 1);
-    let fp = flow.upstream_headers().to_vec();
+    let fp = step.out.upstream_headers;
     assert_eq!(fp.len(), 1);
     assert_eq!(fp[0].0, FINGERPRINT_HEADER);
     assert!(fp[0].1.starts_with("sha256:") && fp[0].1.len() == 71);
@@ -98,12 +103,12 @@ fn acquire_then_complete_sync() {
     // The same body with keys in another order has the same fingerprint.
     let mut again = Flow::default();
     start_with_body(&mut again, &rt, &rec, br#"{"a":1,"b":2}"#);
-    again.on_reply(
+    let step = again.on_reply(
         &Cx::new(&rt, 3, &rec),
         0,
         Ok(orders_admitted().record_new().reply()),
     );
-    assert_eq!(again.upstream_headers(), &fp[..]);
+    assert_eq!(step.out.upstream_headers, fp);
 
     let headers = vec![
         (":status".to_string(), "201".to_string()),
@@ -120,8 +125,8 @@ fn acquire_then_complete_sync() {
         false,
     );
     assert_eq!(
-        step,
-        Step::Continue,
+        step.next,
+        Move::Continue,
         "the headers go on; the body is copied as it passes and only its end waits"
     );
     let out = dispatched(
@@ -141,12 +146,12 @@ fn acquire_then_complete_sync() {
         "the completion is bounded by the timeout"
     );
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 6, &rec), out[0].slot, Ok(settled())),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 6, &rec), out[0].slot, Ok(settled()))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.completed"), 1);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
 }
 
 #[test]
@@ -190,7 +195,8 @@ fn answers_by_stored_state() {
         let rt = idem_runtime(&rec);
         let mut flow = Flow::default();
         start_with_body(&mut flow, &rt, &rec, b"{}");
-        let Step::Respond(r) = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(answer.reply())) else {
+        let step = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(answer.reply()));
+        let Move::Respond(r) = step.next else {
             panic!("{case}: expected a local answer");
         };
         assert_eq!(r.status, status, "{case}");
@@ -208,10 +214,12 @@ fn answers_by_stored_state() {
                 assert!(body.contains("idempotency_key_conflict"), "{body}");
             }
         }
-        assert!(flow.upstream_headers().is_empty(), "nothing goes upstream");
-        flow.on_done(&Cx::new(&rt, 0, &rec));
         assert!(
-            flow.take_background().is_empty(),
+            step.out.upstream_headers.is_empty(),
+            "nothing goes upstream"
+        );
+        assert!(
+            flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
             "nothing to release: not ours"
         );
     }
@@ -246,7 +254,7 @@ fn acquired(rt: &Runtime, rec: &Recorder, key: &str) -> (Flow, String) {
         .content_length(2)
         .build();
     let held = flow.on_request(&Cx::new(rt, 0, rec), req, "n", "owner-1", false);
-    assert_eq!(held, Step::Wait, "the body is fingerprinted");
+    assert_eq!(held.next, Move::Wait, "the body is fingerprinted");
     let out = dispatched(flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec()));
     let fingerprint = out[0].call.args.iter().find(|a| a.starts_with("sha256:"));
     let fingerprint = fingerprint.expect("the acquire carries the fingerprint");
@@ -262,12 +270,15 @@ fn answer_to(rt: &Runtime, rec: &Recorder, key: &str, record: &str) -> LocalResp
         .build();
     flow.on_request(&Cx::new(rt, 0, rec), req, "n", "owner-2", false);
     flow.on_request_body(&Cx::new(rt, 1, rec), 2, true, || b"{}".to_vec());
-    match flow.on_reply(
-        &Cx::new(rt, 3, rec),
-        0,
-        Ok(orders_admitted().record_completed(record).reply()),
-    ) {
-        Step::Respond(r) => Rc::unwrap_or_clone(r),
+    match flow
+        .on_reply(
+            &Cx::new(rt, 3, rec),
+            0,
+            Ok(orders_admitted().record_completed(record).reply()),
+        )
+        .next
+    {
+        Move::Respond(r) => Rc::unwrap_or_clone(r),
         other => panic!("expected a local answer, got {other:?}"),
     }
 }
@@ -461,7 +472,10 @@ fn bad_keys_and_bodies() {
     for (req, status, metric) in cases {
         let before = rec.count(metric);
         let mut flow = Flow::default();
-        let Step::Respond(r) = flow.on_request(&Cx::new(&rt, 0, &rec), req, "n", "o", false) else {
+        let Move::Respond(r) = flow
+            .on_request(&Cx::new(&rt, 0, &rec), req, "n", "o", false)
+            .next
+        else {
             panic!("expected {status}");
         };
         assert_eq!(r.status, status);
@@ -476,10 +490,13 @@ fn bad_keys_and_bodies() {
             "n",
             "o",
             false
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
-    let Step::Respond(r) = flow.on_request_body(&Cx::new(&rt, 1, &rec), 1025, false, Vec::new)
+    let Move::Respond(r) = flow
+        .on_request_body(&Cx::new(&rt, 1, &rec), 1025, false, Vec::new)
+        .next
     else {
         panic!("expected 413");
     };
@@ -493,8 +510,9 @@ fn bad_keys_and_bodies() {
             "n",
             "o",
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
 }
 
@@ -510,15 +528,17 @@ fn body_that_never_comes_times_out() {
             "n",
             "o",
             false
-        ),
-        Step::Wait
+        )
+        .next,
+        Move::Wait
     );
     assert_eq!(flow.deadline_ms(), Some(BODY_IDLE_TIMEOUT_MS));
     assert_eq!(
-        flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS - 1, &rec)),
-        Step::Wait
+        flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS - 1, &rec))
+            .next,
+        Move::Wait
     );
-    let Step::Respond(r) = flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS, &rec)) else {
+    let Move::Respond(r) = flow.on_tick(&Cx::new(&rt, BODY_IDLE_TIMEOUT_MS, &rec)).next else {
         panic!("expected 408");
     };
     assert_eq!(r.status, 408);
@@ -544,8 +564,9 @@ fn retryable_statuses_release() {
             "status {status} releases"
         );
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(settled())),
-            Step::Continue
+            flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(settled()))
+                .next,
+            Move::Continue
         );
         assert_eq!(rec.count("cg.policy.orders.idem.released"), 1);
     }
@@ -580,8 +601,9 @@ fn stale_owner_and_failed_completion_are_counted() {
         true,
     ));
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(another_owner())),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 5, &rec), out[0].slot, Ok(another_owner()))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 1);
 
@@ -599,8 +621,9 @@ fn stale_owner_and_failed_completion_are_counted() {
             &Cx::new(&rt, 5, &rec),
             out[0].slot,
             Err(CallError::Gateway(503))
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 1);
 
@@ -614,8 +637,8 @@ fn stale_owner_and_failed_completion_are_counted() {
         true,
     ));
     assert_eq!(
-        flow.on_tick(&Cx::new(&rt, 1_000, &rec)),
-        Step::Continue,
+        flow.on_tick(&Cx::new(&rt, 1_000, &rec)).next,
+        Move::Continue,
         "a slow completion lets the response go"
     );
     assert_eq!(rec.count("cg.policy.orders.idem.complete_failed"), 2);
@@ -646,10 +669,9 @@ fn envoy_local_replies() {
         &[],
         true,
     );
-    assert_eq!(step, Step::Continue);
+    assert_eq!(step.next, Move::Continue);
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
 }
 
 #[test]
@@ -659,8 +681,7 @@ fn stream_ends_early() {
     // Client gone while the acquire is in flight: release by owner, from the root.
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::Release);
     // With the owner's cancellation marker: the acquire may still run after this release.
@@ -675,8 +696,7 @@ fn stream_ends_early() {
     );
     // Forwarded, then the stream ended without a response: outcome unknown, kept.
     let mut flow = forwarded(&rt, &rec);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty());
+    assert!(flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.outcome_unknown"), 1);
 }
 
@@ -695,8 +715,8 @@ fn async_completion_goes_to_the_root() {
     assert_eq!(out.len(), 1);
     let reply = acquire().record_new().reply();
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(reply)),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(reply)).next,
+        Move::Continue
     );
     assert_eq!(
         flow.on_response_headers(
@@ -706,18 +726,18 @@ fn async_completion_goes_to_the_root() {
             "via_upstream",
             &[],
             false
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 2, false, || b"ab".to_vec()),
-        Step::Continue
+        flow.on_response_body(&Cx::new(&rt, 3, &NoMetrics), 2, false, || b"ab".to_vec())
+            .next,
+        Move::Continue
     );
-    assert_eq!(
-        flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 1, true, || b"c".to_vec()),
-        Step::Continue
-    );
-    let bg = flow.take_background();
+    let step = flow.on_response_body(&Cx::new(&rt, 4, &NoMetrics), 1, true, || b"c".to_vec());
+    assert_eq!(step.next, Move::Continue);
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert_eq!(bg[0].purpose, Purpose::Complete);
     assert!(
@@ -748,11 +768,14 @@ fn rate_limits_of_other_slots_go_before_the_record() {
     // The rate limit of the other slot goes first; the record waits for its verdict.
     assert_eq!(out.len(), 1);
     assert!(!String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("idem"));
-    let Step::Respond(r) = flow.on_reply(
-        &Cx::new(&rt, 2, &rec),
-        out[0].slot,
-        Ok(acquire().limit_over(0, 100, 100).reply()),
-    ) else {
+    let Move::Respond(r) = flow
+        .on_reply(
+            &Cx::new(&rt, 2, &rec),
+            out[0].slot,
+            Ok(acquire().limit_over(0, 100, 100).reply()),
+        )
+        .next
+    else {
         panic!("expected 429");
     };
     assert_eq!(r.status, 429);
@@ -761,9 +784,8 @@ fn rate_limits_of_other_slots_go_before_the_record() {
         Some("\"ip\";r=0;t=1"),
         "only the limit that was asked"
     );
-    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(
-        flow.take_background().is_empty(),
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
         "no record was taken, none to release"
     );
 
@@ -784,8 +806,9 @@ fn rate_limits_of_other_slots_go_before_the_record() {
     assert!(String::from_utf8_lossy(&second[0].encode(&rt.scripts)).contains("%3Aidem%3A"));
     let acquired = acquire().record_new().reply();
     assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 2, &rec), second[0].slot, Ok(acquired)),
-        Step::Continue
+        flow.on_reply(&Cx::new(&rt, 2, &rec), second[0].slot, Ok(acquired))
+            .next,
+        Move::Continue
     );
     assert_eq!(rec.count("cg.policy.p.idem.acquired"), 1);
 }
@@ -797,8 +820,7 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     // Client gone while the acquire is in flight: the release may find nothing of ours.
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    let bg = flow.take_background();
+    let bg = flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(!bg[0].certain);
     assert_eq!(
         answer_once(&rt, bg[0].clone(), Ok(missing()), 5, &rec),
@@ -807,9 +829,8 @@ fn expected_not_ours_answers_are_not_stale_owners() {
     assert_eq!(rec.count("cg.policy.orders.idem.stale_owner"), 0);
     // A release of a record we did own that finds it gone is a stale owner.
     let mut flow = forwarded(&rt, &rec);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
     assert!(
-        flow.take_background().is_empty(),
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
         "kept PROCESSING: outcome unknown"
     );
     let owned = Background::new(
@@ -839,11 +860,9 @@ fn fail_open_sends_no_fingerprint() {
         "o",
         true,
     ));
-    assert_eq!(
-        flow.on_reply(&Cx::new(&rt, 60, &rec), 0, Err(CallError::Timeout)),
-        Step::Continue
-    );
-    assert!(flow.upstream_headers().is_empty(), "nothing was acquired");
+    let step = flow.on_reply(&Cx::new(&rt, 60, &rec), 0, Err(CallError::Timeout));
+    assert_eq!(step.next, Move::Continue);
+    assert!(step.out.upstream_headers.is_empty(), "nothing was acquired");
     assert_eq!(rec.count("cg.policy.o.failed_open"), 1);
 }
 
@@ -855,7 +874,7 @@ pub(super) fn acquire_fails(answer: Result<Reply, CallError>) -> (Step, Vec<Back
     let mut flow = Flow::default();
     start_with_body(&mut flow, &rt, &rec, b"{}");
     let step = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, answer);
-    let bg = flow.take_background();
+    let bg = step.out.background.clone();
     (step, bg, rec)
 }
 
@@ -868,7 +887,7 @@ fn a_call_that_provably_did_not_run_is_not_compensated() {
     ] {
         let (step, bg, rec) = acquire_fails(Err(e.clone()));
         assert!(
-            matches!(step, Step::Respond(ref r) if r.status == 503),
+            matches!(step.next, Move::Respond(ref r) if r.status == 503),
             "{e:?}"
         );
         assert!(
@@ -901,22 +920,22 @@ fn a_timed_out_acquire_is_compensated_with_the_marker() {
     start_with_body(&mut flow, &rt, &rec, b"{}");
     let deadline = flow.deadline_ms().expect("waiting on Redis");
     let step = flow.on_tick(&Cx::new(&rt, deadline, &rec));
-    assert!(matches!(step, Step::Respond(ref r) if r.status == 503));
-    let bg = flow.take_background();
+    assert!(matches!(step.next, Move::Respond(ref r) if r.status == 503));
+    let bg = step.out.background;
     assert_eq!(bg.len(), 1);
     assert!(bg[0].compensation && !bg[0].certain);
-    flow.on_done(&Cx::new(&rt, 0, &rec));
-    assert!(flow.take_background().is_empty(), "handed over once");
-    // The late answer is ignored; nothing more is sent.
-    assert_eq!(
-        flow.on_reply(
-            &Cx::new(&rt, deadline + 900, &rec),
-            0,
-            Ok(orders_admitted().record_new().reply())
-        ),
-        Step::Wait
+    assert!(
+        flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),
+        "handed over once"
     );
-    assert!(flow.take_background().is_empty());
+    // The late answer is ignored; nothing more is sent.
+    let step = flow.on_reply(
+        &Cx::new(&rt, deadline + 900, &rec),
+        0,
+        Ok(orders_admitted().record_new().reply()),
+    );
+    assert_eq!(step.next, Move::Wait);
+    assert!(step.out.background.is_empty());
     assert_eq!(rec.count("cg.policy.orders.idem.acquired"), 0);
 }
 
@@ -939,15 +958,16 @@ fn grpc_forwarded(rt: &Runtime, rec: &Recorder) -> Flow {
         "owner-1",
         false,
     );
-    assert_eq!(step, Step::Wait);
+    assert_eq!(step.next, Move::Wait);
     dispatched(flow.on_request_body(&Cx::new(rt, 2, rec), 7, true, || b"\0\0\0\0\x02hi".to_vec()));
     assert_eq!(
         flow.on_reply(
             &Cx::new(rt, 3, rec),
             0,
             Ok(orders_admitted().record_new().reply())
-        ),
-        Step::Continue
+        )
+        .next,
+        Move::Continue
     );
     flow
 }
@@ -1009,12 +1029,13 @@ fn grpc_outcome_is_read_from_grpc_status() {
             None => dispatched(at_headers),
             Some(t) => {
                 // Decided only at the trailers; the message passes meanwhile (copied).
-                assert_eq!(at_headers, Step::Continue, "{headers:?}");
+                assert_eq!(at_headers.next, Move::Continue, "{headers:?}");
                 assert_eq!(
                     flow.on_response_body(&Cx::new(&rt, 5, &NoMetrics), 9, false, || {
                         b"\0\0\0\0\x04done".to_vec()
-                    }),
-                    Step::Continue
+                    })
+                    .next,
+                    Move::Continue
                 );
                 // The trailers wait for the record (sync): the client cannot see the end of
                 // the response before an immediate retry finds the record settled.
@@ -1035,8 +1056,9 @@ fn grpc_outcome_is_read_from_grpc_status() {
             assert!(!json.contains("x-other"), "{json}");
         }
         assert_eq!(
-            flow.on_reply(&Cx::new(&rt, 7, &rec), out[0].slot, Ok(settled())),
-            Step::Continue
+            flow.on_reply(&Cx::new(&rt, 7, &rec), out[0].slot, Ok(settled()))
+                .next,
+            Move::Continue
         );
         let metric = if released { "released" } else { "completed" };
         assert_eq!(rec.count(&format!("cg.policy.orders.idem.{metric}")), 1);
@@ -1094,7 +1116,10 @@ fn grpc_replays_and_local_replies() {
             false,
         );
         flow.on_request_body(&Cx::new(&rt, 1, &rec), 2, true, || b"hi".to_vec());
-        let Step::Respond(r) = flow.on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(answer.reply())) else {
+        let Move::Respond(r) = flow
+            .on_reply(&Cx::new(&rt, 3, &rec), 0, Ok(answer.reply()))
+            .next
+        else {
             panic!("{case}: expected a local answer");
         };
         assert_eq!(r.grpc_status, Some(status), "{case}");
