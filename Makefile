@@ -32,6 +32,7 @@ help: ## Show the targets, then every variable they take.
 
 ##= LOGS                    run, demo-redis-down/-up: where the demo's logs and state go (default build/demo)
 ##= PLUGIN                  run, demo-config, check: the plugin configuration (run: default envoy/demo-plugin.json)
+##= ARGS                    admin: the cg-admin command and its options (ARGS=help lists them)
 ##= ENVOY_PORT              run, demo-config: Envoy's listener (default 10000)
 ##= ADMIN_PORT              run, demo-config: Envoy's admin (default 9901)
 ##= UPSTREAM_PORT           run, demo-config: the demo service (default 8080)
@@ -216,6 +217,20 @@ bench-scripts: deps ## acquire.lua's and complete.lua's cost in a real redis-ser
 check: deps-rust ## Check a plugin configuration without Envoy: make check PLUGIN=FILE (plugin JSON, WasmPlugin or Envoy YAML; summary, or the filter's error).
 	@[ -n "$(PLUGIN)" ] || { echo "usage: make check PLUGIN=plugin.json|wasmplugin.yaml|envoy.yaml"; exit 2; }
 	@cargo run --quiet --bin cg-check -- $(PLUGIN)
+
+# The operator's tool on the running demo: its rendered config (build/demo.yaml) and the Redis
+# admin URL it writes to $(LOGS)/redis-admin.url; CG_ADMIN_CONFIG and CG_ADMIN_REDIS_URL point
+# it elsewhere. ARGS is handed to the shell as written, so its quotes group words.
+.PHONY: admin
+admin: deps-rust ## The operator's tool (docs/admin.md) on the running demo: make admin ARGS="limits --policy create-order --tenant acme". Env CG_ADMIN_REDIS_URL, CG_ADMIN_CONFIG for another Redis and config.
+	@$(if $(strip $(ARGS)),true,{ echo 'usage: make admin ARGS="COMMAND [OPTIONS]" (limits, record, lease, explain, override; ARGS=help lists the options)'; exit 2; })
+	@url="$${CG_ADMIN_REDIS_URL:-}"; \
+	if [ -z "$$url" ] && [ "$(firstword $(ARGS))" != help ]; then \
+	  [ -f $(LOGS)/redis-admin.url ] || { echo "make admin: no demo is running ($(LOGS)/redis-admin.url is missing) and CG_ADMIN_REDIS_URL is not set: start the demo (make run), or set CG_ADMIN_REDIS_URL=redis://user:password@host:port and CG_ADMIN_CONFIG=<the plugin config>"; exit 2; }; \
+	  url=$$(cat $(LOGS)/redis-admin.url); \
+	fi; \
+	CG_ADMIN_REDIS_URL="$$url" CG_ADMIN_CONFIG="$${CG_ADMIN_CONFIG:-build/demo.yaml}" \
+	  cargo run --quiet --bin cg-admin -- $(ARGS)
 
 # make run PLUGIN=my.json REDIS_PORT=6380 ...: the demo with another plugin config or ports.
 # CLUSTER=1: Redis Cluster (:7001-7006) behind Envoy's redis_proxy (on REDIS_PORT) behind two

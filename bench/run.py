@@ -733,6 +733,13 @@ def scenarios() -> list[Scenario]:
                           ("wasm_naive_script", None),
                           *((f"wasm_naive_code{n}", None) for n in CODE_FUNCTIONS),
                           (f"wasm_naive_sparse{SPARSE_FUNCTIONS}", None))),
+        # Per-tenant limits at runtime: the exact path with `overrides: true` on its limit and
+        # no override set (every call reads the tenant's override key and finds nothing),
+        # beside the same path without, in the same rounds: what the feature costs when on.
+        Scenario("rl_allowed_overrides", "rate limit allowed, 10k tenants, unbatched, "
+                 "overrides on (none set)", "tenants.lua",
+                 rate_limited("rl_allowed_overrides", HUGE_LIMIT, batch=False, overrides=True),
+                 verify=verify_allowed, anchors=(("rl_allowed", None),), anchors_in_rounds=True),
         # Callout coalescing (the default): the same traffic, the acquires of one worker sent
         # together.
         Scenario("rl_allowed_batched", "rate limit allowed, 10k tenants, batched", "tenants.lua",

@@ -13,6 +13,9 @@
 // the proxy-wasm adapter (mod host) use the core; the host build serves the tests and tools.
 #![cfg_attr(not(all(target_arch = "wasm32", target_os = "wasi")), allow(dead_code))]
 
+/// The operator's tool: host only.
+#[cfg(not(target_arch = "wasm32"))]
+pub mod admin;
 pub mod config;
 pub mod engine;
 pub mod guards;

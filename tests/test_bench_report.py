@@ -288,6 +288,24 @@ def test_an_anchor_without_a_goal_runs_in_its_scenarios_rounds_on_the_same_reque
     assert "--examples" in bench.FLOOR_BUILD
 
 
+def test_overrides_are_measured_beside_the_exact_path_without_them():
+    """The exact path with `overrides: true` on its limit runs rl_allowed in its own rounds,
+    on the same requests, with the same configuration but that flag."""
+    by_name = {s.name: s for s in bench.scenarios()}
+    ours, without = by_name["rl_allowed_overrides"], by_name["rl_allowed"]
+    assert bench.in_round_anchors(ours) == ["rl_allowed"]
+    assert ours.script == without.script and ours.verify is without.verify
+
+    class FakeStack:
+        def redis_section(self, **kw):
+            return {"key_prefix": kw["key_prefix"]}
+
+    mine, theirs = ours.plugin(FakeStack()), without.plugin(FakeStack())
+    assert mine["policies"][0]["rate_limits"][0].pop("overrides") is True
+    assert mine["redis"].pop("key_prefix") != theirs["redis"].pop("key_prefix")
+    assert mine == theirs
+
+
 def test_the_incumbent_runs_in_the_rounds_of_the_paths_it_competes_with():
     """Envoy's ratelimit filter with Limitador (no Wasm filter, no webdis) runs next to the
     exact and batched paths (its exact storage) and leased quota (its cached storage), on the

@@ -172,7 +172,7 @@ LAYERS = [
     ["redis"],
     ["guards"],
     ["engine"],
-    ["host"],
+    ["host", "admin"],
 ]
 
 

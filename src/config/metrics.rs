@@ -45,6 +45,11 @@ impl Metrics {
                                 } else {
                                     u32::MAX
                                 },
+                                override_unreadable: if l.overrides {
+                                    counter(format!("{lb}.override_unreadable"))
+                                } else {
+                                    u32::MAX
+                                },
                             }
                         })
                         .collect(),

@@ -32,7 +32,7 @@ pub use idempotency::{
 pub use keyring::{KeyProblem, Keyring, RecordKey, KEY_LEN};
 pub use lease::{Lease, OnBusy, MAX_FENCE_TTL_MS};
 pub use policy::{HeaderMatch, HeaderTest, IdSource, Identity, Match, MissingTenant};
-pub use rate_limit::{policy_item, Algorithm, RateLimit};
+pub use rate_limit::{policy_item, push_policy_item, Algorithm, Quota, RateLimit};
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};
 pub use redis::{Batch, RedisConfig};

@@ -40,6 +40,19 @@ pub struct RateLimit {
     /// Its `RateLimit-Policy` item ([`policy_item`] of its name, limit and window), written
     /// here once rather than on every response.
     pub policy_item: String,
+    /// `overrides: true`: a tenant's or a principal's own limit, window and burst, stored in
+    /// Redis beside the counter (`cg-admin override`), replace the configuration's for their
+    /// requests. Only on limits counted per tenant, so the override keys share the
+    /// counter's hash slot.
+    pub overrides: bool,
+}
+
+/// How much a limit admits and over how long: the configuration's, or a tenant's own (an
+/// override), as the script counted with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub limit: u64,
+    pub window_ms: u64,
 }
 
 impl RateLimit {
@@ -52,19 +65,39 @@ impl RateLimit {
     pub fn tenant_scoped(&self) -> bool {
         self.by.contains(&Selector::Tenant)
     }
+
+    /// True when each principal of a tenant has a counter of its own: only then can one
+    /// principal have its own limit (a principal's override).
+    pub fn per_principal(&self) -> bool {
+        self.by.contains(&Selector::Principal)
+    }
+
+    /// The configuration's limit and window.
+    pub fn quota(&self) -> Quota {
+        Quota {
+            limit: self.limit,
+            window_ms: self.window_ms,
+        }
+    }
 }
 
 /// A limit's `RateLimit-Policy` item, `"<name>";q=<quota>;w=<window in s>`: the same on every
 /// response, so the configuration writes it once per limit and each response copies it.
 pub fn policy_item(name: &str, quota: u64, window_ms: u64) -> String {
     let mut item = String::with_capacity(name.len() + 32);
-    item.push('"');
-    item.push_str(name);
-    item.push_str("\";q=");
-    push_u64(&mut item, quota);
-    item.push_str(";w=");
-    push_u64(&mut item, whole_secs(window_ms));
+    push_policy_item(&mut item, name, quota, window_ms);
     item
+}
+
+/// Appends [`policy_item`] to `out`: a tenant's own quota (an override) is written per
+/// response, into the header itself.
+pub fn push_policy_item(out: &mut String, name: &str, quota: u64, window_ms: u64) {
+    out.push('"');
+    out.push_str(name);
+    out.push_str("\";q=");
+    push_u64(out, quota);
+    out.push_str(";w=");
+    push_u64(out, whole_secs(window_ms));
 }
 
 const RATE_LIMIT_FIELDS: &[&str] = &[
@@ -78,6 +111,7 @@ const RATE_LIMIT_FIELDS: &[&str] = &[
     "mode",
     "cost",
     "charge",
+    "overrides",
 ];
 
 /// A policy's `rate_limits`, names unique within it.
@@ -136,6 +170,17 @@ fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
         ));
     }
     let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased, limits)?;
+    let overrides_path = o.field_path("overrides");
+    let overrides = o.opt_bool("overrides")?.unwrap_or(false);
+    if overrides && !by.contains(&Selector::Tenant) {
+        // The override keys are tagged by tenant: with another tag they would sit in another
+        // slot than the counter, out of reach of the script that counts it.
+        return Err(ConfigError::new(
+            overrides_path,
+            "needs a limit counted per tenant (\"tenant\" in by): a tenant's overrides are \
+             stored in its hash slot",
+        ));
+    }
     Ok(RateLimit {
         policy_item: policy_item(&name, limit, window_ms),
         name,
@@ -148,6 +193,7 @@ fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
         leased,
         cost,
         charge,
+        overrides,
     })
 }
 

@@ -928,6 +928,58 @@ fn cost_and_charge_errors_name_the_field() {
     }
 }
 
+/// `overrides` is off unless asked for, and only on a limit counted per tenant: the override
+/// keys carry the tenant's hash tag, so they share the counter's slot only then.
+#[test]
+fn overrides_need_a_limit_counted_per_tenant() {
+    let config = Config::from_value(&base()).expect("valid");
+    assert!(config
+        .policies
+        .iter()
+        .flat_map(|p| &p.rate_limits)
+        .all(|l| !l.overrides));
+    let mut v = base();
+    v["policies"][0]["rate_limits"][0]["overrides"] = json!(true);
+    v["policies"][0]["rate_limits"][1]["overrides"] = json!(true);
+    v["policies"][0]["rate_limits"][1]["algorithm"] = json!("concurrency");
+    v["policies"][0]["rate_limits"][1]
+        .as_object_mut()
+        .expect("object")
+        .remove("burst");
+    let config = Config::from_value(&v).expect("valid");
+    let limits = &config.policies[0].rate_limits;
+    assert!(limits[0].overrides && limits[1].overrides && !limits[2].overrides);
+    assert!(!limits[0].per_principal() && limits[1].per_principal());
+    assert_eq!(
+        limits[0].quota(),
+        Quota {
+            limit: 100,
+            window_ms: 60_000
+        }
+    );
+    for (at, edit, want) in [
+        (
+            "/policies/0/rate_limits/2/overrides",
+            json!(true),
+            "policies[0].rate_limits[2].overrides: needs a limit counted per tenant (\"tenant\" \
+             in by): a tenant's overrides are stored in its hash slot",
+        ),
+        (
+            "/policies/1/rate_limits/0/overrides",
+            json!(true),
+            "policies[1].rate_limits[0].overrides: needs a limit counted per tenant (\"tenant\" \
+             in by): a tenant's overrides are stored in its hash slot",
+        ),
+        (
+            "/policies/0/rate_limits/0/overrides",
+            json!("yes"),
+            "policies[0].rate_limits[0].overrides: expected true or false, found a string",
+        ),
+    ] {
+        assert_eq!(error_after(at, edit), want, "{at}");
+    }
+}
+
 /// Each limit's `RateLimit-Policy` item is written at configuration, from its own name,
 /// limit and window (in whole seconds, rounded up, at least 1), as every response shows it.
 #[test]
@@ -976,7 +1028,7 @@ fn every_object() -> Value {
                 {"name": "t", "by": ["tenant"], "algorithm": "token_bucket", "limit": 10,
                  "window": "1s", "burst": 20, "shadow": false, "mode": "exact",
                  "cost": {"header": "x-cost", "default": 1, "min": 0, "max": 5},
-                 "charge": {"response_json": "/n", "max_body": "1KiB"}}
+                 "charge": {"response_json": "/n", "max_body": "1KiB"}, "overrides": true}
             ],
             "idempotency": {
                 "header": "idempotency-key", "required": true, "methods": ["POST"],

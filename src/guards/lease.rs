@@ -2,7 +2,7 @@
 //! waits for a busy one (jittered, doubling polls up to `max_wait`), when it extends it, and
 //! how it gives it back. It decides; the flow sends.
 
-use crate::config::{Lease, OnBusy};
+use crate::config::{Lease, OnBusy, Selector};
 use crate::guards::background::{Background, Holder};
 use crate::guards::backoff::Backoff;
 use crate::guards::context::{Pcx, Purpose};
@@ -21,6 +21,34 @@ use crate::support::metrics::{LeaseMetrics, MetricSink};
 /// First and largest pause between polls of a busy lease (`on_busy: wait`).
 pub(crate) const LEASE_POLL_FIRST_MS: u64 = 25;
 pub(crate) const LEASE_POLL_MAX_MS: u64 = 100;
+
+/// What names a lease's resource for this caller and request: each of the lease's `resource`
+/// selectors with its value; `Err` spells the first one the request does not carry.
+pub fn resource_parts<'a>(
+    lease: &'a Lease,
+    caller: &'a Caller,
+    req: &'a Request,
+) -> Result<Vec<(&'a Selector, Option<&'a str>)>, String> {
+    let mut parts = Vec::with_capacity(lease.resource.len());
+    for sel in &lease.resource {
+        match selector_value(sel, caller, req) {
+            Some(v) => parts.push((sel, Some(v))),
+            None => return Err(sel.spelling()),
+        }
+    }
+    Ok(parts)
+}
+
+/// The lease key and the fencing counter key of the resource `parts` names, in the hash tag
+/// `tenant_tag` of policy `policy`: the resource hash is the scope hash of its parts.
+pub fn resource_keys<'v, 's>(
+    prefix: &str,
+    tenant_tag: &str,
+    policy: &str,
+    parts: impl IntoIterator<Item = (&'s Selector, Option<&'v str>)>,
+) -> (String, String) {
+    keys::lease_keys(prefix, tenant_tag, policy, &keys::scope_hash(parts))
+}
 
 #[derive(Debug)]
 pub(crate) struct LeaseGuard {
@@ -58,18 +86,11 @@ impl LeaseGuard {
         let Some(lease) = at.policy.lease.as_ref() else {
             return Ok(None);
         };
-        let mut parts = Vec::with_capacity(lease.resource.len());
-        for sel in &lease.resource {
-            match selector_value(sel, caller, req) {
-                Some(v) => parts.push((sel, Some(v))),
-                None => return Err(sel.spelling()),
-            }
-        }
+        let parts = resource_parts(lease, caller, req)?;
         let prefix = &at.rt.config.redis.key_prefix;
         let tag = keys::tenant_tag(&caller.tenant);
         let cancel_key = keys::cancel_key(prefix, &tag, &at.policy.name, owner);
-        let (key, fence_key) =
-            keys::lease_keys(prefix, &tag, &at.policy.name, &keys::scope_hash(parts));
+        let (key, fence_key) = resource_keys(prefix, &tag, &at.policy.name, parts);
         Ok(Some(LeaseGuard {
             acquire: LeaseAcquire {
                 key,

@@ -5,6 +5,7 @@
 // The wait in whole seconds that `Retry-After` and the memo of a 429 show: the configuration's
 // unit, as a limit's `w=` is.
 pub(crate) use crate::config::units::whole_secs;
+use crate::config::{push_policy_item, Quota};
 use crate::http::grpc;
 use crate::support::text::{push, push_u64, push_u64_bytes};
 use std::rc::Rc;
@@ -293,6 +294,8 @@ pub(crate) struct QuotaView<'a> {
     pub(crate) name: &'a str,
     /// The limit's `RateLimit-Policy` item ([`crate::config::policy_item`]).
     pub(crate) policy: &'a str,
+    /// The tenant's own quota (an override), written instead of `policy`.
+    pub(crate) quota: Option<Quota>,
     pub(crate) remaining: u64,
     pub(crate) reset_ms: u64,
 }
@@ -309,7 +312,10 @@ pub(crate) fn ratelimit_headers(views: &[QuotaView<'_>]) -> (String, String) {
             push(&mut policy, ", ");
             push(&mut state, ", ");
         }
-        push(&mut policy, v.policy);
+        match v.quota {
+            Some(q) => push_policy_item(&mut policy, v.name, q.limit, q.window_ms),
+            None => push(&mut policy, v.policy),
+        }
         push(&mut state, "\"");
         push(&mut state, v.name);
         push(&mut state, "\";r=");
@@ -415,16 +421,18 @@ mod tests {
 
     #[test]
     fn header_syntax() {
-        let views = [
+        let mut views = [
             QuotaView {
                 name: "tenant",
                 policy: &policy_item("tenant", 100, 60_000),
+                quota: None,
                 remaining: 0,
                 reset_ms: 16_200,
             },
             QuotaView {
                 name: "user-burst",
                 policy: &policy_item("user-burst", 10, 250),
+                quota: None,
                 remaining: 7,
                 reset_ms: 0,
             },
@@ -432,6 +440,13 @@ mod tests {
         let (policy, state) = ratelimit_headers(&views);
         assert_eq!(policy, "\"tenant\";q=100;w=60, \"user-burst\";q=10;w=1");
         assert_eq!(state, "\"tenant\";r=0;t=17, \"user-burst\";r=7;t=0");
+        // A tenant's own quota (an override) is written in place of the limit's item.
+        views[1].quota = Some(Quota {
+            limit: 40,
+            window_ms: 120_000,
+        });
+        let (policy, _) = ratelimit_headers(&views);
+        assert_eq!(policy, "\"tenant\";q=100;w=60, \"user-burst\";q=40;w=120");
         assert_eq!(ratelimit_headers(&[]), (String::new(), String::new()));
     }
 

@@ -78,7 +78,7 @@ impl HeaderTest {
 }
 
 impl Match {
-    #[cfg(test)]
+    #[cfg(any(test, not(target_arch = "wasm32")))]
     pub(crate) fn matches(&self, req: &Request) -> bool {
         self.fits(&mut Parsed::of(req), 0)
     }

@@ -8,12 +8,21 @@
 //! idempotency: <prefix>:idem:{t.<tenant hash>}:<policy>:<key hash>
 //! lease:       <prefix>:lease:{t.<tenant hash>}:<policy>:<resource hash>
 //! fence:       <prefix>:fence:{t.<tenant hash>}:<policy>:<resource hash>
-//! cancel:      <prefix>:cancel:{t.<tenant hash>}:<policy>:<owner token>
+//! cancel:      <prefix>:cancel:{<tag>}:<policy>:<owner token>
+//! override:    <prefix>:ovr:{t.<tenant hash>}:<policy>:<limit>:t                  (the tenant's)
+//!              <prefix>:ovr:{t.<tenant hash>}:<policy>:<limit>:p.<principal hash> (a principal's)
+//! their index: <prefix>:ovr:{t.<tenant hash>}:<policy>:index
 //! ```
 //!
 //! `<key hash>` is 32 hex digits (128 bits) of SHA-256 of the client's Idempotency-Key.
+//! An override holds `<limit>/<window_ms>[/<burst>]`, a tenant's or a principal's own quota
+//! for a limit with `overrides: true` (written by `cg-admin override`, read by `acquire.lua`);
+//! the index is the set of override keys the tool wrote, so it lists them without a scan.
+//! docs/design.md ("Redis keys") gives every part's derivation, to compute a key by hand.
 //!
-//! * `<tag>` is `t.<tenant hash>` for limits scoped by tenant, else `p.<policy>`.
+//! * `<tag>` is `t.<tenant hash>` for limits scoped by tenant, else `p.<policy>`; a
+//!   cancellation marker's is the tag of the call it stops (the tenant's for a record or a
+//!   lease, a concurrency limit's own in another slot).
 //! * `<scope>` is a short hash of the selected request values (`_` for `by: []`).
 //! * The algorithm's parameters are part of the key, so a config change starts a fresh counter.
 //! * `<algo>` is the limit's code ([`algorithm_code`], [`limit_code`]), which the scripts are
@@ -21,7 +30,7 @@
 //! * Tenants, principals, client addresses and header values only appear hashed.
 
 use crate::config::{Algorithm, Policy, RateLimit, Selector};
-use crate::support::hashing::{domain_hasher, push_short_digest, push_short_hash};
+use crate::support::hashing::{domain_hasher, push_short_digest, push_short_hash, short_hash};
 use crate::support::slots::text_hash;
 use crate::support::text::{hex, push, push_u64, split_once_byte};
 use sha2::{Digest, Sha256};
@@ -39,6 +48,39 @@ pub fn tenant_tag(tenant: &str) -> String {
 pub fn push_tenant_tag(out: &mut String, tenant: &str) {
     out.push_str("t.");
     push_short_hash(out, "tenant", tenant.as_bytes());
+}
+
+/// The short hash a principal is named by in its override key (`p.<principal hash>`).
+pub fn principal_hash(principal: &str) -> String {
+    short_hash("principal", principal.as_bytes())
+}
+
+/// A limit's override key in the tenant's hash tag `tenant_tag`: the tenant's own
+/// (`principal` `None`) or one principal's, named by [`principal_hash`].
+pub fn override_key(
+    prefix: &str,
+    tenant_tag: &str,
+    policy: &str,
+    limit: &str,
+    principal: Option<&str>,
+) -> String {
+    let mut k = String::with_capacity(prefix.len() + policy.len() + limit.len() + 48);
+    for part in [prefix, ":ovr:{", tenant_tag, "}:", policy, ":", limit, ":"] {
+        k.push_str(part);
+    }
+    match principal {
+        Some(p) => {
+            k.push_str("p.");
+            push_short_hash(&mut k, "principal", p.as_bytes());
+        }
+        None => k.push('t'),
+    }
+    k
+}
+
+/// The set of override keys the tool wrote for a tenant's limits of one policy.
+pub fn override_index_key(prefix: &str, tenant_tag: &str, policy: &str) -> String {
+    tagged_key(prefix, "ovr", tenant_tag, policy, "index")
 }
 
 /// Appends the hash tag of counters that are not scoped by tenant: `p.<policy>`.
@@ -295,6 +337,7 @@ mod tests {
             cost: None,
             charge: None,
             policy_item: crate::config::policy_item("tenant", 100, 60_000),
+            overrides: false,
         }
     }
 
@@ -387,6 +430,43 @@ mod tests {
         assert_eq!(
             cancel_key("cg", &tenant_tag("acme"), "activate", "0f1e"),
             "cg:cancel:{t.d2e79529ba2c46b2}:activate:0f1e"
+        );
+    }
+
+    #[test]
+    fn override_keys() {
+        let tag = tenant_tag("acme");
+        assert_eq!(principal_hash("alice"), "58fd98b9b74d0691");
+        assert_ne!(principal_hash("acme"), short_hash("tenant", b"acme"));
+        assert_eq!(
+            override_key("cg:demo", &tag, "create-order", "tenant", None),
+            "cg:demo:ovr:{t.d2e79529ba2c46b2}:create-order:tenant:t"
+        );
+        assert_eq!(
+            override_key("cg:demo", &tag, "create-order", "user", Some("alice")),
+            "cg:demo:ovr:{t.d2e79529ba2c46b2}:create-order:user:p.58fd98b9b74d0691"
+        );
+        assert_eq!(
+            override_index_key("cg:demo", &tag, "create-order"),
+            "cg:demo:ovr:{t.d2e79529ba2c46b2}:create-order:index"
+        );
+        // The counter's slot: the same hash tag.
+        let key = rate_limit_key(
+            "cg:demo",
+            &tag,
+            &policy(),
+            &limit(Algorithm::FixedWindow, 1),
+            "_",
+        );
+        assert_eq!(
+            hash_tag(&override_key(
+                "cg:demo",
+                &tag,
+                "create-order",
+                "tenant",
+                None
+            )),
+            key.tag()
         );
     }
 

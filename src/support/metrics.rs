@@ -56,6 +56,9 @@ pub(crate) struct LimitMetrics {
     pub(crate) slot_orphaned: u32,
     /// Responses whose charge could not be read, charged the `unreadable` fallback.
     pub(crate) charge_unreadable: u32,
+    /// Requests that found a stored override of the limit unreadable and counted without it
+    /// (limits with `overrides`).
+    pub(crate) override_unreadable: u32,
 }
 
 /// `cg.policy.<policy>.idem.<name>`, defined for policies with `idempotency`.

@@ -37,8 +37,8 @@ from pathlib import Path
 from . import readiness
 from .cluster import NODES, ClusterBackend, RedisProxy
 from .envoy import DEFAULT_WASM, spawn_envoy, substitute
-from .proc import (ROOT, PrerequisiteMissing, RedisServer, beyond_loopback, wait_for_port,
-                   wait_http)
+from .proc import (ADMIN_USER, ROOT, PrerequisiteMissing, RedisServer, beyond_loopback,
+                   wait_for_port, wait_http)
 from .upstream import Upstream
 from .webdis import Webdis
 
@@ -333,6 +333,14 @@ def log_of(part: str, started: dict[str, object], envoy_log: str) -> str:
     return "\n".join(text.splitlines()[-20:]) or "(empty)"
 
 
+def write_admin_url(path: Path, password: str, port: int) -> None:
+    """Where `make admin` finds Redis as the admin user (a Redis Cluster node: cg-admin follows
+    MOVED), readable by its owner only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"redis://{ADMIN_USER}:{password}@127.0.0.1:{port}\n")
+
+
 def set_redis_state(path: Path, state: str) -> None:
     """What `make demo-redis-down` / `-up` wait for: `down` once Redis is gone, `up` once the
     gateway answers again."""
@@ -358,6 +366,7 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
     logs.mkdir(parents=True)
     pid_file = logs / "demo.pid"
     state_file = logs / "redis.state"
+    admin_url = logs / "redis-admin.url"
     started: dict[str, object] = {}  # label -> RedisServer | Webdis | Upstream | Proc
     redis_wanted = {"up": True}  # SIGUSR1 takes Redis away, SIGUSR2 brings it back
 
@@ -418,6 +427,8 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
                   f"{log_of(e.part, started, envoy.log_text())}\nlogs in {logs}/", file=sys.stderr)
             return 1
         pid_file.write_text(f"{os.getpid()}\n")
+        write_admin_url(admin_url, redis.admin_password,
+                        node_ports(ports)[0] if cluster else ports["redis"])
         set_redis_state(state_file, "up")
         print(instructions(ports, config, logs, redis.admin_password, plugin, cluster, make_logs),
               flush=True)
@@ -453,6 +464,7 @@ def run(ports: dict[str, int], wasm_path: Path, out: Path, logs: Path,
             part.stop()
         pid_file.unlink(missing_ok=True)
         state_file.unlink(missing_ok=True)
+        admin_url.unlink(missing_ok=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 

@@ -343,6 +343,19 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
         l.name,
         keys::limit_code(l)
     );
+    if l.overrides {
+        let principal = if l.per_principal() {
+            " (a principal's: …:p.<principal>, first)"
+        } else {
+            ""
+        };
+        let _ = write!(
+            line,
+            "\n        overrides: a tenant's own limit from {prefix}:ovr:{tag}:{policy}:{}:t{principal}, \
+             set with cg-admin override",
+            l.name
+        );
+    }
     line
 }
 

@@ -44,6 +44,28 @@ fn a_valid_config_is_summarised() {
 }
 
 #[test]
+fn a_limit_that_reads_overrides_says_where() {
+    let summary = check_json(
+        br#"{"redis": {"cluster": "gw", "key_prefix": "cg:x"}, "policies": [{"name": "api",
+             "rate_limits": [
+               {"name": "t", "by": ["tenant"], "algorithm": "fixed_window", "limit": 10,
+                "window": "1s", "overrides": true},
+               {"name": "u", "by": ["tenant", "principal"], "algorithm": "fixed_window",
+                "limit": 10, "window": "1s", "overrides": true},
+               {"name": "plain", "by": ["tenant"], "algorithm": "fixed_window", "limit": 10,
+                "window": "1s"}]}]}"#,
+    )
+    .expect("valid");
+    for want in [
+        "overrides: a tenant's own limit from cg:x:ovr:{t.<tenant>}:api:t:t, set with cg-admin override",
+        "overrides: a tenant's own limit from cg:x:ovr:{t.<tenant>}:api:u:t (a principal's: …:p.<principal>, first), set with cg-admin override",
+    ] {
+        assert!(summary.contains(want), "{want:?} in\n{summary}");
+    }
+    assert_eq!(summary.matches("overrides:").count(), 2, "{summary}");
+}
+
+#[test]
 fn a_cost_the_client_declares_with_no_charge_is_warned_about() {
     let config = br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "llm", "rate_limits": [
             {"name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000,

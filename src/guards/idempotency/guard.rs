@@ -42,6 +42,22 @@ pub(crate) struct IdempotencyGuard {
     wait: Backoff,
 }
 
+/// The record key of a client's Idempotency-Key (as [`parse_key`] reads it) in the hash tag
+/// `tenant_tag` of policy `policy`, and the key's hash (the key's last part, and what logs
+/// name a record by).
+pub fn record_key(
+    prefix: &str,
+    tenant_tag: &str,
+    policy: &str,
+    client_key: &str,
+) -> (String, String) {
+    let key_hash = keys::client_key_hash(client_key);
+    (
+        keys::idempotency_key(prefix, tenant_tag, policy, &key_hash),
+        key_hash,
+    )
+}
+
 /// First and largest pause between polls of a record still in progress (`in_progress: wait`).
 pub(crate) const RECORD_POLL_FIRST_MS: u64 = 50;
 pub(crate) const RECORD_POLL_MAX_MS: u64 = 200;
@@ -84,12 +100,12 @@ impl IdempotencyGuard {
             return Err(body_too_large(at, cfg));
         }
         let prefix = &at.rt.config.redis.key_prefix;
-        let key_hash = keys::client_key_hash(&client_key);
         let tag = keys::tenant_tag(&caller.tenant);
+        let (key, key_hash) = record_key(prefix, &tag, &at.policy.name, &client_key);
         let cancel_key = keys::cancel_key(prefix, &tag, &at.policy.name, owner);
         Ok(Some(IdempotencyGuard {
             acquire: RecordAcquire {
-                key: keys::idempotency_key(prefix, &tag, &at.policy.name, &key_hash),
+                key,
                 tag,
                 fingerprint: String::new(),
                 owner: owner.to_string(),

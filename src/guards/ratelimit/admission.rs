@@ -3,12 +3,12 @@
 //! and what the verdict leaves behind (slices, over-limit marks, metrics).
 
 use crate::guards::context::Pcx;
-use crate::guards::ratelimit::{self, LimitState, Verdict};
+use crate::guards::ratelimit::{self, Known, LimitState, Verdict};
 use crate::http::identity::Caller;
 use crate::http::local_reply::LocalResponse;
 use crate::http::request::Request;
 use crate::redis::keys::LimitKey;
-use crate::redis::scripts::acquire::Ask;
+use crate::redis::scripts::acquire::{Ask, OverrideKeys};
 use crate::redis::CallError;
 use std::rc::Rc;
 
@@ -28,6 +28,8 @@ pub(crate) struct LimitSlot {
     /// Consumed in Redis: the limit's call admitted the request and this limit allowed it
     /// (a concurrency limit: the slot is held until given back).
     pub(crate) consumed: bool,
+    /// Where the caller's own quota may be stored (limits with `overrides`, asked in Redis).
+    pub(crate) overrides: Option<OverrideKeys>,
 }
 
 #[derive(Debug, Default)]
@@ -61,18 +63,34 @@ impl Admission {
                 .leased
                 .then(|| rt.quota.take(key.hash(), at.now_ms))
                 .flatten();
+            // Read in the counter's own call (none for a unit from the leased slice).
+            let overrides = taken
+                .is_none()
+                .then(|| {
+                    ratelimit::override_keys(
+                        &rt.config.redis.key_prefix,
+                        at.policy,
+                        limit,
+                        &key,
+                        caller,
+                    )
+                })
+                .flatten();
             LimitSlot {
-                state: taken.map(|(left, expires)| LimitState {
+                state: taken.map(|(left, expires, quota)| LimitState {
                     allowed: true,
                     remaining: left,
                     reset_ms: expires.saturating_sub(at.now_ms),
                     retry_after_ms: 0,
+                    quota,
+                    override_unreadable: false,
                 }),
                 local: taken.is_some(),
                 key,
                 granted: 0,
                 cost: costs.get(i).copied().unwrap_or(1),
                 consumed: false,
+                overrides,
             }
         });
         buffer.extend(slots);
@@ -100,6 +118,7 @@ impl Admission {
                 (!s.local).then_some(Ask {
                     key: &s.key,
                     cost: s.cost,
+                    overrides: s.overrides.as_ref(),
                 })
             })
             .collect()
@@ -123,17 +142,21 @@ impl Admission {
             return None;
         }
         // Allocated at the first hit: most requests have none.
-        let mut waits: Option<Vec<Option<u64>>> = None;
+        let mut waits: Option<Vec<Option<Known>>> = None;
         for (i, (limit, slot)) in at.policy.rate_limits.iter().zip(&self.slots).enumerate() {
             // A unit from this worker's slice was counted in Redis when the slice was taken:
             // it admits whatever the counter says now.
             if limit.shadow || slot.local {
                 continue;
             }
-            if let Some(until) = rt.over_limit.rejecting_until(slot.key.hash(), at.now_ms) {
+            if let Some((until, quota)) = rt.over_limit.rejecting_until(slot.key.hash(), at.now_ms)
+            {
                 let all = waits.get_or_insert_with(|| vec![None; self.slots.len()]);
                 if let Some(wait) = all.get_mut(i) {
-                    *wait = Some(until - at.now_ms);
+                    *wait = Some(Known {
+                        wait_ms: until - at.now_ms,
+                        quota,
+                    });
                 }
                 if let Some(lm) = at.pm.limits.get(i) {
                     at.m.increment(lm.rejected);
@@ -157,11 +180,21 @@ impl Admission {
         states: Vec<LimitState>,
         admitted: bool,
     ) {
-        for (&i, state) in limits.iter().zip(states) {
-            let leased = at.policy.rate_limits.get(i).is_some_and(|l| l.leased);
+        for (&i, mut state) in limits.iter().zip(states) {
+            let limit = at.policy.rate_limits.get(i);
+            let leased = limit.is_some_and(|l| l.leased);
             let Some(slot) = self.slots.get_mut(i) else {
                 continue;
             };
+            // A tenant's own quota that says what the configuration says is none.
+            if let Some(l) = limit {
+                state.quota = state.quota.filter(|q| *q != l.quota());
+            }
+            if state.override_unreadable {
+                if let Some(lm) = at.pm.limits.get(i) {
+                    at.m.increment(lm.override_unreadable);
+                }
+            }
             if leased && admitted && state.allowed {
                 slot.granted = state.remaining;
             }
@@ -233,12 +266,13 @@ impl Admission {
             } else {
                 slot.granted
             };
-            let reset = slot.state.map_or(0, |s| s.reset_ms);
+            let (reset, quota) = slot.state.map_or((0, None), |s| (s.reset_ms, s.quota));
             at.rt.quota.add(
                 slot.key.hash(),
                 left,
                 at.now_ms.saturating_add(reset),
                 at.now_ms,
+                quota,
             );
             if let Some(s) = slot.state.as_mut() {
                 s.remaining = left;
@@ -260,10 +294,14 @@ impl Admission {
                 && limit.charge.is_none()
                 && (slot.cost <= 1 || state.remaining == 0);
             if !state.allowed && !limit.shadow && cacheable && state.retry_after_ms > 0 {
-                at.rt.over_limit.mark(
-                    slot.key.hash(),
-                    at.now_ms.saturating_add(state.retry_after_ms),
-                );
+                let until = at.now_ms.saturating_add(state.retry_after_ms);
+                if limit.overrides {
+                    // An override set meanwhile is read within a refresh.
+                    let over = &at.rt.over_limit;
+                    over.mark_overridable(slot.key.hash(), until, at.now_ms, state.quota);
+                } else {
+                    at.rt.over_limit.mark(slot.key.hash(), until);
+                }
             }
         }
     }

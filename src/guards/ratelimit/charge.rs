@@ -256,6 +256,7 @@ impl Meter {
             let c = Correction {
                 key: slot.key.text(),
                 limit,
+                quota: slot.state.and_then(|s| s.quota),
                 delta,
             };
             match by_tag.iter_mut().find(|(t, _)| *t == slot.key.tag()) {

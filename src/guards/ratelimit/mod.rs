@@ -8,8 +8,8 @@ pub(crate) mod charge;
 pub(crate) mod leased;
 pub(crate) mod overlimit;
 
-use crate::config::{Policy, RateLimit};
-use crate::http::identity::Caller;
+use crate::config::{Policy, Quota, RateLimit};
+use crate::http::identity::{Caller, ANONYMOUS};
 use crate::http::local_reply::{self, LocalResponse, Member, Problem, QuotaView};
 use crate::http::request::Request;
 use crate::http::selectors::selector_value;
@@ -17,6 +17,7 @@ use crate::redis::keys::{self, LimitKey};
 /// Each limit's answer: what `acquire.lua` says of it (the script's contract reads it), or
 /// what a local slice or the over-limit cache knows.
 pub(crate) use crate::redis::scripts::acquire::LimitState;
+use crate::redis::scripts::acquire::OverrideKeys;
 use crate::support::slots::SlotTable;
 use crate::support::text::push_u64;
 use std::cell::RefCell;
@@ -52,6 +53,23 @@ pub fn key(
             )
         },
     )
+}
+
+/// The override keys of `limit` for this caller, when the limit has `overrides: true`: in the
+/// counter's own hash tag (`key`'s, the tenant's), the principal's only for a request that
+/// names one. The filter passes them in the counter's call; the operator's tool plans its
+/// calls with the same.
+pub(crate) fn override_keys(
+    prefix: &str,
+    policy: &Policy,
+    limit: &RateLimit,
+    key: &LimitKey,
+    caller: &Caller,
+) -> Option<OverrideKeys> {
+    limit.overrides.then(|| {
+        let principal = Some(caller.principal.as_ref()).filter(|p| *p != ANONYMOUS);
+        OverrideKeys::new(prefix, key.tag(), policy, limit, principal)
+    })
 }
 
 /// Rate-limit keys this worker built, by what they were built from: a key costs two SHA-256
@@ -178,6 +196,7 @@ fn view<'a>((l, s): &(&'a RateLimit, &LimitState)) -> QuotaView<'a> {
     QuotaView {
         name: l.name.as_str(),
         policy: l.policy_item.as_str(),
+        quota: s.quota,
         remaining: s.remaining,
         reset_ms: s.reset_ms,
     }
@@ -279,16 +298,27 @@ fn concurrency_limited(policy: &Policy, names: &[&str]) -> LocalResponse {
 }
 
 /// The over-limit cache's last 429 per policy. Such a 429 depends on the policy, on which of
-/// its limits the cache knows to reject and on each one's wait in whole seconds (its
-/// `RateLimit` reset, and the largest as `Retry-After`), so the requests of a rejected tenant
+/// its limits the cache knows to reject, on each one's wait in whole seconds (its
+/// `RateLimit` reset, and the largest as `Retry-After`) and on the quota each was counted
+/// with (a tenant's own shows in `RateLimit-Policy`), so the requests of a rejected tenant
 /// within one second get the same answer: written once, copied after.
 pub(crate) struct RejectionMemo {
     last: RefCell<Vec<Option<Rejection>>>,
 }
 
-/// A memoised 429 and each limit's wait in whole seconds it was written for (0: unknown).
+/// What the over-limit cache knows of a limit that rejects: for how long still, and the
+/// tenant's own quota it was counted with (`None`: the configuration's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Known {
+    /// Never 0.
+    pub(crate) wait_ms: u64,
+    pub(crate) quota: Option<Quota>,
+}
+
+/// A memoised 429 and, per limit, the wait in whole seconds (0: unknown) and the quota it was
+/// written for.
 struct Rejection {
-    secs: Vec<u64>,
+    known: Vec<(u64, Option<Quota>)>,
     response: Rc<LocalResponse>,
 }
 
@@ -301,16 +331,18 @@ impl RejectionMemo {
     }
 
     /// The verdict on a request of policy `index` whose limits the over-limit cache knows:
-    /// `waits[i]` is how long limit `i` still rejects, in ms (`None`: not known to reject;
-    /// `Some` is never 0). Each known limit rejects with nothing remaining until its wait ends.
-    /// `None` if that admits (no limit known to reject is enforced).
+    /// `waits[i]` is what it knows of limit `i` (`None`: not known to reject; a known wait is
+    /// never 0). Each known limit rejects with nothing remaining until its wait ends. `None` if
+    /// that admits (no limit known to reject is enforced).
     pub(crate) fn cached(
         &self,
         index: usize,
         policy: &Policy,
-        waits: &[Option<u64>],
+        waits: &[Option<Known>],
     ) -> Option<Rc<LocalResponse>> {
-        let secs = |w: &Option<u64>| w.map_or(0, local_reply::whole_secs);
+        let key = |w: &Option<Known>| {
+            w.map_or((0, None), |k| (local_reply::whole_secs(k.wait_ms), k.quota))
+        };
         let written = || match decide(policy, &rejecting(waits)) {
             Verdict::Reject(response) => Some(Rc::new(response)),
             Verdict::Allow(_) => None,
@@ -322,29 +354,32 @@ impl RejectionMemo {
             return written();
         };
         if let Some(r) = slot.as_ref() {
-            if r.secs.len() == waits.len() && r.secs.iter().zip(waits).all(|(s, w)| *s == secs(w)) {
+            if r.known.len() == waits.len() && r.known.iter().zip(waits).all(|(k, w)| *k == key(w))
+            {
                 return Some(Rc::clone(&r.response));
             }
         }
         let response = written()?;
         *slot = Some(Rejection {
-            secs: waits.iter().map(secs).collect(),
+            known: waits.iter().map(key).collect(),
             response: Rc::clone(&response),
         });
         Some(response)
     }
 }
 
-/// The states of limits known to reject for `waits` ms (see [`RejectionMemo::cached`]).
-fn rejecting(waits: &[Option<u64>]) -> Vec<Option<LimitState>> {
+/// The states of limits known to reject (see [`RejectionMemo::cached`]).
+fn rejecting(waits: &[Option<Known>]) -> Vec<Option<LimitState>> {
     waits
         .iter()
         .map(|w| {
-            w.map(|wait| LimitState {
+            w.map(|k| LimitState {
                 allowed: false,
                 remaining: 0,
-                reset_ms: wait,
-                retry_after_ms: wait,
+                reset_ms: k.wait_ms,
+                retry_after_ms: k.wait_ms,
+                quota: k.quota,
+                override_unreadable: false,
             })
         })
         .collect()

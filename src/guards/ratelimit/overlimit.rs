@@ -14,7 +14,15 @@
 //! proxy, so a read per request would make every worker's requests queue on it; per tick,
 //! another worker learns a rejection within a tick, and until then its requests for that
 //! counter ask Redis, which rejects them too.
+//!
+//! A counter of a limit with `overrides` (a tenant may have its own quota, set at any time) is
+//! marked in a smaller table of this worker's only, with the quota it was counted with, and
+//! answered from for at most [`OVERRIDE_REFRESH_MS`]: an override set meanwhile is read by
+//! Redis within that, and the 429 the cache answers shows the quota and still the script's
+//! own wait. The shared log has no room for the quota, so other workers learn such a counter
+//! from Redis.
 
+use crate::config::Quota;
 use crate::support::slots::SlotTable;
 use std::cell::Cell;
 
@@ -43,15 +51,35 @@ const ENTRY_BYTES: usize = 16;
 /// Attempts to append to the log while other workers append to it too.
 const APPEND_ATTEMPTS: usize = 4;
 
+/// The longest the cache answers for a counter of a limit with `overrides` before Redis is
+/// asked again: a tenant's limit raised meanwhile admits its requests at most this long after.
+pub(crate) const OVERRIDE_REFRESH_MS: u64 = 1_000;
+
+/// Slots of the marks of limits with `overrides` (at most the cache's own slots).
+pub(crate) const OWN_QUOTA_SLOTS: usize = 1024;
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Entry {
     hash: u64,
     until_ms: u64,
 }
 
+/// A mark of a counter of a limit with `overrides`: until when it rejects, until when this
+/// worker answers for it, and the tenant's own quota it was counted with (`None`: the
+/// configuration's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OwnMark {
+    hash: u64,
+    until_ms: u64,
+    fresh_until_ms: u64,
+    quota: Option<Quota>,
+}
+
 /// Keys are given by their hash ([`crate::redis::keys::LimitKey::hash`]), computed once per request.
 pub(crate) struct OverLimitCache {
     slots: SlotTable<Entry>,
+    /// Marks of limits with `overrides`, this worker's only (allocated at the first).
+    own: SlotTable<OwnMark>,
     shared: Option<Box<dyn SharedStore>>,
     /// The log's version this worker read last (0: never read one).
     seen: Cell<u32>,
@@ -62,6 +90,7 @@ impl OverLimitCache {
     pub(crate) fn new(capacity: usize, shared: Option<Box<dyn SharedStore>>) -> OverLimitCache {
         OverLimitCache {
             slots: SlotTable::new(capacity),
+            own: SlotTable::new(capacity.min(OWN_QUOTA_SLOTS)),
             shared,
             seen: Cell::new(0),
         }
@@ -77,11 +106,41 @@ impl OverLimitCache {
         self.slots.allocated()
     }
 
-    /// Until when the key of `hash` is known to reject, if it still does at `now_ms`.
-    pub(crate) fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<u64> {
-        self.slots.read(hash, |e| {
-            (e.hash == hash && e.until_ms > now_ms).then_some(e.until_ms)
+    /// Until when the key of `hash` is known to reject, if it still does at `now_ms`, and the
+    /// tenant's own quota it was counted with (`None`: the configuration's).
+    pub(crate) fn rejecting_until(&self, hash: u64, now_ms: u64) -> Option<(u64, Option<Quota>)> {
+        let own = self.own.read(hash, |m| {
+            (m.hash == hash && m.fresh_until_ms > now_ms && m.until_ms > now_ms)
+                .then_some((m.until_ms, m.quota))
+        });
+        own.or_else(|| {
+            self.slots.read(hash, |e| {
+                (e.hash == hash && e.until_ms > now_ms).then_some((e.until_ms, None))
+            })
         })
+    }
+
+    /// Records that the key of `hash`, a counter of a limit with `overrides`, rejects until
+    /// `until_ms`, counted with `quota` (a tenant's own; `None`: the configuration's): kept by
+    /// this worker only, and answered from until [`OVERRIDE_REFRESH_MS`] after `now_ms` at
+    /// most.
+    pub(crate) fn mark_overridable(
+        &self,
+        hash: u64,
+        until_ms: u64,
+        now_ms: u64,
+        quota: Option<Quota>,
+    ) {
+        if !self.enabled() {
+            return;
+        }
+        let mark = OwnMark {
+            hash,
+            until_ms,
+            fresh_until_ms: now_ms.saturating_add(OVERRIDE_REFRESH_MS),
+            quota,
+        };
+        self.own.update(hash, |s| *s = Some(mark));
     }
 
     /// Records that the key of `hash` rejects until `until_ms`, here and in the shared log.
@@ -234,7 +293,7 @@ mod tests {
         let c = OverLimitCache::new(64, None);
         assert_eq!(c.rejecting_until(text_hash("k"), 0), None);
         c.mark(text_hash("k"), 1_000);
-        assert_eq!(c.rejecting_until(text_hash("k"), 999), Some(1_000));
+        assert_eq!(c.rejecting_until(text_hash("k"), 999), Some((1_000, None)));
         assert_eq!(
             c.rejecting_until(text_hash("k"), 1_000),
             None,
@@ -253,21 +312,21 @@ mod tests {
             None,
             "a was evicted by b"
         );
-        assert_eq!(c.rejecting_until(text_hash("b"), 10), Some(2_000));
+        assert_eq!(c.rejecting_until(text_hash("b"), 10), Some((2_000, None)));
     }
 
     #[test]
     fn workers_learn_what_another_learnt_on_their_tick() {
         let (shared, w1, w2) = workers(64);
         w1.mark(text_hash("k"), 5_000);
-        assert_eq!(w1.rejecting_until(text_hash("k"), 10), Some(5_000));
+        assert_eq!(w1.rejecting_until(text_hash("k"), 10), Some((5_000, None)));
         assert_eq!(
             w2.rejecting_until(text_hash("k"), 10),
             None,
             "a request reads no shared data"
         );
         w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some(5_000));
+        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some((5_000, None)));
         let data = shared.data.borrow();
         assert_eq!(data.len(), 1, "one log");
         assert_eq!(data.get(LOG).map(|(log, _)| log.len()), Some(LOG_BYTES));
@@ -315,7 +374,11 @@ mod tests {
         w1.mark(text_hash("mine"), 5_000);
         w2.sync(10);
         for k in ["first", "theirs", "mine"] {
-            assert_eq!(w2.rejecting_until(text_hash(k), 10), Some(5_000), "{k}");
+            assert_eq!(
+                w2.rejecting_until(text_hash(k), 10),
+                Some((5_000, None)),
+                "{k}"
+            );
         }
     }
 
@@ -324,7 +387,7 @@ mod tests {
         let (_, w1, w2) = workers(1);
         w1.mark(text_hash("a"), 5_000);
         w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("a"), 10), Some(5_000));
+        assert_eq!(w2.rejecting_until(text_hash("a"), 10), Some((5_000, None)));
         // w2's one slot goes to a key of its own; the log did not change, so the tick keeps it.
         w2.slots.update(text_hash("b"), |s| {
             *s = Some(Entry {
@@ -333,7 +396,7 @@ mod tests {
             })
         });
         w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("b"), 10), Some(5_000));
+        assert_eq!(w2.rejecting_until(text_hash("b"), 10), Some((5_000, None)));
         assert_eq!(w2.rejecting_until(text_hash("a"), 10), None);
     }
 
@@ -346,7 +409,7 @@ mod tests {
         assert!(!w2.allocated(), "nothing read from it");
         w1.mark(text_hash("k"), 5_000);
         w2.sync(10);
-        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some(5_000));
+        assert_eq!(w2.rejecting_until(text_hash("k"), 10), Some((5_000, None)));
     }
 
     #[test]
@@ -370,11 +433,50 @@ mod tests {
         );
         let reader = cache(10_000, &shared);
         reader.sync(10);
-        assert_eq!(reader.rejecting_until(text_hash("k"), 10), Some(5_000));
+        assert_eq!(
+            reader.rejecting_until(text_hash("k"), 10),
+            Some((5_000, None))
+        );
         assert!(
             reader.allocated(),
             "what another worker learnt is kept locally"
         );
+    }
+
+    #[test]
+    fn a_limit_with_overrides_is_marked_by_this_worker_for_a_refresh_with_its_quota() {
+        let (shared, w1, w2) = workers(64);
+        let own = Quota {
+            limit: 5,
+            window_ms: 60_000,
+        };
+        w1.mark_overridable(text_hash("k"), 50_000, 10, Some(own));
+        assert_eq!(
+            w1.rejecting_until(text_hash("k"), 20),
+            Some((50_000, Some(own))),
+            "the script's own wait, and the quota"
+        );
+        assert_eq!(
+            w1.rejecting_until(text_hash("k"), 10 + OVERRIDE_REFRESH_MS),
+            None,
+            "Redis is asked again after a refresh"
+        );
+        assert!(!w1.allocated(), "the shared table is not touched");
+        assert!(shared.data.borrow().is_empty(), "nothing in the log");
+        w2.sync(20);
+        assert_eq!(w2.rejecting_until(text_hash("k"), 20), None);
+        // The configuration's quota: the same, without one.
+        w1.mark_overridable(text_hash("k"), 500, 600, None);
+        assert_eq!(w1.rejecting_until(text_hash("k"), 20), Some((500, None)));
+        assert_eq!(w1.rejecting_until(text_hash("k"), 500), None, "expired");
+        assert_eq!(w1.own.capacity(), 64, "at most the cache's slots");
+        assert_eq!(
+            OverLimitCache::new(10_000, None).own.capacity(),
+            OWN_QUOTA_SLOTS
+        );
+        let off = OverLimitCache::new(0, None);
+        off.mark_overridable(text_hash("k"), 50_000, 10, Some(own));
+        assert_eq!(off.rejecting_until(text_hash("k"), 20), None);
     }
 
     #[test]

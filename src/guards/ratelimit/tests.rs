@@ -27,7 +27,18 @@ fn st(allowed: bool, remaining: u64, reset_ms: u64, retry_after_ms: u64) -> Limi
         remaining,
         reset_ms,
         retry_after_ms,
+        quota: None,
+        override_unreadable: false,
     }
+}
+
+/// What the over-limit cache knows of a limit rejecting for `ms` with the configuration's
+/// quota.
+fn known(ms: u64) -> Option<Known> {
+    Some(Known {
+        wait_ms: ms,
+        quota: None,
+    })
 }
 
 /// The memo answers what [`key`] builds: for every limit of the fixture (tenant,
@@ -126,6 +137,44 @@ fn allow_lists_most_restrictive_first_and_hides_shadow() {
     );
 }
 
+/// A limit counted with a tenant's own quota (an override) shows it in `RateLimit-Policy`,
+/// allowed or rejected; the others show the configuration's.
+#[test]
+fn a_tenants_own_quota_is_the_one_shown() {
+    let c = config();
+    let own = |mut s: LimitState| {
+        s.quota = Some(Quota {
+            limit: 500,
+            window_ms: 120_000,
+        });
+        s
+    };
+    let verdict = decide(
+        &c.policies[0],
+        &[
+            Some(own(st(true, 50, 30_000, 0))),
+            Some(st(true, 3, 700, 0)),
+            None,
+            None,
+        ],
+    );
+    let Verdict::Allow(headers) = verdict else {
+        panic!("expected an admission");
+    };
+    assert_eq!(
+        headers[0].1,
+        "\"user-burst\";q=10;w=1, \"tenant\";q=500;w=120"
+    );
+    let verdict = decide(
+        &c.policies[0],
+        &[Some(own(st(false, 0, 9_000, 9_000))), None, None, None],
+    );
+    let Verdict::Reject(r) = verdict else {
+        panic!("expected a rejection");
+    };
+    assert_eq!(r.header("ratelimit-policy"), Some("\"tenant\";q=500;w=120"));
+}
+
 #[test]
 fn reject_names_violated_limits() {
     let c = config();
@@ -185,15 +234,25 @@ fn rejection_memo_answers_what_the_verdict_says() {
     let waits_ms = [
         1, 999, 1000, 1001, 1999, 2000, 2001, 59_999, 60_000, 3_600_000,
     ];
-    let mut cases: Vec<(usize, Vec<Option<u64>>)> = Vec::new();
+    let own = Some(Quota {
+        limit: 7,
+        window_ms: 2_000,
+    });
+    let mut cases: Vec<(usize, Vec<Option<Known>>)> = Vec::new();
     for &a in &waits_ms {
         for &b in &waits_ms {
-            cases.push((0, vec![Some(a), None, None, Some(b)]));
-            cases.push((0, vec![None, Some(a), None, None]));
-            cases.push((0, vec![Some(a), Some(b), Some(a), None]));
-            cases.push((1, vec![Some(b)]));
+            cases.push((0, vec![known(a), None, None, known(b)]));
+            cases.push((0, vec![None, known(a), None, None]));
+            cases.push((0, vec![known(a), known(b), known(a), None]));
+            cases.push((1, vec![known(b)]));
+            // The same waits counted with a tenant's own quota: another answer.
+            let with_own = Known {
+                wait_ms: a,
+                quota: own,
+            };
+            cases.push((0, vec![Some(with_own), None, None, known(b)]));
         }
-        cases.push((0, vec![None, None, Some(a), None]));
+        cases.push((0, vec![None, None, known(a), None]));
     }
     for (index, waits) in cases.iter().chain(cases.iter().rev()) {
         let policy = &c.policies[*index];
@@ -209,9 +268,9 @@ fn rejection_memo_answers_what_the_verdict_says() {
         );
     }
     let policy = &c.policies[0];
-    let first = memo.cached(0, policy, &[Some(1_001), None, None, None]);
-    let same_second = memo.cached(0, policy, &[Some(1_999), None, None, None]);
-    let next_second = memo.cached(0, policy, &[Some(2_001), None, None, None]);
+    let first = memo.cached(0, policy, &[known(1_001), None, None, None]);
+    let same_second = memo.cached(0, policy, &[known(1_999), None, None, None]);
+    let next_second = memo.cached(0, policy, &[known(2_001), None, None, None]);
     let (Some(first), Some(same), Some(next)) = (first, same_second, next_second) else {
         panic!("each rejects");
     };
@@ -219,13 +278,13 @@ fn rejection_memo_answers_what_the_verdict_says() {
     assert_eq!(next.header("retry-after"), Some("3"));
     assert_eq!(first.header("retry-after"), Some("2"));
     assert!(
-        memo.cached(0, policy, &[None, None, Some(5), None])
+        memo.cached(0, policy, &[None, None, known(5), None])
             .is_none(),
         "the shadow limit alone admits"
     );
     assert!(
         RejectionMemo::new(0)
-            .cached(0, policy, &[Some(5), None, None, None])
+            .cached(0, policy, &[known(5), None, None, None])
             .is_some(),
         "a policy beyond the memo is answered unmemoised"
     );

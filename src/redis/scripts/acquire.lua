@@ -1,12 +1,25 @@
 -- acquire.lua: one atomic "acquire" for one hash slot: check n rate limits and consume from
 -- them, then, if they admitted the request, acquire its idempotency record, then its lease.
 --
+-- PEEK: a local set before this file (src/redis/scripts/mod.rs assembles the script with a
+-- first line `local PEEK = false` for `acquire`, `local PEEK = true` for `peek`). With PEEK the
+-- script only reads: the fast path is skipped, phase 1 makes no repair, phase 2 does not run,
+-- and the idempotency and lease sections must be off (a script error otherwise). Its reply is
+-- acquire's for the same arguments as of phase 1: whether a request of that cost would be
+-- admitted now, and each limit's state before that request (remaining before consumption;
+-- reset_ms and retry_after_ms as now). Overrides are read under PEEK as without it, so a peek
+-- shows each limit as the caller's own quota counts it. The operator's tool (cg-admin limits)
+-- calls it with a cost of 1; the filter never does.
+--
 -- KEYS[1..n]   rate-limit counters, KEYS[i] for limit i (n = ARGV[1]; may be 0); a
 --              concurrency limit's key is a sorted set of the requests holding a slot
 -- KEYS[n+1]    idempotency record, present iff the idempotency section is on
 -- then, iff the lease section is on, two more keys after the record (if any):
 --   lease key   the lease, a string holding the owner token
 --   fence key   the fencing counter, a string holding the last fencing token issued
+-- then, iff ARGV[O] (below) is given, the override keys of the limits it lists, in its order:
+--   for each, the principal's override (when it has two keys), then the tenant's: a string
+--   `<limit>/<window_ms>[/<burst>]` (cg-admin override writes it), usually absent
 -- KEYS[last]   cancellation marker of the owner token, optional: present iff #KEYS is one
 --              more than the keys above (the filter always passes it when the idempotency or
 --              the lease section is on). The filter writes it (release.lua,
@@ -37,6 +50,12 @@
 -- ARGV[L+1]    lease owner token (32 hex; must not be empty)
 -- ARGV[L+2]    lease_ttl_ms: integer > 0
 -- ARGV[L+3]    fence_ttl_ms: integer > 0, TTL of the fence key, set again at every ACQUIRED
+-- ARGV[O]      overrides, optional (absent: none; the call is then what it was before overrides
+--              existed): O = L + 1 when the lease section is off, L + 4 when it is on (the lease
+--              flag is then given). m >= 1, the number of limits with override keys (limits
+--              with `overrides: true`), then two values for each, in increasing position: its
+--              position among the limits (1..n) and its number of override keys (1: the
+--              tenant's; 2: the principal's, then the tenant's)
 --
 -- Reply: flat array
 --   [1]  admitted: 1 if every non-shadow limit allows the request, else 0 (1 when n = 0)
@@ -72,6 +91,9 @@
 --              3 CANCELLED (the cancellation marker exists: nothing written, no token)
 --     value    ACQUIRED: the fencing token, as a decimal STRING; BUSY: the lease's PTTL in
 --              ms, >= 1 (1 if it has no TTL, which is left as it is); SKIPPED: 0
+--   then, iff ARGV[O] is given, 4 integers per limit it lists, in its order: the limit's
+--     position, the limit and window_ms it was counted with (its override's, else its own
+--     ARGV's), and how many of its override values were unreadable and ignored (0 to 2)
 --   The reply never holds a nil (webdis would drop it), and no integer of more than 10
 --   digits: webdis 0.1.9 crashes on one inside an array (and truncates a top-level one), so
 --   the ~16-digit fencing token travels as a string.
@@ -97,7 +119,21 @@
 --   {"schema_version":1,"state":"PROCESSING","fingerprint":"sha256:..","owner":"..",
 --    "created_ms":<Redis TIME, ms>,"updated_ms":<same>}
 --
--- Arguments are validated before anything is read or written; a bad one is a script error.
+-- Overrides: a limit with override keys is counted with the first readable value among them
+-- (a principal's beats its tenant's): its limit, window and burst replace the limit's ARGV
+-- before anything is counted, so every algorithm below counts with them, and a leased
+-- quota's slices are cut from them. A value is readable when it is `<limit>/<window_ms>`, or
+-- for a token bucket also `<limit>/<window_ms>/<burst>` (burst defaults to the limit), with
+-- limit and burst in 1..10^9, window_ms in 1..8640000000 (100 days: webdis cannot carry a
+-- longer integer in a reply) and, for a token bucket, window_ms >= limit. Anything else (a
+-- key that is not a string too) is ignored and counted in the reply, never an error: the
+-- request is counted with the next value, or its own ARGV. The counter keeps its key (the
+-- configuration's limit and window are part of it): a fixed window's new limit applies at
+-- once and its new window from the next window; a sliding window whose window changes
+-- starts its two windows again.
+--
+-- Arguments are validated before anything is read or written (but the override keys, read
+-- first once their own arguments are checked); a bad one is a script error.
 --
 -- Time comes from redis.call('TIME') so every proxy agrees; it is read once, and only when a
 -- sw, sl or tb limit or the lease section is on (fw and lq use Redis TTLs), or when the
@@ -109,9 +145,73 @@
 -- an if-chain (but sw's roll-over: window_roll, shared with charge.lua, is
 -- piece_window_roll.lua, put before this file), phase 1 writes each verdict straight into
 -- the reply and keeps what phase 2 needs in one flat table, and the idempotency and lease
--- code runs only when that section is on. fw skips PTTL for a counter that GET found absent
+-- code runs only when that section is on (and the overrides' code, with its one table, only
+-- when the call lists overrides: first, so that a call with override keys takes the fast path
+-- as one without does). fw skips PTTL for a counter that GET found absent
 -- (PTTL would say -2). The usual call of the exact path, one fixed-window limit and nothing
 -- else, takes the fast path first.
+
+-- Overrides, for every call that lists them (ARGV[O] and the override keys; see the header):
+-- once their own arguments are checked, each listed limit's keys are read (one GET each:
+-- absent reads as false, another type as an error table; a principal's readable value spares
+-- reading the tenant's), the first readable value replaces the limit's limit, window and
+-- burst in ARGV, and the section is taken off ARGV and KEYS. The code below then sees the
+-- call it would see without overrides, the fast path too, and only the reply grows: by
+-- o1..o4 on the fast path (its one limit), by ovr_reply on the general code's.
+local o1, o2, o3, o4, ovr_reply
+if #KEYS > 1 or ARGV[11] ~= nil then -- the usual call has one key and ten arguments
+  local n = tonumber(ARGV[1]) or 0
+  local idem_on = ARGV[3 + 6 * n] == '1'
+  local L = (idem_on and 7 or 4) + 6 * n
+  local lease_on = ARGV[L] == '1'
+  local O = L + (lease_on and 4 or 1)
+  local m = ARGV[O] and tonumber(ARGV[O])
+  if ARGV[O] ~= nil then
+    local function wrong(what) error('acquire.lua: overrides: ' .. what, 0) end
+    if not (m and m >= 1 and m % 1 == 0 and ARGV[O + 2 * m + 1] == nil) then
+      wrong('ARGV[' .. O .. '] must be the number of limits listed after it')
+    end
+    local base = n + (idem_on and 1 or 0) + (lease_on and 2 or 0)
+    local k, last, values = base, 0, {}
+    for j = 1, m do
+      local i, c = tonumber(ARGV[O + 2 * j - 1]), tonumber(ARGV[O + 2 * j])
+      if not (i and i % 1 == 0 and i > last and i <= n) then
+        wrong('ARGV[' .. (O + 2 * j - 1) .. '] must be a limit position after the last')
+      end
+      if c ~= 1 and c ~= 2 then wrong('ARGV[' .. (O + 2 * j) .. '] must be 1 or 2') end
+      if #KEYS < k + c then wrong('fewer keys than listed') end
+      local a = 3 + (i - 1) * 6
+      local tb, found, ignored = ARGV[a] == 'tb', false, 0
+      for key = k + 1, k + c do
+        local raw = not found and redis.pcall('GET', KEYS[key])
+        if raw then
+          local ls, ws, bs
+          if type(raw) == 'string' then
+            ls, ws, bs = string.match(raw, '^(%d+)/(%d+)/(%d+)$')
+            if not ls then ls, ws = string.match(raw, '^(%d+)/(%d+)$') end
+          end
+          local l, w = tonumber(ls), tonumber(ws)
+          local b = tonumber(bs) or l
+          if l and w and b and l >= 1 and l <= 1000000000 and w >= 1 and w <= 8640000000
+              and b >= 1 and b <= 1000000000 and (tb and w >= l or (not tb and bs == nil)) then
+            ARGV[a + 1], ARGV[a + 2], ARGV[a + 3] = l, w, b
+            found = true
+          else
+            ignored = ignored + 1
+          end
+        end
+      end
+      k, last = k + c, i
+      local v = #values
+      values[v + 1], values[v + 2] = i, tonumber(ARGV[a + 1])
+      values[v + 3], values[v + 4] = tonumber(ARGV[a + 2]), ignored
+    end
+    for x = O + 2 * m, O, -1 do ARGV[x] = nil end
+    for _ = base + 1, k do table.remove(KEYS, base + 1) end
+    ovr_reply = values
+    if m == 1 then o1, o2, o3, o4 = values[1], values[2], values[3], values[4] end
+  end
+end
 
 -- Fast path: the exact path's usual call, one fixed-window limit at a cost of at least 1, not
 -- a shadow, with nothing else (no idempotency, no lease, no cancellation marker). Its reply
@@ -120,8 +220,8 @@
 -- the counter held nothing before it: a counter at 0 is as good as none, the next request
 -- opens a new window on either). Any other call, or an argument the checks below do not
 -- accept, goes to the general code, which validates everything.
-if #KEYS == 1 and ARGV[1] == '1' and ARGV[3] == 'fw' and ARGV[7] == '0' and ARGV[9] == '0'
-    and (ARGV[10] == nil or (ARGV[10] == '0' and ARGV[11] == nil)) then
+if not PEEK and #KEYS == 1 and ARGV[1] == '1' and ARGV[3] == 'fw' and ARGV[7] == '0'
+    and ARGV[9] == '0' and (ARGV[10] == nil or (ARGV[10] == '0' and ARGV[11] == nil)) then
   local limit, window_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
   local burst, cost = tonumber(ARGV[6]), tonumber(ARGV[8])
   -- x % 1 == 0 is false for a fraction, inf and NaN
@@ -133,19 +233,19 @@ if #KEYS == 1 and ARGV[1] == '1' and ARGV[3] == 'fw' and ARGV[7] == '0' and ARGV
     if c == cost then
       if c <= limit then
         redis.call('PEXPIRE', key, window_ms) -- a new window
-        return { 1, 1, limit - c, window_ms, 0 }
+        return { 1, 1, limit - c, window_ms, 0, o1, o2, o3, o4 }
       end
       redis.call('DEL', key) -- nothing was there: nothing is left
-      return { 0, 0, limit, window_ms, window_ms }
+      return { 0, 0, limit, window_ms, window_ms, o1, o2, o3, o4 }
     end
     local ttl = redis.call('PTTL', key)
     if ttl < 0 then
       redis.call('PEXPIRE', key, window_ms) -- without a TTL it would reject forever
       ttl = window_ms
     end
-    if c <= limit then return { 1, 1, limit - c, ttl, 0 } end
+    if c <= limit then return { 1, 1, limit - c, ttl, 0, o1, o2, o3, o4 } end
     redis.call('INCRBY', key, -cost) -- taken back (INCRBY: the gateway's ACL has no DECRBY)
-    return { 0, 0, math.max(0, limit - c + cost), ttl, math.max(1, ttl) }
+    return { 0, 0, math.max(0, limit - c + cost), ttl, math.max(1, ttl), o1, o2, o3, o4 }
   end
 end
 
@@ -180,6 +280,9 @@ if lease_flag ~= nil and lease_flag ~= '0' and lease_flag ~= '1' then
   bad('ARGV[' .. L .. '] (lease flag) must be "0" or "1", got ' .. tostring(lease_flag))
 end
 local lease = lease_flag == '1'
+if PEEK and (idem or lease) then
+  bad('peek reads rate limits only: the idempotency and lease sections must be off')
+end
 local lease_key, fence_key, lease_owner, lease_ttl_ms, fence_ttl_ms
 if lease then
   lease_key = KEYS[n + (idem and 1 or 0) + 1]
@@ -258,10 +361,10 @@ if need_time then
   retry_ms = function(us) return math.max(1, math.ceil(us / 1000)) end
 end
 
--- Phase 1: check every limit; nothing is written but the fw TTL repair. Limit i's verdict
--- goes straight into its reply slots r .. r+3; what else phase 2 needs of it (sw, sl, tb)
--- goes to saved[2i-1] and saved[2i]. The reply is sized up front for the usual single
--- limit: growing a table rehashes it.
+-- Phase 1: check every limit; nothing is written but the fw TTL repair (none with PEEK).
+-- Limit i's verdict goes straight into its reply slots r .. r+3; what else phase 2 needs of
+-- it (sw, sl, tb) goes to saved[2i-1] and saved[2i]. The reply is sized up front for the
+-- usual single limit: growing a table rehashes it.
 local reply, saved = n == 1 and { 1, 0, 0, 0, 0 } or { 1 }, {}
 local admitted = true
 for i = 1, n do
@@ -284,7 +387,7 @@ for i = 1, n do
       local ttl = redis.call('PTTL', key)
       if ttl >= 0 then
         reset = ttl
-      elseif ttl == -1 then
+      elseif ttl == -1 and not PEEK then
         redis.call('PEXPIRE', key, window_ms) -- without a TTL it would reject forever
       end
     end
@@ -394,8 +497,8 @@ if not admitted then reply[1] = 0 end
 local cancelled = admitted and cancel_key ~= nil and redis.call('EXISTS', cancel_key) == 1
 
 -- Phase 2: consume only if admitted, and only where this limit's own verdict is allow; the
--- reply's remaining and reset_ms then become the values after consumption.
-if admitted then
+-- reply's remaining and reset_ms then become the values after consumption. PEEK: never.
+if admitted and not PEEK then
   for i = 1, n do
     local a, r, key = 3 + (i - 1) * 6, 2 + (i - 1) * 4, KEYS[i]
     local algo, limit, window_ms = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
@@ -549,5 +652,10 @@ if lease then
   end
   reply[#reply + 1] = code
   reply[#reply + 1] = value
+end
+
+-- Overrides: what each limit with override keys was counted with.
+if ovr_reply then
+  for j = 1, #ovr_reply do reply[#reply + 1] = ovr_reply[j] end
 end
 return reply

@@ -5,8 +5,12 @@
 //! limit first and consumes only if all allow, then acquires the record. Calls for different
 //! tags run in parallel and are independent: a request admitted by one group and rejected by
 //! another has consumed from the first (and the filter releases a record it acquired).
+//!
+//! A limit with `overrides: true` also passes its override keys ([`OverrideKeys`], in its
+//! counter's hash tag); the script counts it with the caller's own quota when one is stored
+//! ([`Override`]) and says which it counted with ([`LimitState::quota`]).
 
-use crate::config::{Policy, RateLimit};
+use crate::config::{Policy, Quota, RateLimit};
 // The record's stored form belongs to the idempotency guard's domain, a layer below the
 // scripts' contracts: acquire.lua answers a completed record, read here.
 use crate::guards::idempotency::record::Record;
@@ -52,11 +56,51 @@ pub(crate) struct Group {
     pub(crate) call: ScriptCall,
 }
 
-/// One limit Redis is asked about: its counter's key and this request's cost to it.
+/// One limit Redis is asked about: its counter's key, this request's cost to it, and its
+/// override keys when it has `overrides: true`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Ask<'a> {
     pub(crate) key: &'a LimitKey,
     pub(crate) cost: u64,
+    pub(crate) overrides: Option<&'a OverrideKeys>,
+}
+
+/// The keys a limit with `overrides: true` reads its caller's own quota from, in the
+/// counter's hash tag: the principal's (read first, when the limit counts per principal and
+/// the request names one) and the tenant's ([`keys::override_key`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OverrideKeys {
+    pub(crate) principal: Option<String>,
+    pub(crate) tenant: String,
+}
+
+impl OverrideKeys {
+    /// The override keys of `limit` of `policy` for a request of the tenant whose hash tag is
+    /// `tenant_tag` (the counter's) and of `principal`, if it is one of its own.
+    pub(crate) fn new(
+        prefix: &str,
+        tenant_tag: &str,
+        policy: &Policy,
+        limit: &RateLimit,
+        principal: Option<&str>,
+    ) -> OverrideKeys {
+        let key = |p| keys::override_key(prefix, tenant_tag, &policy.name, &limit.name, p);
+        OverrideKeys {
+            principal: principal
+                .filter(|_| limit.per_principal())
+                .map(|p| key(Some(p))),
+            tenant: key(None),
+        }
+    }
+
+    /// How many keys the call passes for them (1 or 2).
+    fn count(&self) -> u64 {
+        if self.principal.is_some() {
+            2
+        } else {
+            1
+        }
+    }
 }
 
 /// Who is asking: the request's nonce (a concurrency slot's member) and what names the owner's
@@ -86,13 +130,84 @@ fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
     args.push_u64(cost);
 }
 
-/// One limit's answer for this request: four of the script's reply values.
+/// The largest limit or burst an override holds (the configuration's bound).
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
+pub(crate) const OVERRIDE_MAX_LIMIT: u64 = 1_000_000_000;
+
+/// The longest window an override holds, 100 days: the script answers the window it counted
+/// with, and webdis 0.1.9 cannot carry an integer of more than 10 digits in a reply.
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
+pub(crate) const OVERRIDE_MAX_WINDOW_MS: u64 = 8_640_000_000;
+
+/// A tenant's or a principal's own quota for one limit, as an override key holds it:
+/// `<limit>/<window_ms>[/<burst>]`. The script reads it itself; this reading of it is the
+/// operator's tool's (the host tools only).
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Override {
+    pub(crate) limit: u64,
+    pub(crate) window_ms: u64,
+    /// A token bucket's capacity; the limit when not given (and never on another algorithm).
+    pub(crate) burst: Option<u64>,
+}
+
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
+impl Override {
+    /// The stored text.
+    pub(crate) fn text(&self) -> String {
+        match self.burst {
+            Some(b) => format!("{}/{}/{b}", self.limit, self.window_ms),
+            None => format!("{}/{}", self.limit, self.window_ms),
+        }
+    }
+
+    /// A stored value read as `acquire.lua` reads it for a limit that is a token bucket or
+    /// not: `None` for a value the script ignores (unreadable).
+    pub(crate) fn read(stored: &[u8], token_bucket: bool) -> Option<Override> {
+        let number = |part: &[u8]| -> Option<u64> {
+            if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            std::str::from_utf8(part).ok()?.parse().ok()
+        };
+        let mut parts = stored.split(|b| *b == b'/');
+        let limit = number(parts.next()?)?;
+        let window_ms = number(parts.next()?)?;
+        let burst = match parts.next() {
+            Some(b) => Some(number(b)?),
+            None => None,
+        };
+        let fits = |n: u64| (1..=OVERRIDE_MAX_LIMIT).contains(&n);
+        let ok = parts.next().is_none()
+            && fits(limit)
+            && (1..=OVERRIDE_MAX_WINDOW_MS).contains(&window_ms)
+            && burst.is_none_or(fits)
+            && if token_bucket {
+                window_ms >= limit
+            } else {
+                burst.is_none()
+            };
+        ok.then_some(Override {
+            limit,
+            window_ms,
+            burst,
+        })
+    }
+}
+
+/// One limit's answer for this request: four of the script's reply values, and for a limit
+/// with override keys the quota it was counted with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LimitState {
     pub(crate) allowed: bool,
     pub(crate) remaining: u64,
     pub(crate) reset_ms: u64,
     pub(crate) retry_after_ms: u64,
+    /// The limit and window the counter was counted with when they are a tenant's or a
+    /// principal's own (an override); `None`: the configuration's.
+    pub(crate) quota: Option<Quota>,
+    /// A stored override of this limit was unreadable, and ignored.
+    pub(crate) override_unreadable: bool,
 }
 
 /// Plans the calls: tenant-tagged group first. `asks[i]` is limit `i`'s key and cost, or
@@ -151,8 +266,8 @@ pub(crate) fn plan(
             .iter()
             .any(|&i| policy.rate_limits[i].concurrency());
         let limit_args = g.limits.iter().map(|&i| {
-            let cost = asks[i].map_or(1, |a| a.cost);
-            (&policy.rate_limits[i], cost)
+            let (cost, overrides) = asks[i].map_or((1, None), |a| (a.cost, a.overrides));
+            (&policy.rate_limits[i], cost, overrides)
         });
         // The owner's cancellation marker, last: a late acquire of a cancelled owner writes
         // nothing (the record's and the lease's marker is the one of their tag).
@@ -181,11 +296,12 @@ struct Sections<'a> {
 }
 
 /// One `acquire.lua` call: the counters `keys` (`n` limits, their arguments `limit_args`), then
-/// the record's and the lease's sections when given, and the owner's cancellation marker last.
-fn group_call<'p>(
+/// the record's and the lease's sections when given, the limits' override keys, and the
+/// owner's cancellation marker last.
+fn group_call<'p, 'o>(
     mut keys: Words,
     n: usize,
-    limit_args: impl Iterator<Item = (&'p RateLimit, u64)>,
+    limit_args: impl Iterator<Item = (&'p RateLimit, u64, Option<&'o OverrideKeys>)>,
     nonce: &str,
     sections: Sections<'_>,
 ) -> ScriptCall {
@@ -193,8 +309,13 @@ fn group_call<'p>(
     let mut args = Words::with_capacity(4 + 6 * n + 7, 24 + 48 * n + 2 * 100);
     args.push_u64(n as u64);
     args.push(nonce);
-    for (limit, cost) in limit_args {
+    // The limits with override keys, by position (from 1); none on most calls.
+    let mut overridden: Vec<(u64, &OverrideKeys)> = Vec::new();
+    for (i, (limit, cost, overrides)) in limit_args.enumerate() {
         push_limit_args(&mut args, limit, cost);
+        if let Some(o) = overrides {
+            overridden.push((i as u64 + 1, o));
+        }
     }
     match sections.record {
         Some(d) => {
@@ -217,6 +338,18 @@ fn group_call<'p>(
         }
         None => args.push("0"),
     }
+    // Overrides: only for limits that have them, so every other call is as it was.
+    if !overridden.is_empty() {
+        args.push_u64(overridden.len() as u64);
+        for (position, o) in &overridden {
+            args.push_u64(*position);
+            args.push_u64(o.count());
+            if let Some(p) = &o.principal {
+                keys.push(p);
+            }
+            keys.push(&o.tenant);
+        }
+    }
     if let Some(marker) = &sections.marker {
         keys.push(marker);
     }
@@ -234,7 +367,7 @@ pub(crate) fn lease_poll(lease: &LeaseAcquire, nonce: &str) -> ScriptCall {
     group_call(
         Words::with_capacity(4, 256),
         0,
-        std::iter::empty(),
+        std::iter::empty::<(&RateLimit, u64, Option<&OverrideKeys>)>(),
         nonce,
         sections,
     )
@@ -256,7 +389,7 @@ pub(crate) fn record_poll(
     group_call(
         Words::with_capacity(4, 256),
         0,
-        std::iter::empty(),
+        std::iter::empty::<(&RateLimit, u64, Option<&OverrideKeys>)>(),
         nonce,
         sections,
     )
@@ -299,7 +432,9 @@ pub(crate) struct GroupReply {
     pub(crate) lease: Option<LeaseAnswer>,
 }
 
-/// Reads `acquire.lua`'s reply for a group of `n` limits and the sections it carries.
+/// Reads `acquire.lua`'s reply for a group of `n` limits and the sections it carries. The
+/// values the script adds for limits with override keys name their limit, so the reply says
+/// itself which limits had them (the caller need not).
 pub(crate) fn read_reply(
     reply: &Reply,
     n: usize,
@@ -312,7 +447,9 @@ pub(crate) fn read_reply(
     }
     let items = reply.as_array().ok_or_else(|| bad("not an array"))?;
     let want = 1 + 4 * n + if record { 3 } else { 0 } + if lease { 2 } else { 0 };
-    if items.len() != want {
+    // Past them, four values per limit with override keys (none unless the call listed some).
+    let extra = items.len().checked_sub(want).unwrap_or(usize::MAX);
+    if extra % 4 != 0 || extra / 4 > n {
         return Err(bad(&format!("{} values, expected {want}", items.len())));
     }
     let int = |i: usize| items[i].as_int().ok_or_else(|| bad("non-integer value"));
@@ -331,7 +468,32 @@ pub(crate) fn read_reply(
             remaining: count(at + 1)?,
             reset_ms: count(at + 2)?,
             retry_after_ms: count(at + 3)?,
+            quota: None,
+            override_unreadable: false,
         });
+    }
+    // Each limit with override keys: its position, the limit and window it was counted with,
+    // and how many of its override values were unreadable. Positions increase.
+    let mut last = 0;
+    for at in (want..items.len()).step_by(4) {
+        let position = count(at)?;
+        let state = usize::try_from(position)
+            .ok()
+            .filter(|&p| p > last)
+            .and_then(|p| {
+                last = p;
+                states.get_mut(p - 1)
+            })
+            .ok_or_else(|| bad("override position out of order"))?;
+        let quota = Quota {
+            limit: count(at + 1)?,
+            window_ms: count(at + 2)?,
+        };
+        if quota.limit == 0 || quota.window_ms == 0 {
+            return Err(bad("override quota of 0"));
+        }
+        state.quota = Some(quota);
+        state.override_unreadable = count(at + 3)? > 0;
     }
     let record = if record {
         let at = 1 + 4 * n;

@@ -44,7 +44,13 @@ fn keys(
 
 fn refs(keys: &[Option<LimitKey>]) -> Vec<Option<Ask<'_>>> {
     keys.iter()
-        .map(|k| k.as_ref().map(|key| Ask { key, cost: 1 }))
+        .map(|k| {
+            k.as_ref().map(|key| Ask {
+                key,
+                cost: 1,
+                overrides: None,
+            })
+        })
         .collect()
 }
 
@@ -344,7 +350,9 @@ fn reads_replies() {
             allowed: false,
             remaining: 0,
             reset_ms: 400,
-            retry_after_ms: 250
+            retry_after_ms: 250,
+            quota: None,
+            override_unreadable: false,
         }
     );
     assert_eq!(got.record, None);
@@ -409,4 +417,194 @@ fn reads_idempotency_answers() {
         read_reply(&idem_reply(9, b""), 0, true, false),
         Err(CallError::UnexpectedReply(_))
     ));
+}
+
+/// A policy whose tenant limit and per-principal limit read overrides, beside one that does
+/// not (the fixture's other limits).
+fn with_overrides() -> crate::config::Config {
+    crate::config::Config::parse(
+        br#"{"redis": {"cluster": "gw", "key_prefix": "cg:demo"}, "policies": [
+        {"name": "create-order", "rate_limits": [
+          {"name": "tenant", "by": ["tenant"], "algorithm": "sliding_window", "limit": 100, "window": "1m", "overrides": true},
+          {"name": "plain", "by": ["tenant"], "algorithm": "fixed_window", "limit": 50, "window": "1m"},
+          {"name": "user", "by": ["tenant", "principal"], "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 20, "overrides": true}
+        ]}]}"#,
+    )
+    .expect("valid")
+}
+
+/// Limits with `overrides` pass their override keys (the principal's first, when the limit
+/// counts per principal) after the sections' keys and before the owner's marker, and are
+/// listed after the lease section: position and key count each.
+#[test]
+fn overrides_ride_after_the_sections() {
+    let c = with_overrides();
+    let policy = &c.policies[0];
+    let (caller, req) = request();
+    let keys = keys("cg:demo", policy, &caller, &req, &[]);
+    let overrides: Vec<Option<OverrideKeys>> = policy
+        .rate_limits
+        .iter()
+        .zip(&keys)
+        .map(|(l, k)| {
+            let k = k.as_ref().expect("asked");
+            l.overrides
+                .then(|| OverrideKeys::new("cg:demo", k.tag(), policy, l, Some("alice")))
+        })
+        .collect();
+    assert_eq!(
+        overrides[0],
+        Some(OverrideKeys {
+            principal: None,
+            tenant: "cg:demo:ovr:{t.d2e79529ba2c46b2}:create-order:tenant:t".into(),
+        }),
+        "a limit counted per tenant reads no principal's override"
+    );
+    let asks: Vec<Option<Ask<'_>>> = keys
+        .iter()
+        .zip(&overrides)
+        .map(|(k, o)| {
+            k.as_ref().map(|key| Ask {
+                key,
+                cost: 1,
+                overrides: o.as_ref(),
+            })
+        })
+        .collect();
+    let groups = plan(policy, &asks, &asker("n1"), Some(&record()), None);
+    assert_eq!(groups.len(), 1);
+    let call = &groups[0].call;
+    assert_eq!(
+        &call.keys.words_from(3)[..],
+        &[
+            record().key.as_str(),
+            "cg:demo:ovr:{t.d2e79529ba2c46b2}:create-order:tenant:t",
+            &format!(
+                "cg:demo:ovr:{{t.d2e79529ba2c46b2}}:create-order:user:p.{}",
+                keys::principal_hash("alice")
+            ),
+            "cg:demo:ovr:{t.d2e79529ba2c46b2}:create-order:user:t",
+            record().cancel_key.as_str(),
+        ]
+    );
+    assert_eq!(
+        &call.args.words_from(20)[..],
+        &[
+            "1",
+            "sha256:ff",
+            "o1",
+            "120000",
+            "0",
+            "2",
+            "1",
+            "1",
+            "3",
+            "2"
+        ]
+    );
+    // Without override keys the call is what it was.
+    let plain = plan(policy, &refs(&keys), &asker("n1"), Some(&record()), None);
+    assert_eq!(plain[0].call.keys.len(), 5);
+    assert_eq!(plain[0].call.args.last(), Some("0"));
+}
+
+/// Four values per limit with override keys follow the sections: its position, the limit and
+/// window it was counted with, and how many of its values were unreadable.
+#[test]
+fn reads_the_quota_each_override_counted_with() {
+    let got = read_reply(
+        &reply(&[1, 1, 99, 60000, 0, 0, 0, 400, 250, 2, 40, 120_000, 1]),
+        2,
+        false,
+        false,
+    )
+    .expect("valid");
+    assert_eq!(got.states[0].quota, None);
+    assert_eq!(
+        got.states[1].quota,
+        Some(Quota {
+            limit: 40,
+            window_ms: 120_000
+        })
+    );
+    assert!(got.states[1].override_unreadable && !got.states[0].override_unreadable);
+    // With the record's values between the limits' and the overrides'.
+    let got = read_reply(
+        &Reply::Array(Some(vec![
+            Reply::Int(1),
+            Reply::Int(1),
+            Reply::Int(4),
+            Reply::Int(60000),
+            Reply::Int(0),
+            Reply::Int(1),
+            Reply::Int(120_000),
+            Reply::Bulk(Some(vec![])),
+            Reply::Int(1),
+            Reply::Bulk(Some(b"5".to_vec())),
+            Reply::Bulk(Some(b"60000".to_vec())),
+            Reply::Int(0),
+        ])),
+        1,
+        true,
+        false,
+    )
+    .expect("valid: webdis sends the integers as strings");
+    assert_eq!(got.record, Some(RecordAnswer::Acquired));
+    assert_eq!(got.states[0].quota.map(|q| q.limit), Some(5));
+    for bad in [
+        vec![1, 1, 99, 60000, 0, 3, 40, 1000, 0],
+        vec![1, 1, 99, 60000, 0, 0, 40, 1000, 0],
+        vec![1, 1, 99, 60000, 0, 1, 0, 1000, 0],
+        vec![1, 1, 99, 60000, 0, 1, 40, 1000],
+        vec![1, 1, 99, 60000, 0, 1, 40, 1000, 0, 1, 40, 1000, 0],
+    ] {
+        assert!(
+            read_reply(&reply(&bad), 1, false, false).is_err(),
+            "{bad:?}"
+        );
+    }
+}
+
+/// What an override key holds is read as acquire.lua reads it (tests/test_scripts_overrides.py
+/// holds the script to the same values).
+#[test]
+fn override_values() {
+    let o = Override {
+        limit: 500,
+        window_ms: 60_000,
+        burst: None,
+    };
+    assert_eq!(o.text(), "500/60000");
+    assert_eq!(Override::read(b"500/60000", false), Some(o));
+    assert_eq!(Override::read(b"500/60000", true), Some(o));
+    let tb = Override::read(b"6/60000/3", true).expect("a token bucket's burst");
+    assert_eq!((tb.burst, tb.text().as_str()), (Some(3), "6/60000/3"));
+    assert_eq!(Override::read(b"007/1000", false).map(|o| o.limit), Some(7));
+    let max = format!("{OVERRIDE_MAX_LIMIT}/{OVERRIDE_MAX_WINDOW_MS}");
+    assert!(Override::read(max.as_bytes(), false).is_some());
+    for bad in [
+        "",
+        "abc",
+        "0/1000",
+        "5/0",
+        "5",
+        "5/1000/",
+        "-5/1000",
+        "5.5/1000",
+        "5/1000/2",
+        "2000000000/1000",
+        "5/8640000001",
+        " 5/1000",
+        "5/1000\n",
+        "5/1000/2/1",
+        "99999999999999999999999/1000",
+    ] {
+        assert_eq!(Override::read(bad.as_bytes(), false), None, "{bad:?}");
+    }
+    assert_eq!(
+        Override::read(b"5/1", true),
+        None,
+        "a token bucket needs window >= limit ms"
+    );
+    assert_eq!(Override::read(b"5/1000/0", true), None);
 }

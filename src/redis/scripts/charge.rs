@@ -2,14 +2,17 @@
 //! the difference between what the response says the request cost and what it consumed at
 //! admission (never below zero).
 
-use crate::config::RateLimit;
+use crate::config::{Quota, RateLimit};
 use crate::redis::{keys, ScriptCall, Words};
 
-/// One counter to correct: its key, its limit, and `charge - cost` (may be negative).
+/// One counter to correct: its key, its limit, the tenant's own quota it was counted with at
+/// admission (an override; `None`: the configuration's), and `charge - cost` (may be
+/// negative).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Correction<'a> {
     pub(crate) key: &'a str,
     pub(crate) limit: &'a RateLimit,
+    pub(crate) quota: Option<Quota>,
     pub(crate) delta: i64,
 }
 
@@ -18,9 +21,10 @@ pub(crate) fn call(corrections: &[Correction<'_>]) -> ScriptCall {
     let mut args = Words::with_capacity(1 + 4 * corrections.len(), 48 * corrections.len());
     args.push_u64(corrections.len() as u64);
     for c in corrections {
+        let quota = c.quota.unwrap_or_else(|| c.limit.quota());
         args.push(keys::limit_code(c.limit));
-        args.push_u64(c.limit.limit);
-        args.push_u64(c.limit.window_ms);
+        args.push_u64(quota.limit);
+        args.push_u64(quota.window_ms);
         args.push_i64(c.delta);
     }
     let keys: Words = corrections.iter().map(|c| c.key).collect();
@@ -46,9 +50,22 @@ mod tests {
         let call = call(&[Correction {
             key: "k",
             limit,
+            quota: None,
             delta: -5,
         }]);
         assert_eq!(call.keys, vec!["k"]);
         assert_eq!(call.args, vec!["1", "fw", "1000", "60000", "-5"]);
+        // Counted with a tenant's own quota at admission: corrected with it.
+        let own = Quota {
+            limit: 50,
+            window_ms: 1_000,
+        };
+        let call = super::call(&[Correction {
+            key: "k",
+            limit,
+            quota: Some(own),
+            delta: 2,
+        }]);
+        assert_eq!(call.args, vec!["1", "fw", "50", "1000", "2"]);
     }
 }

@@ -2,6 +2,7 @@
 //! its contract: the arguments it is called with and what its reply means.
 //!
 //! * [`acquire`]: `acquire.lua` (rate limits, the idempotency record, the lease of one slot);
+//!   [`peek`] is the same file read-only, for the operator's tool;
 //! * [`record`]: `complete.lua` and `release.lua` (a request's record settled);
 //! * [`lease`]: `lease_release.lua` and `lease_extend.lua`;
 //! * [`slot`]: `slot_release.lua` and `slot_extend.lua` (concurrency slots);
@@ -33,10 +34,22 @@ pub(crate) mod slot;
 use crate::redis::Script;
 
 // Each script that includes a piece, as it runs: its pieces, then its own file. Each is used
-// twice, alone and as a sub-call's body in batch.lua.
+// twice, alone and as a sub-call's body in batch.lua. acquire.lua starts with the value of
+// its PEEK local: false for the filter's acquire, true for the read-only `peek` ([`peek`]).
 macro_rules! acquire_lua {
     () => {
         concat!(
+            "local PEEK = false\n",
+            include_str!("piece_window_roll.lua"),
+            include_str!("acquire.lua")
+        )
+    };
+}
+#[cfg_attr(target_os = "wasi", allow(unused_macros))]
+macro_rules! peek_lua {
+    () => {
+        concat!(
+            "local PEEK = true\n",
             include_str!("piece_window_roll.lua"),
             include_str!("acquire.lua")
         )
@@ -190,6 +203,14 @@ impl Scripts {
     }
 }
 
+/// `acquire.lua` read-only (its `PEEK` local true): the rate limits' answer a request of the
+/// given cost would get now, each limit's state before it, and nothing written. The filter
+/// never runs it; the operator's tool does (`cg-admin limits`), with `EVAL`.
+#[cfg_attr(target_os = "wasi", allow(dead_code))]
+pub(crate) fn peek() -> Script {
+    Script::new("peek", peek_lua!())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,6 +306,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn peek_is_acquire_but_for_its_first_line() {
+        let (acquire, peek) = (Scripts::load().acquire, peek());
+        assert_eq!(
+            acquire.source.split_once('\n'),
+            Some((
+                "local PEEK = false",
+                &peek.source["local PEEK = true\n".len()..]
+            ))
+        );
+        assert!(peek.source.starts_with("local PEEK = true\n"));
+        assert_ne!(acquire.sha1, peek.sha1);
     }
 
     #[test]
