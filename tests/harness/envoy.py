@@ -61,8 +61,10 @@ def spawn_envoy(workdir: Path, config_path: Path, concurrency: int = 2, log_leve
 
     `env` is added to the process environment (e.g. a secret that the Wasm VM reads through
     `vm_config.environment_variables.host_env_keys`)."""
+    # The access log (see envoy/template.yaml) is flushed every 250 ms rather than Envoy's
+    # default 10 s, so a request's line is there to read (and to tail) moments after it ends.
     argv = [envoy_binary(), "-c", str(Path(config_path).resolve()), "--disable-hot-restart",
-            "--concurrency", str(concurrency), "-l", log_level]
+            "--concurrency", str(concurrency), "-l", log_level, "--file-flush-interval-msec", "250"]
     if admin_address_path is not None:
         argv += ["--admin-address-path", str(Path(admin_address_path).resolve())]
     return Proc("envoy", argv, Path(workdir), env=env)
