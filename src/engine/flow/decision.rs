@@ -10,6 +10,7 @@
 //! policy=<name> verdict=<verdict> limit=<name or -> remaining=<n or -> tenant=<t.hash or -> status=<n or ->
 //! ```
 //!
+//! The verdicts and every field are listed in docs/design.md, "Decisions in access logs".
 //! `tenant` is the tenant's hash tag as the Redis keys carry it (`t.<16 hex>`), never the raw
 //! id; `status` is the status of the filter's own answer (`-` for a request it forwarded).
 

@@ -16,6 +16,8 @@
 //! - this file: the flow's state ([`Phase`], the calls' tags), how an event becomes a
 //!   [`Step`], and what the worker asks of a flow between events;
 //! - `step.rs`: what a step carries;
+//! - `decision.rs`: the request's decision as Envoy's access log reads it (handed out once,
+//!   with the step that reached its verdict);
 //! - `request.rs`: the request's events (headers, body, trailers) up to the first acquire;
 //! - `checks.rs`: the request's own problems, answered before any guard runs;
 //! - `decide.rs`: the decision round (limits, then the record, then the lease; waits and
