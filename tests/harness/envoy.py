@@ -74,9 +74,11 @@ def validate_config(config_path: Path, timeout: float = 60.0,
                     env: dict[str, str] | None = None) -> tuple[int, str]:
     """`envoy --mode validate`: (exit code, output). Loads the wasm and runs its on_configure.
     `env` is added to Envoy's environment (variables a config reads)."""
+    # Run in the config's directory: a validation opens the config's files as a run would (the
+    # access log, a path relative to the working directory), which must not land elsewhere.
     result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config_path), "-l", "warn"],
                             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, cwd=Path(config_path).resolve().parent)
     return result.returncode, result.stdout + result.stderr
 
 
