@@ -10,7 +10,7 @@
 //! `hostcalls` from meeting a status they would panic on.
 
 use crate::config::{Config, ConfigError, RedisConfig};
-use crate::engine::flow::{Cx, Runtime};
+use crate::engine::flow::{Cx, Runtime, PROPERTY};
 use crate::engine::shared::SharedWorker;
 use crate::engine::worker::{Action, Callout, Dir, Effects, ResponseHead, StreamEffects, Worker};
 use crate::guards::ratelimit::overlimit::SharedStore;
@@ -115,6 +115,9 @@ impl Vm {
         }
         for (name, value) in &ops.set_request_headers {
             let _ = sdk::set_header(MapType::HttpRequestHeaders, name, value);
+        }
+        if let Some(decision) = &ops.decision {
+            let _ = sdk::set_property(PROPERTY, decision.as_bytes());
         }
         let mut action = None;
         for call in ops.calls {

@@ -4,7 +4,7 @@
 //! The SDK's `hostcalls` return `Result` for the statuses each call documents and panic on any
 //! other (a panic aborts the VM for every request of the worker). Each call below is one whose
 //! other statuses Envoy 1.40 never answers (its `source/extensions/common/wasm/context.cc`),
-//! except three kinds, which go through the host's own functions here:
+//! except four kinds, which go through the host's own functions here:
 //!
 //! - a change to a header map (`add`, `replace`, `remove`): Envoy answers `BadArgument` when
 //!   the map is no longer there (a request's headers once they went on), which the SDK's
@@ -13,6 +13,9 @@
 //!   gRPC status and its `send_grpc_response` no HTTP status, and a gRPC client is answered
 //!   with an explicit code (`429` -> `RESOURCE_EXHAUSTED`, where Envoy would map `429` to
 //!   `UNAVAILABLE`);
+//! - the setting of a property (the request's decision): Envoy answers `NotFound` when the
+//!   context has no stream and `BadArgument` when the property was declared read-only and is
+//!   set already, which the SDK's `set_property` panics on;
 //! - the read of a whole header map, on every request: the SDK's readers allocate two buffers
 //!   per header (the host hands the map over as one, which `Headers::decode` keeps as one).
 //!
@@ -57,6 +60,12 @@ extern "C" {
         value: *const u8,
         value_size: usize,
     ) -> Status;
+    fn proxy_set_property(
+        path: *const u8,
+        path_size: usize,
+        value: *const u8,
+        value_size: usize,
+    ) -> Status;
     fn proxy_get_header_map_pairs(
         map: MapType,
         return_data: *mut *mut u8,
@@ -91,6 +100,13 @@ pub(crate) fn add_header(map: MapType, name: &str, value: &str) -> Result<(), Re
     check(unsafe {
         proxy_add_header_map_value(map, name.as_ptr(), name.len(), value.as_ptr(), value.len())
     })
+}
+
+/// Sets the effective context's property `name` (one path segment) to `value`: Envoy keeps
+/// it in the stream's filter state as `wasm.<name>`, where access logs and RBAC read it.
+pub(crate) fn set_property(name: &str, value: &[u8]) -> Result<(), Refused> {
+    // SAFETY: as above. A path of one segment is the segment's bytes alone.
+    check(unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) })
 }
 
 /// Answers the effective context's stream locally. `grpc_status` (0-16, or -1 for none) is

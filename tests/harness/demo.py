@@ -294,6 +294,7 @@ coordination-guard demo is up
 {backend}
   config    {config}
   logs      {logs}/
+  decisions {logs}/envoy/access.log  (one line per request: tail -f it)
 
 {tour}
 The keys in Redis, as the harness's admin user (webdis's own user may run only the scripts' commands on {prefix}:* keys):

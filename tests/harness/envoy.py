@@ -61,8 +61,10 @@ def spawn_envoy(workdir: Path, config_path: Path, concurrency: int = 2, log_leve
 
     `env` is added to the process environment (e.g. a secret that the Wasm VM reads through
     `vm_config.environment_variables.host_env_keys`)."""
+    # The access log (see envoy/template.yaml) is flushed every 250 ms rather than Envoy's
+    # default 10 s, so a request's line is there to read (and to tail) moments after it ends.
     argv = [envoy_binary(), "-c", str(Path(config_path).resolve()), "--disable-hot-restart",
-            "--concurrency", str(concurrency), "-l", log_level]
+            "--concurrency", str(concurrency), "-l", log_level, "--file-flush-interval-msec", "250"]
     if admin_address_path is not None:
         argv += ["--admin-address-path", str(Path(admin_address_path).resolve())]
     return Proc("envoy", argv, Path(workdir), env=env)
@@ -72,9 +74,11 @@ def validate_config(config_path: Path, timeout: float = 60.0,
                     env: dict[str, str] | None = None) -> tuple[int, str]:
     """`envoy --mode validate`: (exit code, output). Loads the wasm and runs its on_configure.
     `env` is added to Envoy's environment (variables a config reads)."""
+    # Run in the config's directory: a validation opens the config's files as a run would (the
+    # access log, a path relative to the working directory), which must not land elsewhere.
     result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config_path), "-l", "warn"],
                             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, cwd=Path(config_path).resolve().parent)
     return result.returncode, result.stdout + result.stderr
 
 

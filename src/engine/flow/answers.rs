@@ -12,7 +12,7 @@ use crate::support::lograte::WarnKind;
 impl Flow {
     /// A gateway answer (or a failure to send) for `slot`.
     pub fn on_reply(&mut self, cx: &Cx<'_>, slot: usize, answer: Result<Reply, CallError>) -> Step {
-        self.step(|f| f.reply(cx, slot, answer))
+        self.step(cx, |f| f.reply(cx, slot, answer))
     }
 
     fn reply(&mut self, cx: &Cx<'_>, slot: usize, answer: Result<Reply, CallError>) -> Move {

@@ -20,12 +20,15 @@ use crate::support::lograte::WarnKind;
 
 impl Flow {
     pub(super) fn start_acquire(&mut self, at: &Pcx<'_>, held: Held, body: &[u8]) -> Move {
+        let Some(caller) = self.caller.as_ref() else {
+            return Move::Continue;
+        };
         if let (Some(record), Some(cfg)) = (self.record.as_mut(), at.policy.idempotency.as_ref()) {
-            record.fingerprint(cfg, &held.caller, &held.req, body);
+            record.fingerprint(cfg, caller, &held.req, body);
         }
         self.nonce = held.nonce;
         self.admission =
-            std::mem::take(&mut self.admission).start(at, &held.caller, &held.req, &held.costs);
+            std::mem::take(&mut self.admission).start(at, caller, &held.req, &held.costs);
         if let Some(rejection) = self.admission.cached_rejection(at) {
             return self.answer(rejection);
         }
@@ -266,6 +269,7 @@ impl Flow {
             self.release_slots(at);
             return self.overloaded(at, "the coordination store's answer");
         }
+        self.failed = true;
         let policy = at.policy;
         at.rt
             .warnings

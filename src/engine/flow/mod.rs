@@ -16,6 +16,8 @@
 //! - this file: the flow's state ([`Phase`], the calls' tags), how an event becomes a
 //!   [`Step`], and what the worker asks of a flow between events;
 //! - `step.rs`: what a step carries;
+//! - `decision.rs`: the request's decision as Envoy's access log reads it (handed out once,
+//!   with the step that reached its verdict);
 //! - `request.rs`: the request's events (headers, body, trailers) up to the first acquire;
 //! - `checks.rs`: the request's own problems, answered before any guard runs;
 //! - `decide.rs`: the decision round (limits, then the record, then the lease; waits and
@@ -31,6 +33,7 @@ mod answers;
 pub(crate) mod checks;
 mod concurrency;
 mod decide;
+mod decision;
 mod gone;
 mod request;
 mod step;
@@ -43,6 +46,7 @@ pub use crate::guards::context::{
     Cx, Outgoing, Pcx, Purpose, Runtime, BODY_IDLE_TIMEOUT_MS, FINGERPRINT_HEADER,
     MARKER_MIN_TTL_MS,
 };
+pub use decision::PROPERTY;
 pub use step::{Move, Output, Step};
 
 use crate::engine::calls::Calls;
@@ -55,6 +59,7 @@ use crate::http::identity::Caller;
 use crate::http::local_reply::{self, LocalResponse};
 use crate::http::request::Request;
 use crate::redis::scripts::acquire;
+use decision::{Decided, Verdict};
 use std::borrow::Cow;
 use std::rc::Rc;
 
@@ -156,7 +161,6 @@ fn token(text: &str) -> Token {
 /// The request parts kept while the body is buffered.
 #[derive(Debug)]
 struct Held {
-    caller: Caller,
     req: Request,
     nonce: Token,
     /// The request's cost to each rate limit (none listed: 1 to each).
@@ -192,6 +196,14 @@ pub struct Flow {
     /// What the response says the request cost (limits with `charge`).
     meter: Meter,
     kind: StreamKind,
+    /// Who is calling, once identified (kept for the decision's tenant tag).
+    caller: Option<Caller>,
+    /// The request's verdict, once reached; `decision_out`: its line was handed out (with
+    /// the step of the event that reached it, see `decision.rs`).
+    decided: Option<Decided>,
+    decision_out: bool,
+    /// Redis did not answer the acquire and the failure mode decided.
+    failed: bool,
     /// The rate-limit headers (`RateLimit-Policy`, `RateLimit`) of a request that waits for
     /// a lease or a record: the response gets them once the request goes on.
     limit_headers: Vec<(String, String)>,
@@ -233,8 +245,13 @@ impl Flow {
     /// hands that out with everything the event produced on the way. Every public event goes
     /// through here once (an event never calls another public one: its output would leave
     /// with the inner step).
-    fn step(&mut self, event: impl FnOnce(&mut Flow) -> Move) -> Step {
+    /// The verdict an event reached leaves with its step as the decision line.
+    fn step(&mut self, cx: &Cx<'_>, event: impl FnOnce(&mut Flow) -> Move) -> Step {
         let next = event(self);
+        if let Some(decided) = self.decided.filter(|_| !self.decision_out) {
+            self.decision_out = true;
+            self.out.decision = self.at(cx).map(|at| self.decision_line(&at, decided));
+        }
         Step {
             next,
             out: std::mem::take(&mut self.out),
@@ -244,6 +261,7 @@ impl Flow {
     /// The request goes on to the upstream, with the headers the guards gathered for it and
     /// `response_headers` for its response.
     fn forward(&mut self, response_headers: Vec<(String, String)>) -> Move {
+        self.decide_once(Verdict::Allowed, None);
         self.out.upstream_headers = std::mem::take(&mut self.upstream_headers);
         self.out.response_headers = response_headers;
         self.phase = Phase::Forwarded;
@@ -256,11 +274,27 @@ impl Flow {
         self.phase = Phase::Answered;
         self.limit_headers.clear();
         let response = response.into();
+        self.decide_once(Verdict::of_answer(&response), Some(response.status));
         Move::Respond(if self.kind.grpc {
             local_reply::for_grpc(response)
         } else {
             response
         })
+    }
+
+    /// Notes the request's verdict (`status`: of the filter's own answer), the first time
+    /// only: a request is decided once. After a failed acquire the failure mode names it.
+    fn decide_once(&mut self, verdict: Verdict, status: Option<u32>) {
+        if self.decided.is_some() || self.gone {
+            return;
+        }
+        let verdict = match (self.failed, verdict, status) {
+            (true, Verdict::Overloaded, _) => Verdict::Overloaded,
+            (true, _, None) => Verdict::FailedOpen,
+            (true, _, Some(_)) => Verdict::FailedClosed,
+            (false, v, _) => v,
+        };
+        self.decided = Some(Decided { verdict, status });
     }
 
     /// Whether the request went on to the upstream.

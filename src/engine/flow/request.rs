@@ -22,8 +22,8 @@ impl Flow {
         owner: &str,
         end_of_stream: bool,
     ) -> Step {
-        self.step(
-            |f| match parsed_policy_index(&cx.rt.config.policies, &req) {
+        self.step(cx, |f| {
+            match parsed_policy_index(&cx.rt.config.policies, &req) {
                 Some(Selected::AmbiguousPath(index)) => {
                     f.set_grpc(req.header("content-type"));
                     f.ambiguous_path(cx, index)
@@ -32,8 +32,8 @@ impl Flow {
                     f.policy_request(cx, index, req, nonce, owner, end_of_stream)
                 }
                 None => Move::Continue,
-            },
-        )
+            }
+        })
     }
 
     /// Whether the request is gRPC (`content-type: application/grpc…`), for a caller that
@@ -44,7 +44,7 @@ impl Flow {
 
     /// A request whose path reads more than one way, one of them guarded by policy `index`.
     pub(crate) fn on_ambiguous_path(&mut self, cx: &Cx<'_>, index: usize) -> Step {
-        self.step(|f| f.ambiguous_path(cx, index))
+        self.step(cx, |f| f.ambiguous_path(cx, index))
     }
 
     fn ambiguous_path(&mut self, cx: &Cx<'_>, index: usize) -> Move {
@@ -65,7 +65,9 @@ impl Flow {
         owner: &str,
         end_of_stream: bool,
     ) -> Step {
-        self.step(|f| f.policy_request(cx, index, req, nonce, owner, end_of_stream))
+        self.step(cx, |f| {
+            f.policy_request(cx, index, req, nonce, owner, end_of_stream)
+        })
     }
 
     fn policy_request(
@@ -83,7 +85,7 @@ impl Flow {
             return Move::Continue;
         };
         let caller = match identify(&at.rt.config.identity, &req) {
-            Ok(c) => c,
+            Ok(c) => self.caller.insert(c),
             Err(e) => return self.answer(checks::tenant_problem(&at, e)),
         };
         if let Some(problem) = checks::repeated_selector(&at, &req) {
@@ -96,19 +98,18 @@ impl Flow {
         self.owner = token(owner);
         self.kind.connect = req.method == "CONNECT";
         self.kind.upgrade = self.kind.connect || req.header("upgrade").is_some();
-        match LeaseGuard::prepare(&at, &caller, &req, owner) {
+        match LeaseGuard::prepare(&at, caller, &req, owner) {
             Ok(lease) => self.lease = lease,
             Err(missing) => return self.answer(checks::lease_resource_missing(&at, &missing)),
         }
         let held = Held {
-            caller,
             req,
             nonce: token(nonce),
             costs,
         };
         if let Some(cfg) = at.policy.idempotency.as_ref() {
             if cfg.applies_to(&held.req.method) {
-                match IdempotencyGuard::prepare(&at, cfg, &held.caller, &held.req, owner) {
+                match IdempotencyGuard::prepare(&at, cfg, caller, &held.req, owner) {
                     Err(problem) => return self.answer(problem),
                     Ok(None) => {}
                     Ok(Some(guard)) => {
@@ -144,7 +145,7 @@ impl Flow {
         end_of_stream: bool,
         read: impl FnOnce() -> Vec<u8>,
     ) -> Step {
-        self.step(|f| f.request_body(cx, body_size, end_of_stream, read))
+        self.step(cx, |f| f.request_body(cx, body_size, end_of_stream, read))
     }
 
     fn request_body(
@@ -182,7 +183,7 @@ impl Flow {
         cx: &Cx<'_>,
         read: impl FnOnce() -> Vec<u8>,
     ) -> Step {
-        self.step(|f| f.request_trailers(cx, read))
+        self.step(cx, |f| f.request_trailers(cx, read))
     }
 
     fn request_trailers(&mut self, cx: &Cx<'_>, read: impl FnOnce() -> Vec<u8>) -> Move {

@@ -45,4 +45,7 @@ pub struct Output {
     /// The lease this request gave back or the record it settled, once Redis said so: this
     /// worker's requests waiting for it poll at once (see [`super::Flow::wake`]).
     pub(crate) freed: Option<String>,
+    /// The request's decision line (see `decision.rs`), with the step that reached its
+    /// verdict: once per request a policy guards.
+    pub decision: Option<String>,
 }

@@ -571,3 +571,115 @@ fn ambiguous_inputs_are_400_before_any_call() {
         }
     }
 }
+
+/// The tag the decision line carries for tenant `acme` (its keys' hash tag).
+const ACME: &str = "t.d2e79529ba2c46b2";
+
+#[test]
+fn each_guarded_request_hands_out_its_decision_once() {
+    let rec = Recorder::default();
+    let rt = runtime(&rec);
+    // No policy: no line.
+    let mut flow = Flow::default();
+    let step = flow.on_request(
+        &Cx::new(&rt, 0, &rec),
+        req("DELETE", "/x").tenant("acme").build(),
+        "n",
+        "o",
+        true,
+    );
+    assert_eq!(step.out.decision, None);
+    // Allowed, with a shadow limit that would reject: named, with what it has left; the
+    // line leaves with the step that forwards the request, and only then.
+    let mut flow = Flow::default();
+    let step = flow.on_request(
+        &Cx::new(&rt, 1_000, &rec),
+        req("POST", "/orders").tenant("acme").build(),
+        "n",
+        "o",
+        true,
+    );
+    assert_eq!(step.out.decision, None, "not decided yet");
+    let step = flow.on_reply(
+        &Cx::new(&rt, 1_010, &rec),
+        0,
+        Ok(acquire().limit_ok(1, 59_000).reply()),
+    );
+    assert_eq!(step.out.decision, None);
+    let step = flow.on_reply(
+        &Cx::new(&rt, 1_020, &rec),
+        1,
+        Ok(acquire().shadow_over(0, 1_000, 1_000).reply()),
+    );
+    assert_eq!(
+        step.out.decision.as_deref(),
+        Some(
+            "policy=orders verdict=shadow_rejected limit=ip remaining=0 \
+             tenant=t.d2e79529ba2c46b2 status=-"
+        )
+    );
+    let step = flow.on_response_headers(
+        &Cx::new(&rt, 1_030, &rec),
+        200,
+        true,
+        "via_upstream",
+        &[],
+        true,
+    );
+    assert_eq!(step.out.decision, None, "once per request");
+    // Rejected: the limit that rejected, and the status answered.
+    let mut flow = Flow::default();
+    flow.on_request(
+        &Cx::new(&rt, 0, &rec),
+        req("POST", "/orders").tenant("acme").build(),
+        "n",
+        "o",
+        true,
+    );
+    flow.on_reply(
+        &Cx::new(&rt, 1, &rec),
+        1,
+        Ok(acquire().limit_ok(99, 1).reply()),
+    );
+    let step = flow.on_reply(
+        &Cx::new(&rt, 2, &rec),
+        0,
+        Ok(acquire().limit_over(0, 30_000, 30_000).reply()),
+    );
+    assert_eq!(
+        step.out.decision,
+        Some(format!(
+            "policy=orders verdict=rejected limit=tenant remaining=0 tenant={ACME} status=429"
+        ))
+    );
+    // Refused before the tenant is known: no tag.
+    let mut flow = Flow::default();
+    let step = flow.on_request(
+        &Cx::new(&rt, 0, &rec),
+        req("POST", "/orders").build(),
+        "n",
+        "o",
+        true,
+    );
+    assert_eq!(
+        step.out.decision.as_deref(),
+        Some("policy=orders verdict=refused limit=- remaining=- tenant=- status=401")
+    );
+    // Redis fails and the policy fails open: forwarded, so no status.
+    let mut flow = Flow::default();
+    flow.on_request(
+        &Cx::new(&rt, 0, &rec),
+        req("GET", "/r").tenant("acme").build(),
+        "n",
+        "o",
+        true,
+    );
+    let step = flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Err(CallError::Transport));
+    assert_eq!(step.next, Move::Continue);
+    assert_eq!(
+        step.out.decision,
+        Some(format!(
+            "policy=reads verdict=failed_open limit=- remaining=- tenant={ACME} status=-"
+        ))
+    );
+}

@@ -49,7 +49,9 @@ impl Flow {
         headers: &[(String, String)],
         end_of_stream: bool,
     ) -> Step {
-        self.step(|f| f.response_headers(cx, status, via_upstream, details, headers, end_of_stream))
+        self.step(cx, |f| {
+            f.response_headers(cx, status, via_upstream, details, headers, end_of_stream)
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -189,7 +191,7 @@ impl Flow {
         end_of_stream: bool,
         read: impl FnOnce() -> Vec<u8>,
     ) -> Step {
-        self.step(|f| f.response_body(cx, body_size, end_of_stream, read))
+        self.step(cx, |f| f.response_body(cx, body_size, end_of_stream, read))
     }
 
     fn response_body(
@@ -247,7 +249,7 @@ impl Flow {
         cx: &Cx<'_>,
         trailers: &[(String, String)],
     ) -> Step {
-        self.step(|f| f.response_trailers(cx, trailers))
+        self.step(cx, |f| f.response_trailers(cx, trailers))
     }
 
     fn response_trailers(&mut self, cx: &Cx<'_>, trailers: &[(String, String)]) -> Move {

@@ -51,7 +51,7 @@ impl Flow {
     /// The watchdog: extends a held lease when due, polls a busy lease, and decides a stream
     /// whose body or calls outlived their time.
     pub(crate) fn on_tick(&mut self, cx: &Cx<'_>) -> Step {
-        self.step(|f| f.tick(cx))
+        self.step(cx, |f| f.tick(cx))
     }
 
     fn tick(&mut self, cx: &Cx<'_>) -> Move {

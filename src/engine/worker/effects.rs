@@ -1,5 +1,5 @@
 //! What the adapter must do after an event, as data: the answer to the host callback, what to
-//! do on each stream the event moved, the calls to send (with where their answers go), the
+//! do on each stream the event moved (its decision to record among it), the calls to send (with where their answers go), the
 //! root's tick and its wake-up. The adapter carries these out in order and does nothing else.
 
 use crate::http::local_reply::LocalResponse;
@@ -54,6 +54,9 @@ pub struct StreamEffects<S> {
     pub(crate) set_request_headers: Vec<(String, String)>,
     /// Calls sent on this stream's behalf (from its context, so they end with it).
     pub calls: Vec<Callout<S>>,
+    /// The request's decision line, to set as the stream's property
+    /// [`crate::engine::flow::PROPERTY`] (before a local reply: Envoy's access log reads it).
+    pub decision: Option<String>,
     /// Answer the client locally.
     pub reply: Option<Rc<LocalResponse>>,
     /// Resume this paused direction.
@@ -67,6 +70,7 @@ impl<S> StreamEffects<S> {
             add_response_headers: Vec::new(),
             set_request_headers: Vec::new(),
             calls: Vec::new(),
+            decision: None,
             reply: None,
             resume: None,
         }
@@ -77,6 +81,7 @@ impl<S> StreamEffects<S> {
         self.add_response_headers.is_empty()
             && self.set_request_headers.is_empty()
             && self.calls.is_empty()
+            && self.decision.is_none()
             && self.reply.is_none()
             && self.resume.is_none()
     }

@@ -146,6 +146,7 @@ impl<S: Copy + Ord> Worker<S> {
                 self.close(s);
                 self.retire(entry);
                 let mut ops = StreamEffects::new(s);
+                ops.decision = out.decision;
                 ops.reply = Some(reply);
                 Effects::of_stream(Action::Pause, ops)
             }

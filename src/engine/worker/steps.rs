@@ -25,6 +25,7 @@ impl<S: Copy + Ord> Worker<S> {
         };
         let Step { next, out } = step;
         let mut ops = StreamEffects::new(s);
+        ops.decision = out.decision;
         fx.action = Action::Pause;
         let responded = matches!(next, Move::Respond(_));
         match next {

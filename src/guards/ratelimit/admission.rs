@@ -35,6 +35,9 @@ pub(crate) struct LimitSlot {
 #[derive(Debug, Default)]
 pub(crate) struct Admission {
     slots: Vec<LimitSlot>,
+    /// The first limit the over-limit cache answered the request's `429` for (the
+    /// decision's limit: the cache leaves that limit's state unknown).
+    cached: Option<usize>,
 }
 
 impl Admission {
@@ -94,14 +97,20 @@ impl Admission {
             }
         });
         buffer.extend(slots);
-        Admission { slots: buffer }
+        Admission {
+            slots: buffer,
+            cached: None,
+        }
     }
 
     /// No limits, in this admission's room.
     pub(crate) fn emptied(self) -> Admission {
         let mut slots = self.slots;
         slots.clear();
-        Admission { slots }
+        Admission {
+            slots,
+            cached: None,
+        }
     }
 
     /// Whether every limit was admitted locally (none, or each from this worker's slice):
@@ -124,6 +133,11 @@ impl Admission {
             .collect()
     }
 
+    /// The limit the over-limit cache rejected the request for, if it did.
+    pub(crate) fn cached_rejection_limit(&self) -> Option<usize> {
+        self.cached
+    }
+
     /// The request's limits, in policy order.
     pub(crate) fn all(&self) -> &[LimitSlot] {
         &self.slots
@@ -143,6 +157,7 @@ impl Admission {
         }
         // Allocated at the first hit: most requests have none.
         let mut waits: Option<Vec<Option<Known>>> = None;
+        let mut first = None;
         for (i, (limit, slot)) in at.policy.rate_limits.iter().zip(&self.slots).enumerate() {
             // A unit from this worker's slice was counted in Redis when the slice was taken:
             // it admits whatever the counter says now.
@@ -151,6 +166,7 @@ impl Admission {
             }
             if let Some((until, quota)) = rt.over_limit.rejecting_until(slot.key.hash(), at.now_ms)
             {
+                first = first.or(Some(i));
                 let all = waits.get_or_insert_with(|| vec![None; self.slots.len()]);
                 if let Some(wait) = all.get_mut(i) {
                     *wait = Some(Known {
@@ -166,6 +182,7 @@ impl Admission {
         let waits = waits?;
         at.m.increment(rt.metrics.over_limit_cache_hits);
         let response = rt.rejections.cached(at.index, at.policy, &waits)?;
+        self.cached = first;
         self.refund_local(at);
         Some(response)
     }
