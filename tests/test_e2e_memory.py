@@ -288,6 +288,17 @@ def test_past_the_budget_a_fingerprint_or_a_replay_is_refused_and_runs_nothing(g
     assert during[2:] == (keys, 0, 1), "nothing ran, no record was written"
     assert envoy.stat("wasmcustom.cg.memory.refused") == 2
     assert envoy.stat("wasmcustom.cg.memory.by_reference") >= 1, "the fills filled the budget"
+    # Each refusal is in the access log as its decision (wasm.coordination_guard).
+    log = envoy.workdir / "access.log"
+
+    def refused_lines() -> list[str]:
+        lines = log.read_text().splitlines() if log.exists() else []
+        return [line for line in lines if '" 503 ' in line and "/orders/" in line]
+
+    assert wait_for(lambda: len(refused_lines()) == 2, 10.0), refused_lines()
+    for line in refused_lines():
+        assert " policy=orders verdict=overloaded " in line and line.endswith(" status=503"), line
+        assert tenant not in line, "the raw tenant never appears"
 
     fresh = post("/orders/new", "k-new", body=big)
     assert fresh[0] == 200 and shared.upstream.count("POST", "/orders/new") == 1, fresh[:2]
