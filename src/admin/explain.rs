@@ -9,7 +9,7 @@ use crate::admin::request::{
 };
 use crate::admin::show::{self, rows};
 use crate::admin::{AdminError, Context, Report};
-use crate::config::{Config, FingerprintPart, HeaderTest, IdSource, Match, Policy};
+use crate::config::{Config, FingerprintPart, IdSource, Match, Policy};
 use crate::engine::flow::checks;
 use crate::guards::lease::resource_parts;
 use crate::guards::ratelimit;
@@ -83,7 +83,7 @@ pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminErr
             format!(
                 "{}: one of the path's readings fits it ({})",
                 policy.name,
-                matcher_text(&policy.matcher)
+                policy.matcher.describe()
             ),
         ));
         json["matched"] = json!("ambiguous_path");
@@ -102,7 +102,7 @@ pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminErr
             policy.name,
             index + 1,
             config.policies.len(),
-            matcher_text(&policy.matcher)
+            policy.matcher.describe()
         ),
     ));
     let caller = match &d.caller {
@@ -198,35 +198,6 @@ fn caller_sources(config: &Config) -> String {
     )
 }
 
-/// A policy's match in a few words: `POST, path /orders/*`.
-fn matcher_text(m: &Match) -> String {
-    let mut parts = Vec::new();
-    if !m.methods.is_empty() {
-        parts.push(m.methods.join("|"));
-    }
-    match (&m.path_exact, &m.path_prefix) {
-        (Some(e), _) => parts.push(format!("path = {e}")),
-        (None, Some(p)) => parts.push(format!("path {p}*")),
-        _ => {}
-    }
-    if let Some(h) = &m.host {
-        parts.push(format!("host {h}"));
-    }
-    for h in &m.headers {
-        parts.push(match &h.test {
-            HeaderTest::Exact(v) => format!("header {} = {v:?}", h.name),
-            HeaderTest::Prefix(v) => format!("header {} starts with {v:?}", h.name),
-            HeaderTest::Present(true) => format!("header {} present", h.name),
-            HeaderTest::Present(false) => format!("header {} absent", h.name),
-        });
-    }
-    if parts.is_empty() {
-        "every request".into()
-    } else {
-        parts.join(", ")
-    }
-}
-
 /// Why `m` does not fit `req`: the first of its conditions that fails, each tested alone by
 /// the filter's own match.
 fn misfit(m: &Match, req: &Request) -> String {
@@ -257,10 +228,11 @@ fn misfit(m: &Match, req: &Request) -> String {
     }
     for h in &m.headers {
         if !alone(&|o| o.headers = vec![h.clone()]) {
-            let want = matcher_text(&Match {
+            let want = Match {
                 headers: vec![h.clone()],
                 ..Match::default()
-            });
+            }
+            .describe();
             return match req.single_header(&h.name) {
                 Err(_) => format!("{want} does not hold: the header appears more than once"),
                 Ok(None) => format!("{want} does not hold: the request has no {}", h.name),

@@ -129,7 +129,7 @@ fn parts(
     req: &Request,
     given: &[&str],
 ) -> Result<Vec<(Selector, String)>, AdminError> {
-    let spelled = show::selectors(&lease.resource);
+    let spelled = Selector::describe_all(&lease.resource);
     if given.is_empty() {
         return resource_parts(lease, caller, req)
             .map(|parts| {

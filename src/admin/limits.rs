@@ -9,7 +9,7 @@ use crate::admin::request::{
 };
 use crate::admin::show::{self, rows};
 use crate::admin::{AdminError, Context, Report};
-use crate::config::{Algorithm, Policy, Quota, RateLimit};
+use crate::config::{Algorithm, Policy, Quota, RateLimit, Selector};
 use crate::guards::ratelimit;
 use crate::http::local_reply::{ratelimit_headers, QuotaView};
 use crate::redis::keys::{limit_code, LimitKey};
@@ -196,7 +196,7 @@ fn shared_by(l: &RateLimit) -> String {
     } else {
         format!(
             "the requests of every tenant with the same {}",
-            show::selectors(&l.by)
+            Selector::describe_all(&l.by)
         )
     }
 }

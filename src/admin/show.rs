@@ -87,22 +87,11 @@ pub(crate) fn limit_line(l: &RateLimit) -> String {
     if l.leased {
         line.push_str(", leased slices");
     }
-    let _ = write!(line, ", by {}", selectors(&l.by));
+    let _ = write!(line, ", by {}", Selector::describe_all(&l.by));
     if l.shadow {
         line.push_str(" (shadow: counted, never rejects)");
     }
     line
-}
-
-/// `tenant + principal`, or `the whole policy` for none.
-pub(crate) fn selectors(sels: &[Selector]) -> String {
-    if sels.is_empty() {
-        return "the whole policy".into();
-    }
-    sels.iter()
-        .map(Selector::spelling)
-        .collect::<Vec<_>>()
-        .join(" + ")
 }
 
 /// What a limit's `used` counts (its capacity less what remains).

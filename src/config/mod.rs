@@ -66,6 +66,18 @@ pub enum Selector {
 }
 
 impl Selector {
+    /// Selectors as the host tools show them: `tenant + principal`, or `the whole policy` for
+    /// none.
+    pub fn describe_all(sels: &[Selector]) -> String {
+        if sels.is_empty() {
+            return "the whole policy".into();
+        }
+        sels.iter()
+            .map(Selector::spelling)
+            .collect::<Vec<_>>()
+            .join(" + ")
+    }
+
     /// The canonical spelling, as in the configuration.
     pub fn spelling(&self) -> String {
         let mut out = String::new();

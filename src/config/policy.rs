@@ -84,6 +84,39 @@ pub struct Match {
     pub headers: Vec<HeaderMatch>,
 }
 
+impl Match {
+    /// The match in a few words, as the host tools show it: `POST, path /orders/*`, or
+    /// `every request`.
+    pub fn describe(&self) -> String {
+        let m = self;
+        let mut parts = Vec::new();
+        if !m.methods.is_empty() {
+            parts.push(m.methods.join("|"));
+        }
+        match (&m.path_exact, &m.path_prefix) {
+            (Some(e), _) => parts.push(format!("path = {e}")),
+            (None, Some(p)) => parts.push(format!("path {p}*")),
+            _ => {}
+        }
+        if let Some(h) = &m.host {
+            parts.push(format!("host {h}"));
+        }
+        for h in &m.headers {
+            parts.push(match &h.test {
+                HeaderTest::Exact(v) => format!("header {} = {v:?}", h.name),
+                HeaderTest::Prefix(v) => format!("header {} starts with {v:?}", h.name),
+                HeaderTest::Present(true) => format!("header {} present", h.name),
+                HeaderTest::Present(false) => format!("header {} absent", h.name),
+            });
+        }
+        if parts.is_empty() {
+            "every request".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
 const IDENTITY_FIELDS: &[&str] = &[
     "tenant",
     "tenant_header",

@@ -19,7 +19,7 @@
 
 use coordination_guard::config::{
     Algorithm, ChargeSource, Completion, Config, FailureMode, Fallback, FingerprintPart,
-    MissingTenant, OnBusy, Policy, RateLimit, Replay, Selector,
+    MissingTenant, OnBusy, RateLimit, Replay, Selector,
 };
 use coordination_guard::redis::keys;
 use serde_json::Value;
@@ -239,37 +239,6 @@ fn duration(ms: u64) -> String {
     }
 }
 
-fn selectors(sels: &[Selector]) -> String {
-    if sels.is_empty() {
-        return "the whole policy".into();
-    }
-    sels.iter()
-        .map(Selector::spelling)
-        .collect::<Vec<_>>()
-        .join(" + ")
-}
-
-fn matcher(p: &Policy) -> String {
-    let m = &p.matcher;
-    let mut parts = Vec::new();
-    if !m.methods.is_empty() {
-        parts.push(m.methods.join("|"));
-    }
-    match (&m.path_exact, &m.path_prefix) {
-        (Some(e), _) => parts.push(format!("path = {e}")),
-        (None, Some(pre)) => parts.push(format!("path {pre}*")),
-        _ => {}
-    }
-    if let Some(h) = &m.host {
-        parts.push(format!("host {h}"));
-    }
-    if parts.is_empty() {
-        "every request".into()
-    } else {
-        parts.join(", ")
-    }
-}
-
 fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
     let algo = match l.algorithm {
         Algorithm::FixedWindow => "fixed window",
@@ -282,7 +251,7 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
         format!(
             "{} at once by {} ({algo}, a slot lives {} unless extended",
             l.limit,
-            selectors(&l.by),
+            Selector::describe_all(&l.by),
             duration(l.window_ms)
         )
     } else {
@@ -290,7 +259,7 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
             "{} per {} by {} ({algo}",
             l.limit,
             duration(l.window_ms),
-            selectors(&l.by)
+            Selector::describe_all(&l.by)
         )
     };
     if let Some(c) = &l.cost {
@@ -415,7 +384,7 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
         s.push_str("no policies: every request passes untouched\n");
     }
     for (i, p) in c.policies.iter().enumerate() {
-        let _ = writeln!(s, "policy {} {}: {}", i + 1, p.name, matcher(p));
+        let _ = writeln!(s, "policy {} {}: {}", i + 1, p.name, p.matcher.describe());
         let _ = writeln!(s, "    {}", mode(p.failure_mode));
         for l in &p.rate_limits {
             let _ = writeln!(
@@ -466,7 +435,7 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
             let _ = writeln!(
                 s,
                 "    lease on {} (per tenant) for {}, {}, fencing token in {}{}\n        key {}:lease:{{t.<tenant>}}:{}:<resource hash>",
-                selectors(&lease.resource),
+                Selector::describe_all(&lease.resource),
                 duration(lease.ttl_ms),
                 match lease.on_busy {
                     OnBusy::Reject => "busy: 409".to_string(),
