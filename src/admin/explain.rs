@@ -444,7 +444,11 @@ fn record(policy: &Policy, req: &Request, prepared: &Prepared) -> (Value, String
     };
     match &prepared.record {
         Some(g) => {
-            let parts: Vec<String> = cfg.fingerprint.iter().map(fingerprint_part).collect();
+            let parts: Vec<String> = cfg
+                .fingerprint
+                .iter()
+                .map(FingerprintPart::spelling)
+                .collect();
             text.push_str("record (idempotency)\n");
             rows(
                 &mut text,
@@ -550,16 +554,4 @@ fn lease(policy: &Policy, caller: &Caller, req: &Request, prepared: &Prepared) -
         }),
         text,
     )
-}
-
-/// A fingerprint part as the configuration spells it.
-fn fingerprint_part(p: &FingerprintPart) -> String {
-    match p {
-        FingerprintPart::Method => "method".into(),
-        FingerprintPart::Path => "path".into(),
-        FingerprintPart::Query => "query".into(),
-        FingerprintPart::Principal => "principal".into(),
-        FingerprintPart::Body => "body".into(),
-        FingerprintPart::Header(h) => format!("header:{h}"),
-    }
 }

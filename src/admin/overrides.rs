@@ -10,6 +10,7 @@
 
 use crate::admin::args::Args;
 use crate::admin::client::{Client, ClientError};
+use crate::admin::request::policy_named;
 use crate::admin::show;
 use crate::admin::{AdminError, Context, Report};
 use crate::config::units::parse_duration_ms;
@@ -53,7 +54,7 @@ struct Target<'c> {
 
 impl<'c> Target<'c> {
     fn read(config: &'c Config, a: &Args) -> Result<Target<'c>, AdminError> {
-        let (pi, policy) = policy(config, a.required("--policy")?)?;
+        let (pi, policy) = policy_named(config, a.required("--policy")?)?;
         let name = a.required("--limit")?;
         let Some((li, limit)) = policy
             .rate_limits
@@ -316,7 +317,7 @@ fn clear(ctx: &mut Context, rest: &[String]) -> Result<Report, AdminError> {
 
 fn list(ctx: &mut Context, rest: &[String]) -> Result<Report, AdminError> {
     let a = Args::parse(rest, &["--policy", "--tenant", "--principal"], &[])?;
-    let (_, policy) = policy(&ctx.config, a.required("--policy")?)?;
+    let (_, policy) = policy_named(&ctx.config, a.required("--policy")?)?;
     let tenant = a.required("--tenant")?.to_string();
     // Principals the caller names, to show by name rather than by hash.
     let named: Vec<(String, &str)> = a
@@ -448,22 +449,6 @@ fn list(ctx: &mut Context, rest: &[String]) -> Result<Report, AdminError> {
         "configured": configured,
     });
     Ok(Report { text, json })
-}
-
-/// The policy named `name`, with its index in the configuration.
-fn policy<'c>(config: &'c Config, name: &str) -> Result<(usize, &'c Policy), AdminError> {
-    config
-        .policies
-        .iter()
-        .enumerate()
-        .find(|(_, p)| p.name == name)
-        .ok_or_else(|| {
-            let names: Vec<&str> = config.policies.iter().map(|p| p.name.as_str()).collect();
-            AdminError::Usage(format!(
-                "the configuration has no policy {name:?}; its policies: {}",
-                listed(&names)
-            ))
-        })
 }
 
 fn listed(names: &[&str]) -> String {
@@ -632,7 +617,10 @@ mod tests {
             );
         }
         let e = refused(&["list", "--policy", "nope", "--tenant", "acme"]);
-        assert!(e.to_string().contains("its policies: create-order"), "{e}");
+        assert!(
+            e.to_string().contains("the policies are create-order"),
+            "{e}"
+        );
         assert!(matches!(refused(&["sett"]), AdminError::Usage(_)));
         assert!(matches!(refused(&[]), AdminError::Usage(_)));
     }

@@ -207,9 +207,13 @@ pub(crate) fn policy_named<'c>(
         .find(|(_, p)| p.name == name)
         .ok_or_else(|| {
             let names: Vec<&str> = config.policies.iter().map(|p| p.name.as_str()).collect();
-            AdminError::Usage(format!(
-                "no policy is named {name:?}; the policies are {}",
+            let names = if names.is_empty() {
+                "none".to_string()
+            } else {
                 names.join(", ")
+            };
+            AdminError::Usage(format!(
+                "no policy is named {name:?}; the policies are {names}"
             ))
         })
 }

@@ -27,6 +27,20 @@ pub enum FingerprintPart {
     Header(String),
 }
 
+impl FingerprintPart {
+    /// The part as the configuration spells it (`method`, `header:<name>`), for the host tools.
+    pub fn spelling(&self) -> String {
+        match self {
+            FingerprintPart::Method => "method".into(),
+            FingerprintPart::Path => "path".into(),
+            FingerprintPart::Query => "query".into(),
+            FingerprintPart::Principal => "principal".into(),
+            FingerprintPart::Body => "body".into(),
+            FingerprintPart::Header(h) => format!("header:{h}"),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Replay {
     /// Store status, replay headers and body (when it fits `max_response_body`).

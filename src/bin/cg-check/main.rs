@@ -398,14 +398,7 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
             let parts: Vec<String> = record
                 .fingerprint
                 .iter()
-                .map(|f| match f {
-                    FingerprintPart::Method => "method".into(),
-                    FingerprintPart::Path => "path".into(),
-                    FingerprintPart::Query => "query".into(),
-                    FingerprintPart::Principal => "principal".into(),
-                    FingerprintPart::Body => "body".into(),
-                    FingerprintPart::Header(h) => format!("header:{h}"),
-                })
+                .map(FingerprintPart::spelling)
                 .collect();
             let _ = writeln!(
                 s,
