@@ -23,12 +23,15 @@ from harness.proc import ROOT
 
 DEMO_PLUGIN = ROOT / "envoy" / "demo-plugin.json"
 WASMPLUGIN = ROOT / "deploy" / "istio" / "wasmplugin.yaml"
+GATEWAY_WASMPLUGIN = ROOT / "deploy" / "istio" / "gateway" / "wasmplugin.yaml"
 ENVOYFILTER = ROOT / "deploy" / "istio" / "body-fingerprints" / "envoyfilter.yaml"
 TEMPLATES = [ROOT / "envoy" / "template.yaml", ROOT / "envoy" / "demo.yaml"]
 # Shipped files that hold no coordination-guard plugin: checked, and said so (exit 2).
 NO_PLUGIN = [ROOT / "envoy" / "redis-cluster-proxy.yaml", ROOT / "deploy" / "istio" / "webdis.yaml",
              ROOT / "deploy" / "istio" / "stats-bootstrap.yaml",
-             ROOT / "deploy" / "istio" / "patches" / "workload.yaml"]
+             ROOT / "deploy" / "istio" / "patches" / "workload.yaml",
+             *(ROOT / "deploy" / "istio" / "gateway" / name
+               for name in ("gateway.yaml", "requestauthentication.yaml", "webdis-access.yaml"))]
 
 
 def make_check(plugin: str) -> subprocess.CompletedProcess:
@@ -91,7 +94,7 @@ def shipped_files() -> set:
 
 
 def test_every_shipped_file_is_covered_below():
-    assert shipped_files() == {DEMO_PLUGIN, WASMPLUGIN, ENVOYFILTER, *TEMPLATES, *NO_PLUGIN}
+    assert shipped_files() == {DEMO_PLUGIN, WASMPLUGIN, GATEWAY_WASMPLUGIN, ENVOYFILTER, *TEMPLATES, *NO_PLUGIN}
 
 
 def headers(out: str, path) -> list[str]:
@@ -109,6 +112,18 @@ def test_the_shipped_wasmplugin_is_checked_with_its_env():
                  "fingerprint method + path + principal, processing 2m"):
         assert want in r.stdout, (want, r.stdout)
     assert "warning" not in r.stderr, r.stderr
+
+
+def test_the_shipped_gateway_wasmplugin_is_checked_with_its_identity():
+    r = make_check(str(GATEWAY_WASMPLUGIN))
+    assert r.returncode == 0, r.stderr
+    assert headers(r.stdout, GATEWAY_WASMPLUGIN) == ["document 1, WasmPlugin istio-ingress/coordination-guard"], r.stdout
+    for want in ("identity: tenant from the tenant_id claim of a verified token, principal from the "
+                 "sub claim of a verified token; no tenant: 401",
+                 "key prefix cg:orders:edge",
+                 "limit user-burst: 20 per 1s by tenant + principal (token bucket, burst 40)",
+                 "limit global: 20000 per 1s by the whole policy (fixed window, leased slices)"):
+        assert want in r.stdout, (want, r.stdout)
 
 
 def test_the_shipped_envoyfilter_is_checked_in_its_patch():

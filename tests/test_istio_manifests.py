@@ -1,8 +1,10 @@
 """deploy/istio: every manifest parses and matches the schema of its kind (deploy/istio/schema,
-written from Istio's and Kubernetes' API references), the WasmPlugin follows the project's
-policy (schema/policy.json), the EnvoyFilter variant has the shape Istio needs for a Wasm
-extension config, and the pieces agree with each other and with envoy/demo-plugin.json.
-Mutated manifests check that the schemas reject what they must.
+written from Istio's, Kubernetes' and the Gateway API's references), the WasmPlugins (the
+sidecars' and the edge gateway's) follow the project's policy (schema/policy.json), the
+EnvoyFilter variant has the shape Istio needs for a Wasm extension config, and the pieces agree
+with each other and with envoy/demo-plugin.json. Mutated manifests check that the schemas reject
+what they must. Where istiod attaches each plugin (which proxies, which listeners) is checked
+with the harness's rendition of its rules (harness/istio.py); test_e2e_istio.py runs it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import yaml
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+from harness import istio
 from harness.proc import ROOT
 
 ISTIO = ROOT / "deploy" / "istio"
@@ -25,10 +28,16 @@ WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 SCHEMA_OF = {
     "WasmPlugin": "wasmplugin.json",
     "EnvoyFilter": "envoyfilter.json",
-    **{k: f"security-networking.json#/$defs/{k}" for k in ("DestinationRule", "PeerAuthentication", "AuthorizationPolicy")},
+    "Gateway": "gateway-api.json",
+    **{k: f"security-networking.json#/$defs/{k}"
+       for k in ("DestinationRule", "PeerAuthentication", "AuthorizationPolicy", "RequestAuthentication")},
     **{k: f"kubernetes.json#/$defs/{k}" for k in ("Namespace", "ServiceAccount", "Secret", "ConfigMap", "Service", "Deployment")},
 }
-MANIFEST_FILES = sorted(ISTIO.glob("*.yaml")) + sorted((ISTIO / "body-fingerprints").glob("*.yaml"))
+GATEWAY = ISTIO / "gateway"
+# The mesh's manifests (what the sidecars use) and the edge gateway's example, apart.
+MESH_FILES = sorted(ISTIO.glob("*.yaml")) + sorted((ISTIO / "body-fingerprints").glob("*.yaml"))
+GATEWAY_FILES = sorted(GATEWAY.glob("*.yaml"))
+MANIFEST_FILES = MESH_FILES + GATEWAY_FILES
 
 _registry = Registry().with_resources(
     (p.name, Resource.from_contents(json.loads(p.read_text()), default_specification=DRAFT202012))
@@ -49,14 +58,23 @@ def docs(path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
 
-def one(kind: str, path=None) -> dict:
-    found = [d for p in ([path] if path else MANIFEST_FILES) for d in docs(p) if d["kind"] == kind]
+def one(kind: str, path=None, files=MESH_FILES) -> dict:
+    found = [d for p in ([path] if path else files) for d in docs(p) if d["kind"] == kind]
     assert len(found) == 1, (kind, len(found))
     return found[0]
 
 
+def edge(kind: str) -> dict:
+    """The one resource of `kind` in deploy/istio/gateway."""
+    return one(kind, files=GATEWAY_FILES)
+
+
 def wasmplugin() -> dict:
     return one("WasmPlugin", ISTIO / "wasmplugin.yaml")
+
+
+def gateway_plugin() -> dict:
+    return one("WasmPlugin", GATEWAY / "wasmplugin.yaml")
 
 
 def envoyfilter() -> dict:
@@ -88,15 +106,26 @@ def test_kubectl_apply_of_the_directory_takes_only_manifests():
     assert top == {"wasmplugin.yaml", "stats-bootstrap.yaml", "webdis.yaml"}
     kinds = sorted(d["kind"] for p in sorted(ISTIO.glob("*.yaml")) for d in docs(p))
     assert "EnvoyFilter" not in kinds and kinds.count("WasmPlugin") == 1
+    # The edge gateway's example is a directory of its own, applied on its own (-f gateway/):
+    # manifests only, with its one WasmPlugin.
+    files = {p.name for p in GATEWAY.iterdir()}
+    assert files and all(name.endswith(".yaml") for name in files), files
+    assert [d["kind"] for p in GATEWAY_FILES for d in docs(p)].count("WasmPlugin") == 1
 
 
-def test_the_wasmplugin_follows_the_project_policy():
-    plugin = wasmplugin()
+@pytest.mark.parametrize("plugin", [wasmplugin, gateway_plugin], ids=["sidecar", "gateway"])
+def test_the_wasmplugins_follow_the_project_policy(plugin):
+    plugin = plugin()
     assert errors(plugin, "policy.json") == []
     spec = plugin["spec"]
     assert spec["url"].startswith("oci://")
     env = spec["vmConfig"]["env"]
     assert env == [{"name": spec["pluginConfig"]["redis"]["authorization_env"], "valueFrom": "HOST"}]
+
+
+def test_the_sidecars_plugin_guards_inbound_traffic_only():
+    assert wasmplugin()["spec"]["match"] == [{"mode": "SERVER"}]
+    assert gateway_plugin()["spec"]["match"] == [{"mode": "CLIENT"}]
 
 
 def mutate(doc: dict, path: str, value) -> dict:
@@ -139,11 +168,82 @@ DELETE = object()
     ("spec.phases", "AUTHZ", "api"),                   # unknown field
     ("apiVersion", "extensions.istio.io/v1", "api"),
     ("metadata.namespace", DELETE, "api"),
+    # Where it runs: Istio's default (no match, or no mode) is CLIENT_AND_SERVER, which puts
+    # the guard on the workload's outbound calls too.
+    ("spec.match", DELETE, "policy"),
+    ("spec.match", [], "policy"),
+    ("spec.match", [{"ports": [{"number": 8080}]}], "policy"),
+    ("spec.match.0.mode", "CLIENT_AND_SERVER", "policy"),
+    ("spec.match.0.mode", "CLIENT", "policy"),          # the workload's outbound calls only
+    ("spec.match.0.mode", "INBOUND", "api"),            # not a mode
+    ("spec.match.0.ports", [{"number": 0}], "api"),
+    ("spec.selector", DELETE, "policy"),                # every workload of the namespace
+    ("spec.targetRefs", [{"kind": "Service", "name": "orders"}], "api"),  # not with selector
 ])
 def test_the_schemas_reject_a_wrong_wasmplugin(path, value, rejected_by):
     doc = mutate(wasmplugin(), path, value)
     api, policy = api_errors(doc), errors(doc, "policy.json")
     assert (api != [], policy != [] or api != []) == (rejected_by == "api", True), (api, policy)
+
+
+@pytest.mark.parametrize("path, value, rejected_by", [
+    ("spec.match.0.mode", "SERVER", "policy"),          # never attaches to a gateway
+    ("spec.match", DELETE, "policy"),
+    ("spec.match.0.mode", "CLIENT_AND_SERVER", "policy"),
+    ("spec.targetRefs.0.kind", "Service", "policy"),
+    ("spec.targetRefs.0.group", DELETE, "policy"),
+    ("spec.targetRefs", [], "policy"),
+    ("spec.targetRefs.0.namespace", "orders", "api"),   # cross-namespace: unsupported
+    ("spec.targetRefs.0.group", "gateway.networking.k8s.io/v1", "api"),
+    ("spec.targetRefs.0.name", "", "api"),
+    ("spec.selector", {"matchLabels": {"app": "edge"}}, "api"),  # with targetRefs
+    # At the edge the tenant comes from a verified token, never from a header.
+    ("spec.pluginConfig.identity", {"tenant_header": "x-tenant-id"}, "policy"),
+    ("spec.pluginConfig.identity.tenant", {"header": "x-tenant-id"}, "policy"),
+    ("spec.pluginConfig.identity", DELETE, "policy"),
+    ("spec.phase", "AUTHN", "policy"),                  # before jwt_authn: no claims yet
+])
+def test_the_schemas_reject_a_wrong_gateway_wasmplugin(path, value, rejected_by):
+    doc = mutate(gateway_plugin(), path, value)
+    api, policy = api_errors(doc), errors(doc, "policy.json")
+    assert (api != [], policy != [] or api != []) == (rejected_by == "api", True), (api, policy)
+
+
+def test_a_gateway_installed_by_helm_is_selected_by_its_labels():
+    """The variant wasmplugin.yaml's comment names: istio-ingressgateway's pods, by selector,
+    the plugin in istio-system; a gateway still, so CLIENT, and with a header identity refused."""
+    doc = mutate(mutate(gateway_plugin(), "spec.targetRefs", DELETE), "spec.selector",
+                 {"matchLabels": {"istio": "ingressgateway"}})
+    doc = mutate(doc, "metadata.namespace", "istio-system")
+    assert api_errors(doc) == [] and errors(doc, "policy.json") == []
+    assert errors(mutate(doc, "spec.match.0.mode", "SERVER"), "policy.json") != []
+    assert errors(mutate(doc, "spec.pluginConfig.identity", {"tenant_header": "x-tenant-id"}),
+                  "policy.json") != []
+
+
+@pytest.mark.parametrize("kind, path, value", [
+    ("RequestAuthentication", "spec.jwtRules.0.jwksUri", "ftp://auth.example.com/jwks.json"),
+    ("RequestAuthentication", "spec.jwtRules.0.jwks", '{"keys": []}'),  # with jwksUri: one of them
+    ("RequestAuthentication", "spec.jwtRules.0.issuer", ""),
+    ("RequestAuthentication", "spec.jwtRules.0.outputClaimToHeaders", [{"header": "x tenant", "claim": "t"}]),
+    ("RequestAuthentication", "spec.jwtRules.0.audience", ["orders-api"]),  # audiences
+    ("RequestAuthentication", "spec.targetRefs.0.namespace", "orders"),
+    ("RequestAuthentication", "spec.selector", {"matchLabels": {"app": "edge"}}),  # with targetRefs
+    ("RequestAuthentication", "apiVersion", "security.istio.io/v1alpha1"),
+    ("Gateway", "spec.gatewayClassName", DELETE),
+    ("Gateway", "spec.listeners", []),
+    ("Gateway", "spec.listeners.0.protocol", "HTTP"),   # with tls
+    ("Gateway", "spec.listeners.0.tls.mode", "Terminated"),
+    ("Gateway", "spec.listeners.0.tls.certificateRefs", []),  # Terminate without a certificate
+    ("Gateway", "spec.listeners.0.port", 0),
+    ("Gateway", "spec.listeners.0.hostname", "API.example.com"),
+    ("Gateway", "spec.listeners.0.allowedRoutes.namespaces.from", "Any"),
+    ("Gateway", "spec.infrastructure.parametersRef.group", DELETE),
+    ("Gateway", "apiVersion", "gateway.networking.k8s.io/v1alpha1"),
+    ("AuthorizationPolicy", "spec.rules.0.from.0.source.principal", ["x"]),  # principals
+])
+def test_the_schemas_reject_a_wrong_gateway_resource(kind, path, value):
+    assert api_errors(mutate(edge(kind), path, value)) != []
 
 
 def test_an_http_url_without_sha256_is_rejected():
@@ -155,14 +255,32 @@ def test_an_http_url_without_sha256_is_rejected():
     assert errors(mutate(doc, "spec.sha256", "b" * 64), "policy.json") == []
 
 
-def test_the_wasmplugin_runs_the_demo_policies_without_holding_headers():
-    """The demo's policies, except what needs allow_on_headers_stop_iteration (which
-    WasmPlugin cannot set): no body in the fingerprint; sync completion as in the demo."""
+def limits(policy: dict) -> dict:
+    return {limit["name"]: limit for limit in policy.get("rate_limits", [])}
+
+
+def test_the_wasmplugin_guards_the_demos_operations_with_production_limits():
+    """The demo's operations (matches, lease, idempotency), except what needs
+    allow_on_headers_stop_iteration (which WasmPlugin cannot set): no body in the fingerprint;
+    sync completion as in the demo. Its limits are what a real service starts from, not the
+    demo's few requests: a tenant a few thousand a minute, a user 20/s with a burst of 40, a
+    high global limit leased (no Redis call per request), and no per-client_ip limit (behind a
+    sidecar the client address is a hop of the mesh, not reliably the end user's)."""
     config = wasmplugin()["spec"]["pluginConfig"]
-    expected = copy.deepcopy(DEMO["policies"])
-    idem = next(p for p in expected if "idempotency" in p)["idempotency"]
-    idem["fingerprint"].remove("body")
-    assert config["policies"] == expected
+    demo = copy.deepcopy(DEMO["policies"])
+    next(p for p in demo if "idempotency" in p)["idempotency"]["fingerprint"].remove("body")
+    assert [p["name"] for p in config["policies"]] == [p["name"] for p in demo]
+    for mine, theirs in zip(config["policies"], demo):
+        assert {k: v for k, v in mine.items() if k != "rate_limits"} == \
+            {k: v for k, v in theirs.items() if k != "rate_limits"}, mine["name"]
+    create, default = limits(config["policies"][1]), limits(config["policies"][2])
+    assert create["tenant"] == {"name": "tenant", "by": ["tenant"], "algorithm": "sliding_window",
+                                "limit": 3000, "window": "1m"}
+    assert create["user-burst"] == {"name": "user-burst", "by": ["tenant", "principal"],
+                                    "algorithm": "token_bucket", "limit": 20, "window": "1s", "burst": 40}
+    assert set(create) == {"tenant", "user-burst"}
+    assert default == {"global": {"name": "global", "by": [], "algorithm": "fixed_window",
+                                  "limit": 10000, "window": "1s", "mode": "leased"}}
     assert {k: v for k, v in config.items() if k not in ("redis", "policies")} == \
         {k: v for k, v in DEMO.items() if k not in ("redis", "policies")}
 
@@ -189,11 +307,12 @@ def test_the_envoyfilter_variant_is_an_ecds_wasm_config_and_a_filter_naming_it()
         [e["name"] for e in plugin["spec"]["vmConfig"]["env"]]
     remote = config["vm_config"]["code"]["remote"]
     assert (remote["http_uri"]["uri"], remote["sha256"]) == (plugin["spec"]["url"], plugin["spec"]["sha256"])
-    # The demo's policies as they are (body fingerprint, sync), the mesh's redis block.
+    # The WasmPlugin's policies with the body in the fingerprint (as the demo has it), the
+    # mesh's redis block.
     plugin_config = json.loads(config["configuration"]["value"])
-    assert plugin_config["policies"] == DEMO["policies"]
-    assert "body" in next(p for p in plugin_config["policies"]
-                          if "idempotency" in p)["idempotency"]["fingerprint"]
+    expected = copy.deepcopy(plugin["spec"]["pluginConfig"]["policies"])
+    next(p for p in expected if "idempotency" in p)["idempotency"]["fingerprint"].append("body")
+    assert plugin_config["policies"] == expected
     assert plugin_config["redis"] == plugin["spec"]["pluginConfig"]["redis"]
     assert ef["spec"]["workloadSelector"]["labels"] == plugin["spec"]["selector"]["matchLabels"]
     assert ef["metadata"]["namespace"] == plugin["metadata"]["namespace"]
@@ -261,3 +380,101 @@ def test_the_pieces_agree():
     template_tags = yaml.safe_load((ROOT / "envoy" / "template.yaml").read_text())["stats_config"]["stats_tags"]
     bootstrap = json.loads(stats["data"]["custom_bootstrap.json"])
     assert bootstrap == {"stats_config": {"stats_tags": template_tags}}
+
+
+def test_the_gateway_pieces_agree():
+    gateway, plugin, authn = edge("Gateway"), gateway_plugin(), edge("RequestAuthentication")
+    namespace = gateway["metadata"]["namespace"]
+    assert edge("Namespace")["metadata"]["name"] == namespace
+    # The plugin and the token's verification attach to this Gateway, from its namespace.
+    target = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway["metadata"]["name"]}
+    for resource in (plugin, authn):
+        assert resource["metadata"]["namespace"] == namespace
+        assert resource["spec"]["targetRefs"] == [target]
+    assert gateway["spec"]["gatewayClassName"] == "istio"
+    # The identity is the verified token's: claims jwt_authn puts in the metadata (istiod's
+    # payload_in_metadata "payload"), checked for this issuer and audience.
+    identity = plugin["spec"]["pluginConfig"]["identity"]
+    assert identity["tenant"] == {"metadata": [istio.JWT_FILTER, "payload", "tenant_id"]}
+    assert identity["principal"] == {"metadata": [istio.JWT_FILTER, "payload", "sub"]}
+    [rule] = authn["spec"]["jwtRules"]
+    assert rule["issuer"] and rule["jwksUri"].startswith("https://") and rule["audiences"]
+    # Same webdis as the sidecars, keys of its own within the webdis user's (cg:orders:*).
+    sidecar_redis = wasmplugin()["spec"]["pluginConfig"]["redis"]
+    redis = plugin["spec"]["pluginConfig"]["redis"]
+    assert {k: v for k, v in redis.items() if k != "key_prefix"} == \
+        {k: v for k, v in sidecar_redis.items() if k != "key_prefix"}
+    assert redis["key_prefix"].startswith(sidecar_redis["key_prefix"] + ":")
+    # The credential: Secret -> the gateway Deployment's istio-proxy env (the Gateway's
+    # parametersRef overlay) -> vmConfig.env HOST -> authorization_env.
+    options = edge("ConfigMap")
+    ref = gateway["spec"]["infrastructure"]["parametersRef"]
+    assert (ref["group"], ref["kind"], ref["name"]) == ("", "ConfigMap", options["metadata"]["name"])
+    assert options["metadata"]["namespace"] == namespace
+    overlay = yaml.safe_load(options["data"]["deployment"])["spec"]["template"]
+    [proxy] = overlay["spec"]["containers"]
+    assert proxy["name"] == "istio-proxy"
+    assert [e["name"] for e in proxy["env"]] == [redis["authorization_env"]]
+    assert "secretKeyRef" in proxy["env"][0]["valueFrom"]
+    matcher = yaml.safe_load(overlay["metadata"]["annotations"]["proxy.istio.io/config"])
+    assert matcher == {"proxyStatsMatcher": {"inclusionPrefixes": ["wasmcustom.cg."]}}
+    # webdis lets the gateway's proxy in by its identity: service account <Gateway>-<class>,
+    # which Istio gives the Deployment it creates; the same one operation as the sidecars.
+    access, webdis_policy = edge("AuthorizationPolicy"), one("AuthorizationPolicy")
+    service, deployment = one("Service"), one("Deployment")
+    assert access["metadata"]["namespace"] == service["metadata"]["namespace"]
+    assert access["spec"]["selector"]["matchLabels"] == deployment["spec"]["template"]["metadata"]["labels"]
+    account = f"{gateway['metadata']['name']}-{gateway['spec']['gatewayClassName']}"
+    assert access["spec"]["rules"][0]["from"] == [{"source": {"principals": [
+        f"cluster.local/ns/{namespace}/sa/{account}"]}}]
+    assert access["spec"]["rules"][0]["to"] == webdis_policy["spec"]["rules"][0]["to"]
+
+
+ORDERS = istio.Proxy("orders", {"app": "orders"})
+EDGE = istio.Proxy("istio-ingress", {istio.GATEWAY_NAME_LABEL: "edge"})
+HELM_GATEWAY = istio.Proxy("istio-system", {"istio": "ingressgateway", "app": "istio-ingressgateway"})
+
+
+def filters(resources: list[dict], proxy, listener_class: str, port: int = 8080) -> list[str]:
+    return [f["name"] for f in istio.istiod_http_filters(resources, proxy, listener_class, port, "_")]
+
+
+def with_jwks(authn: dict) -> dict:
+    """istiod inlines the keys of a jwksUri it fetched; here they are given inline."""
+    rule = authn["spec"]["jwtRules"][0]
+    return mutate(mutate(authn, "spec.jwtRules.0.jwksUri", DELETE), "spec.jwtRules.0.jwks", '{"keys": []}') \
+        if "jwksUri" in rule else authn
+
+
+def test_istiod_attaches_each_plugin_where_it_belongs():
+    """Istio's attachment and matchMode rules (harness/istio.py) on the shipped manifests, all
+    applied together: the sidecar plugin on the orders sidecar's inbound listener only, the
+    edge plugin (after jwt_authn) on the edge gateway only."""
+    sidecar, gateway, authn = wasmplugin(), gateway_plugin(), with_jwks(edge("RequestAuthentication"))
+    everything = [sidecar, gateway, authn]
+    assert filters(everything, ORDERS, istio.SIDECAR_INBOUND) == ["orders.coordination-guard"]
+    assert filters(everything, ORDERS, istio.SIDECAR_OUTBOUND) == []
+    assert filters(everything, EDGE, istio.GATEWAY, 443) == \
+        [istio.JWT_FILTER, "istio-ingress.coordination-guard"]
+    # Without match (Istio's CLIENT_AND_SERVER), the sidecar's own outbound calls are guarded.
+    unmatched = mutate(sidecar, "spec.match", DELETE)
+    assert filters([unmatched], ORDERS, istio.SIDECAR_OUTBOUND) == ["orders.coordination-guard"]
+    # A gateway's listeners are CLIENT: mode SERVER would never put the guard there.
+    assert filters([mutate(gateway, "spec.match.0.mode", "SERVER"), authn], EDGE, istio.GATEWAY, 443) == \
+        [istio.JWT_FILTER]
+    assert filters([mutate(gateway, "spec.match", DELETE)], EDGE, istio.GATEWAY, 443) == \
+        ["istio-ingress.coordination-guard"]
+    # A plugin selected by targetRefs is not a sidecar's; a Gateway's pods take a selector
+    # policy of their namespace too; ports narrow a match.
+    moved = mutate(gateway, "metadata.namespace", "orders")
+    assert filters([moved], ORDERS, istio.SIDECAR_OUTBOUND) == []
+    assert filters([mutate(moved, "spec.targetRefs", DELETE)], ORDERS, istio.SIDECAR_OUTBOUND) == \
+        ["orders.coordination-guard"]
+    ported = mutate(sidecar, "spec.match.0.ports", [{"number": 8080}])
+    assert filters([ported], ORDERS, istio.SIDECAR_INBOUND, 8080) == ["orders.coordination-guard"]
+    assert filters([ported], ORDERS, istio.SIDECAR_INBOUND, 9090) == []
+    # The Helm-installed gateway: the selector variant, in istio-system.
+    helm = mutate(mutate(mutate(gateway, "spec.targetRefs", DELETE), "spec.selector",
+                         {"matchLabels": {"istio": "ingressgateway"}}), "metadata.namespace", "istio-system")
+    assert filters([helm, sidecar], HELM_GATEWAY, istio.GATEWAY, 443) == ["istio-system.coordination-guard"]
+    assert filters([helm], EDGE, istio.GATEWAY, 443) == []
