@@ -7,6 +7,12 @@ that holds no plugin of this module, or only a template's placeholder.
 The file is what a user deploys: the plugin JSON, a WasmPlugin (its pluginConfig and the
 vmConfig.env its variables must be declared in), or an Envoy config (every Wasm filter of this
 module, an EnvoyFilter's patches too); every one the repository ships is checked here.
+
+Warnings (stderr, exit status unchanged) name what the file around the configuration gets
+wrong: a WasmPlugin without a direction in `match` (it would guard the workload's outbound
+calls too), one aimed at a gateway with only `mode: SERVER` (it would never run there), and a
+module `sha256` of zeros. The shipped manifests carry that placeholder, so each of them is
+warned about it, and about nothing else.
 """
 
 from __future__ import annotations
@@ -101,6 +107,24 @@ def headers(out: str, path) -> list[str]:
     return re.findall(rf"^{re.escape(str(path))}: (.*): valid$", out, flags=re.M)
 
 
+def warnings(err: str) -> list[str]:
+    """Every warning line of stderr, without the file and location before it."""
+    return [line.split(": warning: ", 1)[1] for line in err.splitlines() if ": warning: " in line]
+
+
+PLACEHOLDER = ("spec.sha256 is the placeholder of zeros: no module has that digest, so the proxies "
+               "refuse the module and, until it holds the image's digest (`make oci` prints it), "
+               "every request it should guard is refused (503)")
+OUTBOUND_TOO = ("Istio then attaches the plugin to the workload's outbound listeners too "
+                "(CLIENT_AND_SERVER), so the guard also acts on the calls the workload makes to "
+                "other services (one without a tenant gets 401 from a policy it matches)")
+NO_MATCH = (f"spec.match is missing: {OUTBOUND_TOO}; add `match: [{{mode: SERVER}}]` to guard only "
+            "the requests the workload receives")
+NEVER_ON_GATEWAY = ("spec.match selects only SERVER traffic, and Istio counts a gateway's listeners "
+                    "as CLIENT: the plugin never runs on the gateway it targets; use `match: "
+                    "[{mode: CLIENT}]`")
+
+
 def test_the_shipped_wasmplugin_is_checked_with_its_env():
     r = make_check(str(WASMPLUGIN))
     assert r.returncode == 0, r.stderr
@@ -111,7 +135,9 @@ def test_the_shipped_wasmplugin_is_checked_with_its_env():
                  "policy 2 create-order: POST, path /orders*",
                  "fingerprint method + path + principal, processing 2m"):
         assert want in r.stdout, (want, r.stdout)
-    assert "warning" not in r.stderr, r.stderr
+    # Its sha256 is the placeholder until `make oci` gives the digest: warned about, exit 0.
+    at = f"{WASMPLUGIN}: document 1, WasmPlugin orders/coordination-guard"
+    assert r.stderr.splitlines() == [f"{at}: warning: {PLACEHOLDER}"], r.stderr
 
 
 def test_the_shipped_gateway_wasmplugin_is_checked_with_its_identity():
@@ -124,6 +150,7 @@ def test_the_shipped_gateway_wasmplugin_is_checked_with_its_identity():
                  "limit user-burst: 20 per 1s by tenant + principal (token bucket, burst 40)",
                  "limit global: 20000 per 1s by the whole policy (fixed window, leased slices)"):
         assert want in r.stdout, (want, r.stdout)
+    assert warnings(r.stderr) == [PLACEHOLDER], r.stderr
 
 
 def test_the_shipped_envoyfilter_is_checked_in_its_patch():
@@ -133,7 +160,7 @@ def test_the_shipped_envoyfilter_is_checked_in_its_patch():
         "document 1 (EnvoyFilter orders/coordination-guard), filter orders.coordination-guard"], r.stdout
     assert "fingerprint method + path + principal + body" in r.stdout, r.stdout
     assert "credential from $CG_GATEWAY_AUTHORIZATION in the VM's environment (from the proxy's" in r.stdout
-    assert "warning" not in r.stderr, r.stderr
+    assert warnings(r.stderr) == [PLACEHOLDER.replace("spec.sha256", "vm_config.code.remote.sha256")], r.stderr
 
 
 def render(template, tmp_path, plugin: dict | None = None):
@@ -198,6 +225,69 @@ def test_a_wasmplugin_variable_not_in_vmconfig_env_is_warned_about(tmp_path):
     assert (f"{path}: document 1, WasmPlugin orders/coordination-guard: invalid plugin configuration: "
             "policies[1].idempotency.encryption.key_env: environment variable CG_RECORD_KEY holds 5 "
             "bytes, not 32") in r.stderr, r.stderr
+
+
+def shipped_copy(tmp_path, source, name: str, change) -> str:
+    """A copy of a shipped WasmPlugin file with `change(spec)` applied."""
+    plugin = yaml.safe_load(source.read_text())
+    change(plugin["spec"])
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(plugin))
+    return str(path)
+
+
+DIGEST = "ab" * 32  # what `make oci` would print: no placeholder
+
+
+def pinned(spec: dict) -> None:
+    spec["sha256"] = DIGEST
+
+
+@pytest.mark.parametrize("name, change, expected", [
+    # The shipped sidecar plugin with its digest filled in: nothing to warn about.
+    ("pinned", pinned, []),
+    # Its placeholder back, with a fail strategy that lets requests through meanwhile.
+    ("fail-open", lambda s: s.update(failStrategy="FAIL_OPEN"),
+     [PLACEHOLDER.replace("every request it should guard is refused (503)",
+                          "the requests it should guard pass unguarded")]),
+    # No direction: Istio's CLIENT_AND_SERVER, the outbound calls guarded too.
+    ("no-match", lambda s: (pinned(s), s.pop("match")), [NO_MATCH]),
+    ("empty-match", lambda s: (pinned(s), s.update(match=[])), [NO_MATCH]),
+    ("no-mode", lambda s: (pinned(s), s.update(match=[{"ports": [{"number": 8080}]}])),
+     [f"spec.match[0] has no mode: {OUTBOUND_TOO}; set `mode: SERVER` to guard only the requests "
+      "the workload receives"]),
+    ("both-ways", lambda s: (pinned(s), s.update(match=[{"mode": "CLIENT_AND_SERVER"}])),
+     [f"spec.match[0] has mode CLIENT_AND_SERVER: {OUTBOUND_TOO}; set `mode: SERVER` to guard only "
+      "the requests the workload receives"]),
+    # The workload's own calls only, on purpose (a shared dependency): no warning.
+    ("client", lambda s: (pinned(s), s.update(match=[{"mode": "CLIENT"}])), []),
+    # Both at once: each said.
+    ("no-match-placeholder", lambda s: s.pop("match"), [NO_MATCH, PLACEHOLDER]),
+])
+def test_the_sidecar_wasmplugin_is_warned_about_exactly_what_is_wrong(tmp_path, name, change, expected):
+    path = shipped_copy(tmp_path, WASMPLUGIN, f"{name}.yaml", change)
+    r = cg_check(path)
+    assert r.returncode == 0, r.stderr
+    assert headers(r.stdout, path) == ["document 1, WasmPlugin orders/coordination-guard"], r.stdout
+    assert sorted(warnings(r.stderr)) == sorted(expected), r.stderr
+    assert all(line.startswith(f"{path}: document 1, WasmPlugin orders/coordination-guard: warning: ")
+               for line in r.stderr.splitlines()), r.stderr
+
+
+@pytest.mark.parametrize("name, change, expected", [
+    ("pinned", pinned, []),
+    # A gateway's listeners are CLIENT to Istio; without match it runs there too.
+    ("no-match", lambda s: (pinned(s), s.pop("match")), []),
+    ("server", lambda s: (pinned(s), s.update(match=[{"mode": "SERVER"}])), [NEVER_ON_GATEWAY]),
+    # The Helm-installed gateway, by its pods' labels: the same.
+    ("helm-server", lambda s: (pinned(s), s.pop("targetRefs"), s.update(
+        selector={"matchLabels": {"istio": "ingressgateway"}}, match=[{"mode": "SERVER"}])), [NEVER_ON_GATEWAY]),
+])
+def test_the_gateway_wasmplugin_is_warned_about_exactly_what_is_wrong(tmp_path, name, change, expected):
+    path = shipped_copy(tmp_path, GATEWAY_WASMPLUGIN, f"gateway-{name}.yaml", change)
+    r = make_check(path)
+    assert r.returncode == 0, r.stderr
+    assert warnings(r.stderr) == expected, r.stderr
 
 
 def test_a_cost_the_client_declares_with_nothing_to_correct_it_is_warned_about(tmp_path):

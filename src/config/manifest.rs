@@ -19,6 +19,13 @@
 //! `coordination-guard`, as in every configuration this repository ships (it also finds the
 //! filter once istio-agent has rewritten an image to a local `module.wasm`). Others are
 //! skipped and listed.
+//!
+//! What the file says about where and whether the plugin runs, beside its configuration, is
+//! told as [`Plugin::warnings`] ([`deployment_warnings`], [`placeholder_digest`]): a WasmPlugin
+//! whose `match` leaves the direction to Istio's default (CLIENT_AND_SERVER: the guard would
+//! also answer the workload's own outbound calls), one aimed at a gateway with only `mode:
+//! SERVER` (a gateway's listeners are CLIENT to Istio: it would never run), and a `sha256` of
+//! zeros (the shipped placeholder: proxies refuse the module).
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -89,6 +96,9 @@ pub struct Plugin {
     /// The VM's environment the file declares; `None` when it says nothing of it (the plugin
     /// JSON).
     pub env: Option<VmEnv>,
+    /// What the file around the configuration gets wrong (see the module's documentation),
+    /// one sentence each.
+    pub warnings: Vec<String>,
 }
 
 /// What a file holds: this module's plugins, and the other Wasm modules' (where, and why they
@@ -157,6 +167,7 @@ fn plain(bytes: &[u8]) -> Found {
             location: String::new(),
             configuration: Configuration::Bytes(bytes.to_vec()),
             env: None,
+            warnings: Vec::new(),
         }],
         skipped: Vec::new(),
     }
@@ -257,6 +268,13 @@ fn wasm_plugin(document: &Value, at: &str, found: &mut Found) {
         };
         vars.insert(name.to_string(), value);
     }
+    let failing_open = str_at(document, "/spec/failStrategy") == Some("FAIL_OPEN");
+    let mut warnings = deployment_warnings(document.get("spec").unwrap_or(&Value::Null));
+    warnings.extend(placeholder_digest(
+        "spec.sha256",
+        str_at(document, "/spec/sha256"),
+        failing_open,
+    ));
     found.plugins.push(Plugin {
         shape: Shape::WasmPlugin,
         location: at,
@@ -265,7 +283,86 @@ fn wasm_plugin(document: &Value, at: &str, found: &mut Found) {
             declared_in: "vmConfig.env",
             vars,
         }),
+        warnings,
     });
+}
+
+/// Istio's traffic directions (`WorkloadMode`) a WasmPlugin's `match[].mode` names.
+const SERVER: &str = "SERVER";
+const CLIENT: &str = "CLIENT";
+
+/// Where a WasmPlugin's `spec` makes the guard run, when that is not where it should.
+///
+/// istiod attaches a plugin to a listener when one entry of `match` fits it (every listener
+/// when there is none); an entry fits a listener whose class has its mode: a sidecar's
+/// inbound listener is SERVER, its outbound listeners are CLIENT, and so are a gateway's
+/// listeners. An entry without a mode, or with UNDEFINED or CLIENT_AND_SERVER, fits both.
+/// A plugin aimed at a gateway (`targetRefs` to a Gateway or GatewayClass, or a `selector`
+/// on the `istio` label of Istio's gateway charts) runs only where an entry is not SERVER; any
+/// other plugin is a sidecar's, meant for what the workload receives: one that fits its
+/// outbound listeners too guards the calls the workload makes.
+pub fn deployment_warnings(spec: &Value) -> Vec<String> {
+    let targets_gateway = items(spec.get("targetRefs"))
+        .iter()
+        .chain(spec.get("targetRef"))
+        .any(|r| matches!(str_at(r, "/kind"), Some("Gateway" | "GatewayClass")))
+        || spec.pointer("/selector/matchLabels/istio").is_some();
+    let selectors = items(spec.get("match"));
+    let mode = |s: &Value| str_at(s, "/mode").unwrap_or("UNDEFINED").to_string();
+    if targets_gateway {
+        if !selectors.is_empty() && selectors.iter().all(|s| mode(s) == SERVER) {
+            return vec![format!(
+                "spec.match selects only {SERVER} traffic, and Istio counts a gateway's listeners \
+                 as {CLIENT}: the plugin never runs on the gateway it targets; use `match: \
+                 [{{mode: {CLIENT}}}]`"
+            )];
+        }
+        return Vec::new();
+    }
+    let outbound_too = "Istio then attaches the plugin to the workload's outbound listeners too \
+                        (CLIENT_AND_SERVER), so the guard also acts on the calls the workload \
+                        makes to other services (one without a tenant gets 401 from a policy it \
+                        matches)";
+    if selectors.is_empty() {
+        return vec![format!(
+            "spec.match is missing: {outbound_too}; add `match: [{{mode: {SERVER}}}]` to guard \
+             only the requests the workload receives"
+        )];
+    }
+    selectors
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| mode(s) != SERVER && mode(s) != CLIENT)
+        .map(|(i, s)| {
+            let named = match str_at(s, "/mode") {
+                None => "has no mode".to_string(),
+                Some(m) => format!("has mode {m}"),
+            };
+            format!(
+                "spec.match[{i}] {named}: {outbound_too}; set `mode: {SERVER}` to guard only \
+                 the requests the workload receives"
+            )
+        })
+        .collect()
+}
+
+/// A module digest (`field`, e.g. `spec.sha256`) of 64 zeros: the placeholder the shipped
+/// manifests carry until the image's digest is filled in. No module has it, so the proxy (or
+/// istio-agent) refuses the module and the plugin does not load.
+pub fn placeholder_digest(field: &str, digest: Option<&str>, failing_open: bool) -> Option<String> {
+    let digest = digest?;
+    if digest.len() != 64 || digest.bytes().any(|b| b != b'0') {
+        return None;
+    }
+    let meanwhile = if failing_open {
+        "the requests it should guard pass unguarded"
+    } else {
+        "every request it should guard is refused (503)"
+    };
+    Some(format!(
+        "{field} is the placeholder of zeros: no module has that digest, so the proxies refuse \
+         the module and, until it holds the image's digest (`make oci` prints it), {meanwhile}"
+    ))
 }
 
 /// The Wasm filter's `config` (a `PluginConfig`) when `value` is a Wasm filter's typed config.
@@ -348,6 +445,14 @@ fn wasm_filter(config: &Value, name: Option<&str>, at: &str, found: &mut Found) 
             vars.insert(key.clone(), EnvValue::Inline(value));
         }
     }
+    let failing_open = str_at(config, "/failure_policy") == Some("FAIL_OPEN");
+    let warnings = placeholder_digest(
+        "vm_config.code.remote.sha256",
+        str_at(config, "/vm_config/code/remote/sha256"),
+        failing_open,
+    )
+    .into_iter()
+    .collect();
     found.plugins.push(Plugin {
         shape: Shape::Envoy,
         location: at,
@@ -356,6 +461,7 @@ fn wasm_filter(config: &Value, name: Option<&str>, at: &str, found: &mut Found) 
             declared_in: "vm_config.environment_variables",
             vars,
         }),
+        warnings,
     });
 }
 

@@ -202,3 +202,132 @@ fn the_environment_variables_a_config_names() {
         ]
     );
 }
+
+/// The warnings of a WasmPlugin whose spec is `spec` (YAML, indented by two).
+fn wasmplugin_warnings(spec: &str) -> Vec<String> {
+    let text = format!(
+        "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\n\
+         metadata: {{name: cg, namespace: orders}}\nspec:\n  pluginName: coordination-guard\n{spec}"
+    );
+    let found = plugins(&text);
+    assert_eq!(found.len(), 1);
+    found[0].warnings.clone()
+}
+
+#[test]
+fn a_sidecar_plugin_without_a_direction_is_warned_about() {
+    let sidecar = "  selector: {matchLabels: {app: orders}}\n";
+    for spec in ["", sidecar] {
+        let warnings = wasmplugin_warnings(spec);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with(
+                "spec.match is missing: Istio then attaches the plugin to the workload's \
+                 outbound listeners too (CLIENT_AND_SERVER)"
+            ),
+            "{warnings:?}"
+        );
+        assert!(
+            warnings[0].ends_with(
+                "add `match: [{mode: SERVER}]` to guard only the requests the workload receives"
+            ),
+            "{warnings:?}"
+        );
+    }
+    assert_eq!(
+        wasmplugin_warnings(&format!("{sidecar}  match: []\n")).len(),
+        1
+    );
+    // A direction: SERVER (inbound), or CLIENT (the workload's calls, on purpose).
+    for mode in ["SERVER", "CLIENT"] {
+        let spec = format!("{sidecar}  match: [{{mode: {mode}}}]\n");
+        assert_eq!(wasmplugin_warnings(&spec), Vec::<String>::new(), "{mode}");
+    }
+    // An entry without one, or with Istio's both-ways modes, fits the outbound listeners too.
+    let spec = format!(
+        "{sidecar}  match: [{{mode: SERVER}}, {{ports: [{{number: 8080}}]}}, \
+         {{mode: CLIENT_AND_SERVER}}, {{mode: UNDEFINED}}]\n"
+    );
+    let warnings = wasmplugin_warnings(&spec);
+    let heads: Vec<&str> = warnings
+        .iter()
+        .map(|w| w.split(':').next().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        heads,
+        [
+            "spec.match[1] has no mode",
+            "spec.match[2] has mode CLIENT_AND_SERVER",
+            "spec.match[3] has mode UNDEFINED"
+        ]
+    );
+    assert!(warnings[0]
+        .ends_with("set `mode: SERVER` to guard only the requests the workload receives"));
+}
+
+#[test]
+fn a_gateway_plugin_that_would_never_run_is_warned_about() {
+    let by_ref = "  targetRefs: [{group: gateway.networking.k8s.io, kind: Gateway, name: edge}]\n";
+    let by_label = "  selector: {matchLabels: {istio: ingressgateway}}\n";
+    for target in [by_ref, by_label] {
+        // No match, or CLIENT: the gateway's listeners (CLIENT to Istio) get it.
+        assert_eq!(wasmplugin_warnings(target), Vec::<String>::new());
+        for ok in [
+            "[{mode: CLIENT}]",
+            "[{mode: CLIENT_AND_SERVER}]",
+            "[{mode: SERVER}, {}]",
+        ] {
+            let spec = format!("{target}  match: {ok}\n");
+            assert_eq!(wasmplugin_warnings(&spec), Vec::<String>::new(), "{ok}");
+        }
+        let spec = format!("{target}  match: [{{mode: SERVER}}]\n");
+        assert_eq!(
+            wasmplugin_warnings(&spec),
+            ["spec.match selects only SERVER traffic, and Istio counts a gateway's listeners as \
+              CLIENT: the plugin never runs on the gateway it targets; use `match: [{mode: CLIENT}]`"]
+        );
+    }
+}
+
+#[test]
+fn a_digest_of_zeros_is_the_placeholder() {
+    let zeros = "0".repeat(64);
+    let spec = format!("  match: [{{mode: SERVER}}]\n  sha256: \"{zeros}\"\n");
+    let warnings = wasmplugin_warnings(&spec);
+    assert_eq!(
+        warnings,
+        [
+            "spec.sha256 is the placeholder of zeros: no module has that digest, so the proxies \
+          refuse the module and, until it holds the image's digest (`make oci` prints it), every \
+          request it should guard is refused (503)"
+        ]
+    );
+    let open = format!("{spec}  failStrategy: FAIL_OPEN\n");
+    assert!(wasmplugin_warnings(&open)[0].ends_with("the requests it should guard pass unguarded"));
+    for digest in [
+        "0".repeat(63),
+        format!("{}1", "0".repeat(63)),
+        "a".repeat(64),
+        String::new(),
+    ] {
+        let spec = format!("  match: [{{mode: SERVER}}]\n  sha256: \"{digest}\"\n");
+        assert_eq!(wasmplugin_warnings(&spec), Vec::<String>::new(), "{digest}");
+    }
+    // The same in an Envoy config's remote code (an EnvoyFilter's extension config).
+    let text = format!(
+        r#"{{"name": "f", "typed_config": {{"@type": "{WASM_TYPE}", "config": {{
+             "root_id": "coordination-guard",
+             "vm_config": {{"code": {{"remote": {{"http_uri": {{"uri": "oci://r/coordination-guard:1"}},
+                                                 "sha256": "{zeros}"}}}}}}}}}}}}"#
+    );
+    let found = plugins(&text);
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].warnings.len(), 1);
+    assert!(found[0].warnings[0]
+        .starts_with("vm_config.code.remote.sha256 is the placeholder of zeros"));
+    // The plugin JSON says nothing of where it runs.
+    assert_eq!(
+        plugins(r#"{"redis": {"cluster": "gw"}}"#)[0].warnings,
+        Vec::<String>::new()
+    );
+}

@@ -13,6 +13,13 @@
 //! HOST`, `host_env_keys`), or any with the plugin JSON, is taken as set and well formed, and
 //! the summary says so. A variable that `redis.authorization_env` or an `encryption` key names
 //! but a WasmPlugin or Envoy config does not declare is warned about: the VM will not have it.
+//!
+//! The file around the configuration is warned about too ([`Plugin::warnings`]): a WasmPlugin
+//! that would also guard the workload's outbound calls (no `match` with a direction), one aimed
+//! at a gateway that would never run there, and a module digest that is the placeholder of
+//! zeros. Warnings go to stderr and leave the exit status as it is.
+//!
+//! [`Plugin::warnings`]: coordination_guard::config::manifest::Plugin::warnings
 
 // cargo builds every binary for the filter's target too: there this one only says where it runs.
 #![cfg_attr(target_arch = "wasm32", allow(dead_code, unused_imports))]
@@ -97,6 +104,9 @@ fn main() -> ExitCode {
                 );
                 unchecked = true;
             }
+        }
+        for w in &plugin.warnings {
+            eprintln!("{at}: warning: {w}");
         }
     }
     match (invalid, unchecked) {
