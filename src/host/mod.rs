@@ -16,6 +16,7 @@ use crate::engine::worker::{Action, Callout, Dir, Effects, ResponseHead, StreamE
 use crate::guards::ratelimit::overlimit::SharedStore;
 use crate::http::arrival::{arrive, Arrival};
 use crate::http::headers::Headers;
+use crate::http::local_reply;
 use crate::redis::{webdis, CallError};
 use crate::support::ids::TokenSource;
 use crate::support::lograte::WarnKind;
@@ -375,12 +376,10 @@ impl Root {
     }
 }
 
-fn send_local(r: &crate::http::local_reply::LocalResponse) {
-    let headers: Vec<(&str, &str)> = r
-        .headers
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_str()))
-        .collect();
+/// Sends a local answer, with the header that keeps the caller's Envoy from retrying it
+/// ([`local_reply::wire_headers`]).
+fn send_local(r: &local_reply::LocalResponse) {
+    let headers = local_reply::wire_headers(r);
     // A gRPC status given is what the host answers a gRPC request with (it sends every local
     // reply to a gRPC request trailers-only); none lets it map the HTTP status.
     let grpc_status = r

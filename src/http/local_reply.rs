@@ -1,6 +1,7 @@
 //! What the filter answers by itself: `application/problem+json` bodies (RFC 9457) and the
 //! `Retry-After`, `RateLimit-Policy` and `RateLimit` headers
-//! (draft-ietf-httpapi-ratelimit-headers-10).
+//! (draft-ietf-httpapi-ratelimit-headers-10), and the header that keeps a caller's Envoy from
+//! retrying any of them ([`NO_RETRY`]).
 
 // The wait in whole seconds that `Retry-After` and the memo of a 429 show: the configuration's
 // unit, as a limit's `w=` is.
@@ -9,6 +10,38 @@ use crate::config::{push_policy_item, Quota};
 use crate::http::grpc;
 use crate::support::text::{push, push_u64, push_u64_bytes};
 use std::rc::Rc;
+
+/// The header every answer of the filter's own goes out with, so that the caller's Envoy (a
+/// mesh sidecar, a gateway) does not send the request again. Envoy's router retries no
+/// response that carries `x-envoy-ratelimited`, whatever its status or `grpc-status`, unless
+/// the route's retry policy names `envoy-ratelimited`: the header is checked before every
+/// other retry condition. Istio's default outbound route retries a gRPC `UNAVAILABLE` or
+/// `CANCELLED` twice, and up to Istio 1.23 (or with `compatibilityVersion: 1.23`) an HTTP
+/// `503` as well; without the header a fail-closed answer would reach the guarded sidecar
+/// three times, each attempt calling the gateway, exactly when Redis is failing, and an
+/// operator's policy that retries `429` or `409` would do the same to a rejection. The
+/// guard's answers are final for the request as sent: the client, told when by
+/// `Retry-After`, is the one to send it again. Only the filter's own answers carry it (see
+/// [`wire_headers`]), never a response it passes on from the service: a service's own `503`
+/// is retried as the mesh retries any.
+pub(crate) const NO_RETRY: (&str, &str) = ("x-envoy-ratelimited", "true");
+
+/// The headers `response` goes to the host with: its own, then [`NO_RETRY`]. Every local
+/// answer is sent through this (problems, their gRPC form, replays, the over-limit cache's
+/// answers), so none can leave without it; a replay's stored header of that name (a service
+/// that sent one, kept by `replay_headers`) gives way to it, so it is there once.
+pub(crate) fn wire_headers(response: &LocalResponse) -> Vec<(&str, &str)> {
+    let mut headers = Vec::with_capacity(response.headers.len() + 1);
+    headers.extend(
+        response
+            .headers
+            .iter()
+            .filter(|(n, _)| !n.eq_ignore_ascii_case(NO_RETRY.0))
+            .map(|(n, v)| (n.as_str(), v.as_str())),
+    );
+    headers.push(NO_RETRY);
+    headers
+}
 
 /// A response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -417,6 +450,72 @@ mod tests {
         };
         let same = Rc::new(replay);
         assert!(Rc::ptr_eq(&for_grpc(Rc::clone(&same)), &same), "no copy");
+    }
+
+    /// Every kind of answer goes out with [`NO_RETRY`], once, after its own headers in their
+    /// order: each problem as problem+json and in its gRPC form, and a replay, whose stored
+    /// header of that name (any case, any value) gives way to it.
+    #[test]
+    fn every_answer_goes_out_with_no_retry_once() {
+        let no_retry = |r: &LocalResponse| {
+            let wire = wire_headers(r);
+            let ours: Vec<_> = wire
+                .iter()
+                .filter(|(n, _)| n.eq_ignore_ascii_case("x-envoy-ratelimited"))
+                .copied()
+                .collect();
+            assert_eq!(ours, vec![("x-envoy-ratelimited", "true")], "{r:?}");
+            assert_eq!(wire.last(), Some(&NO_RETRY), "{r:?}");
+            wire[..wire.len() - 1]
+                .iter()
+                .map(|&(n, v)| (n.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let kinds = [
+            Problem::RateLimited,
+            Problem::ConcurrencyLimited,
+            Problem::InvalidCost,
+            Problem::GuardUnavailable,
+            Problem::GuardOverloaded,
+            Problem::MissingTenant,
+            Problem::AmbiguousTenant,
+            Problem::AmbiguousPrincipal,
+            Problem::AmbiguousPath,
+            Problem::AmbiguousSelector,
+            Problem::IdempotencyKeyMissing,
+            Problem::IdempotencyKeyInvalid,
+            Problem::RequestBodyTooLarge,
+            Problem::RequestBodyTimeout,
+            Problem::IdempotencyKeyInUse { status: 425 },
+            Problem::IdempotencyKeyConflict { status: 422 },
+            Problem::ResourceLocked,
+            Problem::LeaseResourceMissing,
+        ];
+        for kind in kinds {
+            let http = problem(kind, "d", &[], vec![("retry-after".into(), "1".into())]);
+            assert_eq!(no_retry(&http), http.headers, "{kind:?}");
+            let g = for_grpc(Rc::new(http));
+            assert!(g.grpc_status.is_some(), "{kind:?}");
+            assert_eq!(no_retry(&g), g.headers, "{kind:?}");
+        }
+        let replay = LocalResponse {
+            status: 503,
+            headers: vec![
+                ("content-type".into(), "text/plain".into()),
+                ("X-Envoy-RateLimited".into(), "false".into()),
+                ("idempotent-replayed".into(), "true".into()),
+            ],
+            body: b"stored".to_vec(),
+            problem: None,
+            grpc_status: None,
+        };
+        assert_eq!(
+            no_retry(&replay),
+            vec![
+                ("content-type".to_string(), "text/plain".to_string()),
+                ("idempotent-replayed".to_string(), "true".to_string()),
+            ]
+        );
     }
 
     #[test]

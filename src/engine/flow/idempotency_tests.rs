@@ -7,6 +7,7 @@ use crate::config::Config;
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
 use crate::guards::idempotency::guard::REPLAYED_HEADER;
+use crate::http::local_reply;
 use crate::http::request::Request;
 use crate::redis::scripts::ScriptId;
 use crate::redis::{resp::Reply, CallError};
@@ -201,6 +202,13 @@ fn answers_by_stored_state() {
         };
         assert_eq!(r.status, status, "{case}");
         assert_eq!(rec.count(metric), 1, "{case}");
+        // Every one, the replay too, goes out so that the caller's Envoy does not retry it.
+        let wire = local_reply::wire_headers(&r);
+        assert_eq!(
+            wire.iter().filter(|h| **h == local_reply::NO_RETRY).count(),
+            1,
+            "{case}"
+        );
         match status {
             409 => assert_eq!(r.header("retry-after"), Some("1")),
             201 => {

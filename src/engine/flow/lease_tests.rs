@@ -7,6 +7,7 @@ use crate::engine::flow::test_support::*;
 use crate::engine::flow::tests::req;
 use crate::engine::flow::*;
 use crate::guards::lease::{LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS};
+use crate::http::local_reply;
 use crate::redis::scripts::ScriptId;
 use crate::redis::CallError;
 use crate::support::metrics::testing::Recorder;
@@ -132,6 +133,8 @@ fn busy_lease_rejects_with_retry_after() {
     assert_eq!(r.status, 409);
     assert_eq!(r.header("retry-after"), Some("5"));
     assert!(String::from_utf8_lossy(&r.body).contains("resource_locked"));
+    // Not to be retried by the caller's Envoy, even one that retries 409s.
+    assert!(local_reply::wire_headers(&r).contains(&local_reply::NO_RETRY));
     assert_eq!(rec.count("cg.policy.activate.lease.busy"), 1);
     assert!(
         flow.on_done(&Cx::new(&rt, 0, &rec)).is_empty(),

@@ -949,3 +949,101 @@ fn a_gone_streams_call_that_provably_did_not_run_leaves_nothing_to_give_back() {
         }
     }
 }
+
+/// Every answer of the filter's own goes to the host with `x-envoy-ratelimited: true`, once
+/// (`local_reply::wire_headers`): a caller's Envoy retries none of them. Nothing the filter
+/// adds to a request it forwards, or to the service's response to it, carries it: a service's
+/// own `503` is retried as the mesh retries any.
+#[test]
+fn every_local_answer_says_do_not_retry_and_no_forwarded_response_does() {
+    use crate::http::local_reply::{wire_headers, NO_RETRY};
+    let rec = Recorder::default();
+    let rt = runtime(&rec, CONFIG);
+    let mut w = worker(&rt);
+    let cx = Cx::new(&rt, 1_000, &rec);
+    let mut next = 0;
+    let answered = |fx: &Effects<u32>, status: u32, grpc: bool| {
+        let reply = fx.streams[0].reply.as_ref().expect("a local answer");
+        assert_eq!(reply.status, status, "{reply:?}");
+        assert_eq!(reply.grpc_status.is_some(), grpc, "{reply:?}");
+        let wire = wire_headers(reply);
+        let ours = wire.iter().filter(|(n, _)| *n == NO_RETRY.0).count();
+        assert_eq!(ours, 1, "{wire:?}");
+        assert!(wire.contains(&NO_RETRY), "{wire:?}");
+    };
+    let none_added = |headers: &[(String, String)]| {
+        assert!(
+            !headers
+                .iter()
+                .any(|(n, _)| n.eq_ignore_ascii_case(NO_RETRY.0)),
+            "{headers:?}"
+        );
+    };
+    // Redis rejects: 429; the next request is rejected by the over-limit cache, with no call.
+    let fx = request(&mut w, &cx, 1, "PUT", "/x");
+    let fx = answer(
+        &mut w,
+        &cx,
+        fx,
+        &mut next,
+        acquire().limit_over(0, 1_000, 1_000),
+    );
+    answered(&fx, 429, false);
+    answered(&request(&mut w, &cx, 2, "PUT", "/x"), 429, false);
+    // Past the cached wait, Redis is down (webdis answers 503): fail closed, to an HTTP
+    // client and to a gRPC one (its gRPC form).
+    let later = Cx::new(&rt, 3_000, &rec);
+    let fx = request(&mut w, &later, 3, "PUT", "/x");
+    let token = send_all(&mut w, &later, fx, &mut next)[0];
+    answered(
+        &w.on_answer(&later, token, || Err(CallError::Gateway(503))),
+        503,
+        false,
+    );
+    let grpc = test_support::request("PUT", "/cg.test.Orders/Create")
+        .authority("api")
+        .tenant("acme")
+        .content_type("application/grpc")
+        .build();
+    let fx = w.on_request_headers(&later, 4, 1, grpc, true);
+    let token = send_all(&mut w, &later, fx, &mut next)[0];
+    answered(
+        &w.on_answer(&later, token, || Err(CallError::Gateway(503))),
+        503,
+        true,
+    );
+    // Input refused before any call: 400.
+    answered(&w.on_ambiguous_path(&later, 5, 1, None), 400, false);
+    // Admitted and forwarded: neither the request's headers nor the response's get it, a
+    // service's 503 included.
+    let fx = request(&mut w, &later, 6, "PUT", "/x");
+    let fx = answer(&mut w, &later, fx, &mut next, acquire().limit_ok(3, 1_000));
+    assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    assert!(fx.streams[0].reply.is_none());
+    none_added(&fx.streams[0].set_request_headers);
+    let fx = w.on_response_headers(&later, 6, false, || ResponseHead {
+        headers: vec![(":status".into(), "503".into())],
+        details: "via_upstream".into(),
+    });
+    assert!(fx.streams[0].reply.is_none());
+    assert_eq!(
+        fx.streams[0].add_response_headers.len(),
+        2,
+        "the RateLimit headers"
+    );
+    none_added(&fx.streams[0].add_response_headers);
+    // Failed open (Redis down, `reads` fails open): forwarded, and its response is untouched.
+    let fx = request(&mut w, &later, 7, "GET", "/x");
+    let token = send_all(&mut w, &later, fx, &mut next)[0];
+    let fx = w.on_answer(&later, token, || Err(CallError::Gateway(503)));
+    assert_eq!(fx.streams[0].resume, Some(Dir::Request));
+    assert!(fx.streams[0].reply.is_none());
+    let fx = w.on_response_headers(&later, 7, false, || ResponseHead {
+        headers: vec![(":status".into(), "503".into())],
+        details: "via_upstream".into(),
+    });
+    assert!(fx.streams.iter().all(|o| o.reply.is_none()));
+    fx.streams
+        .iter()
+        .for_each(|o| none_added(&o.add_response_headers));
+}
