@@ -65,7 +65,7 @@ help: ## Show the targets, then every variable they take.
 
 ##@ Dependencies
 
-.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-node deps-bench deps-perf deps-llvm deps-wasm-test
+.PHONY: deps deps-rust deps-debian deps-python deps-oci deps-kubectl deps-node deps-bench deps-perf deps-llvm deps-wasm-test
 deps: deps-rust deps-debian deps-python ## Install what is missing: wasm target, redis-server, webdis, wrk, .venv.
 
 deps-rust: ## rustup's wasm32-wasip1 target, clippy and rustfmt, if missing.
@@ -90,6 +90,15 @@ deps-oci: ## Debian's skopeo and docker-registry (make publish, and its test), i
 	  $(SUDO) apt-get update -qq; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	  echo "note: Debian may have started a docker-registry service on :5000; tests use free ports"; \
+	fi
+
+deps-kubectl: ## Debian's kubernetes-client and openssl (kubectl, openssl: the commands of the Istio walkthrough, which its test runs offline), if missing.
+	@missing=""; command -v kubectl >/dev/null || missing="$$missing kubernetes-client"; \
+	command -v openssl >/dev/null || missing="$$missing openssl"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
 deps-node: ## Debian's nodejs (V8 with WASI, for the core's tests and benchmarks in Wasm), if missing.
@@ -174,7 +183,7 @@ clean: ## Remove build outputs (keeps .venv).
 ##@ Test
 
 .PHONY: test
-test: deps deps-oci deps-perf deps-llvm build lint unit unit-wasm ## Everything: build, lint, unit tests (native and Wasm), then the suite against real Envoy/Redis/webdis.
+test: deps deps-oci deps-kubectl deps-perf deps-llvm build lint unit unit-wasm ## Everything: build, lint, unit tests (native and Wasm), then the suite against real Envoy/Redis/webdis.
 	$(VENV)/bin/pytest -q tests/
 
 ##@ Benchmarks

@@ -31,7 +31,7 @@ SCHEMA_OF = {
     "Gateway": "gateway-api.json",
     **{k: f"security-networking.json#/$defs/{k}"
        for k in ("DestinationRule", "PeerAuthentication", "AuthorizationPolicy", "RequestAuthentication")},
-    **{k: f"kubernetes.json#/$defs/{k}" for k in ("Namespace", "ServiceAccount", "Secret", "ConfigMap", "Service", "Deployment")},
+    **{k: f"kubernetes.json#/$defs/{k}" for k in ("Namespace", "ServiceAccount", "Secret", "ConfigMap", "Service", "Deployment", "StatefulSet")},
 }
 GATEWAY = ISTIO / "gateway"
 # The mesh's manifests (what the sidecars use) and the edge gateway's example, apart.
@@ -103,7 +103,7 @@ def test_kubectl_apply_of_the_directory_takes_only_manifests():
     """`kubectl apply -f deploy/istio/` reads .yaml/.yml/.json files of the directory itself:
     only the main manifests may be there (the variant, patch and schemas live below it)."""
     top = {p.name for p in ISTIO.iterdir() if p.is_file() and p.suffix in (".yaml", ".yml", ".json")}
-    assert top == {"wasmplugin.yaml", "stats-bootstrap.yaml", "webdis.yaml"}
+    assert top == {"namespaces.yaml", "redis.yaml", "wasmplugin.yaml", "stats-bootstrap.yaml", "webdis.yaml"}
     kinds = sorted(d["kind"] for p in sorted(ISTIO.glob("*.yaml")) for d in docs(p))
     assert "EnvoyFilter" not in kinds and kinds.count("WasmPlugin") == 1
     # The edge gateway's example is a directory of its own, applied on its own (-f gateway/):
@@ -334,7 +334,7 @@ def test_the_schema_rejects_a_wrong_envoyfilter(path, value):
 def test_the_pieces_agree():
     plugin = wasmplugin()
     redis = plugin["spec"]["pluginConfig"]["redis"]
-    service = one("Service")
+    service = one("Service", ISTIO / "webdis.yaml")
     port = service["spec"]["ports"][0]
     fqdn = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
     # Istio's outbound cluster of the webdis Service, HTTP (webdis speaks HTTP/1.1 only).
@@ -343,16 +343,17 @@ def test_the_pieces_agree():
     rule = one("DestinationRule")
     assert rule["spec"]["host"] == fqdn
     assert rule["spec"]["trafficPolicy"]["connectionPool"]["http"]["h2UpgradePolicy"] == "DO_NOT_UPGRADE"
-    policy = one("AuthorizationPolicy")
+    policy = one("AuthorizationPolicy", ISTIO / "webdis.yaml")
     assert policy["spec"]["rules"][0]["from"][0]["source"]["namespaces"] == [plugin["metadata"]["namespace"]]
     assert policy["spec"]["rules"][0]["to"][0]["operation"]["ports"] == [str(port["port"])]
-    assert one("Namespace")["metadata"]["labels"]["istio-injection"] == "enabled"
+    assert {d["metadata"]["name"]: d["metadata"]["labels"]["istio-injection"]
+            for d in docs(ISTIO / "namespaces.yaml")} == {"redis": "enabled", "orders": "enabled"}
 
     # webdis: pinned release, locked-down config, every "$VAR" provided by the container.
     deployment = one("Deployment")
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     assert re.fullmatch(r"nicolas/webdis:\d+\.\d+\.\d+(@sha256:[0-9a-f]{64})?", container["image"])
-    webdis = json.loads(one("Secret")["stringData"]["webdis.json"])
+    webdis = json.loads(one("Secret", ISTIO / "webdis.yaml")["stringData"]["webdis.json"])
     assert webdis["acl"][0] == {"disabled": ["*"]}
     assert sorted(webdis["acl"][1]["enabled"]) == ["EVAL", "EVALSHA"] and len(webdis["acl"]) == 2
     assert webdis["http_port"] == port["port"] and webdis["websockets"] is False
@@ -371,7 +372,7 @@ def test_the_pieces_agree():
     assert proxy["name"] == "istio-proxy"
     assert [e["name"] for e in proxy["env"]] == [redis["authorization_env"]]
     assert "secretKeyRef" in proxy["env"][0]["valueFrom"]
-    stats = one("ConfigMap")
+    stats = one("ConfigMap", ISTIO / "stats-bootstrap.yaml")
     annotations = template["metadata"]["annotations"]
     assert annotations["sidecar.istio.io/bootstrapOverride"] == stats["metadata"]["name"]
     assert stats["metadata"]["namespace"] == plugin["metadata"]["namespace"]
