@@ -36,6 +36,8 @@ TEMPLATES = [ROOT / "envoy" / "template.yaml", ROOT / "envoy" / "demo.yaml"]
 NO_PLUGIN = [ROOT / "envoy" / "redis-cluster-proxy.yaml", ROOT / "deploy" / "istio" / "webdis.yaml",
              ROOT / "deploy" / "istio" / "stats-bootstrap.yaml",
              ROOT / "deploy" / "istio" / "patches" / "workload.yaml",
+             ROOT / "deploy" / "istio" / "patches" / "workload-undo.yaml",
+             ROOT / "deploy" / "istio" / "namespaces.yaml", ROOT / "deploy" / "istio" / "redis.yaml",
              *(ROOT / "deploy" / "istio" / "gateway" / name
                for name in ("gateway.yaml", "requestauthentication.yaml", "webdis-access.yaml"))]
 

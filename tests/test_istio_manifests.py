@@ -421,8 +421,8 @@ def test_the_gateway_pieces_agree():
     assert matcher == {"proxyStatsMatcher": {"inclusionPrefixes": ["wasmcustom.cg."]}}
     # webdis lets the gateway's proxy in by its identity: service account <Gateway>-<class>,
     # which Istio gives the Deployment it creates; the same one operation as the sidecars.
-    access, webdis_policy = edge("AuthorizationPolicy"), one("AuthorizationPolicy")
-    service, deployment = one("Service"), one("Deployment")
+    access, webdis_policy = edge("AuthorizationPolicy"), one("AuthorizationPolicy", ISTIO / "webdis.yaml")
+    service, deployment = one("Service", ISTIO / "webdis.yaml"), one("Deployment", ISTIO / "webdis.yaml")
     assert access["metadata"]["namespace"] == service["metadata"]["namespace"]
     assert access["spec"]["selector"]["matchLabels"] == deployment["spec"]["template"]["metadata"]["labels"]
     account = f"{gateway['metadata']['name']}-{gateway['spec']['gatewayClassName']}"
