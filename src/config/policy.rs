@@ -223,17 +223,15 @@ pub fn policy(
         None => Match::default(),
     };
     let failure_mode = failure_mode(&mut o, "failure_mode")?.unwrap_or(default_failure);
-    let rate_limits = rate_limits(&mut o, "rate_limits", limits)?;
+    let mut rate_limits = rate_limits(&mut o, "rate_limits", limits)?;
     let idempotency = match o.get("idempotency") {
         Some(v) => Some(idempotency(v, &o.field_path("idempotency"), limits, env)?),
         None => None,
     };
-    let lease = match o.get("lease") {
+    let mut lease = match o.get("lease") {
         Some(v) => Some(lease(v, &o.field_path("lease"))?),
         None => None,
     };
-    let mut rate_limits = rate_limits;
-    let mut lease = lease;
     bind_path_params(path, &matcher, &mut rate_limits, lease.as_mut())?;
     let uses_client_ip = rate_limits
         .iter()
