@@ -212,10 +212,18 @@ fn misfit(m: &Match, req: &Request) -> String {
     if !alone(&|o| {
         o.path_prefix = m.path_prefix.clone();
         o.path_exact = m.path_exact.clone();
+        o.path_template = m.path_template.clone();
     }) {
-        return match (&m.path_exact, &m.path_prefix) {
-            (Some(e), _) => format!("path {} is not {e}", req.path()),
-            (None, Some(p)) => format!("path {} is not under {p}", req.path()),
+        return match (&m.path_exact, &m.path_prefix, &m.path_template) {
+            (Some(e), _, _) => format!("path {} is not {e}", req.path()),
+            (None, Some(p), _) => format!("path {} is not under {p}", req.path()),
+            (None, None, Some(t)) => {
+                format!(
+                    "path {} does not fit the template {}",
+                    req.path(),
+                    t.as_str()
+                )
+            }
             _ => "its path does not fit".into(),
         };
     }

@@ -2,7 +2,8 @@
 //! choices, method lists and values from the VM's environment, each with its one error message.
 
 use crate::config::reader::{index, kind, Obj, Result};
-use crate::config::{units, ConfigError, Env, FailureMode, Selector};
+use crate::config::{units, ConfigError, Env, FailureMode, PathParam, Selector};
+use crate::support::template::is_variable_name;
 use serde_json::Value;
 
 /// The value of the Wasm VM's environment variable `name` (set and not empty), for the field
@@ -223,8 +224,8 @@ pub fn selectors(o: &mut Obj<'_>, field: &'static str) -> Result<Vec<Selector>> 
     Ok(out)
 }
 
-const SELECTORS: &str =
-    "tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>";
+const SELECTORS: &str = "tenant, principal, client_ip, method, path, header:<name>, \
+     path_segment:<n>, query:<name>, path_param:<name>";
 
 /// Parses a selector of `by` or of a lease's `resource`.
 pub fn selector(s: &str) -> Option<Selector> {
@@ -238,6 +239,15 @@ pub fn selector(s: &str) -> Option<Selector> {
             if let Some(n) = s.strip_prefix("path_segment:") {
                 let n: usize = n.parse().ok().filter(|n| (1..=64).contains(n))?;
                 return Some(Selector::PathSegment(n));
+            }
+            if let Some(name) = s.strip_prefix("path_param:") {
+                // Bound to the policy's template once the policy is read.
+                return is_variable_name(name).then(|| {
+                    Selector::PathParam(PathParam {
+                        name: name.to_string(),
+                        bound: None,
+                    })
+                });
             }
             if let Some(q) = s.strip_prefix("query:") {
                 let ok = !q.is_empty()

@@ -38,7 +38,9 @@ use reader::{index, Obj, Result};
 pub use redis::{Batch, RedisConfig};
 
 pub(crate) use crate::support::jsonscan::Pointer;
+pub use crate::support::template::PathTemplate;
 use serde_json::Value;
+use std::sync::Arc;
 
 /// What a policy does when Redis cannot answer (unreachable, error, or too slow).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +65,27 @@ pub enum Selector {
     PathSegment(usize),
     /// A query parameter's raw value.
     Query(String),
+    /// A variable of the policy's `match.path_template` (`path_param:id`).
+    PathParam(PathParam),
+}
+
+/// `path_param:<name>`: the text a variable of the policy's path template matches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathParam {
+    pub name: String,
+    /// The policy's template and the variable's index in it: bound once the whole policy is
+    /// read (its selectors are read before it is complete), so that a request reads the
+    /// variable without looking its name up. `None` only until then.
+    pub(crate) bound: Option<(Arc<PathTemplate>, usize)>,
+}
+
+impl PathParam {
+    /// The variable's value in `path` (a canonical path): `None` when the path does not fit
+    /// the template.
+    pub(crate) fn value<'p>(&self, path: &'p str) -> Option<&'p str> {
+        let (template, index) = self.bound.as_ref()?;
+        template.capture(path, *index)
+    }
 }
 
 impl Selector {
@@ -97,6 +120,7 @@ impl Selector {
             Selector::Header(h) => write!(w, "header:{h}"),
             Selector::PathSegment(n) => write!(w, "path_segment:{n}"),
             Selector::Query(q) => write!(w, "query:{q}"),
+            Selector::PathParam(p) => write!(w, "path_param:{}", p.name),
         }
     }
 }

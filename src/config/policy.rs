@@ -5,9 +5,10 @@ use crate::config::fields::{failure_mode, header_name, methods, name, one_of};
 use crate::config::reader::{index, Obj, Result};
 use crate::config::{
     idempotency::idempotency, lease::lease, rate_limit::rate_limits, Algorithm, ConfigError, Env,
-    FailureMode, Limits, Policy, Selector,
+    FailureMode, Lease, Limits, PathTemplate, Policy, RateLimit, Selector,
 };
 use serde_json::Value;
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MissingTenant {
@@ -78,6 +79,8 @@ pub struct Match {
     pub methods: Vec<String>,
     pub path_prefix: Option<String>,
     pub path_exact: Option<String>,
+    /// `path_template`, compiled; shared with the policy's `path_param` selectors.
+    pub path_template: Option<Arc<PathTemplate>>,
     /// Lower-case host without port.
     pub host: Option<String>,
     /// Conditions on request headers, all of which must hold.
@@ -93,9 +96,17 @@ impl Match {
         if !m.methods.is_empty() {
             parts.push(m.methods.join("|"));
         }
-        match (&m.path_exact, &m.path_prefix) {
-            (Some(e), _) => parts.push(format!("path = {e}")),
-            (None, Some(p)) => parts.push(format!("path {p}*")),
+        match (&m.path_exact, &m.path_prefix, &m.path_template) {
+            (Some(e), _, _) => parts.push(format!("path = {e}")),
+            (None, Some(p), _) => parts.push(format!("path {p}*")),
+            (None, None, Some(t)) if t.names().next().is_none() => {
+                parts.push(format!("path template {}", t.as_str()))
+            }
+            (None, None, Some(t)) => parts.push(format!(
+                "path template {} ({})",
+                t.as_str(),
+                t.describe_variables()
+            )),
             _ => {}
         }
         if let Some(h) = &m.host {
@@ -212,15 +223,16 @@ pub fn policy(
         None => Match::default(),
     };
     let failure_mode = failure_mode(&mut o, "failure_mode")?.unwrap_or(default_failure);
-    let rate_limits = rate_limits(&mut o, "rate_limits", limits)?;
+    let mut rate_limits = rate_limits(&mut o, "rate_limits", limits)?;
     let idempotency = match o.get("idempotency") {
         Some(v) => Some(idempotency(v, &o.field_path("idempotency"), limits, env)?),
         None => None,
     };
-    let lease = match o.get("lease") {
+    let mut lease = match o.get("lease") {
         Some(v) => Some(lease(v, &o.field_path("lease"))?),
         None => None,
     };
+    bind_path_params(path, &matcher, &mut rate_limits, lease.as_mut())?;
     let uses_client_ip = rate_limits
         .iter()
         .flat_map(|l| &l.by)
@@ -243,12 +255,99 @@ pub fn policy(
     })
 }
 
+/// Binds every `path_param:<name>` of the policy's limits and lease to the variable of its
+/// template; a name the template does not define (or a policy without one) is refused,
+/// naming the selector.
+fn bind_path_params(
+    path: &str,
+    matcher: &Match,
+    rate_limits: &mut [RateLimit],
+    lease: Option<&mut Lease>,
+) -> Result<()> {
+    let limits = rate_limits.iter_mut().enumerate().flat_map(|(i, l)| {
+        let at = index(&format!("{path}.rate_limits"), i);
+        l.by.iter_mut()
+            .enumerate()
+            .map(move |(j, s)| (index(&format!("{at}.by"), j), s))
+    });
+    let resource = lease.into_iter().flat_map(|l| {
+        l.resource
+            .iter_mut()
+            .enumerate()
+            .map(|(j, s)| (index(&format!("{path}.lease.resource"), j), s))
+    });
+    for (at, sel) in limits.chain(resource) {
+        let Selector::PathParam(p) = sel else {
+            continue;
+        };
+        let Some(template) = &matcher.path_template else {
+            return Err(ConfigError::new(
+                at,
+                format!(
+                    "path_param:{} reads a variable of match.path_template, and this policy's \
+                     match has none (e.g. \"path_template\": \"/accounts/{{{}}}/transfer\")",
+                    p.name, p.name
+                ),
+            ));
+        };
+        let Some(i) = template.variable_index(&p.name) else {
+            let names: Vec<&str> = template.names().collect();
+            return Err(ConfigError::new(
+                at,
+                format!(
+                    "path_param:{} names no variable of match.path_template {:?} ({})",
+                    p.name,
+                    template.as_str(),
+                    if names.is_empty() {
+                        "it defines none".to_string()
+                    } else {
+                        format!("it defines {}", names.join(", "))
+                    }
+                ),
+            ));
+        };
+        p.bound = Some((Arc::clone(template), i));
+    }
+    Ok(())
+}
+
 fn matcher(v: &Value, path: &str) -> Result<Match> {
-    let known = &["methods", "path_prefix", "path_exact", "host", "headers"];
+    let known = &[
+        "methods",
+        "path_prefix",
+        "path_exact",
+        "path_template",
+        "host",
+        "headers",
+    ];
     let mut o = Obj::new(v, path, known)?;
     let methods = methods(&mut o, "methods")?.unwrap_or_default();
     let path_prefix = request_path(&mut o, "path_prefix")?;
     let path_exact = request_path(&mut o, "path_exact")?;
+    let path_template = match o.opt_str("path_template")? {
+        Some(t) => Some(Arc::new(PathTemplate::parse(t).map_err(|why| {
+            ConfigError::new(
+                o.field_path("path_template"),
+                format!("{t:?} is not a path template: {why}"),
+            )
+        })?)),
+        None => None,
+    };
+    // One way to match the path: two would both have to hold, which is never what was meant.
+    let given: Vec<&str> = [
+        ("path_prefix", path_prefix.is_some()),
+        ("path_exact", path_exact.is_some()),
+        ("path_template", path_template.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(f, given)| given.then_some(f))
+    .collect();
+    if let [first, second, ..] = given[..] {
+        return Err(ConfigError::new(
+            o.field_path(second),
+            format!("give one of path_prefix, path_exact and path_template, not {first} and {second} both"),
+        ));
+    }
     let host = match o.opt_str("host")? {
         Some(h) if h.is_empty() || h.contains(char::is_whitespace) => {
             return Err(ConfigError::new(
@@ -269,6 +368,7 @@ fn matcher(v: &Value, path: &str) -> Result<Match> {
         methods,
         path_prefix,
         path_exact,
+        path_template,
         host,
         headers,
     })

@@ -150,16 +150,30 @@ fn bad_configs_name_the_field() {
          "policies[0].match.path_exact: \"/%6Frders\" is not a normalised path (requests are matched decoded, with slashes merged and dot segments removed): write \"/orders\""),
         ("path_with_encoded_slash", "/policies/0/match/path_prefix", json!("/a%2Fb"),
          "policies[0].match.path_prefix: \"/a%2Fb\" is not a normalised path (requests are matched decoded, with slashes merged and dot segments removed): spell it without encoded '/', '\\', NUL, ';' or '..'"),
+        ("template_unclosed", "/policies/1/match", json!({"path_template": "/orders/{id"}),
+         "policies[1].match.path_template: \"/orders/{id\" is not a path template: a '{' has no '}'"),
+        ("template_escape", "/policies/1/match", json!({"path_template": "/%6Frders/{id}"}),
+         "policies[1].match.path_template: \"/%6Frders/{id}\" is not a path template: \"%6Frders\" holds '%': requests are matched decoded, so write the character itself (an encoded '/', '\\' or NUL is refused in a request)"),
+        ("template_glob_after_rest", "/policies/1/match", json!({"path_template": "/files/{rest=**}/{name}"}),
+         "policies[1].match.path_template: \"/files/{rest=**}/{name}\" is not a path template: '**' must be the last operator: only literals may follow it (a variable without '=' is a '*')"),
+        ("template_beside_prefix", "/policies/0/match/path_template", json!("/orders/{id}"),
+         "policies[0].match.path_template: give one of path_prefix, path_exact and path_template, not path_prefix and path_template both"),
+        ("exact_beside_prefix", "/policies/0/match/path_exact", json!("/orders"),
+         "policies[0].match.path_exact: give one of path_prefix, path_exact and path_template, not path_prefix and path_exact both"),
+        ("path_param_without_template", "/policies/0/rate_limits/1/by/1", json!("path_param:id"),
+         "policies[0].rate_limits[1].by[1]: path_param:id reads a variable of match.path_template, and this policy's match has none (e.g. \"path_template\": \"/accounts/{id}/transfer\")"),
+        ("path_param_bad_name", "/policies/0/rate_limits/1/by/1", json!("path_param:1d"),
+         "policies[0].rate_limits[1].by[1]: \"path_param:1d\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>, path_param:<name>)"),
         ("query_selector_with_escape", "/policies/0/rate_limits/1/by/1", json!("query:i%64"),
-         "policies[0].rate_limits[1].by[1]: \"query:i%64\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>)"),
+         "policies[0].rate_limits[1].by[1]: \"query:i%64\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>, path_param:<name>)"),
         ("unknown_in_match", "/policies/0/match/path", json!("/x"),
-         "policies[0].match.path: unknown field (known here: headers, host, methods, path_exact, path_prefix)"),
+         "policies[0].match.path: unknown field (known here: headers, host, methods, path_exact, path_prefix, path_template)"),
         ("bad_algorithm", "/policies/0/rate_limits/0/algorithm", json!("leaky"),
          "policies[0].rate_limits[0].algorithm: \"leaky\" is not one of fixed_window, sliding_window, sliding_log, token_bucket, concurrency"),
         ("bad_selector", "/policies/0/rate_limits/1/by/1", json!("user"),
-         "policies[0].rate_limits[1].by[1]: \"user\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>)"),
+         "policies[0].rate_limits[1].by[1]: \"user\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>, path_param:<name>)"),
         ("bad_header_selector", "/policies/0/rate_limits/1/by/1", json!("header:"),
-         "policies[0].rate_limits[1].by[1]: \"header:\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>)"),
+         "policies[0].rate_limits[1].by[1]: \"header:\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>, path_param:<name>)"),
         ("duplicate_selector", "/policies/0/rate_limits/1/by/1", json!("tenant"),
          "policies[0].rate_limits[1].by[1]: \"tenant\" is listed twice"),
         ("burst_on_window", "/policies/0/rate_limits/0/burst", json!(5),
@@ -386,7 +400,7 @@ fn lease_config() {
     let cases: &[(&str, Value, &str)] = &[
         ("empty_resource", json!({"resource": []}), "policies[0].lease.resource: must name at least one selector"),
         ("bad_segment", json!({"resource": ["path_segment:0"]}),
-         "policies[0].lease.resource[0]: \"path_segment:0\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>)"),
+         "policies[0].lease.resource[0]: \"path_segment:0\" is not a selector (tenant, principal, client_ip, method, path, header:<name>, path_segment:<n>, query:<name>, path_param:<name>)"),
         ("bad_on_busy", json!({"resource": ["tenant"], "on_busy": "queue"}),
          "policies[0].lease.on_busy: \"queue\" is not one of \"reject\", \"wait\""),
         ("bad_ttl", json!({"resource": ["tenant"], "ttl": "10"}),
@@ -398,6 +412,82 @@ fn lease_config() {
     ];
     for (name, lease, want) in cases {
         let mut v = base();
+        v["policies"][0]["lease"] = lease.clone();
+        let got = Config::from_value(&v)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!(&got, want, "case {name}");
+    }
+}
+
+/// `match.path_template` and the `path_param:<name>` selectors that read its variables.
+#[test]
+fn path_templates_and_their_params() {
+    let mut v = base();
+    v["policies"][0]["match"] =
+        json!({"methods": ["POST"], "path_template": "/accounts/{id}/transfer"});
+    v["policies"][0]["rate_limits"][1]["by"] = json!(["tenant", "path_param:id"]);
+    v["policies"][0]["lease"] = json!({"resource": ["tenant", "path_param:id"]});
+    let c = Config::from_value(&v).expect("valid");
+    let p = &c.policies[0];
+    let template = p.matcher.path_template.as_ref().expect("a template");
+    assert_eq!(template.as_str(), "/accounts/{id}/transfer");
+    assert_eq!(
+        p.matcher.describe(),
+        "POST, path template /accounts/{id}/transfer ({id}: segment 2)"
+    );
+    // Each selector is bound to the policy's own template.
+    let lease = p.lease.as_ref().expect("lease");
+    for sel in [&p.rate_limits[1].by[1], &lease.resource[1]] {
+        let Selector::PathParam(param) = sel else {
+            panic!("{sel:?}");
+        };
+        assert_eq!(param.name, "id");
+        assert_eq!(param.value("/accounts/42/transfer"), Some("42"));
+        assert_eq!(param.value("/accounts/42/close"), None);
+        assert_eq!(sel.spelling(), "path_param:id");
+    }
+    assert_eq!(
+        Selector::describe_all(&lease.resource),
+        "tenant + path_param:id"
+    );
+
+    let cases: &[(&str, Value, Value, &str)] = &[
+        ("unknown_variable", json!({"path_template": "/accounts/{id}/transfer"}),
+         json!({"resource": ["tenant", "path_param:account"]}),
+         "policies[0].lease.resource[1]: path_param:account names no variable of match.path_template \"/accounts/{id}/transfer\" (it defines id)"),
+        ("template_without_variables", json!({"path_template": "/accounts/*/transfer"}),
+         json!({"resource": ["path_param:id"]}),
+         "policies[0].lease.resource[0]: path_param:id names no variable of match.path_template \"/accounts/*/transfer\" (it defines none)"),
+        ("no_template", json!({"path_prefix": "/accounts/"}),
+         json!({"resource": ["path_param:id"]}),
+         "policies[0].lease.resource[0]: path_param:id reads a variable of match.path_template, and this policy's match has none (e.g. \"path_template\": \"/accounts/{id}/transfer\")"),
+        ("duplicate_param", json!({"path_template": "/accounts/{id}"}),
+         json!({"resource": ["path_param:id", "path_param:id"]}),
+         "policies[0].lease.resource[1]: \"path_param:id\" is listed twice"),
+        ("dot_segment", json!({"path_template": "/accounts/../{id}"}),
+         json!({"resource": ["path_param:id"]}),
+         "policies[0].match.path_template: \"/accounts/../{id}\" is not a path template: the segment \"..\" never matches: dot segments are removed from requests before they are matched"),
+        ("semicolon", json!({"path_template": "/accounts/{id};v=1"}),
+         json!({"resource": ["path_param:id"]}),
+         "policies[0].match.path_template: \"/accounts/{id};v=1\" is not a path template: \";v=1\" holds ';': path parameters make a request's path read more than one way, and such a request is refused (ambiguous_path)"),
+        ("too_many_variables", json!({"path_template": "/{a}/{b}/{c}/{d}/{e}/{f}"}),
+         json!({"resource": ["path_param:a"]}),
+         "policies[0].match.path_template: \"/{a}/{b}/{c}/{d}/{e}/{f}\" is not a path template: defines more than 5 variables"),
+        ("relative", json!({"path_template": "accounts/{id}"}),
+         json!({"resource": ["path_param:id"]}),
+         "policies[0].match.path_template: \"accounts/{id}\" is not a path template: must start with '/'"),
+        ("misspelt", json!({"path_templte": "/accounts/{id}"}),
+         json!({"resource": ["path_param:id"]}),
+         "policies[0].match.path_templte: unknown field (did you mean `path_template`?)"),
+        ("not_a_string", json!({"path_template": 7}),
+         json!({"resource": ["tenant"]}),
+         "policies[0].match.path_template: expected a string, found a number"),
+    ];
+    for (name, matcher, lease, want) in cases {
+        let mut v = base();
+        v["policies"][0]["match"] = matcher.clone();
         v["policies"][0]["lease"] = lease.clone();
         let got = Config::from_value(&v)
             .err()

@@ -94,7 +94,7 @@ impl Match {
                 return false;
             }
         }
-        if self.path_prefix.is_some() || self.path_exact.is_some() {
+        if self.path_prefix.is_some() || self.path_exact.is_some() || self.path_template.is_some() {
             let Some(path) = input.path(reading) else {
                 return false;
             };
@@ -106,6 +106,10 @@ impl Match {
                     .path_exact
                     .as_ref()
                     .is_some_and(|p| trim_slash(path) != trim_slash(p))
+                || self
+                    .path_template
+                    .as_ref()
+                    .is_some_and(|t| !t.matches(path))
             {
                 return false;
             }
@@ -455,6 +459,86 @@ mod tests {
                 policy_index(&config.policies, &mut Probe::new(&map)),
                 want,
                 "lazy: {path} {host}"
+            );
+        }
+    }
+
+    /// A template matches the canonical path, as prefixes do: every spelling of a path that
+    /// fits is guarded, and an ambiguous one any reading of which fits is refused.
+    #[test]
+    fn path_templates_on_hostile_spellings() {
+        let config = Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [
+                {"name": "transfer", "match": {"methods": ["POST"], "path_template": "/accounts/{id}/transfer"}},
+                {"name": "files", "match": {"methods": ["PUT"], "path_template": "/files/{rest=**}"}},
+                {"name": "video", "match": {"path_template": "/videos/{name}.mp4"}}
+            ]}"#,
+        )
+        .expect("valid");
+        let p = |i| Some(Selected::Policy(i));
+        let amb = |i| Some(Selected::AmbiguousPath(i));
+        let cases = [
+            ("POST", "/accounts/42/transfer", p(0)),
+            ("POST", "/accounts/42/transfer/", p(0)),
+            ("POST", "/accounts/42/transfer?x=1", p(0)),
+            ("POST", "/accounts/%34%32/transfer", p(0)),
+            ("POST", "/accounts//42/transfer", p(0)),
+            ("POST", "//accounts/42//transfer", p(0)),
+            ("POST", "/accounts/x/../42/transfer", p(0)),
+            ("POST", "/accounts/42/./transfer", p(0)),
+            ("POST", "/accounts/42/%74ransfer", p(0)),
+            ("POST", "/x/../accounts/42/transfer", p(0)),
+            // Not the template: another action, another method, a segment too many or few.
+            ("POST", "/accounts/42/close", None),
+            ("GET", "/accounts/42/transfer", None),
+            ("POST", "/accounts/42/43/transfer", None),
+            ("POST", "/accounts/transfer", None),
+            ("POST", "/accounts//transfer", None),
+            ("POST", "/accounts/42/transfer/x", None),
+            // Read more than one way, one reading fits: refused.
+            ("POST", "/accounts/4%2F2/transfer", amb(0)),
+            ("POST", "/accounts/42%2Ftransfer", amb(0)),
+            ("POST", "/accounts/42;v=1/transfer", amb(0)),
+            ("POST", "/accounts/42/transfer;v=1", amb(0)),
+            ("POST", "/accounts/42%5Ctransfer", amb(0)),
+            ("POST", "/accounts/42\\transfer", amb(0)),
+            ("POST", "/accounts/42/transfer%00.json", amb(0)),
+            ("POST", "/accounts/4%zz/transfer", amb(0)),
+            ("POST", "/accounts/%252F/transfer", amb(0)),
+            ("POST", "/a//../accounts/42/transfer", amb(0)),
+            // Ambiguous, no reading fits: the service's.
+            ("POST", "/accounts/42%2Fclose", None),
+            // `**`: any depth, the empty rest too; never the bare prefix.
+            ("PUT", "/files/a", p(1)),
+            ("PUT", "/files/a/b/c", p(1)),
+            ("PUT", "/files/", p(1)),
+            ("PUT", "/files//a", p(1)),
+            ("PUT", "/files", None),
+            ("PUT", "/filesystem/a", None),
+            ("PUT", "/files/a%2Fb", amb(1)),
+            ("PUT", "/files/a/..%2F..%2Fetc", amb(1)),
+            // A suffix.
+            ("GET", "/videos/cat.mp4", p(2)),
+            ("GET", "/videos/cat.mp4/", p(2)),
+            ("GET", "/videos/cat%2Emp4", p(2)),
+            ("GET", "/videos/.mp4", None),
+            ("GET", "/videos/a/b.mp4", None),
+            ("GET", "/videos/a%2Fb.mp4", amb(2)),
+        ];
+        for (method, path, want) in cases {
+            let r = req(method, path, "h");
+            assert_eq!(
+                parsed_policy_index(&config.policies, &r),
+                want,
+                "{method} {path}"
+            );
+            let map: Headers = [(":method", method), (":path", path), (":authority", "h")]
+                .into_iter()
+                .collect();
+            assert_eq!(
+                policy_index(&config.policies, &mut Probe::new(&map)),
+                want,
+                "lazy: {method} {path}"
             );
         }
     }

@@ -23,6 +23,8 @@ pub(crate) fn selector_value<'a>(
         Selector::Path => Some(trim_slash(req.path())),
         Selector::Header(h) => req.header(h),
         Selector::PathSegment(n) => req.path().split('/').nth(*n).filter(|s| !s.is_empty()),
+        // The path fits the template: its policy matched it.
+        Selector::PathParam(p) => p.value(req.path()),
         Selector::Query(name) => req
             .params
             .iter()
@@ -131,6 +133,50 @@ mod tests {
             selector_value(&Selector::Query("q".into()), &caller, &r),
             Some("a b+c")
         );
+    }
+
+    /// `path_param:<name>` reads the canonical path as `path_segment:<n>` does: one
+    /// resource, one name, however the path is spelled.
+    #[test]
+    fn path_params_read_the_canonical_path() {
+        let config = crate::config::Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [
+                {"name": "t", "match": {"path_template": "/accounts/{id}/transfer/{rest=**}"},
+                 "lease": {"resource": ["path_param:id", "path_param:rest", "path_segment:2"]}}]}"#,
+        )
+        .expect("valid");
+        let lease = config.policies[0].lease.as_ref().expect("lease");
+        let [id, rest, segment] = &lease.resource[..] else {
+            panic!("{:?}", lease.resource);
+        };
+        let caller = Caller {
+            tenant: "t".into(),
+            principal: "p".into(),
+        };
+        for (path, want_id, want_rest) in [
+            ("/accounts/42/transfer/a/b", Some("42"), Some("a/b")),
+            ("/accounts/42/transfer/a/b/", Some("42"), Some("a/b")),
+            ("/accounts/%34%32/transfer/a/b", Some("42"), Some("a/b")),
+            ("/accounts//42/transfer//a//b", Some("42"), Some("a/b")),
+            ("/accounts/x/../42/transfer/a/./b", Some("42"), Some("a/b")),
+            ("/accounts/42/transfer/%61%2Db", Some("42"), Some("a-b")),
+            ("/accounts/a%20b/transfer/c%3Ad", Some("a b"), Some("c:d")),
+            ("/accounts/42/transfer/", Some("42"), Some("")),
+            // Not the template: absent (the policy does not guard such a request).
+            ("/accounts/42/close/a", None, None),
+            ("/accounts/42/transfer", None, None),
+        ] {
+            let r = req("POST", path, "h");
+            assert_eq!(selector_value(id, &caller, &r), want_id, "{path}");
+            assert_eq!(selector_value(rest, &caller, &r), want_rest, "{path}");
+            if want_id.is_some() {
+                assert_eq!(
+                    selector_value(id, &caller, &r),
+                    selector_value(segment, &caller, &r),
+                    "{path}: the same segment, the same value"
+                );
+            }
+        }
     }
 
     #[test]

@@ -44,6 +44,37 @@ fn a_valid_config_is_summarised() {
 }
 
 #[test]
+fn a_path_template_and_its_params_are_summarised() {
+    let summary = check_json(
+        br#"{"redis": {"cluster": "gw", "key_prefix": "cg:x"}, "policies": [
+             {"name": "transfer", "match": {"methods": ["POST"], "path_template": "/accounts/{id}/transfer"},
+              "rate_limits": [{"name": "per-account", "by": ["tenant", "path_param:id"],
+                               "algorithm": "fixed_window", "limit": 5, "window": "1m"}],
+              "lease": {"resource": ["tenant", "path_param:id"]}},
+             {"name": "files", "match": {"path_template": "/files/{rest=**}"}}]}"#,
+    )
+    .expect("valid");
+    for want in [
+        "policy 1 transfer: POST, path template /accounts/{id}/transfer ({id}: segment 2)",
+        "limit per-account: 5 per 1m by tenant + path_param:id (fixed window)",
+        "lease on tenant + path_param:id (per tenant) for 10s, busy: 409",
+        "policy 2 files: path template /files/{rest=**} ({rest}: segments 2 on, any number (none included))",
+    ] {
+        assert!(summary.contains(want), "{want:?} in\n{summary}");
+    }
+    let err = check_json(
+        br#"{"redis": {"cluster": "gw"}, "policies": [
+             {"name": "transfer", "match": {"path_template": "/accounts/{id}/transfer"},
+              "lease": {"resource": ["tenant", "path_param:account"]}}]}"#,
+    )
+    .expect_err("invalid");
+    assert!(
+        err.contains("policies[0].lease.resource[1]: path_param:account names no variable of match.path_template \"/accounts/{id}/transfer\" (it defines id)"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_limit_that_reads_overrides_says_where() {
     let summary = check_json(
         br#"{"redis": {"cluster": "gw", "key_prefix": "cg:x"}, "policies": [{"name": "api",
