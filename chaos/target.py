@@ -109,8 +109,11 @@ class Target:
                              f"(~{GATEWAY_KEY_PREFIX}:*)")
         self._caller_config = copy.deepcopy(plugin_config)
         self.plugin_config: dict = {}  # the configuration in force, filled in by `start`
-        # Per Envoy: the configuration its ECDS file holds, and how many times it was written.
+        # Per Envoy: how many times its ECDS file was written (the file's version_info).
         self.config_versions = [0] * ENVOYS
+        # Other full plugin configurations the run counts as equivalent for what it checks
+        # (the config_reload fault may hand one of them to an Envoy); none by default.
+        self.config_variants: list[dict] = []
 
     # --- the parts ---------------------------------------------------------------------------
 
