@@ -1,0 +1,354 @@
+"""The chaos target and its faults (chaos/target.py, chaos/faults.py, chaos/netproxy.py), on
+the real stack: each fault is shown to have its effect on the filter's answers while it lasts,
+and the target to be healthy again, requests answered by the service, once it healed.
+
+The service behind the Envoys is the harness's counting upstream.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import chaos  # noqa: F401  (tests/ on sys.path, as for the chaos run)
+from chaos.faults import FAULTS, kinds_for
+from chaos.target import ECDS_STAT, build_target
+from harness.concurrency import wait_for
+from harness.upstream import Upstream
+
+TENANT_HEADER = "x-tenant-id"
+
+
+def plugin(failure_mode: str = "fail_closed", timeout: str = "100ms") -> dict:
+    """A rate limit that is never reached, so every answer but the service's is the fault's."""
+    return {"redis": {"timeout": timeout, "key_prefix": "cg:chaos"},
+            "identity": {"tenant_header": TENANT_HEADER},
+            "policies": [{"name": "limited", "match": {"path_prefix": "/"},
+                          "failure_mode": failure_mode,
+                          "rate_limits": [{"name": "tenant", "by": ["tenant"],
+                                           "algorithm": "fixed_window", "limit": 1_000_000,
+                                           "window": "10s"}]}]}
+
+
+def get(url: str, tenant: str = "acme", timeout: float = 5.0) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(url + "/things", headers={TENANT_HEADER: tenant})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def pids(target) -> list[int]:
+    procs = [n.proc for n in target.redis_nodes()] + [w.proc for w in target.webdis]
+    procs += [target.netproxy.proc] + [e.proc for e in target.envoys]
+    if target.cluster is not None:
+        procs.append(target.cluster.proxy.proc)
+    return [p.pid for p in procs if p is not None]
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def upstream(tmp_path):
+    service = Upstream(tmp_path / "upstream").start()
+    yield service
+    service.stop()
+
+
+def test_single_target_serves_through_both_envoys_and_stops_everything(tmp_path, upstream):
+    target = build_target("single", tmp_path / "target", plugin(), upstream.port)
+    started = pids(target)
+    try:
+        assert target.topology == "single"
+        assert len(target.envoy_urls) == 2 and len(set(target.envoy_urls)) == 2
+        for url in target.envoy_urls:
+            status, headers, _ = get(url)
+            # Answered by the service, and decided by Redis (the quota headers).
+            assert status == 200 and "ratelimit-policy" in headers, (status, headers)
+        assert upstream.count("GET", "/things") == 2
+        # Redis holds the rate limit's counter under the target's key prefix.
+        client = target.redis_client()
+        try:
+            assert any(k.startswith(b"cg:chaos:") for k in client.scan_iter(match="cg:chaos:*"))
+        finally:
+            client.close()
+        assert all("panic" not in log for log in target.envoy_logs())
+        assert len(started) == 5 and all(running(p) for p in started), started
+    finally:
+        target.stop()
+    assert not [p for p in started if running(p)]
+
+
+# --- faults on a single Redis ------------------------------------------------------------------
+# One target for these tests, healthy again at the start of each (every fault heals).
+
+PROBLEM_TYPE = "urn:coordination-guard:problem:"
+TIMEOUT = "200ms"
+
+
+def guard_unavailable(status: int, headers: dict, body: bytes) -> bool:
+    """The filter's fail-closed answer: 503, problem+json, `guard_unavailable`."""
+    if status != 503 or not headers.get("content-type", "").startswith("application/problem+json"):
+        return False
+    try:
+        return json.loads(body)["type"] == PROBLEM_TYPE + "guard_unavailable"
+    except (ValueError, KeyError):
+        return False
+
+
+def served(status: int, headers: dict, body: bytes) -> bool:
+    """Answered by the service, with the quota headers: Redis decided."""
+    return status == 200 and "ratelimit-policy" in headers
+
+
+def all_served(target, tenant: str = "acme", tries: int = 3) -> None:
+    for i, url in enumerate(target.envoy_urls):
+        answer = get(url, tenant)
+        assert served(*answer), f"envoy {i}: {answer}"
+
+
+@pytest.fixture(scope="module")
+def single_service(tmp_path_factory):
+    service = Upstream(tmp_path_factory.mktemp("chaos-upstream")).start()
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def single_target(tmp_path_factory, single_service):
+    target = build_target("single", tmp_path_factory.mktemp("chaos-single"),
+                          plugin(timeout=TIMEOUT), single_service.port)
+    yield target
+    target.stop()
+
+
+@pytest.fixture
+def single(single_target):
+    """The module's single target, healthy and serving."""
+    single_target.healthy(30)
+    all_served(single_target)
+    return single_target
+
+
+def fault(target, kind: str, seed: int = 1, **fixed):
+    return FAULTS[kind](random.Random(seed), target, **fixed)
+
+
+def timed_get(url: str, tenant: str = "acme") -> tuple[tuple, float]:
+    start = time.monotonic()
+    answer = get(url, tenant)
+    return answer, time.monotonic() - start
+
+
+def test_every_kind_is_known_and_draws_the_same_from_the_same_seed(single):
+    assert set(FAULTS) == {
+        "redis_pause_short", "redis_pause_long", "redis_restart_persistent",
+        "redis_restart_volatile", "cluster_failover", "webdis_restart", "gateway_delay",
+        "gateway_cut", "envoy_restart", "script_flush", "config_reload"}
+    assert "cluster_failover" not in kinds_for("single")
+    for kind in kinds_for("single"):
+        drawn = [fault(single, kind, seed).params for seed in (5, 5, 6, 7, 8, 9)]
+        assert drawn[0] == drawn[1], kind
+        assert all(FAULTS[kind].kind == kind for _ in drawn)
+    with pytest.raises(ValueError):
+        fault(single, "cluster_failover")
+    with pytest.raises(TypeError):
+        fault(single, "gateway_cut", nonsense=1)
+    assert fault(single, "redis_restart_volatile").data_loss
+    assert not fault(single, "redis_restart_persistent").data_loss
+    timeout_ms = single.redis_timeout * 1000
+    for seed in range(20):
+        assert fault(single, "redis_pause_short", seed).params["pause_ms"] < timeout_ms
+        assert fault(single, "redis_pause_long", seed).params["pause_ms"] > 2 * timeout_ms
+        delay = fault(single, "gateway_delay", seed).params
+        assert (2 * delay["delay_ms"] > timeout_ms) == delay["beyond_timeout"], delay
+
+
+def test_redis_pause_short_slows_calls_but_none_fails(single):
+    f = fault(single, "redis_pause_short", mode="ALL", pause_ms=80)
+    f.inject()
+    answer, elapsed = timed_get(single.envoy_urls[0])
+    f.heal()
+    assert served(*answer), answer
+    assert elapsed > 0.03, f"the request did not wait for the pause ({elapsed:.3f}s)"
+    all_served(single)
+
+
+@pytest.mark.parametrize("mode", ["ALL", "WRITE"])
+def test_redis_pause_long_fails_closed_until_it_ends(single, mode):
+    f = fault(single, "redis_pause_long", mode=mode, pause_ms=1500)
+    params = f.inject()
+    assert params["kind"] == "redis_pause_long" and params["pause_ms"] == 1500
+    answers = [timed_get(url) for url in single.envoy_urls]
+    healed_at = time.monotonic()
+    f.heal()
+    for answer, elapsed in answers:
+        assert guard_unavailable(*answer), answer
+        assert elapsed < 1.0, f"failed closed after {elapsed:.3f}s, not at the timeout"
+    if mode == "ALL":  # it cannot be lifted early: heal waited for its end
+        assert time.monotonic() - f.started >= 1.5
+    else:
+        assert time.monotonic() - healed_at < 1.0
+    all_served(single)
+
+
+def redis_key(target, key: str, value: str | None = None):
+    client = target.redis_client()
+    try:
+        if value is not None:
+            client.set(key, value)
+        return client.get(key)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kind", ["redis_restart_persistent", "redis_restart_volatile"])
+def test_redis_restart_fails_closed_while_down_and_keeps_or_loses_the_data(single, kind):
+    redis_key(single, "cg:chaos:marker", "kept")
+    old = single.redis.proc.pid
+    f = fault(single, kind)
+    f.inject()
+    assert not single.redis.alive()
+    answer = get(single.envoy_urls[1])
+    assert guard_unavailable(*answer), answer
+    f.heal()
+    assert single.redis.alive() and single.redis.proc.pid != old
+    single.healthy(30)
+    kept = redis_key(single, "cg:chaos:marker")
+    assert kept == (b"kept" if kind == "redis_restart_persistent" else None), kept
+    all_served(single)
+
+
+def test_webdis_restart_fails_closed_while_down(single):
+    old = single.webdis[0].proc.pid
+    f = fault(single, "webdis_restart")
+    f.inject()
+    answer = get(single.envoy_urls[0])
+    assert guard_unavailable(*answer), answer
+    f.heal()
+    f.heal()  # idempotent
+    assert single.webdis[0].alive() and single.webdis[0].proc.pid != old
+    single.healthy(30)
+    all_served(single)
+
+
+def test_gateway_delay_below_the_timeout_slows_calls_beyond_it_fails_closed(single):
+    timeout = single.redis_timeout
+    below = fault(single, "gateway_delay", beyond_timeout=False, delay_ms=timeout * 1000 / 5,
+                  jitter_ms=0)
+    below.inject()
+    answer, elapsed = timed_get(single.envoy_urls[0])
+    below.heal()
+    assert served(*answer), answer
+    assert elapsed >= 2 * timeout / 5, f"{elapsed:.3f}s: not delayed"
+    beyond = fault(single, "gateway_delay", beyond_timeout=True, delay_ms=timeout * 1000,
+                   jitter_ms=5)
+    beyond.inject()
+    answer = get(single.envoy_urls[1])
+    beyond.heal()
+    assert guard_unavailable(*answer), answer
+    single.healthy(30)
+    all_served(single)
+
+
+@pytest.mark.parametrize("how", ["reset", "hold"])
+def test_gateway_cut_fails_closed_and_a_hold_delivers_late(single, how):
+    f = fault(single, "gateway_cut", how=how)
+    before = single.netproxy.stats()
+    f.inject()
+    answers = [get(url) for url in single.envoy_urls]
+    during = single.netproxy.stats()
+    f.heal()
+    for answer in answers:
+        assert guard_unavailable(*answer), answer
+    if how == "hold":
+        # The calls the filter gave up on were kept, and sent on once the cut healed.
+        assert during["held"] > 0, during
+        wait_for(lambda: single.netproxy.stats()["held"] == 0, 5)
+        assert single.netproxy.stats()["bytes_up"] >= during["bytes_up"] + during["held"] // 2
+    else:
+        assert during["reset"] > before["reset"], (before, during)
+    assert single.netproxy.stats()["mode"] == "pass"
+    single.healthy(30)
+    all_served(single)
+
+
+def test_envoy_restart_takes_one_envoy_away_and_back_on_its_port(single):
+    f = fault(single, "envoy_restart", envoy=1)
+    url, old = single.envoy_urls[1], single.envoys[1].proc.pid
+    f.inject()
+    with pytest.raises(OSError):
+        get(url, timeout=2)
+    assert served(*get(single.envoy_urls[0]))  # the other sidecar serves on
+    f.heal()
+    assert single.envoys[1].proc.pid != old and single.envoy_urls[1] == url
+    all_served(single)
+    # Its log holds both starts.
+    assert single.envoy_logs()[1].count("starting main dispatch loop") >= 2
+
+
+def cached_scripts(target) -> int:
+    client = target.redis_client()
+    try:
+        return int(client.info("memory")["number_of_cached_scripts"])
+    finally:
+        client.close()
+
+
+def test_script_flush_empties_the_script_cache_and_the_filter_loads_again(single):
+    assert cached_scripts(single) > 0
+    f = fault(single, "script_flush", mode="SYNC")
+    f.inject()
+    assert cached_scripts(single) == 0
+    f.heal()
+    all_served(single)
+    assert cached_scripts(single) > 0
+
+
+@pytest.mark.parametrize("variant", ["reformatted", "new_vm"])
+def test_config_reload_is_loaded_without_dropping_the_listener(single, variant):
+    listeners = [e.stats(filter="listener_manager") for e in single.envoys]
+    reloads = [single.config_reloads(i) for i in range(2)]
+    # A connection open across the reload keeps being served.
+    conn = http.client.HTTPConnection("127.0.0.1", single.envoys[0].port, timeout=5)
+    try:
+        conn.request("GET", "/things", headers={TENANT_HEADER: "acme"})
+        first = conn.getresponse()
+        first.read()
+        f = fault(single, "config_reload", variant=variant, envoys=[0, 1])
+        params = f.inject()
+        assert params["variant"] == variant
+        assert [single.config_reloads(i) for i in range(2)] == [r + 1 for r in reloads]
+        for i, envoy in enumerate(single.envoys):  # what each Envoy runs now is the new file
+            dump = json.loads(envoy.admin_get("/config_dump?resource=ecds_filters"))
+            (entry,) = dump["configs"]
+            assert entry["version_info"] == str(single.config_versions[i]), entry
+            vm_id = entry["ecds_filter"]["typed_config"]["config"]["vm_config"]["vm_id"]
+            assert vm_id == (params["vm_id"] if variant == "new_vm" else "coordination-guard")
+        conn.request("GET", "/things", headers={TENANT_HEADER: "acme"})
+        second = conn.getresponse()
+        assert second.status == 200 and second.getheader("ratelimit-policy"), second.status
+        second.read()
+        f.heal()
+    finally:
+        conn.close()
+    assert [single.config_reloads(i) for i in range(2)] == [r + 2 for r in reloads]
+    for envoy, before in zip(single.envoys, listeners):
+        after = envoy.stats(filter="listener_manager")
+        for name in ("listener_manager.listener_modified", "listener_manager.listener_removed"):
+            assert after.get(name, 0) == before.get(name, 0), (name, before, after)
+        assert envoy.stat(f"{ECDS_STAT}.config_fail") == 0
+    all_served(single)
