@@ -246,6 +246,7 @@ def _admits(s: Schedule, route: str, schedule_start: float, by_id: dict) -> list
 
 def _bound_flag(r: Result, faults: Faults, name: str, units: int, bound: float, weaker: float,
                 span: tuple[float, float], what: str, admits: list[Admit]) -> None:
+    r.stats["rate_limit_checks"] += 1
     if units <= bound:
         return
     if faults.loss_during(span[0], span[1]) and units <= weaker:
@@ -307,6 +308,7 @@ def _check_sliding_log(r: Result, faults: Faults, lim: dict, admits: list[Admit]
         if hi - lo >= W - TOL:
             continue
         units = sum(a.units for a in members)
+        r.stats["rate_limit_checks"] += 1
         if units > L and (worst is None or units > worst[0]):
             worst = (units, lo, hi, list(members))
     if worst:
@@ -323,6 +325,7 @@ def _check_token_bucket(r: Result, faults: Faults, lim: dict, admits: list[Admit
     for lo, hi, members in _spans(admits):
         units = sum(a.units for a in members)
         bound = burst + (hi - lo) / T + 1
+        r.stats["rate_limit_checks"] += 1
         if units > bound and (worst is None or units - bound > worst[0]):
             worst = (units - bound, units, bound, lo, hi, list(members))
     if worst:
@@ -424,10 +427,15 @@ def _check_replay(rec: dict, executions: dict, by_n: dict, r: Result) -> None:
             r.flag("idempotency", f"{route} key {key}: replay {status} matches no stream that "
                    "ended", [_brief(rec)] + [_brief(e) for e in runs])
         return
-    try:
-        exec_n = json.loads(rec.get("body") or "").get("exec")
-    except (ValueError, AttributeError):
-        exec_n = None
+    # The execution's number: its ETag (a replay header, whole even when the client left
+    # mid-body), else the body's `exec`.
+    etag = (rec.get("headers") or {}).get("etag", "").strip('"')
+    exec_n = int(etag) if etag.isdigit() else None
+    if exec_n is None:
+        try:
+            exec_n = json.loads(rec.get("body") or "").get("exec")
+        except (ValueError, AttributeError):
+            exec_n = None
     e = by_n.get(exec_n)
     if (e is None or e.get("route") != route or e.get("key") != key
             or e.get("tenant") != rec.get("tenant")):

@@ -36,26 +36,26 @@ CANCEL_TTL_MS = max(PROCESSING_TTL_MS, LEASE_TTL_MS, 60000)
 # rate limits as configured, `checked` the ones the checker verifies per counter.
 RATE_LIMITED = {
     "fw": {"limits": [{"name": "fw", "by": ["tenant"], "algorithm": "fixed_window",
-                       "limit": 4, "window": "1s"}]},
+                       "limit": 3, "window": "1s"}]},
     "sw": {"limits": [{"name": "sw", "by": ["tenant"], "algorithm": "sliding_window",
-                       "limit": 4, "window": "1s"}]},
+                       "limit": 3, "window": "1s"}]},
     "sl": {"limits": [{"name": "sl", "by": ["tenant"], "algorithm": "sliding_log",
-                       "limit": 4, "window": "1s"}]},
+                       "limit": 3, "window": "1s"}]},
     "tb": {"limits": [{"name": "tb", "by": ["tenant"], "algorithm": "token_bucket",
-                       "limit": 4, "window": "1s", "burst": 3}]},
+                       "limit": 3, "window": "1s", "burst": 2}]},
     "cc": {"limits": [{"name": "cc", "by": ["tenant"], "algorithm": "concurrency",
                        "limit": 2, "window": f"{SLOT_WINDOW_MS}ms"}]},
     "cost": {"limits": [{"name": "cost", "by": ["tenant"], "algorithm": "fixed_window",
-                         "limit": 12, "window": "1s",
+                         "limit": 8, "window": "1s",
                          "cost": {"header": COST_HEADER, "default": 1, "max": 4},
                          "charge": {"response_header": CHARGE_HEADER, "unreadable": "cost"}}]},
     # Two hash slots: the tenant's counter and one for the whole policy (by: []).
     "multi": {"limits": [{"name": "tenant", "by": ["tenant"], "algorithm": "fixed_window",
-                          "limit": 4, "window": "1s"},
+                          "limit": 3, "window": "1s"},
                          {"name": "global", "by": [], "algorithm": "sliding_window",
-                          "limit": 10, "window": "1s"}]},
+                          "limit": 5, "window": "1s"}]},
     "open": {"limits": [{"name": "open", "by": ["tenant"], "algorithm": "fixed_window",
-                         "limit": 4, "window": "1s"}], "failure_mode": "fail_open"},
+                         "limit": 3, "window": "1s"}], "failure_mode": "fail_open"},
 }
 
 # Idempotent routes: POST /idem/<variant>/<key>, policy `idem-<variant>`.
