@@ -437,10 +437,15 @@ def _check_replay(rec: dict, executions: dict, by_n: dict, r: Result) -> None:
         except (ValueError, AttributeError):
             exec_n = None
     e = by_n.get(exec_n)
-    if (e is None or e.get("route") != route or e.get("key") != key
-            or e.get("tenant") != rec.get("tenant")):
-        r.flag("idempotency", f"{route} key {key}: replay names no execution of this key",
+    if e is None:
+        r.flag("idempotency", f"{route} key {key}: replay names no execution",
                [_brief(rec)] + [_brief(x) for x in runs])
+        return
+    if (e.get("route"), e.get("tenant"), e.get("key")) != (route, rec.get("tenant"), key):
+        r.flag("idempotency", f"{route} tenant {rec.get('tenant')} key {key}: replayed the "
+               f"response of another request: execution {exec_n} of {e.get('route')} tenant "
+               f"{e.get('tenant')} key {e.get('key')}", [_brief(rec), _brief(e)]
+               + [_brief(x) for x in runs])
         return
     problems = []
     if e.get("status") != status:

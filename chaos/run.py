@@ -71,6 +71,9 @@ class Outcome:
     stats: dict = field(default_factory=dict)
     seconds: float = 0.0
     restarted: bool = False
+    # The run's own troubles (a fault that could not be injected or healed, a client process
+    # that did not finish): reported, not violations of the filter.
+    run_errors: list[str] = field(default_factory=list)
 
 
 def config_variants(base: dict) -> list[dict]:
@@ -207,8 +210,7 @@ def run_schedule(index: int, seed: str, target, service: Service, workdir: Path,
 
     result = check(Schedule(history=history, ledger=ledger, faults=records, redis_keys=keys,
                             envoy_logs=new_logs, seed=seed, now=now))
-    for e in errors:
-        result.flag("run", e)
+    outcome.run_errors = errors
     for v in result.violations:
         v["seed"], v["topology"], v["schedule"] = seed, target.topology, index
     outcome.faults = records
@@ -264,6 +266,8 @@ def run(seed: str, schedules: int, topologies: list[str], out: Path,
                          f"({o.seconds:.1f}s)")
                     for v in o.violations:
                         echo(f"  VIOLATION {v['invariant']}: {v['detail']}")
+                    for e in o.run_errors:
+                        echo(f"  run: {e}")
                     if o.restarted:
                         restarts += 1
                         target.stop()
@@ -301,6 +305,7 @@ def summarise(seed: str, outcomes: list[Outcome], restarts: int, seconds: float)
         "weaker": dict(sorted(weaker.items())),
         "stats": dict(sorted(stats.items())),
         "target_restarts": restarts,
+        "run_errors": [f"schedule {o.index} ({o.seed}): {e}" for o in outcomes for e in o.run_errors],
         "violations": violations,
         "outcomes": [o.__dict__ | {"violations": len(o.violations)} for o in outcomes],
     }
@@ -317,6 +322,8 @@ def markdown(report: dict) -> str:
         lines.append(f"| {kind} | {n} | {report['faults_with_data_loss'].get(kind, 0)} |")
     lines += ["", "Documented weaker cases that happened (only the weaker bound held):", ""]
     lines += [f"- {k}: {v}" for k, v in report["weaker"].items()] or ["- none"]
+    lines += ["", "The run's own troubles (not violations):", ""]
+    lines += [f"- {e}" for e in report["run_errors"]] or ["- none"]
     lines += ["", "Answers and counts:", ""]
     lines += [f"- {k}: {v}" for k, v in report["stats"].items()]
     lines += ["", "## Violations", ""]

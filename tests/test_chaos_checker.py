@@ -356,6 +356,17 @@ def test_replays_equal_the_first_response():
         assert invariants(h2.check()) == ["idempotency"], bad
 
 
+def test_a_replay_of_another_tenants_key_is_flagged():
+    h = History()
+    _, e = _execution(h, T0, key="k1")
+    e["tenant"] = "t2"
+    rec = _replay(h, T0 + 0.5, e, key="k1")
+    rec["headers"]["etag"] = f'"{e["n"]}"'
+    result = h.check()
+    assert invariants(result) == ["idempotency"]
+    assert "replayed the response of another request" in result.violations[0]["detail"]
+
+
 def test_a_replay_cut_short_is_known_by_its_etag():
     h = History()
     _, e = _execution(h, T0)
