@@ -55,7 +55,7 @@ import time
 
 import chaos  # noqa: F401  (tests/ on sys.path)
 from chaos.target import TOPOLOGIES, Target
-from harness.cluster import NODE_TIMEOUT_MS, SLOTS
+from harness.cluster import SLOTS
 from harness.proc import RedisServer
 
 BOTH = frozenset(TOPOLOGIES)
@@ -122,11 +122,22 @@ class Fault:
 
     # --- helpers -----------------------------------------------------------------------------
 
-    def _node(self, port: int) -> RedisServer:
-        return next(n for n in self.target.redis_nodes() if n.port == port)
+    # Redis processes are drawn by their place in `target.redis_nodes()` (a cluster's first
+    # three nodes start as its masters), not by port: ports differ from run to run, places
+    # and roles do not, so a seed draws the same nodes again.
 
-    def _master_ports(self) -> list[int]:
-        return sorted(n.port for n in self.target.masters())
+    @property
+    def node(self) -> RedisServer:
+        """The Redis process of the fault (parameter `node`, its place)."""
+        return self.target.redis_nodes()[self.params["node"]]
+
+    def _master_places(self) -> list[int]:
+        masters = {n.port for n in self.target.masters()}
+        return [i for i, n in enumerate(self.target.redis_nodes()) if n.port in masters]
+
+    def _settle_node(self) -> None:
+        self.params["port"] = self.node.port
+        self.resource = f"redis:{self.node.port}"
 
 
 def _command(node: RedisServer, *args, timeout: float = 5.0):
@@ -154,19 +165,19 @@ class _RedisPause(Fault):
         timeout_ms = self.target.redis_timeout * 1000
         low, high = self.factors
         pause = self.rng.uniform(low * timeout_ms, high * timeout_ms)
-        self.params = {"node": self.rng.choice(self._master_ports()),
+        self.params = {"node": self.rng.choice(self._master_places()),
                        "pause_ms": max(1, min(MAX_PAUSE_MS, int(pause))),
                        "mode": self.rng.choice(["ALL", "WRITE"])}
 
     def settle(self) -> None:
-        self.resource = f"redis:{self.params['node']}"
+        self._settle_node()
 
     def _inject(self) -> None:
-        _command(self._node(self.params["node"]), "CLIENT", "PAUSE", self.params["pause_ms"],
+        _command(self.node, "CLIENT", "PAUSE", self.params["pause_ms"],
                  self.params["mode"])
 
     def _heal(self) -> None:
-        node = self._node(self.params["node"])
+        node = self.node
         end = self.started + self.params["pause_ms"] / 1000
         if self.params["mode"] == "WRITE":
             _command(node, "CLIENT", "UNPAUSE")
@@ -197,12 +208,11 @@ class _RedisRestart(Fault):
     keep_data = True
 
     def draw(self) -> None:
-        self.params = {"node": self.rng.choice(sorted(n.port for n in self.target.redis_nodes()))}
+        self.params = {"node": self.rng.randrange(len(self.target.redis_nodes()))}
 
     def settle(self) -> None:
-        port = self.params["node"]
-        self.resource = f"redis:{port}"
-        master = port in self._master_ports()
+        self._settle_node()
+        master = self.params["node"] in self._master_places()
         if self.target.topology == "single":
             self.data_loss = not self.keep_data
         else:
@@ -213,10 +223,10 @@ class _RedisRestart(Fault):
         self.params["role"] = "master" if master else "replica"
 
     def _inject(self) -> None:
-        self.target.kill_redis(self._node(self.params["node"]))
+        self.target.kill_redis(self.node)
 
     def _heal(self) -> None:
-        self.target.start_redis(self._node(self.params["node"]), keep_data=self.keep_data)
+        self.target.start_redis(self.node, keep_data=self.keep_data)
 
 
 class RedisRestartPersistent(_RedisRestart):
@@ -237,22 +247,22 @@ class ClusterFailover(Fault):
     data_loss = True
 
     def draw(self) -> None:
-        self.params = {"node": self.rng.choice(self._master_ports())}
+        self.params = {"node": self.rng.choice(self._master_places())}
 
     def settle(self) -> None:
-        self.resource = f"redis:{self.params['node']}"
+        self._settle_node()
 
     def _inject(self) -> None:
-        node = self._node(self.params["node"])
+        node = self.node
         self.slots = self.target.cluster.masters().get(node.port, [])
         self.target.kill_redis(node)
 
     def _heal(self) -> None:
         cluster = self.target.cluster
-        port = self.params["node"]
+        port = self.node.port
         # The replica is elected after the node timeout (and up to a second or two more); if it
         # cannot be (it is down too), the old master comes back as the master it was.
-        deadline = time.monotonic() + NODE_TIMEOUT_MS / 1000 + 10
+        deadline = time.monotonic() + self.target.node_timeout_ms / 1000 + 10
         self.params["promoted"] = None
         while time.monotonic() < deadline:
             try:
@@ -265,7 +275,7 @@ class ClusterFailover(Fault):
             except Exception:  # a node's view while it changes
                 pass
             time.sleep(0.1)
-        node = self._node(port)
+        node = self.node
         self.target.start_redis(node, keep_data=True)
         # Until it knows its new role: a replica whose link is up (or the master it still is).
         deadline = time.monotonic() + 15

@@ -7,6 +7,7 @@ The service behind the Envoys is the harness's counting upstream.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import random
@@ -352,3 +353,219 @@ def test_config_reload_is_loaded_without_dropping_the_listener(single, variant):
             assert after.get(name, 0) == before.get(name, 0), (name, before, after)
         assert envoy.stat(f"{ECDS_STAT}.config_fail") == 0
     all_served(single)
+
+
+# --- faults on Redis Cluster -------------------------------------------------------------------
+# One cluster target for these tests (3 masters, 3 replicas, the redis proxy, two webdis),
+# healthy again at the start of each.
+
+
+def tenant_slot(tenant: str) -> int:
+    """The hash slot of a tenant's keys (keys.rs: the tag `t.<16 hex of SHA-256>`)."""
+    from redis.crc import key_slot
+
+    tag = "t." + hashlib.sha256(b"tenant\0" + tenant.encode()).hexdigest()[:16]
+    return key_slot(("{" + tag + "}").encode())
+
+
+def owner(target, slot: int) -> int:
+    return target.cluster.master_for_slot(slot)
+
+
+def tenant_on(target, port: int, label: str = "t") -> str:
+    """A tenant whose keys the master on `port` holds."""
+    for i in range(5000):
+        tenant = f"{label}-{i}"
+        if owner(target, tenant_slot(tenant)) == port:
+            return tenant
+    raise AssertionError(f"no tenant on :{port}")
+
+
+def key_on(target, port: int) -> str:
+    from redis.crc import key_slot
+
+    for i in range(5000):
+        key = f"cg:chaos:marker:{{m{i}}}"
+        if owner(target, key_slot(key.encode())) == port:
+            return key
+    raise AssertionError(f"no key on :{port}")
+
+
+def all_tenants_served(target) -> None:
+    """A tenant of every master served through every Envoy."""
+    for port in target.cluster.masters():
+        tenant = tenant_on(target, port)
+        for i, url in enumerate(target.envoy_urls):
+            answer = get(url, tenant)
+            assert served(*answer), f"envoy {i}, tenant on :{port}: {answer}"
+
+
+@pytest.fixture(scope="module")
+def cluster_target(tmp_path_factory, single_service):
+    target = build_target("cluster", tmp_path_factory.mktemp("chaos-cluster"),
+                          plugin(timeout=TIMEOUT), single_service.port)
+    yield target
+    target.stop()
+
+
+@pytest.fixture
+def cluster(cluster_target):
+    cluster_target.healthy(60)
+    all_tenants_served(cluster_target)
+    return cluster_target
+
+
+def test_cluster_target_spreads_tenants_over_every_master_and_stops_everything(
+        tmp_path, single_service):
+    target = build_target("cluster", tmp_path / "target", plugin(), single_service.port)
+    started = pids(target)
+    try:
+        assert target.topology == "cluster" and len(target.webdis) == 2
+        assert len(target.netproxy.ports) == 2  # one per webdis, both in the gateway cluster
+        assert len(target.cluster.masters()) == 3
+        all_tenants_served(target)
+        client = target.redis_client()  # cluster-aware: sees the keys of every master
+        try:
+            keys = list(client.scan_iter(match="cg:chaos:*"))
+        finally:
+            client.close()
+        slots = {owner(target, key_slot_of(k)) for k in keys}
+        assert len(slots) == 3, keys
+        assert len(started) == 6 + 1 + 2 + 1 + 2 and all(running(p) for p in started)
+    finally:
+        target.stop()
+    assert not [p for p in started if running(p)]
+
+
+def key_slot_of(key: bytes) -> int:
+    from redis.crc import key_slot
+
+    return key_slot(key)
+
+
+def test_cluster_pause_of_one_master_fails_closed_for_its_tenants_only(cluster):
+    f = fault(cluster, "redis_pause_long", mode="ALL", pause_ms=1500)
+    port = f.params["port"]
+    other = next(p for p in cluster.cluster.masters() if p != port)
+    paused_tenant, other_tenant = tenant_on(cluster, port), tenant_on(cluster, other)
+    f.inject()
+    paused_answer = get(cluster.envoy_urls[0], paused_tenant)
+    other_answer = get(cluster.envoy_urls[0], other_tenant)
+    f.heal()
+    assert guard_unavailable(*paused_answer), paused_answer
+    assert served(*other_answer), other_answer
+    cluster.healthy(30)
+    all_tenants_served(cluster)
+
+
+@pytest.mark.parametrize("kind", ["redis_restart_persistent", "redis_restart_volatile"])
+def test_cluster_master_restart_keeps_or_loses_its_keys(cluster, kind):
+    masters = cluster.cluster.masters()
+    place = next(i for i, n in enumerate(cluster.redis_nodes()) if n.port in masters)
+    f = fault(cluster, kind, node=place)
+    port = f.params["port"]
+    assert f.params["role"] == "master" and f.data_loss  # a master: a failover may lose writes
+    key = key_on(cluster, port)
+    redis_key(cluster, key, "kept")
+    # Written to the replica too, so a restart that loses it is the restart's doing.
+    node = f.node
+    assert _wait_replicated(cluster, port)
+    f.inject()
+    answer = get(cluster.envoy_urls[0], tenant_on(cluster, port))
+    f.heal()
+    assert guard_unavailable(*answer), answer
+    assert node.alive()
+    cluster.healthy(60)
+    # Back within the node timeout: no failover, the node is the master it was.
+    assert owner(cluster, key_slot_of(key.encode())) == port
+    kept = redis_key(cluster, key)
+    assert kept == (b"kept" if kind == "redis_restart_persistent" else None), kept
+    all_tenants_served(cluster)
+
+
+def _wait_replicated(target, port: int, timeout: float = 10.0) -> bool:
+    """Until the master on `port` and its replica have the same replication offset."""
+    node = next(n for n in target.redis_nodes() if n.port == port)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        client = node.client()
+        try:
+            info = client.info("replication")
+        finally:
+            client.close()
+        offset = info.get("master_repl_offset")
+        replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+        if replicas and all(r.get("offset") == offset for r in replicas):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_cluster_replica_restart_without_data_loses_nothing(cluster):
+    masters = set(cluster.cluster.masters())
+    replica = next(i for i, n in enumerate(cluster.redis_nodes()) if n.port not in masters)
+    f = fault(cluster, "redis_restart_volatile", node=replica)
+    assert f.params["role"] == "replica" and not f.data_loss
+    f.inject()
+    all_tenants_served(cluster)  # the masters serve on
+    f.heal()
+    cluster.healthy(60)
+    all_tenants_served(cluster)
+
+
+def test_cluster_failover_promotes_the_replica_and_the_old_master_rejoins(cluster):
+    f = fault(cluster, "cluster_failover")
+    port = f.params["port"]
+    tenant = tenant_on(cluster, port)
+    slot = tenant_slot(tenant)
+    f.inject()
+    answer = get(cluster.envoy_urls[1], tenant)
+    assert guard_unavailable(*answer), answer  # before the replica takes over
+    f.heal()
+    promoted = f.params["promoted"]
+    assert promoted is not None and promoted != port
+    assert owner(cluster, slot) == promoted
+    client = f.node.client()
+    try:
+        assert client.info("replication")["role"] == "slave"
+    finally:
+        client.close()
+    cluster.healthy(60)
+    all_tenants_served(cluster)
+    assert served(*get(cluster.envoy_urls[1], tenant))
+
+
+def test_cluster_script_flush_empties_every_node(cluster):
+    f = fault(cluster, "script_flush", mode="ASYNC")
+    f.inject()
+    wait_for(lambda: all(_cached(n) == 0 for n in cluster.redis_nodes()), 5)
+    f.heal()
+    all_tenants_served(cluster)
+    assert all(_cached(n) > 0 for n in cluster.masters())
+
+
+def _cached(node) -> int:
+    client = node.client()
+    try:
+        return int(client.info("memory")["number_of_cached_scripts"])
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kind", kinds_for("cluster"))
+def test_every_cluster_fault_heals_to_a_serving_target(cluster, kind):
+    f = fault(cluster, kind, seed=11)
+    params = f.inject()
+    assert params["kind"] == kind and params["resource"] == f.resource
+    time.sleep(0.3)
+    f.heal()
+    cluster.healthy(60)
+    all_tenants_served(cluster)
+
+
+def test_cluster_faults_draw_the_same_nodes_from_the_same_seed(cluster):
+    for kind in kinds_for("cluster"):
+        assert fault(cluster, kind, 3).params == fault(cluster, kind, 3).params, kind
+    # Nodes are drawn by place, the first three start as the masters.
+    places = {fault(cluster, "cluster_failover", seed).params["node"] for seed in range(30)}
+    assert places == {0, 1, 2}, places
