@@ -212,15 +212,15 @@ class _RedisRestart(Fault):
 
     def settle(self) -> None:
         self._settle_node()
-        master = self.params["node"] in self._master_places()
         if self.target.topology == "single":
             self.data_loss = not self.keep_data
         else:
             # A master down longer than the node timeout is failed over to its replica, which
             # may lack its last writes; one that comes back empty in time empties its replica.
             # A replica restarted empty copies its master again: nothing is lost.
+            master = self.params["node"] in self._master_places()
             self.data_loss = master
-        self.params["role"] = "master" if master else "replica"
+            self.params["role"] = "master" if master else "replica"
 
     def _inject(self) -> None:
         self.target.kill_redis(self.node)

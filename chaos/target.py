@@ -296,7 +296,8 @@ class Target:
         return self.envoys[index].stat(f"{ECDS_STAT}.config_reload")
 
     def reload_config(self, plugin_config: dict | str | None = None,
-                      envoys: list[int] | None = None, *, vm_id: str | None = None, wait: float = 10.0) -> None:
+                      envoys: list[int] | None = None, *, vm_id: str | None = None,
+                      wait: float = 10.0) -> None:
         """Hand `envoys` (default all) a new filter configuration at runtime: `plugin_config`
         (the configuration in force if None; a string goes to the filter as it is, e.g. the
         same JSON spelled otherwise), in a new VM if `vm_id` is given (as a new image of the
