@@ -11,6 +11,8 @@ import hashlib
 import http.client
 import json
 import random
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +21,7 @@ import pytest
 
 import chaos  # noqa: F401  (tests/ on sys.path, as for the chaos run)
 from chaos.faults import FAULTS, kinds_for
+from chaos.netproxy import NetProxy
 from chaos.target import ECDS_STAT, build_target
 from harness.concurrency import wait_for
 from harness.upstream import Upstream
@@ -93,6 +96,114 @@ def test_single_target_serves_through_both_envoys_and_stops_everything(tmp_path,
     assert not [p for p in started if running(p)]
 
 
+
+# --- the network proxy on its own --------------------------------------------------------------
+
+
+class Recorder:
+    """A loopback TCP server (a thread) that echoes what it reads and records, per connection,
+    the bytes it got and whether the stream ended with a FIN (`eof`)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[dict] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            entry = {"data": b"", "eof": False}
+            self.conns.append(entry)
+            threading.Thread(target=self._serve, args=(conn, entry), daemon=True).start()
+
+    @staticmethod
+    def _serve(conn: socket.socket, entry: dict) -> None:
+        with conn:
+            while True:
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    entry["eof"] = True
+                    return
+                entry["data"] += data
+                conn.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def round_trip(port: int, data: bytes, timeout: float = 3.0) -> tuple[bytes, float]:
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        got = b""
+        while len(got) < len(data):
+            piece = s.recv(65536)
+            if not piece:
+                break
+            got += piece
+    return got, time.monotonic() - start
+
+
+def test_netproxy_passes_delays_resets_and_holds(tmp_path):
+    echo = Recorder()
+    proxy = NetProxy(tmp_path / "netproxy", [echo.port]).start()
+    pid = proxy.proc.pid
+    try:
+        port = proxy.ports[0]
+        assert round_trip(port, b"plain")[0] == b"plain"
+        # Each way: a round trip takes twice the delay; pieces keep their order.
+        proxy.delay(150, jitter_ms=20)
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+            start = time.monotonic()
+            for i in range(20):
+                s.sendall(b"%02d" % i)
+            got = b""
+            while len(got) < 40:
+                got += s.recv(65536)
+            elapsed = time.monotonic() - start
+        assert got == b"".join(b"%02d" % i for i in range(20))
+        assert 0.3 <= elapsed < 2.0, elapsed
+        # Reset: an open connection and every new one get RST.
+        proxy.passing()
+        held_open = socket.create_connection(("127.0.0.1", port), timeout=3)
+        held_open.sendall(b"x")
+        assert held_open.recv(1) == b"x"
+        answer = proxy.cut("reset")
+        assert answer["mode"] == "cut" and answer["how"] == "reset"
+        with pytest.raises(ConnectionResetError):
+            held_open.recv(1)
+        held_open.close()
+        with pytest.raises((ConnectionResetError, BrokenPipeError)):
+            round_trip(port, b"refused")
+        # Hold: a request and the end of its stream, sent during the cut, reach the upstream
+        # only once it heals (the client is gone by then).
+        proxy.cut("hold")
+        late = socket.create_connection(("127.0.0.1", port), timeout=3)
+        late.sendall(b"late request")
+        late.shutdown(socket.SHUT_WR)
+        time.sleep(0.3)
+        assert proxy.stats()["held"] == len(b"late request")
+        assert not any(c["data"] == b"late request" for c in echo.conns)
+        late.close()
+        proxy.passing()
+        wait_for(lambda: any(c["data"] == b"late request" and c["eof"] for c in echo.conns), 5)
+        assert proxy.stats()["held"] == 0
+        assert round_trip(port, b"again")[0] == b"again"
+        with pytest.raises(ValueError):
+            proxy.command({"mode": "sideways"})
+    finally:
+        proxy.stop()
+        echo.close()
+    assert not running(pid)
+
+
 # --- faults on a single Redis ------------------------------------------------------------------
 # One target for these tests, healthy again at the start of each (every fault heals).
 
@@ -115,7 +226,8 @@ def served(status: int, headers: dict, body: bytes) -> bool:
     return status == 200 and "ratelimit-policy" in headers
 
 
-def all_served(target, tenant: str = "acme", tries: int = 3) -> None:
+def all_served(target, tenant: str = "acme") -> None:
+    """A guarded request served through each Envoy."""
     for i, url in enumerate(target.envoy_urls):
         answer = get(url, tenant)
         assert served(*answer), f"envoy {i}: {answer}"
@@ -362,14 +474,18 @@ def test_config_reload_is_loaded_without_dropping_the_listener(single, variant):
 
 def tenant_slot(tenant: str) -> int:
     """The hash slot of a tenant's keys (keys.rs: the tag `t.<16 hex of SHA-256>`)."""
-    from redis.crc import key_slot
-
     tag = "t." + hashlib.sha256(b"tenant\0" + tenant.encode()).hexdigest()[:16]
-    return key_slot(("{" + tag + "}").encode())
+    return key_slot_of(("{" + tag + "}").encode())
 
 
 def owner(target, slot: int) -> int:
     return target.cluster.master_for_slot(slot)
+
+
+def key_slot_of(key: bytes) -> int:
+    from redis.crc import key_slot
+
+    return key_slot(key)
 
 
 def tenant_on(target, port: int, label: str = "t") -> str:
@@ -382,11 +498,10 @@ def tenant_on(target, port: int, label: str = "t") -> str:
 
 
 def key_on(target, port: int) -> str:
-    from redis.crc import key_slot
-
+    """A key under the key prefix that the master on `port` holds."""
     for i in range(5000):
         key = f"cg:chaos:marker:{{m{i}}}"
-        if owner(target, key_slot(key.encode())) == port:
+        if owner(target, key_slot_of(key.encode())) == port:
             return key
     raise AssertionError(f"no key on :{port}")
 
@@ -437,12 +552,6 @@ def test_cluster_target_spreads_tenants_over_every_master_and_stops_everything(
     finally:
         target.stop()
     assert not [p for p in started if running(p)]
-
-
-def key_slot_of(key: bytes) -> int:
-    from redis.crc import key_slot
-
-    return key_slot(key)
 
 
 def test_cluster_pause_of_one_master_fails_closed_for_its_tenants_only(cluster):
