@@ -8,7 +8,8 @@
 
 A fault draws everything it will do (which node, how long, which variant) in its constructor,
 from the `random.Random` it is given and nothing else, so a schedule drawn from a printed seed
-does the same again. Keyword arguments to the constructor fix a parameter instead of drawing it
+does the same again. A Redis process is drawn by its place among the target's nodes (a new
+cluster's first three are its masters), never by its port, which differs from run to run. Keyword arguments to the constructor fix a parameter instead of drawing it
 (for tests, and to replay one fault); the parameters are `fault.params`. Fixing one does not
 draw the others again.
 
@@ -33,7 +34,7 @@ The kinds (`FAULTS`):
 | kind | topologies | what it does |
 |---|---|---|
 | `redis_pause_short` | both | `CLIENT PAUSE` (ALL or WRITE; EVAL waits either way) shorter than the filter's Redis timeout; cluster: one master |
-| `redis_pause_long` | both | the same, 3 to 30 times the timeout (at most 3 s): the filter gives up; heal waits for its end |
+| `redis_pause_long` | both | the same, 3 to 30 times the timeout (at most 3 s): the filter gives up. Heal lifts a WRITE pause at once and waits for the end of an ALL pause (CLIENT UNPAUSE waits behind it) |
 | `redis_restart_persistent` | both | SIGKILL one Redis process (cluster: any node), started again on heal with its append-only file (every acknowledged write) |
 | `redis_restart_volatile` | both | the same, its data removed before the start: it comes back empty |
 | `cluster_failover` | cluster | SIGKILL a master; on heal, once its replica took over, the old master starts again and rejoins as a replica |
