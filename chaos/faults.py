@@ -8,7 +8,8 @@
 
 A fault draws everything it will do (which node, how long, which variant) in its constructor,
 from the `random.Random` it is given and nothing else, so a schedule drawn from a printed seed
-does the same again. Keyword arguments to the constructor fix a parameter instead of drawing it
+does the same again. A Redis process is drawn by its place among the target's nodes (a new
+cluster's first three are its masters), never by its port, which differs from run to run. Keyword arguments to the constructor fix a parameter instead of drawing it
 (for tests, and to replay one fault); the parameters are `fault.params`. Fixing one does not
 draw the others again.
 
@@ -33,7 +34,7 @@ The kinds (`FAULTS`):
 | kind | topologies | what it does |
 |---|---|---|
 | `redis_pause_short` | both | `CLIENT PAUSE` (ALL or WRITE; EVAL waits either way) shorter than the filter's Redis timeout; cluster: one master |
-| `redis_pause_long` | both | the same, 3 to 30 times the timeout (at most 3 s): the filter gives up; heal waits for its end |
+| `redis_pause_long` | both | the same, 3 to 30 times the timeout (at most 3 s): the filter gives up. Heal lifts a WRITE pause at once and waits for the end of an ALL pause (CLIENT UNPAUSE waits behind it) |
 | `redis_restart_persistent` | both | SIGKILL one Redis process (cluster: any node), started again on heal with its append-only file (every acknowledged write) |
 | `redis_restart_volatile` | both | the same, its data removed before the start: it comes back empty |
 | `cluster_failover` | cluster | SIGKILL a master; on heal, once its replica took over, the old master starts again and rejoins as a replica |
@@ -55,7 +56,7 @@ import time
 
 import chaos  # noqa: F401  (tests/ on sys.path)
 from chaos.target import TOPOLOGIES, Target
-from harness.cluster import NODE_TIMEOUT_MS, SLOTS
+from harness.cluster import SLOTS
 from harness.proc import RedisServer
 
 BOTH = frozenset(TOPOLOGIES)
@@ -122,11 +123,22 @@ class Fault:
 
     # --- helpers -----------------------------------------------------------------------------
 
-    def _node(self, port: int) -> RedisServer:
-        return next(n for n in self.target.redis_nodes() if n.port == port)
+    # Redis processes are drawn by their place in `target.redis_nodes()` (a cluster's first
+    # three nodes start as its masters), not by port: ports differ from run to run, places
+    # and roles do not, so a seed draws the same nodes again.
 
-    def _master_ports(self) -> list[int]:
-        return sorted(n.port for n in self.target.masters())
+    @property
+    def node(self) -> RedisServer:
+        """The Redis process of the fault (parameter `node`, its place)."""
+        return self.target.redis_nodes()[self.params["node"]]
+
+    def _master_places(self) -> list[int]:
+        masters = {n.port for n in self.target.masters()}
+        return [i for i, n in enumerate(self.target.redis_nodes()) if n.port in masters]
+
+    def _settle_node(self) -> None:
+        self.params["port"] = self.node.port
+        self.resource = f"redis:{self.node.port}"
 
 
 def _command(node: RedisServer, *args, timeout: float = 5.0):
@@ -154,19 +166,19 @@ class _RedisPause(Fault):
         timeout_ms = self.target.redis_timeout * 1000
         low, high = self.factors
         pause = self.rng.uniform(low * timeout_ms, high * timeout_ms)
-        self.params = {"node": self.rng.choice(self._master_ports()),
+        self.params = {"node": self.rng.choice(self._master_places()),
                        "pause_ms": max(1, min(MAX_PAUSE_MS, int(pause))),
                        "mode": self.rng.choice(["ALL", "WRITE"])}
 
     def settle(self) -> None:
-        self.resource = f"redis:{self.params['node']}"
+        self._settle_node()
 
     def _inject(self) -> None:
-        _command(self._node(self.params["node"]), "CLIENT", "PAUSE", self.params["pause_ms"],
+        _command(self.node, "CLIENT", "PAUSE", self.params["pause_ms"],
                  self.params["mode"])
 
     def _heal(self) -> None:
-        node = self._node(self.params["node"])
+        node = self.node
         end = self.started + self.params["pause_ms"] / 1000
         if self.params["mode"] == "WRITE":
             _command(node, "CLIENT", "UNPAUSE")
@@ -197,26 +209,25 @@ class _RedisRestart(Fault):
     keep_data = True
 
     def draw(self) -> None:
-        self.params = {"node": self.rng.choice(sorted(n.port for n in self.target.redis_nodes()))}
+        self.params = {"node": self.rng.randrange(len(self.target.redis_nodes()))}
 
     def settle(self) -> None:
-        port = self.params["node"]
-        self.resource = f"redis:{port}"
-        master = port in self._master_ports()
+        self._settle_node()
         if self.target.topology == "single":
             self.data_loss = not self.keep_data
         else:
             # A master down longer than the node timeout is failed over to its replica, which
             # may lack its last writes; one that comes back empty in time empties its replica.
             # A replica restarted empty copies its master again: nothing is lost.
+            master = self.params["node"] in self._master_places()
             self.data_loss = master
-        self.params["role"] = "master" if master else "replica"
+            self.params["role"] = "master" if master else "replica"
 
     def _inject(self) -> None:
-        self.target.kill_redis(self._node(self.params["node"]))
+        self.target.kill_redis(self.node)
 
     def _heal(self) -> None:
-        self.target.start_redis(self._node(self.params["node"]), keep_data=self.keep_data)
+        self.target.start_redis(self.node, keep_data=self.keep_data)
 
 
 class RedisRestartPersistent(_RedisRestart):
@@ -237,22 +248,22 @@ class ClusterFailover(Fault):
     data_loss = True
 
     def draw(self) -> None:
-        self.params = {"node": self.rng.choice(self._master_ports())}
+        self.params = {"node": self.rng.choice(self._master_places())}
 
     def settle(self) -> None:
-        self.resource = f"redis:{self.params['node']}"
+        self._settle_node()
 
     def _inject(self) -> None:
-        node = self._node(self.params["node"])
+        node = self.node
         self.slots = self.target.cluster.masters().get(node.port, [])
         self.target.kill_redis(node)
 
     def _heal(self) -> None:
         cluster = self.target.cluster
-        port = self.params["node"]
+        port = self.node.port
         # The replica is elected after the node timeout (and up to a second or two more); if it
         # cannot be (it is down too), the old master comes back as the master it was.
-        deadline = time.monotonic() + NODE_TIMEOUT_MS / 1000 + 10
+        deadline = time.monotonic() + self.target.node_timeout_ms / 1000 + 10
         self.params["promoted"] = None
         while time.monotonic() < deadline:
             try:
@@ -265,7 +276,7 @@ class ClusterFailover(Fault):
             except Exception:  # a node's view while it changes
                 pass
             time.sleep(0.1)
-        node = self._node(port)
+        node = self.node
         self.target.start_redis(node, keep_data=True)
         # Until it knows its new role: a replica whose link is up (or the master it still is).
         deadline = time.monotonic() + 15

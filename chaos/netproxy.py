@@ -26,8 +26,8 @@ object per line: `{"mode": "pass"}`, `{"mode": "delay", "delay_ms": 300, "jitter
 and the counters (`accepted`, `open`, `refused` upstream connections, `reset` connections,
 bytes each way, bytes `held` right now).
 
-`NetProxy` is the harness side: a Service that starts the process on free ports and sends the
-commands.
+`NetProxy` is the harness side: a Service that starts the process on free ports (stopped by
+its pid) and sends the commands.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
+
+from chaos import ROOT  # also puts tests/ on sys.path
+from harness.proc import Proc, Service, free_port, wait_for_port
 
 _CHUNK = 65536
 
@@ -275,7 +278,8 @@ async def _serve(routes: list[tuple[int, int]], control_port: int) -> None:
         finally:
             writer.close()
 
-    servers = [await asyncio.start_server(accept(upstream), "127.0.0.1", listen, reuse_address=True)
+    servers = [await asyncio.start_server(accept(upstream), "127.0.0.1", listen,
+                                          reuse_address=True)
                for listen, upstream in routes]
     servers.append(await asyncio.start_server(control, "127.0.0.1", control_port,
                                               reuse_address=True))
@@ -303,51 +307,31 @@ def main(argv: list[str] | None = None) -> int:
 # --- the harness side ------------------------------------------------------------------------
 
 
-def _service_base():
-    """harness.proc.Service, imported only by the harness side (the proxy process itself
-    needs nothing beyond the standard library)."""
-    import chaos  # noqa: F401  (puts tests/ on sys.path)
-    from harness.proc import Service
-
-    return Service
-
-
-class NetProxy(_service_base() if __name__ != "__main__" else object):
+class NetProxy(Service):
     """The proxy process in front of `upstream_ports` (one listening port each, `ports`), and
     its control port. `start()` again after `stop()` reuses the same ports."""
 
     def __init__(self, workdir: Path, upstream_ports: list[int]):
-        from harness.proc import free_port
-
         self.workdir = Path(workdir).resolve()
         self.upstream_ports = list(upstream_ports)
         self.ports = [free_port() for _ in self.upstream_ports]
         self.control_port = free_port()
 
     def start(self, timeout: float = 10.0) -> "NetProxy":
-        from harness.proc import wait_for_port
-
         argv = [sys.executable, "-m", "chaos.netproxy", "--control", str(self.control_port)]
         for listen, upstream in zip(self.ports, self.upstream_ports):
             argv += ["--route", f"{listen}:{upstream}"]
-        self.launch(f"netproxy-{self.control_port}", argv, self.workdir, self.control_port,
-                    timeout)
-        for port in self.ports:
-            wait_for_port(port, timeout, self.proc.popen)
-        return self
-
-    def launch(self, name, argv, workdir, port, timeout) -> None:
-        """Service.launch with the repository on PYTHONPATH (`-m chaos.netproxy`)."""
-        from chaos import ROOT
-        from harness.proc import Proc, wait_for_port
-
-        self.proc = Proc(name, argv, workdir, env={"PYTHONPATH": str(ROOT)})
+        name = f"netproxy-{self.control_port}"
+        # The repository on the path: the process runs this module (`-m chaos.netproxy`).
+        self.proc = Proc(name, argv, self.workdir, env={"PYTHONPATH": str(ROOT)})
         try:
-            wait_for_port(port, timeout, self.proc.popen)
+            for port in [self.control_port, *self.ports]:
+                wait_for_port(port, timeout, self.proc.popen)
         except Exception as e:
             self.proc.stop()
             raise RuntimeError(f"{name} did not start: {e}\n{self.proc.log_tail(15)}") from e
         self.started = True
+        return self
 
     def command(self, command: dict, timeout: float = 5.0) -> dict:
         """Send one command; its answer (the mode in force and the counters)."""

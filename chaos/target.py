@@ -3,7 +3,7 @@
     target = build_target("single", workdir, plugin_config, service_port)
     target.envoy_urls              # the two Envoys' listeners, what the clients call
     target.reload_config(config)   # the filter's configuration, replaced at runtime (ECDS)
-    target.healthy(30)             # every part answers again, a script call works through each Envoy
+    target.healthy(30)             # every part answers, a script call works through each Envoy
     target.stop()
 
 Two topologies, as in the test suite (tests/conftest.py):
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import chaos  # noqa: F401  (puts tests/ on sys.path)
 from harness import readiness
-from harness.cluster import ClusterBackend
+from harness.cluster import NODE_TIMEOUT_MS, ClusterBackend
 from harness.envoy import DEFAULT_WASM, FILTER_NAME, Envoy, plugin_json
 from harness.proc import PrerequisiteMissing, RedisServer, free_port, reserve_dead_port, wait_http
 from harness.stack import GATEWAY_CLUSTER, Blackhole
@@ -86,13 +86,15 @@ class Target:
     """The running stack of one topology; made by `build_target`, undone by `stop()`."""
 
     def __init__(self, topology: str, workdir: Path, plugin_config: dict, service_port: int,
-                 wasm_path: Path | None = None):
+                 wasm_path: Path | None = None, node_timeout_ms: int = NODE_TIMEOUT_MS):
         if topology not in TOPOLOGIES:
             raise ValueError(f"unknown topology {topology!r}; known: {TOPOLOGIES}")
         self.topology = topology
         self.workdir = Path(workdir).resolve()
         self.service_port = service_port
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
+        # The cluster's: how long a master may be unreachable before its replica takes over.
+        self.node_timeout_ms = node_timeout_ms
         self.redis: RedisServer | None = None  # single
         self.cluster: ClusterBackend | None = None  # cluster
         self.webdis: list[Webdis] = []
@@ -168,7 +170,8 @@ class Target:
                                       redis_password=self.redis.gateway_password).start()]
             else:
                 self.cluster = ClusterBackend(self.workdir / "cluster",
-                                              gateway_key_prefix=GATEWAY_KEY_PREFIX)
+                                              gateway_key_prefix=GATEWAY_KEY_PREFIX,
+                                              node_timeout_ms=self.node_timeout_ms)
                 for node in self.cluster.nodes:
                     node.persistent = True
                 self.cluster.start(timeout)
@@ -292,8 +295,9 @@ class Target:
         """How many configurations Envoy `index` loaded from its ECDS file (its first too)."""
         return self.envoys[index].stat(f"{ECDS_STAT}.config_reload")
 
-    def reload_config(self, plugin_config: dict | str | None = None, envoys: list[int] | None = None,
-                      *, vm_id: str | None = None, wait: float = 10.0) -> None:
+    def reload_config(self, plugin_config: dict | str | None = None,
+                      envoys: list[int] | None = None, *, vm_id: str | None = None,
+                      wait: float = 10.0) -> None:
         """Hand `envoys` (default all) a new filter configuration at runtime: `plugin_config`
         (the configuration in force if None; a string goes to the filter as it is, e.g. the
         same JSON spelled otherwise), in a new VM if `vm_id` is given (as a new image of the
@@ -303,18 +307,36 @@ class Target:
         if isinstance(config, dict):
             config = self._with_gateway(config)
         with self._lock:
-            targets = range(len(self.envoys)) if envoys is None else envoys
-            before = {i: self.config_reloads(i) for i in targets if self.envoys[i].alive()}
+            targets = list(range(len(self.envoys)) if envoys is None else envoys)
+            before = {}
+            for i in targets:
+                count = self._reloads_if_up(i)
+                if count is not None:
+                    before[i] = (self.envoys[i].proc.pid, count)
             for i in targets:
                 self._write_filter_config(i, config, vm_id=vm_id)
         deadline = time.monotonic() + wait
-        for i, count in before.items():
-            while self.envoys[i].alive() and self.config_reloads(i) <= count:
-                failed = self.envoys[i].stat(f"{ECDS_STAT}.config_fail")
+        for i, (pid, count) in before.items():
+            while True:
+                now = self._reloads_if_up(i)
+                # Loaded; or killed (another fault), or started again since: a new Envoy reads
+                # the file as it is when it starts.
+                if now is None or now > count or self.envoys[i].proc.pid != pid:
+                    break
                 if time.monotonic() > deadline:
+                    failed = self.envoys[i].stat(f"{ECDS_STAT}.config_fail")
                     raise TimeoutError(f"envoy {i} did not load its new filter configuration "
                                        f"within {wait}s (config_fail={failed})")
                 time.sleep(0.05)
+
+    def _reloads_if_up(self, index: int) -> int | None:
+        """`config_reloads(index)`, or None if that Envoy is down (its admin does not answer)."""
+        if not self.envoys[index].alive():
+            return None
+        try:
+            return self.config_reloads(index)
+        except OSError:
+            return None
 
     # --- processes that faults take away -----------------------------------------------------
 
@@ -470,8 +492,15 @@ def _try(fn, errors: list) -> None:
 
 
 def build_target(topology: str, workdir: Path, plugin_config: dict, service_port: int, *,
-                 wasm_path: Path | None = None, timeout: float = 90.0) -> Target:
+                 wasm_path: Path | None = None, node_timeout_ms: int = NODE_TIMEOUT_MS,
+                 timeout: float = 90.0) -> Target:
     """Start the stack of `topology` ("single" or "cluster") under `workdir`, its two Envoys in
     front of the service on `service_port` with `plugin_config` (see the module's docstring);
-    returns once it is healthy. On failure everything it started is stopped again."""
-    return Target(topology, workdir, plugin_config, service_port, wasm_path).start(timeout)
+    returns once it is healthy. On failure everything it started is stopped again.
+
+    `wasm_path`: another build of the filter (default: the release build, or $CG_WASM).
+    `node_timeout_ms`: the cluster's node timeout (the harness's 3 s by default, generous for a
+    busy machine: a node that is slow but alive must not be failed over, which would lose
+    writes no fault was drawn to lose)."""
+    return Target(topology, workdir, plugin_config, service_port, wasm_path,
+                  node_timeout_ms).start(timeout)

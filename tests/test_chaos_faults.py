@@ -7,9 +7,12 @@ The service behind the Envoys is the harness's counting upstream.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import random
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +21,7 @@ import pytest
 
 import chaos  # noqa: F401  (tests/ on sys.path, as for the chaos run)
 from chaos.faults import FAULTS, kinds_for
+from chaos.netproxy import NetProxy
 from chaos.target import ECDS_STAT, build_target
 from harness.concurrency import wait_for
 from harness.upstream import Upstream
@@ -92,6 +96,114 @@ def test_single_target_serves_through_both_envoys_and_stops_everything(tmp_path,
     assert not [p for p in started if running(p)]
 
 
+
+# --- the network proxy on its own --------------------------------------------------------------
+
+
+class Recorder:
+    """A loopback TCP server (a thread) that echoes what it reads and records, per connection,
+    the bytes it got and whether the stream ended with a FIN (`eof`)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[dict] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            entry = {"data": b"", "eof": False}
+            self.conns.append(entry)
+            threading.Thread(target=self._serve, args=(conn, entry), daemon=True).start()
+
+    @staticmethod
+    def _serve(conn: socket.socket, entry: dict) -> None:
+        with conn:
+            while True:
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    entry["eof"] = True
+                    return
+                entry["data"] += data
+                conn.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def round_trip(port: int, data: bytes, timeout: float = 3.0) -> tuple[bytes, float]:
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        got = b""
+        while len(got) < len(data):
+            piece = s.recv(65536)
+            if not piece:
+                break
+            got += piece
+    return got, time.monotonic() - start
+
+
+def test_netproxy_passes_delays_resets_and_holds(tmp_path):
+    echo = Recorder()
+    proxy = NetProxy(tmp_path / "netproxy", [echo.port]).start()
+    pid = proxy.proc.pid
+    try:
+        port = proxy.ports[0]
+        assert round_trip(port, b"plain")[0] == b"plain"
+        # Each way: a round trip takes twice the delay; pieces keep their order.
+        proxy.delay(150, jitter_ms=20)
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+            start = time.monotonic()
+            for i in range(20):
+                s.sendall(b"%02d" % i)
+            got = b""
+            while len(got) < 40:
+                got += s.recv(65536)
+            elapsed = time.monotonic() - start
+        assert got == b"".join(b"%02d" % i for i in range(20))
+        assert 0.3 <= elapsed < 2.0, elapsed
+        # Reset: an open connection and every new one get RST.
+        proxy.passing()
+        held_open = socket.create_connection(("127.0.0.1", port), timeout=3)
+        held_open.sendall(b"x")
+        assert held_open.recv(1) == b"x"
+        answer = proxy.cut("reset")
+        assert answer["mode"] == "cut" and answer["how"] == "reset"
+        with pytest.raises(ConnectionResetError):
+            held_open.recv(1)
+        held_open.close()
+        with pytest.raises((ConnectionResetError, BrokenPipeError)):
+            round_trip(port, b"refused")
+        # Hold: a request and the end of its stream, sent during the cut, reach the upstream
+        # only once it heals (the client is gone by then).
+        proxy.cut("hold")
+        late = socket.create_connection(("127.0.0.1", port), timeout=3)
+        late.sendall(b"late request")
+        late.shutdown(socket.SHUT_WR)
+        time.sleep(0.3)
+        assert proxy.stats()["held"] == len(b"late request")
+        assert not any(c["data"] == b"late request" for c in echo.conns)
+        late.close()
+        proxy.passing()
+        wait_for(lambda: any(c["data"] == b"late request" and c["eof"] for c in echo.conns), 5)
+        assert proxy.stats()["held"] == 0
+        assert round_trip(port, b"again")[0] == b"again"
+        with pytest.raises(ValueError):
+            proxy.command({"mode": "sideways"})
+    finally:
+        proxy.stop()
+        echo.close()
+    assert not running(pid)
+
+
 # --- faults on a single Redis ------------------------------------------------------------------
 # One target for these tests, healthy again at the start of each (every fault heals).
 
@@ -114,7 +226,8 @@ def served(status: int, headers: dict, body: bytes) -> bool:
     return status == 200 and "ratelimit-policy" in headers
 
 
-def all_served(target, tenant: str = "acme", tries: int = 3) -> None:
+def all_served(target, tenant: str = "acme") -> None:
+    """A guarded request served through each Envoy."""
     for i, url in enumerate(target.envoy_urls):
         answer = get(url, tenant)
         assert served(*answer), f"envoy {i}: {answer}"
@@ -352,3 +465,219 @@ def test_config_reload_is_loaded_without_dropping_the_listener(single, variant):
             assert after.get(name, 0) == before.get(name, 0), (name, before, after)
         assert envoy.stat(f"{ECDS_STAT}.config_fail") == 0
     all_served(single)
+
+
+# --- faults on Redis Cluster -------------------------------------------------------------------
+# One cluster target for these tests (3 masters, 3 replicas, the redis proxy, two webdis),
+# healthy again at the start of each.
+
+
+def tenant_slot(tenant: str) -> int:
+    """The hash slot of a tenant's keys (keys.rs: the tag `t.<16 hex of SHA-256>`)."""
+    tag = "t." + hashlib.sha256(b"tenant\0" + tenant.encode()).hexdigest()[:16]
+    return key_slot_of(("{" + tag + "}").encode())
+
+
+def owner(target, slot: int) -> int:
+    return target.cluster.master_for_slot(slot)
+
+
+def key_slot_of(key: bytes) -> int:
+    from redis.crc import key_slot
+
+    return key_slot(key)
+
+
+def tenant_on(target, port: int, label: str = "t") -> str:
+    """A tenant whose keys the master on `port` holds."""
+    for i in range(5000):
+        tenant = f"{label}-{i}"
+        if owner(target, tenant_slot(tenant)) == port:
+            return tenant
+    raise AssertionError(f"no tenant on :{port}")
+
+
+def key_on(target, port: int) -> str:
+    """A key under the key prefix that the master on `port` holds."""
+    for i in range(5000):
+        key = f"cg:chaos:marker:{{m{i}}}"
+        if owner(target, key_slot_of(key.encode())) == port:
+            return key
+    raise AssertionError(f"no key on :{port}")
+
+
+def all_tenants_served(target) -> None:
+    """A tenant of every master served through every Envoy."""
+    for port in target.cluster.masters():
+        tenant = tenant_on(target, port)
+        for i, url in enumerate(target.envoy_urls):
+            answer = get(url, tenant)
+            assert served(*answer), f"envoy {i}, tenant on :{port}: {answer}"
+
+
+@pytest.fixture(scope="module")
+def cluster_target(tmp_path_factory, single_service):
+    target = build_target("cluster", tmp_path_factory.mktemp("chaos-cluster"),
+                          plugin(timeout=TIMEOUT), single_service.port)
+    yield target
+    target.stop()
+
+
+@pytest.fixture
+def cluster(cluster_target):
+    cluster_target.healthy(60)
+    all_tenants_served(cluster_target)
+    return cluster_target
+
+
+def test_cluster_target_spreads_tenants_over_every_master_and_stops_everything(
+        tmp_path, single_service):
+    target = build_target("cluster", tmp_path / "target", plugin(), single_service.port)
+    started = pids(target)
+    try:
+        assert target.topology == "cluster" and len(target.webdis) == 2
+        assert len(target.netproxy.ports) == 2  # one per webdis, both in the gateway cluster
+        # A new cluster's first three nodes are its masters: the places a seed draws from.
+        masters = set(target.cluster.masters())
+        assert {n.port for n in target.redis_nodes()[:3]} == masters
+        all_tenants_served(target)
+        client = target.redis_client()  # cluster-aware: sees the keys of every master
+        try:
+            keys = list(client.scan_iter(match="cg:chaos:*"))
+        finally:
+            client.close()
+        slots = {owner(target, key_slot_of(k)) for k in keys}
+        assert len(slots) == 3, keys
+        assert len(started) == 6 + 1 + 2 + 1 + 2 and all(running(p) for p in started)
+    finally:
+        target.stop()
+    assert not [p for p in started if running(p)]
+
+
+def test_cluster_pause_of_one_master_fails_closed_for_its_tenants_only(cluster):
+    f = fault(cluster, "redis_pause_long", mode="ALL", pause_ms=1500)
+    port = f.params["port"]
+    other = next(p for p in cluster.cluster.masters() if p != port)
+    paused_tenant, other_tenant = tenant_on(cluster, port), tenant_on(cluster, other)
+    f.inject()
+    paused_answer = get(cluster.envoy_urls[0], paused_tenant)
+    other_answer = get(cluster.envoy_urls[0], other_tenant)
+    f.heal()
+    assert guard_unavailable(*paused_answer), paused_answer
+    assert served(*other_answer), other_answer
+    cluster.healthy(30)
+    all_tenants_served(cluster)
+
+
+@pytest.mark.parametrize("kind", ["redis_restart_persistent", "redis_restart_volatile"])
+def test_cluster_master_restart_keeps_or_loses_its_keys(cluster, kind):
+    masters = cluster.cluster.masters()
+    place = next(i for i, n in enumerate(cluster.redis_nodes()) if n.port in masters)
+    f = fault(cluster, kind, node=place)
+    port = f.params["port"]
+    assert f.params["role"] == "master" and f.data_loss  # a master: a failover may lose writes
+    key = key_on(cluster, port)
+    redis_key(cluster, key, "kept")
+    # Written to the replica too, so a restart that loses it is the restart's doing.
+    node = f.node
+    assert _wait_replicated(cluster, port)
+    f.inject()
+    answer = get(cluster.envoy_urls[0], tenant_on(cluster, port))
+    f.heal()
+    assert guard_unavailable(*answer), answer
+    assert node.alive()
+    cluster.healthy(60)
+    # Back within the node timeout: no failover, the node is the master it was.
+    assert owner(cluster, key_slot_of(key.encode())) == port
+    kept = redis_key(cluster, key)
+    assert kept == (b"kept" if kind == "redis_restart_persistent" else None), kept
+    all_tenants_served(cluster)
+
+
+def _wait_replicated(target, port: int, timeout: float = 10.0) -> bool:
+    """Until the master on `port` and its replica have the same replication offset."""
+    node = next(n for n in target.redis_nodes() if n.port == port)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        client = node.client()
+        try:
+            info = client.info("replication")
+        finally:
+            client.close()
+        offset = info.get("master_repl_offset")
+        replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+        if replicas and all(r.get("offset") == offset for r in replicas):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_cluster_replica_restart_without_data_loses_nothing(cluster):
+    masters = set(cluster.cluster.masters())
+    replica = next(i for i, n in enumerate(cluster.redis_nodes()) if n.port not in masters)
+    f = fault(cluster, "redis_restart_volatile", node=replica)
+    assert f.params["role"] == "replica" and not f.data_loss
+    f.inject()
+    all_tenants_served(cluster)  # the masters serve on
+    f.heal()
+    cluster.healthy(60)
+    all_tenants_served(cluster)
+
+
+def test_cluster_failover_promotes_the_replica_and_the_old_master_rejoins(cluster):
+    f = fault(cluster, "cluster_failover")
+    port = f.params["port"]
+    tenant = tenant_on(cluster, port)
+    slot = tenant_slot(tenant)
+    f.inject()
+    answer = get(cluster.envoy_urls[1], tenant)
+    assert guard_unavailable(*answer), answer  # before the replica takes over
+    f.heal()
+    promoted = f.params["promoted"]
+    assert promoted is not None and promoted != port
+    assert owner(cluster, slot) == promoted
+    client = f.node.client()
+    try:
+        assert client.info("replication")["role"] == "slave"
+    finally:
+        client.close()
+    cluster.healthy(60)
+    all_tenants_served(cluster)
+    assert served(*get(cluster.envoy_urls[1], tenant))
+
+
+def test_cluster_script_flush_empties_every_node(cluster):
+    f = fault(cluster, "script_flush", mode="ASYNC")
+    f.inject()
+    wait_for(lambda: all(_cached(n) == 0 for n in cluster.redis_nodes()), 5)
+    f.heal()
+    all_tenants_served(cluster)
+    assert all(_cached(n) > 0 for n in cluster.masters())
+
+
+def _cached(node) -> int:
+    client = node.client()
+    try:
+        return int(client.info("memory")["number_of_cached_scripts"])
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kind", kinds_for("cluster"))
+def test_every_cluster_fault_heals_to_a_serving_target(cluster, kind):
+    f = fault(cluster, kind, seed=11)
+    params = f.inject()
+    assert params["kind"] == kind and params["resource"] == f.resource
+    time.sleep(0.3)
+    f.heal()
+    cluster.healthy(60)
+    all_tenants_served(cluster)
+
+
+def test_cluster_faults_draw_the_same_nodes_from_the_same_seed(cluster):
+    for kind in kinds_for("cluster"):
+        assert fault(cluster, kind, 3).params == fault(cluster, kind, 3).params, kind
+    # Nodes are drawn by their place among the nodes; a failover draws one of the masters.
+    masters = set(cluster.cluster.masters())
+    places = {fault(cluster, "cluster_failover", seed).params["node"] for seed in range(30)}
+    assert {cluster.redis_nodes()[i].port for i in places} == masters, (places, masters)
