@@ -36,7 +36,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field

@@ -40,7 +40,9 @@ import socket
 import threading
 import time
 import urllib.parse
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 BANNER = "chaos service listening on "
 FENCING_HEADER = "x-fencing-token"
@@ -317,9 +319,7 @@ def serve(port: int) -> None:
 class Service:
     """The service as a child process on a kernel-chosen port, stopped by its pid."""
 
-    def __init__(self, workdir) -> None:
-        from pathlib import Path
-
+    def __init__(self, workdir: Path) -> None:
         self.workdir = Path(workdir).resolve()
         self.proc = None
         self.port: int | None = None
@@ -340,8 +340,6 @@ class Service:
             self.proc.stop()
 
     def ledger(self, start: int = 0) -> list[dict]:
-        import urllib.request
-
         with urllib.request.urlopen(f"{self.url}/__chaos/ledger?from={start}", timeout=30) as r:
             return json.loads(r.read())["entries"]
 
