@@ -61,6 +61,8 @@ help: ## Show the targets, then every variable they take.
 ##= TOP                     bench-profile, bench-footprint: how many functions to list
 ##= SOURCES                 bench-footprint: 1 adds the code that did not run in those lines
 ##= REV                     bench-instructions, bench-scripts: the git revision to compare with (default HEAD)
+##= CHAOS_SCHEDULES         chaos: how many schedules (default 100)
+##= CHAOS_SEED              chaos: the run's seed (default: drawn, and printed)
 ##= ROUNDS                  bench-scripts: rounds of each script's measurement (default 5)
 
 ##@ Dependencies
@@ -185,6 +187,14 @@ clean: ## Remove build outputs (keeps .venv).
 .PHONY: test
 test: deps deps-oci deps-kubectl deps-perf deps-llvm build lint unit unit-wasm ## Everything: build, lint, unit tests (native and Wasm), then the suite against real Envoy/Redis/webdis.
 	$(VENV)/bin/pytest -q tests/
+
+# make chaos: random schedules of faults under concurrent clients against the real stack, each
+# checked; a violation fails it. The last line reads `<N> schedules, <M> violations`.
+CHAOS_SCHEDULES ?= 100
+
+.PHONY: chaos
+chaos: deps build ## Chaos: CHAOS_SCHEDULES (100) seeded schedules of faults under concurrent clients, single Redis then Redis Cluster, every invariant checked; build/chaos/report.md. CHAOS_SEED=n reruns a run.
+	$(PYTHON) -m chaos.run --schedules $(CHAOS_SCHEDULES) $(if $(CHAOS_SEED),--seed $(CHAOS_SEED))
 
 ##@ Benchmarks
 

@@ -8,13 +8,15 @@ every path that reaches a different command.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import uuid
 
 import pytest
 import redis
 
-from harness.proc import GATEWAY_COMMANDS, gateway_acl_rules
+from harness.proc import GATEWAY_COMMANDS, RedisServer, gateway_acl_rules
 from harness.scripts import LUA, Script, batch_source
 
 TAG = "{t.acl}"
@@ -35,13 +37,18 @@ def script_commands() -> set[str]:
     return found
 
 
+# Granted beyond the scripts' own commands: what Redis writes to its append-only file for one
+# of them and replays as the gateway user (see the last test).
+REPLAYED = {"pexpireat"}
+
+
 def test_gateway_commands_are_exactly_the_scripts_commands():
-    assert set(GATEWAY_COMMANDS) == script_commands() | {"eval", "evalsha"}
+    assert set(GATEWAY_COMMANDS) == script_commands() | {"eval", "evalsha"} | REPLAYED
     assert gateway_acl_rules("cg:demo") == (
         "~cg:demo:* resetchannels -@all +eval +evalsha +time +get +set +del +exists +type +pttl "
         "+pexpire "
         "+incrby +hmget +hset +zadd +zcount +zrange +zrangebyscore +zremrangebyscore +zrem "
-        "+zscore")
+        "+zscore +pexpireat")
 
 
 def acquire_args(prefix: str, own: str, fence_ttl_ms: int = 600_000):
@@ -101,7 +108,7 @@ def test_every_script_runs_as_the_gateway_user(gateway, redis_client):
     refused = {name for name, s in stats.items() if s.get("rejected_calls") or s.get("failed_calls")}
     # Every granted command was needed on these paths, and none was refused.
     handshake = {"hello", "auth", "client|setinfo"}  # redis-py's own, on connect
-    assert ran - {"config|resetstat", "info"} - handshake == set(GATEWAY_COMMANDS)
+    assert ran - {"config|resetstat", "info"} - handshake == set(GATEWAY_COMMANDS) - REPLAYED
     assert refused == set()
     assert redis_client.acl_log() == []
 
@@ -125,3 +132,40 @@ def test_scripts_refuse_keys_outside_the_prefix(gateway, redis_client):
     with pytest.raises(redis.exceptions.NoPermissionError):
         Script(gateway, "acquire.lua")(keys, args)
     assert redis_client.keys("other:*") == []
+
+
+def test_a_restart_from_the_append_only_file_keeps_every_ttl(tmp_path):
+    """Redis writes what a script did to its append-only file as a transaction (MULTI/EXEC),
+    a PEXPIRE as PEXPIREAT, and at start replays the file as the `default` user, which the
+    gateway is (webdis 0.1.9 authenticates as no other). Redis 7.0 and 7.2 check every
+    command of a replayed EXEC against that user's ACL again (redis/redis#14541): without
+    `pexpireat` among its commands, each TTL a script set by PEXPIRE was refused at the
+    replay and its key came back without one (found by the chaos run: rate-limit counters
+    that never expired after a Redis restart with its data)."""
+    server = RedisServer(tmp_path / "redis", persistent=True)
+    server.config_lines = ["appendfsync always"]  # every acknowledged write is in the file
+    server.start()
+    try:
+        gateway, admin = server.gateway_client(), server.client()
+        own = uuid.uuid4().hex
+        keys, args = acquire_args("cg:aof", own)
+        first = Script(gateway, "acquire.lua")(keys, args)
+        assert first[0] == 1 and first[-2] == 1, first
+        # The lease's extension is a PEXPIRE too.
+        assert Script(gateway, "lease_extend.lua")([keys[7]], [own, 45_000]) == 1
+        before = {k: admin.pttl(k) for k in keys}
+        assert all(ttl > 0 for ttl in before.values()), before
+        gateway.close()
+        admin.close()
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait_exit(10)
+        server.stop()
+        server.start()
+        admin = server.client()
+        after = {k: admin.pttl(k) for k in keys}
+        admin.close()
+        assert all(0 < after[k] <= before[k] for k in keys), (before, after)
+        assert after[keys[7]] > 30_000  # the extended lease, not its first 30 s
+        assert "NOPERM" not in server.proc.log_text()
+    finally:
+        server.stop()

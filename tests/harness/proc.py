@@ -392,13 +392,15 @@ class Service:
 
 # The commands the gateway user may run: EVAL/EVALSHA (all the filter sends through webdis)
 # and every command the scripts in src/redis/scripts/ call (tests/test_scripts_acl.py keeps this list
-# equal to them). webdis 0.1.9 sends only AUTH on connect (database 0: no SELECT, no PING),
-# which every user may run.
+# equal to them), and PEXPIREAT: Redis writes a script's PEXPIRE to its append-only file as
+# PEXPIREAT and replays the file as this user (`default`), checking the commands of each
+# transaction against its ACL (redis/redis#14541). webdis 0.1.9 sends only AUTH on connect
+# (database 0: no SELECT, no PING), which every user may run.
 GATEWAY_COMMANDS = (
     "eval", "evalsha",
     "time", "get", "set", "del", "exists", "type", "pttl", "pexpire", "incrby",
     "hmget", "hset", "zadd", "zcount", "zrange", "zrangebyscore", "zremrangebyscore", "zrem",
-    "zscore",
+    "zscore", "pexpireat",
 )
 # The user webdis authenticates as: Debian's webdis 0.1.9 sends `AUTH <password>` (its
 # `redis_auth` takes no user name), which is Redis's `default` user.
