@@ -284,6 +284,12 @@ def test_the_sidecar_wasmplugin_is_warned_about_exactly_what_is_wrong(tmp_path, 
     # The Helm-installed gateway, by its pods' labels: the same.
     ("helm-server", lambda s: (pinned(s), s.pop("targetRefs"), s.update(
         selector={"matchLabels": {"istio": "ingressgateway"}}, match=[{"mode": "SERVER"}])), [NEVER_ON_GATEWAY]),
+    # The Gateway API gateway's pods by their gateway-name label instead of targetRefs: the same.
+    ("gateway-name-server", lambda s: (pinned(s), s.pop("targetRefs"), s.update(
+        selector={"matchLabels": {"gateway.networking.k8s.io/gateway-name": "edge"}},
+        match=[{"mode": "SERVER"}])), [NEVER_ON_GATEWAY]),
+    ("gateway-name-client", lambda s: (pinned(s), s.pop("targetRefs"), s.update(
+        selector={"matchLabels": {"gateway.networking.k8s.io/gateway-name": "edge"}})), []),
 ])
 def test_the_gateway_wasmplugin_is_warned_about_exactly_what_is_wrong(tmp_path, name, change, expected):
     path = shipped_copy(tmp_path, GATEWAY_WASMPLUGIN, f"gateway-{name}.yaml", change)

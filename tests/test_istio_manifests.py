@@ -221,6 +221,23 @@ def test_a_gateway_installed_by_helm_is_selected_by_its_labels():
                   "policy.json") != []
 
 
+def test_a_gateway_selected_by_its_gateway_name_label_is_a_gateway():
+    """The pods Istio deploys for the Gateway edge, by their label instead of targetRefs
+    (istiod applies selector-only policies to them): a gateway to the policy as to istiod, so a
+    SERVER plugin, which istiod never puts on a gateway's listener, is refused, CLIENT is not,
+    and a header identity is refused."""
+    doc = mutate(mutate(gateway_plugin(), "spec.targetRefs", DELETE), "spec.selector",
+                 {"matchLabels": {istio.GATEWAY_NAME_LABEL: "edge"}})
+    proxy = istio.Proxy(namespace="istio-ingress", labels={istio.GATEWAY_NAME_LABEL: "edge"})
+    assert istio.attaches(doc, proxy) and istio.matches_listener(doc, istio.GATEWAY, 443)
+    assert api_errors(doc) == [] and errors(doc, "policy.json") == []
+    server = mutate(doc, "spec.match.0.mode", "SERVER")
+    assert istio.attaches(server, proxy) and not istio.matches_listener(server, istio.GATEWAY, 443)
+    assert errors(server, "policy.json") != []
+    assert errors(mutate(doc, "spec.pluginConfig.identity", {"tenant_header": "x-tenant-id"}),
+                  "policy.json") != []
+
+
 @pytest.mark.parametrize("kind, path, value", [
     ("RequestAuthentication", "spec.jwtRules.0.jwksUri", "ftp://auth.example.com/jwks.json"),
     ("RequestAuthentication", "spec.jwtRules.0.jwks", '{"keys": []}'),  # with jwksUri: one of them

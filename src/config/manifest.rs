@@ -291,6 +291,11 @@ fn wasm_plugin(document: &Value, at: &str, found: &mut Found) {
 const SERVER: &str = "SERVER";
 const CLIENT: &str = "CLIENT";
 
+/// The label Istio puts on the pods of a gateway it deploys for a Gateway API `Gateway`, whose
+/// value is the Gateway's name: a `selector` on it picks that gateway's pods, as `targetRefs`
+/// to the Gateway does.
+const GATEWAY_NAME_LABEL: &str = "gateway.networking.k8s.io/gateway-name";
+
 /// Where a WasmPlugin's `spec` makes the guard run, when that is not where it should.
 ///
 /// istiod attaches a plugin to a listener when one entry of `match` fits it (every listener
@@ -298,7 +303,8 @@ const CLIENT: &str = "CLIENT";
 /// inbound listener is SERVER, its outbound listeners are CLIENT, and so are a gateway's
 /// listeners. An entry without a mode, or with UNDEFINED or CLIENT_AND_SERVER, fits both.
 /// A plugin aimed at a gateway (`targetRefs` to a Gateway or GatewayClass, or a `selector`
-/// on the `istio` label of Istio's gateway charts) runs only where an entry is not SERVER; any
+/// on a gateway's pod label: `istio` of Istio's gateway charts, or [`GATEWAY_NAME_LABEL`] of a
+/// Gateway API gateway's pods) runs only where an entry is not SERVER; any
 /// other plugin is a sidecar's, meant for what the workload receives: one that fits its
 /// outbound listeners too guards the calls the workload makes.
 pub fn deployment_warnings(spec: &Value) -> Vec<String> {
@@ -306,7 +312,12 @@ pub fn deployment_warnings(spec: &Value) -> Vec<String> {
         .iter()
         .chain(spec.get("targetRef"))
         .any(|r| matches!(str_at(r, "/kind"), Some("Gateway" | "GatewayClass")))
-        || spec.pointer("/selector/matchLabels/istio").is_some();
+        || spec
+            .pointer("/selector/matchLabels")
+            .and_then(Value::as_object)
+            .is_some_and(|labels| {
+                labels.contains_key("istio") || labels.contains_key(GATEWAY_NAME_LABEL)
+            });
     let selectors = items(spec.get("match"));
     let mode = |s: &Value| str_at(s, "/mode").unwrap_or("UNDEFINED").to_string();
     if targets_gateway {

@@ -269,7 +269,10 @@ fn a_sidecar_plugin_without_a_direction_is_warned_about() {
 fn a_gateway_plugin_that_would_never_run_is_warned_about() {
     let by_ref = "  targetRefs: [{group: gateway.networking.k8s.io, kind: Gateway, name: edge}]\n";
     let by_label = "  selector: {matchLabels: {istio: ingressgateway}}\n";
-    for target in [by_ref, by_label] {
+    // The pods Istio deploys for a Gateway API Gateway, by their label instead of targetRefs.
+    let by_gateway_name =
+        "  selector: {matchLabels: {gateway.networking.k8s.io/gateway-name: edge}}\n";
+    for target in [by_ref, by_label, by_gateway_name] {
         // No match, or CLIENT: the gateway's listeners (CLIENT to Istio) get it.
         assert_eq!(wasmplugin_warnings(target), Vec::<String>::new());
         for ok in [
