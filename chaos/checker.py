@@ -25,16 +25,23 @@ tests/test_chaos_checker.py):
   `Retry-After`; no 500, no empty 503 (the VM failing), no answer of a guarded route that
   went on without a Redis decision on a fail_closed policy; no panic or critical line in an
   Envoy's log. A `503 guard_unavailable` outside every fault is counted (a busy machine can
-  be slower than the filter's timeout), not flagged.
+  be slower than the filter's timeout), not flagged. To a gRPC call the filter answers
+  trailers-only (no message) with the gRPC status docs/design.md#grpc gives its problem
+  (`RESOURCE_EXHAUSTED`, `ABORTED`, `FAILED_PRECONDITION`, `UNAVAILABLE`,
+  `UNAUTHENTICATED`), the problem's detail as `grpc-message`, the same `Retry-After`, and
+  `x-envoy-ratelimited`.
 - `rate_limits`: per tenant (or per policy) and limit, admissions (requests that reached the
   service) within the algorithm's own bound: a fixed window at most `limit` units from the
   request that opened it (the one whose `RateLimit` remaining says the counter was empty)
   until `window` later; a sliding window at most `limit` in each aligned window; a sliding
   log at most `limit` in any `window`; a token bucket at most `burst + span / (window /
-  limit)` in any span; a concurrency limit at most `limit` at the service at once.
+  limit)` in any span; a concurrency limit at most `limit` at the service at once; a leased
+  quota (`mode: leased`) at most `limit` per window of its counter, which the history can
+  place only to within a window and the latency of a slice's grant (see `_check_leased`).
 - `idempotency`: a key never executes twice while its record lives (the service's count), an
   execution always carried its fingerprint, and every replay equals the response of an
-  execution of the same key and request.
+  execution of the same key and request (over gRPC: its status and message, without its
+  messages, or `ALREADY_EXISTS` for a call that completed OK after sending messages).
 - `leases`: never two holders of a resource at the service at once while the lease lives,
   every forwarded request carried a fencing token, and tokens rise with time: a request sent
   after another reached the service has a larger token.
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -55,6 +63,9 @@ from chaos import config
 TOL = 0.005  # seconds: rounding of clocks to µs / ms and of Redis expiries
 GRACE = 1.0  # seconds after a fault's heal during which answers may still show it
 PROBLEM_PREFIX = "urn:coordination-guard:problem:"
+# Seconds a busy machine may add between Redis running a leased quota's grant and the filter
+# reading its answer, beyond the longest decision the history shows (see `_check_leased`).
+LEASED_SLACK = 0.1
 
 
 @dataclass
@@ -135,7 +146,8 @@ class Faults:
 def _brief(record: dict) -> dict:
     keep = ("id", "route", "tenant", "key", "resource", "shape", "send", "headers_at", "recv",
             "status", "reset", "error", "headers", "body", "n", "begin", "end", "count",
-            "token", "accepted", "fingerprint", "complete", "events", "cost", "charge")
+            "token", "accepted", "fingerprint", "complete", "events", "cost", "charge",
+            "details", "messages", "sent", "message", "trailers_only")
     out = {k: record[k] for k in keep if k in record}
     if isinstance(out.get("body"), str) and len(out["body"]) > 300:
         out["body"] = out["body"][:300] + "..."
@@ -169,6 +181,73 @@ def _documented(record: dict) -> set:
     return allowed
 
 
+# The filter's own answers to a gRPC call, by route (docs/design.md, "The filter's answers to
+# gRPC clients"): gRPC status -> the problem it stands for. Besides these a call gets the
+# service's answer or a replay.
+GRPC_DOCUMENTED = {
+    "grpc/rl": {8: "rate_limited", 14: "guard_unavailable"},
+    "grpc/idem": {10: "idempotency_key_in_use", 14: "guard_unavailable"},
+    "grpc/idem/conflict": {9: "idempotency_key_conflict"},
+    "grpc/lease": {10: "resource_locked", 14: "guard_unavailable"},
+    "no_tenant": {16: "missing_tenant"},
+}
+ALREADY_EXISTS = 6
+ALREADY_COMPLETED = "already completed with OK"
+
+
+def _grpc_documented(record: dict) -> dict:
+    if record.get("no_tenant"):
+        return GRPC_DOCUMENTED["no_tenant"]
+    allowed = dict(GRPC_DOCUMENTED.get(record.get("route") or "", {}))
+    if record.get("route") == "grpc/idem" and record.get("conflict_probe"):
+        allowed.update(GRPC_DOCUMENTED["grpc/idem/conflict"])
+    return allowed
+
+
+def _check_grpc_answer(rec: dict, faults: Faults, r: Result) -> None:
+    route, status = rec.get("route") or "", rec["status"]
+    headers = rec.get("headers") or {}
+    if from_service(rec):
+        r.stats["forwarded"] += 1
+        r.stats["grpc_forwarded"] += 1
+        if route == "grpc/rl" and "ratelimit" not in headers and not rec.get("no_tenant"):
+            r.flag("answers", f"{route}: forwarded without the RateLimit headers of a Redis "
+                   "decision on a fail_closed policy", [_brief(rec)])
+        if rec.get("no_tenant"):
+            r.flag("answers", "a gRPC call without a tenant reached the service", [_brief(rec)])
+        return
+    problems = []
+    if not rec.get("trailers_only") or rec.get("messages"):
+        problems.append(f"not trailers-only ({rec.get('messages')} messages)")
+    if headers.get("x-envoy-ratelimited") != "true":
+        problems.append("without x-envoy-ratelimited")
+    if replayed(rec) and route == "grpc/idem":
+        r.stats["replayed"] += 1
+        r.stats["grpc_replayed"] += 1
+        if problems:
+            r.flag("answers", f"{route}: a replay " + "; ".join(problems), [_brief(rec)])
+        return
+    slug = _grpc_documented(rec).get(status)
+    if slug is None:
+        r.flag("answers", f"{route}: undocumented gRPC answer {status} {rec.get('details')!r}",
+               [_brief(rec)])
+        return
+    r.stats[f"answer_grpc_{status}_{slug}"] += 1
+    if not rec.get("details"):
+        problems.append("no grpc-message (the problem's detail)")
+    retry_after = headers.get("retry-after")
+    if slug in ("guard_unavailable", "idempotency_key_in_use"):
+        if retry_after != "1":
+            problems.append(f"Retry-After {retry_after!r}")
+    elif slug in ("rate_limited", "resource_locked"):
+        if not (retry_after and retry_after.isdigit() and int(retry_after) >= 1):
+            problems.append(f"Retry-After {retry_after!r}")
+    if problems:
+        r.flag("answers", f"{route}: gRPC {status} {slug}: " + "; ".join(problems), [_brief(rec)])
+    if slug == "guard_unavailable" and not faults.any_during(rec["send"], rec["recv"]):
+        r.stats["guard_unavailable_outside_faults"] += 1
+
+
 def check_answers(s: Schedule, faults: Faults, r: Result) -> None:
     for rec in s.history:
         if rec.get("op") == "workload_error":
@@ -179,6 +258,9 @@ def check_answers(s: Schedule, faults: Faults, r: Result) -> None:
             r.stats["no_answer"] += 1  # reset by the client, or the connection failed
             continue
         r.stats["answers"] += 1
+        if rec.get("grpc"):
+            _check_grpc_answer(rec, faults, r)
+            continue
         route = rec.get("route") or ""
         headers = rec.get("headers") or {}
         if from_service(rec):
@@ -356,6 +438,41 @@ def _check_concurrency(r: Result, faults: Faults, lim: dict, admits: list[Admit]
                 running = running[:cap]  # report each excess once
 
 
+def _check_leased(r: Result, faults: Faults, lim: dict, admits: list[Admit]) -> None:
+    """`mode: leased` (docs/configuration.md): a fixed window whose quota Redis hands out in
+    slices, which the workers admit from locally. The slices of one window never add up to
+    more than `limit`, so no window of the counter admits more. The history cannot tell which
+    window a request was admitted from: `RateLimit` shows the worker's slice, not the counter,
+    so no answer says it opened a window (as a fixed window's opener does), and a worker spends
+    a slice until the window's end as it computed it when it read the grant: the time it read
+    the answer plus the window's remaining time in Redis, later than the window's end in Redis
+    by the answer's latency `d`. So a window's admissions lie between its opening and `d` after
+    its end, windows follow each other at least `window` apart, and admissions within a span
+    of `s` seconds come from at most `1 + ceil((s + d) / window)` windows: at most `limit`
+    units for each. That is the bound checked (twice the limit in a span shorter than
+    `window - d`), looser than a fixed window's `limit` from its opener. `d` is taken as the
+    longest decision of the group (a forwarded request's send to its arrival, which holds its
+    own grant's answer) or the filter's Redis timeout (a grant read for a client that left),
+    whichever is longer, plus LEASED_SLACK. A lost counter opens one window more."""
+    L, W = lim["limit"], lim["window_ms"] / 1000
+    r.stats["leased_admissions"] += sum(a.units for a in admits)
+    d = max([a.hi - a.lo for a in admits] + [config.REDIS_TIMEOUT_MS / 1000]) + LEASED_SLACK
+    worst = None
+    for lo, hi, members in _spans(admits):
+        units = sum(a.units for a in members)
+        windows = 1 + math.ceil((hi - lo + d + TOL) / W)
+        bound = L * windows
+        r.stats["rate_limit_checks"] += 1
+        if units > bound and (worst is None or units - bound > worst[0]):
+            worst = (units - bound, units, bound, windows, lo, hi, list(members))
+    if worst:
+        _, units, bound, windows, lo, hi, members = worst
+        _bound_flag(r, faults, lim["name"], units, bound, bound + L, (lo - W, hi),
+                    f"{lim['route']} {lim['name']} (leased): {units} units admitted within "
+                    f"{hi - lo:.3f}s, above {windows} windows of {L} (grant latency {d:.3f}s)",
+                    members)
+
+
 CHECKS = {"fixed_window": _check_fixed, "sliding_window": _check_sliding_window,
           "sliding_log": _check_sliding_log, "token_bucket": _check_token_bucket,
           "concurrency": _check_concurrency}
@@ -371,12 +488,25 @@ def check_rate_limits(s: Schedule, faults: Faults, r: Result, by_id: dict,
         groups: dict = defaultdict(list)
         for a in admits:
             groups[a.entry.get("tenant") if lim["per_tenant"] else None].append(a)
+        check = _check_leased if lim.get("mode") == "leased" else CHECKS[lim["algorithm"]]
         for group in groups.values():
             r.stats["rate_limit_groups"] += 1
-            CHECKS[lim["algorithm"]](r, faults, lim, group)
+            check(r, faults, lim, group)
 
 
 # --- idempotency -----------------------------------------------------------------------------
+
+
+def _idempotent(route) -> bool:
+    return str(route or "").startswith(("idem/", "grpc/idem"))
+
+
+def _released(e: dict) -> bool:
+    """Whether the execution's answer released its record: a retryable status (HTTP: a 5xx;
+    gRPC: a code of `retryable_grpc_codes`, the call having ended as the service meant)."""
+    if e.get("grpc"):
+        return e.get("status") in config.RETRYABLE_GRPC_CODES and bool(e.get("complete"))
+    return e.get("status", 0) >= 500
 
 
 def check_idempotency(s: Schedule, faults: Faults, r: Result, by_id: dict) -> None:
@@ -384,7 +514,7 @@ def check_idempotency(s: Schedule, faults: Faults, r: Result, by_id: dict) -> No
     executions: dict = defaultdict(list)
     by_n = {}
     for e in s.ledger:
-        if not str(e.get("route", "")).startswith("idem/"):
+        if not _idempotent(e.get("route")):
             continue
         by_n[e["n"]] = e
         executions[(e["route"], e.get("tenant"), e.get("key"))].append(e)
@@ -398,7 +528,7 @@ def check_idempotency(s: Schedule, faults: Faults, r: Result, by_id: dict) -> No
         for a, b in zip(runs, runs[1:]):
             ra = by_id.get(a.get("id"))
             send_a = ra["send"] if ra else a["begin"] - 10.0
-            if a.get("status", 0) >= 500 and b["begin"] >= a.get("end", a["begin"]) - TOL:
+            if _released(a) and b["begin"] >= a.get("end", a["begin"]) - TOL:
                 continue  # a retryable answer released the record
             if b["begin"] >= send_a + ttl - TOL:
                 continue  # the record may have expired (outcome unknown: PROCESSING until its TTL)
@@ -411,9 +541,62 @@ def check_idempotency(s: Schedule, faults: Faults, r: Result, by_id: dict) -> No
                    f"record lived: executions {a['n']} and {b['n']}, "
                    f"{b['begin'] - a['begin']:.3f}s apart", history)
     for rec in s.history:
-        if not replayed(rec) or not str(rec.get("route", "")).startswith("idem/"):
+        if not replayed(rec) or not _idempotent(rec.get("route")) or rec.get("status") is None:
             continue
-        _check_replay(rec, executions, by_n, r)
+        if rec.get("grpc"):
+            _check_grpc_replay(rec, executions, by_n, r)
+        else:
+            _check_replay(rec, executions, by_n, r)
+
+
+def _shape(e: dict) -> str | None:
+    try:
+        return json.loads(e.get("body") or "{}").get("shape")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _check_grpc_replay(rec: dict, executions: dict, by_n: dict, r: Result) -> None:
+    """A gRPC replay (docs/design.md#grpc) carries the stored status and message and none of
+    the messages: `ALREADY_EXISTS` for a call that completed OK after sending messages; the
+    service's message (`exec <n>`) names the execution of any other status but OK."""
+    route, key, status = rec["route"], rec.get("key"), rec.get("status")
+    details = rec.get("details") or ""
+    runs = executions.get((route, rec.get("tenant"), key), [])
+    before = [e for e in runs if e["begin"] < rec["recv"] + TOL]
+    same = [e for e in before if _shape(e) == rec.get("shape")]
+    named = re.fullmatch(r"exec (\d+)", details)
+    history = [_brief(rec)] + [_brief(e) for e in runs]
+    if status == ALREADY_EXISTS:
+        ok = [e for e in same if e.get("status") == 0 and e.get("messages") and e.get("complete")]
+        if ALREADY_COMPLETED not in details or not ok:
+            r.flag("idempotency", f"{route} key {key}: ALREADY_EXISTS replay {details!r} matches "
+                   "no call of this request that completed OK after sending messages", history)
+        return
+    if named is None:
+        ok = [e for e in same if status == 0 and not details and e.get("status") == 0
+              and not e.get("messages") and e.get("complete")]
+        if not ok:
+            r.flag("idempotency", f"{route} key {key}: replay {status} {details!r} matches no "
+                   "call of this request that ended so", history)
+        return
+    e = by_n.get(int(named.group(1)))
+    if e is None or (e.get("route"), e.get("tenant"), e.get("key")) != (route, rec.get("tenant"),
+                                                                       key):
+        r.flag("idempotency", f"{route} tenant {rec.get('tenant')} key {key}: replayed the "
+               f"status of another call: {details!r}", history + ([_brief(e)] if e else []))
+        return
+    problems = []
+    if e.get("status") != status or e.get("message") != details:
+        problems.append(f"status {status} {details!r}, the call ended {e.get('status')} "
+                        f"{e.get('message')!r}")
+    if e.get("status") in config.RETRYABLE_GRPC_CODES:
+        problems.append("a retryable status was stored")
+    if _shape(e) != rec.get("shape"):
+        problems.append("replayed to a different request (another body)")
+    if problems:
+        r.flag("idempotency", f"{route} key {key}: replay of call {e['n']}: "
+               + "; ".join(problems), [_brief(rec), _brief(e)])
 
 
 def _check_replay(rec: dict, executions: dict, by_n: dict, r: Result) -> None:
@@ -468,7 +651,7 @@ def check_leases(s: Schedule, faults: Faults, r: Result, by_id: dict) -> None:
     ttl = config.LEASE_TTL_MS / 1000
     resources: dict = defaultdict(list)
     for e in s.ledger:
-        if str(e.get("route", "")).startswith("lease/"):
+        if str(e.get("route", "")).startswith(("lease/", "grpc/lease")):
             resources[(e["route"], e.get("tenant"), e.get("resource"))].append(e)
     for (route, tenant, res), entries in resources.items():
         r.stats["lease_resources"] += 1
@@ -555,16 +738,20 @@ def check_leftovers(s: Schedule, r: Result) -> None:
         "lease": config.LEASE_TTL_MS,
         "fence": 7 * 24 * 3600 * 1000,
         "cancel": config.CANCEL_TTL_MS,
-        "rl": max(config.SLOT_WINDOW_MS, 2 * 1000),
+        "rl": max(config.counter_ttls_ms().values()),
     }
+    counters = config.counter_ttls_ms()
     for k in s.redis_keys:
         key, kind, pttl = k["key"], _kind(k["key"]), k.get("pttl")
         r.stats["redis_keys"] += 1
         if pttl is not None and pttl == -1:
             r.flag("leftovers", f"{key}: no TTL", [k])
             continue
-        if pttl is not None and kind in limits and pttl > limits[kind] + 1000:
-            r.flag("leftovers", f"{key}: TTL {pttl} ms, above the {limits[kind]} ms its kind "
+        # A counter's own policy: `<prefix>:rl:{<hash tag>}:<policy>:...`.
+        policy = key.split("}:", 1)[1].split(":", 1)[0] if kind == "rl" and "}:" in key else ""
+        most = counters.get(policy, limits.get(kind)) if kind == "rl" else limits.get(kind)
+        if pttl is not None and most is not None and pttl > most + 1000:
+            r.flag("leftovers", f"{key}: TTL {pttl} ms, above the {most} ms its kind "
                    "is given", [k])
         if kind == "idem" and k.get("state") == "PROCESSING":
             r.flag("leftovers", f"{key}: a record still PROCESSING after the schedule healed and "

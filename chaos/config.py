@@ -1,9 +1,9 @@
 """The chaos run's plugin configuration, and what the workload and the checker read of it.
 
-One policy per route of the chaos service (chaos/service.py). Windows and TTLs are short so
-that a schedule heals within seconds: every rate limit counts per second, a record in
-progress and a lease live 2 s, a concurrency slot 2 s. Every policy fails closed but
-`rl-open`, whose admissions the checker counts only where Redis answered (a response with
+One policy per route of the chaos service (chaos/service.py), its gRPC methods too. Windows
+and TTLs are short so that a schedule heals within seconds: every rate limit counts per second
+(the leased one per 4 s), a record in progress and a lease live 2 s, a concurrency slot 2 s.
+Every policy fails closed but `rl-open`, whose admissions the checker counts only where Redis answered (a response with
 `RateLimit` headers): failing open admits without counting by design.
 
 `ROUTES` describes each route for the workload (what to send) and the checker (what the
@@ -26,8 +26,10 @@ LEASE_TTL_MS = 2000
 SLOT_WINDOW_MS = 2000
 IDEM_MAX_WAIT_MS = 1000
 LEASE_MAX_WAIT_MS = 1000
+LEASED_LIMIT = 24
+LEASED_WINDOW_MS = 4000
 # The longest TTL of a key that must be gone after a schedule: a record in progress, a lease,
-# a concurrency slot (a rate-limit counter lives at most two windows of 1 s).
+# a concurrency slot (a rate-limit counter may stay: see counter_ttls_ms).
 SETTLE_MS = max(PROCESSING_TTL_MS, LEASE_TTL_MS, SLOT_WINDOW_MS)
 # A cancellation marker's TTL: the largest of processing_ttl, the lease ttl and 60 s.
 CANCEL_TTL_MS = max(PROCESSING_TTL_MS, LEASE_TTL_MS, 60000)
@@ -56,7 +58,49 @@ RATE_LIMITED = {
                           "limit": 5, "window": "1s"}]},
     "open": {"limits": [{"name": "open", "by": ["tenant"], "algorithm": "fixed_window",
                          "limit": 3, "window": "1s"}], "failure_mode": "fail_open"},
+    # Leased quota: each Envoy worker takes slices of the window's quota (an eighth of what is
+    # left, at least one: 3 from an empty counter of 24, then 2, ...) and admits from them
+    # locally. One counter for the whole policy (by: []), so the four workers of the two
+    # Envoys share it. Its window is longer than the others': what the checker can bound is
+    # twice the limit within a window (see chaos/checker.py), and the workload's bursts send
+    # well over that in one, so an admission beyond the slices would show.
+    "leased": {"limits": [{"name": "leased", "by": [], "algorithm": "fixed_window",
+                           "limit": LEASED_LIMIT, "window": f"{LEASED_WINDOW_MS}ms",
+                           "mode": "leased"}]},
 }
+
+# gRPC methods of the service (`cg.test.Chaos`, under the Envoys' `/cg.test.` route to its
+# gRPC port): policy `grpc-<name>` each, matched by the method's path. The filter answers a
+# gRPC call with trailers-only gRPC statuses (docs/design.md#grpc).
+GRPC_SERVICE = "cg.test.Chaos"
+GRPC_METHODS = {"rl": "Limited", "idem": "Create", "lease": "Lease"}
+GRPC_RESOURCE_HEADER = "x-chaos-resource"
+GRPC_RATE_LIMIT = [{"name": "grpc", "by": ["tenant"], "algorithm": "fixed_window", "limit": 3,
+                    "window": "1s"}]
+# The gRPC codes after which the filter releases an idempotency record (the default
+# `retryable_grpc_codes`: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED).
+RETRYABLE_GRPC_CODES = (14, 4, 8, 10)
+
+
+def counter_ttls_ms() -> dict[str, int]:
+    """The longest TTL a rate-limit key of each policy may have: two windows for a sliding
+    window (its previous window still counts), a token bucket's `burst + 1` emission
+    intervals (its theoretical arrival time at most that far ahead), one window for the
+    others (a concurrency limit's `window` is its slots' lifetime)."""
+    out: dict[str, int] = {}
+    specs = [(f"rl-{name}", spec) for name, spec in RATE_LIMITED.items()]
+    specs.append(("grpc-rl", {"limits": GRPC_RATE_LIMIT}))
+    for policy, spec in specs:
+        for limit in spec["limits"]:
+            window = millis(limit["window"])
+            if limit["algorithm"] == "sliding_window":
+                ttl = 2 * window
+            elif limit["algorithm"] == "token_bucket":
+                ttl = -(-(limit.get("burst", limit["limit"]) + 1) * window // limit["limit"])
+            else:
+                ttl = window
+            out[policy] = max(out.get(policy, 0), ttl)
+    return out
 
 # Idempotent routes: POST /idem/<variant>/<key>, policy `idem-<variant>`.
 IDEMPOTENT = {
@@ -114,6 +158,24 @@ def _lease_policy(variant: str, spec: dict) -> dict:
             "failure_mode": "fail_closed", "lease": lease}
 
 
+def grpc_path(name: str) -> str:
+    """The path of the gRPC method of route `grpc/<name>`."""
+    return f"/{GRPC_SERVICE}/{GRPC_METHODS[name]}"
+
+
+def _grpc_policies() -> list[dict]:
+    """A fail_closed rate limit on `Limited`, idempotency on `Create` (a server-streaming
+    method), a lease on `Lease` whose resource is a metadata entry."""
+    rl = {"name": "grpc-rl", "match": {"methods": ["POST"], "path_exact": grpc_path("rl")},
+          "failure_mode": "fail_closed", "rate_limits": copy.deepcopy(GRPC_RATE_LIMIT)}
+    idem = _idem_policy("grpc", {"in_progress": "reject"})
+    idem.update(name="grpc-idem", match={"methods": ["POST"], "path_exact": grpc_path("idem")})
+    lease = _lease_policy("grpc", {"on_busy": "wait", "max_wait": f"{LEASE_MAX_WAIT_MS}ms",
+                                   "resource": ["tenant", f"header:{GRPC_RESOURCE_HEADER}"]})
+    lease.update(name="grpc-lease", match={"methods": ["POST"], "path_exact": grpc_path("lease")})
+    return [rl, idem, lease]
+
+
 def plugin_config(authorization: str | None = None, key_prefix: str = KEY_PREFIX,
                   cluster: str = "redis_gateway") -> dict:
     """The plugin JSON of the chaos run. Without `authorization` the `redis` block has none:
@@ -125,6 +187,7 @@ def plugin_config(authorization: str | None = None, key_prefix: str = KEY_PREFIX
     policies = [_rate_policy(n, s) for n, s in RATE_LIMITED.items()]
     policies += [_idem_policy(v, s) for v, s in IDEMPOTENT.items()]
     policies += [_lease_policy(v, s) for v, s in LEASED.items()]
+    policies += _grpc_policies()
     return {
         "redis": redis,
         "identity": {"tenant_header": TENANT_HEADER, "principal_header": PRINCIPAL_HEADER,
@@ -136,13 +199,17 @@ def plugin_config(authorization: str | None = None, key_prefix: str = KEY_PREFIX
 
 
 def checked_limits() -> list[dict]:
-    """Every rate limit the checker verifies: route, limit name, algorithm, limit, window (ms),
-    burst, whether it counts per tenant, and the policy's failure mode."""
+    """Every rate limit the checker verifies: route, limit name, algorithm, mode (`exact` or
+    `leased`), limit, window (ms), burst, whether it counts per tenant, and the policy's
+    failure mode."""
+    specs = [(f"rl/{route}", spec) for route, spec in RATE_LIMITED.items()]
+    specs.append(("grpc/rl", {"limits": GRPC_RATE_LIMIT}))
     out = []
-    for route, spec in RATE_LIMITED.items():
+    for route, spec in specs:
         for limit in spec["limits"]:
             out.append({
-                "route": f"rl/{route}", "name": limit["name"], "algorithm": limit["algorithm"],
+                "route": route, "name": limit["name"], "algorithm": limit["algorithm"],
+                "mode": limit.get("mode", "exact"),
                 "limit": limit["limit"], "window_ms": millis(limit["window"]),
                 "burst": limit.get("burst", limit["limit"]),
                 "per_tenant": "tenant" in limit["by"],

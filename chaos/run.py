@@ -254,7 +254,7 @@ def run(seed: str, schedules: int, topologies: list[str], out: Path,
                 for index, s in mine:
                     if target is None:
                         target = build_target(topology, out / f"target-{topology}-{restarts}",
-                                              base, service.port)
+                                              base, service.port, grpc_port=service.grpc_port)
                         target.config_variants = config_variants(target.plugin_config)
                         log_offsets = [0] * len(target.envoys)
                     o = run_schedule(index, s, target, service, out, log_offsets, ledger_offset)

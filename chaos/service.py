@@ -25,9 +25,23 @@ Routes (the chaos configuration, chaos/config.py, guards each with a policy):
 - `GET /__chaos/ledger?from=N`: the ledger's entries from the N-th; `GET /__chaos/state`:
   the last accepted token per resource.
 
-Every answer carries `x-chaos-service: 1`, so a client tells the service's answers from the
-filter's and Envoy's own. Run standalone: `python chaos/service.py --port 0`; the first line
-on stdout names the address.
+The same process serves gRPC (HTTP/2, grpcio, raw bytes in and out) on a port of its own, the
+service `cg.test.Chaos` (Envoy routes every path under `/cg.test.` to it), into the same ledger
+(routes `grpc/...`; `status` is the gRPC status code, `grpc: true`):
+
+- `Limited` (unary): a rate-limited call, as `GET /rl/<name>` (`x-chaos-delay-ms`).
+- `Create` (server streaming): an idempotent call, keyed by its `idempotency-key`: it sends
+  `x-chaos-messages` messages (0 to 3), then ends with the status `x-chaos-code` (0 OK, 5
+  NOT_FOUND, 14 UNAVAILABLE, which releases the record) and, for a status other than OK, the
+  message `exec <n>`: a replay of it names the execution it replays. With no message and a
+  status other than OK grpcio answers trailers-only.
+- `Lease` (unary): a lease-guarded call on the resource `x-chaos-resource`, fencing tokens
+  checked as for HTTP; a stale token ends the call with FAILED_PRECONDITION.
+
+Every answer carries `x-chaos-service: 1` (a gRPC one in its trailers, which a trailers-only
+answer has too), so a client tells the service's answers from the filter's and Envoy's own.
+Run standalone: `python chaos/service.py --port 0`; stdout names the gRPC address, then the
+HTTP address (the line `start_child` waits for).
 """
 
 from __future__ import annotations
@@ -35,18 +49,28 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import select
 import socket
 import threading
 import time
 import urllib.parse
 import urllib.request
+from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import grpc
+
 BANNER = "chaos service listening on "
+GRPC_BANNER = "chaos grpc service listening on "
 FENCING_HEADER = "x-fencing-token"
 FINGERPRINT_HEADER = "x-idempotency-fingerprint"
+GRPC_SERVICE = "cg.test.Chaos"
+# The gRPC status codes `Create` may be asked to end with: OK, NOT_FOUND (completes the
+# record), UNAVAILABLE (a retryable code: releases it).
+GRPC_CODES = (0, 5, 14)
+GRPC_WORKERS = 64
 
 
 class Ledger:
@@ -304,9 +328,148 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 1024
 
 
+# --- gRPC --------------------------------------------------------------------------------------
+
+
+def _ident(b: bytes) -> bytes:
+    return b
+
+
+def _status(code: int) -> grpc.StatusCode:
+    return next(s for s in grpc.StatusCode if s.value[0] == code)
+
+
+class GrpcHandlers:
+    """The gRPC methods of `cg.test.Chaos`, writing into the HTTP server's ledger."""
+
+    def __init__(self, ledger: Ledger):
+        self.ledger = ledger
+
+    def _begin(self, context, method: str) -> tuple[dict, dict]:
+        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        entry = {
+            "n": self.ledger.next_id(),
+            "id": md.get("x-chaos-id"),
+            "method": "POST",
+            "path": f"/{GRPC_SERVICE}/{method}",
+            "tenant": md.get("x-tenant-id"),
+            "begin": time.time(),
+            "grpc": True,
+        }
+        # The service's mark, in the trailers: a trailers-only answer carries it too.
+        context.set_trailing_metadata([("x-chaos-service", "1")])
+        return md, entry
+
+    @staticmethod
+    def _int(md: dict, name: str, default: int = 0) -> int:
+        try:
+            return int(md.get(name) or default)
+        except ValueError:
+            return default
+
+    def limited(self, request: bytes, context) -> bytes:
+        md, entry = self._begin(context, "Limited")
+        route = "grpc/rl"
+        key = (route, entry["tenant"])
+        with self.ledger.lock:
+            running = self.ledger.in_flight.get(key, 0) + 1
+            self.ledger.in_flight[key] = running
+        entry.update(route=route, running=running)
+        try:
+            delay = self._int(md, "x-chaos-delay-ms")
+            if delay > 0:
+                time.sleep(min(delay, 5000) / 1000)
+        finally:
+            with self.ledger.lock:
+                self.ledger.in_flight[key] -= 1
+            entry.update(status=0, end=time.time())
+            self.ledger.add(entry)
+        return b"ok:%d" % entry["n"]
+
+    def create(self, request: bytes, context):
+        md, entry = self._begin(context, "Create")
+        route = "grpc/idem"
+        key = md.get("idempotency-key") or ""
+        exec_key = ("grpc", entry["tenant"], key)
+        with self.ledger.lock:
+            count = self.ledger.executions.get(exec_key, 0) + 1
+            self.ledger.executions[exec_key] = count
+        messages = min(3, max(0, self._int(md, "x-chaos-messages", 1)))
+        code = self._int(md, "x-chaos-code")
+        code = code if code in GRPC_CODES else 0
+        entry.update(route=route, key=key, count=count, messages=messages, status=code,
+                     fingerprint=md.get(FINGERPRINT_HEADER),
+                     body=request.decode("utf-8", "replace"),
+                     message="" if code == 0 else f"exec {entry['n']}")
+        sent = 0
+        try:
+            for i in range(messages):
+                if i:
+                    time.sleep(self._int(md, "x-chaos-interval-ms", 50) / 1000)
+                if not context.is_active():
+                    break
+                yield b"exec %d part %d" % (entry["n"], i)
+                sent += 1
+            entry["complete"] = sent == messages and context.is_active()
+        finally:
+            entry.update(sent=sent, end=time.time())
+            self.ledger.add(entry)
+        if code != 0:
+            context.abort(_status(code), entry["message"])
+
+    def lease(self, request: bytes, context) -> bytes:
+        md, entry = self._begin(context, "Lease")
+        route = "grpc/lease"
+        resource = md.get("x-chaos-resource") or ""
+        res_key = ("grpc", entry["tenant"], resource)
+        raw = md.get(FENCING_HEADER)
+        entry.update(route=route, resource=resource, token=raw)
+        try:
+            token = int(raw) if raw is not None else None
+        except ValueError:
+            token = None
+        with self.ledger.lock:
+            last = self.ledger.accepted.get(res_key, 0)
+            stale = token is None or token <= last
+            if not stale:
+                self.ledger.accepted[res_key] = token
+                holders = self.ledger.holders.get(res_key, 0) + 1
+                self.ledger.holders[res_key] = holders
+                entry["holders"] = holders
+        entry["last_accepted"] = last
+        if stale:
+            entry.update(accepted=False, status=9, end=time.time())
+            self.ledger.add(entry)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stale token {raw}, last {last}")
+        entry["accepted"] = True
+        try:
+            delay = self._int(md, "x-chaos-delay-ms")
+            if delay > 0:
+                time.sleep(min(delay, 5000) / 1000)
+        finally:
+            with self.ledger.lock:
+                self.ledger.holders[res_key] -= 1
+            entry.update(status=0, end=time.time())
+            self.ledger.add(entry)
+        return (raw or "").encode()
+
+    def handler(self):
+        return grpc.method_handlers_generic_handler(GRPC_SERVICE, {
+            "Limited": grpc.unary_unary_rpc_method_handler(self.limited, _ident, _ident),
+            "Create": grpc.unary_stream_rpc_method_handler(self.create, _ident, _ident),
+            "Lease": grpc.unary_unary_rpc_method_handler(self.lease, _ident, _ident),
+        })
+
+
 def serve(port: int) -> None:
-    handler = type("BoundHandler", (Handler,), {"ledger": Ledger()})
+    ledger = Ledger()
+    handler = type("BoundHandler", (Handler,), {"ledger": ledger})
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS))
+    grpc_server.add_generic_rpc_handlers((GrpcHandlers(ledger).handler(),))
+    grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
     server = Server(("127.0.0.1", port), handler)
+    print(f"{GRPC_BANNER}127.0.0.1:{grpc_port}", flush=True)
     print(f"{BANNER}http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
@@ -314,6 +477,7 @@ def serve(port: int) -> None:
         pass
     finally:
         server.server_close()
+        grpc_server.stop(0)
 
 
 class Service:
@@ -323,6 +487,7 @@ class Service:
         self.workdir = Path(workdir).resolve()
         self.proc = None
         self.port: int | None = None
+        self.grpc_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -333,6 +498,13 @@ class Service:
 
         self.proc, self.port = start_child("chaos-service", __file__, self.workdir, BANNER, 0,
                                            timeout)
+        # This start's gRPC line, printed before the HTTP one start_child waited for.
+        found = re.findall(rf"^{re.escape(GRPC_BANNER)}127\.0\.0\.1:(\d+)$",
+                           self.proc.log_text(), re.M)
+        if not found:
+            self.proc.stop()
+            raise RuntimeError(f"the chaos service named no gRPC port:\n{self.proc.log_tail()}")
+        self.grpc_port = int(found[-1])
         return self
 
     def stop(self) -> None:

@@ -18,7 +18,10 @@ Between the Envoys and webdis sits the chaos network proxy (chaos/netproxy.py), 
 webdis: the Envoys' `redis_gateway` cluster points at it, so a run can delay or cut the
 gateway's network. Two Envoys run the built filter, both in front of the service the run
 starts on `service_port`; each has fixed listener and admin ports, so an Envoy killed and
-started again is where its clients expect it.
+started again is where its clients expect it. With `grpc_port`, each Envoy also has the
+cluster `grpc_upstream` (HTTP/2 with prior knowledge) to the service's gRPC port and routes
+every path under `/cg.test.` to it (harness.envoy), so gRPC clients call the same listener
+over h2c.
 
 The filter's configuration reaches each Envoy through extension config discovery (ECDS) from a
 file of its own (`filter.json` in the Envoy's directory, read through `path_config_source`):
@@ -86,12 +89,14 @@ class Target:
     """The running stack of one topology; made by `build_target`, undone by `stop()`."""
 
     def __init__(self, topology: str, workdir: Path, plugin_config: dict, service_port: int,
-                 wasm_path: Path | None = None, node_timeout_ms: int = NODE_TIMEOUT_MS):
+                 wasm_path: Path | None = None, node_timeout_ms: int = NODE_TIMEOUT_MS,
+                 grpc_port: int | None = None):
         if topology not in TOPOLOGIES:
             raise ValueError(f"unknown topology {topology!r}; known: {TOPOLOGIES}")
         self.topology = topology
         self.workdir = Path(workdir).resolve()
         self.service_port = service_port
+        self.grpc_port = grpc_port
         self.wasm_path = Path(wasm_path) if wasm_path else DEFAULT_WASM
         # The cluster's: how long a master may be unreachable before its replica takes over.
         self.node_timeout_ms = node_timeout_ms
@@ -195,7 +200,8 @@ class Target:
                               self.netproxy.ports[0], wasm_path=self.wasm_path,
                               blackhole_port=self._blackhole.port, dead_port=dead_port,
                               listener_port=free_port(), admin_port=free_port(),
-                              extra_gateway_ports=self.netproxy.ports[1:])
+                              extra_gateway_ports=self.netproxy.ports[1:],
+                              grpc_upstream_port=self.grpc_port)
                 self._discover_filter_config(envoy, i)
                 self.envoys.append(envoy)
                 self._write_filter_config(i, self.plugin_config)
@@ -493,14 +499,15 @@ def _try(fn, errors: list) -> None:
 
 def build_target(topology: str, workdir: Path, plugin_config: dict, service_port: int, *,
                  wasm_path: Path | None = None, node_timeout_ms: int = NODE_TIMEOUT_MS,
-                 timeout: float = 90.0) -> Target:
+                 grpc_port: int | None = None, timeout: float = 90.0) -> Target:
     """Start the stack of `topology` ("single" or "cluster") under `workdir`, its two Envoys in
-    front of the service on `service_port` with `plugin_config` (see the module's docstring);
-    returns once it is healthy. On failure everything it started is stopped again.
+    front of the service on `service_port` (and its gRPC port `grpc_port`, if given) with
+    `plugin_config` (see the module's docstring); returns once it is healthy. On failure
+    everything it started is stopped again.
 
     `wasm_path`: another build of the filter (default: the release build, or $CG_WASM).
     `node_timeout_ms`: the cluster's node timeout (the harness's 3 s by default, generous for a
     busy machine: a node that is slow but alive must not be failed over, which would lose
     writes no fault was drawn to lose)."""
     return Target(topology, workdir, plugin_config, service_port, wasm_path,
-                  node_timeout_ms).start(timeout)
+                  node_timeout_ms, grpc_port).start(timeout)

@@ -45,6 +45,11 @@ def test_five_schedules_on_a_single_redis(tmp_path, capsys):
     assert report["requests"] > 1000, report["requests"]
     assert stats["rate_limit_checks"] > 50 and stats["replayed"] > 10, stats
     assert stats["lease_resources"] > 10 and stats["forwarded"] > 300, stats
+    # gRPC calls reached the service, were answered by the filter and replayed; the leased
+    # limit admitted from its slices.
+    assert stats["grpc_forwarded"] > 50 and stats["grpc_replayed"] > 3, stats
+    assert sum(v for k, v in stats.items() if k.startswith("answer_grpc_")) > 20, stats
+    assert stats["leased_admissions"] > 50, stats
 
 
 @pytest.mark.timeout(900)
@@ -55,3 +60,4 @@ def test_five_schedules_on_redis_cluster(tmp_path):
     assert report["by_topology"] == {"cluster": 5}
     assert sum(report["faults"].values()) >= 5, report["faults"]
     assert report["requests"] > 1000 and report["stats"]["rate_limit_checks"] > 50, report["stats"]
+    assert report["stats"]["grpc_forwarded"] > 50, report["stats"]

@@ -491,3 +491,214 @@ def test_what_expires_in_time_is_no_leftover():
 def test_leftovers_are_flagged(key, expected):
     result = History().check(redis_keys=[key], now=T0)
     assert invariants(result) == ["leftovers"] and expected in result.violations[0]["detail"]
+
+
+def test_a_counter_outliving_its_own_policys_windows_is_flagged():
+    leased = _key("rl", "{p.rl-leased}:rl-leased:leased:lq:h", pttl=config.LEASED_WINDOW_MS - 100)
+    fw = _key("rl", "{t.x}:rl-fw:fw:fw:h", pttl=config.LEASED_WINDOW_MS - 100)
+    assert History().check(redis_keys=[leased], now=T0).violations == []
+    result = History().check(redis_keys=[fw], now=T0)
+    assert invariants(result) == ["leftovers"]
+    assert "above the 1000 ms" in result.violations[0]["detail"]
+
+
+# --- leased quota ----------------------------------------------------------------------------
+
+
+def _leased(h: History, count: int, start: float, spacing: float) -> None:
+    for i in range(count):
+        h.served("rl/leased", start + i * spacing, remaining={"leased": 0})
+
+
+def test_a_leased_quota_is_held_to_two_windows_within_one():
+    # Within half a window no more than two windows' quotas: the end of one and the start of
+    # the next (slices spent until the window's end as each worker computed it).
+    L = config.LEASED_LIMIT
+    ok = History()
+    _leased(ok, 2 * L, T0, 0.01)
+    result = ok.check()
+    assert result.violations == [] and result.stats["rate_limit_checks"] > 0
+    over = History()
+    _leased(over, 2 * L + 1, T0, 0.01)
+    result = over.check()
+    assert invariants(result) == ["rate_limits"]
+    assert "(leased)" in result.violations[0]["detail"] and "above 2 windows" in \
+        result.violations[0]["detail"]
+
+
+def test_a_leased_quota_over_more_than_a_window_may_span_three():
+    # Three quotas in bursts, any two within a window, all three over just more than one.
+    L, W = config.LEASED_LIMIT, config.LEASED_WINDOW_MS / 1000
+    h = History()
+    for start in (T0, T0 + W / 2, T0 + W):
+        _leased(h, L, start, 0.01)
+    assert h.check().violations == []
+    _leased(h, 1, T0 + W / 4, 0)  # two quotas and one more within half a window
+    assert invariants(h.check()) == ["rate_limits"]
+
+
+def test_a_leased_quota_after_a_lost_counter_is_the_weaker_case():
+    L = config.LEASED_LIMIT
+    h = History()
+    h.fault("redis_restart_volatile", T0 + 0.2, T0 + 0.3, data_loss=True)
+    _leased(h, 3 * L, T0, 0.01)
+    result = h.check()
+    assert result.violations == [] and result.weaker["rate_limit_leased"] >= 1
+    _leased(h, 1, T0 + 0.005, 0)
+    assert invariants(h.check()) == ["rate_limits"]
+
+
+# --- gRPC ------------------------------------------------------------------------------------
+
+
+def _grpc(rec: dict, *, details="", trailers_only=True, messages=0) -> dict:
+    rec.update(grpc=True, op="grpc", details=details, trailers_only=trailers_only,
+               messages=messages, body="")
+    return rec
+
+
+def grpc_problem(h: History, route: str, send: float, code: int, retry_after="1",
+                 details="the problem's detail", **fields) -> dict:
+    headers = {"x-envoy-ratelimited": "true"}
+    if retry_after is not None:
+        headers["retry-after"] = str(retry_after)
+    return _grpc(h.answer(route, send, code, headers=headers, **fields), details=details)
+
+
+def grpc_served(h: History, route: str, send: float, code: int = 0, *, messages: int = 1,
+                details: str = "", **kw) -> tuple[dict, dict]:
+    rec, e = h.served(route, send, status=code, **kw)
+    rec["headers"].pop("content-type")
+    _grpc(rec, details=details, trailers_only=False, messages=messages)
+    e["grpc"] = True
+    return rec, e
+
+
+def test_documented_grpc_answers_pass():
+    h = History()
+    grpc_problem(h, "grpc/rl", T0, 8)
+    grpc_problem(h, "grpc/idem", T0, 10, key="k")
+    grpc_problem(h, "grpc/idem", T0, 9, retry_after=None, key="c0", conflict_probe=True)
+    grpc_problem(h, "grpc/lease", T0, 10, retry_after=2, resource="r")
+    grpc_problem(h, "grpc/rl", T0, 16, retry_after=None, tenant=None, no_tenant=True)
+    h.fault("webdis_restart", T0 - 0.1, T0 + 0.5)
+    grpc_problem(h, "grpc/lease", T0, 14, resource="r")
+    grpc_served(h, "grpc/rl", T0 + 2, remaining={"grpc": 2})
+    result = h.check()
+    assert result.violations == []
+    assert result.stats["answer_grpc_8_rate_limited"] == 1
+    assert result.stats["answer_grpc_9_idempotency_key_conflict"] == 1
+    assert result.stats["grpc_forwarded"] == 1
+    assert result.stats["guard_unavailable_outside_faults"] == 0
+
+
+def _grpc_envoy_503(h: History) -> None:
+    # Envoy's own gRPC answer (the VM failing, no upstream): no x-envoy-ratelimited.
+    _grpc(h.answer("grpc/rl", T0, 14, headers={"retry-after": "1"}), details="upstream reset")
+
+
+def _grpc_with_message(h: History) -> None:
+    grpc_problem(h, "grpc/rl", T0, 8)["trailers_only"] = False
+
+
+@pytest.mark.parametrize("make, expected", [
+    (_grpc_envoy_503, "without x-envoy-ratelimited"),
+    (_grpc_with_message, "not trailers-only"),
+    (lambda h: grpc_problem(h, "grpc/idem", T0, 9, retry_after=None, key="k"),
+     "undocumented gRPC answer 9"),
+    (lambda h: grpc_problem(h, "grpc/lease", T0, 8, resource="r"), "undocumented gRPC answer 8"),
+    (lambda h: grpc_problem(h, "grpc/rl", T0, 13), "undocumented gRPC answer 13"),
+    (lambda h: grpc_problem(h, "grpc/rl", T0, 14, retry_after=5), "Retry-After '5'"),
+    (lambda h: grpc_problem(h, "grpc/rl", T0, 8, retry_after=None), "Retry-After None"),
+    (lambda h: grpc_problem(h, "grpc/rl", T0, 8, details=""), "no grpc-message"),
+    (lambda h: grpc_served(h, "grpc/rl", T0), "without the RateLimit headers"),
+    (lambda h: grpc_served(h, "grpc/rl", T0, remaining={"grpc": 1}, tenant=None,
+                           client={"no_tenant": True}), "without a tenant reached the service"),
+])
+def test_undocumented_grpc_answers_are_flagged(make, expected):
+    h = History()
+    make(h)
+    result = h.check()
+    assert invariants(result) == ["answers"], result.violations
+    assert expected in result.violations[0]["detail"]
+
+
+def _grpc_execution(h: History, send: float, key="g1", code=0, messages=0, shape="A",
+                    complete=True, end=None):
+    body = json.dumps({"key": key, "shape": shape}, sort_keys=True)
+    rec, e = grpc_served(h, "grpc/idem", send, code, messages=messages, end=end, key=key,
+                         fingerprint="sha256:" + "0" * 64, body=body,
+                         client={"key": key, "shape": shape})
+    e.update(messages=messages, sent=messages, complete=complete,
+             message="" if code == 0 else f"exec {e['n']}")
+    rec["details"] = e["message"]
+    return rec, e
+
+
+def _grpc_replay(h: History, send: float, code: int, details: str, key="g1", shape="A"):
+    return _grpc(h.answer("grpc/idem", send, code, key=key, shape=shape,
+                          headers={"idempotent-replayed": "true", "x-envoy-ratelimited": "true"}),
+                 details=details)
+
+
+ALREADY = ("the call with this idempotency key already completed with OK; its response "
+           "message cannot be replayed to a gRPC client")
+
+
+def test_grpc_replays_carry_the_status_of_the_call():
+    h = History()
+    _, ok_messages = _grpc_execution(h, T0, key="g2", code=0, messages=2)
+    _grpc_replay(h, T0 + 0.5, 6, ALREADY, key="g2")
+    _, not_found = _grpc_execution(h, T0, key="g1", code=5, messages=1)
+    _grpc_replay(h, T0 + 0.5, 5, not_found["message"], key="g1")
+    _grpc_execution(h, T0, key="g0", code=0, messages=0)
+    _grpc_replay(h, T0 + 0.5, 0, "", key="g0")
+    result = h.check()
+    assert result.violations == [] and result.stats["grpc_replayed"] == 3
+
+
+@pytest.mark.parametrize("execution, replay, expected", [
+    # ALREADY_EXISTS for a call that sent no message: it would be replayed as it ended.
+    (dict(code=0, messages=0), dict(code=6, details=ALREADY), "ALREADY_EXISTS replay"),
+    # OK replayed for a call that sent messages: the client would take OK without them.
+    (dict(code=0, messages=2), dict(code=0, details=""), "matches no call"),
+    (dict(code=5, messages=0), dict(code=0, details="exec 1"), "status 0 'exec 1'"),
+    (dict(code=5, messages=0), dict(code=5, details="exec 999"), "status of another call"),
+    (dict(code=14, messages=0), dict(code=14, details="exec 1"), "a retryable status was stored"),
+    (dict(code=5, messages=0), dict(code=5, details="exec 1", shape="B"),
+     "replayed to a different request"),
+])
+def test_grpc_replays_that_are_not_the_calls_are_flagged(execution, replay, expected):
+    h = History()
+    _grpc_execution(h, T0, **execution)
+    _grpc_replay(h, T0 + 0.5, replay["code"], replay["details"], shape=replay.get("shape", "A"))
+    result = h.check()
+    assert invariants(result) == ["idempotency"], result.violations
+    assert expected in result.violations[0]["detail"]
+
+
+def test_a_grpc_replay_of_another_keys_call_is_flagged():
+    h = History()
+    _, other = _grpc_execution(h, T0, key="g3", code=5)
+    _grpc_replay(h, T0 + 0.5, 5, other["message"], key="g1")
+    assert invariants(h.check()) == ["idempotency"]
+
+
+@pytest.mark.parametrize("first, ok", [
+    (dict(code=14), True),  # UNAVAILABLE ended the call: released
+    (dict(code=14, complete=False), False),  # its client left first: outcome unknown
+    (dict(code=5), False),  # NOT_FOUND completed the record
+])
+def test_a_grpc_call_runs_again_only_once_its_record_is_released(first, ok):
+    h = History()
+    _grpc_execution(h, T0, **first)
+    _grpc_execution(h, T0 + 0.5)
+    assert (h.check().violations == []) is ok
+
+
+def test_two_grpc_lease_holders_at_once_are_flagged():
+    h = History()
+    _held(h, T0, 100, begin=T0 + 0.01, end=T0 + 0.3, route="grpc/lease")
+    _held(h, T0 + 0.05, 200, begin=T0 + 0.1, end=T0 + 0.4, route="grpc/lease")
+    result = h.check()
+    assert invariants(result) == ["leases"] and "two holders" in result.violations[0]["detail"]

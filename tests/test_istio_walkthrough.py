@@ -55,6 +55,7 @@ from harness.kube import (BOOTSTRAP_OVERRIDE, ApiModel, CommandServer, ModelErro
 from harness.proc import ROOT, Service, free_port, gateway_acl_rules, require_binary
 from harness.registry import OCI_MANIFEST, Registry
 from test_istio_manifests import api_errors
+from test_redis_acl_restart import scripts_survive_a_kill
 
 DOC = ROOT / "docs" / "istio.md"
 WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "coordination_guard.wasm"
@@ -479,11 +480,13 @@ def check_redis_acl(model: ApiModel, redis, key_prefix: str) -> None:
     admin = model.secret("redis", "redis-users", "admin-password")
     sha = lambda p: hashlib.sha256(p.encode()).hexdigest()  # noqa: E731
     acl = (redis.mounts["/acl"] / "users.acl").read_text().splitlines()
-    assert acl == ["user default reset",
+    assert acl == [f"user default reset off {gateway_acl_rules(key_prefix)}",
                    f"user cg-gateway reset on #{sha(gateway)} {gateway_acl_rules(key_prefix)}",
                    f"user admin reset on #{sha(admin)} ~* &* +@all"], acl
     with pytest.raises(redispy.exceptions.AuthenticationError):  # NOAUTH: default is off
         redis.client().ping()
+    with pytest.raises(redispy.exceptions.AuthenticationError):  # and has no password
+        redis.client("default", "").ping()
     with pytest.raises(redispy.exceptions.AuthenticationError):
         redis.client("cg-gateway", "not the password").ping()
     gw = redis.client("cg-gateway", gateway)
@@ -703,14 +706,51 @@ def test_the_page_points_in_no_circle():
 
 
 def test_the_pages_acl_lines_are_the_scripts_commands():
-    """The cg-gateway lines docs/istio.md and docs/security.md show are the gateway ACL the
-    scripts need (GATEWAY_COMMANDS, which tests/test_scripts_acl.py keeps equal to them)."""
+    """The cg-gateway and default lines docs/istio.md and docs/security.md show are the gateway
+    ACL the scripts and the replay of the append-only file need (GATEWAY_COMMANDS, which
+    tests/test_scripts_acl.py keeps equal to them), default switched off."""
     plugin = yaml.safe_load((ROOT / "deploy" / "istio" / "wasmplugin.yaml").read_text())
     key_prefix = plugin["spec"]["pluginConfig"]["redis"]["key_prefix"]
-    istio_line = f"user cg-gateway reset on #<sha256 of gateway-password> {gateway_acl_rules(key_prefix)}"
-    assert istio_line in DOC.read_text().splitlines()
-    security_line = f"ACL SETUSER cg-gateway reset on >GATEWAY_PASSWORD {gateway_acl_rules('<key_prefix>')}"
-    assert security_line in (ROOT / "docs" / "security.md").read_text().splitlines()
+    istio = DOC.read_text().splitlines()
+    assert f"user cg-gateway reset on #<sha256 of gateway-password> {gateway_acl_rules(key_prefix)}" in istio
+    assert f"user default reset off {gateway_acl_rules(key_prefix)}" in istio
+    security = (ROOT / "docs" / "security.md").read_text().splitlines()
+    rules = gateway_acl_rules("<key_prefix>")
+    assert f"ACL SETUSER cg-gateway reset on >GATEWAY_PASSWORD {rules}" in security
+    assert f"ACL SETUSER default reset off {rules}" in security
+
+
+def test_redis_yaml_keeps_every_script_write_across_a_kill(tmp_path):
+    """redis.yaml's Redis, as its init container and redis.conf make it, killed (SIGKILL) and
+    started again from its append-only file, has every key, value and TTL the scripts wrote as
+    cg-gateway. Redis replays that file as `default`, checking every command of a replayed
+    transaction (each script's writes) against default's rules, switched off or not
+    (redis/redis#14541, Redis 7.0 to 7.4): with `user default reset` every such write was
+    refused at the restart (tests/test_redis_acl_restart.py shows the loss)."""
+    model = new_model(tmp_path / "model")
+
+    def kubectl(*argv: str) -> None:
+        rc, out, err = model.kubectl(list(argv), ROOT)
+        assert rc == 0, (out + err).decode()
+
+    kubectl("apply", "-f", "deploy/istio/namespaces.yaml")
+    gateway_password, admin_password = os.urandom(12).hex(), os.urandom(12).hex()
+    kubectl("-n", "redis", "create", "secret", "generic", "redis-users",
+            f"--from-literal=gateway-password={gateway_password}",
+            f"--from-literal=admin-password={admin_password}")
+    kubectl("apply", "-f", "deploy/istio/redis.yaml")
+    server = ManifestRedis(model, model.get("StatefulSet", "redis", "redis"), tmp_path / "redis-pod")
+    server.start()
+    try:
+        plugin = yaml.safe_load((ROOT / "deploy" / "istio" / "wasmplugin.yaml").read_text())
+        key_prefix = plugin["spec"]["pluginConfig"]["redis"]["key_prefix"]
+        admin = server.client("admin", admin_password)
+        assert admin.config_get("appendonly") == {"appendonly": "yes"}
+        admin.close()
+        scripts_survive_a_kill(server, server.client("cg-gateway", gateway_password),
+                               lambda: server.client("admin", admin_password), key_prefix)
+    finally:
+        server.stop()
 
 
 def test_output_blocks_match_as_the_page_says():

@@ -67,8 +67,7 @@ def acquire_args(prefix: str, own: str, fence_ttl_ms: int = 600_000):
     return keys, args
 
 
-def test_every_script_runs_as_the_gateway_user(gateway, redis_client):
-    prefix = "cg:scripts-acl"
+def test_every_script_runs_as_the_gateway_user(gateway, redis_client, prefix="cg:scripts-acl"):
     acquire = Script(gateway, "acquire.lua")
     own = uuid.uuid4().hex
     redis_client.config_resetstat()
