@@ -30,7 +30,8 @@ Request headers that steer the answer:
   one HTTP chunk per piece: cut at the byte offsets of `x-upstream-sse-cuts: 10,25` (none: one
   piece), `x-upstream-sse-interval-ms` (default 300) between pieces; with
   `x-upstream-sse-end: reset` the connection is reset (TCP RST) after the last piece instead
-  of ending the stream. The ledger entry counts `pieces_sent`.
+  of ending the stream. The ledger entry counts `pieces_sent` and has the request's
+  `accept_encoding` (`None` without one).
 - `x-upstream-pause-after-bytes: M`, `x-upstream-pause-ms: T`  send the first M bytes of the
   body (big or JSON), flush, wait T ms, then the rest: many responses can be held mid-body at once
 
@@ -58,7 +59,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 RECORDED_HEADERS = ("x-tenant-id", "x-user-id", "x-fencing-token", "x-idempotency-fingerprint",
-                    "idempotency-key", "accept-encoding")
+                    "idempotency-key")
 ADMIN_PREFIX = "/__upstream/"
 BODY_PATTERN = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_\n"
 
@@ -293,6 +294,8 @@ class Handler(BaseHTTPRequestHandler):
         """`body` as an event stream, in the pieces `x-upstream-sse-cuts` makes of it."""
         cuts = [int(c) for c in (self.headers.get("x-upstream-sse-cuts") or "").split(",") if c]
         bounds = [0, *sorted(c for c in cuts if 0 < c < len(body)), len(body)]
+        with self.ledger.lock:
+            entry["accept_encoding"] = self.headers.get("accept-encoding")
         self.send_response(status)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
