@@ -37,10 +37,32 @@ pub enum ChargeSource {
     /// A JSON pointer (RFC 6901) into an `application/json` response body of at most
     /// `max_body` bytes, read as it passes.
     Json { pointer: Pointer, max_body: u64 },
+    /// A JSON pointer into the data of each event of a `text/event-stream` response (the last
+    /// event carrying it wins), read as the stream passes; an `application/json` answer is
+    /// read as [`ChargeSource::Json`] reads it. A stream that ends (or is cut) before any event
+    /// carried it is charged `missing`.
+    SseJson {
+        pointer: Pointer,
+        max_body: u64,
+        missing: Fallback,
+    },
+}
+
+impl ChargeSource {
+    /// The JSON pointer a `response_json` or `response_sse_json` charge reads.
+    pub fn pointer(&self) -> Option<&Pointer> {
+        match self {
+            ChargeSource::Json { pointer, .. } | ChargeSource::SseJson { pointer, .. } => {
+                Some(pointer)
+            }
+            ChargeSource::Header(_) | ChargeSource::Trailer(_) => None,
+        }
+    }
 }
 
 /// `charge.unreadable`: the charge of a response whose own cannot be read (no header, a body
-/// that is not plain JSON, too large, cut short, ...).
+/// that is not plain JSON, too large, cut short, ...); `charge.missing`: the charge of an event
+/// stream that ended before any event carried its usage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fallback {
     /// The cost the request was admitted at.
@@ -102,25 +124,39 @@ pub fn cost(v: &Value, path: &str, capacity: u64) -> Result<Cost> {
 }
 
 /// Exactly one of `{"response_header": "<name>"}`, `{"trailer": "<name>"}`,
-/// `{"response_json": "/json/pointer", "max_body": "1MiB"}`, with `"unreadable"`: `"cost"`,
-/// `"max"` (the default: `max_cost`, the most a request of the limit is admitted at) or a
-/// number of units. `max_body` is at most `envoy_buffer_limit`.
+/// `{"response_json": "/json/pointer", "max_body": "1MiB"}`,
+/// `{"response_sse_json": "/json/pointer", "max_body": "1MiB", "missing": "cost"}`, with
+/// `"unreadable"`: `"cost"`, `"max"` (the default: `max_cost`, the most a request of the limit
+/// is admitted at) or a number of units. `max_body` is at most `envoy_buffer_limit`;
+/// `missing` (an event stream without its usage) takes the same values, `"cost"` by default.
 pub fn charge(v: &Value, path: &str, max_cost: u64, envoy_buffer_limit: u64) -> Result<Charge> {
     let known = &[
         "response_header",
         "trailer",
         "response_json",
+        "response_sse_json",
         "max_body",
         "unreadable",
+        "missing",
     ];
     let mut o = Obj::new(v, path, known)?;
     let header = header_name(&mut o, "response_header")?;
     let trailer = header_name(&mut o, "trailer")?;
-    let pointer_path = o.field_path("response_json");
-    let pointer = o.opt_str("response_json")?;
+    let json = pointer(&mut o, "response_json")?;
+    let sse = pointer(&mut o, "response_sse_json")?;
     let max_body_path = o.field_path("max_body");
     let max_body = size(&mut o, "max_body", CHARGE_MAX_BODY_LIMIT)?;
-    let unreadable = fallback(&mut o, "unreadable", max_cost)?;
+    let unreadable = fallback(&mut o, "unreadable", max_cost, Fallback::Max(max_cost))?;
+    let missing_path = o.field_path("missing");
+    let missing = match o.get("missing") {
+        Some(_) if sse.is_none() => {
+            return Err(ConfigError::new(
+                missing_path,
+                "only applies to response_sse_json",
+            ))
+        }
+        _ => fallback(&mut o, "missing", max_cost, Fallback::Cost)?,
+    };
     if let Some(n) = max_body.filter(|&n| n > envoy_buffer_limit) {
         return Err(ConfigError::new(
             max_body_path,
@@ -131,35 +167,24 @@ pub fn charge(v: &Value, path: &str, max_cost: u64, envoy_buffer_limit: u64) -> 
             ),
         ));
     }
-    let pointer = match pointer {
-        Some(p) if !p.starts_with('/') => {
-            return Err(ConfigError::new(
-                pointer_path,
-                format!("{p:?} is not a JSON pointer (RFC 6901), e.g. \"/usage/total_tokens\""),
-            ))
-        }
-        Some(p) => Some(Pointer::parse(p).map_err(|why| {
-            ConfigError::new(
-                pointer_path,
-                format!("{p:?} is not a JSON pointer (RFC 6901): {why}"),
-            )
-        })?),
-        None if max_body.is_some() => {
-            return Err(ConfigError::new(
-                max_body_path,
-                "only applies to response_json",
-            ))
-        }
-        None => None,
-    };
-    let json = pointer.map(|pointer| ChargeSource::Json {
+    if max_body.is_some() && json.is_none() && sse.is_none() {
+        return Err(ConfigError::new(
+            max_body_path,
+            "only applies to response_json and response_sse_json",
+        ));
+    }
+    let max_body = max_body.unwrap_or(CHARGE_MAX_BODY.min(envoy_buffer_limit));
+    let json = json.map(|pointer| ChargeSource::Json { pointer, max_body });
+    let sse = sse.map(|pointer| ChargeSource::SseJson {
         pointer,
-        max_body: max_body.unwrap_or(CHARGE_MAX_BODY.min(envoy_buffer_limit)),
+        max_body,
+        missing,
     });
     let mut sources = [
         header.map(ChargeSource::Header),
         trailer.map(ChargeSource::Trailer),
         json,
+        sse,
     ]
     .into_iter()
     .flatten();
@@ -167,13 +192,38 @@ pub fn charge(v: &Value, path: &str, max_cost: u64, envoy_buffer_limit: u64) -> 
         (Some(source), None) => Ok(Charge { source, unreadable }),
         _ => Err(ConfigError::new(
             path,
-            "must have exactly one of response_header, trailer, response_json",
+            "must have exactly one of response_header, trailer, response_json, \
+             response_sse_json",
         )),
     }
 }
 
-/// `unreadable`: `"cost"`, `"max"` (the default, `max_cost`) or a number of units.
-fn fallback(o: &mut Obj<'_>, field: &'static str, max_cost: u64) -> Result<Fallback> {
+/// A JSON pointer (RFC 6901) in `field`, if given.
+fn pointer(o: &mut Obj<'_>, field: &'static str) -> Result<Option<Pointer>> {
+    let path = o.field_path(field);
+    match o.opt_str(field)? {
+        Some(p) if !p.starts_with('/') => Err(ConfigError::new(
+            path,
+            format!("{p:?} is not a JSON pointer (RFC 6901), e.g. \"/usage/total_tokens\""),
+        )),
+        Some(p) => Pointer::parse(p).map(Some).map_err(|why| {
+            ConfigError::new(
+                path,
+                format!("{p:?} is not a JSON pointer (RFC 6901): {why}"),
+            )
+        }),
+        None => Ok(None),
+    }
+}
+
+/// `unreadable` or `missing`: `"cost"`, `"max"` (`max_cost`) or a number of units; `default`
+/// when not given.
+fn fallback(
+    o: &mut Obj<'_>,
+    field: &'static str,
+    max_cost: u64,
+    default: Fallback,
+) -> Result<Fallback> {
     let path = o.field_path(field);
     let refused = |shown: String| {
         ConfigError::new(
@@ -184,7 +234,7 @@ fn fallback(o: &mut Obj<'_>, field: &'static str, max_cost: u64) -> Result<Fallb
         )
     };
     match o.get(field) {
-        None => Ok(Fallback::Max(max_cost)),
+        None => Ok(default),
         Some(Value::String(s)) if s == "cost" => Ok(Fallback::Cost),
         Some(Value::String(s)) if s == "max" => Ok(Fallback::Max(max_cost)),
         Some(Value::Number(n)) => match n.as_u64() {

@@ -1,7 +1,7 @@
 //! The metrics a configuration defines: the proxy's own, and one set per policy and limit
 //! (their names and ids are `support::metrics`'s).
 
-use crate::config::Config;
+use crate::config::{ChargeSource, Config};
 use crate::support::metrics::{
     IdempotencyMetrics, Kind, LeaseMetrics, LimitMetrics, MemoryMetrics, Metrics, PolicyMetrics,
     RedisMetrics,
@@ -42,6 +42,13 @@ impl Metrics {
                                 },
                                 charge_unreadable: if l.charge.is_some() {
                                     counter(format!("{lb}.charge_unreadable"))
+                                } else {
+                                    u32::MAX
+                                },
+                                charge_missing: if l.charge.as_ref().is_some_and(|c| {
+                                    matches!(c.source, ChargeSource::SseJson { .. })
+                                }) {
+                                    counter(format!("{lb}.charge_missing"))
                                 } else {
                                     u32::MAX
                                 },

@@ -973,6 +973,49 @@ fn concurrency_cost_and_charge() {
 }
 
 #[test]
+fn an_event_stream_charge() {
+    let mut v = base();
+    v["policies"][1]["rate_limits"] = json!([
+        { "name": "prompt", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000, "window": "1d",
+          "cost": { "header": "x-cost", "max": 4000 },
+          "charge": { "response_sse_json": "/usage/prompt_tokens" } },
+        { "name": "completion", "by": ["tenant"], "algorithm": "token_bucket", "limit": 1000, "window": "1m",
+          "charge": { "response_sse_json": "/usage/completion_tokens", "max_body": "64KiB",
+                      "missing": "max", "unreadable": 5 } }
+    ]);
+    let c = Config::from_value(&v).expect("valid");
+    let l = &c.policies[1].rate_limits;
+    let pointer = |p: &str| Pointer::parse(p).expect("a pointer");
+    assert_eq!(
+        l[0].charge,
+        Some(Charge {
+            source: ChargeSource::SseJson {
+                pointer: pointer("/usage/prompt_tokens"),
+                max_body: CHARGE_MAX_BODY,
+                missing: Fallback::Cost,
+            },
+            unreadable: Fallback::Max(4000),
+        }),
+        "missing: the admitted cost unless given"
+    );
+    assert_eq!(
+        l[1].charge,
+        Some(Charge {
+            source: ChargeSource::SseJson {
+                pointer: pointer("/usage/completion_tokens"),
+                max_body: 64 * 1024,
+                missing: Fallback::Max(1000),
+            },
+            unreadable: Fallback::Units(5),
+        })
+    );
+    assert_eq!(
+        l[1].charge.as_ref().and_then(|c| c.source.pointer()),
+        Some(&pointer("/usage/completion_tokens"))
+    );
+}
+
+#[test]
 fn cost_and_charge_errors_name_the_field() {
     let limit = |extra: Value| {
         let mut l = json!({ "name": "l", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100, "window": "1m" });
@@ -1003,13 +1046,36 @@ fn cost_and_charge_errors_name_the_field() {
         (json!({"cost": {"header": "x-c", "default": -1}}),
          format!("{at}.cost.default: -1 is not an integer between 0 and 1000000000")),
         (json!({"charge": {}}),
-         format!("{at}.charge: must have exactly one of response_header, trailer, response_json")),
+         format!("{at}.charge: must have exactly one of response_header, trailer, response_json, response_sse_json")),
         (json!({"charge": {"response_header": "x-a", "trailer": "x-b"}}),
-         format!("{at}.charge: must have exactly one of response_header, trailer, response_json")),
+         format!("{at}.charge: must have exactly one of response_header, trailer, response_json, response_sse_json")),
+        (json!({"charge": {"response_json": "/a", "response_sse_json": "/a"}}),
+         format!("{at}.charge: must have exactly one of response_header, trailer, response_json, response_sse_json")),
         (json!({"charge": {"response_json": "usage"}}),
          format!("{at}.charge.response_json: \"usage\" is not a JSON pointer (RFC 6901), e.g. \"/usage/total_tokens\"")),
+        (json!({"charge": {"response_sse_json": "usage/total_tokens"}}),
+         format!("{at}.charge.response_sse_json: \"usage/total_tokens\" is not a JSON pointer (RFC 6901), e.g. \"/usage/total_tokens\"")),
+        (json!({"charge": {"response_sse_json": "/usage/a~2"}}),
+         format!("{at}.charge.response_sse_json: \"/usage/a~2\" is not a JSON pointer (RFC 6901): \"a~2\" has a '~' not followed by 0 or 1 (write ~0 for '~', ~1 for '/')")),
+        (json!({"charge": {"response_sse_json": 7}}),
+         format!("{at}.charge.response_sse_json: expected a string, found a number")),
         (json!({"charge": {"response_header": "x-a", "max_body": "1KiB"}}),
-         format!("{at}.charge.max_body: only applies to response_json")),
+         format!("{at}.charge.max_body: only applies to response_json and response_sse_json")),
+        (json!({"charge": {"response_json": "/a", "missing": "cost"}}),
+         format!("{at}.charge.missing: only applies to response_sse_json")),
+        (json!({"charge": {"trailer": "x-a", "missing": 3}}),
+         format!("{at}.charge.missing: only applies to response_sse_json")),
+        (json!({"charge": {"response_sse_json": "/a", "missing": "estimate"}}),
+         format!("{at}.charge.missing: \"estimate\" is not \"cost\", \"max\" or a whole number of units from 0 to 1000000000")),
+        (json!({"charge": {"response_sse_json": "/a", "missing": -1}}),
+         format!("{at}.charge.missing: -1 is not \"cost\", \"max\" or a whole number of units from 0 to 1000000000")),
+        (json!({"charge": {"response_sse_json": "/a", "max_body": "32MiB"}}),
+         format!("{at}.charge.max_body: \"32MiB\" is larger than the maximum of 16777216 bytes")),
+        // Nothing of an event is held, so there is no bound on one to set.
+        (json!({"charge": {"response_sse_json": "/a", "max_event": "1KiB"}}),
+         format!("{at}.charge.max_event: unknown field (known here: max_body, missing, response_header, response_json, response_sse_json, trailer, unreadable)")),
+        (json!({"charge": {"response_sse_jsn": "/a"}}),
+         format!("{at}.charge.response_sse_jsn: unknown field (did you mean `response_sse_json`?)")),
         (json!({"algorithm": "concurrent"}),
          format!("{at}.algorithm: \"concurrent\" is not one of fixed_window, sliding_window, sliding_log, token_bucket, concurrency")),
     ];

@@ -7,7 +7,9 @@
 //!
 //! * `cg.policy.<policy>.limit.<limit>.allowed|rejected|shadow_rejected`, `.charged` (units
 //!   charged after responses) and `.charge_unreadable` (responses charged the `unreadable`
-//!   fallback) for a limit with `charge`, and `.slot_orphaned` for a concurrency limit
+//!   fallback) for a limit with `charge`, `.charge_missing` (event streams that ended without
+//!   their charge, charged `missing`) for one with a `response_sse_json` charge, and
+//!   `.slot_orphaned` for a concurrency limit
 //! * `cg.policy.<policy>.failed_open|failed_closed|missing_tenant|ambiguous_input`
 //! * `cg.policy.<policy>.idem.acquired|replayed|in_progress|conflict|missing_key|invalid_key|
 //!   body_too_large|unreadable|sealed_unreadable|released|completed|complete_failed|stale_owner|
@@ -56,6 +58,9 @@ pub(crate) struct LimitMetrics {
     pub(crate) slot_orphaned: u32,
     /// Responses whose charge could not be read, charged the `unreadable` fallback.
     pub(crate) charge_unreadable: u32,
+    /// Event streams that ended (or were cut) before any event carried the charge, charged
+    /// `missing` (limits with a `response_sse_json` charge).
+    pub(crate) charge_missing: u32,
     /// Requests that found a stored override of the limit unreadable and counted without it
     /// (limits with `overrides`).
     pub(crate) override_unreadable: u32,

@@ -1,6 +1,7 @@
 //! Building blocks with no knowledge of requests or guards: text and hashing, ids, the heap and
 //! the memory budget, bounded slot tables, rate-limited logs, metric ids, the streaming JSON
-//! scan, URL paths and queries as services read them, path templates, and gRPC's status codes.
+//! scan and the event-stream reader it is fed by, URL paths and queries as services read them,
+//! path templates, and gRPC's status codes.
 
 #[cfg(test)]
 pub(crate) mod alloc_count;
@@ -14,5 +15,6 @@ pub(crate) mod memory;
 pub mod metrics;
 pub(crate) mod normalize;
 pub(crate) mod slots;
+pub(crate) mod sse;
 pub mod template;
 pub(crate) mod text;

@@ -26,6 +26,12 @@ Request headers that steer the answer:
   N objects `{"":0}` (7 bytes each) before its closing brace: a big body of many small values
 - `x-upstream-content-encoding: gzip`  gzip the JSON body and say so (`Content-Encoding`)
 - `x-upstream-sse-data: <text>`  with `x-upstream-sse-events`, every event's data is this text
+- `x-upstream-sse-body: <base64>`  answer `text/event-stream` (chunked) with exactly these bytes,
+  one HTTP chunk per piece: cut at the byte offsets of `x-upstream-sse-cuts: 10,25` (none: one
+  piece), `x-upstream-sse-interval-ms` (default 300) between pieces; with
+  `x-upstream-sse-end: reset` the connection is reset (TCP RST) after the last piece instead
+  of ending the stream. The ledger entry counts `pieces_sent` and has the request's
+  `accept_encoding` (`None` without one).
 - `x-upstream-pause-after-bytes: M`, `x-upstream-pause-ms: T`  send the first M bytes of the
   body (big or JSON), flush, wait T ms, then the rest: many responses can be held mid-body at once
 
@@ -38,6 +44,7 @@ being served right now are in the stats' `in_flight`.
 from __future__ import annotations
 
 import argparse
+import base64
 import functools
 import hashlib
 import itertools
@@ -185,6 +192,10 @@ class Handler(BaseHTTPRequestHandler):
         status = int(self.headers.get("x-upstream-status") or 200)
         extra = {name[len("x-upstream-header-"):]: value for name, value in self.headers.items()
                  if name.lower().startswith("x-upstream-header-")}
+        scripted = self.headers.get("x-upstream-sse-body")
+        if scripted is not None:
+            interval = int(self.headers.get("x-upstream-sse-interval-ms") or 300) / 1000
+            return self._send_stream(status, base64.b64decode(scripted), interval, entry, extra)
         events = self.headers.get("x-upstream-sse-events")
         if events is not None:
             interval = int(self.headers.get("x-upstream-sse-interval-ms") or 300) / 1000
@@ -273,6 +284,42 @@ class Handler(BaseHTTPRequestHandler):
                 with self.ledger.lock:
                     entry["events_sent"] = i
                     entry["last_event"] = time.time()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:  # the client (or Envoy) left
+            self.close_connection = True
+
+    def _send_stream(self, status: int, body: bytes, interval: float, entry: dict,
+                     extra: dict) -> None:
+        """`body` as an event stream, in the pieces `x-upstream-sse-cuts` makes of it."""
+        cuts = [int(c) for c in (self.headers.get("x-upstream-sse-cuts") or "").split(",") if c]
+        bounds = [0, *sorted(c for c in cuts if 0 < c < len(body)), len(body)]
+        with self.ledger.lock:
+            entry["accept_encoding"] = self.headers.get("accept-encoding")
+        self.send_response(status)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        for name, value in extra.items():
+            self.send_header(name, value)
+        self.end_headers()
+        try:
+            for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
+                if n:
+                    time.sleep(interval)
+                piece = body[start:end]
+                if piece:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+                with self.ledger.lock:
+                    entry["pieces_sent"] = n + 1
+            if self.headers.get("x-upstream-sse-end") == "reset":
+                time.sleep(0.2)  # let the bytes go out before the reset
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                           struct.pack("ii", 1, 0))
+                self.close_connection = True
+                self.connection.close()
+                return
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
         except OSError:  # the client (or Envoy) left

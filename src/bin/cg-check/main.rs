@@ -209,6 +209,7 @@ fn check(bytes: &[u8], env: &Environment<'_>) -> Result<(String, Vec<String>), S
         .collect();
     let mut warnings = env.warnings(&raw);
     warnings.extend(self_declared_costs(&config));
+    warnings.extend(streams_cut_for_less(&config));
     Ok((describe(&config, &credential, &sealing), warnings))
 }
 
@@ -232,6 +233,39 @@ fn self_declared_costs(c: &Config) -> Vec<String> {
     out
 }
 
+/// A limit charged from an event stream whose stream without usage is charged the admitted
+/// cost (`missing: cost`, the default): a client that leaves before the usage event pays only
+/// that, which it declares itself (`cost`) or which is 1 unit (no `cost`).
+fn streams_cut_for_less(c: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, p) in c.policies.iter().enumerate() {
+        for (j, l) in p.rate_limits.iter().enumerate() {
+            let Some(ChargeSource::SseJson {
+                missing: Fallback::Cost,
+                ..
+            }) = l.charge.as_ref().map(|c| &c.source)
+            else {
+                continue;
+            };
+            let admitted = match &l.cost {
+                Some(cost) => format!(
+                    "which the client declares in {} (at least min, {})",
+                    cost.header, cost.min
+                ),
+                None => "1 unit (no cost is set)".to_string(),
+            };
+            out.push(format!(
+                "policies[{i}].rate_limits[{j}] ({}/{}): an event stream that ends before its \
+                 usage (the client left) is charged the admitted cost, {admitted}: set \
+                 charge.missing to \"max\" or a number of units if a client could leave early \
+                 to pay less",
+                p.name, l.name
+            ));
+        }
+    }
+    out
+}
+
 fn mode(m: FailureMode) -> &'static str {
     match m {
         FailureMode::Open => "fail_open (forward when Redis cannot answer)",
@@ -246,6 +280,15 @@ fn duration(ms: u64) -> String {
         ms if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
         ms if ms % 1000 == 0 => format!("{}s", ms / 1000),
         ms => format!("{ms}ms"),
+    }
+}
+
+/// What a charge's fallback (`unreadable`, `missing`) charges, in words.
+fn fallback(f: Fallback) -> String {
+    match f {
+        Fallback::Cost => "the admitted cost".to_string(),
+        Fallback::Max(n) => format!("{n} (max)"),
+        Fallback::Units(n) => n.to_string(),
     }
 }
 
@@ -294,12 +337,21 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
                     pointer.as_str()
                 );
             }
+            ChargeSource::SseJson {
+                pointer,
+                max_body,
+                missing,
+            } => {
+                let _ = write!(
+                    line,
+                    ", charged from the last event of an event stream with a number at {} \
+                     (or a JSON answer's, up to {max_body} bytes), a stream without it: {}",
+                    pointer.as_str(),
+                    fallback(*missing)
+                );
+            }
         }
-        let _ = match c.unreadable {
-            Fallback::Cost => write!(line, ", unreadable: the admitted cost"),
-            Fallback::Max(n) => write!(line, ", unreadable: {n} (max)"),
-            Fallback::Units(n) => write!(line, ", unreadable: {n}"),
-        };
+        let _ = write!(line, ", unreadable: {}", fallback(c.unreadable));
     }
     if l.algorithm == Algorithm::TokenBucket {
         let _ = write!(line, ", burst {}", l.burst);

@@ -128,6 +128,43 @@ fn a_cost_the_client_declares_with_no_charge_is_warned_about() {
 }
 
 #[test]
+fn an_event_stream_charge_is_explained_and_its_cut_streams_warned_about() {
+    let config = br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "chat", "rate_limits": [
+            {"name": "prompt", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000,
+             "window": "1d", "cost": {"header": "x-request-cost", "max": 10000},
+             "charge": {"response_sse_json": "/usage/prompt_tokens"}},
+            {"name": "completion", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000,
+             "window": "1d", "charge": {"response_sse_json": "/usage/completion_tokens",
+             "missing": "max", "unreadable": 0}},
+            {"name": "total", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000,
+             "window": "1d", "charge": {"response_sse_json": "/usage/total_tokens"}}]}]}"#;
+    let (summary, warnings) = check(config, &Environment(None)).expect("valid");
+    for want in [
+        "charged from the last event of an event stream with a number at /usage/prompt_tokens \
+         (or a JSON answer's, up to 1048576 bytes), a stream without it: the admitted cost, \
+         unreadable: 10000 (max)",
+        "charged from the last event of an event stream with a number at \
+         /usage/completion_tokens (or a JSON answer's, up to 1048576 bytes), a stream without \
+         it: 100000 (max), unreadable: 0",
+    ] {
+        assert!(summary.contains(want), "{want:?} in\n{summary}");
+    }
+    assert_eq!(
+        warnings,
+        [
+            "policies[0].rate_limits[0] (chat/prompt): an event stream that ends before its \
+             usage (the client left) is charged the admitted cost, which the client declares in \
+             x-request-cost (at least min, 1): set charge.missing to \"max\" or a number of \
+             units if a client could leave early to pay less",
+            "policies[0].rate_limits[2] (chat/total): an event stream that ends before its \
+             usage (the client left) is charged the admitted cost, 1 unit (no cost is set): set \
+             charge.missing to \"max\" or a number of units if a client could leave early to \
+             pay less",
+        ]
+    );
+}
+
+#[test]
 fn an_invalid_config_gives_the_filters_error() {
     for (config, want) in [
         (

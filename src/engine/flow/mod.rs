@@ -365,6 +365,8 @@ mod quota_tests;
 #[cfg(test)]
 mod response_tests;
 #[cfg(test)]
+mod sse_tests;
+#[cfg(test)]
 pub(crate) mod test_support;
 #[cfg(test)]
 mod tests;

@@ -1,8 +1,9 @@
 //! The charge of one request: what the response says it really cost (a response header, a
-//! trailer, or a number in its JSON body, read by a streaming scan that keeps nothing of the
-//! body), or, when that cannot be read, the limit's `unreadable` fallback; and the correction
-//! of the counters it consumed from, sent from the root once the stream ends (nothing waits
-//! for it).
+//! trailer, a number in its JSON body, or a number in the last event of an event stream that
+//! carries it, each body read by a streaming scan that keeps nothing of it), or, when that
+//! cannot be read, the limit's `unreadable` fallback (`missing` for an event stream that
+//! ended without its number); and the correction of the counters it consumed from, sent from
+//! the root once the stream ends (nothing waits for it).
 
 use crate::config::{ChargeSource, Policy};
 use crate::guards::background::Background;
@@ -10,7 +11,9 @@ use crate::guards::context::{Pcx, Purpose};
 use crate::guards::idempotency::fingerprint::is_json;
 use crate::guards::ratelimit::admission::Admission;
 use crate::redis::scripts::charge::{self, Correction};
-use crate::support::jsonscan::Scan;
+use crate::support::jsonscan::{Scan, Unreadable};
+use crate::support::sse::{EventStream, Events};
+use crate::support::text::media_type;
 
 /// Charges are capped here (the scripts count in Lua doubles).
 const MAX_CHARGE: u64 = 1_000_000_000;
@@ -22,15 +25,19 @@ enum Reading {
     /// (Envoy answered itself before sending it), so its admitted cost stands.
     #[default]
     Nothing,
-    /// Still to come: a trailer, or a JSON body still passing. At the stream's end it is
-    /// unreadable.
+    /// Still to come: a trailer, a JSON body or an event stream still passing. At the stream's
+    /// end a trailer or a JSON body is unreadable, an event stream what its events said.
     Pending,
     Read(u64),
     /// The response does not say (or not in a way that can be read): the fallback applies.
     Unreadable,
+    /// An event stream that ended (or was cut, or never came) before any of its events
+    /// carried the number: `missing` applies.
+    Missing,
 }
 
-/// A `response_json` charge's scan of the body passing.
+/// A JSON body's scan (a `response_json` charge, or a `response_sse_json` charge whose
+/// response is JSON rather than a stream).
 #[derive(Debug)]
 struct BodyScan {
     limit: usize,
@@ -38,14 +45,29 @@ struct BodyScan {
     scan: Scan,
 }
 
+/// A `response_sse_json` charge reading an event stream: the scan of the current event's
+/// data, and what the last event that carried the pointer said.
+#[derive(Debug)]
+struct EventRead {
+    limit: usize,
+    scan: Scan,
+    /// `Read(n)`, or `Unreadable` when the last event carrying the pointer had something
+    /// there that is not a charge; `None` until an event carries it.
+    last: Option<Reading>,
+}
+
 /// What the response said, per limit (policy order).
 #[derive(Debug, Default)]
 pub(crate) struct Meter {
     readings: Vec<Reading>,
-    /// The scans of the `response_json` charges still reading the body.
+    /// The scans of the JSON charges still reading the body.
     scans: Vec<BodyScan>,
     /// Body bytes seen so far.
     body: u64,
+    /// The event stream, read once for every `response_sse_json` charge of the policy.
+    stream: EventStream,
+    /// The event-stream charges still reading it.
+    events: Vec<EventRead>,
 }
 
 /// How the response came about, as the charge needs it.
@@ -82,6 +104,57 @@ fn plain_coding(headers: &[(String, String)]) -> bool {
         })
 }
 
+/// The JSON pointer limit `limit` of `policy` reads, if it reads one.
+fn pointer_of(policy: &Policy, limit: usize) -> Option<&crate::config::Pointer> {
+    policy
+        .rate_limits
+        .get(limit)?
+        .charge
+        .as_ref()?
+        .source
+        .pointer()
+}
+
+/// The event-stream charges reading one event's data as the stream passes.
+struct EventSink<'a> {
+    policy: &'a Policy,
+    reads: &'a mut [EventRead],
+}
+
+impl Events for EventSink<'_> {
+    fn data(&mut self, bytes: &[u8]) {
+        for r in self.reads.iter_mut() {
+            if let Some(pointer) = pointer_of(self.policy, r.limit) {
+                r.scan.feed(pointer, bytes);
+            }
+        }
+    }
+
+    /// An event is complete: one whose data is JSON with something at the pointer replaces
+    /// what the earlier ones said; any other (not JSON, such as OpenAI's `[DONE]`, or nothing
+    /// at the pointer) says nothing.
+    fn dispatch(&mut self) {
+        for r in self.reads.iter_mut() {
+            let said = match r.scan.finish() {
+                Ok(number) => Some(read(Some(number))),
+                Err(Unreadable::Repeated | Unreadable::NotANumber | Unreadable::LongNumber) => {
+                    Some(Reading::Unreadable)
+                }
+                Err(
+                    Unreadable::Invalid
+                    | Unreadable::Incomplete
+                    | Unreadable::TooDeep
+                    | Unreadable::Missing,
+                ) => None,
+            };
+            if said.is_some() {
+                r.last = said;
+            }
+            r.scan = Scan::new();
+        }
+    }
+}
+
 impl Meter {
     /// Whether any limit of `policy` is charged from the response.
     pub(crate) fn wanted(policy: &Policy) -> bool {
@@ -97,14 +170,15 @@ impl Meter {
         })
     }
 
-    /// Whether the response body is being read (a JSON charge's scan).
+    /// Whether the response body is being read (a JSON charge's scan, an event stream's).
     pub(crate) fn scanning(&self) -> bool {
-        !self.scans.is_empty()
+        !self.scans.is_empty() || !self.events.is_empty()
     }
 
     /// The response's headers: header charges are read, a JSON body is scanned if it can be
-    /// read (JSON, not compressed, within `max_body`), and a response that ends here has its
-    /// trailer charges in its headers (a trailers-only answer).
+    /// read (JSON, not compressed, within `max_body`), an event stream is read if it is not
+    /// compressed, and a response that ends here has its trailer charges in its headers (a
+    /// trailers-only answer).
     pub(crate) fn on_headers(
         &mut self,
         policy: &Policy,
@@ -114,8 +188,14 @@ impl Meter {
     ) {
         self.readings.clear();
         self.scans.clear();
+        self.events.clear();
+        self.stream = EventStream::new();
         self.body = 0;
-        let json = is_json(single(headers, "content-type")) && plain_coding(headers);
+        let content_type = single(headers, "content-type");
+        let plain = plain_coding(headers);
+        let json = is_json(content_type) && plain;
+        let events =
+            content_type.is_some_and(|t| media_type(t).eq_ignore_ascii_case("text/event-stream"));
         let length = single(headers, "content-length").and_then(|v| v.trim().parse::<u64>().ok());
         for (i, limit) in policy.rate_limits.iter().enumerate() {
             let Some(charge) = &limit.charge else {
@@ -124,11 +204,30 @@ impl Meter {
             };
             let reading = match (&charge.source, origin) {
                 (_, Origin::NeverSent) => Reading::Nothing,
+                // The upstream never answered: no event carried the usage.
+                (ChargeSource::SseJson { .. }, Origin::Failed) => Reading::Missing,
                 (_, Origin::Failed) => Reading::Unreadable,
                 (ChargeSource::Header(name), _) => read(single(headers, name)),
                 (ChargeSource::Trailer(name), _) if end => read(single(headers, name)),
                 (ChargeSource::Trailer(_), _) => Reading::Pending,
-                (ChargeSource::Json { max_body, .. }, _) => {
+                (ChargeSource::SseJson { .. }, _) if events => {
+                    if end {
+                        Reading::Missing
+                    } else if plain {
+                        self.events.push(EventRead {
+                            limit: i,
+                            scan: Scan::new(),
+                            last: None,
+                        });
+                        Reading::Pending
+                    } else {
+                        Reading::Unreadable
+                    }
+                }
+                (
+                    ChargeSource::Json { max_body, .. } | ChargeSource::SseJson { max_body, .. },
+                    _,
+                ) => {
                     if json && !end && length.is_none_or(|l| l <= *max_body) {
                         self.scans.push(BodyScan {
                             limit: i,
@@ -146,9 +245,9 @@ impl Meter {
     }
 
     /// A piece of the response body (`None`: one that could not be read, so the scans give
-    /// up); at its end the JSON charges are read.
+    /// up); at its end the JSON and event-stream charges are read.
     pub(crate) fn on_body(&mut self, policy: &Policy, piece: Option<&[u8]>, end: bool) {
-        if self.scans.is_empty() {
+        if !self.scanning() {
             return;
         }
         let Some(piece) = piece else {
@@ -158,15 +257,9 @@ impl Meter {
         let body = self.body;
         let readings = &mut self.readings;
         self.scans.retain_mut(|s| {
-            let pointer =
-                policy
-                    .rate_limits
-                    .get(s.limit)
-                    .and_then(|l| match &l.charge.as_ref()?.source {
-                        ChargeSource::Json { pointer, .. } => Some(pointer),
-                        _ => None,
-                    });
-            let (Some(pointer), Some(reading)) = (pointer, readings.get_mut(s.limit)) else {
+            let (Some(pointer), Some(reading)) =
+                (pointer_of(policy, s.limit), readings.get_mut(s.limit))
+            else {
                 return false;
             };
             if body > s.max_body {
@@ -180,12 +273,20 @@ impl Meter {
             }
             true
         });
+        if !self.events.is_empty() {
+            let mut sink = EventSink {
+                policy,
+                reads: &mut self.events,
+            };
+            self.stream.feed(piece, &mut sink);
+        }
         if end {
             self.body_ended();
         }
     }
 
-    /// The body ended: each scan's reading.
+    /// The body ended: each scan's reading, and what each event stream's events said (an
+    /// event the stream ended in the middle of is not read).
     fn body_ended(&mut self) {
         for s in self.scans.drain(..) {
             if let Some(reading) = self.readings.get_mut(s.limit) {
@@ -195,13 +296,26 @@ impl Meter {
                 };
             }
         }
+        self.events_ended();
     }
 
-    /// The body cannot be read any further (the worker's memory budget): the JSON charges
-    /// are unreadable.
+    /// The event stream is over (ended, cut, or the request's stream is gone): what its last
+    /// event carrying the pointer said, else missing.
+    fn events_ended(&mut self) {
+        for e in self.events.drain(..) {
+            if let Some(reading) = self.readings.get_mut(e.limit) {
+                *reading = e.last.unwrap_or(Reading::Missing);
+            }
+        }
+    }
+
+    /// The body cannot be read any further (the worker's memory budget): the JSON and
+    /// event-stream charges are unreadable.
     pub(crate) fn give_up(&mut self) {
-        for s in self.scans.drain(..) {
-            if let Some(reading) = self.readings.get_mut(s.limit) {
+        let limits = self.scans.drain(..).map(|s| s.limit);
+        let limits = limits.chain(self.events.drain(..).map(|e| e.limit));
+        for limit in limits {
+            if let Some(reading) = self.readings.get_mut(limit) {
                 *reading = Reading::Unreadable;
             }
         }
@@ -220,10 +334,12 @@ impl Meter {
     }
 
     /// The corrections of the counters this request consumed from, one call per hash tag,
-    /// counted: a charge still pending (the response did not end, or said nothing) is
-    /// unreadable and charged the limit's fallback; a limit without a charge keeps its
-    /// admitted cost.
+    /// counted: an event stream cut before its end is charged what its events said so far
+    /// (`missing` if none carried the number); any other charge still pending (the response
+    /// did not end, or said nothing) is unreadable and charged the limit's fallback; a limit
+    /// without a charge keeps its admitted cost.
     pub(crate) fn corrections(&mut self, at: &Pcx<'_>, admission: &Admission) -> Vec<Background> {
+        self.events_ended();
         let readings = std::mem::take(&mut self.readings);
         self.scans.clear();
         let mut by_tag: Vec<(&str, Vec<Correction<'_>>)> = Vec::new();
@@ -233,7 +349,10 @@ impl Meter {
                 continue;
             };
             // No reading at all: the response's headers never came.
-            let reading = readings.get(i).copied().unwrap_or(Reading::Pending);
+            let reading = readings.get(i).copied().unwrap_or(match c.source {
+                ChargeSource::SseJson { .. } => Reading::Missing,
+                _ => Reading::Pending,
+            });
             let lm = at.pm.limits.get(i);
             let charge = match reading {
                 Reading::Nothing => continue,
@@ -243,6 +362,15 @@ impl Meter {
                         at.m.increment(lm.charge_unreadable);
                     }
                     c.unreadable.units(slot.cost)
+                }
+                Reading::Missing => {
+                    if let Some(lm) = lm {
+                        at.m.increment(lm.charge_missing);
+                    }
+                    match c.source {
+                        ChargeSource::SseJson { missing, .. } => missing.units(slot.cost),
+                        _ => slot.cost,
+                    }
                 }
             };
             if let Some(lm) = lm {
@@ -461,6 +589,214 @@ mod tests {
         m.on_headers(&p, &h(JSON), false, Origin::Upstream);
         m.on_body(&p, Some(br#"{"usage":{"total_tokens":3}}"#), false);
         assert_eq!(m.readings, vec![Reading::Pending]);
+    }
+
+    const SSE: &[(&str, &str)] = &[("content-type", "text/event-stream")];
+
+    /// What the event stream `pieces` reads as under `p`: at its end if `end`, else cut.
+    fn sse_reading(p: &Policy, headers: &[(&str, &str)], pieces: &[&[u8]], end: bool) -> Reading {
+        let mut m = Meter::default();
+        m.on_headers(p, &h(headers), false, Origin::Upstream);
+        for (i, piece) in pieces.iter().enumerate() {
+            m.on_body(p, Some(piece), end && i + 1 == pieces.len());
+        }
+        m.events_ended();
+        assert_eq!(m.readings.len(), 1);
+        m.readings[0]
+    }
+
+    #[test]
+    fn an_event_stream_charge_is_the_last_event_carrying_the_pointer() {
+        let p = policy(r#"{"response_sse_json": "/usage/total_tokens"}"#);
+        let mut m = Meter::default();
+        m.on_headers(&p, &h(SSE), false, Origin::Upstream);
+        assert!(m.scanning());
+        assert_eq!(m.readings, vec![Reading::Pending]);
+        for (stream, want) in [
+            (
+                &b"data: {\"usage\":{\"total_tokens\":3}}\n\ndata: [DONE]\n\n"[..],
+                Reading::Read(3),
+            ),
+            // The last one carrying it wins; events without it (or not JSON) say nothing.
+            (
+                b"data: {\"usage\":{\"total_tokens\":3}}\n\ndata: {\"usage\":{\"total_tokens\":8}}\n\ndata: {\"usage\":null}\n\ndata: [DONE]\n\n",
+                Reading::Read(8),
+            ),
+            // Lines joined with LF, CR and CRLF line ends, comments and other fields.
+            (
+                b": hi\r\nevent: usage\r\ndata: {\"usage\":\r\ndata: {\"total_tokens\":\rdata: 12}}\r\n\r\n",
+                Reading::Read(12),
+            ),
+            (
+                b"data: {\"usage\":{\"total_tokens\":9999999999}}\n\n",
+                Reading::Read(MAX_CHARGE),
+            ),
+            // Carried, but not a charge: unreadable, unless a later event says better.
+            (
+                b"data: {\"usage\":{\"total_tokens\":5.0}}\n\n",
+                Reading::Unreadable,
+            ),
+            (
+                b"data: {\"usage\":{\"total_tokens\":\"5\"}}\n\n",
+                Reading::Unreadable,
+            ),
+            (
+                b"data: {\"usage\":{\"total_tokens\":5,\"total_tokens\":6}}\n\n",
+                Reading::Unreadable,
+            ),
+            (
+                b"data: {\"usage\":{\"total_tokens\":-1}}\n\ndata: {\"usage\":{\"total_tokens\":4}}\n\n",
+                Reading::Read(4),
+            ),
+            (
+                b"data: {\"usage\":{\"total_tokens\":4}}\n\ndata: {\"usage\":{\"total_tokens\":null}}\n\n",
+                Reading::Unreadable,
+            ),
+            // Not carried at all: missing.
+            (b"data: {\"usage\":{}}\n\ndata: [DONE]\n\n", Reading::Missing),
+            (b"data: {\"usage\":{\"total_tokens\":3}\n\n", Reading::Missing),
+            (b"data: {\"usage\":{\"total_tokens\":3}}x\n\n", Reading::Missing),
+            (b"data: {\"usage\":{\"total_tokens\":3}}\n", Reading::Missing),
+            (b"Data: {\"usage\":{\"total_tokens\":3}}\n\n", Reading::Missing),
+            (b"", Reading::Missing),
+        ] {
+            let whole = sse_reading(&p, SSE, &[stream], true);
+            assert_eq!(whole, want, "{:?}", String::from_utf8_lossy(stream));
+            let bytes: Vec<&[u8]> = stream.chunks(1).collect();
+            assert_eq!(sse_reading(&p, SSE, &bytes, true), want, "byte by byte");
+        }
+        // Cut: what the events said so far.
+        let usage = b"data: {\"usage\":{\"total_tokens\":3}}\n\n";
+        assert_eq!(sse_reading(&p, SSE, &[usage], false), Reading::Read(3));
+        assert_eq!(
+            sse_reading(&p, SSE, &[&usage[..20]], false),
+            Reading::Missing
+        );
+    }
+
+    #[test]
+    fn an_event_stream_charge_is_read_only_from_a_plain_stream_or_json() {
+        let p = policy(r#"{"response_sse_json": "/usage/total_tokens", "max_body": 64}"#);
+        let event = &b"data: {\"usage\":{\"total_tokens\":3}}\n\n"[..];
+        let json = &br#"{"usage":{"total_tokens":3}}"#[..];
+        for (headers, body, want) in [
+            (
+                &[("content-type", "Text/Event-Stream; charset=utf-8")][..],
+                event,
+                Reading::Read(3),
+            ),
+            (
+                &[
+                    ("content-type", "text/event-stream"),
+                    ("content-encoding", "identity"),
+                ],
+                event,
+                Reading::Read(3),
+            ),
+            (
+                &[
+                    ("content-type", "text/event-stream"),
+                    ("content-encoding", "gzip"),
+                ],
+                event,
+                Reading::Unreadable,
+            ),
+            (
+                &[
+                    ("content-type", "text/event-stream"),
+                    ("content-type", "text/event-stream"),
+                ],
+                event,
+                Reading::Unreadable,
+            ),
+            (JSON, json, Reading::Read(3)),
+            (
+                &[
+                    ("content-type", "application/json"),
+                    ("content-encoding", "br"),
+                ],
+                json,
+                Reading::Unreadable,
+            ),
+            (
+                &[
+                    ("content-type", "application/json"),
+                    ("content-length", "65"),
+                ],
+                json,
+                Reading::Unreadable,
+            ),
+            (JSON, event, Reading::Unreadable),
+            (
+                &[("content-type", "text/plain")],
+                event,
+                Reading::Unreadable,
+            ),
+            (&[], event, Reading::Unreadable),
+        ] {
+            assert_eq!(sse_reading(&p, headers, &[body], true), want, "{headers:?}");
+        }
+        // A stream (JSON or events) longer than max_body: only the JSON answer is bounded.
+        let mut long = b": padding\n".repeat(100);
+        long.extend_from_slice(event);
+        assert_eq!(sse_reading(&p, SSE, &[&long], true), Reading::Read(3));
+        let mut m = Meter::default();
+        // The stream ended at its headers; the upstream never answered; never sent.
+        m.on_headers(&p, &h(SSE), true, Origin::Upstream);
+        assert_eq!(m.readings, vec![Reading::Missing]);
+        m.on_headers(&p, &h(SSE), false, Origin::Failed);
+        assert_eq!(m.readings, vec![Reading::Missing]);
+        m.on_headers(&p, &h(SSE), false, Origin::NeverSent);
+        assert_eq!(m.readings, vec![Reading::Nothing]);
+        // A piece the worker could not read: the stream cannot be followed any further.
+        m.on_headers(&p, &h(SSE), false, Origin::Upstream);
+        m.on_body(&p, Some(event), false);
+        m.on_body(&p, None, false);
+        assert!(!m.scanning());
+        assert_eq!(m.readings, vec![Reading::Unreadable]);
+        // Trailers end the stream too.
+        m.on_headers(&p, &h(SSE), false, Origin::Upstream);
+        m.on_body(&p, Some(event), false);
+        m.on_trailers(&p, &h(&[("grpc-status", "0")]));
+        assert_eq!(m.readings, vec![Reading::Read(3)]);
+    }
+
+    #[test]
+    fn several_limits_read_their_own_pointers_in_one_pass() {
+        let text = r#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p", "rate_limits": [
+          {"name": "prompt", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000,
+           "window": "1m", "charge": {"response_sse_json": "/usage/prompt_tokens"}},
+          {"name": "calls", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000,
+           "window": "1m"},
+          {"name": "completion", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000,
+           "window": "1m", "charge": {"response_sse_json": "/usage/completion_tokens"}},
+          {"name": "total", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000,
+           "window": "1m", "charge": {"response_header": "x-total"}}]}]}"#;
+        let mut c = Config::parse(text.as_bytes()).expect("valid");
+        let p = c.policies.remove(0);
+        let stream = b"data: {\"usage\":{\"prompt_tokens\":7}}\n\n\
+                       data: {\"usage\":{\"prompt_tokens\":20,\"completion_tokens\":30}}\n\n";
+        for cut in 0..=stream.len() {
+            let mut m = Meter::default();
+            m.on_headers(
+                &p,
+                &h(&[SSE[0], ("x-total", "50")]),
+                false,
+                Origin::Upstream,
+            );
+            m.on_body(&p, Some(&stream[..cut]), false);
+            m.on_body(&p, Some(&stream[cut..]), true);
+            assert_eq!(
+                m.readings,
+                vec![
+                    Reading::Read(20),
+                    Reading::Nothing,
+                    Reading::Read(30),
+                    Reading::Read(50)
+                ],
+                "cut at {cut}"
+            );
+        }
     }
 
     #[test]
