@@ -182,8 +182,8 @@ pub fn period(o: &mut Obj<'_>, field: &'static str) -> Result<Period> {
     }
 }
 
-/// The largest fixed offset accepted, in hours: every zone in use lies within -12 to +14.
-const MAX_FIXED_HOURS: i32 = 14;
+/// The fixed offsets accepted, in minutes: every zone in use lies within -12:00 and +14:00.
+const FIXED_MINUTES: std::ops::RangeInclusive<i32> = -12 * 60..=14 * 60;
 
 /// `zone`: a fixed offset (`"+02:00"`, `"UTC"`) or `{"name": ..., "rule": ...}`.
 pub fn zone(v: &Value, path: &str) -> Result<Zone> {
@@ -244,13 +244,13 @@ fn not_a_zone(s: &str) -> String {
         )
     } else {
         format!(
-            "{s:?} is not a UTC offset (\"+02:00\", \"-05:30\", \"UTC\") or a zone given by \
-             {{\"name\", \"rule\"}}"
+            "{s:?} is not \"UTC\", a UTC offset from \"-12:00\" to \"+14:00\" (\"+02:00\", \
+             \"-05:30\") or a zone given by {{\"name\", \"rule\"}}"
         )
     }
 }
 
-/// `"UTC"` or `±hh:mm` within ±14:00.
+/// `"UTC"` or `±hh:mm` within -12:00 and +14:00.
 fn fixed(s: &str) -> Option<Zone> {
     let offset = if s == "UTC" {
         0
@@ -270,7 +270,7 @@ fn fixed(s: &str) -> Option<Zone> {
                 .then(|| i32::from(h - b'0') * 10 + i32::from(l - b'0'))
         };
         let (hours, minutes) = (two(1)?, two(4)?);
-        if minutes > 59 || hours * 60 + minutes > MAX_FIXED_HOURS * 60 {
+        if minutes > 59 || !FIXED_MINUTES.contains(&(sign * (hours * 60 + minutes))) {
             return None;
         }
         sign * (hours * 3600 + minutes * 60)
@@ -508,6 +508,8 @@ mod tests {
             ("+05:45", Some(20700)),
             ("+14:00", Some(50400)),
             ("-12:00", Some(-43200)),
+            ("-12:01", None),
+            ("-14:00", None),
             ("+14:01", None),
             ("+02:60", None),
             ("+2:00", None),
@@ -657,8 +659,8 @@ mod tests {
               \"<rule>\"} (`cg-check --zone Europe/Berlin` or `make zone ZONE=Europe/Berlin` \
               prints it from this machine's tzdata)"),
             (json!("+2"),
-             "z: \"+2\" is not a UTC offset (\"+02:00\", \"-05:30\", \"UTC\") or a zone given by \
-              {\"name\", \"rule\"}"),
+             "z: \"+2\" is not \"UTC\", a UTC offset from \"-12:00\" to \"+14:00\" (\"+02:00\", \
+              \"-05:30\") or a zone given by {\"name\", \"rule\"}"),
             (json!(2),
              "z: expected a UTC offset such as \"+02:00\" or an object {\"name\", \"rule\"}, \
               found a number"),

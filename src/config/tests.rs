@@ -1062,8 +1062,8 @@ fn calendar_windows() {
         (
             json!({"align": "calendar", "window": "1mo", "zone": "+25:00"}),
             format!(
-                "{at}.zone: \"+25:00\" is not a UTC offset (\"+02:00\", \"-05:30\", \"UTC\") \
-                  or a zone given by {{\"name\", \"rule\"}}"
+                "{at}.zone: \"+25:00\" is not \"UTC\", a UTC offset from \"-12:00\" to \
+                  \"+14:00\" (\"+02:00\", \"-05:30\") or a zone given by {{\"name\", \"rule\"}}"
             ),
         ),
         (

@@ -108,7 +108,9 @@
 -- after the response, charge.lua) admits while the count is below the limit. So a rejected request consumes nothing anywhere
 -- and writes no record, and a duplicate (codes 2-5) has still consumed its rate limits.
 -- The one write outside that rule: a fw counter found without a TTL gets one, because it
--- would otherwise reject forever.
+-- would otherwise reject forever. An existing record is never written. The lease is taken
+-- last, only by a request that was admitted and (with idempotency on) acquired its record, so
+-- a replay, a duplicate in progress or a conflict never holds it.
 --
 -- Calendar windows: a fw or lq limit whose window is a calendar spec counts in the same one
 -- counter, which lives until the calendar period that holds Redis TIME ends (PEXPIRE of the
@@ -116,9 +118,7 @@
 -- answers that period's end as reset_ms whether a counter exists or not. So "10000 a month"
 -- starts again at the first midnight of each month in the limit's zone, on every sidecar at
 -- once. A calendar limit cannot be listed with overrides (a script error): an override holds
--- a window in ms. An existing record is never written. The lease is taken
--- last, only by a request that was admitted and (with idempotency on) acquired its record, so
--- a replay, a duplicate in progress or a conflict never holds it.
+-- a window in ms.
 --
 -- Fencing token: token = max(stored + 1, now_us), stored = the fence key's value (0 if
 -- absent, or not a non-negative integer below 2^53), now_us = Redis TIME in µs; then
