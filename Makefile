@@ -33,6 +33,7 @@ help: ## Show the targets, then every variable they take.
 ##= LOGS                    run, demo-redis-down/-up: where the demo's logs and state go (default build/demo)
 ##= PLUGIN                  run, demo-config, check: the plugin configuration (run: default envoy/demo-plugin.json)
 ##= ARGS                    admin: the cg-admin command and its options (ARGS=help lists them)
+##= ZONE                    zone: a time-zone name of this machine's tzdata (Europe/Berlin)
 ##= ENVOY_PORT              run, demo-config: Envoy's listener (default 10000)
 ##= ADMIN_PORT              run, demo-config: Envoy's admin (default 9901)
 ##= UPSTREAM_PORT           run, demo-config: the demo service (default 8080)
@@ -236,6 +237,11 @@ bench-scripts: deps ## acquire.lua's and complete.lua's cost in a real redis-ser
 check: deps-rust ## Check a plugin configuration without Envoy: make check PLUGIN=FILE (plugin JSON, WasmPlugin or Envoy YAML; summary, or the filter's error).
 	@[ -n "$(PLUGIN)" ] || { echo "usage: make check PLUGIN=plugin.json|wasmplugin.yaml|envoy.yaml"; exit 2; }
 	@cargo run --quiet --bin cg-check -- $(PLUGIN)
+
+.PHONY: zone
+zone: deps-rust ## A calendar limit's zone from this machine's tzdata: make zone ZONE=Europe/Berlin prints {"name", "rule"} for its "zone".
+	@[ -n "$(ZONE)" ] || { echo "usage: make zone ZONE=Europe/Berlin"; exit 2; }
+	@cargo run --quiet --bin cg-check -- --zone $(ZONE)
 
 # The operator's tool on the running demo: its rendered config (build/demo.yaml) and the Redis
 # admin URL it writes to $(LOGS)/redis-admin.url; CG_ADMIN_CONFIG and CG_ADMIN_REDIS_URL point

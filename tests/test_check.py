@@ -24,6 +24,7 @@ import subprocess
 import pytest
 import yaml  # PyYAML, from tests/requirements.txt
 
+from harness.calendar import tzdata_rule
 from harness.envoy import DEFAULT_WASM, PLUGIN_PLACEHOLDER, substitute, wasm_filter
 from harness.proc import ROOT
 
@@ -384,3 +385,32 @@ def test_a_file_neither_json_nor_yaml_is_exit_2(tmp_path):
     path.write_text("kind: [WasmPlugin\n")
     r = cg_check(str(path))
     assert r.returncode == 2 and r.stderr.startswith(f"cg-check: {path}: neither JSON nor YAML"), r.stderr
+
+
+def test_make_zone_prints_a_calendar_limits_zone_from_this_machines_tzdata(tmp_path):
+    """`make zone ZONE=...` (cg-check --zone) prints the `zone` object of a calendar quota: the
+    name and the POSIX TZ rule its tzdata file ends with; the plugin with it checks valid and
+    its summary names the zone and the rule."""
+    r = subprocess.run(["make", "--no-print-directory", "zone", "ZONE=America/New_York"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    zone = json.loads(r.stdout)
+    assert zone == {"name": "America/New_York", "rule": tzdata_rule("America/New_York")}, zone
+    path = tmp_path / "calendar.json"
+    path.write_text(json.dumps({"redis": {"cluster": "gw"}, "policies": [{"name": "api",
+        "rate_limits": [{"name": "monthly", "by": ["tenant"], "algorithm": "fixed_window",
+                         "limit": 10000, "window": "1mo", "align": "calendar", "zone": zone}]}]}))
+    r = cg_check(str(path))
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    assert (f"limit monthly: 10000 per calendar month, America/New_York ({zone['rule']}) by "
+            "tenant") in r.stdout, r.stdout
+    for name, why in [("Nowhere/Atlantis", "No such file or directory"),
+                      ("../../etc/passwd", "is not a time-zone name such as Europe/Berlin")]:
+        r = cg_check_args("--zone", name)
+        assert r.returncode == 2 and r.stderr.startswith(f"cg-check: no zone {name}: "), r.stderr
+        assert why in r.stderr, r.stderr
+
+
+def cg_check_args(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["cargo", "run", "--quiet", "--bin", "cg-check", "--", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)

@@ -99,6 +99,11 @@ def example_keys() -> dict[str, str]:
         "limit `per-ip` (fixed window, 1000 per 1h)":
             f"{prefix}:rl:{{p.create-order}}:create-order:per-ip:fw:1000/3600000:"
             f"{scope([('client_ip', '127.0.0.1')])}",
+        # The window part as the section spells Berlin's rule: offsets in seconds east of UTC,
+        # change times in seconds.
+        CALENDAR: f"{prefix}:rl:{{p.create-order}}:create-order:per-ip:fw:"
+                  f"1000/1mo@3600,7200,M3.5.0/7200,M10.5.0/10800:"
+                  f"{scope([('client_ip', '127.0.0.1')])}",
         "record": f"{prefix}:idem:{{{tenant}}}:create-order:{key_hash('order-0001')}",
         "lease": f"{prefix}:lease:{{{tenant}}}:activate-order:{resource}",
         "fence": f"{prefix}:fence:{{{tenant}}}:activate-order:{resource}",
@@ -112,6 +117,7 @@ def example_keys() -> dict[str, str]:
 
 OVERRIDES = ("the tenant's override of limit `tenant`", "alice's override of limit `user-burst`",
              "the tenant's override index")
+CALENDAR = "limit `per-ip` per calendar month in Europe/Berlin"
 
 
 def with_overrides(plugin: dict) -> dict:
@@ -121,6 +127,16 @@ def with_overrides(plugin: dict) -> dict:
             for limit in p["rate_limits"]:
                 if limit["name"] in ("tenant", "user-burst"):
                     limit["overrides"] = True
+    return plugin
+
+
+def with_calendar(plugin: dict) -> dict:
+    """The demo's configuration with `per-ip` counted per calendar month in Berlin."""
+    for p in plugin["policies"]:
+        for limit in p.get("rate_limits", []):
+            if p["name"] == "create-order" and limit["name"] == "per-ip":
+                limit.update({"window": "1mo", "align": "calendar", "zone": {
+                    "name": "Europe/Berlin", "rule": "CET-1CEST,M3.5.0,M10.5.0/3"}})
     return plugin
 
 
@@ -186,6 +202,13 @@ def test_cg_admin_explain_derives_the_same_keys(tmp_path):
                     "user-burst": [want["alice's override of limit `user-burst`"],
                                    tenant_ovr.replace(":tenant:t", ":user-burst:t")],
                     "per-ip": None}
+    # With per-ip per calendar month, its key.
+    config.write_text(json.dumps(with_calendar(json.loads(DEMO_PLUGIN.read_text()))))
+    r = run(config, ANY_REDIS, "--json", "explain", "--tenant", "acme", "--client-ip",
+            "127.0.0.1", "--method", "POST", "--path", "/orders")
+    assert r.returncode == 0, r.stderr
+    keys = {l["name"]: l["key"] for l in json.loads(r.stdout)["limits"]}
+    assert keys["per-ip"] == want[CALENDAR]
 
 
 def admin_url(stack: Stack) -> str:
@@ -209,9 +232,9 @@ def test_the_keys_are_in_redis_after_the_requests_through_envoy(stack_factory):
     assert envoy.request("POST", "/orders/123/activate", headers=who).status == 200
     want = example_keys()
     for name, key in want.items():
-        if name in ("lease", "cancellation marker") + OVERRIDES:
+        if name in ("lease", "cancellation marker", CALENDAR) + OVERRIDES:
             continue  # given back at the response; written only by a release that gave up;
-            # written only by cg-admin override (below)
+            # written only by cg-admin override, or on another configuration (below)
         assert stack.redis.exists(key) == 1, (name, key)
     assert stack.redis.exists(want["lease"]) == 0
     # The override keys as cg-admin override writes them, on the configuration with
@@ -225,6 +248,16 @@ def test_the_keys_are_in_redis_after_the_requests_through_envoy(stack_factory):
         assert r.returncode == 0, r.stderr
     for name in OVERRIDES:
         assert stack.redis.exists(want[name]) == 1, (name, want[name])
+    # The calendar key, after a request through a sidecar that counts per-ip per month.
+    calendar = stack.add_envoy(with_calendar(json.loads(json.dumps(plugin))))
+    try:
+        resp = calendar.request("POST", "/orders", body=b"{}", headers={
+            "x-tenant-id": "acme", "x-user-id": "alice", "idempotency-key": '"order-0002"',
+            "content-type": "application/json"})
+        assert resp.status == 200, resp
+    finally:
+        calendar.stop()
+    assert stack.redis.exists(want[CALENDAR]) == 1, want[CALENDAR]
     if stack.cluster is not None:
         node = stack.cluster.live_nodes()[0].client()
         try:

@@ -155,6 +155,11 @@ pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminErr
             "code": limit_code(l),
             "limit": l.limit,
             "window_ms": l.window_ms,
+            "calendar": l.calendar.as_ref().map(|c| json!({
+                "window": c.period.spelling(),
+                "zone": c.zone.name,
+                "spec": c.spec,
+            })),
             "burst": l.burst,
             "capacity": capacity,
             "override": own.map(|(q, burst)| json!({

@@ -73,6 +73,8 @@ pub(crate) fn limit_line(l: &RateLimit) -> String {
             l.limit,
             duration(l.window_ms)
         )
+    } else if let Some(c) = &l.calendar {
+        format!("{}, {} per {}", algorithm(l), l.limit, c.describe())
     } else {
         format!(
             "{}, {} per {}",
@@ -100,6 +102,9 @@ pub(crate) fn used_means(l: &RateLimit) -> String {
         (Algorithm::FixedWindow, true) => {
             "units handed out as slices in this window (requests admitted from them may be fewer)"
                 .into()
+        }
+        (Algorithm::FixedWindow, false) if l.calendar.is_some() => {
+            "requests counted in this calendar period".into()
         }
         (Algorithm::FixedWindow, false) => "requests counted in this window".into(),
         (Algorithm::SlidingWindow, _) => {

@@ -8,6 +8,7 @@
 //! whole [`Config`], the [`Policy`] and what several sections share, and names every type
 //! here, so users write `config::RateLimit` whichever file it is in.
 
+mod calendar;
 mod cost;
 mod fields;
 mod idempotency;
@@ -23,6 +24,7 @@ mod reader;
 mod redis;
 pub mod units;
 
+pub use calendar::{posix_rule, Calendar, Change, Dst, Period, RuleDay, Zone};
 pub use cost::{Charge, ChargeSource, Cost, Fallback, CHARGE_MAX_BODY};
 pub use fields::selector;
 pub use idempotency::{
@@ -32,7 +34,9 @@ pub use idempotency::{
 pub use keyring::{KeyProblem, Keyring, RecordKey, KEY_LEN};
 pub use lease::{Lease, OnBusy, MAX_FENCE_TTL_MS};
 pub use policy::{HeaderMatch, HeaderTest, IdSource, Identity, Match, MissingTenant};
-pub use rate_limit::{policy_item, push_policy_item, Algorithm, Quota, RateLimit};
+pub use rate_limit::{
+    calendar_policy_item, policy_item, push_policy_item, Algorithm, Quota, RateLimit,
+};
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};
 pub use redis::{Batch, RedisConfig};

@@ -1,6 +1,7 @@
 //! `rate_limits`: a policy's limits, each a counter of one algorithm scoped by selectors, and
 //! what a request costs it.
 
+use crate::config::calendar::{self, Calendar, Zone};
 use crate::config::fields::{duration, name, one_of, selectors};
 use crate::config::reader::{index, Obj, Result};
 use crate::config::units::whole_secs;
@@ -26,7 +27,12 @@ pub struct RateLimit {
     pub by: Vec<Selector>,
     pub algorithm: Algorithm,
     pub limit: u64,
+    /// The window; for a calendar-aligned limit its period's nominal length (a month counts
+    /// 31 days), which nothing counts with: the scripts compute each period's bounds.
     pub window_ms: u64,
+    /// `align: "calendar"`: the window is a calendar day, week or month in a zone, from its
+    /// start to its end, instead of opening at the first hit (fixed windows only).
+    pub calendar: Option<Calendar>,
     /// Token bucket capacity; equals `limit` for the other algorithms.
     pub burst: u64,
     pub shadow: bool,
@@ -82,7 +88,8 @@ impl RateLimit {
 }
 
 /// A limit's `RateLimit-Policy` item, `"<name>";q=<quota>;w=<window in s>`: the same on every
-/// response, so the configuration writes it once per limit and each response copies it.
+/// response, so the configuration writes it once per limit and each response copies it. A
+/// calendar-aligned limit's item has no `w` ([`calendar_policy_item`]).
 pub fn policy_item(name: &str, quota: u64, window_ms: u64) -> String {
     let mut item = String::with_capacity(name.len() + 32);
     push_policy_item(&mut item, name, quota, window_ms);
@@ -100,6 +107,19 @@ pub fn push_policy_item(out: &mut String, name: &str, quota: u64, window_ms: u64
     push_u64(out, whole_secs(window_ms));
 }
 
+/// A calendar-aligned limit's `RateLimit-Policy` item, `"<name>";q=<quota>`: its window is a
+/// calendar period, not a number of seconds (a month lasts 28 to 31 days, a day 23 to 25 hours
+/// where clocks change), so `w` (optional in the draft) is left out; `t` in `RateLimit` says
+/// when the period ends.
+pub fn calendar_policy_item(name: &str, quota: u64) -> String {
+    let mut item = String::with_capacity(name.len() + 16);
+    item.push('"');
+    item.push_str(name);
+    item.push_str("\";q=");
+    push_u64(&mut item, quota);
+    item
+}
+
 const RATE_LIMIT_FIELDS: &[&str] = &[
     "name",
     "by",
@@ -112,6 +132,8 @@ const RATE_LIMIT_FIELDS: &[&str] = &[
     "cost",
     "charge",
     "overrides",
+    "align",
+    "zone",
 ];
 
 /// A policy's `rate_limits`, names unique within it.
@@ -141,8 +163,47 @@ fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
     let algorithm = algorithm(&mut o, "algorithm")?;
     let limit = limit_value(&mut o, "limit")?
         .ok_or_else(|| ConfigError::new(o.field_path("limit"), "is required"))?;
-    let window_ms = duration(&mut o, "window")?
-        .ok_or_else(|| ConfigError::new(o.field_path("window"), "is required"))?;
+    let align_path = o.field_path("align");
+    let aligned = one_of(&mut o, "align", &[("first_hit", false), ("calendar", true)])?;
+    if aligned == Some(true) && algorithm != Algorithm::FixedWindow {
+        // A quota is a count per period: only a fixed window has periods to align.
+        return Err(ConfigError::new(
+            align_path,
+            "\"calendar\" needs algorithm fixed_window (a quota per calendar day, week or \
+             month); a sliding window, a log, a bucket or an in-flight cap has no period to align",
+        ));
+    }
+    let period = if aligned == Some(true) {
+        Some(calendar::period(&mut o, "window")?)
+    } else {
+        None
+    };
+    let window_ms = match period {
+        Some(p) => p.nominal_ms(),
+        None => window(&mut o, "window")?,
+    };
+    let zone_path = o.field_path("zone");
+    let calendar = match (period, o.get("zone")) {
+        (Some(p), zone) => {
+            let zone = match zone {
+                Some(v) => calendar::zone(v, &zone_path)?,
+                None => Zone {
+                    name: "UTC".into(),
+                    rule: None,
+                    std_offset_s: 0,
+                    dst: None,
+                },
+            };
+            Some(Calendar::new(p, zone))
+        }
+        (None, Some(_)) => {
+            return Err(ConfigError::new(
+                zone_path,
+                "only applies with \"align\": \"calendar\"",
+            ))
+        }
+        (None, None) => None,
+    };
     let burst = match limit_value(&mut o, "burst")? {
         Some(_) if algorithm != Algorithm::TokenBucket => {
             return Err(ConfigError::new(
@@ -172,6 +233,14 @@ fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
     let (cost, charge) = cost_and_charge(&mut o, algorithm, burst, leased, limits)?;
     let overrides_path = o.field_path("overrides");
     let overrides = o.opt_bool("overrides")?.unwrap_or(false);
+    if overrides && calendar.is_some() {
+        // An override holds a window in milliseconds, which would replace the calendar's.
+        return Err(ConfigError::new(
+            overrides_path,
+            "is not supported with align \"calendar\": a tenant's own quota holds a window in \
+             milliseconds, not a calendar period",
+        ));
+    }
     if overrides && !by.contains(&Selector::Tenant) {
         // The override keys are tagged by tenant: with another tag they would sit in another
         // slot than the counter, out of reach of the script that counts it.
@@ -182,12 +251,16 @@ fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
         ));
     }
     Ok(RateLimit {
-        policy_item: policy_item(&name, limit, window_ms),
+        policy_item: match calendar {
+            Some(_) => calendar_policy_item(&name, limit),
+            None => policy_item(&name, limit, window_ms),
+        },
         name,
         by,
         algorithm,
         limit,
         window_ms,
+        calendar,
         burst,
         shadow,
         leased,
@@ -241,6 +314,24 @@ fn cost_and_charge(
         }
     }
     Ok((cost, charge))
+}
+
+/// `window` of a limit that is not calendar-aligned: a duration. A calendar period spelt
+/// there (`"1w"`, `"1mo"`) is refused with what makes it one.
+fn window(o: &mut Obj<'_>, field: &'static str) -> Result<u64> {
+    let path = o.field_path(field);
+    if let Some(Value::String(s)) = o.get(field) {
+        if s == "1w" || s == "1mo" {
+            return Err(ConfigError::new(
+                path,
+                format!(
+                    "{s:?} is a calendar period: add \"align\": \"calendar\" (a fixed window \
+                     from the start of each week or month in a zone), or give a duration"
+                ),
+            ));
+        }
+    }
+    duration(o, field)?.ok_or_else(|| ConfigError::new(path, "is required"))
 }
 
 fn algorithm(o: &mut Obj<'_>, field: &'static str) -> Result<Algorithm> {

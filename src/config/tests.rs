@@ -208,6 +208,22 @@ fn bad_configs_name_the_field() {
          "policies[0].rate_limits[1].window: token_bucket needs window >= limit milliseconds (10ms)"),
         ("shadow_not_bool", "/policies/0/rate_limits/2/shadow", json!("yes"),
          "policies[0].rate_limits[2].shadow: expected true or false, found a string"),
+        ("bad_align", "/policies/0/rate_limits/2/align", json!("midnight"),
+         "policies[0].rate_limits[2].align: \"midnight\" is not one of \"first_hit\", \"calendar\""),
+        ("calendar_sliding_window", "/policies/0/rate_limits/0/align", json!("calendar"),
+         "policies[0].rate_limits[0].align: \"calendar\" needs algorithm fixed_window (a quota \
+          per calendar day, week or month); a sliding window, a log, a bucket or an in-flight \
+          cap has no period to align"),
+        ("calendar_duration_window", "/policies/0/rate_limits/2/align", json!("calendar"),
+         "policies[0].rate_limits[2].window: \"1h\" is not a calendar period: with align \
+          \"calendar\" the window is \"1d\" (a day), \"1w\" (a week from Monday) or \"1mo\" \
+          (a month)"),
+        ("month_without_align", "/policies/0/rate_limits/2/window", json!("1mo"),
+         "policies[0].rate_limits[2].window: \"1mo\" is a calendar period: add \"align\": \
+          \"calendar\" (a fixed window from the start of each week or month in a zone), or give \
+          a duration"),
+        ("zone_without_align", "/policies/0/rate_limits/2/zone", json!("+02:00"),
+         "policies[0].rate_limits[2].zone: only applies with \"align\": \"calendar\""),
         ("bad_authorization", "/redis/authorization", json!("Basic\nx"),
          "redis.authorization: must be a non-empty printable ASCII header value"),
     ];
@@ -1136,6 +1152,125 @@ fn overrides_need_a_limit_counted_per_tenant() {
     }
 }
 
+/// `align: "calendar"`: a fixed window per calendar day, week or month in a zone (UTC unless
+/// given), as a spec the scripts read; its `RateLimit-Policy` item has no `w`.
+#[test]
+fn calendar_windows() {
+    let with = |extra: Value| {
+        let mut v = base();
+        let limit = &mut v["policies"][1]["rate_limits"][0];
+        for (k, val) in extra.as_object().expect("object") {
+            limit[k] = val.clone();
+        }
+        Config::from_value(&v).map(|c| c.policies[1].rate_limits[0].clone())
+    };
+    let monthly = with(json!({"align": "calendar", "window": "1mo", "limit": 10000,
+        "zone": {"name": "Europe/Berlin", "rule": "CET-1CEST,M3.5.0,M10.5.0/3"}}))
+    .expect("valid");
+    let calendar = monthly.calendar.as_ref().expect("calendar");
+    assert_eq!(calendar.period, Period::Month);
+    assert_eq!(calendar.spec, "1mo@3600,7200,M3.5.0/7200,M10.5.0/10800");
+    assert_eq!(monthly.window_ms, 31 * 86_400_000);
+    assert_eq!(monthly.policy_item, "\"global\";q=10000");
+    let cases = [
+        (json!({"align": "calendar", "window": "1d"}), "1d@0"),
+        (
+            json!({"align": "calendar", "window": "1w", "zone": "+05:30"}),
+            "1w@19800",
+        ),
+        (
+            json!({"align": "calendar", "window": "1mo", "zone": "-03:00"}),
+            "1mo@-10800",
+        ),
+        (
+            json!({"align": "calendar", "window": "1d", "zone": "UTC", "mode": "leased"}),
+            "1d@0",
+        ),
+    ];
+    for (extra, spec) in cases {
+        let l = with(extra.clone()).expect("valid");
+        assert_eq!(l.calendar.map(|c| c.spec).as_deref(), Some(spec), "{extra}");
+    }
+    // The default, and first_hit said out loud, are the window of old.
+    for extra in [json!({}), json!({"align": "first_hit"})] {
+        let l = with(extra).expect("valid");
+        assert_eq!((l.calendar, l.window_ms), (None, 1_000));
+        assert_eq!(l.policy_item, "\"global\";q=5000;w=1");
+    }
+    let at = "policies[1].rate_limits[0]";
+    let errors = [
+        (
+            json!({"align": "calendar", "window": "24h"}),
+            format!(
+                "{at}.window: \"24h\" is not a calendar period: with align \"calendar\" the \
+                  window is \"1d\" (a day), \"1w\" (a week from Monday) or \"1mo\" (a month)"
+            ),
+        ),
+        (
+            json!({"align": "calendar", "window": "1mo", "zone": "Europe/Berlin"}),
+            format!(
+                "{at}.zone: \"Europe/Berlin\" is a time-zone name, and the filter carries no \
+                  time-zone database: give it with its POSIX TZ rule, {{\"name\": \
+                  \"Europe/Berlin\", \"rule\": \"<rule>\"}} (`cg-check --zone Europe/Berlin` or \
+                  `make zone ZONE=Europe/Berlin` prints it from this machine's tzdata)"
+            ),
+        ),
+        (
+            json!({"align": "calendar", "window": "1mo", "zone": "+25:00"}),
+            format!(
+                "{at}.zone: \"+25:00\" is not \"UTC\", a UTC offset from \"-12:00\" to \
+                  \"+14:00\" (\"+02:00\", \"-05:30\") or a zone given by {{\"name\", \"rule\"}}"
+            ),
+        ),
+        (
+            json!({"align": "calendar", "window": "1mo", "zone": {"name": "Europe/Berlin",
+                "rule": "CET-1CEST,M3.5.0"}}),
+            format!(
+                "{at}.zone.rule: \"CET-1CEST,M3.5.0\" is not a POSIX TZ rule (expected ',' \
+                  before the change back to standard time at byte 16)"
+            ),
+        ),
+        (
+            json!({"align": "calendar", "window": "1mo", "zone": {"name": "Europe/Berlin",
+                "rules": "CET-1CEST,M3.5.0,M10.5.0/3"}}),
+            format!("{at}.zone.rules: unknown field (did you mean `rule`?)"),
+        ),
+        (
+            json!({"align": "calendar", "window": "1d", "algorithm": "token_bucket"}),
+            format!(
+                "{at}.align: \"calendar\" needs algorithm fixed_window (a quota per calendar \
+                  day, week or month); a sliding window, a log, a bucket or an in-flight cap has \
+                  no period to align"
+            ),
+        ),
+        (
+            json!({"align": "calendar", "window": "1d", "by": ["tenant"], "overrides": true}),
+            format!(
+                "{at}.overrides: is not supported with align \"calendar\": a tenant's own quota \
+                  holds a window in milliseconds, not a calendar period"
+            ),
+        ),
+        (
+            json!({"zone": "UTC"}),
+            format!("{at}.zone: only applies with \"align\": \"calendar\""),
+        ),
+        (
+            json!({"window": "1w"}),
+            format!(
+                "{at}.window: \"1w\" is a calendar period: add \"align\": \"calendar\" (a fixed \
+                  window from the start of each week or month in a zone), or give a duration"
+            ),
+        ),
+    ];
+    for (extra, want) in errors {
+        assert_eq!(
+            with(extra.clone()).map(|_| ()).unwrap_err().to_string(),
+            want,
+            "{extra}"
+        );
+    }
+}
+
 /// Each limit's `RateLimit-Policy` item is written at configuration, from its own name,
 /// limit and window (in whole seconds, rounded up, at least 1), as every response shows it.
 #[test]
@@ -1184,7 +1319,10 @@ fn every_object() -> Value {
                 {"name": "t", "by": ["tenant"], "algorithm": "token_bucket", "limit": 10,
                  "window": "1s", "burst": 20, "shadow": false, "mode": "exact",
                  "cost": {"header": "x-cost", "default": 1, "min": 0, "max": 5},
-                 "charge": {"response_json": "/n", "max_body": "1KiB"}, "overrides": true}
+                 "charge": {"response_json": "/n", "max_body": "1KiB"}, "overrides": true},
+                {"name": "monthly", "algorithm": "fixed_window", "limit": 10, "window": "1mo",
+                 "align": "calendar", "zone": {"name": "Europe/Berlin",
+                 "rule": "CET-1CEST,M3.5.0,M10.5.0/3"}}
             ],
             "idempotency": {
                 "header": "idempotency-key", "required": true, "methods": ["POST"],
@@ -1267,6 +1405,18 @@ fn a_misspelt_field_is_unknown_before_a_required_one_is_missing() {
             "policies[0].rate_limits[0].",
             "limit",
             "limt",
+        ),
+        (
+            "/policies/0/rate_limits/1",
+            "policies[0].rate_limits[1].",
+            "align",
+            "aligne",
+        ),
+        (
+            "/policies/0/rate_limits/1/zone",
+            "policies[0].rate_limits[1].zone.",
+            "rule",
+            "rul",
         ),
         (
             "/policies/0/rate_limits/0/cost",

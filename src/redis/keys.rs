@@ -4,7 +4,7 @@
 //! (`{...}`) so that all keys one script call touches live in one slot:
 //!
 //! ```text
-//! rate limit:  <prefix>:rl:{<tag>}:<policy>:<limit>:<algo>:<limit>/<window_ms>[/<burst>]:<scope>
+//! rate limit:  <prefix>:rl:{<tag>}:<policy>:<limit>:<algo>:<limit>/<window>[/<burst>]:<scope>
 //! idempotency: <prefix>:idem:{t.<tenant hash>}:<policy>:<key hash>
 //! lease:       <prefix>:lease:{t.<tenant hash>}:<policy>:<resource hash>
 //! fence:       <prefix>:fence:{t.<tenant hash>}:<policy>:<resource hash>
@@ -24,6 +24,8 @@
 //!   cancellation marker's is the tag of the call it stops (the tenant's for a record or a
 //!   lease, a concurrency limit's own in another slot).
 //! * `<scope>` is a short hash of the selected request values (`_` for `by: []`).
+//! * `<window>` is the window in milliseconds, or for a calendar-aligned limit its spec
+//!   (`1mo@3600,7200,M3.5.0/7200,M10.5.0/10800`: [`crate::config::Calendar::spec`]).
 //! * The algorithm's parameters are part of the key, so a config change starts a fresh counter.
 //! * `<algo>` is the limit's code ([`algorithm_code`], [`limit_code`]), which the scripts are
 //!   also called with: it picks the algorithm `acquire.lua` and `charge.lua` count with.
@@ -211,7 +213,7 @@ pub fn rate_limit_key(
     )
 }
 
-/// `<prefix>:rl:{<tag>}:<policy>:<limit>:<algo>:<limit>/<window_ms>[/<burst>]:<scope>`, with
+/// `<prefix>:rl:{<tag>}:<policy>:<limit>:<algo>:<limit>/<window>[/<burst>]:<scope>`, with
 /// the tag and the scope appended by `tag` and `scope`: one buffer, no intermediate strings.
 pub fn write_rate_limit_key(
     prefix: &str,
@@ -242,7 +244,11 @@ pub fn write_rate_limit_key(
     push(&mut k, ":");
     push_u64(&mut k, limit.limit);
     push(&mut k, "/");
-    push_u64(&mut k, limit.window_ms);
+    // A calendar-aligned window is its spec: its period and zone, as the scripts read it.
+    match &limit.calendar {
+        Some(c) => push(&mut k, &c.spec),
+        None => push_u64(&mut k, limit.window_ms),
+    }
     if limit.algorithm == Algorithm::TokenBucket {
         push(&mut k, "/");
         push_u64(&mut k, limit.burst);
@@ -331,6 +337,7 @@ mod tests {
             algorithm,
             limit: 100,
             window_ms: 60_000,
+            calendar: None,
             burst,
             shadow: false,
             leased: false,
@@ -402,6 +409,31 @@ mod tests {
             )
             .text(),
             "cg:rl:{p.create-order}:create-order:tenant:fw:100/60000:_"
+        );
+        // A calendar window is its spec, leased or not: a new zone or period, a new counter.
+        let mut monthly = limit(Algorithm::FixedWindow, 100);
+        let (std_offset_s, dst) =
+            crate::config::posix_rule("CET-1CEST,M3.5.0,M10.5.0/3").expect("a rule");
+        let zone = crate::config::Zone {
+            name: "Europe/Berlin".into(),
+            rule: Some("CET-1CEST,M3.5.0,M10.5.0/3".into()),
+            std_offset_s,
+            dst,
+        };
+        monthly.calendar = Some(crate::config::Calendar::new(
+            crate::config::Period::Month,
+            zone,
+        ));
+        assert_eq!(
+            rate_limit_key("cg", "p.create-order", &p, &monthly, "_").text(),
+            "cg:rl:{p.create-order}:create-order:tenant:fw:100/1mo@3600,7200,M3.5.0/7200,\
+             M10.5.0/10800:_"
+        );
+        monthly.leased = true;
+        assert_eq!(
+            rate_limit_key("cg", "p.create-order", &p, &monthly, "_").text(),
+            "cg:rl:{p.create-order}:create-order:tenant:lq:100/1mo@3600,7200,M3.5.0/7200,\
+             M10.5.0/10800:_"
         );
     }
 

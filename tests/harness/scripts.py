@@ -173,6 +173,23 @@ def batch_source() -> str:
     return script_source("batch")
 
 
+def clock_shifted(source: str, offset_us: int) -> str:
+    """`source` as it runs when Redis TIME reads `offset_us` later (earlier when negative): a
+    test-only first line shadows `redis` with a table whose `call('TIME')` adds the offset and
+    that hands every other command to Redis. The script runs as the filter's text, unchanged,
+    at any date a test picks, while keys expire on Redis's own clock, which moves at the same
+    rate. The filter never runs it, so no request can move a script's clock."""
+    shim = (
+        "local redis = setmetatable({call = function(command, ...) "
+        "if command ~= 'TIME' then return _G.redis.call(command, ...) end "
+        "local t = _G.redis.call('TIME') "
+        f"local us = tonumber(t[1]) * 1000000 + tonumber(t[2]) + ({int(offset_us)}) "
+        "return {string.format('%d', math.floor(us / 1000000)), "
+        "string.format('%d', us % 1000000)} end}, {__index = _G.redis})\n"
+    )
+    return shim + source
+
+
 class Script:
     """A script called the way the filter calls it: EVAL, then EVALSHA once Redis has it (the
     gateway user may not run SCRIPT LOAD, which redis-py's register_script would)."""

@@ -19,6 +19,11 @@
 //! at a gateway that would never run there, and a module digest that is the placeholder of
 //! zeros. Warnings go to stderr and leave the exit status as it is.
 //!
+//! A calendar-aligned limit's zone names its POSIX TZ rule, which the filter computes periods
+//! with (it has no time-zone database): `cg-check --zone NAME` prints `{"name", "rule"}` for a
+//! zone of the machine's tzdata, a check warns when a configured rule is not the one the
+//! machine's tzdata gives for its name, and an error for a bare zone name shows the object.
+//!
 //! [`Plugin::warnings`]: coordination_guard::config::manifest::Plugin::warnings
 
 // cargo builds every binary for the filter's target too: there this one only says where it runs.
@@ -44,9 +49,15 @@ fn main() -> ExitCode {
     use coordination_guard::config::manifest::{self, Configuration};
 
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, name] = args.as_slice() {
+        if flag == "--zone" {
+            return zone(name);
+        }
+    }
     let [path] = args.as_slice() else {
         eprintln!(
-            "usage: cg-check FILE   (the plugin JSON, a WasmPlugin YAML, or an Envoy config YAML)"
+            "usage: cg-check FILE   (the plugin JSON, a WasmPlugin YAML, or an Envoy config YAML)\n       \
+             cg-check --zone NAME   (a calendar limit's zone, from this machine's tzdata)"
         );
         return ExitCode::from(2);
     };
@@ -116,6 +127,29 @@ fn main() -> ExitCode {
     }
 }
 
+/// `cg-check --zone NAME`: the zone object for a calendar-aligned limit, `{"name", "rule"}`,
+/// from this machine's tzdata. Exit 0; 1 when the filter would refuse the rule; 2 when the
+/// machine has no such zone.
+#[cfg(not(target_arch = "wasm32"))]
+fn zone(name: &str) -> ExitCode {
+    match zoneinfo::rule(name) {
+        Err(why) => {
+            eprintln!("cg-check: no zone {name}: {why}");
+            ExitCode::from(2)
+        }
+        Ok(rule) => match coordination_guard::config::posix_rule(&rule) {
+            Err(why) => {
+                eprintln!("cg-check: {name}: the rule {rule:?} is not one the filter reads: {why}");
+                ExitCode::from(1)
+            }
+            Ok(_) => {
+                println!("{}", zoneinfo::zone_json(name, &rule));
+                ExitCode::SUCCESS
+            }
+        },
+    }
+}
+
 /// What every variable the file does not give a value of is taken to hold: valid as a
 /// credential and as a record key (base64 of 32 bytes).
 const STAND_IN: &str = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
@@ -174,10 +208,10 @@ impl Environment<'_> {
 /// The summary of a valid configuration and its warnings, or the filter's error line.
 #[cfg(not(target_arch = "wasm32"))]
 fn check(bytes: &[u8], env: &Environment<'_>) -> Result<(String, Vec<String>), String> {
-    let config =
-        Config::parse_with_env(bytes, &|name| Some(env.value(name))).map_err(|e| e.to_string())?;
-    // Valid JSON, or the filter would have refused it: the variables' names are read there.
+    // Valid JSON, or the filter would refuse it: the variables' and zones' names are read there.
     let raw: Value = serde_json::from_slice(bytes).unwrap_or_default();
+    let config = Config::parse_with_env(bytes, &|name| Some(env.value(name)))
+        .map_err(|e| with_zone_hint(e, &raw))?;
     let env_name = |pointer: &str| raw.pointer(pointer).and_then(Value::as_str);
     let credential = match (
         env_name("/redis/authorization_env"),
@@ -210,7 +244,62 @@ fn check(bytes: &[u8], env: &Environment<'_>) -> Result<(String, Vec<String>), S
     let mut warnings = env.warnings(&raw);
     warnings.extend(self_declared_costs(&config));
     warnings.extend(streams_cut_for_less(&config));
+    warnings.extend(zone_rules(&config));
     Ok((describe(&config, &credential, &sealing), warnings))
+}
+
+/// The filter's error, and for a zone given by its bare name the object to write instead when
+/// this machine's tzdata has the zone.
+fn with_zone_hint(e: coordination_guard::config::ConfigError, raw: &Value) -> String {
+    let mut text = e.to_string();
+    if e.path.ends_with(".zone") {
+        // policies[1].rate_limits[0].zone -> /policies/1/rate_limits/0/zone
+        let pointer = format!(
+            "/{}",
+            e.path
+                .replace('[', "/")
+                .replace("].", "/")
+                .replace('.', "/")
+        );
+        if let Some(name) = raw.pointer(&pointer).and_then(Value::as_str) {
+            if let Ok(rule) = zoneinfo::rule(name) {
+                let _ = write!(
+                    text,
+                    "\n  this machine's tzdata gives: \"zone\": {}",
+                    zoneinfo::zone_json(name, &rule)
+                );
+            }
+        }
+    }
+    text
+}
+
+/// A calendar limit whose zone's rule is not the one this machine's tzdata gives for its name:
+/// the periods follow the configuration's rule, which may be out of date (or the machine's).
+fn zone_rules(c: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, p) in c.policies.iter().enumerate() {
+        for (j, l) in p.rate_limits.iter().enumerate() {
+            let Some(zone) = l.calendar.as_ref().map(|c| &c.zone) else {
+                continue;
+            };
+            let (Some(rule), Ok(here)) = (&zone.rule, zoneinfo::rule(&zone.name)) else {
+                continue;
+            };
+            if *rule != here {
+                out.push(format!(
+                    "policies[{i}].rate_limits[{j}].zone ({}/{}): the rule {rule:?} is not the \
+                     one this machine's tzdata gives for {}, {here:?}: the periods follow the \
+                     configuration's; if the zone's rules changed, write \"zone\": {}",
+                    p.name,
+                    l.name,
+                    zone.name,
+                    zoneinfo::zone_json(&zone.name, &here)
+                ));
+            }
+        }
+    }
+    out
 }
 
 /// A limit whose cost the client declares (`cost`) and nothing corrects (no `charge`): the
@@ -306,6 +395,14 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
             l.limit,
             Selector::describe_all(&l.by),
             duration(l.window_ms)
+        )
+    } else if let Some(c) = &l.calendar {
+        format!(
+            "{} per {} by {} ({algo} from {}",
+            l.limit,
+            c.describe(),
+            Selector::describe_all(&l.by),
+            c.period.start_words()
         )
     } else {
         format!(
@@ -508,6 +605,8 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
     }
     s
 }
+
+mod zoneinfo;
 
 #[cfg(test)]
 mod environment_tests;

@@ -179,3 +179,91 @@ fn an_invalid_config_gives_the_filters_error() {
         assert!(err.contains(want), "{want:?} in {err}");
     }
 }
+
+/// A calendar quota is explained as one: its period, its zone by name and rule, and where a
+/// period starts.
+#[test]
+fn a_calendar_quota_says_its_period_and_zone() {
+    let summary = check_json(
+        br#"{"redis": {"cluster": "gw", "key_prefix": "cg:x"}, "policies": [{"name": "api",
+             "rate_limits": [
+               {"name": "monthly", "by": ["tenant"], "algorithm": "fixed_window",
+                "limit": 10000, "window": "1mo", "align": "calendar",
+                "zone": {"name": "Europe/Berlin", "rule": "CET-1CEST,M3.5.0,M10.5.0/3"}},
+               {"name": "daily", "by": ["tenant"], "algorithm": "fixed_window", "limit": 500,
+                "window": "1d", "align": "calendar", "zone": "+05:30"},
+               {"name": "weekly", "by": [], "algorithm": "fixed_window", "limit": 9,
+                "window": "1w", "align": "calendar"}]}]}"#,
+    )
+    .expect("valid");
+    for want in [
+        "limit monthly: 10000 per calendar month, Europe/Berlin (CET-1CEST,M3.5.0,M10.5.0/3) by \
+         tenant (fixed window from the local midnight that starts each month)",
+        "limit daily: 500 per calendar day, +05:30 by tenant (fixed window from each local \
+         midnight)",
+        "limit weekly: 9 per calendar week (from Monday), UTC by the whole policy (fixed \
+         window from each Monday's local midnight)",
+        "key cg:x:rl:{t.<tenant>}:api:monthly:fw:",
+    ] {
+        assert!(summary.contains(want), "{want:?} in\n{summary}");
+    }
+}
+
+/// A zone given by its bare name is refused by the filter (it has no time-zone database); the
+/// check adds the object to write when this machine's tzdata has the zone.
+#[test]
+fn a_bare_zone_name_is_refused_with_the_object_to_write() {
+    let config = |zone: &str| {
+        format!(
+            r#"{{"redis": {{"cluster": "gw"}}, "policies": [{{"name": "p", "rate_limits": [
+                {{"name": "m", "by": [], "algorithm": "fixed_window", "limit": 1,
+                  "window": "1mo", "align": "calendar", "zone": "{zone}"}}]}}]}}"#
+        )
+    };
+    let err = check_json(config("Europe/Berlin").as_bytes()).expect_err("a bare name");
+    assert!(
+        err.starts_with(
+            "policies[0].rate_limits[0].zone: \"Europe/Berlin\" is a time-zone name, and the \
+             filter carries no time-zone database"
+        ),
+        "{err}"
+    );
+    let rule = zoneinfo::rule("Europe/Berlin").expect("this machine's tzdata has Europe/Berlin");
+    assert!(
+        err.ends_with(&format!(
+            "\n  this machine's tzdata gives: \"zone\": {{\"name\": \"Europe/Berlin\", \"rule\": \
+             \"{rule}\"}}"
+        )),
+        "{err}"
+    );
+    // No such zone here: the filter's error alone.
+    let err = check_json(config("Mars/Olympus_Mons").as_bytes()).expect_err("a bare name");
+    assert!(!err.contains("tzdata gives"), "{err}");
+}
+
+/// A configured rule that is not the one this machine's tzdata gives for its name is warned
+/// about (the periods follow the configuration's rule).
+#[test]
+fn a_rule_unlike_this_machines_tzdata_is_warned_about() {
+    let config = |rule: &str| {
+        format!(
+            r#"{{"redis": {{"cluster": "gw"}}, "policies": [{{"name": "p", "rate_limits": [
+                {{"name": "m", "by": [], "algorithm": "fixed_window", "limit": 1,
+                  "window": "1mo", "align": "calendar",
+                  "zone": {{"name": "Europe/Berlin", "rule": "{rule}"}}}}]}}]}}"#
+        )
+    };
+    let here = zoneinfo::rule("Europe/Berlin").expect("this machine's tzdata has Europe/Berlin");
+    let (_, warnings) = check(config(&here).as_bytes(), &Environment(None)).expect("valid");
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let (_, warnings) = check(config("CET-1").as_bytes(), &Environment(None)).expect("valid");
+    assert_eq!(
+        warnings,
+        [format!(
+            "policies[0].rate_limits[0].zone (p/m): the rule \"CET-1\" is not the one this \
+             machine's tzdata gives for Europe/Berlin, \"{here}\": the periods follow the \
+             configuration's; if the zone's rules changed, write \"zone\": {{\"name\": \
+             \"Europe/Berlin\", \"rule\": \"{here}\"}}"
+        )]
+    );
+}

@@ -37,7 +37,9 @@
 --              | "lq" leased quota: a fixed window that hands out slices (see below)
 --              | "cc" concurrency: at most `limit` slots held at once (see below)
 --   limit      integer > 0
---   window_ms  integer > 0 (cc: the lifetime of a slot unless extended)
+--   window_ms  integer > 0 (cc: the lifetime of a slot unless extended); for fw and lq also
+--              a calendar spec, '<period>@<zone>' (piece_calendar.lua): the window is then
+--              the calendar day, week or month that holds Redis TIME, in that zone
 --   burst      integer > 0, token bucket capacity (ignored by the others)
 --   shadow     "1": reported but never rejects | "0"
 --   cost       integer >= 0, units this request consumes from this limit (cc: must be 1)
@@ -65,8 +67,9 @@
 --                     ("lq" when admitted: the size of the slice granted, >= cost;
 --                     "cc": free slots)
 --     reset_ms        ms until this limit's quota is fully restored if nothing else arrives
---                     (fw: until the window ends, window_ms if no window is open; cc: until
---                     the last slot held expires unless extended); >= 0
+--                     (fw: until the window ends, window_ms if no window is open; a calendar
+--                     fw: until the calendar period ends, open or not; cc: until the last slot
+--                     held expires unless extended); >= 0
 --     retry_after_ms  if allowed == 0: ms until a request of this cost would be allowed, >= 1;
 --                     else 0
 --   then, iff the idempotency section is on, 3 more values at 2 + 4n:
@@ -109,6 +112,14 @@
 -- last, only by a request that was admitted and (with idempotency on) acquired its record, so
 -- a replay, a duplicate in progress or a conflict never holds it.
 --
+-- Calendar windows: a fw or lq limit whose window is a calendar spec counts in the same one
+-- counter, which lives until the calendar period that holds Redis TIME ends (PEXPIRE of the
+-- whole ms left, rounded down, at least 1, so a counter never outlives its period), and
+-- answers that period's end as reset_ms whether a counter exists or not. So "10000 a month"
+-- starts again at the first midnight of each month in the limit's zone, on every sidecar at
+-- once. A calendar limit cannot be listed with overrides (a script error): an override holds
+-- a window in ms.
+--
 -- Fencing token: token = max(stored + 1, now_us), stored = the fence key's value (0 if
 -- absent, or not a non-negative integer below 2^53), now_us = Redis TIME in µs; then
 -- SET fence token PX fence_ttl_ms. Tokens of one fence key strictly increase, also after the
@@ -136,14 +147,17 @@
 -- first once their own arguments are checked); a bad one is a script error.
 --
 -- Time comes from redis.call('TIME') so every proxy agrees; it is read once, and only when a
--- sw, sl or tb limit or the lease section is on (fw and lq use Redis TTLs), or when the
--- idempotency section creates a record (a replay reads no clock). It is kept in microseconds
--- (about 1.7e15, exact in a double) and every reply value is converted to whole ms.
+-- sw, sl or tb limit, a calendar window or the lease section is on (fw and lq use Redis
+-- TTLs), or when the idempotency section creates a record (a replay reads no clock). It is
+-- kept in microseconds (about 1.7e15, exact in a double) and every reply value is converted
+-- to whole ms.
 --
 -- Cost: every rate-limited request runs this script, so a call pays only for what it uses.
 -- No closures or tables per algorithm, limit or section: each algorithm is inline code in
--- an if-chain (but sw's roll-over: window_roll, shared with charge.lua, is
--- piece_window_roll.lua, put before this file), phase 1 writes each verdict straight into
+-- an if-chain (but sw's roll-over: window_roll, and a calendar window's period:
+-- calendar_zone and calendar_period, each shared with charge.lua, are piece_window_roll.lua
+-- and piece_calendar.lua, put before this file; a calendar window's zone is one table, made
+-- only for a call that has one), phase 1 writes each verdict straight into
 -- the reply and keeps what phase 2 needs in one flat table, and the idempotency and lease
 -- code runs only when that section is on (and the overrides' code, with its one table, only
 -- when the call lists overrides: first, so that a call with override keys takes the fast path
@@ -181,6 +195,9 @@ if #KEYS > 1 or ARGV[11] ~= nil then -- the usual call has one key and ten argum
       if c ~= 1 and c ~= 2 then wrong('ARGV[' .. (O + 2 * j) .. '] must be 1 or 2') end
       if #KEYS < k + c then wrong('fewer keys than listed') end
       local a = 3 + (i - 1) * 6
+      if not tonumber(ARGV[a + 2]) then
+        wrong('limit ' .. i .. ' has a calendar window: an override holds a window in ms')
+      end
       local tb, found, ignored = ARGV[a] == 'tb', false, 0
       for key = k + 1, k + c do
         local raw = not found and redis.pcall('GET', KEYS[key])
@@ -295,9 +312,11 @@ if lease then
   fence_ttl_ms = count_arg(L + 3, 1)
 end
 
--- Every limit's arguments, validated before anything is read or written.
+-- Every limit's arguments, validated before anything is read or written. A calendar limit's
+-- zone, read once here, goes to cal[i] (cal: nil when the call has none).
 local need_time = lease
 local has_cc = false
+local cal
 for i = 1, n do
   local a = 3 + (i - 1) * 6
   local algo = ARGV[a]
@@ -306,7 +325,15 @@ for i = 1, n do
     bad('unknown algo ' .. tostring(algo))
   end
   count_arg(a + 1, 1) -- limit
-  count_arg(a + 2, 1) -- window_ms
+  if (algo == 'fw' or algo == 'lq') and not tonumber(ARGV[a + 2]) then
+    cal = cal or {}
+    cal[i] = calendar_zone(ARGV[a + 2]) -- piece_calendar.lua
+      or bad('ARGV[' .. (a + 2) .. '] (window) must be an integer >= 1 or a calendar spec, got '
+        .. tostring(ARGV[a + 2]))
+    need_time = true
+  else
+    count_arg(a + 2, 1) -- window_ms
+  end
   count_arg(a + 3, 1) -- burst
   if ARGV[a + 4] ~= '0' and ARGV[a + 4] ~= '1' then
     bad('ARGV[' .. (a + 4) .. '] (shadow) must be "0" or "1", got ' .. tostring(ARGV[a + 4]))
@@ -382,13 +409,25 @@ for i = 1, n do
     local count = tonumber(raw) or 0
     ok = count + need <= limit
     remaining = math.max(0, limit - count)
-    reset = window_ms -- no window open: GET found no counter, so no PTTL call (it says -2)
-    if raw then
-      local ttl = redis.call('PTTL', key)
-      if ttl >= 0 then
-        reset = ttl
-      elseif ttl == -1 and not PEEK then
-        redis.call('PEXPIRE', key, window_ms) -- without a TTL it would reject forever
+    local zone = cal and cal[i]
+    if zone then
+      -- Calendar window: it ends with the period that holds now, counter or not. saved: that
+      -- end (µs), for phase 2's TTL.
+      local _, stop = calendar_period(zone, now) -- piece_calendar.lua
+      reset = ms(stop - now)
+      saved[2 * i - 1] = stop
+      if raw and not PEEK and redis.call('PTTL', key) == -1 then
+        redis.call('PEXPIRE', key, math.max(1, math.floor((stop - now) / 1000)))
+      end
+    else
+      reset = window_ms -- no window open: GET found no counter, so no PTTL call (it says -2)
+      if raw then
+        local ttl = redis.call('PTTL', key)
+        if ttl >= 0 then
+          reset = ttl
+        elseif ttl == -1 and not PEEK then
+          redis.call('PEXPIRE', key, window_ms) -- without a TTL it would reject forever
+        end
       end
     end
     retry = math.max(1, reset)
@@ -534,7 +573,11 @@ if admitted and not PEEK then
         arg = amount
       end
       local c = redis.call('INCRBY', key, arg)
-      if c == amount then redis.call('PEXPIRE', key, window_ms) end -- a new window
+      if c == amount then -- a new window; a calendar one lives until its period ends
+        local stop = cal and cal[i] and saved[2 * i - 1]
+        redis.call('PEXPIRE', key, stop and math.max(1, math.floor((stop - now) / 1000))
+          or window_ms)
+      end
       reply[r + 1] = algo == 'lq' and amount or math.max(0, limit - c)
       -- reset_ms stands: INCRBY keeps the TTL
 

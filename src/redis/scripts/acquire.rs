@@ -120,14 +120,24 @@ impl Asker<'_> {
 }
 
 /// The six per-limit arguments of `acquire.lua`: the limit's code (its key's, see
-/// [`keys::limit_code`]), limit, window, burst, shadow flag, and `cost`, this request's units.
+/// [`keys::limit_code`]), limit, window (in ms, or a calendar-aligned limit's spec), burst,
+/// shadow flag, and `cost`, this request's units.
 fn push_limit_args(args: &mut Words, limit: &RateLimit, cost: u64) {
     args.push(keys::limit_code(limit));
     args.push_u64(limit.limit);
-    args.push_u64(limit.window_ms);
+    push_window(args, limit);
     args.push_u64(limit.burst);
     args.push(if limit.shadow { "1" } else { "0" });
     args.push_u64(cost);
+}
+
+/// A limit's window as the scripts take it: milliseconds, or for a calendar-aligned limit its
+/// spec (`1mo@3600,...`), from which the script computes the period that holds Redis TIME.
+pub(crate) fn push_window(args: &mut Words, limit: &RateLimit) {
+    match &limit.calendar {
+        Some(c) => args.push(&c.spec),
+        None => args.push_u64(limit.window_ms),
+    }
 }
 
 /// The largest limit or burst an override holds (the configuration's bound).

@@ -120,6 +120,43 @@ fn groups_by_hash_tag() {
     }
 }
 
+/// A calendar-aligned limit's window goes to the script as its spec, in the key and the
+/// arguments alike; the script computes the period from Redis TIME.
+#[test]
+fn a_calendar_window_is_passed_as_its_spec() {
+    let c = crate::config::Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p", "rate_limits": [
+          {"name": "monthly", "by": ["tenant"], "algorithm": "fixed_window", "limit": 10000,
+           "window": "1mo", "align": "calendar", "zone": "+05:30"}]}]}"#,
+    )
+    .expect("valid");
+    let (caller, req) = request();
+    let policy = &c.policies[0];
+    let groups = plan(
+        policy,
+        &refs(&keys("cg", policy, &caller, &req, &[])),
+        &asker("n1"),
+        None,
+        None,
+    );
+    assert_eq!(
+        groups[0].call.args,
+        vec![
+            "1",
+            "n1",
+            "fw",
+            "10000",
+            "1mo@19800",
+            "10000",
+            "0",
+            "1",
+            "0",
+            "0"
+        ]
+    );
+    assert!(groups[0].call.keys[0].contains(":monthly:fw:10000/1mo@19800:"));
+}
+
 #[test]
 fn idempotency_rides_with_the_tenant_group() {
     let c = config();

@@ -8,7 +8,8 @@
 -- ARGV[2 .. 1+4n]  four values per limit i, starting at ARGV[2 + (i-1)*4]:
 --   algo       "fw" fixed_window | "sw" sliding_window | "tb" token_bucket
 --   limit      integer > 0
---   window_ms  integer > 0
+--   window_ms  integer > 0; for fw also a calendar spec (piece_calendar.lua, as acquire.lua
+--              takes it)
 --   delta      integer (may be negative): charge - admitted cost
 --
 -- Reply: flat array of n integers: the units each counter really moved by (a negative delta
@@ -17,7 +18,8 @@
 --
 -- Where the difference lands:
 --   fw  the counter's current window; a positive delta opens a window (PX window_ms) if none
---       is open, so a request admitted at cost 0 still counts.
+--       is open, so a request admitted at cost 0 still counts. A calendar window opened so
+--       lives until the calendar period that holds Redis TIME ends, as acquire.lua's.
 --   sw  the current aligned window's count (rolled over as acquire.lua does, by the same
 --       window_roll: piece_window_roll.lua); the key is written only when that count moves,
 --       so a negative delta never creates one.
@@ -40,12 +42,21 @@ end
 local n = int_arg(1, 1)
 if #KEYS ~= n then bad(#KEYS .. ' keys for ' .. n .. ' limits') end
 local need_time = false
+local cal -- cal[i]: limit i's calendar zone, for a fw limit with a calendar window
 for i = 1, n do
   local a = 2 + (i - 1) * 4
   local algo = ARGV[a]
   if algo ~= 'fw' and algo ~= 'sw' and algo ~= 'tb' then bad('unknown algo ' .. tostring(algo)) end
   int_arg(a + 1, 1)
-  int_arg(a + 2, 1)
+  if algo == 'fw' and not tonumber(ARGV[a + 2]) then
+    cal = cal or {}
+    cal[i] = calendar_zone(ARGV[a + 2]) -- piece_calendar.lua
+      or bad('ARGV[' .. (a + 2) .. '] (window) must be an integer >= 1 or a calendar spec, got '
+        .. tostring(ARGV[a + 2]))
+    need_time = true
+  else
+    int_arg(a + 2, 1)
+  end
   int_arg(a + 3)
   if algo ~= 'fw' then need_time = true end
 end
@@ -70,7 +81,12 @@ for i = 1, n do
     local count = tonumber(redis.call('GET', key))
     if count == nil then
       if delta > 0 then
-        redis.call('SET', key, int(delta), 'PX', window_ms)
+        local ttl = window_ms
+        if cal and cal[i] then
+          local _, stop = calendar_period(cal[i], now) -- piece_calendar.lua
+          ttl = math.max(1, math.floor((stop - now) / 1000))
+        end
+        redis.call('SET', key, int(delta), 'PX', ttl)
         moved = delta
       end
     else

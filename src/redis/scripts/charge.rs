@@ -21,10 +21,18 @@ pub(crate) fn call(corrections: &[Correction<'_>]) -> ScriptCall {
     let mut args = Words::with_capacity(1 + 4 * corrections.len(), 48 * corrections.len());
     args.push_u64(corrections.len() as u64);
     for c in corrections {
-        let quota = c.quota.unwrap_or_else(|| c.limit.quota());
         args.push(keys::limit_code(c.limit));
-        args.push_u64(quota.limit);
-        args.push_u64(quota.window_ms);
+        match c.quota {
+            Some(quota) => {
+                args.push_u64(quota.limit);
+                args.push_u64(quota.window_ms);
+            }
+            None => {
+                args.push_u64(c.limit.limit);
+                // A calendar-aligned limit: its spec (it has no overrides).
+                super::acquire::push_window(&mut args, c.limit);
+            }
+        }
         args.push_i64(c.delta);
     }
     let keys: Words = corrections.iter().map(|c| c.key).collect();
@@ -67,5 +75,23 @@ mod tests {
             delta: 2,
         }]);
         assert_eq!(call.args, vec!["1", "fw", "50", "1000", "2"]);
+    }
+
+    #[test]
+    fn a_calendar_window_is_corrected_with_its_spec() {
+        let c = Config::parse(
+            br#"{"redis": {"cluster": "gw"}, "policies": [{"name": "p", "rate_limits": [
+              {"name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 1000,
+               "window": "1d", "align": "calendar", "zone": "-05:00",
+               "charge": {"response_header": "x-tokens-used"}}]}]}"#,
+        )
+        .expect("valid");
+        let call = call(&[Correction {
+            key: "k",
+            limit: &c.policies[0].rate_limits[0],
+            quota: None,
+            delta: 7,
+        }]);
+        assert_eq!(call.args, vec!["1", "fw", "1000", "1d@-18000", "7"]);
     }
 }

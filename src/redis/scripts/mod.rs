@@ -16,6 +16,8 @@
 //!
 //! * `piece_window_roll.lua`: `window_roll`, a sliding-window counter rolled over to the
 //!   current window (`acquire.lua`, `charge.lua`);
+//! * `piece_calendar.lua`: `calendar_zone` and `calendar_period`, the calendar day, week or
+//!   month that holds Redis TIME in a limit's zone (`acquire.lua`, `charge.lua`);
 //! * `piece_cancel_marker.lua`: `set_cancel_marker`, the cancellation marker a release sets
 //!   (`release.lua`, `lease_release.lua`, `slot_release.lua`).
 //!
@@ -41,6 +43,7 @@ macro_rules! acquire_lua {
         concat!(
             "local PEEK = false\n",
             include_str!("piece_window_roll.lua"),
+            include_str!("piece_calendar.lua"),
             include_str!("acquire.lua")
         )
     };
@@ -51,6 +54,7 @@ macro_rules! peek_lua {
         concat!(
             "local PEEK = true\n",
             include_str!("piece_window_roll.lua"),
+            include_str!("piece_calendar.lua"),
             include_str!("acquire.lua")
         )
     };
@@ -83,6 +87,7 @@ macro_rules! charge_lua {
     () => {
         concat!(
             include_str!("piece_window_roll.lua"),
+            include_str!("piece_calendar.lua"),
             include_str!("charge.lua")
         )
     };
@@ -239,7 +244,7 @@ mod tests {
         scripts: &'static [ScriptId],
     }
 
-    const PIECES: [Piece; 2] = [
+    const PIECES: [Piece; 3] = [
         Piece {
             file: "piece_window_roll.lua",
             text: include_str!("piece_window_roll.lua"),
@@ -248,6 +253,17 @@ mod tests {
                 "redis.call('HMGET', key, 'w', 'c', 'p')",
                 "prev, cur = cur, 0",
                 "prev, cur = 0, 0",
+            ],
+            scripts: &[ScriptId::Acquire, ScriptId::Charge],
+        },
+        Piece {
+            file: "piece_calendar.lua",
+            text: include_str!("piece_calendar.lua"),
+            lines: &[
+                "local function calendar_zone(",
+                "local function calendar_period(",
+                "local function days_from_civil(",
+                "local function first_reading(",
             ],
             scripts: &[ScriptId::Acquire, ScriptId::Charge],
         },
