@@ -100,7 +100,7 @@ def post_lease(envoy: Envoy, tenant: str, order: str, timeout: float = 10.0) -> 
 
 def assert_503(resp: Response) -> None:
     assert resp.status == 503, resp
-    assert resp.json()["type"].endswith(":guard_unavailable"), resp
+    assert resp.json()["type"].endswith("#guard_unavailable"), resp
 
 
 def redis_stat(envoy: Envoy, name: str) -> int:

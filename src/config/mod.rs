@@ -33,8 +33,7 @@ pub use keyring::{KeyProblem, Keyring, RecordKey, KEY_LEN};
 pub use lease::{Lease, OnBusy, MAX_FENCE_TTL_MS};
 pub use policy::{HeaderMatch, HeaderTest, IdSource, Identity, Match, MissingTenant};
 pub use rate_limit::{
-    policy_item, push_policy_item, Algorithm, Quota, RateLimit, REGISTERED_UNITS, UNIT_CONCURRENT,
-    UNIT_REQUESTS,
+    policy_item, push_policy_item, Algorithm, Quota, RateLimit, UNIT_CONCURRENT, UNIT_REQUESTS,
 };
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};

@@ -56,8 +56,6 @@ pub struct RateLimit {
 pub const UNIT_REQUESTS: &str = "requests";
 /// The quota unit of a concurrency limit (requests in flight).
 pub const UNIT_CONCURRENT: &str = "concurrent-requests";
-/// The quota units draft-ietf-httpapi-ratelimit-headers registers.
-pub const REGISTERED_UNITS: &[&str] = &[UNIT_REQUESTS, "content-bytes", UNIT_CONCURRENT];
 
 /// How much a limit admits and over how long: the configuration's, or a tenant's own (an
 /// override), as the script counted with it.
