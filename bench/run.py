@@ -495,8 +495,8 @@ def floor_429(stack: Stack) -> dict:
     same status, headers and body shape as coordination-guard's 429."""
     body = json.dumps({
         "detail": 'rate limit "tenant" of operation "api" exceeded; retry after 3600 s',
-        "status": 429, "title": "Too Many Requests",
-        "type": "urn:coordination-guard:problem:rate-limited",
+        "status": 429, "title": "Quota Exceeded",
+        "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
         "violated-policies": ["tenant"]}, separators=(",", ":"))
     return {"local_reply": {"status": 429, "body": body, "headers": [
         ["content-type", "application/problem+json"], ["retry-after", "3600"],

@@ -338,7 +338,7 @@ def test_explain_gives_the_answer_envoy_gives(cg_admin, shared, path, headers, s
     answer = got["answer"]
     assert (answer["status"], answer["problem"]) == (status, problem), got
     seen, _, body = raw(shared, "POST", path, headers)
-    assert seen == status and body["type"].endswith(f":{problem}"), body
+    assert seen == status and body["type"].endswith(f"#{problem}"), body
     assert answer["detail"] == body["detail"]
 
 

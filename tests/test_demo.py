@@ -107,7 +107,7 @@ def test_make_run_with_an_own_config_prints_its_examples_and_survives_redis(tmp_
                        check=True, timeout=30, capture_output=True)
         read_until(proc, lambda line: line.startswith("demo: Redis stopped"), 30)
         status, body = post(ports["envoy"], "/jobs/7", org, "PUT")
-        assert status == 503 and body["type"].endswith(":guard_unavailable"), body
+        assert status == 503 and body["type"].endswith("#guard_unavailable"), body
         subprocess.run(["make", "--no-print-directory", "demo-redis-up"], cwd=ROOT, env=env,
                        check=True, timeout=30, capture_output=True)
         read_until(proc, lambda line: line.startswith("demo: Redis is back"), 30)

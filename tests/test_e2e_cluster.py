@@ -29,11 +29,11 @@ from harness.cluster import MASTERS, SLOTS, ClusterBackend
 from harness.envoy import Envoy, Response
 from harness.proc import ADMIN_USER, GATEWAY_USER
 from harness.stack import Stack
+from harness.problems import is_problem
 
 TENANT_HEADER = "x-tenant-id"
 LABEL_HEADER = "x-user-id"
 FENCING_HEADER = "x-fencing-token"
-PROBLEM_TYPE = "urn:coordination-guard:problem:"
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def is_guard_unavailable(resp: Response) -> bool:
     if resp.status != 503 or not resp.headers.get("content-type", "").startswith("application/problem+json"):
         return False
     try:
-        return resp.json()["type"] == PROBLEM_TYPE + "guard_unavailable"
+        return is_problem(resp.json(), "guard_unavailable")
     except (ValueError, KeyError):
         return False
 

@@ -21,12 +21,12 @@ import pytest
 from harness.envoy import Envoy
 from harness.grpc_upstream import GrpcUpstream
 from harness.stack import DEAD_CLUSTER, Stack
+from harness.problems import is_problem
 
 TENANT = "x-tenant-id"
 CREATE = "/cg.test.Orders/Create"
 STREAM = "/cg.test.Orders/Stream"
 LIMITED = "/cg.test.Orders/Limited"
-PROBLEM = "urn:coordination-guard:problem:"
 
 
 def uid() -> str:
@@ -295,7 +295,7 @@ def test_d_rate_limited_call_gets_resource_exhausted_with_the_detail(shared, gua
     assert http.status == 429
     assert http.headers["content-type"] == "application/problem+json"
     problem = http.json()
-    assert problem["type"] == PROBLEM + "rate_limited"
+    assert is_problem(problem, "rate_limited"), problem
     assert problem["detail"].startswith('rate limit "tenant" of operation "http-limited" exceeded')
     assert problem["violated-policies"] == ["tenant"]
 
@@ -331,7 +331,7 @@ def test_d_in_progress_duplicate_gets_aborted(shared, guard):
     http = http_post(envoy, "/cg.test.Orders/http", tenant, hkey, body=b"{}")
     t.join(10)
     assert http.status == 409 and http.headers["content-type"] == "application/problem+json", http
-    assert http.json()["type"] == PROBLEM + "idempotency_key_in_use"
+    assert is_problem(http.json(), "idempotency_key_in_use"), http
 
 
 def test_d_fail_closed_is_unavailable_with_the_detail(shared, guard):
@@ -342,7 +342,7 @@ def test_d_fail_closed_is_unavailable_with_the_detail(shared, guard):
     assert out.metadata("retry-after") == "1"
     assert executed(shared, "Create", b"x") == 0
     http = http_post(envoy, "/cg.test.Orders/http", f"t-{uid()}", f"k-{uid()}")
-    assert http.status == 503 and http.json()["type"] == PROBLEM + "guard_unavailable"
+    assert http.status == 503 and is_problem(http.json(), "guard_unavailable"), http
 
 
 def test_d_missing_tenant_is_unauthenticated(shared, guard):
@@ -353,5 +353,5 @@ def test_d_missing_tenant_is_unauthenticated(shared, guard):
     assert out.metadata("www-authenticate") == f'Tenant header="{TENANT}"'
     assert executed(shared, "Create", b"y") == 0
     http = http_post(envoy, "/cg.test.Orders/http", None, f"k-{uid()}")
-    assert http.status == 401 and http.json()["type"] == PROBLEM + "missing_tenant"
+    assert http.status == 401 and is_problem(http.json(), "missing_tenant"), http
     assert http.json()["detail"] == f"this operation requires the {TENANT} header"

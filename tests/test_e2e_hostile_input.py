@@ -23,6 +23,7 @@ import pytest
 from harness.concurrency import in_thread
 from harness.envoy import Envoy, Response
 from harness.stack import DEAD_CLUSTER, Stack
+from harness.problems import is_problem
 
 TENANT_HEADER = "x-tenant-id"
 PRINCIPAL_HEADER = "x-user-id"
@@ -114,7 +115,7 @@ def problem(resp: Response, status: int, slug: str) -> dict:
     assert resp.status == status, (resp.status, resp.body)
     assert resp.headers.get("content-type") == PROBLEM, resp.headers
     body = json.loads(resp.body)
-    assert body["type"].endswith(":" + slug), body
+    assert is_problem(body, slug), body
     assert body["status"] == status, body
     return body
 

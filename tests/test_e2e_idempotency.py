@@ -30,6 +30,7 @@ from harness.concurrency import in_thread, wait_for
 from harness.envoy import Envoy, Response
 from harness.stack import Stack
 from harness.upstream import Upstream
+from harness.problems import is_problem
 
 # Every test that builds its stack through `topology` (stack_factory, the module's shared stack)
 # runs on a single Redis and on Redis Cluster behind redis_proxy (conftest.py, harness/cluster.py).
@@ -37,7 +38,6 @@ pytestmark = pytest.mark.topologies("single", "cluster")
 
 TENANT_HEADER = "x-tenant-id"
 FINGERPRINT_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-PROBLEM_TYPE = "urn:coordination-guard:problem:"
 
 # Every tenant and client key the module sends, and every Envoy it started, so the last test
 # can look for raw identifiers in Redis keys, records and logs.
@@ -150,7 +150,7 @@ def assert_problem(resp: Response, status: int, slug: str, case: str = "") -> di
     assert resp.status == status, (case, resp)
     assert resp.headers.get("content-type") == "application/problem+json", (case, resp)
     problem = resp.json()
-    assert problem["type"] == PROBLEM_TYPE + slug, (case, problem)
+    assert is_problem(problem, slug), (case, problem)
     assert problem["status"] == status, (case, problem)
     assert "idempotent-replayed" not in resp.headers, (case, resp)
     return problem

@@ -28,6 +28,7 @@ import pytest
 from harness.concurrency import in_thread, wait_for
 from harness.envoy import Envoy, Response
 from harness.stack import Stack
+from harness.problems import is_problem
 
 # Every test that builds its stack through `topology` (stack_factory, the module's shared stack)
 # runs on a single Redis and on Redis Cluster behind redis_proxy (conftest.py, harness/cluster.py).
@@ -37,7 +38,6 @@ TENANT_HEADER = "x-tenant-id"
 # The harness upstream records x-user-id: it labels each request so the ledger can tell them apart.
 LABEL_HEADER = "x-user-id"
 FENCING_HEADER = "x-fencing-token"
-PROBLEM_TYPE = "urn:coordination-guard:problem:"
 POLICY = "activate"
 REDIS_TIMEOUT = "100ms"  # root tick 50 ms: releases and extensions go out within ~50 ms
 FENCE_TTL_MS = 7 * 86_400_000
@@ -159,7 +159,7 @@ def assert_problem(resp: Response, status: int, slug: str) -> dict:
     assert resp.status == status, resp
     assert resp.headers.get("content-type") == "application/problem+json", resp
     body = resp.json()
-    assert body["type"] == PROBLEM_TYPE + slug, body
+    assert is_problem(body, slug), body
     assert body["status"] == status, body
     assert isinstance(body["detail"], str) and body["detail"], body
     return body

@@ -29,10 +29,10 @@ from harness.concurrency import wait_for
 from harness.envoy import Envoy
 from harness.stack import Stack
 from harness.upstream import big_body
+from harness.problems import is_problem
 
 TENANT = "x-tenant-id"
 COST = "x-request-cost"
-PROBLEM = "urn:coordination-guard:problem:"
 MiB = 1 << 20
 # The repro of issue 54: {"usage":{"total_tokens":5},"x":[{"":0}, ... x 2.39M]}, 16.7 MB.
 FILLER = 2_390_000
@@ -283,7 +283,7 @@ def test_past_the_budget_a_fingerprint_or_a_replay_is_refused_and_runs_nothing(g
         assert all(f.result()[0] == 200 and len(f.result()[2]) == fill for f in filling)
     for status, headers, body in during[:2]:
         assert status == 503, (status, body[:300])
-        assert json.loads(body)["type"] == PROBLEM + "guard_overloaded", body
+        assert is_problem(json.loads(body), "guard_overloaded"), body
         assert headers.get("retry-after") == "1", headers
     assert during[2:] == (keys, 0, 1), "nothing ran, no record was written"
     assert envoy.stat("wasmcustom.cg.memory.refused") == 2

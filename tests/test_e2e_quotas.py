@@ -7,8 +7,8 @@ gRPC service.
 Concurrency (`algorithm: concurrency`): at most `limit` requests of a scope in flight across
 every sidecar; a slot is taken at admission, extended at half the window while the request
 runs, given back once the upstream answered (however the stream then ends); a slot whose
-client left before the answer, and a crashed sidecar's slots, expire after the window. Over the limit: `429 concurrency_limited`, `Retry-After: 1`, no `RateLimit`
-headers.
+client left before the answer, and a crashed sidecar's slots, expire after the window. Over the limit: `429` quota-exceeded (`concurrency_limited`), `Retry-After: 1`,
+the limit's `RateLimit` items in `qu="concurrent-requests"` with `r=0` and no reset.
 
 Cost and charge: a request consumes its `cost` (a request header) at admission; after the
 stream ends the counter moves by the difference to the `charge` the response reported (a
@@ -40,6 +40,7 @@ from harness.envoy import Envoy, Response
 from harness.grpc_upstream import GrpcUpstream
 from harness.stack import Stack
 from harness.upstream import max_overlap
+from harness.problems import is_problem
 from test_e2e_lease import assert_problem, redis_now_us, uid
 
 pytestmark = pytest.mark.topologies("single", "cluster")
@@ -47,11 +48,9 @@ pytestmark = pytest.mark.topologies("single", "cluster")
 TENANT = "x-tenant-id"
 COST = "x-request-cost"
 USED = "x-tokens-used"
-PROBLEM = "urn:coordination-guard:problem:"
 POLICY = "jobs"
 # Root tick 125 ms: releases, extensions and charges go out within about that.
 REDIS_TIMEOUT = "250ms"
-STATE_FIELD = re.compile(r'^"([A-Za-z0-9_-]+)";r=(\d+);t=(\d+)(, "[A-Za-z0-9_-]+";r=\d+;t=\d+)*$')
 SINGLE_ONLY = pytest.mark.topologies("single", reason="the topology changes nothing the test "
                                      "looks at (timing, processes, gRPC, config refusal)")
 
@@ -132,14 +131,18 @@ def assert_concurrency_limited(resp: Response, limit: str = "inflight") -> None:
     body = assert_problem(resp, 429, "concurrency_limited")
     assert body["violated-policies"] == [limit], body
     assert resp.headers.get("retry-after") == "1", resp
-    assert not {"ratelimit", "ratelimit-policy"} & resp.headers.keys(), resp
+    # The full limit, in the draft's unit for it: slots, no window, none free, no reset.
+    assert re.fullmatch(rf'"{limit}";q=\d+;qu="concurrent-requests"',
+                        resp.headers.get("ratelimit-policy", "")), resp
+    assert resp.headers.get("ratelimit") == f'"{limit}";r=0', resp
 
 
 def remaining(resp: Response) -> int:
-    """`r` of the `tokens` item of the RateLimit header (the only limit these tests report)."""
-    match = STATE_FIELD.match(resp.headers.get("ratelimit", ""))
-    assert match and match.group(1) == "tokens", resp
-    return int(match.group(2))
+    """`r` of the `tokens` item of the RateLimit header (the only counting limit these tests
+    report; a concurrency limit beside it has an item without a reset)."""
+    match = re.search(r'(?:^|, )"tokens";r=(\d+);t=\d+(?:, |$)', resp.headers.get("ratelimit", ""))
+    assert match, resp
+    return int(match.group(1))
 
 
 def limit_stat(envoy: Envoy, limit: str, name: str, policy_name: str = POLICY) -> int:
@@ -266,8 +269,10 @@ def test_concurrency_caps_requests_in_flight_across_two_sidecars(shared, guard):
     for resp in rejected:
         assert_concurrency_limited(resp)
         assert resp.elapsed < 1.0, resp  # answered at once, not after a slot freed
-    for resp in admitted:  # no RateLimit headers for an in-flight limit, allowed or not
-        assert not {"ratelimit", "ratelimit-policy"} & resp.headers.keys(), resp
+    for resp in admitted:  # the in-flight limit in its unit: slots, no window, no reset
+        assert resp.headers["ratelimit-policy"] == \
+            f'"inflight";q={limit};qu="concurrent-requests"', resp
+        assert re.fullmatch(r'"inflight";r=[0-3]', resp.headers["ratelimit"]), resp
     ran = run.executed(shared)
     assert len(ran) == limit and max_overlap(ran) == limit, ran
     # Five requests went through one sidecar, four through the other: a cap per sidecar
@@ -284,16 +289,21 @@ def test_concurrency_caps_requests_in_flight_across_two_sidecars(shared, guard):
     assert len(ran) == 2 * limit and max_overlap(ran) == limit, ran
 
 
-def test_a_concurrency_limit_beside_a_rate_limit_reports_only_the_rate_limit(shared, guard):
+def test_a_concurrency_limit_beside_a_rate_limit_reports_both(shared, guard):
     (envoy,) = guard(policy(inflight(1), tokens(limit=10, cost={"header": COST})))
     run = Run()
     holder = in_thread(run.send, envoy, delay_ms=800)
     assert wait_for(lambda: run.running(shared) == 1, 3.0), "the first request never ran"
     busy = run.send(envoy)
     assert_concurrency_limited(busy)
+    # The 429 names the full concurrency limit alone: the rate limit was not violated.
+    assert "tokens" not in busy.headers["ratelimit-policy"], busy
     ok = holder()
     assert ok.status == 200, ok
-    assert ok.headers["ratelimit-policy"] == '"tokens";q=10;w=3600', ok
+    # The most restrictive first: no slot was free once this request took the only one.
+    assert ok.headers["ratelimit-policy"] == \
+        '"inflight";q=1;qu="concurrent-requests", "tokens";q=10;w=3600', ok
+    assert ok.headers["ratelimit"].startswith('"inflight";r=0, "tokens";r=9;t='), ok
     assert remaining(ok) == 9, ok
     # The rejected request consumed nothing from the rate limit (one script call checks both).
     assert fw_count(shared, only_key(shared, envoy.key_prefix, "fw")) == 1
@@ -576,7 +586,7 @@ def test_a_repeated_cost_header_is_ambiguous(shared, guard):
     run = Run()
     status, body = raw_post(envoy, run.path, [(TENANT, run.tenant), (COST, "1"), (COST, "900")])
     assert status == 400, body
-    assert body["type"] == PROBLEM + "ambiguous_selector", body
+    assert is_problem(body, "ambiguous_selector"), body
     assert body["selector"] == f"header:{COST}", body
     assert run.executed(shared) == []
     assert envoy.stat(f"wasmcustom.cg.policy.{POLICY}.ambiguous_input") == 1

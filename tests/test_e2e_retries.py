@@ -36,10 +36,10 @@ from harness.concurrency import in_thread, wait_for
 from harness.envoy import Envoy, Response
 from harness.grpc_upstream import GrpcUpstream
 from harness.stack import Stack
+from harness.problems import is_problem
 
 TENANT = "x-tenant-id"
 NO_RETRY = "x-envoy-ratelimited"
-PROBLEM = "urn:coordination-guard:problem:"
 GUARDED_RPC = "/cg.test.Orders/Guarded"  # guarded, fails closed; never reaches the service
 CREATE_RPC = "/cg.test.Orders/Create"  # not guarded: the service's own answers
 UNAVAILABLE_DETAIL = "the coordination store cannot decide: Redis is unavailable behind its gateway; retry shortly"
@@ -160,7 +160,7 @@ def post(envoy: Envoy, path: str, tenant: str, **headers: str) -> Response:
 def assert_problem(resp: Response, status: int, slug: str) -> None:
     assert resp.status == status, resp
     assert resp.headers.get("content-type") == "application/problem+json", resp
-    assert resp.json()["type"] == PROBLEM + slug, resp
+    assert is_problem(resp.json(), slug), resp
     assert resp.headers.get(NO_RETRY) == "true", resp
 
 

@@ -29,11 +29,11 @@ from harness.envoy import Envoy
 from harness.stack import Stack
 from harness.upstream import big_body
 from harness.wsupstream import WsUpstream
+from harness.problems import is_problem
 from test_e2e_idempotency import (TENANT_HEADER, assert_problem, idem_stat, new_key, new_tenant,
                                   policy, post, record_key, stored, uid)
 from test_e2e_lease import lease_keys, lease_stats
 
-PROBLEM_TYPE = "urn:coordination-guard:problem:"
 WS_ROUTES = {"/ws/": "ws", "/live/": "ws"}
 KiB = 1024
 
@@ -139,7 +139,7 @@ def test_a_second_websocket_session_is_refused_while_the_first_is_open(shared, g
         owner = lease_owner(shared, lkey)
         assert owner, "the first session holds no lease"
         status, problem = ws_refused(envoy, path, tenant)
-        assert status == 409 and problem.get("type") == PROBLEM_TYPE + "resource_locked", problem
+        assert status == 409 and is_problem(problem, "resource_locked"), problem
         echo(first, "still open")  # the first session is untouched by the refusal
         assert lease_owner(shared, lkey) == owner
         assert lease_stats(envoy, "session")["released"] == 0
@@ -183,7 +183,7 @@ def test_the_lease_is_extended_while_a_session_outlives_its_ttl(shared, guard):
             assert lease_owner(shared, lkey) == owner, "the lease changed hands mid-session"
             time.sleep(0.25)
         status, problem = ws_refused(envoy, path, tenant)
-        assert status == 409 and problem.get("type") == PROBLEM_TYPE + "resource_locked", problem
+        assert status == 409 and is_problem(problem, "resource_locked"), problem
         assert lease_owner(shared, lkey) == owner
         assert 0 < shared.redis.pttl(lkey) <= 1000
         stats = lease_stats(envoy, "session")

@@ -175,7 +175,7 @@ def check_rate_limit(out: list[str]) -> None:
     assert status(last) == 429, last
     for header in ("retry-after: ", "ratelimit-policy: ", "ratelimit: "):
         assert header in last.lower(), last
-    assert "application/problem+json" in last and ":rate_limited" in last, last
+    assert "application/problem+json" in last and "#quota-exceeded" in last, last
 
 
 def check_lease(out: list[str], header: str = "x-fencing-token") -> None:

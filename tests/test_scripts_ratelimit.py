@@ -260,9 +260,10 @@ def test_sl_frees_slots_as_oldest_entries_age_out(rl, redis_client):
     rejected = rl.one("{u}:k", lim)
     after = redis_now_us(redis_client)
     assert not rejected.allowed
-    # exactly when the oldest entry leaves the window; fully reset when the newest does
+    # exactly when the oldest entry leaves the window: a unit comes back then (reset_ms, the
+    # header's t) and a request of cost 1 fits (retry_after_ms)
     assert_ms_until(rejected.retry_after_ms, oldest + 300_000, before, after)
-    assert_ms_until(rejected.reset_ms, newest + 300_000, before, after)
+    assert_ms_until(rejected.reset_ms, oldest + 300_000, before, after)
 
     # cost 2 needs both entries gone: the wait is until the newest leaves
     before = redis_now_us(redis_client)
@@ -272,8 +273,12 @@ def test_sl_frees_slots_as_oldest_entries_age_out(rl, redis_client):
     assert_ms_until(rejected2.retry_after_ms, newest + 300_000, before, after)
 
     sleep_ms(rejected.retry_after_ms)
+    before = redis_now_us(redis_client)
     freed = rl.one("{u}:k", lim)
+    after = redis_now_us(redis_client)
     assert freed.allowed and freed.remaining == 0  # one slot back, the newer entry still counts
+    # the set's first entry had left the window: the next unit is the newer entry's
+    assert_ms_until(freed.reset_ms, newest + 300_000, before, after)
     assert not rl.one("{u}:k", lim).allowed
     assert redis_client.zcard("{u}:k") == 2  # the aged-out entry was trimmed
 
@@ -287,18 +292,20 @@ def test_tb_refills_one_token_per_interval(rl, redis_client):
     rejected = rl.one("{u}:k", lim)
     after = redis_now_us(redis_client)
     assert not rejected.allowed and 1 <= rejected.retry_after_ms <= 100
-    # admitted once TAT + T - tau <= now
+    # admitted once TAT + T - tau <= now; the next token (reset_ms) comes then too
     assert_ms_until(rejected.retry_after_ms, tat + 100_000 - 300_000, before, after)
-    assert_ms_until(rejected.reset_ms, tat, before, after)
+    assert_ms_until(rejected.reset_ms, tat + 100_000 - 300_000, before, after)
 
     sleep_ms(rejected.retry_after_ms)
     one = rl.one("{u}:k", lim)
     assert one.allowed and one.remaining == 0
+    # the next token is at most a whole T away
+    assert 1 <= one.reset_ms <= 100, one
     again = rl.one("{u}:k", lim)
     assert not again.allowed and again.remaining == 0
 
-    # reset_ms is when the bucket is full again: then a whole burst passes
-    sleep_ms(again.reset_ms)
+    # the bucket is full again tau (300 ms) after it was empty: then a whole burst passes
+    sleep_ms(300)
     assert [rl.one("{u}:k", lim).allowed for _ in range(4)] == [True, True, True, False]
 
 
@@ -344,17 +351,16 @@ def test_waiting_retry_after_is_enough(rl, lim):
 
 
 @pytest.mark.parametrize(
-    "stored_window,admit_at_window,reset_at_window",
+    "stored_window,admit_at_window",
     [
         # the previous window is full, the current empty: wait until prev has decayed enough
-        # (4 * (1 - e/W) + 1 <= 4 at e = W/4); fully restored when this window ends
-        pytest.param(-1, 0, 1, id="prev_decays_in_this_window"),
+        # (4 * (1 - e/W) + 1 <= 4 at e = W/4)
+        pytest.param(-1, 0, id="prev_decays_in_this_window"),
         # the current window is full: it becomes prev next window and decays from there
-        pytest.param(0, 1, 2, id="cur_carries_into_next_window"),
+        pytest.param(0, 1, id="cur_carries_into_next_window"),
     ],
 )
-def test_sw_retry_after_is_exact(rl, redis_client, stored_window, admit_at_window,
-                                 reset_at_window):
+def test_sw_retry_after_is_exact(rl, redis_client, stored_window, admit_at_window):
     lim = Limit("sw", 4, 400)
     w_us = lim.window_ms * 1000
     align_to_window_start(redis_client, lim.window_ms, offset_ms=20)
@@ -368,7 +374,8 @@ def test_sw_retry_after_is_exact(rl, redis_client, stored_window, admit_at_windo
     assert after // w_us == idx, "test slept past the window it set up"
     assert not v.allowed and v.remaining == 0
     assert_ms_until(v.retry_after_ms, (idx + admit_at_window) * w_us + w_us // 4, before, after)
-    assert_ms_until(v.reset_ms, (idx + reset_at_window) * w_us, before, after)
+    # nothing remains: the next unit comes back when a request of cost 1 fits
+    assert_ms_until(v.reset_ms, (idx + admit_at_window) * w_us + w_us // 4, before, after)
     sleep_ms(v.retry_after_ms)
     assert rl.one("{u}:k", lim).allowed
 
@@ -387,8 +394,24 @@ def test_missing_key_is_a_fresh_limit(rl, lim):
     }.get(lim.algo)
     if expected_reset is not None:
         assert v.reset_ms == expected_reset
-    else:  # sw: the hit fades out by the end of the next aligned window
+    else:  # sw: the one hit comes back as it fades, by the end of the next aligned window
         assert lim.window_ms < v.reset_ms <= 2 * lim.window_ms
+
+
+@pytest.mark.parametrize("lim", SHORT_CASES.values(), ids=SHORT_CASES.keys())
+def test_reset_is_when_remaining_grows(rl, redis_client, lim):
+    """reset_ms (the RateLimit header's `t`) is when the limit has more room than `remaining`
+    says: a request right away leaves one unit less, one after reset_ms leaves at least as
+    many as before. It is never later than the quota's window (two for a sliding window,
+    whose hits fade over the next one), and 0 only when nothing is used."""
+    fresh = rl.one("{u}:unused", lim, cost=0)
+    assert fresh.allowed and fresh.remaining == lim.capacity and fresh.reset_ms in (0, lim.window_ms)
+    first = rl.one("{u}:k", lim)
+    assert first.allowed and first.remaining == lim.capacity - 1
+    assert 0 < first.reset_ms <= (2 if lim.algo == "sw" else 1) * lim.window_ms, first
+    sleep_ms(first.reset_ms)
+    later = rl.one("{u}:k", lim)
+    assert later.allowed and later.remaining >= first.remaining, (first, later)
 
 
 @pytest.mark.parametrize("lim", SHORT_CASES.values(), ids=SHORT_CASES.keys())

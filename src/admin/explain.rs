@@ -91,7 +91,7 @@ pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminErr
             text,
             json,
             r,
-            &Answer::of(&checks::ambiguous_path()),
+            &Answer::of(&checks::ambiguous_path(&config.problem_type_base)),
         ));
     }
     json["matched"] = json!("policy");

@@ -104,10 +104,7 @@ pub(crate) fn run(ctx: &mut Context, args: &[String]) -> Result<Report, AdminErr
         };
         let used = capacity.saturating_sub(state.remaining);
         let header = header_item(l, state);
-        let reset = match &header {
-            Some(h) => format!("{} (RateLimit: {h})", show::span(ms(state.reset_ms))),
-            None => show::span(ms(state.reset_ms)),
-        };
+        let reset = format!("{} (RateLimit: {header})", show::span(ms(state.reset_ms)));
         let next = if state.allowed {
             "a request of cost 1 would be admitted".to_string()
         } else if l.shadow {
@@ -206,19 +203,16 @@ fn shared_by(l: &RateLimit) -> String {
     }
 }
 
-/// The `RateLimit` item the filter would send for this state (`"name";r=..;t=..`); none for a
-/// concurrency limit, which the headers never show.
-fn header_item(l: &RateLimit, s: &LimitState) -> Option<String> {
-    (!l.concurrency()).then(|| {
-        ratelimit_headers(&[QuotaView {
-            name: &l.name,
-            policy: &l.policy_item,
-            quota: s.quota.filter(|q| *q != l.quota()),
-            remaining: s.remaining,
-            reset_ms: s.reset_ms,
-        }])
-        .1
-    })
+/// The `RateLimit` item the filter would send for this state on an admitted request
+/// (`"name";r=..;t=..`; a concurrency limit's has no `t`).
+fn header_item(l: &RateLimit, s: &LimitState) -> String {
+    let view = QuotaView {
+        limit: l,
+        quota: s.quota.filter(|q| *q != l.quota()),
+        remaining: s.remaining,
+        reset_ms: s.reset_ms,
+    };
+    ratelimit_headers(&[view], None).1
 }
 
 /// A token bucket's own burst, which the script's reply does not carry: read from the first

@@ -167,7 +167,7 @@ impl Described {
                 .ok_or_else(|| AdminError::Usage("no such policy".into())),
             Some(Selected::AmbiguousPath(_)) => Err(refused(
                 &format!("{} {}", self.method, self.path),
-                &checks::ambiguous_path(),
+                &checks::ambiguous_path(&config.problem_type_base),
             )),
             None => Err(AdminError::Usage(format!(
                 "no policy guards {} {}: the filter forwards it untouched",
@@ -273,7 +273,7 @@ impl Filter {
     pub(crate) fn tenant_problem(&self, index: usize, e: TenantError) -> LocalResponse {
         match self.at(index) {
             Some(at) => checks::tenant_problem(&at, e),
-            None => checks::ambiguous_path(),
+            None => checks::ambiguous_path(&self.rt.config.problem_type_base),
         }
     }
 

@@ -35,7 +35,7 @@ pub use keyring::{KeyProblem, Keyring, RecordKey, KEY_LEN};
 pub use lease::{Lease, OnBusy, MAX_FENCE_TTL_MS};
 pub use policy::{HeaderMatch, HeaderTest, IdSource, Identity, Match, MissingTenant};
 pub use rate_limit::{
-    calendar_policy_item, policy_item, push_policy_item, Algorithm, Quota, RateLimit,
+    policy_item, push_policy_item, Algorithm, Quota, RateLimit, UNIT_CONCURRENT, UNIT_REQUESTS,
 };
 pub use reader::ConfigError;
 use reader::{index, Obj, Result};
@@ -165,7 +165,19 @@ pub struct Config {
     /// The most heap a worker's VM holds (`memory_budget`): a copy that would take it past
     /// this is not made (see [`crate::support::memory`]).
     pub memory_budget: u64,
+    /// Where the `type` URIs of the filter's own problems point (`problem_type_base`): the
+    /// problem's name is appended to it. A `429` uses the registered quota-exceeded type
+    /// instead.
+    pub problem_type_base: String,
 }
+
+/// The default `problem_type_base`: the project's page of problem types, one anchor per
+/// problem (`docs/problems.md`), so that every `type` URI dereferences to its documentation.
+pub const DEFAULT_PROBLEM_TYPE_BASE: &str =
+    "https://github.com/coordination-guard/coordination-guard/blob/main/docs/problems.md#";
+
+/// The longest `problem_type_base` accepted.
+pub const MAX_PROBLEM_TYPE_BASE: usize = 512;
 
 /// The fields of the configuration's top level.
 const ROOT_FIELDS: &[&str] = &[
@@ -177,6 +189,7 @@ const ROOT_FIELDS: &[&str] = &[
     "memory_budget",
     "policies",
     "over_limit_cache",
+    "problem_type_base",
 ];
 
 /// Envoy's default `per_connection_buffer_limit_bytes`.
@@ -252,6 +265,7 @@ impl Config {
             None => DEFAULT_OVER_LIMIT_CACHE_ENTRIES,
             Some(v) => over_limit_cache(v, "over_limit_cache")?,
         };
+        let problem_type_base = problem_type_base(&mut root)?;
         Ok(Config {
             redis,
             identity,
@@ -261,6 +275,7 @@ impl Config {
             over_limit_cache_entries,
             envoy_buffer_limit,
             memory_budget,
+            problem_type_base,
         })
     }
 
@@ -307,6 +322,40 @@ fn memory_budget(root: &mut Obj<'_>) -> Result<u64> {
         )),
         Some(n) => Ok(n),
     }
+}
+
+/// `problem_type_base`: an absolute `https://` (or `http://`) URI prefix, at most
+/// [`MAX_PROBLEM_TYPE_BASE`] bytes of URI characters (RFC 3986: unreserved, reserved and `%`),
+/// so that a `type` needs no escaping in JSON nor in a `Link` header; it ends in `/`, `#` or
+/// `=`, since the problem's name is appended to it.
+fn problem_type_base(root: &mut Obj<'_>) -> Result<String> {
+    let path = root.field_path("problem_type_base");
+    let Some(base) = root.opt_str("problem_type_base")? else {
+        return Ok(DEFAULT_PROBLEM_TYPE_BASE.to_string());
+    };
+    let uri_char = |b: u8| b.is_ascii_alphanumeric() || b"-._~:/?#[]@!$&'()*+,;=%".contains(&b);
+    let rest = base
+        .strip_prefix("https://")
+        .or_else(|| base.strip_prefix("http://"));
+    let problem = match rest {
+        _ if base.len() > MAX_PROBLEM_TYPE_BASE => {
+            format!("is longer than {MAX_PROBLEM_TYPE_BASE} bytes")
+        }
+        None => format!("{base:?} is not an absolute https:// or http:// URI"),
+        Some(rest) if rest.is_empty() || rest.starts_with(['/', '#', '?']) => {
+            format!("{base:?} names no host")
+        }
+        Some(_) if !base.bytes().all(uri_char) => format!(
+            "{base:?} holds a character a URI cannot (a space, a quote, '<', '>', '\\', a \
+             control or non-ASCII character): percent-encode it"
+        ),
+        Some(_) if !base.ends_with(['/', '#', '=']) => format!(
+            "{base:?} must end with '/', '#' or '=': the problem's name (e.g. \
+             guard_unavailable) is appended to it"
+        ),
+        Some(_) => return Ok(base.to_string()),
+    };
+    Err(ConfigError::new(path, problem))
 }
 
 /// `policies`: each one read, names unique.

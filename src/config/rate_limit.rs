@@ -51,7 +51,17 @@ pub struct RateLimit {
     /// requests. Only on limits counted per tenant, so the override keys share the
     /// counter's hash slot.
     pub overrides: bool,
+    /// What one unit of the limit is (`unit`): the `qu` of its `RateLimit-Policy` item.
+    /// [`UNIT_REQUESTS`] (the draft's default, written without `qu`) unless configured;
+    /// [`UNIT_CONCURRENT`] for a concurrency limit.
+    pub unit: String,
 }
+
+/// The quota unit of a limit that counts requests: the draft's default, so its items carry no
+/// `qu`.
+pub const UNIT_REQUESTS: &str = "requests";
+/// The quota unit of a concurrency limit (requests in flight).
+pub const UNIT_CONCURRENT: &str = "concurrent-requests";
 
 /// How much a limit admits and over how long: the configuration's, or a tenant's own (an
 /// override), as the script counted with it.
@@ -85,38 +95,70 @@ impl RateLimit {
             window_ms: self.window_ms,
         }
     }
+
+    /// The `q` its `RateLimit-Policy` item shows, with the tenant's own quota (`own`, an
+    /// override) if it has one: what `r` never exceeds (see [`push_policy_item`]).
+    pub fn shown_quota(&self, own: Option<Quota>) -> u64 {
+        match own {
+            Some(q) => q.limit,
+            None if self.algorithm == Algorithm::TokenBucket => self.burst,
+            None => self.limit,
+        }
+    }
 }
 
-/// A limit's `RateLimit-Policy` item, `"<name>";q=<quota>;w=<window in s>`: the same on every
-/// response, so the configuration writes it once per limit and each response copies it. A
-/// calendar-aligned limit's item has no `w` ([`calendar_policy_item`]).
-pub fn policy_item(name: &str, quota: u64, window_ms: u64) -> String {
-    let mut item = String::with_capacity(name.len() + 32);
-    push_policy_item(&mut item, name, quota, window_ms);
-    item
-}
-
-/// Appends [`policy_item`] to `out`: a tenant's own quota (an override) is written per
+/// A limit's `RateLimit-Policy` item (draft-ietf-httpapi-ratelimit-headers-10): its name,
+/// `q` (the quota), `qu` (the unit, when it is not requests) and `w` (the window in whole
+/// seconds, rounded up), with the tenant's own quota (`own`, an override) if it has one.
+///
+/// - A token bucket shows its capacity: `q` is `burst` and `w` the time the bucket takes to
+///   fill from empty (`burst` x `window` / `limit`), so that `r` (at most `burst`) never
+///   exceeds `q`, `q` / `w` is the refill rate, and `q` units within any `w` are admitted.
+///   A tenant's own bucket shows its limit and window (its burst is not in the script's
+///   reply); `r` is then shown at most `q`.
+/// - A concurrency limit shows `q` slots with `qu="concurrent-requests"` and no `w`: a slot
+///   frees when a request ends, which no window says.
+/// - A calendar-aligned limit shows no `w`: its window is a calendar period, not a number
+///   of seconds (a month lasts 28 to 31 days, a day 23 to 25 hours where clocks change); `t`
+///   in `RateLimit` says when the period ends.
+/// - The others show `limit` per `window`.
+///
+/// The same on every response, so the configuration writes it once per limit
+/// ([`RateLimit::policy_item`]) and a response copies it; a tenant's own quota is written per
 /// response, into the header itself.
-pub fn push_policy_item(out: &mut String, name: &str, quota: u64, window_ms: u64) {
+pub fn push_policy_item(out: &mut String, l: &RateLimit, own: Option<Quota>) {
     out.push('"');
-    out.push_str(name);
+    out.push_str(&l.name);
     out.push_str("\";q=");
-    push_u64(out, quota);
+    push_u64(out, l.shown_quota(own));
+    if l.unit != UNIT_REQUESTS {
+        out.push_str(";qu=\"");
+        out.push_str(&l.unit);
+        out.push('"');
+    }
+    if l.concurrency() || l.calendar.is_some() {
+        return;
+    }
+    let window_ms = match own {
+        Some(q) => q.window_ms,
+        None if l.algorithm == Algorithm::TokenBucket => bucket_window_ms(l),
+        None => l.window_ms,
+    };
     out.push_str(";w=");
     push_u64(out, whole_secs(window_ms));
 }
 
-/// A calendar-aligned limit's `RateLimit-Policy` item, `"<name>";q=<quota>`: its window is a
-/// calendar period, not a number of seconds (a month lasts 28 to 31 days, a day 23 to 25 hours
-/// where clocks change), so `w` (optional in the draft) is left out; `t` in `RateLimit` says
-/// when the period ends.
-pub fn calendar_policy_item(name: &str, quota: u64) -> String {
-    let mut item = String::with_capacity(name.len() + 16);
-    item.push('"');
-    item.push_str(name);
-    item.push_str("\";q=");
-    push_u64(&mut item, quota);
+/// A token bucket's `w`: how long it takes to fill from empty, `burst` tokens at `limit` per
+/// `window`, in ms rounded up.
+fn bucket_window_ms(l: &RateLimit) -> u64 {
+    let ms = (u128::from(l.burst) * u128::from(l.window_ms)).div_ceil(u128::from(l.limit.max(1)));
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+/// [`push_policy_item`] of `l` with its configured quota, as a string.
+pub fn policy_item(l: &RateLimit) -> String {
+    let mut item = String::with_capacity(l.name.len() + 48);
+    push_policy_item(&mut item, l, None);
     item
 }
 
@@ -134,6 +176,7 @@ const RATE_LIMIT_FIELDS: &[&str] = &[
     "overrides",
     "align",
     "zone",
+    "unit",
 ];
 
 /// A policy's `rate_limits`, names unique within it.
@@ -250,11 +293,9 @@ fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
              stored in its hash slot",
         ));
     }
-    Ok(RateLimit {
-        policy_item: match calendar {
-            Some(_) => calendar_policy_item(&name, limit),
-            None => policy_item(&name, limit, window_ms),
-        },
+    let unit = unit(&mut o, "unit", algorithm)?;
+    let mut l = RateLimit {
+        policy_item: String::new(),
         name,
         by,
         algorithm,
@@ -267,7 +308,52 @@ fn rate_limit(v: &Value, path: &str, limits: Limits) -> Result<RateLimit> {
         cost,
         charge,
         overrides,
-    })
+        unit,
+    };
+    l.policy_item = policy_item(&l);
+    Ok(l)
+}
+
+/// `unit`: what one unit of the limit is, shown as the `qu` of its `RateLimit-Policy` item. A
+/// registered unit (`requests`, `content-bytes`; `concurrent-requests` is a concurrency
+/// limit's, and only its), or a name of the service's own (`tokens`): 1-32 of `[a-z0-9-]`,
+/// starting with a letter, so that it is an sf-string with nothing to escape.
+fn unit(o: &mut Obj<'_>, field: &'static str, algorithm: Algorithm) -> Result<String> {
+    let path = o.field_path(field);
+    let concurrency = algorithm == Algorithm::Concurrency;
+    let Some(unit) = o.opt_str(field)? else {
+        let default = if concurrency {
+            UNIT_CONCURRENT
+        } else {
+            UNIT_REQUESTS
+        };
+        return Ok(default.to_string());
+    };
+    let well_formed = (1..=32).contains(&unit.len())
+        && unit.starts_with(|c: char| c.is_ascii_lowercase())
+        && unit
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !well_formed {
+        return Err(ConfigError::new(
+            path,
+            format!(
+                "{unit:?} is not a quota unit: 1-32 of [a-z0-9-], starting with a letter \
+                 (e.g. \"requests\", \"content-bytes\", \"tokens\")"
+            ),
+        ));
+    }
+    match (concurrency, unit == UNIT_CONCURRENT) {
+        (true, false) => Err(ConfigError::new(
+            path,
+            format!("{unit:?}: a concurrency limit counts \"concurrent-requests\""),
+        )),
+        (false, true) => Err(ConfigError::new(
+            path,
+            "\"concurrent-requests\" is the unit of algorithm concurrency",
+        )),
+        _ => Ok(unit.to_string()),
+    }
 }
 
 /// `cost` and `charge`, on the counting algorithms that can take any amount: not on

@@ -141,7 +141,7 @@ fn bad_configs_name_the_field() {
         ("empty_limit_name", "/policies/0/rate_limits/1/name", json!(""),
          "policies[0].rate_limits[1].name: must not be empty"),
         ("unknown_top", "/rate_limit", json!(1),
-         "rate_limit: unknown field (known here: envoy_buffer_limit, failure_mode, identity, memory_budget, over_limit_cache, policies, redis, response_headers)"),
+         "rate_limit: unknown field (known here: envoy_buffer_limit, failure_mode, identity, memory_budget, over_limit_cache, policies, problem_type_base, redis, response_headers)"),
         ("unknown_in_limit", "/policies/0/rate_limits/0/windw", json!("1s"),
          "policies[0].rate_limits[0].windw: unknown field (did you mean `window`?)"),
         ("path_with_double_slash", "/policies/0/match/path_prefix", json!("/orders//x"),
@@ -226,6 +226,40 @@ fn bad_configs_name_the_field() {
          "policies[0].rate_limits[2].zone: only applies with \"align\": \"calendar\""),
         ("bad_authorization", "/redis/authorization", json!("Basic\nx"),
          "redis.authorization: must be a non-empty printable ASCII header value"),
+        ("problem_type_base_not_string", "/problem_type_base", json!(1),
+         "problem_type_base: expected a string, found a number"),
+        ("problem_type_base_relative", "/problem_type_base", json!("/docs/problems#"),
+         "problem_type_base: \"/docs/problems#\" is not an absolute https:// or http:// URI"),
+        ("problem_type_base_urn", "/problem_type_base", json!("urn:example:problem:"),
+         "problem_type_base: \"urn:example:problem:\" is not an absolute https:// or http:// URI"),
+        ("problem_type_base_no_host", "/problem_type_base", json!("https:///problems/"),
+         "problem_type_base: \"https:///problems/\" names no host"),
+        ("problem_type_base_quote", "/problem_type_base", json!("https://x.example/\"p\"/"),
+         "problem_type_base: \"https://x.example/\\\"p\\\"/\" holds a character a URI cannot (a space, a quote, '<', '>', '\\', a control or non-ASCII character): percent-encode it"),
+        ("problem_type_base_space", "/problem_type_base", json!("https://x.example/a b/"),
+         "problem_type_base: \"https://x.example/a b/\" holds a character a URI cannot (a space, a quote, '<', '>', '\\', a control or non-ASCII character): percent-encode it"),
+        ("problem_type_base_angle", "/problem_type_base", json!("https://x.example/<p>/"),
+         "problem_type_base: \"https://x.example/<p>/\" holds a character a URI cannot (a space, a quote, '<', '>', '\\', a control or non-ASCII character): percent-encode it"),
+        ("problem_type_base_unicode", "/problem_type_base", json!("https://x.example/ü/"),
+         "problem_type_base: \"https://x.example/ü/\" holds a character a URI cannot (a space, a quote, '<', '>', '\\', a control or non-ASCII character): percent-encode it"),
+        ("problem_type_base_no_separator", "/problem_type_base", json!("https://x.example/problems"),
+         "problem_type_base: \"https://x.example/problems\" must end with '/', '#' or '=': the problem's name (e.g. guard_unavailable) is appended to it"),
+        ("problem_type_base_too_long", "/problem_type_base", json!(format!("https://x.example/{}/", "a".repeat(500))),
+         "problem_type_base: is longer than 512 bytes"),
+        ("unit_not_string", "/policies/0/rate_limits/0/unit", json!(["tokens"]),
+         "policies[0].rate_limits[0].unit: expected a string, found an array"),
+        ("unit_upper_case", "/policies/0/rate_limits/0/unit", json!("Tokens"),
+         "policies[0].rate_limits[0].unit: \"Tokens\" is not a quota unit: 1-32 of [a-z0-9-], starting with a letter (e.g. \"requests\", \"content-bytes\", \"tokens\")"),
+        ("unit_quote", "/policies/0/rate_limits/0/unit", json!("tok\"ens"),
+         "policies[0].rate_limits[0].unit: \"tok\\\"ens\" is not a quota unit: 1-32 of [a-z0-9-], starting with a letter (e.g. \"requests\", \"content-bytes\", \"tokens\")"),
+        ("unit_empty", "/policies/0/rate_limits/0/unit", json!(""),
+         "policies[0].rate_limits[0].unit: \"\" is not a quota unit: 1-32 of [a-z0-9-], starting with a letter (e.g. \"requests\", \"content-bytes\", \"tokens\")"),
+        ("unit_too_long", "/policies/0/rate_limits/0/unit", json!("t".repeat(33)),
+         "policies[0].rate_limits[0].unit: \"ttttttttttttttttttttttttttttttttt\" is not a quota unit: 1-32 of [a-z0-9-], starting with a letter (e.g. \"requests\", \"content-bytes\", \"tokens\")"),
+        ("unit_concurrent_on_a_window", "/policies/0/rate_limits/0/unit", json!("concurrent-requests"),
+         "policies[0].rate_limits[0].unit: \"concurrent-requests\" is the unit of algorithm concurrency"),
+        ("unit_misspelt", "/policies/0/rate_limits/0/units", json!("tokens"),
+         "policies[0].rate_limits[0].units: unknown field (did you mean `unit`?)"),
     ];
     for (name, pointer, edit, want) in cases {
         assert_eq!(&error_after(pointer, edit.clone()), want, "case {name}");
@@ -1094,9 +1128,82 @@ fn cost_and_charge_errors_name_the_field() {
          format!("{at}.charge.response_sse_jsn: unknown field (did you mean `response_sse_json`?)")),
         (json!({"algorithm": "concurrent"}),
          format!("{at}.algorithm: \"concurrent\" is not one of fixed_window, sliding_window, sliding_log, token_bucket, concurrency")),
+        (json!({"algorithm": "concurrency", "unit": "requests"}),
+         format!("{at}.unit: \"requests\": a concurrency limit counts \"concurrent-requests\"")),
     ];
     for (extra, want) in cases {
         assert_eq!(limit(extra.clone()), want, "{extra}");
+    }
+}
+
+/// A limit's `unit`: requests unless configured (written without `qu`), a concurrency
+/// limit's `concurrent-requests`; a registered unit or one of the service's own is shown as
+/// `qu` in its `RateLimit-Policy` item.
+#[test]
+fn units_are_shown_in_the_policy_items() {
+    let mut v = base();
+    v["policies"][1]["rate_limits"] = json!([
+        { "name": "inflight", "by": ["tenant"], "algorithm": "concurrency", "limit": 20, "window": "30s" },
+        { "name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000, "window": "1m",
+          "cost": { "header": "x-tokens", "max": 10000 }, "unit": "tokens" },
+        { "name": "bytes", "by": ["tenant"], "algorithm": "sliding_window", "limit": 1048576, "window": "1s",
+          "cost": { "header": "content-length", "max": 65536 }, "unit": "content-bytes" },
+        { "name": "calls", "by": ["tenant"], "algorithm": "token_bucket", "limit": 3, "window": "1s",
+          "burst": 10, "unit": "requests" },
+        { "name": "inflight-2", "by": [], "algorithm": "concurrency", "limit": 5, "window": "10s",
+          "unit": "concurrent-requests" }
+    ]);
+    let c = Config::from_value(&v).expect("valid");
+    let shown: Vec<(&str, &str)> = c.policies[1]
+        .rate_limits
+        .iter()
+        .map(|l| (l.unit.as_str(), l.policy_item.as_str()))
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            (
+                "concurrent-requests",
+                "\"inflight\";q=20;qu=\"concurrent-requests\""
+            ),
+            ("tokens", "\"tokens\";q=100000;qu=\"tokens\";w=60"),
+            (
+                "content-bytes",
+                "\"bytes\";q=1048576;qu=\"content-bytes\";w=1"
+            ),
+            // 10 tokens at 3 a second: full in 3.33 s, shown as 4 (rounded up).
+            ("requests", "\"calls\";q=10;w=4"),
+            (
+                "concurrent-requests",
+                "\"inflight-2\";q=5;qu=\"concurrent-requests\""
+            ),
+        ]
+    );
+    let c = Config::from_value(&base()).expect("valid");
+    assert!(c
+        .policies
+        .iter()
+        .flat_map(|p| &p.rate_limits)
+        .all(|l| l.unit == UNIT_REQUESTS));
+}
+
+/// `problem_type_base` defaults to the project's page of problem types; any absolute http(s)
+/// URI prefix that ends where a name can follow is taken as it is.
+#[test]
+fn problem_type_base_is_a_uri_prefix() {
+    let c = Config::from_value(&base()).expect("valid");
+    assert_eq!(c.problem_type_base, DEFAULT_PROBLEM_TYPE_BASE);
+    assert!(DEFAULT_PROBLEM_TYPE_BASE.ends_with("/docs/problems.md#"));
+    for base_uri in [
+        "https://api.example.com/problems/",
+        "http://docs.internal:8080/errors#",
+        "https://example.com/problem?type=",
+        "https://example.com/p%20q/",
+    ] {
+        let mut v = base();
+        v["problem_type_base"] = json!(base_uri);
+        let c = Config::from_value(&v).expect("valid");
+        assert_eq!(c.problem_type_base, base_uri);
     }
 }
 
@@ -1272,7 +1379,8 @@ fn calendar_windows() {
 }
 
 /// Each limit's `RateLimit-Policy` item is written at configuration, from its own name,
-/// limit and window (in whole seconds, rounded up, at least 1), as every response shows it.
+/// limit and window (in whole seconds, rounded up, at least 1), as every response shows it:
+/// a token bucket's from its burst and the time the bucket takes to fill.
 #[test]
 fn each_limit_carries_its_policy_item() {
     let mut v = base();
@@ -1288,7 +1396,7 @@ fn each_limit_carries_its_policy_item() {
         items,
         [
             "\"tenant\";q=100;w=60",
-            "\"user-burst\";q=10;w=1",
+            "\"user-burst\";q=20;w=2",
             "\"per-ip\";q=1000;w=3600",
             "\"global\";q=5000;w=1",
         ]
@@ -1310,6 +1418,7 @@ fn every_object() -> Value {
         "response_headers": true,
         "envoy_buffer_limit": "1MiB",
         "over_limit_cache": {"entries": 10},
+        "problem_type_base": "https://example.com/problems/",
         "policies": [{
             "name": "p",
             "match": {"methods": ["POST"], "path_prefix": "/a", "host": "h",
@@ -1319,7 +1428,8 @@ fn every_object() -> Value {
                 {"name": "t", "by": ["tenant"], "algorithm": "token_bucket", "limit": 10,
                  "window": "1s", "burst": 20, "shadow": false, "mode": "exact",
                  "cost": {"header": "x-cost", "default": 1, "min": 0, "max": 5},
-                 "charge": {"response_json": "/n", "max_body": "1KiB"}, "overrides": true},
+                 "charge": {"response_json": "/n", "max_body": "1KiB"}, "overrides": true,
+                 "unit": "tokens"},
                 {"name": "monthly", "algorithm": "fixed_window", "limit": 10, "window": "1mo",
                  "align": "calendar", "zone": {"name": "Europe/Berlin",
                  "rule": "CET-1CEST,M3.5.0,M10.5.0/3"}}
@@ -1352,6 +1462,7 @@ fn a_misspelt_field_is_unknown_before_a_required_one_is_missing() {
         ("", "", "redis", "rediss"),
         ("", "", "policies", "polices"),
         ("", "", "over_limit_cache", "over_limit_cach"),
+        ("", "", "problem_type_base", "problem_type_bas"),
         ("/redis", "redis.", "cluster", "clustr"),
         ("/redis", "redis.", "authorization_env", "authorisation_env"),
         (

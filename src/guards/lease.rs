@@ -58,8 +58,10 @@ pub(crate) struct LeaseGuard {
     /// The answer of an acquire that rode with the rate limits, until they are decided.
     pub(crate) answer: Option<LeaseAnswer>,
     wait: Backoff,
-    /// The busy lease's remaining time at the last busy answer (for the answer of a waiter).
+    /// The busy lease's remaining time at the last busy answer, and when that answer came
+    /// (for the answer of a waiter whose next poll fails: the time since is taken off).
     busy_pttl_ms: i64,
+    busy_seen_ms: u64,
     /// When to extend the lease next (`extend: true`).
     next_extend_ms: Option<u64>,
 }
@@ -105,6 +107,7 @@ impl LeaseGuard {
             answer: None,
             wait: Backoff::new(LEASE_POLL_FIRST_MS, LEASE_POLL_MAX_MS, owner),
             busy_pttl_ms: 0,
+            busy_seen_ms: 0,
             next_extend_ms: None,
         }))
     }
@@ -130,6 +133,7 @@ impl LeaseGuard {
             LeaseAnswer::Busy { pttl_ms } => match self.next_poll(cfg, at.now_ms) {
                 Some(at_ms) => {
                     self.busy_pttl_ms = pttl_ms;
+                    self.busy_seen_ms = at.now_ms;
                     LeaseDecision::PollAt(at_ms)
                 }
                 None => LeaseDecision::Busy(busy(lm, pttl_ms, at)),
@@ -144,7 +148,11 @@ impl LeaseGuard {
             return None;
         }
         let lm = at.pm.lease.as_ref()?;
-        Some(busy(lm, self.busy_pttl_ms, at))
+        let since = at.now_ms.saturating_sub(self.busy_seen_ms);
+        let left = self
+            .busy_pttl_ms
+            .saturating_sub(i64::try_from(since).unwrap_or(i64::MAX));
+        Some(busy(lm, left.max(1), at))
     }
 
     /// With `on_busy: wait` and time left: when to poll again (the last poll lands exactly
@@ -237,11 +245,15 @@ impl Holder for LeaseGuard {
     }
 }
 
-/// The `423` for a busy lease, counted.
+/// The `409 resource_locked` for a busy lease, counted. Its `Retry-After` is the holder's
+/// remaining time: the lease's PTTL as the script read it (`pttl_ms`), in whole seconds
+/// rounded up, at least 1. The lease frees then at the latest, unless its holder extends it
+/// (`extend: true`, while its request runs), or earlier when the holder gives it back.
 fn busy(lm: &LeaseMetrics, pttl_ms: i64, at: &Pcx<'_>) -> LocalResponse {
     at.m.increment(lm.busy);
-    let retry = local_reply::whole_secs(u64::try_from(pttl_ms).unwrap_or(1000));
+    let retry = local_reply::whole_secs(u64::try_from(pttl_ms).unwrap_or(1));
     local_reply::problem(
+        &at.rt.config.problem_type_base,
         Problem::ResourceLocked,
         &format!("another request holds this resource; retry after {retry} s"),
         &[],

@@ -343,8 +343,9 @@ mod tests {
             leased: false,
             cost: None,
             charge: None,
-            policy_item: crate::config::policy_item("tenant", 100, 60_000),
+            policy_item: "\"tenant\";q=100;w=60".into(),
             overrides: false,
+            unit: "requests".into(),
         }
     }
 

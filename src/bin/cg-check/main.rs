@@ -34,6 +34,10 @@ use coordination_guard::config::{
     MissingTenant, OnBusy, RateLimit, Replay, Selector,
 };
 use coordination_guard::redis::keys;
+
+/// The problem type of the filter's `429`s: the one draft-ietf-httpapi-ratelimit-headers
+/// registers (the filter's own constant is crate-private).
+const QUOTA_EXCEEDED: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
 use serde_json::Value;
 use std::fmt::Write;
 use std::process::ExitCode;
@@ -459,6 +463,10 @@ fn limit_line(prefix: &str, policy: &str, l: &RateLimit) -> String {
     line.push(')');
     if l.shadow {
         line.push_str(", shadow: counted, never rejects");
+    } else {
+        // As the RateLimit-Policy header shows it (a token bucket: its burst per the time it
+        // takes to fill; a concurrency limit: its slots, no window; a unit in `qu`).
+        let _ = write!(line, ", shown as {}", l.policy_item);
     }
     let tag = if l.tenant_scoped() {
         "{t.<tenant>}".to_string()
@@ -538,6 +546,11 @@ fn describe(c: &Config, credential: &str, sealing: &[Option<String>]) -> String 
         s,
         "memory: {} bytes per worker (memory_budget); Envoy's buffer limit {} bytes",
         c.memory_budget, c.envoy_buffer_limit
+    );
+    let _ = writeln!(
+        s,
+        "problems: type {}<name> (problem_type_base), a 429 {}",
+        c.problem_type_base, QUOTA_EXCEEDED
     );
     if c.policies.is_empty() {
         s.push_str("no policies: every request passes untouched\n");

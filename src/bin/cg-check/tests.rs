@@ -30,7 +30,8 @@ fn a_valid_config_is_summarised() {
     for want in [
             "credential from $CG_AUTH in the VM's environment",
             "policy 1 orders: POST, path /orders*",
-            "limit t: 10 per 1s by tenant (token bucket, burst 20)",
+            "limit t: 10 per 1s by tenant (token bucket, burst 20), shown as \"t\";q=20;w=2",
+            "problems: type https://github.com/coordination-guard/coordination-guard/blob/main/docs/problems.md#<name> (problem_type_base), a 429 https://iana.org/assignments/http-problem-types#quota-exceeded",
             "key cg:x:rl:{t.<tenant>}:orders:t:tb:",
             "idempotency: idempotency-key on POST|PATCH (required)",
             "responses sealed (AES-256-GCM) with the key in $CG_KEY, opened also with $CG_OLD (not checked here)",
@@ -125,6 +126,35 @@ fn a_cost_the_client_declares_with_no_charge_is_warned_about() {
         summary.contains("memory: 67108864 bytes per worker"),
         "{summary}"
     );
+}
+
+/// Each enforced limit says how the RateLimit headers show it: its unit, a concurrency
+/// limit's slots, a token bucket's capacity; a shadow limit is never shown. The problem type
+/// base is the configured one.
+#[test]
+fn the_summary_shows_each_limit_as_the_headers_do() {
+    let summary = check_json(
+        br#"{"redis": {"cluster": "gw"}, "problem_type_base": "https://api.example.com/problems/",
+             "policies": [{"name": "llm", "rate_limits": [
+               {"name": "inflight", "by": ["tenant"], "algorithm": "concurrency", "limit": 4,
+                "window": "30s"},
+               {"name": "tokens", "by": ["tenant"], "algorithm": "sliding_window", "limit": 100000,
+                "window": "1m", "cost": {"header": "x-tokens", "max": 10000},
+                "charge": {"response_json": "/usage/total_tokens"}, "unit": "tokens"},
+               {"name": "shadow", "by": ["tenant"], "algorithm": "fixed_window", "limit": 10,
+                "window": "1s", "shadow": true}]}]}"#,
+    )
+    .expect("valid");
+    for want in [
+        "limit inflight: 4 at once by tenant (in flight, a slot lives 30s unless extended), \
+         shown as \"inflight\";q=4;qu=\"concurrent-requests\"",
+        "unreadable: 10000 (max)), shown as \"tokens\";q=100000;qu=\"tokens\";w=60",
+        "limit shadow: 10 per 1s by tenant (fixed window), shadow: counted, never rejects",
+        "problems: type https://api.example.com/problems/<name> (problem_type_base)",
+    ] {
+        assert!(summary.contains(want), "{want:?} in\n{summary}");
+    }
+    assert_eq!(summary.matches("shown as").count(), 2, "{summary}");
 }
 
 #[test]

@@ -11,8 +11,10 @@ use crate::http::selectors::{ambiguous_input, Ambiguity};
 
 /// A request whose path reads more than one way: refused, since the service may read it the
 /// way the guard did not.
-pub(crate) fn ambiguous_path() -> LocalResponse {
+/// `types` is the configuration's `problem_type_base`.
+pub(crate) fn ambiguous_path(types: &str) -> LocalResponse {
     local_reply::problem(
+        types,
         Problem::AmbiguousPath,
         "the request path has more than one reading (an encoded '/', a '\\', a NUL, a \
          broken or double escape, ';' parameters or '..' after '//'); send it in its \
@@ -43,6 +45,7 @@ pub(crate) fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
                 IdSource::Metadata(_) => "Bearer".to_string(),
             };
             local_reply::problem(
+                &at.rt.config.problem_type_base,
                 Problem::MissingTenant,
                 &detail,
                 &[],
@@ -52,12 +55,24 @@ pub(crate) fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
         TenantError::Repeated => {
             at.m.increment(at.pm.missing_tenant);
             let detail = format!("{} must appear once", identity.tenant.describe());
-            local_reply::problem(Problem::AmbiguousTenant, &detail, &[], Vec::new())
+            local_reply::problem(
+                types(at),
+                Problem::AmbiguousTenant,
+                &detail,
+                &[],
+                Vec::new(),
+            )
         }
         TenantError::PrincipalRepeated => {
             at.m.increment(at.pm.ambiguous_input);
             let detail = format!("{} must appear once", identity.principal.describe());
-            local_reply::problem(Problem::AmbiguousPrincipal, &detail, &[], Vec::new())
+            local_reply::problem(
+                types(at),
+                Problem::AmbiguousPrincipal,
+                &detail,
+                &[],
+                Vec::new(),
+            )
         }
         TenantError::PrincipalUnusable => {
             at.m.increment(at.pm.ambiguous_input);
@@ -66,7 +81,13 @@ pub(crate) fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
                  to 2^53 - 1",
                 identity.principal.describe()
             );
-            local_reply::problem(Problem::AmbiguousPrincipal, &detail, &[], Vec::new())
+            local_reply::problem(
+                types(at),
+                Problem::AmbiguousPrincipal,
+                &detail,
+                &[],
+                Vec::new(),
+            )
         }
     }
 }
@@ -95,6 +116,7 @@ fn ambiguous_selector(at: &Pcx<'_>, spelling: &str, why: Ambiguity) -> LocalResp
         ),
     };
     local_reply::problem(
+        types(at),
         Problem::AmbiguousSelector,
         &detail,
         &[("selector", Member::Str(spelling))],
@@ -111,6 +133,7 @@ pub(crate) fn lease_resource_missing(at: &Pcx<'_>, missing: &str) -> LocalRespon
         "this operation needs the lease resource {missing}, which the request does not carry"
     );
     local_reply::problem(
+        types(at),
         Problem::LeaseResourceMissing,
         &detail,
         &[("missing-selector", Member::Str(missing))],
@@ -144,6 +167,7 @@ pub(crate) fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalRespon
                     cost.header, cost.min, cost.max, limit.name
                 );
                 return Err(local_reply::problem(
+                    types(at),
                     Problem::InvalidCost,
                     &detail,
                     &[("header", Member::Str(&cost.header))],
@@ -153,4 +177,9 @@ pub(crate) fn costs(at: &Pcx<'_>, req: &Request) -> Result<Vec<u64>, LocalRespon
         }
     }
     Ok(costs)
+}
+
+/// The configuration's `problem_type_base`, which every problem's `type` starts with.
+fn types<'a>(at: &'a Pcx<'_>) -> &'a str {
+    &at.rt.config.problem_type_base
 }

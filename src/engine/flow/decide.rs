@@ -158,11 +158,10 @@ impl Flow {
                 self.limit_headers = headers;
                 Move::Wait
             }
-            LeaseDecision::Busy(mut response) => {
+            LeaseDecision::Busy(response) => {
                 // The idempotency record this request acquired is not going to be used.
                 self.release_record(at);
-                response.headers.extend(headers);
-                self.answer(response)
+                self.answer(local_reply::with_limit_headers(response, &headers))
             }
         }
     }
@@ -292,12 +291,10 @@ impl Flow {
         self.release_record(at);
         self.release_lease(at);
         self.release_slots(at);
-        if let Some(mut response) = seen {
+        if let Some(response) = seen {
             at.m.increment(at.pm.failed_closed);
-            response
-                .headers
-                .extend(std::mem::take(&mut self.limit_headers));
-            return self.answer(response);
+            let headers = std::mem::take(&mut self.limit_headers);
+            return self.answer(local_reply::with_limit_headers(response, &headers));
         }
         match policy.failure_mode {
             FailureMode::Open => {
@@ -307,6 +304,7 @@ impl Flow {
             FailureMode::Closed => {
                 at.m.increment(at.pm.failed_closed);
                 self.answer(local_reply::problem(
+                    &at.rt.config.problem_type_base,
                     Problem::GuardUnavailable,
                     &err.client_detail(at.rt.config.redis.timeout_ms),
                     &[],
@@ -344,6 +342,7 @@ impl Flow {
                 )
             });
         self.answer(local_reply::problem(
+            &at.rt.config.problem_type_base,
             Problem::GuardOverloaded,
             &format!("this proxy cannot hold {what} now; retry shortly"),
             &[],

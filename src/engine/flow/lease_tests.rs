@@ -275,6 +275,45 @@ fn a_lease_waiter_whose_poll_fails_answers_busy_even_failing_open() {
     assert!(step.out.upstream_headers.is_empty(), "no fencing token");
 }
 
+/// A waiter whose poll fails answers with what was left of the lease when it last saw it,
+/// less the time since: the holder's remaining time, not the PTTL of an older answer.
+#[test]
+fn a_lease_waiter_whose_poll_fails_late_says_what_is_left_of_the_lease() {
+    let rec = Recorder::default();
+    let rt = lease_runtime(&rec);
+    let mut flow = Flow::default();
+    dispatched(flow.on_request(
+        &Cx::new(&rt, 0, &rec),
+        req("POST", "/wait/9/x").tenant("acme").build(),
+        "n",
+        "own",
+        true,
+    ));
+    let step = flow.on_reply(
+        &Cx::new(&rt, 1, &rec),
+        0,
+        Ok(acquire().lease_busy(2500).reply()),
+    );
+    assert_eq!(step.next, Move::Wait, "busy: it waits");
+    let now = flow.deadline_ms().expect("a poll is scheduled");
+    dispatched(flow.on_tick(&Cx::new(&rt, now, &rec)));
+    // The poll's answer fails 1.6 s after the lease was seen with 2.5 s left.
+    let step = flow.on_reply(
+        &Cx::new(&rt, 1_601, &rec),
+        0,
+        Err(crate::redis::CallError::Gateway(503)),
+    );
+    let Move::Respond(r) = step.next else {
+        panic!("expected 409, got {step:?}");
+    };
+    assert_eq!(r.status, 409);
+    assert_eq!(
+        r.header("retry-after"),
+        Some("1"),
+        "900 ms left, rounded up"
+    );
+}
+
 #[test]
 fn missing_resource_is_400() {
     let rec = Recorder::default();

@@ -2,6 +2,7 @@
 
 use crate::engine::flow::test_support::*;
 use crate::engine::flow::*;
+use crate::http::local_reply::Problem;
 use crate::redis::CallError;
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
@@ -67,9 +68,16 @@ fn a_slot_is_taken_extended_and_given_back_at_the_end() {
         Ok(acquire().limit_ok(1, 30_000).reply()),
     );
     assert_eq!(step.next, Move::Continue);
-    assert!(
-        step.out.response_headers.is_empty(),
-        "no RateLimit headers for in-flight quotas"
+    assert_eq!(
+        step.out.response_headers,
+        vec![
+            (
+                "ratelimit-policy".to_string(),
+                "\"inflight\";q=2;qu=\"concurrent-requests\"".to_string()
+            ),
+            ("ratelimit".to_string(), "\"inflight\";r=1".to_string()),
+        ],
+        "an in-flight quota: slots, no window, no reset"
     );
     assert_eq!(rec.count("cg.policy.run.limit.inflight.allowed"), 1);
     assert_eq!(
@@ -112,10 +120,15 @@ fn a_full_limit_is_429_concurrency_limited_and_holds_nothing() {
     );
     let r = respond_with(step);
     assert_eq!(r.status, 429);
-    assert!(String::from_utf8_lossy(&r.body).contains("concurrency_limited"));
+    assert_eq!(r.problem, Some(Problem::ConcurrencyLimited));
+    assert!(String::from_utf8_lossy(&r.body).contains("#quota-exceeded"));
+    assert!(String::from_utf8_lossy(&r.body).contains("concurrency limit \\\"inflight\\\""));
     assert_eq!(header(&r, "retry-after"), Some("1"));
-    assert_eq!(header(&r, "ratelimit"), None);
-    assert_eq!(header(&r, "ratelimit-policy"), None);
+    assert_eq!(header(&r, "ratelimit"), Some("\"inflight\";r=0"));
+    assert_eq!(
+        header(&r, "ratelimit-policy"),
+        Some("\"inflight\";q=2;qu=\"concurrent-requests\"")
+    );
     assert_eq!(rec.count("cg.policy.run.limit.inflight.rejected"), 1);
     assert!(
         flow.on_done(&Cx::new(&rt, 6, &rec)).is_empty(),
@@ -175,11 +188,11 @@ fn a_slot_taken_in_one_hash_slot_is_given_back_when_another_rejects() {
         Ok(acquire().limit_over(0, 9_000, 9_000).reply()),
     );
     let r = respond_with(step.clone());
-    assert!(String::from_utf8_lossy(&r.body).contains("rate_limited"));
+    assert_eq!(r.problem, Some(Problem::RateLimited));
     let ratelimit = header(&r, "ratelimit").expect("RateLimit for the counting limit");
     assert!(
         ratelimit.contains("\"global\"") && !ratelimit.contains("inflight"),
-        "{ratelimit}"
+        "only the violated limit: {ratelimit}"
     );
     let bg = step.out.background;
     assert_eq!(

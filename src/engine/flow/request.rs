@@ -52,7 +52,7 @@ impl Flow {
         if let Some(at) = self.at(cx) {
             at.m.increment(at.pm.ambiguous_input);
         }
-        self.answer(checks::ambiguous_path())
+        self.answer(checks::ambiguous_path(&cx.rt.config.problem_type_base))
     }
 
     /// [`Flow::on_request`] for a request the caller already matched to policy `index`.

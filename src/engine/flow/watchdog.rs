@@ -81,6 +81,7 @@ impl Flow {
                     BODY_IDLE_TIMEOUT_MS / 1000
                 );
                 self.answer(local_reply::problem(
+                    &at.rt.config.problem_type_base,
                     Problem::RequestBodyTimeout,
                     "the request body did not arrive in time",
                     &[],

@@ -248,6 +248,7 @@ impl IdempotencyGuard {
     ) -> LocalResponse {
         let conflict = || {
             local_reply::problem(
+                &at.rt.config.problem_type_base,
                 Problem::IdempotencyKeyConflict {
                     status: cfg.conflict_status,
                 },
@@ -260,6 +261,7 @@ impl IdempotencyGuard {
             RecordAnswer::InProgress { .. } => {
                 at.m.increment(im.in_progress);
                 local_reply::problem(
+                    &at.rt.config.problem_type_base,
                     Problem::IdempotencyKeyInUse {
                         status: cfg.in_progress_status,
                     },
@@ -446,9 +448,8 @@ impl Holder for IdempotencyGuard {
     }
 }
 
-fn with_headers(mut response: LocalResponse, headers: &[(String, String)]) -> LocalResponse {
-    response.headers.extend(headers.iter().cloned());
-    response
+fn with_headers(response: LocalResponse, headers: &[(String, String)]) -> LocalResponse {
+    local_reply::with_limit_headers(response, headers)
 }
 
 /// The problem for a missing or invalid key, counted.
@@ -461,7 +462,8 @@ fn key_problem(at: &Pcx<'_>, cfg: &Idempotency, e: &KeyError) -> LocalResponse {
     if let Some(id) = metric {
         at.m.increment(id);
     }
-    local_reply::problem(problem, &e.detail(&cfg.header), &[], Vec::new())
+    let types = &at.rt.config.problem_type_base;
+    local_reply::problem(types, problem, &e.detail(&cfg.header), &[], Vec::new())
 }
 
 /// The `413` for a body larger than the fingerprint may read, counted.
@@ -473,7 +475,14 @@ pub(crate) fn body_too_large(at: &Pcx<'_>, cfg: &Idempotency) -> LocalResponse {
         "the request body is larger than the {} bytes this operation fingerprints",
         cfg.max_request_body
     );
-    local_reply::problem(Problem::RequestBodyTooLarge, &detail, &[], Vec::new())
+    let types = &at.rt.config.problem_type_base;
+    local_reply::problem(
+        types,
+        Problem::RequestBodyTooLarge,
+        &detail,
+        &[],
+        Vec::new(),
+    )
 }
 
 /// The stored response as a local reply, with `Idempotent-Replayed: true`. For a gRPC

@@ -181,7 +181,8 @@ impl Admission {
         }
         let waits = waits?;
         at.m.increment(rt.metrics.over_limit_cache_hits);
-        let response = rt.rejections.cached(at.index, at.policy, &waits)?;
+        let types = &rt.config.problem_type_base;
+        let response = rt.rejections.cached(at.index, at.policy, &waits, types)?;
         self.cached = first;
         self.refund_local(at);
         Some(response)
@@ -248,7 +249,7 @@ impl Admission {
         }
         self.mark_over_limit(at);
         let states: Vec<Option<LimitState>> = self.slots.iter().map(|s| s.state).collect();
-        let verdict = ratelimit::decide(at.policy, &states);
+        let verdict = ratelimit::decide(at.policy, &states, &at.rt.config.problem_type_base);
         self.count(at, matches!(verdict, Verdict::Allow(_)));
         Ok(verdict)
     }

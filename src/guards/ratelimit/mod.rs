@@ -194,8 +194,7 @@ impl MemoInput {
 
 fn view<'a>((l, s): &(&'a RateLimit, &LimitState)) -> QuotaView<'a> {
     QuotaView {
-        name: l.name.as_str(),
-        policy: l.policy_item.as_str(),
+        limit: l,
         quota: s.quota,
         remaining: s.remaining,
         reset_ms: s.reset_ms,
@@ -211,11 +210,18 @@ pub(crate) enum Verdict {
 }
 
 /// Decides from every limit's state (`states[i]` for `policy.rate_limits[i]`).
-/// Rejected when any non-shadow limit rejected.
+/// Rejected when any non-shadow limit rejected. `types` is the configuration's
+/// `problem_type_base`.
 /// `None` is a limit whose state is unknown (the over-limit cache answered for another one):
-/// it is left out of the headers. Concurrency limits are never in the `RateLimit` headers (the
-/// draft defines no in-flight quota); a request only they reject gets `concurrency_limited`.
-pub(crate) fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict {
+/// it is left out of the headers.
+///
+/// An admitted request's headers show every enforced limit, the most restrictive (least
+/// remaining) first; concurrency limits too, with `qu="concurrent-requests"` and no `t`. A
+/// `429` shows the limits it violated, and only those: each one's `t` is at most its own wait,
+/// so none is later than `Retry-After` (the longest wait), as the draft asks, and the names of
+/// `violated-policies` are those of the `RateLimit-Policy` items. A request only concurrency
+/// limits reject is answered `concurrency_limited` (`Retry-After: 1`).
+pub(crate) fn decide(policy: &Policy, states: &[Option<LimitState>], types: &str) -> Verdict {
     // Walked again where needed rather than collected: this runs for every request.
     let enforced = || {
         policy
@@ -226,17 +232,16 @@ pub(crate) fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict 
             .filter(|(l, _)| !l.shadow)
     };
     let violated = || enforced().filter(|(_, s)| !s.allowed);
-    let counted = || enforced().filter(|(l, _)| !l.concurrency());
     if violated().next().is_none() {
-        let mut each = counted();
+        let mut each = enforced();
         let (p, r) = match (each.next(), each.next()) {
             (None, _) => return Verdict::Allow(Vec::new()),
             // The usual policy counts one limit: no list to sort.
-            (Some(one), None) => local_reply::ratelimit_headers(&[view(&one)]),
+            (Some(one), None) => local_reply::ratelimit_headers(&[view(&one)], None),
             _ => {
-                let mut views: Vec<QuotaView<'_>> = counted().map(|e| view(&e)).collect();
+                let mut views: Vec<QuotaView<'_>> = enforced().map(|e| view(&e)).collect();
                 views.sort_by_key(|v| v.remaining);
-                local_reply::ratelimit_headers(&views)
+                local_reply::ratelimit_headers(&views, None)
             }
         };
         return Verdict::Allow(vec![
@@ -245,20 +250,17 @@ pub(crate) fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict 
         ]);
     }
     let names: Vec<&str> = violated().map(|(l, _)| l.name.as_str()).collect();
+    let views: Vec<QuotaView<'_>> = violated().map(|e| view(&e)).collect();
     if violated().all(|(l, _)| l.concurrency()) {
-        return Verdict::Reject(concurrency_limited(policy, &names));
+        let (p, r) = local_reply::ratelimit_headers(&views, Some(1));
+        return Verdict::Reject(concurrency_limited(policy, &names, types, p, r));
     }
     let retry_ms = violated()
         .map(|(_, s)| s.retry_after_ms)
         .max()
         .unwrap_or(1000);
-    let mut views: Vec<QuotaView<'_>> = violated()
-        .filter(|(l, _)| !l.concurrency())
-        .map(|e| view(&e))
-        .collect();
-    views.extend(counted().filter(|(_, s)| s.allowed).map(|e| view(&e)));
-    let (p, r) = local_reply::ratelimit_headers(&views);
     let retry_after = local_reply::whole_secs(retry_ms);
+    let (p, r) = local_reply::ratelimit_headers(&views, Some(retry_after));
     let mut detail = String::with_capacity(96);
     detail.push_str("rate limit ");
     push_names(&mut detail, &names);
@@ -270,6 +272,7 @@ pub(crate) fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict 
     let mut retry_after_value = String::with_capacity(8);
     push_u64(&mut retry_after_value, retry_after);
     Verdict::Reject(local_reply::problem(
+        types,
         Problem::RateLimited,
         &detail,
         &[("violated-policies", Member::Strs(&names))],
@@ -282,7 +285,13 @@ pub(crate) fn decide(policy: &Policy, states: &[Option<LimitState>]) -> Verdict 
 }
 
 /// The `429` of a full concurrency limit: a slot frees when a request ends, so retry soon.
-fn concurrency_limited(policy: &Policy, names: &[&str]) -> LocalResponse {
+fn concurrency_limited(
+    policy: &Policy,
+    names: &[&str],
+    types: &str,
+    ratelimit_policy: String,
+    ratelimit: String,
+) -> LocalResponse {
     let mut detail = String::with_capacity(96);
     detail.push_str("concurrency limit ");
     push_names(&mut detail, names);
@@ -290,10 +299,15 @@ fn concurrency_limited(policy: &Policy, names: &[&str]) -> LocalResponse {
     detail.push_str(&policy.name);
     detail.push_str("\" is full (too many requests in flight); retry after 1 s");
     local_reply::problem(
+        types,
         Problem::ConcurrencyLimited,
         &detail,
         &[("violated-policies", Member::Strs(names))],
-        vec![("retry-after".into(), "1".into())],
+        vec![
+            ("retry-after".into(), "1".into()),
+            ("ratelimit-policy".into(), ratelimit_policy),
+            ("ratelimit".into(), ratelimit),
+        ],
     )
 }
 
@@ -339,11 +353,12 @@ impl RejectionMemo {
         index: usize,
         policy: &Policy,
         waits: &[Option<Known>],
+        types: &str,
     ) -> Option<Rc<LocalResponse>> {
         let key = |w: &Option<Known>| {
             w.map_or((0, None), |k| (local_reply::whole_secs(k.wait_ms), k.quota))
         };
-        let written = || match decide(policy, &rejecting(waits)) {
+        let written = || match decide(policy, &rejecting(waits), types) {
             Verdict::Reject(response) => Some(Rc::new(response)),
             Verdict::Allow(_) => None,
         };

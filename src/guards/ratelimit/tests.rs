@@ -110,6 +110,9 @@ fn key_memo_gives_the_built_key() {
     assert_eq!(unique.len(), keys.len(), "{keys:?}");
 }
 
+/// The `problem_type_base` the tests answer with.
+const TYPES: &str = crate::config::DEFAULT_PROBLEM_TYPE_BASE;
+
 #[test]
 fn allow_lists_most_restrictive_first_and_hides_shadow() {
     let c = config();
@@ -121,19 +124,120 @@ fn allow_lists_most_restrictive_first_and_hides_shadow() {
             Some(st(false, 0, 10, 10)),
             Some(st(true, 4, 250, 0)),
         ],
+        TYPES,
     );
+    // The token bucket (10 per 1 s, burst 20) shows its capacity: 20 per the 2 s it takes to
+    // fill.
     assert_eq!(
         verdict,
         Verdict::Allow(vec![
             (
                 "ratelimit-policy".into(),
-                "\"user-burst\";q=10;w=1, \"global\";q=5;w=1, \"tenant\";q=100;w=60".into()
+                "\"user-burst\";q=20;w=2, \"global\";q=5;w=1, \"tenant\";q=100;w=60".into()
             ),
             (
                 "ratelimit".into(),
                 "\"user-burst\";r=3;t=1, \"global\";r=4;t=1, \"tenant\";r=50;t=30".into()
             ),
         ])
+    );
+}
+
+/// A policy with a concurrency limit, a limit counted in tokens (`cost`, `unit`) and one in
+/// content bytes.
+fn units_config() -> Config {
+    Config::parse(
+        br#"{"redis": {"cluster": "gw"}, "policies": [
+        {"name": "llm", "rate_limits": [
+          {"name": "inflight", "by": ["tenant"], "algorithm": "concurrency", "limit": 4, "window": "30s"},
+          {"name": "tokens", "by": ["tenant"], "algorithm": "fixed_window", "limit": 100000, "window": "1m",
+           "cost": {"header": "x-tokens", "max": 10000}, "unit": "tokens"},
+          {"name": "bytes", "by": ["tenant"], "algorithm": "token_bucket", "limit": 1000, "window": "1s",
+           "burst": 5000, "cost": {"header": "x-bytes", "max": 5000}, "unit": "content-bytes"}
+        ]}]}"#,
+    )
+    .expect("valid")
+}
+
+/// Every enforced limit is in the headers, with its unit: a concurrency limit's slots with
+/// `qu="concurrent-requests"`, no window and no `t`; a registered unit and a service's own
+/// as `qu`.
+#[test]
+fn concurrency_and_cost_limits_show_their_units() {
+    let c = units_config();
+    let verdict = decide(
+        &c.policies[0],
+        &[
+            Some(st(true, 3, 30_000, 0)),
+            Some(st(true, 99_000, 42_100, 0)),
+            Some(st(true, 4_000, 1, 0)),
+        ],
+        TYPES,
+    );
+    assert_eq!(
+        verdict,
+        Verdict::Allow(vec![
+            (
+                "ratelimit-policy".into(),
+                "\"inflight\";q=4;qu=\"concurrent-requests\", \
+                 \"bytes\";q=5000;qu=\"content-bytes\";w=5, \
+                 \"tokens\";q=100000;qu=\"tokens\";w=60"
+                    .into()
+            ),
+            (
+                "ratelimit".into(),
+                "\"inflight\";r=3, \"bytes\";r=4000;t=1, \"tokens\";r=99000;t=43".into()
+            ),
+        ])
+    );
+}
+
+/// A full concurrency limit answers `429` quota-exceeded with its item in both headers
+/// (`r=0`, no `t`) and `Retry-After: 1`; beside a violated rate limit, both are listed and
+/// the longest wait is the `Retry-After`.
+#[test]
+fn a_full_concurrency_limit_is_in_the_headers_of_its_429() {
+    let c = units_config();
+    let verdict = decide(
+        &c.policies[0],
+        &[
+            Some(st(false, 0, 30_000, 1000)),
+            Some(st(true, 99_000, 42_100, 0)),
+            None,
+        ],
+        TYPES,
+    );
+    let Verdict::Reject(r) = verdict else {
+        panic!("expected a rejection");
+    };
+    assert_eq!(r.problem, Some(Problem::ConcurrencyLimited));
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"inflight\";q=4;qu=\"concurrent-requests\"")
+    );
+    assert_eq!(r.header("ratelimit"), Some("\"inflight\";r=0"));
+    let body: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(body["type"], serde_json::json!(local_reply::QUOTA_EXCEEDED));
+    assert_eq!(body["violated-policies"], serde_json::json!(["inflight"]));
+
+    let verdict = decide(
+        &c.policies[0],
+        &[
+            Some(st(false, 0, 30_000, 1000)),
+            Some(st(false, 10, 42_100, 42_100)),
+            None,
+        ],
+        TYPES,
+    );
+    let Verdict::Reject(r) = verdict else {
+        panic!("expected a rejection");
+    };
+    assert_eq!(r.problem, Some(Problem::RateLimited));
+    assert_eq!(r.header("retry-after"), Some("43"));
+    assert_eq!(
+        r.header("ratelimit"),
+        Some("\"inflight\";r=0, \"tokens\";r=10;t=43")
     );
 }
 
@@ -157,17 +261,31 @@ fn a_tenants_own_quota_is_the_one_shown() {
             None,
             None,
         ],
+        TYPES,
     );
     let Verdict::Allow(headers) = verdict else {
         panic!("expected an admission");
     };
     assert_eq!(
         headers[0].1,
-        "\"user-burst\";q=10;w=1, \"tenant\";q=500;w=120"
+        "\"user-burst\";q=20;w=2, \"tenant\";q=500;w=120"
     );
+    // A tenant's own token bucket shows its limit and window (its burst is not in the
+    // reply), and `r` at most that.
+    let verdict = decide(
+        &c.policies[0],
+        &[None, Some(own(st(true, 700, 100, 0))), None, None],
+        TYPES,
+    );
+    let Verdict::Allow(headers) = verdict else {
+        panic!("expected an admission");
+    };
+    assert_eq!(headers[0].1, "\"user-burst\";q=500;w=120");
+    assert_eq!(headers[1].1, "\"user-burst\";r=500;t=1");
     let verdict = decide(
         &c.policies[0],
         &[Some(own(st(false, 0, 9_000, 9_000))), None, None, None],
+        TYPES,
     );
     let Verdict::Reject(r) = verdict else {
         panic!("expected a rejection");
@@ -175,6 +293,10 @@ fn a_tenants_own_quota_is_the_one_shown() {
     assert_eq!(r.header("ratelimit-policy"), Some("\"tenant\";q=500;w=120"));
 }
 
+/// A `429` lists the limits it violated and only those, in `violated-policies` and in both
+/// headers by the same names; it has the registered quota-exceeded type. Each `t` is at most
+/// the `Retry-After` (the longest wait); a limit the request did not violate, whose quota may
+/// come back later than that, is left out.
 #[test]
 fn reject_names_violated_limits() {
     let c = config();
@@ -184,8 +306,11 @@ fn reject_names_violated_limits() {
             Some(st(false, 0, 16_200, 16_200)),
             Some(st(true, 3, 700, 0)),
             Some(st(true, 1, 10, 0)),
-            Some(st(false, 0, 200, 120)),
+            // A reset later than its own wait (never from the script) is still shown no later
+            // than the Retry-After.
+            Some(st(false, 0, 90_000, 120)),
         ],
+        TYPES,
     );
     let Verdict::Reject(r) = verdict else {
         panic!("expected a rejection");
@@ -194,11 +319,11 @@ fn reject_names_violated_limits() {
     assert_eq!(r.header("retry-after"), Some("17"));
     assert_eq!(
         r.header("ratelimit-policy"),
-        Some("\"tenant\";q=100;w=60, \"global\";q=5;w=1, \"user-burst\";q=10;w=1")
+        Some("\"tenant\";q=100;w=60, \"global\";q=5;w=1")
     );
     assert_eq!(
         r.header("ratelimit"),
-        Some("\"tenant\";r=0;t=17, \"global\";r=0;t=1, \"user-burst\";r=3;t=1")
+        Some("\"tenant\";r=0;t=17, \"global\";r=0;t=17")
     );
     let body: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
     assert_eq!(
@@ -206,6 +331,8 @@ fn reject_names_violated_limits() {
         serde_json::json!(["tenant", "global"])
     );
     assert_eq!(body["status"], serde_json::json!(429));
+    assert_eq!(body["type"], serde_json::json!(local_reply::QUOTA_EXCEEDED));
+    assert_eq!(body["title"], serde_json::json!("Quota Exceeded"));
 }
 
 #[test]
@@ -219,6 +346,7 @@ fn shadow_over_limit_never_rejects() {
             Some(st(false, 0, 5, 5)),
             Some(st(true, 1, 1, 0)),
         ],
+        TYPES,
     );
     assert!(matches!(verdict, Verdict::Allow(_)));
 }
@@ -256,11 +384,11 @@ fn rejection_memo_answers_what_the_verdict_says() {
     }
     for (index, waits) in cases.iter().chain(cases.iter().rev()) {
         let policy = &c.policies[*index];
-        let fresh = match decide(policy, &rejecting(waits)) {
+        let fresh = match decide(policy, &rejecting(waits), TYPES) {
             Verdict::Reject(r) => Some(r),
             Verdict::Allow(_) => None,
         };
-        let memoised = memo.cached(*index, policy, waits);
+        let memoised = memo.cached(*index, policy, waits, TYPES);
         assert_eq!(
             memoised.as_deref(),
             fresh.as_ref(),
@@ -268,9 +396,9 @@ fn rejection_memo_answers_what_the_verdict_says() {
         );
     }
     let policy = &c.policies[0];
-    let first = memo.cached(0, policy, &[known(1_001), None, None, None]);
-    let same_second = memo.cached(0, policy, &[known(1_999), None, None, None]);
-    let next_second = memo.cached(0, policy, &[known(2_001), None, None, None]);
+    let first = memo.cached(0, policy, &[known(1_001), None, None, None], TYPES);
+    let same_second = memo.cached(0, policy, &[known(1_999), None, None, None], TYPES);
+    let next_second = memo.cached(0, policy, &[known(2_001), None, None, None], TYPES);
     let (Some(first), Some(same), Some(next)) = (first, same_second, next_second) else {
         panic!("each rejects");
     };
@@ -278,13 +406,13 @@ fn rejection_memo_answers_what_the_verdict_says() {
     assert_eq!(next.header("retry-after"), Some("3"));
     assert_eq!(first.header("retry-after"), Some("2"));
     assert!(
-        memo.cached(0, policy, &[None, None, known(5), None])
+        memo.cached(0, policy, &[None, None, known(5), None], TYPES)
             .is_none(),
         "the shadow limit alone admits"
     );
     assert!(
         RejectionMemo::new(0)
-            .cached(0, policy, &[known(5), None, None, None])
+            .cached(0, policy, &[known(5), None, None, None], TYPES)
             .is_some(),
         "a policy beyond the memo is answered unmemoised"
     );

@@ -66,10 +66,14 @@
 --     remaining       units left, after consumption if admitted, else as of now; >= 0
 --                     ("lq" when admitted: the size of the slice granted, >= cost;
 --                     "cc": free slots)
---     reset_ms        ms until this limit's quota is fully restored if nothing else arrives
---                     (fw: until the window ends, window_ms if no window is open; a calendar
---                     fw: until the calendar period ends, open or not; cc: until the last slot
---                     held expires unless extended); >= 0
+--     reset_ms        ms until this limit has more room than `remaining` says, if nothing
+--                     else arrives (the `t` of the RateLimit header): fw until the window
+--                     ends (window_ms if no window is open; a calendar fw: until the calendar
+--                     period ends, open or not); sw until the estimate has dropped by one
+--                     whole unit; sl until the oldest entry in the window leaves it; tb until
+--                     the next token; cc until the last slot held expires unless extended (an
+--                     upper bound). 0 when nothing is used (remaining is the whole quota; fw:
+--                     window_ms); >= 0
 --     retry_after_ms  if allowed == 0: ms until a request of this cost would be allowed, >= 1;
 --                     else 0
 --   then, iff the idempotency section is on, 3 more values at 2 + 4n:
@@ -157,7 +161,9 @@
 -- an if-chain (but sw's roll-over: window_roll, and a calendar window's period:
 -- calendar_zone and calendar_period, each shared with charge.lua, are piece_window_roll.lua
 -- and piece_calendar.lua, put before this file; a calendar window's zone is one table, made
--- only for a call that has one), phase 1 writes each verdict straight into
+-- only for a call that has one; and sw's wait, sw_wait, one function made with the clock's
+-- helpers, used for its retry_after and reset_ms in both phases), phase 1 writes each verdict
+-- straight into
 -- the reply and keeps what phase 2 needs in one flat table, and the idempotency and lease
 -- code runs only when that section is on (and the overrides' code, with its one table, only
 -- when the call lists overrides: first, so that a call with override keys takes the fast path
@@ -381,11 +387,28 @@ if need_time or idem then
     return string.format('%.0f', x)
   end
 end
+local sw_wait
 if need_time then
   now = clock()
   -- µs span -> whole ms, rounded up so waiting that long is always enough.
   ms = function(us) return math.max(0, math.ceil(us / 1000)) end
   retry_ms = function(us) return math.max(1, math.ceil(us / 1000)) end
+  -- Sliding window: µs until the estimate leaves room for `need` units (it does not now).
+  -- The estimate is prev, weighted by the share of it still inside the sliding window, plus
+  -- cur; it falls while the current window runs (prev fades), then cur becomes prev and fades
+  -- over the next window. `elapsed` and `left`: µs since the current window began and until
+  -- it ends.
+  sw_wait = function(limit, need, cur, prev, w, elapsed, left)
+    local room = limit - need - cur
+    if room >= 0 then
+      -- cur fits: wait until prev's weighted share decays to room (before this window ends)
+      return w * (1 - room / prev) - elapsed
+    elseif limit >= need then
+      -- cur alone is too high: in the next window cur becomes prev and decays from there
+      return left + w * (1 - (limit - need) / cur)
+    end
+    return left + w -- need > limit never fits; the caller validates this away
+  end
 end
 
 -- Phase 1: check every limit; nothing is written but the fw TTL repair (none with PEEK).
@@ -435,52 +458,46 @@ for i = 1, n do
   elseif algo == 'sw' then
     -- Sliding window: counts of the current and previous aligned windows; the previous one is
     -- weighted by the share of it still inside the sliding window. Constant memory,
-    -- approximate. reset_ms: when the estimate reaches 0, i.e. the end of the next window if
-    -- the current one has hits (they then fade out as "previous"), the end of the current
-    -- one if only the previous has hits, else 0. Never more than 2 windows, the key's TTL.
-    -- saved: cur, prev (after rolling over to the current window).
+    -- approximate. reset_ms: when the estimate has dropped by one whole unit (remaining
+    -- grows), 0 when it is 0; at most the end of the next window (a unit counted early in
+    -- the current window comes back only as it fades there). Never more than 2 windows, the
+    -- key's TTL. saved: cur, prev (after rolling over to the current window).
     local w, idx, cur, prev = window_roll(key, window_ms, now) -- piece_window_roll.lua
     local elapsed = now - idx * w
     local left = w - elapsed
     local est = prev * (1 - elapsed / w) + cur
     ok = est + need <= limit
     remaining = math.max(0, math.floor(limit - est))
-    if cur > 0 then
-      reset = ms(left + w)
-    elseif prev > 0 then
-      reset = ms(left)
-    else
-      reset = 0
+    reset = 0
+    if remaining < limit then
+      reset = ms(sw_wait(limit, remaining + 1, cur, prev, w, elapsed, left))
     end
-    if not ok then
-      local room = limit - need - cur
-      local wait
-      if room >= 0 then
-        -- cur fits: wait until prev's weighted share decays to room (before this window ends)
-        wait = w * (1 - room / prev) - elapsed
-      elseif limit >= need then
-        -- cur alone is too high: in the next window cur becomes prev and decays from there
-        wait = left + w * (1 - (limit - need) / cur)
-      else
-        wait = left + w -- need > limit never fits; the caller validates this away
-      end
-      retry = retry_ms(wait)
-    end
+    if not ok then retry = retry_ms(sw_wait(limit, need, cur, prev, w, elapsed, left)) end
     saved[2 * i - 1], saved[2 * i] = cur, prev
 
   elseif algo == 'sl' then
     -- Sliding log: one ZSET member per unit, scored by its time in µs; an entry counts while
-    -- score > now - window. Exact, memory grows with the limit. reset_ms: when the newest
-    -- entry leaves the window (window_ms right after consuming), 0 when the window is empty.
-    -- saved: count.
+    -- score > now - window. Exact, memory grows with the limit. reset_ms: when the oldest
+    -- entry in the window leaves it, 0 when the window is empty. saved: count, and the oldest
+    -- entry's score (false when none).
     local w = window_ms * 1000
     local since = '(' .. int(now - w)
     local count = redis.call('ZCOUNT', key, since, '+inf')
     ok = count + need <= limit
     remaining = math.max(0, limit - count)
     reset = 0
-    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    if newest[2] then reset = ms(tonumber(newest[2]) + w - now) end
+    local oldest = false
+    if count > 0 then
+      -- The set's first entry is the oldest in the window unless it expired (every admission
+      -- trims those, so that is rare): then the window's first is looked up.
+      local e = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+      oldest = tonumber(e[2])
+      if oldest == nil or oldest <= now - w then
+        e = redis.call('ZRANGEBYSCORE', key, since, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+        oldest = tonumber(e[2])
+      end
+      reset = ms(oldest + w - now)
+    end
     if not ok then
       -- the k oldest entries in the window have to leave; the k-th leaves at score + window
       local k = count + need - limit
@@ -491,7 +508,7 @@ for i = 1, n do
       end
       retry = retry_ms(wait)
     end
-    saved[2 * i - 1] = count
+    saved[2 * i - 1], saved[2 * i] = count, oldest
 
   elseif algo == 'cc' then
     -- Concurrency: a sorted set of the requests holding a slot (member: the nonce), each
@@ -509,7 +526,8 @@ for i = 1, n do
     -- Token bucket as GCRA: the key holds the theoretical arrival time (TAT, µs). A request is
     -- admitted while TAT after it is at most tau = burst * T ahead of now, T = window / limit.
     -- TAT is stored rounded to whole µs; a 1 µs tolerance keeps the verdict and `remaining`
-    -- from disagreeing over that rounding. saved: the TAT after this request.
+    -- from disagreeing over that rounding. reset_ms: until the next token (the one that makes
+    -- remaining + 1), 0 when the bucket is full. saved: the TAT after this request.
     local T = window_ms * 1000 / limit
     local burst = tonumber(ARGV[a + 3])
     local tau = T * burst
@@ -517,7 +535,8 @@ for i = 1, n do
     local probe = tat + T * need
     ok = probe - tau <= now + 1
     remaining = math.min(burst, math.max(0, math.floor((tau - (tat - now) + 1) / T)))
-    reset = ms(tat - now)
+    reset = 0
+    if remaining < burst then reset = ms(tat - now - tau - 1 + (remaining + 1) * T) end
     if not ok then retry = retry_ms(probe - tau - now) end
     saved[2 * i - 1] = tat + T * cost
   end
@@ -589,8 +608,10 @@ if admitted and not PEEK then
       local est = prev * (1 - elapsed / w) + cur
       redis.call('HSET', key, 'w', int(idx), 'c', int(cur + cost), 'p', int(prev))
       redis.call('PEXPIRE', key, 2 * window_ms)
-      reply[r + 1] = math.max(0, math.floor(limit - est - cost))
-      reply[r + 2] = ms(left + w) -- cur > 0 now: the end of the next window
+      local rest = math.max(0, math.floor(limit - est - cost))
+      reply[r + 1] = rest
+      -- cur + cost > 0 now: something is used, so remaining grows at some point
+      reply[r + 2] = ms(sw_wait(limit, rest + 1, cur + cost, prev, w, elapsed, left))
 
     elseif algo == 'sl' then
       local w = window_ms * 1000
@@ -603,7 +624,9 @@ if admitted and not PEEK then
       redis.call('ZADD', key, unpack(args))
       redis.call('PEXPIRE', key, window_ms)
       reply[r + 1] = math.max(0, limit - saved[2 * i - 1] - cost)
-      reply[r + 2] = window_ms
+      -- the oldest entry in the window: phase 1's, else this request's own
+      local oldest = saved[2 * i]
+      reply[r + 2] = oldest and ms(oldest + w - now) or window_ms
 
     else -- 'tb'
       local T = window_ms * 1000 / limit
@@ -612,8 +635,9 @@ if admitted and not PEEK then
       local new_tat = saved[2 * i - 1]
       local ahead = new_tat - now
       redis.call('SET', key, int(new_tat), 'PX', math.max(1, math.ceil(ahead / 1000)))
-      reply[r + 1] = math.min(burst, math.max(0, math.floor((tau - ahead + 1) / T)))
-      reply[r + 2] = ms(ahead)
+      local rest = math.min(burst, math.max(0, math.floor((tau - ahead + 1) / T)))
+      reply[r + 1] = rest
+      reply[r + 2] = rest < burst and ms(ahead - tau - 1 + (rest + 1) * T) or 0
     end
   end
 end
