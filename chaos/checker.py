@@ -59,10 +59,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from chaos import config
+from harness import problems
 
 TOL = 0.005  # seconds: rounding of clocks to µs / ms and of Redis expiries
 GRACE = 1.0  # seconds after a fault's heal during which answers may still show it
-PROBLEM_PREFIX = "urn:coordination-guard:problem:"
 # Seconds a busy machine may add between Redis running a leased quota's grant and the filter
 # reading its answer, beyond the longest decision the history shows (see `_check_leased`).
 LEASED_SLACK = 0.1
@@ -112,10 +112,15 @@ def problem_type(record: dict) -> str | None:
     if "application/problem+json" not in ctype:
         return None
     try:
-        t = json.loads(record.get("body") or "").get("type", "")
+        body = json.loads(record.get("body") or "")
+        t, detail = body.get("type", ""), str(body.get("detail", ""))
     except (ValueError, AttributeError):
         return "unreadable"
-    return t[len(PROBLEM_PREFIX):] if t.startswith(PROBLEM_PREFIX) else "unknown"
+    if t == problems.QUOTA_EXCEEDED:
+        # The registered type of both kinds of 429; the detail tells them apart.
+        return next((slug for slug, start in problems.QUOTA_DETAIL.items() if detail.startswith(start)),
+                    "unknown")
+    return t[len(problems.DOCS):] if t.startswith(problems.DOCS) else "unknown"
 
 
 def from_service(record: dict) -> bool:

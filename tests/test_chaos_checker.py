@@ -15,9 +15,9 @@ import pytest
 import chaos  # noqa: F401  (tests/ on sys.path, as for the chaos run)
 from chaos import config
 from chaos.checker import Schedule, check, ratelimit_items
+from harness import problems
 
 T0 = 1_700_000_000.25  # a wall-clock time a quarter into an aligned second
-PREFIX = "urn:coordination-guard:problem:"
 
 
 class History:
@@ -47,7 +47,8 @@ class History:
     def problem(self, route: str, send: float, status: int, slug: str, retry_after="1",
                 **fields) -> dict:
         headers = {} if retry_after is None else {"retry-after": str(retry_after)}
-        body = json.dumps({"type": PREFIX + slug, "status": status})
+        body = json.dumps({"type": problems.problem_type(slug), "status": status,
+                           "detail": problems.QUOTA_DETAIL.get(slug, "") + "..."})
         return self.answer(route, send, status, body=body, ctype="application/problem+json",
                            headers=headers, **fields)
 

@@ -24,6 +24,7 @@ from chaos.faults import FAULTS, kinds_for
 from chaos.netproxy import NetProxy
 from chaos.target import ECDS_STAT, build_target
 from harness.concurrency import wait_for
+from harness import problems
 from harness.upstream import Upstream
 
 TENANT_HEADER = "x-tenant-id"
@@ -207,7 +208,6 @@ def test_netproxy_passes_delays_resets_and_holds(tmp_path):
 # --- faults on a single Redis ------------------------------------------------------------------
 # One target for these tests, healthy again at the start of each (every fault heals).
 
-PROBLEM_TYPE = "urn:coordination-guard:problem:"
 TIMEOUT = "200ms"
 
 
@@ -216,7 +216,7 @@ def guard_unavailable(status: int, headers: dict, body: bytes) -> bool:
     if status != 503 or not headers.get("content-type", "").startswith("application/problem+json"):
         return False
     try:
-        return json.loads(body)["type"] == PROBLEM_TYPE + "guard_unavailable"
+        return json.loads(body)["type"] == problems.problem_type("guard_unavailable")
     except (ValueError, KeyError):
         return False
 

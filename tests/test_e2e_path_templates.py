@@ -23,6 +23,7 @@ import uuid
 
 import pytest
 
+from harness import problems
 from harness.concurrency import in_thread, wait_for
 from harness.envoy import Envoy, Response
 from harness.proc import ROOT
@@ -81,8 +82,7 @@ def problem(resp: Response, status: int, slug: str) -> dict:
     assert resp.status == status, (resp.status, resp.body)
     assert resp.headers.get("content-type") == PROBLEM, resp.headers
     body = json.loads(resp.body)
-    # The type's last word names the problem, whatever the form of the type's URI.
-    assert body["type"].replace("-", "_").endswith(slug), body
+    assert problems.is_problem(body, slug), body
     assert body["status"] == status, body
     return body
 
