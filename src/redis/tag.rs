@@ -30,9 +30,9 @@
 //! limit counts the request twice (a lower admission, never a higher one).
 //!
 //! The tag is 16 lower-case hex digits: 8 of a random prefix drawn once per VM (one per worker:
-//! two workers' tags differ but for a chance of one in 2^32 per pair, and even then only for
-//! the same count) and 8 of the worker's count of calls (it wraps after 2^32 calls, long after
-//! any reply of the first could come back). No client input is part of it. A string, not a
+//! two workers draw the same prefix with a chance of one in 2^32, and even then their tags
+//! meet only at the same count) and 8 of the worker's count of calls (it wraps after 2^32
+//! calls, long after any reply of the first could come back). No client input is part of it. A string, not a
 //! number: webdis 0.1.9 turns every integer inside an array into a string and fails on one of
 //! more than 10 digits.
 
