@@ -424,6 +424,10 @@ def naive_rl(stack: Stack) -> dict:
 ACQUIRE_LUA = script_source("acquire")
 # acquire.lua's arguments for rl_allowed's one limit (a fixed window of an hour).
 ACQUIRE_ARGS = ("1", "-", "fw", str(HUGE_LIMIT), "3600000", str(HUGE_LIMIT), "0", "1", "0", "0")
+# The call tag the anchors send before those arguments, as the filter sends one with every call
+# (src/redis/tag.rs): 16 hex digits, decimal ones so that the floor reads the reply's values,
+# the tag first, as integers.
+ANCHOR_TAG = "1000000000000001"
 # A key of the exact path's key shape (the tenant in its hash tag, the policy, the limit and
 # the scope after it), under `prefix`.
 SCRIPT_KEY = "cg:bench:%s:rl:{t.{tenant}}:api:tenant:fw:%d/3600000:{tenant}"
@@ -431,13 +435,13 @@ SCRIPT_KEY = "cg:bench:%s:rl:{t.{tenant}}:api:tenant:fw:%d/3600000:{tenant}"
 
 def naive_script(stack: Stack) -> dict:
     """The per-tenant naive callout sending the exact path's own call instead of the two-line
-    script: `EVALSHA` of acquire.lua with rl_allowed's arguments, a key of its key's shape (the
-    tenant in its hash tag, the policy, the limit and the scope after it), its answer's
-    remaining and reset read. Beside `wasm_naive_rl`, what the script call costs (Redis, the
+    script: `EVALSHA` of acquire.lua with a call tag and rl_allowed's arguments, a key of its
+    key's shape (the tenant in its hash tag, the policy, the limit and the scope after it), its
+    answer's remaining and reset read. Beside `wasm_naive_rl`, what the script call costs (Redis, the
     gateway, the bytes both ways); beside rl_allowed, what the filter costs in Envoy."""
     sha = stack.redis.script_load(ACQUIRE_LUA)
     key = SCRIPT_KEY % ("naive_script", HUGE_LIMIT)
-    body = webdis_path("EVALSHA", sha, "1", key, *ACQUIRE_ARGS)
+    body = webdis_path("EVALSHA", sha, "1", key, ANCHOR_TAG, *ACQUIRE_ARGS)
     callout = naive(stack)["callout"]
     return {"callout": {**callout, "body": body + ".raw"},
             "limit": {**ANCHOR_LIMIT, "limit": HUGE_LIMIT, "acquire_reply": True}}
@@ -459,14 +463,15 @@ def naive_batched_rl(stack: Stack) -> dict:
 
 def naive_batched_script(stack: Stack) -> dict:
     """The batched anchor per tenant sending the batched exact path's own call: `EVALSHA` of
-    batch.lua with an acquire.lua sub-call per waiting request (rl_allowed's arguments, a key
-    of the exact path's shape), each sub-reply's remaining and reset read. Beside
+    batch.lua with a call tag and an acquire.lua sub-call per waiting request (rl_allowed's
+    arguments, a key of the exact path's shape), each sub-reply's remaining and reset read. Beside
     `wasm_naive_batched_rl`, what the script call costs; beside rl_allowed_batched, what the
     filter costs in Envoy."""
     sha = stack.redis.script_load(batch_source())
     return {**naive(stack), "batch": True,
             "batch_call": {"head": webdis_path("EVALSHA", sha),
                            "key": webdis_path(SCRIPT_KEY % ("naive_batched_script", HUGE_LIMIT)),
+                           "tag": ANCHOR_TAG,
                            "count_arg": True,
                            "args": webdis_path(str(BATCHED.index("acquire") + 1), "1",
                                                str(len(ACQUIRE_ARGS)), *ACQUIRE_ARGS)},

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness.proc import RedisServer, stop_all  # noqa: E402
-from harness.scripts import LUA, script_source, sources  # noqa: E402
+from harness.scripts import LUA, new_tag, script_source, sources, takes_tag, untag  # noqa: E402
 
 SCRIPTS = ("acquire", "complete")  # by name, as src/redis/scripts/mod.rs loads them
 PIPELINE = 1000  # calls per round trip
@@ -49,7 +49,7 @@ class Case:
     about: str
     call: Callable[[int], tuple[list, list]]  # call number -> (KEYS, ARGV)
     admitted: int = 1
-    setup: Callable[[object, str], None] | None = None  # (client, sha) before RESETSTAT
+    setup: Callable[[object, str, bool], None] | None = None  # (client, sha, tagged) before RESETSTAT
     acquired: tuple[int, ...] = ()  # reply indexes (from the end) that must be 1 ACQUIRED
     expect: tuple[tuple[int, object], ...] = ()  # (reply index, value) pairs it must hold
     script: str = "acquire"  # the script measured
@@ -92,14 +92,23 @@ def idem_only(i: int) -> tuple[list, list]:
 RESPONSE = '{"status":201,"headers":[["content-type","application/json"]],"body":"{\\"id\\":1}"}'
 
 
-def completed(client, sha: str) -> None:
+def call(client, sha: str, tagged: bool, keys: list, argv: list):
+    """One EVALSHA of `sha` and the body's reply: with a call tag first among the arguments
+    (and the reply untagged) when the version `tagged` takes one, as the filter calls it."""
+    if not tagged:
+        return client.evalsha(sha, len(keys), *keys, *argv)
+    tag = new_tag()
+    return untag(client.evalsha(sha, len(keys), *keys, tag, *argv), tag)
+
+
+def completed(client, sha: str, tagged: bool) -> None:
     """One COMPLETED record that every call of the replay case finds (its key is call 0's):
     acquired by acquire.lua, completed by complete.lua, as the filter does."""
     keys, argv = idem_only(0)
-    if client.evalsha(sha, len(keys), *keys, *argv)[-3] != 1:
+    if call(client, sha, tagged, keys, argv)[-3] != 1:
         raise AssertionError("idem_replay: the record was not acquired")
-    complete = script_source("complete")
-    if client.eval(complete, 1, keys[0], OWNER, FINGERPRINT, 600_000, RESPONSE) != 1:
+    complete = client.script_load(script_source("complete"))
+    if call(client, complete, True, keys[:1], [OWNER, FINGERPRINT, 600_000, RESPONSE]) != 1:
         raise AssertionError("idem_replay: the record was not completed")
 
 
@@ -107,15 +116,16 @@ def replay(i: int) -> tuple[list, list]:
     return idem_only(0)
 
 
-def processing_records(client, sha: str) -> None:
+def processing_records(client, sha: str, tagged: bool) -> None:
     """A PROCESSING record for each call of the complete case, acquired by acquire.lua (by
     EVAL: only complete.lua's EVALSHA calls are counted)."""
     acquire = script_source(SCRIPTS[0])
     pipe = client.pipeline(transaction=False)
-    for i in range(COMPLETE_N):
+    tags = [new_tag() for _ in range(COMPLETE_N)]
+    for i, tag in enumerate(tags):
         keys, argv = idem_only(i)
-        pipe.eval(acquire, len(keys), *keys, *argv)
-    if any(reply[-3] != 1 for reply in pipe.execute()):
+        pipe.eval(acquire, len(keys), *keys, tag, *argv)
+    if any(untag(reply, tag)[-3] != 1 for reply, tag in zip(pipe.execute(), tags)):
         raise AssertionError("complete: a record was not acquired")
 
 
@@ -136,9 +146,9 @@ def rejected(i: int) -> tuple[list, list]:
     return ["{b}:full"], [1, "-", *limit("fw", lim=1), "0"]
 
 
-def fill(client, sha: str) -> None:
+def fill(client, sha: str, tagged: bool) -> None:
     keys, argv = rejected(0)
-    if client.evalsha(sha, len(keys), *keys, *argv)[0] != 1:
+    if call(client, sha, tagged, keys, argv)[0] != 1:
         raise AssertionError("fw_rej: the call that fills the limit was not admitted")
 
 
@@ -160,21 +170,26 @@ CASES = [
 ]
 
 
-def run_case(client, sha: str, case: Case, n: int) -> float:
+def run_case(client, sha: str, case: Case, n: int, tagged: bool) -> float:
+    """`case` run `n` times by EVALSHA of `sha` (a version that takes a call tag when
+    `tagged`): Redis's time per call."""
     if case.max_calls is not None:
         n = min(n, case.max_calls)
     client.flushall()
     if case.setup:
-        case.setup(client, sha)
+        case.setup(client, sha, tagged)
     client.config_resetstat()
     done = 0
     while done < n:
         pipe = client.pipeline(transaction=False)
         batch = range(done, min(n, done + PIPELINE))
-        for i in batch:
+        tags = [new_tag() if tagged else None for _ in batch]
+        for i, tag in zip(batch, tags):
             keys, argv = case.call(i)
-            pipe.evalsha(sha, len(keys), *keys, *argv)
-        for reply in pipe.execute():
+            pipe.evalsha(sha, len(keys), *keys, *([tag] if tagged else []), *argv)
+        replies = pipe.execute()
+        for reply, tag in zip(replies, tags):
+            reply = untag(reply, tag) if tagged else reply
             if case.returns is not None:
                 if reply != case.returns:
                     raise AssertionError(f"{case.name}: unexpected reply {reply!r}")
@@ -227,14 +242,21 @@ def main() -> int:
             head_sha = {p: client.script_load(head_src[p]) for p in SCRIPTS}
             cur_sha = {p: client.script_load(cur_src[p]) for p in SCRIPTS}
             print(f"redis-server {version} on 127.0.0.1:{server.port}\n")
-            for sha in (head_sha[SCRIPTS[0]], cur_sha[SCRIPTS[0]]):  # warm-up, not measured
-                run_case(client, sha, CASES[0], min(n, 2000))
+            # Whether each version takes a call tag (the working tree's does; a revision's
+            # from before the tags does not).
+            head_tagged = {p: takes_tag(head_src[p]) for p in SCRIPTS}
+            cur_tagged = {p: takes_tag(cur_src[p]) for p in SCRIPTS}
+            first = SCRIPTS[0]
+            run_case(client, head_sha[first], CASES[0], min(n, 2000), head_tagged[first])
+            run_case(client, cur_sha[first], CASES[0], min(n, 2000), cur_tagged[first])
             print(f"{'case':<8} {'what':<40} {rev + ' us':>9} {'now us':>9} {'ratio':>7}")
             for case in cases:
                 head, cur = [], []
                 for _ in range(rounds):
-                    head.append(run_case(client, head_sha[case.script], case, n))
-                    cur.append(run_case(client, cur_sha[case.script], case, n))
+                    head.append(run_case(client, head_sha[case.script], case, n,
+                                         head_tagged[case.script]))
+                    cur.append(run_case(client, cur_sha[case.script], case, n,
+                                        cur_tagged[case.script]))
                 ratio = statistics.median(h / c for h, c in zip(head, cur))
                 print(f"{case.name:<8} {case.about:<40} {statistics.median(head):>9.2f} "
                       f"{statistics.median(cur):>9.2f} {ratio:>6.2f}x", flush=True)

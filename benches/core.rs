@@ -26,6 +26,7 @@ use coordination_guard::http::identity::Caller;
 use coordination_guard::http::matching::{policy_index, select_policy, Probe, Selected};
 use coordination_guard::http::request::Request;
 use coordination_guard::redis::keys;
+use coordination_guard::redis::tag::{CallTag, CallTags};
 use coordination_guard::redis::webdis;
 use coordination_guard::support::ids::TokenSource;
 use coordination_guard::support::metrics::{Metrics, NoMetrics};
@@ -335,13 +336,16 @@ fn whole_requests() {
         ]
     };
     // One request: what the core does, and the Redis answer it gets (None: none expected).
+    // The flow reads its answers untagged: the worker checks a call's tag (the cases through
+    // the worker below).
+    let tags = CallTags::with_prefix(1);
     let run = |rt: &Runtime, tenant: &str, answer: Option<&[u8]>| -> Step {
         let mut flow = Flow::default();
         let req = Request::from_headers(headers(tenant), None);
         let mut step = flow.on_request(&Cx::new(rt, 1_000, &NoMetrics), req, "-", "-", true);
         if let (Move::Dispatch(out), Some(answer)) = (step.next.clone(), answer) {
             for o in out {
-                black_box(o.encode(&rt.scripts));
+                black_box(o.encode(&rt.scripts, &tags.next()));
                 let reply = webdis::decode(Some(200), true, answer);
                 step = flow.on_reply(&Cx::new(rt, 1_001, &NoMetrics), o.slot, reply);
             }
@@ -448,6 +452,26 @@ fn worker_abandoned(rt: &Runtime, maps: &[Vec<u8>]) {
     report(name, || request(&mut w));
 }
 
+/// `answer` (a script body's array reply, as webdis sends it) as the tag's wrapper returns it
+/// to a call: the tag (here a placeholder), the body's number of values, the values. Every
+/// call's reply carries its call's tag (src/redis/tag.rs): [`retag`] writes it in.
+fn tagged(answer: &[u8]) -> Vec<u8> {
+    let text = std::str::from_utf8(answer).expect("ascii");
+    let (head, rest) = text.split_once("\r\n").expect("an array");
+    let n: usize = head
+        .strip_prefix('*')
+        .and_then(|n| n.parse().ok())
+        .expect("*<n>");
+    format!("*{}\r\n$16\r\n{}\r\n:{n}\r\n{rest}", n + 2, "0".repeat(16)).into_bytes()
+}
+
+/// Writes `tag` over the tag of `answer`, an answer [`tagged`] made: the 16 bytes after its
+/// first line and `$16`.
+fn retag(answer: &mut [u8], tag: CallTag) {
+    let at = answer.iter().position(|&b| b == b'\n').map_or(0, |i| i + 6);
+    answer[at..at + 16].copy_from_slice(tag.as_bytes());
+}
+
 /// Requests through the worker, driven as the adapter drives it: the header map as the host
 /// hands it over, decoded, matched and parsed; the callout's body; its answer; the response
 /// headers; the end. `in_flight` requests are open at once (each answered that many requests
@@ -455,7 +479,7 @@ fn worker_abandoned(rt: &Runtime, maps: &[Vec<u8>]) {
 /// worker's tables of streams and calls.
 fn worker_requests() {
     let rt = per_tenant("exact");
-    let allowed: &[u8] = b"*5\r\n:1\r\n:1\r\n:999999\r\n:3600000\r\n:0\r\n";
+    let mut allowed = tagged(b"*5\r\n:1\r\n:1\r\n:999999\r\n:3600000\r\n:0\r\n");
     let maps: Vec<Vec<u8>> = (0..10_000)
         .map(|n| host_map(&format!("tenant-{n}")))
         .collect();
@@ -467,7 +491,7 @@ fn worker_requests() {
             continue;
         }
         let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
-        let mut open: VecDeque<(u32, u32)> = VecDeque::new();
+        let mut open: VecDeque<(u32, u32, CallTag)> = VecDeque::new();
         let (mut stream, mut n) = (0u32, 0usize);
         let mut request = |w: &mut Worker<u32>| {
             let cx = Cx::new(&rt, 1_000, &NoMetrics);
@@ -478,16 +502,19 @@ fn worker_requests() {
             let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
             let call = call.expect("one acquire call");
             black_box(&call.body);
+            let tag = call.route.tag();
             let _ = w.sent(&cx, call.route, Ok(stream));
-            open.push_back((stream, stream));
+            open.push_back((stream, stream, tag));
             if open.len() < in_flight {
                 return;
             }
-            let Some((s, token)) = open.pop_front() else {
+            let Some((s, token, tag)) = open.pop_front() else {
                 return;
             };
+            retag(&mut allowed, tag);
             let fx = w.on_answer(&cx, token, || {
-                webdis::decode_array(allowed).ok_or(coordination_guard::redis::CallError::Transport)
+                webdis::decode_array(&allowed)
+                    .ok_or(coordination_guard::redis::CallError::Transport)
             });
             black_box(fx);
             let fx = w.on_response_headers(&cx, s, false, || ResponseHead {
@@ -528,7 +555,7 @@ fn worker_batched(rt: &Runtime, maps: &[Vec<u8>]) {
         return;
     }
     let admitted = ":5\r\n:1\r\n:1\r\n:999999\r\n:3600000\r\n:0\r\n";
-    let answer = format!("*{}\r\n{}", 6 * BATCHED, admitted.repeat(BATCHED)).into_bytes();
+    let mut answer = tagged(format!("*{}\r\n{}", 6 * BATCHED, admitted.repeat(BATCHED)).as_bytes());
     let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), rt.config.redis.batch, 25);
     let mut open: Vec<u32> = Vec::with_capacity(BATCHED);
     let (mut stream, mut n, mut token) = (0u32, 0usize, 0u32);
@@ -547,6 +574,7 @@ fn worker_batched(rt: &Runtime, maps: &[Vec<u8>]) {
         for call in fx.calls {
             black_box(&call.body);
             token += 1;
+            retag(&mut answer, call.route.tag());
             black_box(w.sent(&cx, call.route, Ok(token)));
             // The first flush also carries the probe of whether batches may mix hash slots
             // (any array says they may); a batch of another size than BATCHED fails, in the
@@ -632,6 +660,7 @@ fn worker_replay() {
     answer.extend_from_slice(format!("${}\r\n", record.len()).as_bytes());
     answer.extend_from_slice(record.as_bytes());
     answer.extend_from_slice(b"\r\n");
+    let mut answer = tagged(&answer);
     let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
     let mut stream = 0u32;
     // One request: the status of its local reply.
@@ -645,6 +674,7 @@ fn worker_replay() {
         let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
         let call = call.expect("one acquire call");
         black_box(&call.body);
+        retag(&mut answer, call.route.tag());
         let _ = w.sent(&cx, call.route, Ok(stream));
         let fx = w.on_answer(&cx, stream, || {
             webdis::decode_array(&answer).ok_or(coordination_guard::redis::CallError::Transport)
@@ -671,6 +701,7 @@ fn worker_replay() {
 fn worker_local(mode: &str, answer: &[u8], rejects: bool) {
     let rt = per_tenant(mode);
     let map = host_map("bench");
+    let mut answer = tagged(answer);
     let mut w: Worker<u32> = Worker::new(TokenSource::with_seed(1, 2), None, 25);
     let mut stream = 0u32;
     // One request: whether it was answered locally (the cached 429).
@@ -680,9 +711,10 @@ fn worker_local(mode: &str, answer: &[u8], rejects: bool) {
         let mut fx = request_headers(w, &cx, stream, map.clone(), true);
         let call = fx.streams.iter_mut().flat_map(|o| o.calls.drain(..)).next();
         if let Some(call) = call {
+            retag(&mut answer, call.route.tag());
             let _ = w.sent(&cx, call.route, Ok(stream));
             fx = w.on_answer(&cx, stream, || {
-                webdis::decode_array(answer).ok_or(coordination_guard::redis::CallError::Transport)
+                webdis::decode_array(&answer).ok_or(coordination_guard::redis::CallError::Transport)
             });
         }
         let replied = fx.streams.iter().any(|o| o.reply.is_some());

@@ -362,8 +362,9 @@ def test_the_incumbent_pushed_past_its_limit_has_what_it_admitted_recorded_not_c
 
 def test_the_script_anchor_sends_the_exact_paths_own_call():
     """wasm_naive_script's callout is acquire.lua by EVALSHA with the arguments the filter
-    sends for rl_allowed's limit (one fixed window, no idempotency, no lease), on a key of the
-    filter's shape naming the tenant in its hash tag; its answer is read as acquire.lua's."""
+    sends for rl_allowed's limit (one fixed window, no idempotency, no lease) after a call tag,
+    on a key of the filter's shape naming the tenant in its hash tag; its answer is read as
+    acquire.lua's."""
     import hashlib
     import urllib.parse
 
@@ -385,7 +386,7 @@ def test_the_script_anchor_sends_the_exact_paths_own_call():
     huge = str(bench.HUGE_LIMIT)
     assert words == ["EVALSHA", sha, "1",
                      f"cg:bench:naive_script:rl:{{t.tenant-7}}:api:tenant:fw:{huge}/3600000:"
-                     "tenant-7",
+                     "tenant-7", bench.ANCHOR_TAG,
                      "1", "-", "fw", huge, "3600000", huge, "0", "1", "0", "0"]
     assert config["limit"]["acquire_reply"] is True
     assert config["limit"]["limit"] == bench.HUGE_LIMIT

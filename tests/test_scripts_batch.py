@@ -3,13 +3,13 @@ a real redis-server: sub-calls answer exactly as separate calls would."""
 
 import pytest
 
-from harness.scripts import batch_source, script_source
+from harness.scripts import batch_source, register, script_source
 
 
 @pytest.fixture
 def scripts(redis_client):
-    return (redis_client.register_script(script_source("acquire")),
-            redis_client.register_script(batch_source()))
+    return (register(redis_client, script_source("acquire")),
+            register(redis_client, batch_source()))
 
 
 def fw_call(key, limit, nonce):

@@ -24,7 +24,7 @@ import redis
 
 from harness.admin import run
 from harness.calendar import boundaries, changes, period_of, zone_object
-from harness.scripts import LUA, clock_shifted, redis_now_us, script_source
+from harness.scripts import LUA, clock_shifted, new_tag, redis_now_us, script_source, untag
 
 ANY_REDIS = "redis://127.0.0.1:1"  # explain reads no key
 
@@ -188,8 +188,9 @@ class Scripts:
         return redis_now_us(self.r) + self.offset_us
 
     def call(self, name: str, keys: list, args: list):
-        return self.r.eval(clock_shifted(self.sources[name], self.offset_us), len(keys),
-                           *keys, *args)
+        tag = new_tag()
+        return untag(self.r.eval(clock_shifted(self.sources[name], self.offset_us), len(keys),
+                                 *keys, tag, *args), tag)
 
     def acquire(self, key: str, spec: str, limit: int, cost: int = 1, algo: str = "fw",
                 script: str = "acquire") -> tuple[int, int, int, int, int]:

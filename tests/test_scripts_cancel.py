@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.scripts import Limit, batch_source, limits_argv, owner, script_source
+from harness.scripts import Limit, batch_source, limits_argv, owner, register, script_source
 
 IDEM = "idem:{t1}:op:k1"
 LEASE = "lease:{t1}:op:r1"
@@ -33,14 +33,14 @@ def marker(own: str) -> str:
 
 
 def load(r, name):
-    return r.register_script(script_source(name))
+    return register(r, script_source(name))
 
 
 class S:
     def __init__(self, r):
         self.r = r
         self.acquire_s = load(r, "acquire.lua")
-        self.batch_s = r.register_script(batch_source())
+        self.batch_s = register(r, batch_source())
         self.release_s = load(r, "release.lua")
         self.lease_release_s = load(r, "lease_release.lua")
 

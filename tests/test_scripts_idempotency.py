@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.scripts import Limit, limits_argv, owner, script_source
+from harness.scripts import Limit, limits_argv, owner, register, script_source
 import redis
 
 
@@ -48,9 +48,9 @@ class Scripts:
     def __init__(self, client):
         self.r = client
         # redis-py's Script: EVALSHA, falling back to EVAL on NOSCRIPT.
-        self._acquire = client.register_script(script_source("acquire"))
-        self._complete = client.register_script(script_source("complete"))
-        self._release = client.register_script(script_source("release"))
+        self._acquire = register(client, script_source("acquire"))
+        self._complete = register(client, script_source("complete"))
+        self._release = register(client, script_source("release"))
 
     def acquire(self, key: str = KEY, fp: str = FP, own: str | None = None,
                 ttl_ms: int = PROCESSING_TTL, limits: list[tuple[str, Limit]] = (),

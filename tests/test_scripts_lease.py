@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.scripts import Limit, limits_argv, owner, script_source
+from harness.scripts import Limit, limits_argv, owner, register, script_source
 import redis
 
 
@@ -67,9 +67,9 @@ class Scripts:
     def __init__(self, client):
         self.r = client
         # redis-py's Script: EVALSHA, falling back to EVAL on NOSCRIPT.
-        self._acquire = client.register_script(script_source("acquire"))
-        self._release = client.register_script(script_source("lease_release"))
-        self._extend = client.register_script(script_source("lease_extend"))
+        self._acquire = register(client, script_source("acquire"))
+        self._release = register(client, script_source("lease_release"))
+        self._extend = register(client, script_source("lease_extend"))
 
     def acquire(self, own: str | None = None, ttl_ms: int = LEASE_TTL,
                 fence_ttl_ms: int = FENCE_TTL, lease: str = LEASE, fence: str = FENCE,

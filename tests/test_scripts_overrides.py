@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from harness.scripts import Script, batch_source, limits_argv, script_source
+from harness.scripts import Script, batch_source, limits_argv, register, script_source
 
 SCRIPT = script_source("acquire")
 TAG = "{t.ovr}"
@@ -250,7 +250,7 @@ def test_the_exact_paths_call_takes_the_fast_path_with_or_without_override_keys(
 
 
 def test_batched_acquires_read_their_overrides(redis_client):
-    batch = redis_client.register_script(batch_source())
+    batch = register(redis_client, batch_source())
     redis_client.set(tenant_key(), "1/60000")
     a = Acquire(redis_client)
     k1, a1 = a.args([(counter("fw"), Limit("fw", 5, 60_000))], [(1, [tenant_key()])])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from harness.scripts import Verdict, redis_now_us, script_source
+from harness.scripts import Verdict, new_tag, redis_now_us, script_source, untag
 
 ACQUIRE = script_source("acquire")
 PEEK = script_source("peek")
@@ -60,7 +60,8 @@ def call(r, source: str, limits: list[tuple[str, Limit]], cost: int = 1, ro: boo
     argv += tail if tail is not None else ["0"]
     keys = [k for k, _ in limits]
     command = "EVAL_RO" if ro else "EVAL"
-    reply = r.execute_command(command, source, len(keys), *keys, *argv)
+    tag = new_tag()
+    reply = untag(r.execute_command(command, source, len(keys), *keys, tag, *argv), tag)
     assert len(reply) == 1 + 4 * len(limits), reply
     verdicts = [Verdict(bool(reply[1 + 4 * i]), *reply[2 + 4 * i: 5 + 4 * i])
                 for i in range(len(limits))]
@@ -215,6 +216,6 @@ def test_peek_refuses_the_record_and_the_lease(redis_client):
     lim = Limit("fw", 5, LONG)
     with pytest.raises(redis.ResponseError, match="peek reads rate limits only"):
         redis_client.execute_command(
-            "EVAL", PEEK, 2, "cg:peek:{t.x}:fw", "cg:peek:{t.x}:idem",
+            "EVAL", PEEK, 2, "cg:peek:{t.x}:fw", "cg:peek:{t.x}:idem", new_tag(),
             1, "n", *lim.argv(), "1", "sha256:" + "a" * 64, "o" * 32, 1000)
     assert redis_client.exists("cg:peek:{t.x}:fw", "cg:peek:{t.x}:idem") == 0

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.scripts import Verdict, limits_argv, raw_state, redis_now_us, script_source
+from harness.scripts import (Verdict, limits_argv, raw_state, redis_now_us, register,
+                             script_source)
 
 SCRIPT = script_source("acquire")  # as the filter runs it (src/redis/scripts/mod.rs)
 MARGIN_S = 0.03  # added to every sleep the script told us to take
@@ -53,7 +54,7 @@ class RateLimitScript:
     def __init__(self, client):
         self.client = client
         # redis-py's Script: EVALSHA, falling back to EVAL (and caching) on NOSCRIPT.
-        self.script = client.register_script(SCRIPT)
+        self.script = register(client, SCRIPT)
 
     def call(self, limits: list[tuple[str, Limit]], cost: int = 1) -> tuple[bool, list[Verdict]]:
         argv = limits_argv([lim for _, lim in limits], cost) + ["0"]  # idempotency off
@@ -457,7 +458,7 @@ def test_tb_tat_in_the_past_is_a_full_bucket(rl, redis_client):
 def test_leased_quota_slices_never_exceed_the_limit(redis_client):
     """algo "lq": each admitted call takes an eighth of what is left (at least the cost), and
     reports the slice as `remaining`; the slices of a window add up to at most the limit."""
-    script = redis_client.register_script(SCRIPT)
+    script = register(redis_client, SCRIPT)
     key = "cg:{t}:lq"
     slices = []
     for i in range(40):
@@ -505,8 +506,8 @@ FAST_PATH_CASES = {
 def test_fw_fast_path_replies_and_writes_as_the_general_code(redis_client, case):
     stored, ttl_ms, limit, cost = case
     lim = Limit("fw", limit, LONG)
-    scripts = {"fast": redis_client.register_script(SCRIPT),
-               "general": redis_client.register_script(general_only())}
+    scripts = {"fast": register(redis_client, SCRIPT),
+               "general": register(redis_client, general_only())}
     seen = {}
     for name, script in scripts.items():
         key = f"{{u}}:{name}"
@@ -531,7 +532,7 @@ def test_fw_fast_path_replies_and_writes_as_the_general_code(redis_client, case)
 def test_fw_fast_path_leaves_other_calls_to_the_general_code(redis_client):
     """A cost of 0, a shadow limit or a bad argument is not the fast path's: the general code
     answers (and rejects a bad argument with its own message)."""
-    script = redis_client.register_script(SCRIPT)
+    script = register(redis_client, SCRIPT)
     zero = script(keys=["{u}:z"], args=[1, "n", *Limit("fw", 5, LONG).argv(0), "0", "0"])
     assert zero == [1, 1, 5, LONG, 0] and redis_client.exists("{u}:z") == 0
     redis_client.set("{u}:s", 5, px=LONG)
@@ -547,6 +548,6 @@ def test_fw_fast_path_leaves_other_calls_to_the_general_code(redis_client):
 
 def test_fw_fast_path_reads_a_cost_as_the_general_code_does(redis_client):
     """A cost spelled "02" is 2 to both paths (Redis's INCRBY would refuse the string)."""
-    script = redis_client.register_script(SCRIPT)
+    script = register(redis_client, SCRIPT)
     reply = script(keys=["{u}:c"], args=[1, "n", "fw", 5, LONG, 1, "0", "02", "0", "0"])
     assert reply[:3] == [1, 1, 3] and redis_client.get("{u}:c") == b"2"

@@ -16,6 +16,7 @@ use crate::redis::keys::{limit_code, LimitKey};
 use crate::redis::resp::Reply;
 use crate::redis::scripts::acquire::{self, Ask, Asker, LimitState, Override, OverrideKeys};
 use crate::redis::scripts::peek;
+use crate::redis::tag::{untag, CallTags};
 use crate::redis::CallError;
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -271,13 +272,18 @@ fn peek_states(
         owner: OWNER,
     };
     let script = peek();
+    let tags = CallTags::from_entropy();
     let mut states = vec![None; keys.len()];
     for group in acquire::plan(policy, &asks, &asker, None, None) {
         let n = group.call.keys.len().to_string();
+        // As the filter sends a call: the call's tag first among the arguments, and its reply
+        // read only when it carries the tag back.
+        let tag = tags.next();
         let mut words: Vec<&[u8]> = vec![b"EVAL", script.source.as_bytes(), n.as_bytes()];
         words.extend(group.call.keys.iter_bytes());
+        words.push(tag.as_bytes());
         words.extend(group.call.args.iter_bytes());
-        let reply = ctx.client.call(&words)?;
+        let reply = untag(Ok(ctx.client.call(&words)?), &tag).map_err(unexpected)?;
         let read =
             acquire::read_reply(&reply, group.limits.len(), false, false).map_err(unexpected)?;
         for (&i, state) in group.limits.iter().zip(read.states) {

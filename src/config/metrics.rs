@@ -103,6 +103,7 @@ impl Metrics {
             noscript: counter("cg.redis.noscript".into()),
             retries: counter("cg.redis.retries".into()),
             retries_dropped: counter("cg.redis.retries_dropped".into()),
+            foreign: counter("cg.redis.foreign_replies".into()),
             latency_ms: define(Kind::Histogram, "cg.redis.latency_ms"),
         };
         let over_limit_cache_hits = define(Kind::Counter, "cg.over_limit_cache.hits");
@@ -152,6 +153,7 @@ mod tests {
                 "cg.redis.noscript",
                 "cg.redis.retries",
                 "cg.redis.retries_dropped",
+                "cg.redis.foreign_replies",
                 "cg.redis.latency_ms",
                 "cg.over_limit_cache.hits",
                 "cg.memory.by_reference",

@@ -9,6 +9,7 @@ use crate::guards::ratelimit::leased::{LeasedQuota, QUOTA_SLOTS};
 use crate::guards::ratelimit::overlimit::{OverLimitCache, SharedStore};
 use crate::guards::ratelimit::{KeyMemo, RejectionMemo, KEY_MEMO_SLOTS};
 use crate::redis::scripts::{ScriptId, Scripts};
+use crate::redis::tag::{CallTag, CallTags};
 use crate::redis::ScriptCall;
 use crate::support::lograte::Warnings;
 use crate::support::memory::Budget;
@@ -33,6 +34,8 @@ pub struct Runtime {
     pub(crate) warnings: Warnings,
     /// This worker's memory budget.
     pub(crate) memory: Budget,
+    /// This worker's call tags: each call sent gets the next.
+    pub(crate) tags: CallTags,
 }
 
 impl Runtime {
@@ -58,6 +61,7 @@ impl Runtime {
             rejections,
             memory,
             warnings: Warnings::default(),
+            tags: CallTags::from_entropy(),
         }
     }
 
@@ -169,8 +173,8 @@ pub struct Outgoing {
 }
 
 impl Outgoing {
-    /// The gateway request body.
-    pub fn encode(&self, scripts: &Scripts) -> Vec<u8> {
-        self.call.encode(scripts.get(self.script), self.by_sha)
+    /// The gateway request body, sent with `tag`.
+    pub fn encode(&self, scripts: &Scripts, tag: &CallTag) -> Vec<u8> {
+        self.call.encode(scripts.get(self.script), self.by_sha, tag)
     }
 }

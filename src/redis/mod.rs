@@ -4,12 +4,14 @@
 pub mod keys;
 pub(crate) mod resp;
 pub(crate) mod scripts;
+pub mod tag;
 pub mod webdis;
 mod words;
 
 use crate::support::metrics::{MetricSink, RedisMetrics};
 use resp::Reply;
 use sha1::{Digest, Sha1};
+use tag::CallTag;
 
 pub(crate) use words::Words;
 
@@ -55,15 +57,17 @@ impl ScriptCall {
         }
     }
 
-    /// The gateway request body for this call: `EVALSHA <sha> n keys... args...`, or
-    /// `EVAL <source> ...` after a `NOSCRIPT` answer.
-    pub(crate) fn encode(&self, script: &Script, by_sha: bool) -> Vec<u8> {
+    /// The gateway request body for this call, sent with `tag`: `EVALSHA <sha> n keys...
+    /// tag args...` (the tag is the script's `ARGV[1]`, see [`tag`]), or `EVAL <source> ...`
+    /// after a `NOSCRIPT` answer.
+    pub(crate) fn encode(&self, script: &Script, by_sha: bool, tag: &CallTag) -> Vec<u8> {
         let mut digits = [0u8; 20];
         let numkeys = crate::support::text::decimal(self.keys.len() as u64, &mut digits);
         let rest = || {
             [numkeys]
                 .into_iter()
                 .chain(self.keys.iter_bytes())
+                .chain([tag.as_bytes()])
                 .chain(self.args.iter_bytes())
         };
         if by_sha {
@@ -101,6 +105,10 @@ pub enum CallError {
     /// The answer came, but this worker's memory budget cannot hold it now (a stored response
     /// to replay, say): it was not read. Redis ran the call.
     OverBudget,
+    /// The answer is a reply, but not this call's: it does not carry the call's tag (the
+    /// gateway handed over the reply of a command another, closed, connection sent; see
+    /// [`tag`]). The call's own outcome is unknown, as after a timeout.
+    Foreign,
 }
 
 impl CallError {
@@ -142,6 +150,9 @@ impl CallError {
                  (memory_budget)"
                     .into()
             }
+            CallError::Foreign => "the gateway answered with another call's reply (it does not \
+                                   carry this call's tag): this call's outcome is unknown"
+                .into(),
         }
     }
 
@@ -171,6 +182,7 @@ impl CallError {
                 "Redis answered with an error".into()
             }
             CallError::OverBudget => "this proxy cannot hold its answer now".into(),
+            CallError::Foreign => "its gateway answered with another call's reply".into(),
             CallError::Timeout => {
                 let mut t = String::from("it did not answer within ");
                 crate::support::text::push_u64(&mut t, timeout_ms);
@@ -228,16 +240,22 @@ impl CallError {
             | CallError::Redis(_)
             | CallError::UnexpectedReply(_)
             | CallError::Timeout
+            | CallError::Foreign
             | CallError::OverBudget => true,
         }
     }
 
     /// Whether sending the same call again may get an answer: not when Redis itself answered
-    /// (a script error or a reply we cannot read would be the same again).
+    /// (a script error or a reply we cannot read would be the same again). Another call's
+    /// reply says nothing of this one's: as after a timeout, its own may come the next time.
     pub(crate) fn retryable(&self) -> bool {
         matches!(
             self,
-            CallError::NotSent | CallError::Transport | CallError::Gateway(_) | CallError::Timeout
+            CallError::NotSent
+                | CallError::Transport
+                | CallError::Gateway(_)
+                | CallError::Timeout
+                | CallError::Foreign
         )
     }
 }
@@ -288,6 +306,10 @@ mod tests {
                 "its ACL does not allow the proxy's keys",
             ),
             (CallError::Timeout, "it did not answer within 50 ms"),
+            (
+                CallError::Foreign,
+                "its gateway answered with another call's reply",
+            ),
         ] {
             let detail = err.client_detail(50);
             assert!(detail.contains(cause), "{err:?}: {detail}");
@@ -363,13 +385,14 @@ mod tests {
         let script = Script::new("t", "return 1");
         assert_eq!(script.sha1, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db");
         let call = ScriptCall::new(["k"], ["a"]);
+        let tag = tag::CallTags::with_prefix(0xab).next();
         assert_eq!(
-            String::from_utf8(call.encode(&script, true)).expect("ascii"),
-            "EVALSHA/e0e1f9fabfc9d4800c877a703b823ac0578ff8db/1/k/a.raw"
+            String::from_utf8(call.encode(&script, true, &tag)).expect("ascii"),
+            "EVALSHA/e0e1f9fabfc9d4800c877a703b823ac0578ff8db/1/k/000000ab00000000/a.raw"
         );
         assert_eq!(
-            String::from_utf8(call.encode(&script, false)).expect("ascii"),
-            "EVAL/return%201/1/k/a.raw"
+            String::from_utf8(call.encode(&script, false, &tag)).expect("ascii"),
+            "EVAL/return%201/1/k/000000ab00000000/a.raw"
         );
         assert!(is_noscript(&Reply::Error(
             "NOSCRIPT No matching script. Please use EVAL.".into()
@@ -391,6 +414,7 @@ mod tests {
             (CallError::Redis("OOM".into()), true),
             (CallError::Malformed("x".into()), true),
             (CallError::UnexpectedReply("x".into()), true),
+            (CallError::Foreign, true),
         ] {
             assert_eq!(e.may_have_run(), ran, "{e:?}");
         }

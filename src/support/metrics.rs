@@ -16,8 +16,8 @@
 //!   outcome_unknown|waited`
 //! * `cg.policy.<policy>.lease.acquired|busy|waited|released|extended|lost|missing_resource|
 //!   orphaned`
-//! * `cg.redis.calls|errors|timeouts|noscript|retries|retries_dropped`, histogram
-//!   `cg.redis.latency_ms`
+//! * `cg.redis.calls|errors|timeouts|noscript|retries|retries_dropped|foreign_replies`,
+//!   histogram `cg.redis.latency_ms`
 //! * `cg.over_limit_cache.hits`
 //! * `cg.memory.by_reference|refused`: the worker's memory budget at work (records stored by
 //!   reference, requests answered `503 guard_overloaded`)
@@ -129,6 +129,9 @@ pub(crate) struct RedisMetrics {
     pub(crate) retries: u32,
     /// Releases not sent again after a failure because the worker's retry budget was spent.
     pub(crate) retries_dropped: u32,
+    /// Answers that were another call's reply (without the call's tag): each call's outcome
+    /// was unknown (also counted in `errors`, once per call, a batch's members each).
+    pub(crate) foreign: u32,
     pub(crate) latency_ms: u32,
 }
 

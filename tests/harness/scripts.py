@@ -1,6 +1,6 @@
 """Helpers the Lua script tests share: owner tokens, a plain rate limit's arguments, a
 limit's verdict, what a key holds, Redis TIME, and a script called the way the filter calls
-it."""
+it (with a call tag of its own, its reply read only when it carries the tag back)."""
 
 from __future__ import annotations
 
@@ -190,9 +190,61 @@ def clock_shifted(source: str, offset_us: int) -> str:
     return shim + source
 
 
+# The first line of src/redis/scripts/tagged_head.lua: every script as the filter sends it
+# starts with it (its body between that file and tagged_tail.lua).
+TAGGED_HEAD = "-- tagged_head.lua"
+
+
+def takes_tag(source: str) -> bool:
+    """Whether the script text `source` takes a call tag as its ARGV[1] and returns it first
+    (src/redis/tag.rs): every script of the working tree does; a git revision's from before
+    the tags did not (bench/scripts.py compares both)."""
+    return source.startswith(TAGGED_HEAD)
+
+
+def new_tag() -> str:
+    """A call tag: 16 hex digits, as the filter's (a random prefix and a count)."""
+    return uuid.uuid4().hex[:16]
+
+
+def untag(reply, tag: str):
+    """The body's reply in `reply`, the reply to a call tagged `tag` (as redis-py returns it):
+    `[tag, n, v1..vn]` is the body's array `[v1..vn]`, `[tag, -2, v]` its integer `v`. A
+    reply without that tag fails the test: it is no answer to the call."""
+    assert isinstance(reply, list) and len(reply) >= 2, f"not a tagged reply: {reply!r}"
+    got = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
+    assert got == tag, f"the reply of another call: tag {got!r}, not {tag!r}"
+    kind = int(reply[1])
+    if kind == -2:
+        assert len(reply) == 3, reply
+        return reply[2]
+    assert kind == len(reply) - 2, f"a tagged reply of {len(reply) - 2} values says {kind}"
+    return reply[2:]
+
+
+class Tagged:
+    """A script called as redis-py's register_script calls it (EVALSHA, then EVAL after
+    NOSCRIPT; `keys=`, `args=`, `client=`), with a new tag before its arguments at every call
+    and the body's reply returned (untag)."""
+
+    def __init__(self, client, source: str):
+        self.script = client.register_script(source)
+        self.sha = self.script.sha
+
+    def __call__(self, keys=(), args=(), client=None):
+        tag = new_tag()
+        return untag(self.script(keys=list(keys), args=[tag, *args], client=client), tag)
+
+
+def register(client, source: str) -> Tagged:
+    """`client.register_script(source)` for a script as the filter sends it (see Tagged)."""
+    return Tagged(client, source)
+
+
 class Script:
     """A script called the way the filter calls it: EVAL, then EVALSHA once Redis has it (the
-    gateway user may not run SCRIPT LOAD, which redis-py's register_script would)."""
+    gateway user may not run SCRIPT LOAD, which redis-py's register_script would), each call
+    with a tag of its own and its reply read only when it carries that tag (untag)."""
 
     def __init__(self, client, name: str | None = None, source: str | None = None):
         self.client = client
@@ -200,8 +252,9 @@ class Script:
         self.sha = None
 
     def __call__(self, keys: list, args: list):
+        tag = new_tag()
         if self.sha is None:
-            reply = self.client.eval(self.source, len(keys), *keys, *args)
+            reply = self.client.eval(self.source, len(keys), *keys, tag, *args)
             self.sha = hashlib.sha1(self.source.encode()).hexdigest()
-            return reply
-        return self.client.evalsha(self.sha, len(keys), *keys, *args)
+            return untag(reply, tag)
+        return untag(self.client.evalsha(self.sha, len(keys), *keys, tag, *args), tag)

@@ -33,7 +33,8 @@
 //!     its key), its answer's body is read for the count and the window's time left, and the
 //!     response carries `RateLimit-Policy` and `RateLimit` (`wasm_naive_rl`); with
 //!     `"acquire_reply": true` the answer is read as `acquire.lua`'s for one limit (remaining
-//!     and reset), for a callout sending coordination-guard's own call (`wasm_naive_script`);
+//!     and reset) as the call's tag wraps it (the tag, the reply's length, the reply), for a
+//!     callout sending coordination-guard's own call (`wasm_naive_script`);
 //!   - with a local reply, a table of this worker keeps each tenant's window, the clock is
 //!     read, and the 429's `Retry-After`, `RateLimit` and body say the time left
 //!     (`wasm_floor_429_keyed`);
@@ -100,8 +101,10 @@ struct Limit {
     tenant_header: String,
     limit: u64,
     window_s: u64,
-    /// The callout's answer is `acquire.lua`'s for one limit (`*5 :admitted :allowed
-    /// :remaining :reset_ms :retry_after_ms`), not the naive script's `*2 :count :ttl_ms`.
+    /// The callout's answer is `acquire.lua`'s for one limit (`:admitted :allowed :remaining
+    /// :reset_ms :retry_after_ms`) after the call's tag and its length 5, as
+    /// coordination-guard's scripts reply (`*7`, a batch: the tag, the batch's length, then
+    /// its sub-replies), not the naive script's `*2 :count :ttl_ms`.
     #[serde(default)]
     acquire_reply: bool,
 }
@@ -118,8 +121,8 @@ impl Limit {
 }
 
 /// The root's batched callout per tenant (see the module's doc): its body is `head`, the number
-/// of requests, each request's `key`, then (with `count_arg`) that number again and each
-/// request's `args`, `/`-separated, then `.raw`.
+/// of requests, each request's `key`, then its `tag` (if any), (with `count_arg`) that number
+/// again and each request's `args`, `/`-separated, then `.raw`.
 #[derive(serde::Deserialize)]
 struct BatchCall {
     /// The command and its script, e.g. `EVAL/<script>` or `EVALSHA/<sha>`, path-encoded.
@@ -132,6 +135,10 @@ struct BatchCall {
     /// The first argument is the number of requests (`batch.lua`'s count).
     #[serde(default)]
     count_arg: bool,
+    /// The call's tag, an argument before every other (coordination-guard's calls carry one,
+    /// and their replies carry it back first, the reply's length after it).
+    #[serde(default)]
+    tag: Option<String>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -433,6 +440,16 @@ impl Floor {
         let Some(values) = answer.ok().flatten().and_then(|b| resp_integers_any(&b)) else {
             return false;
         };
+        // A tagged reply: the tag, the batch's length, then the batch's reply.
+        let tagged = self.batch_call.as_ref().is_some_and(|c| c.tag.is_some());
+        let values = if tagged {
+            match values.get(1).and_then(|&n| usize::try_from(n).ok()) {
+                Some(n) if n + 2 == values.len() => &values[2..],
+                _ => return false,
+            }
+        } else {
+            &values[..]
+        };
         let mut told = Vec::with_capacity(streams.len());
         let mut at = 0usize;
         while at < values.len() {
@@ -599,9 +616,13 @@ fn now_ms() -> u64 {
 }
 
 /// The remaining units and the ms to the window's end of `acquire.lua`'s answer for one
-/// limit, if it is one.
+/// limit as the call's tag wraps it (the tag, 5, the five values), if it is one.
 fn remaining_and_reset(body: &[u8]) -> Option<(u64, u64)> {
-    acquire_told(&resp_integers(body, "*5")?)
+    let values = resp_integers(body, "*7")?;
+    if values.get(1) != Some(&5) {
+        return None;
+    }
+    acquire_told(values.get(2..)?)
 }
 
 /// The remaining units and the ms to the window's end in the values of `acquire.lua`'s answer
@@ -626,6 +647,10 @@ fn batch_body(call: &BatchCall, streams: &[(u32, String)]) -> String {
     for (_, tenant) in streams {
         body.push('/');
         body.push_str(&call.key.replace("{tenant}", tenant));
+    }
+    if let Some(tag) = &call.tag {
+        body.push('/');
+        body.push_str(tag);
     }
     if call.count_arg {
         body.push_str(&format!("/{n}"));

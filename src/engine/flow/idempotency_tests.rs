@@ -83,7 +83,7 @@ fn acquire_then_complete_sync() {
     let mut flow = Flow::default();
     let out = start_with_body(&mut flow, &rt, &rec, br#"{ "b": 2, "a": 1 }"#);
     assert_eq!(out.len(), 1, "the record rides with the tenant limit");
-    let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
+    let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next())).into_owned();
     assert!(
         body.contains("%3Aidem%3A%7Bt%2Ed2e79529ba2c46b2%7D%3Aorders%3A"),
         "{body}"
@@ -135,7 +135,7 @@ fn acquire_then_complete_sync() {
             b"{\"id\":7}".to_vec()
         }),
     );
-    let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
+    let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next())).into_owned();
     assert!(body.starts_with("EVALSHA/"), "{body}");
     assert!(
         body.contains("location") && !body.contains("x-secret"),
@@ -566,7 +566,8 @@ fn retryable_statuses_release() {
             &[],
             false,
         ));
-        let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
+        let body =
+            String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next())).into_owned();
         assert!(
             body.contains(&rt.scripts.release.sha1),
             "status {status} releases"
@@ -591,7 +592,8 @@ fn retryable_statuses_release() {
         true,
     ));
     assert!(
-        String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains(&rt.scripts.complete.sha1)
+        String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next()))
+            .contains(&rt.scripts.complete.sha1)
     );
 }
 
@@ -666,7 +668,10 @@ fn envoy_local_replies() {
         &[],
         true,
     ));
-    assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains(&rt.scripts.release.sha1));
+    assert!(
+        String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next()))
+            .contains(&rt.scripts.release.sha1)
+    );
     // Timed out after it was sent: kept PROCESSING.
     let mut flow = forwarded(&rt, &rec);
     let step = flow.on_response_headers(
@@ -775,7 +780,9 @@ fn rate_limits_of_other_slots_go_before_the_record() {
     ));
     // The rate limit of the other slot goes first; the record waits for its verdict.
     assert_eq!(out.len(), 1);
-    assert!(!String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("idem"));
+    assert!(
+        !String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next())).contains("idem")
+    );
     let Move::Respond(r) = flow
         .on_reply(
             &Cx::new(&rt, 2, &rec),
@@ -811,7 +818,10 @@ fn rate_limits_of_other_slots_go_before_the_record() {
         out[0].slot,
         Ok(acquire().limit_ok(0, 100).reply()),
     ));
-    assert!(String::from_utf8_lossy(&second[0].encode(&rt.scripts)).contains("%3Aidem%3A"));
+    assert!(
+        String::from_utf8_lossy(&second[0].encode(&rt.scripts, &rt.tags.next()))
+            .contains("%3Aidem%3A")
+    );
     let acquired = acquire().record_new().reply();
     assert_eq!(
         flow.on_reply(&Cx::new(&rt, 2, &rec), second[0].slot, Ok(acquired))

@@ -49,7 +49,7 @@ fn lease_acquired_forwards_the_token_and_releases_after_the_response() {
     let mut flow = Flow::default();
     let out = activate(&mut flow, &rt, &rec);
     assert_eq!(out.len(), 1);
-    let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
+    let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next())).into_owned();
     assert!(
         body.contains("%3Alease%3A%7Bt%2Ed2e79529ba2c46b2%7D%3Aactivate%3A"),
         "{body}"
@@ -170,7 +170,7 @@ fn busy_lease_waits_then_runs() {
     );
     assert!(flow.holds_request());
     let out = dispatched(flow.on_tick(&Cx::new(&rt, poll_at, &rec)));
-    let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts)).into_owned();
+    let body = String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next())).into_owned();
     assert!(
         body.starts_with("EVALSHA/") && body.contains("/3/") && body.contains("%3Acancel%3A"),
         "a lease-only acquire, with the owner's cancellation marker: {body}"

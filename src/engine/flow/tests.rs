@@ -112,7 +112,10 @@ fn allowed_request_continues_with_headers() {
         true,
     ));
     assert_eq!(out.len(), 2, "tenant group and policy group");
-    assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).starts_with("EVALSHA/"));
+    assert!(
+        String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next()))
+            .starts_with("EVALSHA/")
+    );
     assert_eq!(flow.deadline_ms(), Some(1_050));
     assert_eq!(
         flow.on_reply(
@@ -217,7 +220,10 @@ fn noscript_retries_with_eval_once() {
     let again = dispatched(flow.on_reply(&Cx::new(&rt, 1, &rec), 0, Ok(noscript.clone())));
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].slot, 0);
-    assert!(String::from_utf8_lossy(&again[0].encode(&rt.scripts)).starts_with("EVAL/"));
+    assert!(
+        String::from_utf8_lossy(&again[0].encode(&rt.scripts, &rt.tags.next()))
+            .starts_with("EVAL/")
+    );
     assert_eq!(rec.count("cg.redis.noscript"), 1);
     // A second NOSCRIPT (EVAL cannot produce one) is an error, not a loop.
     let step = flow.on_reply(&Cx::new(&rt, 2, &rec), 0, Ok(noscript));
@@ -414,7 +420,7 @@ fn leased_quota_admits_from_local_slices() {
         "o",
         true,
     ));
-    assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts)).contains("/lq/"));
+    assert!(String::from_utf8_lossy(&out[0].encode(&rt.scripts, &rt.tags.next())).contains("/lq/"));
     let step = first.on_reply(
         &Cx::new(&rt, 1, &rec),
         0,

@@ -4,6 +4,7 @@
 
 use crate::http::local_reply::LocalResponse;
 use crate::redis::scripts::batch::InFlight;
+use crate::redis::tag::CallTag;
 use std::rc::Rc;
 
 /// A direction of a stream, as the host pauses and resumes it.
@@ -31,10 +32,22 @@ pub(super) enum Dest<S> {
     Batch(InFlight<Dest<S>>),
 }
 
-/// Where a call's answer goes: handed back to [`crate::engine::worker::Worker::sent`] with the host's token
-/// (or its refusal). The adapter never looks inside.
+/// Where a call's answer goes, and the tag the call was sent with (its reply must carry it):
+/// handed back to [`crate::engine::worker::Worker::sent`] with the host's token (or its
+/// refusal). The adapter never looks inside.
 #[derive(Debug)]
-pub struct Route<S>(pub(super) Dest<S>);
+pub struct Route<S> {
+    pub(super) dest: Dest<S>,
+    pub(super) tag: CallTag,
+}
+
+impl<S> Route<S> {
+    /// The tag the call's body carries: what its reply must carry back (the benchmarks answer
+    /// a call with it).
+    pub fn tag(&self) -> CallTag {
+        self.tag
+    }
+}
 
 /// One gateway request to send.
 #[derive(Debug)]

@@ -30,6 +30,7 @@ use crate::config::Batch;
 use crate::engine::flow::{Cx, Flow, Move, Outbox, Step};
 use crate::http::request::Request;
 use crate::redis::scripts::batch::Batcher;
+use crate::redis::tag::CallTag;
 use crate::support::ids::{ByToken, TokenSource};
 use effects::Dest;
 use std::collections::{BTreeMap, BTreeSet};
@@ -59,8 +60,9 @@ pub struct Worker<S> {
     /// Streams with a deadline (paused on Redis or the body, waiting for a lease, or holding
     /// a lease to extend): the ones the tick visits.
     waiting: BTreeSet<S>,
-    /// Calls in flight: the host's token -> where the answer goes (batches: in the batcher).
-    routes: ByToken<Dest<S>>,
+    /// Calls in flight: the host's token -> where the answer goes and the tag the call was
+    /// sent with (batches: in the batcher).
+    routes: ByToken<(Dest<S>, CallTag)>,
     /// Calls the root sends on its tick (and retries).
     outbox: Outbox,
     /// Acquires waiting to be coalesced (`redis.batch`), and the batches in flight.
@@ -390,5 +392,7 @@ impl<S: Copy + Ord> Worker<S> {
 
 #[cfg(test)]
 mod alloc_tests;
+#[cfg(test)]
+mod tag_tests;
 #[cfg(test)]
 mod tests;

@@ -2,6 +2,7 @@ use crate::engine::flow::test_support::{self, acquire, batch, noscript, settled}
 use crate::engine::flow::Runtime;
 use crate::engine::worker::root::LEASE_WAIT_TICK_MS;
 use crate::engine::worker::*;
+use crate::redis::tag::{wrap, CallTags};
 use crate::redis::{resp::Reply, CallError};
 use crate::support::metrics::testing::Recorder;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
@@ -79,7 +80,15 @@ fn answer(
 ) -> Effects<u32> {
     let tokens = send_all(w, cx, fx, next);
     assert_eq!(tokens.len(), 1, "one call");
-    w.on_answer(cx, tokens[0], || Ok(reply.into()))
+    reply_to(w, cx, tokens[0], reply.into())
+}
+
+/// Answers the call sent with `token` with the script body's `reply` as the tag's wrapper
+/// returns it: with the call's tag.
+fn reply_to(w: &mut Worker<u32>, cx: &Cx<'_>, token: u32, reply: impl Into<Reply>) -> Effects<u32> {
+    let tag = w.tag_of(token).expect("a call in flight");
+    let reply = wrap(&tag, reply.into());
+    w.on_answer(cx, token, || Ok(reply))
 }
 
 /// Streams 1 and 2, and only they, resumed their requests with no reply of the filter's own.
@@ -129,7 +138,7 @@ fn an_answer_goes_back_to_its_stream_and_resumes_it() {
     let mut next = 100;
     let tokens = send_all(&mut w, &cx, fx, &mut next);
     assert!(w.on_answer(&cx, 999, unread).streams.is_empty());
-    let fx = w.on_answer(&cx, tokens[0], || Ok(acquire().limit_ok(4, 1_000).reply()));
+    let fx = reply_to(&mut w, &cx, tokens[0], acquire().limit_ok(4, 1_000).reply());
     assert_eq!(fx.streams.len(), 1);
     assert_eq!(
         fx.streams[0].resume,
@@ -196,10 +205,10 @@ fn holder_and_waiter(
 ) -> (Effects<u32>, Effects<u32>) {
     let fx = request(w, cx, 1, "POST", "/wait/9/a");
     let t1 = send_all(w, cx, fx, next);
-    let held = w.on_answer(cx, t1[0], || Ok(acquire().lease_granted(77).reply()));
+    let held = reply_to(w, cx, t1[0], acquire().lease_granted(77).reply());
     let fx = request(w, cx, 2, "POST", "/wait/9/b");
     let t2 = send_all(w, cx, fx, next);
-    let waits = w.on_answer(cx, t2[0], || Ok(acquire().lease_busy(1500).reply()));
+    let waits = reply_to(w, cx, t2[0], acquire().lease_busy(1500).reply());
     (held, waits)
 }
 
@@ -230,7 +239,7 @@ fn a_lease_given_back_wakes_its_waiters_and_the_fine_tick_follows_them() {
     let fx = w.on_response_headers(&Cx::new(&rt, 2, &rec), 1, true, head);
     assert_eq!(fx.action, Action::Pause);
     let t3 = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&Cx::new(&rt, 3, &rec), t3[0], || Ok(settled()));
+    let fx = reply_to(&mut w, &Cx::new(&rt, 3, &rec), t3[0], settled());
     assert_eq!(fx.streams[0].resume, Some(Dir::Response));
     // Stream 2 polls at the next tick, not at the end of its backoff.
     let fx = w.on_tick(&Cx::new(&rt, 3, &rec));
@@ -239,9 +248,12 @@ fn a_lease_given_back_wakes_its_waiters_and_the_fine_tick_follows_them() {
     assert_eq!(fx.streams[0].calls.len(), 1, "the lease-only acquire");
     assert_eq!(fx.tick_ms, Some(TICK_MS), "nobody waits any more");
     let t4 = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&Cx::new(&rt, 4, &rec), t4[0], || {
-        Ok(acquire().lease_granted(78).reply())
-    });
+    let fx = reply_to(
+        &mut w,
+        &Cx::new(&rt, 4, &rec),
+        t4[0],
+        acquire().lease_granted(78).reply(),
+    );
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     assert_eq!(
         w.on_tick(&Cx::new(&rt, 5, &rec)).tick_ms,
@@ -266,7 +278,7 @@ fn what_a_stream_owes_at_its_end_goes_out_from_the_root() {
     assert!(fx.streams.is_empty());
     assert_eq!(fx.calls.len(), 1, "the release, from the root");
     let t3 = send_all(&mut w, &cx, fx, &mut next);
-    let fx = w.on_answer(&Cx::new(&rt, 2, &rec), t3[0], || Ok(settled()));
+    let fx = reply_to(&mut w, &Cx::new(&rt, 2, &rec), t3[0], settled());
     assert!(fx.streams.is_empty());
     assert_eq!(rec.count("cg.policy.wait.lease.released"), 1);
     let fx = w.on_tick(&Cx::new(&rt, 2, &rec));
@@ -304,7 +316,7 @@ fn a_closed_or_restarted_stream_forgets_its_calls() {
     assert!(w.guards(4) && w.waiting.contains(&4));
     assert_eq!(w.routes.len(), 1);
     assert!(w.on_answer(&cx, first[0], unread).streams.is_empty());
-    let fx = w.on_answer(&cx, second[0], || Ok(acquire().limit_ok(4, 1_000).reply()));
+    let fx = reply_to(&mut w, &cx, second[0], acquire().limit_ok(4, 1_000).reply());
     assert_eq!(fx.streams[0].resume, Some(Dir::Request), "{fx:?}");
 }
 
@@ -326,7 +338,7 @@ fn acquires_wait_for_a_batch_and_each_gets_its_answer() {
     let tokens = send_all(&mut w, &cx, fx, &mut 0);
     // batch.lua's flat reply: each sub-call's length, then its reply.
     let part = batch([acquire().limit_ok(4, 1_000), acquire().limit_ok(3, 1_000)]);
-    let fx = w.on_answer(&cx, tokens[0], || Ok(part));
+    let fx = reply_to(&mut w, &cx, tokens[0], part);
     assert_both_resumed(&fx);
     // A batch the host refuses: every member gets the refusal.
     request(&mut w, &cx, 3, "PUT", "/x");
@@ -503,11 +515,15 @@ fn a_forwarded_request_that_owes_nothing_is_forgotten_at_its_response_headers() 
 #[test]
 fn a_closed_streams_box_carries_nothing_to_the_next_stream() {
     let rec = Recorder::default();
-    let rt = runtime(&rec, CONFIG);
-    let cx = Cx::new(&rt, 1_000, &rec);
-    // Twins through the same events (so the same tokens drawn); one keeps its boxes.
-    let mut twins = [worker(&rt), worker(&rt)];
-    for w in &mut twins {
+    // Twins through the same events (so the same tokens and call tags drawn, each from a
+    // runtime of its own); one keeps its boxes.
+    let mut rts = [runtime(&rec, CONFIG), runtime(&rec, CONFIG)];
+    for rt in &mut rts {
+        rt.tags = CallTags::with_prefix(1);
+    }
+    let [cx, twin_cx] = [Cx::new(&rts[0], 1_000, &rec), Cx::new(&rts[1], 1_000, &rec)];
+    let mut twins = [worker(&rts[0]), worker(&rts[1])];
+    for (w, cx) in twins.iter_mut().zip([cx, twin_cx]) {
         let mut next = 0;
         // Their clients go away: stream 1 holding a lease, stream 2 admitted with its
         // rate-limit headers not yet added, stream 3 with its call in flight.
@@ -534,7 +550,7 @@ fn a_closed_streams_box_carries_nothing_to_the_next_stream() {
         (6, "GET", "/wait/r1"),
     ] {
         let got = request(reusing, &cx, s, method, path);
-        let expected = request(fresh, &cx, s, method, path);
+        let expected = request(fresh, &twin_cx, s, method, path);
         assert_eq!(
             format!("{got:?}"),
             format!("{expected:?}"),
@@ -556,7 +572,7 @@ fn a_closed_streams_box_carries_nothing_to_the_next_stream() {
     }
     fresh.spare.clear();
     let got = request(reusing, &cx, 7, "POST", "/wait");
-    let expected = request(fresh, &cx, 7, "POST", "/wait");
+    let expected = request(fresh, &twin_cx, 7, "POST", "/wait");
     assert!(got.streams[0].reply.is_some(), "{got:?}");
     assert_eq!(format!("{got:?}"), format!("{expected:?}"));
     assert!(!reusing.guards(7) && !fresh.guards(7));
@@ -590,7 +606,7 @@ fn a_stream_closes_without_touching_other_streams_calls() {
     let tokens = three_in_flight(&mut w, &cx, &mut next);
     assert_eq!(w.routes.len(), 3);
     // Answered, then closed: nothing of its own is left to forget.
-    let fx = w.on_answer(&cx, tokens[0], || Ok(acquire().limit_ok(4, 1_000).reply()));
+    let fx = reply_to(&mut w, &cx, tokens[0], acquire().limit_ok(4, 1_000).reply());
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     // Its deadline went with its call; the others still wait on theirs.
     assert_eq!(w.waiting.iter().copied().collect::<Vec<_>>(), [2, 3]);
@@ -600,7 +616,7 @@ fn a_stream_closes_without_touching_other_streams_calls() {
     w.close(2);
     assert_eq!(w.routes.len(), 1);
     assert!(w.on_answer(&cx, tokens[1], unread).streams.is_empty());
-    let fx = w.on_answer(&cx, tokens[2], || Ok(acquire().limit_ok(4, 1_000).reply()));
+    let fx = reply_to(&mut w, &cx, tokens[2], acquire().limit_ok(4, 1_000).reply());
     assert_eq!(fx.streams[0].stream, 3);
     assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     w.close(3);
@@ -622,7 +638,7 @@ fn a_stream_forgets_the_calls_it_resent_and_only_those() {
     let tokens = three_in_flight(&mut w, &cx, &mut next);
     // Stream 2's call answered NOSCRIPT: its EVAL goes out under a new token.
     let noscript = noscript();
-    let fx = w.on_answer(&cx, tokens[1], || Ok(noscript));
+    let fx = reply_to(&mut w, &cx, tokens[1], noscript);
     let again = send_all(&mut w, &cx, fx, &mut next);
     assert_eq!(again.len(), 1, "the EVAL");
     assert_eq!(w.routes.len(), 3);
@@ -632,7 +648,7 @@ fn a_stream_forgets_the_calls_it_resent_and_only_those() {
     assert!(!w.routes.contains_key(&again[0]));
     assert!(w.on_answer(&cx, again[0], unread).streams.is_empty());
     for (s, token) in [(1, tokens[0]), (3, tokens[2])] {
-        let fx = w.on_answer(&cx, token, || Ok(acquire().limit_ok(4, 1_000).reply()));
+        let fx = reply_to(&mut w, &cx, token, acquire().limit_ok(4, 1_000).reply());
         assert_eq!(fx.streams[0].stream, s);
         assert_eq!(fx.streams[0].resume, Some(Dir::Request));
     }
@@ -661,7 +677,7 @@ fn the_roots_settlements_due_together_share_a_batch() {
     let tokens = send_all(&mut w, &cx, fx, &mut next);
     let admitted = acquire().limit_ok(1, 1_000);
     let both = batch([admitted.clone(), admitted]);
-    let fx = w.on_answer(&cx, tokens[0], || Ok(both));
+    let fx = reply_to(&mut w, &cx, tokens[0], both);
     assert_both_resumed(&fx);
     // Both streams end in the same turn: their slots' releases go out in one batch call.
     for s in [1, 2] {
@@ -680,7 +696,7 @@ fn the_roots_settlements_due_together_share_a_batch() {
     let tokens = send_all(&mut w, &cx, fx, &mut next);
     // Each sub-call's integer reply comes back as -2 then the value (webdis 0.1.9: a string).
     let released = batch([settled(), settled()]);
-    let fx = w.on_answer(&cx, tokens[0], || Ok(released));
+    let fx = reply_to(&mut w, &cx, tokens[0], released);
     assert!(fx.calls.is_empty(), "nothing sent again");
     assert_eq!(rec.count("cg.redis.errors"), 0);
     let later = w.on_tick(&Cx::new(&rt, 10_000, &rec));
@@ -729,7 +745,7 @@ fn a_rejection_answered_after_the_client_left_feeds_the_over_limit_cache() {
     let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
     // Rejected until 9 s from now; the lease skipped (a rejected request takes none).
     let rejected = acquire().limit_over(0, 9_000, 9_000).lease_skipped();
-    let fx = w.on_answer(&cx, token, || Ok(batch([rejected])));
+    let fx = reply_to(&mut w, &cx, token, batch([rejected]));
     assert!(fx.streams.is_empty(), "nothing reaches the gone stream");
     assert!(
         fx.calls.is_empty() && !fx.wake,
@@ -755,7 +771,7 @@ fn what_an_answer_after_the_client_left_took_goes_back_without_a_marker() {
     let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
     // Admitted, lease acquired (token 42): the request will never run, so it goes back.
     let leased = acquire().limit_ok(0, 10_000).lease_granted(42);
-    let fx = w.on_answer(&cx, token, || Ok(batch([leased])));
+    let fx = reply_to(&mut w, &cx, token, batch([leased]));
     assert!(fx.streams.is_empty(), "nothing reaches the gone stream");
     assert!(fx.wake, "the release goes out from the root at once");
     assert!(!w.guards(1));
@@ -768,10 +784,7 @@ fn what_an_answer_after_the_client_left_took_goes_back_without_a_marker() {
     );
     let tokens = send_all(&mut w, &cx, fx, &mut next);
     let released = batch([settled()]);
-    assert!(w
-        .on_answer(&cx, tokens[0], || Ok(released))
-        .calls
-        .is_empty());
+    assert!(reply_to(&mut w, &cx, tokens[0], released).calls.is_empty());
     // Undoing an acquire the request never used: not a lease acquired, nor released.
     assert_eq!(rec.count("cg.policy.orders.lease.acquired"), 0);
     assert_eq!(rec.count("cg.policy.orders.lease.released"), 0);
@@ -802,7 +815,7 @@ fn an_acquire_unanswered_after_the_client_left_is_compensated_at_its_deadline() 
     assert!(!w.guards(1));
     assert_eq!(rec.count("cg.redis.timeouts"), 1);
     let leased = acquire().limit_ok(0, 10_000).lease_granted(42);
-    let late = w.on_answer(&cx, token, || Ok(batch([leased])));
+    let late = reply_to(&mut w, &cx, token, batch([leased]));
     assert!(
         late.streams.is_empty() && late.calls.is_empty() && !late.wake,
         "the late answer goes nowhere (the marker already undid it)"
@@ -824,7 +837,7 @@ fn a_later_round_is_never_sent_for_a_client_that_left() {
     let mut w = worker(&rt);
     let mut next = 0;
     let token = asked_then_gone(&mut w, &cx, 1, "/orders/1", &mut next);
-    let fx = w.on_answer(&cx, token, || Ok(batch([acquire().limit_ok(99, 10_000)])));
+    let fx = reply_to(&mut w, &cx, token, batch([acquire().limit_ok(99, 10_000)]));
     assert!(fx.streams.is_empty() && !fx.wake);
     assert!(w.on_queue_ready(&cx).calls.is_empty(), "no second round");
     assert!(!w.guards(1));
@@ -888,7 +901,7 @@ fn a_lease_poll_answered_after_the_client_left_gives_the_lease_back() {
     let fx = w.on_queue_ready(&cx);
     let tokens = send_all(&mut w, &cx, fx, &mut next);
     let busy = batch([acquire().limit_ok(0, 10_000).lease_busy(800)]);
-    let fx = w.on_answer(&cx, tokens[0], || Ok(busy));
+    let fx = reply_to(&mut w, &cx, tokens[0], busy);
     assert!(fx.streams.is_empty(), "waits for the lease");
     // The poll goes out on the tick when it is due, in a batch.
     let mut now = 0;
@@ -907,7 +920,7 @@ fn a_lease_poll_answered_after_the_client_left_gives_the_lease_back() {
     };
     let at = Cx::new(&rt, now, &rec);
     assert!(!w.on_done(&at, 1).wake, "kept to read the poll's answer");
-    let fx = w.on_answer(&at, poll, || Ok(batch([acquire().lease_granted(9)])));
+    let fx = reply_to(&mut w, &at, poll, batch([acquire().lease_granted(9)]));
     assert!(fx.streams.is_empty());
     assert!(fx.wake, "the lease goes back from the root");
     assert!(!w.guards(1));

@@ -13,6 +13,7 @@
 use crate::config::Batch;
 use crate::redis::keys::hash_tag;
 use crate::redis::scripts::{Batched, ScriptId, Scripts};
+use crate::redis::tag::CallTag;
 use crate::redis::{resend_by_eval, resp::Reply, CallError, ScriptCall, Words};
 use crate::support::ids::ByToken;
 use crate::support::metrics::{MetricSink, RedisMetrics};
@@ -26,7 +27,8 @@ pub(crate) struct Batcher<S> {
     /// Whether a batch may mix hash slots.
     mixing: Mixing,
     queue: Vec<Queued<S>>,
-    in_flight: ByToken<InFlight<S>>,
+    /// The batches sent, with the tag each was sent with.
+    in_flight: ByToken<(InFlight<S>, CallTag)>,
 }
 
 /// What a worker knows of whether Redis runs a batch across hash slots.
@@ -68,9 +70,10 @@ pub(crate) struct InFlight<S> {
 }
 
 impl<S> InFlight<S> {
-    /// The gateway request body.
-    pub(crate) fn encode(&self, scripts: &Scripts) -> Vec<u8> {
-        self.call.encode(scripts.get(ScriptId::Batch), self.by_sha)
+    /// The gateway request body, sent with `tag` (one for the whole batch).
+    pub(crate) fn encode(&self, scripts: &Scripts, tag: &CallTag) -> Vec<u8> {
+        self.call
+            .encode(scripts.get(ScriptId::Batch), self.by_sha, tag)
     }
 }
 
@@ -144,14 +147,20 @@ impl<S> Batcher<S> {
         out
     }
 
-    /// A batch was sent: its answer comes back with `token`.
-    pub(crate) fn sent(&mut self, token: u32, batch: InFlight<S>) {
-        self.in_flight.insert(token, batch);
+    /// A batch was sent with `tag`: its answer comes back with `token`.
+    pub(crate) fn sent(&mut self, token: u32, batch: InFlight<S>, tag: CallTag) {
+        self.in_flight.insert(token, (batch, tag));
     }
 
-    /// The batch sent with `token`, if it is one of ours.
-    pub(crate) fn take(&mut self, token: u32) -> Option<InFlight<S>> {
+    /// The batch sent with `token`, if it is one of ours, and the tag it was sent with.
+    pub(crate) fn take(&mut self, token: u32) -> Option<(InFlight<S>, CallTag)> {
         self.in_flight.remove(&token)
+    }
+
+    /// The tag the batch sent with `token` was sent with.
+    #[cfg(test)]
+    pub(crate) fn tag_of(&self, token: u32) -> Option<CallTag> {
+        self.in_flight.get(&token).map(|(_, tag)| *tag)
     }
 
     /// Routes a batch's answer (or a failure to send it) to its members. A batch of several

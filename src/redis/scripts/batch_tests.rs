@@ -1,6 +1,7 @@
 //! The batch contract's tests.
 
 use super::*;
+use crate::redis::tag::CallTags;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -40,6 +41,7 @@ fn redis_metrics() -> RedisMetrics {
         noscript: 4,
         retries: 5,
         retries_dropped: 7,
+        foreign: 8,
         latency_ms: 6,
     }
 }
@@ -110,7 +112,10 @@ fn batches_per_hash_tag_in_order_and_bounded() {
     assert_eq!(members(&sent[1]), vec![("r4", 0)], "at most max_requests");
     assert_eq!(members(&sent[2]), vec![("r2", 1)]);
     assert_eq!(sent[0].call.keys, vec!["cg:rl:{t.a}:x", "cg:rl:{t.a}:z"]);
-    assert!(String::from_utf8_lossy(&sent[0].encode(&Scripts::load())).starts_with("EVALSHA/"));
+    assert!(String::from_utf8_lossy(
+        &sent[0].encode(&Scripts::load(), &CallTags::with_prefix(1).next())
+    )
+    .starts_with("EVALSHA/"));
     assert!(b.flush(0, "cg").is_empty(), "flushed once");
     assert!(
         queue_acquire(&mut b, ("r5", 0), "k"),
@@ -131,9 +136,11 @@ fn routes_each_member_its_answer() {
     queue_acquire(&mut b, ("r1", 0), "cg:{t}:a");
     queue_acquire(&mut b, ("r2", 3), "cg:{t}:b");
     let batch = b.flush(0, "cg").pop().expect("one batch");
-    b.sent(7, batch);
+    let tag = CallTags::with_prefix(1).next();
+    b.sent(7, batch, tag);
     assert!(b.take(8).is_none(), "not a batch of ours");
-    let batch = b.take(7).expect("in flight");
+    let (batch, sent_with) = b.take(7).expect("in flight");
+    assert_eq!(sent_with, tag);
     // NOSCRIPT: once by EVAL, then the answer is the answer.
     let noscript = || Ok(Reply::Error("NOSCRIPT x".into()));
     let BatchAnswer::Resend(mut again) = b.answer(batch, noscript(), 0, &metrics, &rec) else {
@@ -141,7 +148,10 @@ fn routes_each_member_its_answer() {
     };
     assert_eq!(again.len(), 1);
     let batch = again.remove(0);
-    assert!(String::from_utf8_lossy(&batch.encode(&Scripts::load())).starts_with("EVAL/"));
+    assert!(String::from_utf8_lossy(
+        &batch.encode(&Scripts::load(), &CallTags::with_prefix(1).next())
+    )
+    .starts_with("EVAL/"));
     let BatchAnswer::Members(parts) = b.answer(batch, noscript(), 0, &metrics, &rec) else {
         panic!("NOSCRIPT is retried once");
     };

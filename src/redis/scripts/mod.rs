@@ -10,6 +10,11 @@
 //! * [`batch`]: `batch.lua` (`batch_head.lua`, each batched script as a local function,
 //!   `batch_tail.lua`), several acquires or settlements in one call.
 //!
+//! Every script as the filter sends it is its body between `tagged_head.lua` and
+//! `tagged_tail.lua`: the call's tag is its first argument, and its reply carries the tag back
+//! ([`crate::redis::tag`]). Inside `batch.lua` each sub-call's function is the body alone (the
+//! batch is one call, with one tag).
+//!
 //! Code two scripts share is a piece of its own, `piece_*.lua`, a `local function` that
 //! [`Scripts::load`] puts before each script that calls it (so inside `batch.lua` each
 //! sub-call's function defines it again):
@@ -162,17 +167,74 @@ pub struct Scripts {
 impl Scripts {
     pub(crate) fn load() -> Scripts {
         Scripts {
-            acquire: Script::new("acquire", acquire_lua!()),
-            complete: Script::new("complete", include_str!("complete.lua")),
-            release: Script::new("release", release_lua!()),
-            lease_release: Script::new("lease_release", lease_release_lua!()),
-            lease_extend: Script::new("lease_extend", include_str!("lease_extend.lua")),
-            slot_release: Script::new("slot_release", slot_release_lua!()),
-            slot_extend: Script::new("slot_extend", include_str!("slot_extend.lua")),
-            charge: Script::new("charge", charge_lua!()),
+            acquire: Script::new(
+                "acquire",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    acquire_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            complete: Script::new(
+                "complete",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    include_str!("complete.lua"),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            release: Script::new(
+                "release",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    release_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            lease_release: Script::new(
+                "lease_release",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    lease_release_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            lease_extend: Script::new(
+                "lease_extend",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    include_str!("lease_extend.lua"),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            slot_release: Script::new(
+                "slot_release",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    slot_release_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            slot_extend: Script::new(
+                "slot_extend",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    include_str!("slot_extend.lua"),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            charge: Script::new(
+                "charge",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    charge_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
             batch: Script::new(
                 "batch",
                 concat!(
+                    include_str!("tagged_head.lua"),
                     include_str!("batch_head.lua"),
                     "local function acquire_one(KEYS, ARGV)\n",
                     acquire_lua!(),
@@ -187,7 +249,8 @@ impl Scripts {
                     "end\nlocal function charge_one(KEYS, ARGV)\n",
                     charge_lua!(),
                     "end\n",
-                    include_str!("batch_tail.lua")
+                    include_str!("batch_tail.lua"),
+                    include_str!("tagged_tail.lua")
                 ),
             ),
         }
@@ -213,7 +276,14 @@ impl Scripts {
 /// never runs it; the operator's tool does (`cg-admin limits`), with `EVAL`.
 #[cfg_attr(target_os = "wasi", allow(dead_code))]
 pub(crate) fn peek() -> Script {
-    Script::new("peek", peek_lua!())
+    Script::new(
+        "peek",
+        concat!(
+            include_str!("tagged_head.lua"),
+            peek_lua!(),
+            include_str!("tagged_tail.lua")
+        ),
+    )
 }
 
 #[cfg(test)]
@@ -324,18 +394,49 @@ mod tests {
         }
     }
 
+    const HEAD: &str = include_str!("tagged_head.lua");
+    const TAIL: &str = include_str!("tagged_tail.lua");
+
+    /// A script's body: its text without the tag's wrapper.
+    fn body(script: &Script) -> &str {
+        script
+            .source
+            .strip_prefix(HEAD)
+            .and_then(|s| s.strip_suffix(TAIL))
+            .unwrap_or_else(|| panic!("{} is not between the tag's head and tail", script.name))
+    }
+
+    #[test]
+    fn every_script_is_its_body_between_the_tags_head_and_tail_once() {
+        let scripts = Scripts::load();
+        let peek = peek();
+        for script in ALL.into_iter().map(|id| scripts.get(id)).chain([&peek]) {
+            let body = body(script);
+            assert!(
+                !body.contains(HEAD) && !body.contains(TAIL),
+                "{}",
+                script.name
+            );
+            assert!(!body.contains("local TAG ="), "{}", script.name);
+        }
+        // The wrapper's text: a function around the body, the tag out of ARGV before it.
+        assert!(HEAD.ends_with("local TAG = table.remove(ARGV, 1) or error('a script call without its tag (ARGV[1])', 0)\nlocal function body(KEYS, ARGV)\n"));
+        assert!(TAIL.starts_with("end\nlocal reply = body(KEYS, ARGV)\n"));
+    }
+
     #[test]
     fn peek_is_acquire_but_for_its_first_line() {
         let (acquire, peek) = (Scripts::load().acquire, peek());
+        let (acquire, peek_body) = (body(&acquire), body(&peek));
         assert_eq!(
-            acquire.source.split_once('\n'),
+            acquire.split_once('\n'),
             Some((
                 "local PEEK = false",
-                &peek.source["local PEEK = true\n".len()..]
+                &peek_body["local PEEK = true\n".len()..]
             ))
         );
-        assert!(peek.source.starts_with("local PEEK = true\n"));
-        assert_ne!(acquire.sha1, peek.sha1);
+        assert!(peek_body.starts_with("local PEEK = true\n"));
+        assert_ne!(Scripts::load().acquire.sha1, peek.sha1);
     }
 
     #[test]
@@ -345,7 +446,8 @@ mod tests {
             let script = scripts.get(id);
             let body = format!(
                 "local function {}_one(KEYS, ARGV)\n{}end\n",
-                script.name, script.source
+                script.name,
+                body(script)
             );
             assert_eq!(
                 scripts.batch.source.matches(&body).count(),
