@@ -176,6 +176,11 @@ pub struct Config {
 pub const DEFAULT_PROBLEM_TYPE_BASE: &str =
     "https://github.com/coordination-guard/coordination-guard/blob/main/docs/problems.md#";
 
+/// The problem type draft-ietf-httpapi-ratelimit-headers registers for requests that exceed
+/// one or more quota policies, with the `violated-policies` member: the `type` of a `429`,
+/// whatever `problem_type_base` says.
+pub const QUOTA_EXCEEDED: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
+
 /// The longest `problem_type_base` accepted.
 pub const MAX_PROBLEM_TYPE_BASE: usize = 512;
 

@@ -16,11 +16,8 @@ use crate::http::grpc;
 use crate::support::text::{push, push_u64, push_u64_bytes};
 use std::rc::Rc;
 
-/// The problem type draft-ietf-httpapi-ratelimit-headers registers for requests that exceed
-/// one or more quota policies, with the `violated-policies` member: every `429` of the
-/// filter's (a rate limit's, a concurrency limit's) has it.
-pub(crate) const QUOTA_EXCEEDED: &str =
-    "https://iana.org/assignments/http-problem-types#quota-exceeded";
+/// Every `429` of the filter's (a rate limit's, a concurrency limit's) has this type.
+pub(crate) use crate::config::QUOTA_EXCEEDED;
 
 /// The header every answer of the filter's own goes out with, so that the caller's Envoy (a
 /// mesh sidecar, a gateway) does not send the request again. Envoy's router retries no

@@ -31,13 +31,9 @@
 
 use coordination_guard::config::{
     Algorithm, ChargeSource, Completion, Config, FailureMode, Fallback, FingerprintPart,
-    MissingTenant, OnBusy, RateLimit, Replay, Selector,
+    MissingTenant, OnBusy, RateLimit, Replay, Selector, QUOTA_EXCEEDED,
 };
 use coordination_guard::redis::keys;
-
-/// The problem type of the filter's `429`s: the one draft-ietf-httpapi-ratelimit-headers
-/// registers (the filter's own constant is crate-private).
-const QUOTA_EXCEEDED: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
 use serde_json::Value;
 use std::fmt::Write;
 use std::process::ExitCode;
