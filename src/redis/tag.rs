@@ -55,12 +55,10 @@ pub struct CallTag([u8; TAG_LEN]);
 
 impl CallTag {
     fn of(value: u64) -> CallTag {
-        const DIGITS: &[u8; 16] = b"0123456789abcdef";
-        let mut out = [0u8; TAG_LEN];
-        for (i, digit) in out.iter_mut().enumerate() {
-            let shift = 4 * (TAG_LEN - 1 - i);
-            *digit = DIGITS[((value >> shift) & 0xf) as usize];
-        }
+        let mut out = [b'0'; TAG_LEN];
+        // Lower-case hex as everywhere else (support::text): 8 bytes fill the 16 digits
+        // exactly, so the lengths always agree.
+        let _ = const_hex::encode_to_slice(value.to_be_bytes(), &mut out);
         CallTag(out)
     }
 
