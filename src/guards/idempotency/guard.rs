@@ -215,13 +215,19 @@ impl IdempotencyGuard {
                     Some(poll_at) => IdempotencyDecision::PollAt(poll_at),
                     None => {
                         let response = self.local_answer(at, cfg, im, answer, grpc);
-                        IdempotencyDecision::Answer(with_headers(response, limit_headers))
+                        IdempotencyDecision::Answer(local_reply::with_limit_headers(
+                            response,
+                            limit_headers,
+                        ))
                     }
                 }
             }
             answer => {
                 let response = self.local_answer(at, cfg, im, answer, grpc);
-                IdempotencyDecision::Answer(with_headers(response, limit_headers))
+                IdempotencyDecision::Answer(local_reply::with_limit_headers(
+                    response,
+                    limit_headers,
+                ))
             }
         }
     }
@@ -446,10 +452,6 @@ impl Holder for IdempotencyGuard {
         let call = record::release(&self.acquire, marker_ttl_ms);
         (Purpose::Release, call, self.key_hash.clone())
     }
-}
-
-fn with_headers(response: LocalResponse, headers: &[(String, String)]) -> LocalResponse {
-    local_reply::with_limit_headers(response, headers)
 }
 
 /// The problem for a missing or invalid key, counted.
