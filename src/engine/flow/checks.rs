@@ -45,7 +45,7 @@ pub(crate) fn tenant_problem(at: &Pcx<'_>, err: TenantError) -> LocalResponse {
                 IdSource::Metadata(_) => "Bearer".to_string(),
             };
             local_reply::problem(
-                &at.rt.config.problem_type_base,
+                types(at),
                 Problem::MissingTenant,
                 &detail,
                 &[],
