@@ -98,18 +98,6 @@ macro_rules! charge_lua {
     };
 }
 
-// A script as the filter sends it: its body between the call tag's wrapper
-// (`tagged_head.lua`, `tagged_tail.lua`; see the module's documentation).
-macro_rules! tagged {
-    ($($body:expr),+ $(,)?) => {
-        concat!(
-            include_str!("tagged_head.lua"),
-            $($body,)+
-            include_str!("tagged_tail.lua")
-        )
-    };
-}
-
 /// Which script a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ScriptId {
@@ -179,17 +167,74 @@ pub struct Scripts {
 impl Scripts {
     pub(crate) fn load() -> Scripts {
         Scripts {
-            acquire: Script::new("acquire", tagged!(acquire_lua!())),
-            complete: Script::new("complete", tagged!(include_str!("complete.lua"))),
-            release: Script::new("release", tagged!(release_lua!())),
-            lease_release: Script::new("lease_release", tagged!(lease_release_lua!())),
-            lease_extend: Script::new("lease_extend", tagged!(include_str!("lease_extend.lua"))),
-            slot_release: Script::new("slot_release", tagged!(slot_release_lua!())),
-            slot_extend: Script::new("slot_extend", tagged!(include_str!("slot_extend.lua"))),
-            charge: Script::new("charge", tagged!(charge_lua!())),
+            acquire: Script::new(
+                "acquire",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    acquire_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            complete: Script::new(
+                "complete",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    include_str!("complete.lua"),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            release: Script::new(
+                "release",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    release_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            lease_release: Script::new(
+                "lease_release",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    lease_release_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            lease_extend: Script::new(
+                "lease_extend",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    include_str!("lease_extend.lua"),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            slot_release: Script::new(
+                "slot_release",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    slot_release_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            slot_extend: Script::new(
+                "slot_extend",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    include_str!("slot_extend.lua"),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
+            charge: Script::new(
+                "charge",
+                concat!(
+                    include_str!("tagged_head.lua"),
+                    charge_lua!(),
+                    include_str!("tagged_tail.lua")
+                ),
+            ),
             batch: Script::new(
                 "batch",
-                tagged!(
+                concat!(
+                    include_str!("tagged_head.lua"),
                     include_str!("batch_head.lua"),
                     "local function acquire_one(KEYS, ARGV)\n",
                     acquire_lua!(),
@@ -204,7 +249,8 @@ impl Scripts {
                     "end\nlocal function charge_one(KEYS, ARGV)\n",
                     charge_lua!(),
                     "end\n",
-                    include_str!("batch_tail.lua")
+                    include_str!("batch_tail.lua"),
+                    include_str!("tagged_tail.lua")
                 ),
             ),
         }
@@ -230,7 +276,14 @@ impl Scripts {
 /// never runs it; the operator's tool does (`cg-admin limits`), with `EVAL`.
 #[cfg_attr(target_os = "wasi", allow(dead_code))]
 pub(crate) fn peek() -> Script {
-    Script::new("peek", tagged!(peek_lua!()))
+    Script::new(
+        "peek",
+        concat!(
+            include_str!("tagged_head.lua"),
+            peek_lua!(),
+            include_str!("tagged_tail.lua")
+        ),
+    )
 }
 
 #[cfg(test)]
