@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from harness import problems
 from harness.envoy import Envoy, Response
 from harness.stack import Stack
 
@@ -66,7 +67,7 @@ def own_or_unavailable(resp: Response, path: str) -> str:
     """The answer of a request to `path` whose key was never sent before: the service's own
     answer to it ("ran"), or the filter's 503 ("503"). Anything else fails."""
     if resp.status == 503:
-        assert resp.json()["type"].endswith(":guard_unavailable"), resp
+        assert problems.is_problem(resp.json(), "guard_unavailable"), resp
         return "503"
     assert resp.status == 201, resp
     assert "idempotent-replayed" not in resp.headers, (
