@@ -93,6 +93,26 @@ class Ledger:
         with self.lock:
             self.entries.append(entry)
 
+    def fence(self, res_key: tuple, raw: str | None, entry: dict) -> tuple[bool, int]:
+        """The service's own fencing check, as a real service makes it: a token (`raw`, the
+        header's text) above the last one accepted for the resource is accepted and its request
+        counted among the holders (`entry["holders"]`); anything else is stale. Returns (stale,
+        the last token accepted before this one) and records the latter in the entry."""
+        try:
+            token = int(raw) if raw is not None else None
+        except ValueError:
+            token = None
+        with self.lock:
+            last = self.accepted.get(res_key, 0)
+            stale = token is None or token <= last
+            if not stale:
+                self.accepted[res_key] = token
+                holders = self.holders.get(res_key, 0) + 1
+                self.holders[res_key] = holders
+                entry["holders"] = holders
+        entry["last_accepted"] = last
+        return stale, last
+
     def since(self, start: int) -> list[dict]:
         with self.lock:
             return [dict(e) for e in self.entries[start:]]
@@ -276,19 +296,7 @@ class Handler(BaseHTTPRequestHandler):
         res_key = (variant, entry["tenant"], resource)
         raw = self.headers.get(FENCING_HEADER)
         entry.update(route=route, resource=resource, token=raw)
-        try:
-            token = int(raw) if raw is not None else None
-        except ValueError:
-            token = None
-        with self.ledger.lock:
-            last = self.ledger.accepted.get(res_key, 0)
-            stale = token is None or token <= last
-            if not stale:
-                self.ledger.accepted[res_key] = token
-                holders = self.ledger.holders.get(res_key, 0) + 1
-                self.ledger.holders[res_key] = holders
-                entry["holders"] = holders
-        entry["last_accepted"] = last
+        stale, last = self.ledger.fence(res_key, raw, entry)
         if stale:
             entry.update(accepted=False, status=409, end=time.time())
             self._answer(409, {"stale": True, "token": raw, "last": str(last)})
@@ -424,19 +432,7 @@ class GrpcHandlers:
         res_key = ("grpc", entry["tenant"], resource)
         raw = md.get(FENCING_HEADER)
         entry.update(route=route, resource=resource, token=raw)
-        try:
-            token = int(raw) if raw is not None else None
-        except ValueError:
-            token = None
-        with self.ledger.lock:
-            last = self.ledger.accepted.get(res_key, 0)
-            stale = token is None or token <= last
-            if not stale:
-                self.ledger.accepted[res_key] = token
-                holders = self.ledger.holders.get(res_key, 0) + 1
-                self.ledger.holders[res_key] = holders
-                entry["holders"] = holders
-        entry["last_accepted"] = last
+        stale, last = self.ledger.fence(res_key, raw, entry)
         if stale:
             entry.update(accepted=False, status=9, end=time.time())
             self.ledger.add(entry)
